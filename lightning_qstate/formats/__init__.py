@@ -1,0 +1,125 @@
+"""Storage formats for optimizer states (pure torch).
+
+``get_format(name, **options)`` returns a :class:`StorageFormat`; its
+``quantize(x, rounding="nearest"|"stochastic", generator=None)`` returns a
+:class:`QuantizedTensor` with ``dequantize()``, ``nbytes`` and ``bits_per_value``.
+
+Example::
+
+    >>> import torch
+    >>> from lightning_qstate.formats import get_format
+    >>> q = get_format("int8").quantize(torch.randn(1000))
+    >>> round(q.bits_per_value, 3)
+    8.128
+"""
+
+from __future__ import annotations
+
+import re
+from functools import lru_cache
+
+import torch
+
+from .base import FLOAT_INPUT_DTYPES, KernelBackend, NonFiniteError, QuantizedTensor, StorageFormat, kernel_backend, register_kernel_backend
+from .block import NONFINITE_POLICIES, BlockFormat, CodebookFormat, MinifloatFormat, NonFinitePolicy, check_block_size
+from .cast import CastFormat
+from .codebooks import CodebookIndex, MinifloatSpec, dynamic_map, linear_map
+from .rounding import ROUNDINGS, Rounding
+
+FORMAT_NAMES: tuple[str, ...] = ("fp32", "bf16", "fp16", "fp8_e4m3", "fp8_e5m2", "int8", "int4", "int8_linear", "int4_linear", "eXmY")
+_CAST_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_MINIFLOAT = re.compile(r"e(\d+)m(\d+)")
+_FP8_SPECS = {
+    "fp8_e4m3": MinifloatSpec(4, 3, signed=True, max_code=0x7E),  # OCP E4M3FN: 0x7F is NaN, max 448
+    "fp8_e5m2": MinifloatSpec(5, 2, signed=True, max_code=0x7B),  # OCP E5M2: top exponent is inf/NaN, max 57344
+}
+
+
+def default_block_size(bits: int) -> int:
+    """128 for formats of 4 bits or fewer, 256 otherwise (the peers' defaults)."""
+    return 128 if bits <= 4 else 256
+
+
+def minifloat_spec(exponent_bits: int, mantissa_bits: int, signed: bool) -> MinifloatSpec:
+    """An all-finite ExMy spec; checks the supported range."""
+    bits = exponent_bits + mantissa_bits + int(signed)
+    if not 1 <= exponent_bits <= 7 or bits > 16:
+        raise ValueError(
+            f"format 'e{exponent_bits}m{mantissa_bits}' is not supported: need 1 <= X <= 7 exponent bits "
+            f"and at most 16 bits in all (sign included), e.g. 'e2m2', 'e3m0', 'e4m3', 'e5m10'"
+        )
+    return MinifloatSpec(exponent_bits, mantissa_bits, signed, max_code=2 ** (exponent_bits + mantissa_bits) - 1)
+
+
+@lru_cache(maxsize=None)
+def get_format(name: str, *, block_size: int | None = None, signed: bool = True, nonfinite: NonFinitePolicy = "raise") -> StorageFormat:
+    """The storage format called ``name``.
+
+    Args:
+        name: ``fp32``, ``bf16``, ``fp16`` (casts); ``fp8_e4m3``, ``fp8_e5m2`` (OCP FP8,
+            block-scaled); ``int8``, ``int4`` (dynamic-tree maps as in bitsandbytes
+            and torchao; unsigned ``int4`` is torchao's zero-free linear ``v`` map);
+            ``int8_linear``, ``int4_linear`` (absmax linear maps); ``eXmY`` (any
+            minifloat, e.g. ``e2m2``, ``e3m0``, ``e4m3``).
+        block_size: values per absmax scale, a power of two; default 128 for
+            formats of at most 4 bits, else 256. Ignored by casts.
+        signed: ``False`` for non-negative states such as Adam's ``v``: the map
+            spends no codes on negatives. Ignored by casts and FP8.
+        nonfinite: block formats only; ``"raise"`` (default) or ``"nan_block"``,
+            see :mod:`lightning_qstate.formats.block`.
+
+    Raises:
+        ValueError: unknown name, or a block size that is not a power of two.
+    """
+    fmt = _build_format(name, block_size, signed, nonfinite)
+    fmt.config = {"name": name, "block_size": block_size, "signed": signed, "nonfinite": nonfinite}
+    return fmt
+
+
+def _build_format(name: str, block_size: int | None, signed: bool, nonfinite: NonFinitePolicy) -> StorageFormat:
+    if name in _CAST_DTYPES:
+        return CastFormat(name, _CAST_DTYPES[name])
+    if name in _FP8_SPECS:
+        return MinifloatFormat(name, _FP8_SPECS[name], 256 if block_size is None else block_size, nonfinite)
+    integer_maps = {
+        "int8": lambda: dynamic_map(signed, 8),
+        "int4": lambda: dynamic_map(True, 4) if signed else linear_map(False, 4, zero_free=True),
+        "int8_linear": lambda: linear_map(signed, 8),
+        "int4_linear": lambda: linear_map(signed, 4),
+    }
+    if name in integer_maps:
+        bits = 8 if name.startswith("int8") else 4
+        return CodebookFormat(name, integer_maps[name](), default_block_size(bits) if block_size is None else block_size, signed, nonfinite)
+    match = _MINIFLOAT.fullmatch(name)
+    if match:
+        spec = minifloat_spec(int(match.group(1)), int(match.group(2)), signed)
+        return MinifloatFormat(name, spec, default_block_size(spec.bits) if block_size is None else block_size, nonfinite)
+    raise ValueError(f"unknown format {name!r}; valid formats: {', '.join(FORMAT_NAMES)} (eXmY such as 'e2m2', 'e3m0', 'e4m3')")
+
+
+__all__ = [
+    "FLOAT_INPUT_DTYPES",
+    "FORMAT_NAMES",
+    "NONFINITE_POLICIES",
+    "ROUNDINGS",
+    "BlockFormat",
+    "CastFormat",
+    "CodebookFormat",
+    "CodebookIndex",
+    "KernelBackend",
+    "MinifloatFormat",
+    "MinifloatSpec",
+    "NonFiniteError",
+    "NonFinitePolicy",
+    "QuantizedTensor",
+    "Rounding",
+    "StorageFormat",
+    "check_block_size",
+    "default_block_size",
+    "dynamic_map",
+    "get_format",
+    "kernel_backend",
+    "linear_map",
+    "minifloat_spec",
+    "register_kernel_backend",
+]

@@ -1,0 +1,146 @@
+"""The storage-format interface, the quantized-tensor type and the kernel-backend hook."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Protocol
+
+import torch
+
+from .rounding import ROUNDINGS, Rounding
+
+FLOAT_INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class NonFiniteError(ValueError):
+    """Raised by ``quantize`` of a block-scaled format when its input holds inf or NaN."""
+
+
+class QuantizedTensor:
+    """A tensor stored in a :class:`StorageFormat`.
+
+    Attributes:
+        format: the format that wrote it and knows how to read it.
+        codes: flat container tensor (uint8/int16 codes, or the bf16/fp16/fp32 values of a cast format).
+        scales: ``(num_blocks,)`` fp32 per-block absmax, or ``None`` for cast formats.
+        shape, dtype: of the tensor that was quantized; ``dequantize()`` restores both.
+    """
+
+    __slots__ = ("format", "codes", "scales", "shape", "dtype")
+
+    def __init__(self, format: StorageFormat, codes: torch.Tensor, scales: torch.Tensor | None, shape: torch.Size, dtype: torch.dtype) -> None:
+        self.format = format
+        self.codes = codes
+        self.scales = scales
+        self.shape = torch.Size(shape)
+        self.dtype = dtype
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The stored values as a tensor of ``shape``, in ``dtype`` (default: the original dtype)."""
+        return self.format.dequantize(self, dtype)
+
+    @property
+    def numel(self) -> int:
+        return self.shape.numel()
+
+    @property
+    def device(self) -> torch.device:
+        return self.codes.device
+
+    @property
+    def nbytes(self) -> int:
+        """Every byte stored: codes plus scales."""
+        return self.codes.nbytes + (0 if self.scales is None else self.scales.nbytes)
+
+    @property
+    def bits_per_value(self) -> float:
+        """``8 * nbytes / numel``, scales included; the format's nominal bits for an empty tensor."""
+        return 8 * self.nbytes / self.numel if self.numel else float(self.format.bits)
+
+    def to(self, device: torch.device | str) -> QuantizedTensor:
+        """Move codes and scales to ``device``; the values are unchanged."""
+        scales = None if self.scales is None else self.scales.to(device)
+        return QuantizedTensor(self.format, self.codes.to(device), scales, self.shape, self.dtype)
+
+    def __repr__(self) -> str:
+        return f"QuantizedTensor(format={self.format.name!r}, shape={tuple(self.shape)}, dtype={self.dtype}, bits_per_value={self.bits_per_value:.3f})"
+
+
+class StorageFormat(ABC):
+    """A way to store a float tensor. Subclasses define ``quantize`` and ``dequantize``.
+
+    Attributes:
+        name: the name ``get_format`` knows it by.
+        bits: bits per stored code, scales excluded.
+        config: the ``get_format`` arguments that rebuild this format (set by ``get_format``).
+    """
+
+    name: str
+    bits: int
+    config: dict
+
+    @abstractmethod
+    def quantize(self, x: torch.Tensor, rounding: Rounding = "nearest", generator: torch.Generator | None = None) -> QuantizedTensor:
+        """Store ``x`` (fp32/bf16/fp16, any shape, contiguous or not) with RN or SR.
+
+        SR draws from ``generator`` (on ``x``'s device) so a seeded run reproduces.
+        """
+
+    @abstractmethod
+    def dequantize(self, q: QuantizedTensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Values of ``q`` as a tensor of ``q.shape``."""
+
+    @abstractmethod
+    def nbytes(self, numel: int) -> int:
+        """Bytes stored for ``numel`` values, scales included."""
+
+    @property
+    def is_float(self) -> bool:
+        """True for formats whose spacing is relative to the value (casts and minifloats)."""
+        return False
+
+    def _check_input(self, x: torch.Tensor, rounding: str) -> torch.Tensor:
+        """Validate and flatten ``x`` to a contiguous 1-D tensor."""
+        if rounding not in ROUNDINGS:
+            raise ValueError(f"rounding={rounding!r} is not valid for format {self.name!r}; use one of {ROUNDINGS}")
+        if x.dtype not in FLOAT_INPUT_DTYPES:
+            raise TypeError(f"format {self.name!r} stores float32, bfloat16 or float16 tensors, got {x.dtype}")
+        return x.detach().reshape(-1)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name!r})"
+
+
+def uniform_like(x: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """U[0, 1) fp32 draws of ``x``'s shape and device."""
+    return torch.rand(x.shape, generator=generator, device=x.device, dtype=torch.float32)
+
+
+class KernelBackend(Protocol):
+    """Device kernels that a format hands its work to (``lightning_qstate.kernels`` registers Triton for CUDA).
+
+    Each method must give the same codes as the torch reference for RN, and the
+    same distribution for SR.
+    """
+
+    def quantize_blocks(self, fmt: StorageFormat, flat: torch.Tensor, rounding: Rounding, generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``flat`` ``(n,)`` -> (packed codes, ``(num_blocks,)`` fp32 scales, NaN for non-finite blocks)."""
+
+    def dequantize_blocks(self, fmt: StorageFormat, q: QuantizedTensor, dtype: torch.dtype) -> torch.Tensor:
+        """Flat ``(n,)`` values of ``q`` in ``dtype``."""
+
+    def stochastic_cast(self, fmt: StorageFormat, flat: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+        """SR cast of ``flat`` to a cast format's dtype."""
+
+
+_KERNEL_BACKENDS: dict[str, KernelBackend] = {}
+
+
+def register_kernel_backend(device_type: str, backend: KernelBackend) -> None:
+    """Route formats' work on ``device_type`` tensors (e.g. ``"cuda"``) to ``backend``."""
+    _KERNEL_BACKENDS[device_type] = backend
+
+
+def kernel_backend(device: torch.device) -> KernelBackend | None:
+    """The backend registered for ``device``'s type; ``None`` means the torch reference."""
+    return _KERNEL_BACKENDS.get(device.type)

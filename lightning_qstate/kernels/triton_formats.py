@@ -1,0 +1,285 @@
+"""Triton device functions that mirror the torch reference of :mod:`lightning_qstate.formats`.
+
+Every function here is an ``@triton.jit`` helper meant to be inlined into a
+kernel: the block kernels of :mod:`.triton_kernels` today, and a fused optimizer
+kernel (dequantize -> update -> requantize, one pass per block) later. Each one
+follows its torch twin in ``formats/rounding.py``, ``formats/block.py`` or
+``formats/cast.py`` operation by operation, so that round-to-nearest (RN) gives
+the reference's codes bit for bit:
+
+* ``x / absmax`` uses ``tl.math.div_rn`` (IEEE division; Triton's ``/`` is
+  approximate on NVIDIA GPUs).
+* Every other float operation is one the reference also rounds once: exact
+  power-of-two scalings, the ``+ 2**23 - 2**23`` round-half-even trick, compares.
+  LLVM may contract ``a * 2**k + c`` into an FMA; that is harmless because the
+  product is exact. Keep that order of operations when editing.
+* Bit tricks go through ``x.to(tl.int32, bitcast=True)``.
+
+Stochastic rounding (SR) takes ``uniform`` (U[0, 1) fp32, e.g. ``tl.rand(seed,
+offsets)``) or, for the bf16 cast, 16 random bits (``tl.randint(seed, offsets)
+& 0xFFFF``). SR matches the reference in distribution, not bits. A kernel that
+draws several SR streams per element (e.g. ``m`` and ``v``) must give each its
+own seed or counter range.
+
+Code containers follow ``formats/packing.py``: codes of at most 4 bits pack two
+per byte (element ``2i`` in the low nibble), 5 to 8 bits take a ``uint8``, 9 to
+16 bits an ``int16``.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+FLT_MAX: tl.constexpr = tl.constexpr(3.4028234663852886e38)
+RNE_MAGIC: tl.constexpr = tl.constexpr(8388608.0)  # 2**23, as formats.rounding._RNE_MAGIC
+NAN: tl.constexpr = tl.constexpr(float("nan"))
+FP16_MAX: tl.constexpr = tl.constexpr(65504.0)
+
+
+# --------------------------------------------------------------------------- rounding primitives
+
+
+@triton.jit
+def pow2(exponent):
+    """``2.0 ** exponent`` from the fp32 bit pattern; int32 ``exponent`` in ``[-126, 127]`` (``rounding.pow2``)."""
+    return ((exponent + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def round_up_mask(lower_distance, gap, STOCHASTIC: tl.constexpr, uniform):
+    """Take the upper neighbour? RN: ties up; SR: with probability ``lower_distance / gap`` (``rounding.round_up_mask``)."""
+    if STOCHASTIC:
+        up = uniform * gap < lower_distance
+    else:
+        up = lower_distance * 2.0 >= gap
+    return up
+
+
+@triton.jit
+def encode_codebook(normalized, bucket_floor_ptr, values_ptr, key_shift, half, last, STOCHASTIC: tl.constexpr, uniform):
+    """int32 codes of fp32 ``normalized`` values in ``[-1, 1]`` into a sorted codebook (``rounding.encode_codebook``).
+
+    ``bucket_floor_ptr``, ``values_ptr``, ``key_shift``, ``half``: the format's
+    :class:`~lightning_qstate.formats.CodebookIndex`; ``last = values.numel() - 1``.
+    ``uniform`` is only read when ``STOCHASTIC``.
+    """
+    magnitude_key = tl.abs(normalized).to(tl.int32, bitcast=True) >> key_shift
+    bucket = tl.where(normalized < 0, half - 1 - magnitude_key, half + magnitude_key)
+    floor = tl.load(bucket_floor_ptr + bucket)
+    next_value = tl.load(values_ptr + tl.minimum(floor + 1, last))
+    floor = floor + (next_value <= normalized).to(tl.int32)
+    low = tl.minimum(tl.maximum(floor, 0), last - 1)
+    low_value = tl.load(values_ptr + low)
+    high_value = tl.load(values_ptr + low + 1)
+    up = round_up_mask(normalized - low_value, high_value - low_value, STOCHASTIC, uniform)
+    return low + up.to(tl.int32)
+
+
+@triton.jit
+def encode_minifloat(magnitude, MANTISSA_BITS: tl.constexpr, BIAS: tl.constexpr, MAX_CODE: tl.constexpr, STOCHASTIC: tl.constexpr, uniform):
+    """int32 magnitude codes of fp32 ``magnitude >= 0`` (format units), saturating at ``MAX_CODE`` (``rounding.encode_minifloat``)."""
+    exponent = ((magnitude.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    exponent = tl.maximum(exponent, 1 - BIAS)
+    mantissa = magnitude * pow2(MANTISSA_BITS - exponent)
+    if STOCHASTIC:
+        rounded = tl.floor(mantissa)
+        rounded = rounded + (uniform < mantissa - rounded).to(tl.float32)
+    else:
+        rounded = (mantissa + RNE_MAGIC) - RNE_MAGIC
+    code = ((exponent + (BIAS - 1)) << MANTISSA_BITS) + rounded.to(tl.int32)
+    return tl.minimum(code, MAX_CODE)
+
+
+# --------------------------------------------------------------------------- block scaling
+
+
+@triton.jit
+def normalize_block(x):
+    """Absmax-normalize one fp32 block (padding must be 0), as ``BlockFormat.quantize_reference``.
+
+    Returns ``(normalized, scale)``: ``normalized`` in ``[-1, 1]`` and the fp32
+    ``scale`` (the absmax). A block holding inf or NaN gets a NaN scale and is
+    normalized as if it were all zeros, so its codes are the codes of 0.
+    """
+    magnitude = tl.abs(x)
+    finite = magnitude <= FLT_MAX  # False for inf and NaN
+    all_finite = tl.min(finite.to(tl.int32), axis=0) > 0
+    # Max over finite magnitudes only: tl.max does not promise to propagate NaN.
+    absmax = tl.max(tl.where(finite, magnitude, 0.0), axis=0)
+    values = tl.where(all_finite, x, 0.0)
+    divisor = tl.where(all_finite & (absmax > 0), absmax, 1.0)
+    normalized = tl.math.div_rn(values, tl.broadcast_to(divisor, values.shape))
+    scale = tl.where(all_finite, absmax, NAN)
+    return normalized, scale
+
+
+@triton.jit
+def encode_block(
+    normalized,
+    uniform,
+    bucket_floor_ptr,
+    values_ptr,
+    key_shift,
+    half,
+    last,
+    max_value,
+    IS_MINIFLOAT: tl.constexpr,
+    SIGNED: tl.constexpr,
+    BITS: tl.constexpr,
+    MANTISSA_BITS: tl.constexpr,
+    BIAS: tl.constexpr,
+    MAX_CODE: tl.constexpr,
+    STOCHASTIC: tl.constexpr,
+):
+    """int32 codes of a normalized block: ``CodebookFormat.encode`` or ``MinifloatFormat.encode``.
+
+    Codebook formats use ``bucket_floor_ptr, values_ptr, key_shift, half, last``;
+    minifloat formats use ``max_value`` (fp32, the format's largest finite value)
+    and the constexprs ``SIGNED, BITS, MANTISSA_BITS, BIAS, MAX_CODE``.
+    """
+    if IS_MINIFLOAT:
+        if SIGNED:
+            magnitude = tl.abs(normalized)
+        else:
+            magnitude = tl.maximum(normalized, 0.0)
+        code = encode_minifloat(magnitude * max_value, MANTISSA_BITS, BIAS, MAX_CODE, STOCHASTIC, uniform)
+        if SIGNED:
+            code = code | ((normalized < 0).to(tl.int32) << (BITS - 1))
+    else:
+        code = encode_codebook(normalized, bucket_floor_ptr, values_ptr, key_shift, half, last, STOCHASTIC, uniform)
+    return code
+
+
+# --------------------------------------------------------------------------- containers
+
+
+@triton.jit
+def pack_nibbles(codes, BLOCK_SIZE: tl.constexpr):
+    """``(BLOCK_SIZE,)`` int32 codes < 16 -> ``(BLOCK_SIZE // 2,)`` uint8, element ``2i`` in the low nibble."""
+    low, high = tl.split(tl.reshape(codes, (BLOCK_SIZE // 2, 2)))
+    return (low | (high << 4)).to(tl.uint8)
+
+
+@triton.jit
+def unpack_nibbles(packed):
+    """``(n,)`` uint8 -> ``(2n,)`` int32 codes, the inverse of :func:`pack_nibbles`."""
+    byte = packed.to(tl.int32)
+    return tl.interleave(byte & 0xF, byte >> 4)
+
+
+@triton.jit
+def block_code_offsets(block_index, BITS: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """int64 container offsets of block ``block_index``'s codes (``BLOCK_SIZE // 2`` bytes when ``BITS <= 4``)."""
+    if BITS <= 4:
+        offsets = block_index.to(tl.int64) * (BLOCK_SIZE // 2) + tl.arange(0, BLOCK_SIZE // 2)
+    else:
+        offsets = block_index.to(tl.int64) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
+    return offsets
+
+
+@triton.jit
+def container_numel(numel, BITS: tl.constexpr):
+    """Container elements holding ``numel`` codes (``packing.packed_numel``)."""
+    if BITS <= 4:
+        count = (numel + 1) // 2
+    else:
+        count = numel
+    return count
+
+
+@triton.jit
+def store_block_codes(codes_ptr, codes, block_index, numel, BITS: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """Pack and store one block's int32 codes; codes past ``numel`` are stored as 0, as ``packing.pack`` pads."""
+    element = block_index.to(tl.int64) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
+    codes = tl.where(element < numel, codes, 0)
+    offsets = block_code_offsets(block_index, BITS, BLOCK_SIZE)
+    if BITS <= 4:
+        container = pack_nibbles(codes, BLOCK_SIZE)
+    else:
+        container = codes.to(codes_ptr.dtype.element_ty)
+    tl.store(codes_ptr + offsets, container, mask=offsets < container_numel(numel, BITS))
+
+
+@triton.jit
+def load_block_codes(codes_ptr, block_index, numel, BITS: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """One block's container elements (0 past the end): the ``packed`` argument of :func:`decode_block`."""
+    offsets = block_code_offsets(block_index, BITS, BLOCK_SIZE)
+    return tl.load(codes_ptr + offsets, mask=offsets < container_numel(numel, BITS), other=0)
+
+
+@triton.jit
+def decode_block(packed, decode_lut_ptr, scale, BITS: tl.constexpr):
+    """fp32 values of one block: ``decode[code] * scale`` (``BlockFormat.dequantize_reference``).
+
+    ``packed``: the block's container elements (uint8 nibble pairs, uint8 or
+    int16 codes); ``decode_lut_ptr``: the format's ``tables(device)["decode"]``.
+    """
+    if BITS <= 4:
+        codes = unpack_nibbles(packed)
+    elif BITS <= 8:
+        codes = packed.to(tl.int32)
+    else:
+        codes = packed.to(tl.int32) & 0xFFFF
+    return tl.load(decode_lut_ptr + codes) * scale
+
+
+# --------------------------------------------------------------------------- casts
+
+
+@triton.jit
+def to_float32(x):
+    """Exact widening of fp32, bf16 or fp16 values to fp32.
+
+    bf16 goes through its bit pattern (``bits << 16``): the same result as the
+    hardware conversion, and also right under ``TRITON_INTERPRET=1``, whose bf16
+    conversions mishandle subnormals.
+    """
+    if tl.constexpr(x.dtype == tl.bfloat16):
+        wide = (x.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    else:
+        wide = x.to(tl.float32)
+    return wide
+
+
+@triton.jit
+def float32_to(x, DTYPE: tl.constexpr):
+    """Round-to-nearest-even cast of fp32 ``x`` to ``DTYPE`` (fp32, bf16 or fp16), as torch's ``.to(dtype)``.
+
+    bf16 rounds on the bit pattern like torch (``+ 0x7FFF + lsb``; NaN stays NaN),
+    because the interpreter's fp32->bf16 conversion truncates.
+    """
+    if DTYPE == tl.bfloat16:
+        bits = x.to(tl.int32, bitcast=True)
+        rounded = (bits + (0x7FFF + ((bits >> 16) & 1))) >> 16
+        rounded = tl.where(x != x, (bits >> 16) | 0x40, rounded)  # NaN: keep it a (quiet) NaN
+        narrow = rounded.to(tl.int16).to(tl.bfloat16, bitcast=True)
+    else:
+        narrow = x.to(DTYPE)
+    return narrow
+
+
+@triton.jit
+def bf16_stochastic(x, random_bits):
+    """SR cast of fp32 ``x`` to bf16: add ``random_bits`` (int32 in ``[0, 2**16)``), clear the low 16 bits; inf/NaN pass through.
+
+    Same as ``rounding.bf16_stochastic``; the result is built from the bit pattern (no float conversion).
+    """
+    bits = x.to(tl.int32, bitcast=True)
+    high = tl.where(tl.abs(x) <= FLT_MAX, bits + random_bits, bits) >> 16
+    high = tl.where(x != x, high | 0x40, high)  # NaN: keep it a (quiet) NaN
+    return high.to(tl.int16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def fp16_stochastic(x, uniform):
+    """SR cast of fp32 ``x`` to fp16 via the E5M10 minifloat rounding; ``|x| > 65504`` or non-finite: RN cast (``cast.fp16_stochastic``)."""
+    magnitude = tl.abs(x)
+    in_range = magnitude <= FP16_MAX
+    # Out-of-range lanes are replaced by the RN cast below; encode 0 there to keep every conversion defined.
+    # E5M10: 10 mantissa bits, bias 15, largest finite code 0x7BFF (cast.FP16_SPEC); literals, not globals,
+    # because the interpreter would pass a global constexpr through un-unwrapped.
+    code = encode_minifloat(tl.where(in_range, magnitude, 0.0), 10, 15, 0x7BFF, True, uniform)
+    sign = (x.to(tl.int32, bitcast=True) < 0).to(tl.int32) << 15
+    pattern = (code | sign).to(tl.int16).to(tl.float16, bitcast=True)
+    return tl.where(in_range, pattern, x.to(tl.float16))

@@ -1,0 +1,259 @@
+"""The Triton kernels of the block and cast formats, and the specializations they compile to.
+
+Kernels (each built from the device functions of :mod:`.triton_formats`):
+
+* :func:`quantize_blocks_kernel`: one program per block of ``BLOCK_SIZE`` values:
+  absmax scale, encode (codebook or minifloat, RN or SR), pack, store.
+* :func:`dequantize_blocks_kernel`: one program per block: unpack, decode, scale.
+* :func:`stochastic_cast_kernel`: SR cast of fp32/bf16/fp16 values to bf16 or fp16.
+
+:class:`KernelVariant` describes one specialization (argument types, constexprs,
+``num_warps``). The ``*_variant`` functions give the one a launch uses, so the
+launchers in :mod:`.launch` and the ahead-of-time compile check
+(``tests/test_kernels_compile.py``, via :func:`aot_variants`) build the same code.
+:data:`KERNELS` lists every kernel of this module; a new kernel must be added there
+and to :func:`aot_variants`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.jit import KernelInterface
+
+from ..formats import BlockFormat, CastFormat, CodebookFormat, MinifloatFormat, Rounding, StorageFormat, get_format
+from ..formats.packing import container_dtype
+from .triton_formats import (
+    bf16_stochastic,
+    decode_block,
+    encode_block,
+    float32_to,
+    fp16_stochastic,
+    load_block_codes,
+    normalize_block,
+    store_block_codes,
+    to_float32,
+)
+
+CAST_BLOCK_SIZE = 1024
+CAST_NUM_WARPS = 4
+
+
+@triton.jit
+def quantize_blocks_kernel(
+    x_ptr,
+    codes_ptr,
+    scales_ptr,
+    seed_ptr,
+    numel,
+    bucket_floor_ptr,
+    values_ptr,
+    key_shift,
+    half,
+    last,
+    max_value,
+    BLOCK_SIZE: tl.constexpr,
+    BITS: tl.constexpr,
+    IS_MINIFLOAT: tl.constexpr,
+    SIGNED: tl.constexpr,
+    MANTISSA_BITS: tl.constexpr,
+    BIAS: tl.constexpr,
+    MAX_CODE: tl.constexpr,
+    STOCHASTIC: tl.constexpr,
+):
+    """Quantize block ``program_id(0)`` of ``x`` (``numel`` values): packed codes and its fp32 scale (NaN if non-finite).
+
+    ``seed_ptr``: one int64 seed, read only when ``STOCHASTIC``; the uniform draw of
+    element ``i`` is ``tl.rand(seed, i)``. The encoder arguments are those of
+    :func:`~.triton_formats.encode_block`.
+    """
+    block = tl.program_id(0)
+    offsets = block.to(tl.int64) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
+    x = to_float32(tl.load(x_ptr + offsets, mask=offsets < numel, other=0.0))
+    normalized, scale = normalize_block(x)
+    if STOCHASTIC:
+        uniform = tl.rand(tl.load(seed_ptr), offsets)
+    else:
+        uniform = normalized  # not read by RN
+    codes = encode_block(
+        normalized, uniform, bucket_floor_ptr, values_ptr, key_shift, half, last, max_value,
+        IS_MINIFLOAT, SIGNED, BITS, MANTISSA_BITS, BIAS, MAX_CODE, STOCHASTIC,
+    )  # fmt: skip
+    store_block_codes(codes_ptr, codes, block, numel, BITS, BLOCK_SIZE)
+    tl.store(scales_ptr + block, scale)
+
+
+@triton.jit
+def dequantize_blocks_kernel(codes_ptr, scales_ptr, decode_lut_ptr, out_ptr, numel, BLOCK_SIZE: tl.constexpr, BITS: tl.constexpr):
+    """Dequantize block ``program_id(0)``: ``decode[code] * scale``, stored in ``out_ptr``'s dtype (RN cast)."""
+    block = tl.program_id(0)
+    packed = load_block_codes(codes_ptr, block, numel, BITS, BLOCK_SIZE)
+    values = decode_block(packed, decode_lut_ptr, tl.load(scales_ptr + block), BITS)
+    offsets = block.to(tl.int64) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
+    tl.store(out_ptr + offsets, float32_to(values, out_ptr.dtype.element_ty), mask=offsets < numel)
+
+
+@triton.jit
+def stochastic_cast_kernel(x_ptr, out_ptr, seed_ptr, numel, TO_BF16: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """SR cast of ``BLOCK_SIZE`` values to bf16 (``TO_BF16``) or fp16; element ``i`` draws from ``(seed, i)``."""
+    offsets = tl.program_id(0).to(tl.int64) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
+    in_range = offsets < numel
+    x = to_float32(tl.load(x_ptr + offsets, mask=in_range, other=0.0))
+    seed = tl.load(seed_ptr)
+    if TO_BF16:
+        y = bf16_stochastic(x, (tl.randint(seed, offsets) & 0xFFFF).to(tl.int32))
+    else:
+        y = fp16_stochastic(x, tl.rand(seed, offsets))
+    tl.store(out_ptr + offsets, y, mask=in_range)
+
+
+KERNELS = {
+    "quantize_blocks_kernel": quantize_blocks_kernel,
+    "dequantize_blocks_kernel": dequantize_blocks_kernel,
+    "stochastic_cast_kernel": stochastic_cast_kernel,
+}
+"""Every ``@triton.jit`` kernel of this module, by name."""
+
+
+def defined_kernels() -> set[str]:
+    """Names of the ``@triton.jit`` kernels defined in this module (the tests check that :data:`KERNELS` has them all)."""
+    return {
+        name
+        for name, obj in globals().items()
+        if isinstance(obj, KernelInterface) and getattr(getattr(obj, "fn", None), "__module__", None) == __name__
+    }
+
+
+# --------------------------------------------------------------------------- specializations
+
+_POINTER_TYPES = {
+    torch.float32: "*fp32",
+    torch.bfloat16: "*bf16",
+    torch.float16: "*fp16",
+    torch.uint8: "*u8",
+    torch.int16: "*i16",
+    torch.int32: "*i32",
+    torch.int64: "*i64",
+}
+
+
+def pointer_type(dtype: torch.dtype) -> str:
+    """Triton signature type of a pointer to ``dtype`` (``"*fp32"``, ``"*u8"``, ...)."""
+    return _POINTER_TYPES[dtype]
+
+
+def block_num_warps(block_size: int) -> int:
+    """Warps per block program: about 128 values per warp, 1 to 8."""
+    return max(1, min(8, block_size // 128))
+
+
+@dataclass(frozen=True)
+class KernelVariant:
+    """One specialization of a kernel in :data:`KERNELS`: what ``triton.compile`` needs and the launch uses.
+
+    ``signature`` maps every argument, in order, to its Triton type (``"constexpr"``
+    for the constexprs, whose values are in ``constexprs``).
+    """
+
+    kernel: str
+    signature: dict[str, str]
+    constexprs: dict[str, object]
+    num_warps: int
+    label: str = field(default="", compare=False)
+
+    @property
+    def fn(self):
+        return KERNELS[self.kernel]
+
+
+def _with_constexprs(types: dict[str, str], constexprs: dict[str, object]) -> dict[str, str]:
+    return {**types, **{name: "constexpr" for name in constexprs}}
+
+
+def quantize_blocks_variant(fmt: BlockFormat, rounding: Rounding, input_dtype: torch.dtype) -> KernelVariant:
+    """The :func:`quantize_blocks_kernel` specialization for ``fmt``, ``rounding`` and input ``input_dtype``."""
+    if not isinstance(fmt, BlockFormat):
+        raise TypeError(f"quantize_blocks_kernel stores block formats, got {fmt!r}")
+    if isinstance(fmt, MinifloatFormat):
+        spec = fmt.spec
+        minifloat = {
+            "IS_MINIFLOAT": True,
+            "SIGNED": spec.signed,
+            "MANTISSA_BITS": spec.mantissa_bits,
+            "BIAS": spec.bias,
+            "MAX_CODE": spec.max_code,
+        }
+    elif isinstance(fmt, CodebookFormat):
+        minifloat = {"IS_MINIFLOAT": False, "SIGNED": fmt.signed, "MANTISSA_BITS": 0, "BIAS": 0, "MAX_CODE": 0}
+    else:
+        raise TypeError(f"no Triton encoder for block format {fmt!r}")
+    constexprs = {"BLOCK_SIZE": fmt.block_size, "BITS": fmt.bits, **minifloat, "STOCHASTIC": rounding == "stochastic"}
+    types = {
+        "x_ptr": pointer_type(input_dtype),
+        "codes_ptr": pointer_type(container_dtype(fmt.bits)),
+        "scales_ptr": "*fp32",
+        "seed_ptr": "*i64",
+        "numel": "i32",
+        "bucket_floor_ptr": "*i32",
+        "values_ptr": "*fp32",
+        "key_shift": "i32",
+        "half": "i32",
+        "last": "i32",
+        "max_value": "fp32",
+    }
+    label = f"quantize[{fmt.name},bits={fmt.bits},block={fmt.block_size},{rounding},{input_dtype}]"
+    num_warps = block_num_warps(fmt.block_size)
+    return KernelVariant("quantize_blocks_kernel", _with_constexprs(types, constexprs), constexprs, num_warps, label)
+
+
+def dequantize_blocks_variant(fmt: BlockFormat, output_dtype: torch.dtype) -> KernelVariant:
+    """The :func:`dequantize_blocks_kernel` specialization for ``fmt`` and output ``output_dtype``."""
+    if not isinstance(fmt, BlockFormat):
+        raise TypeError(f"dequantize_blocks_kernel reads block formats, got {fmt!r}")
+    constexprs = {"BLOCK_SIZE": fmt.block_size, "BITS": fmt.bits}
+    types = {
+        "codes_ptr": pointer_type(container_dtype(fmt.bits)),
+        "scales_ptr": "*fp32",
+        "decode_lut_ptr": "*fp32",
+        "out_ptr": pointer_type(output_dtype),
+        "numel": "i32",
+    }
+    label = f"dequantize[{fmt.name},bits={fmt.bits},block={fmt.block_size},{output_dtype}]"
+    num_warps = block_num_warps(fmt.block_size)
+    return KernelVariant("dequantize_blocks_kernel", _with_constexprs(types, constexprs), constexprs, num_warps, label)
+
+
+def stochastic_cast_variant(fmt: CastFormat, input_dtype: torch.dtype) -> KernelVariant:
+    """The :func:`stochastic_cast_kernel` specialization for cast format ``fmt`` (bf16 or fp16) and ``input_dtype``."""
+    if not isinstance(fmt, CastFormat) or fmt.dtype not in (torch.bfloat16, torch.float16):
+        raise TypeError(f"stochastic_cast_kernel casts to bf16 or fp16, got {fmt!r}")
+    constexprs = {"TO_BF16": fmt.dtype == torch.bfloat16, "BLOCK_SIZE": CAST_BLOCK_SIZE}
+    types = {"x_ptr": pointer_type(input_dtype), "out_ptr": pointer_type(fmt.dtype), "seed_ptr": "*i64", "numel": "i32"}
+    label = f"stochastic_cast[{fmt.name},{input_dtype}]"
+    return KernelVariant("stochastic_cast_kernel", _with_constexprs(types, constexprs), constexprs, CAST_NUM_WARPS, label)
+
+
+def aot_variants() -> list[KernelVariant]:
+    """Specializations to compile ahead of time: every kernel, encoder, rounding and container, a few block sizes."""
+    fp32, bf16, fp16 = torch.float32, torch.bfloat16, torch.float16
+    formats: list[tuple[StorageFormat, Rounding, torch.dtype]] = [
+        (get_format("int8"), "nearest", fp32),  # codebook, byte container
+        (get_format("int8"), "stochastic", bf16),
+        (get_format("int4", block_size=32), "nearest", fp32),  # codebook, nibbles, small block
+        (get_format("int4", signed=False), "stochastic", fp16),
+        (get_format("fp8_e4m3"), "nearest", bf16),  # minifloat, signed, byte container
+        (get_format("fp8_e5m2", block_size=2048), "stochastic", fp32),  # large block
+        (get_format("e2m2", signed=False), "nearest", fp32),  # minifloat, nibbles
+        (get_format("e5m10"), "stochastic", fp32),  # minifloat, int16 container
+    ]
+    variants = [quantize_blocks_variant(fmt, rounding, dtype) for fmt, rounding, dtype in formats]
+    variants += [
+        dequantize_blocks_variant(get_format("int4"), fp32),
+        dequantize_blocks_variant(get_format("int8", block_size=2048), bf16),
+        dequantize_blocks_variant(get_format("e5m10", block_size=32), fp16),
+    ]
+    variants += [stochastic_cast_variant(get_format("bf16"), fp32), stochastic_cast_variant(get_format("fp16"), bf16)]
+    return variants

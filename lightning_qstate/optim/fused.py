@@ -1,0 +1,177 @@
+"""One-pass Adam step over quantized states: decode -> Adam update -> requantize, for the CPU fast path.
+
+``adam_step_quantized`` is plain torch built from the formats' torch references.
+On the CPU, ``torch.compile`` turns it into one C++ loop nest per parameter
+(per-block absmax reduction fused with the elementwise work, codes written in
+place), which is where the speed comes from: eager torch would make a dozen
+full-size temporaries. The learning rate and every hyperparameter enter as 0-d
+tensors, so LR schedulers and changing betas never trigger a recompile, and
+shapes are dynamic, so one compile serves every parameter of a model.
+
+The same function runs eagerly on the partial last block of a parameter, so
+the compiled and eager paths share one definition of the step.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import torch
+
+from ..formats import BlockFormat, CastFormat, QuantizedTensor, Rounding, StorageFormat
+
+# Parameters smaller than this take the plain per-parameter path (compiling would not pay off).
+FUSED_MIN_NUMEL = 1 << 16
+# Row length of the 2-D view of cast-format (unblocked) states on the compiled path.
+CAST_ROW = 256
+
+
+def adam_math(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    hyper: dict[str, torch.Tensor],
+    decoupled_weight_decay: bool,
+    maximize: bool,
+) -> torch.Tensor:
+    """torch's single-tensor Adam(W) update on flat fp32 tensors; returns the new ``param`` values.
+
+    ``hyper``: 0-d tensors ``lr``, ``weight_decay``, ``beta1``, ``beta2``, ``eps``, ``step_size``
+    (``lr / (1 - beta1**t)``) and ``bias_correction2_sqrt`` (``sqrt(1 - beta2**t)``).
+    """
+    if maximize:
+        grad = -grad
+    if decoupled_weight_decay:
+        param = param * (1 - hyper["lr"] * hyper["weight_decay"])
+    else:
+        grad = grad + param * hyper["weight_decay"]
+    exp_avg.lerp_(grad, 1 - hyper["beta1"])
+    exp_avg_sq.mul_(hyper["beta2"]).addcmul_(grad, grad, value=1 - hyper["beta2"])
+    denom = exp_avg_sq.sqrt() / hyper["bias_correction2_sqrt"] + hyper["eps"]
+    return param - hyper["step_size"] * exp_avg / denom
+
+
+def adam_step_quantized(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    m_codes: torch.Tensor,
+    m_scales: torch.Tensor | None,
+    v_codes: torch.Tensor,
+    v_scales: torch.Tensor | None,
+    hyper: dict[str, torch.Tensor],
+    m_format: StorageFormat,
+    v_format: StorageFormat,
+    rounding: Rounding,
+    decoupled_weight_decay: bool,
+    maximize: bool,
+    track_stalls: bool,
+) -> torch.Tensor:
+    """Adam step of ``param`` (updated in place) whose moments are stored as codes/scales (updated in place).
+
+    Tensors may come as ``(blocks, block_size)`` views (the compiled path: a static block size, a dynamic
+    block count) or flat. Returns ``int64 [stalled_m, moved_m, stalled_v, moved_v]`` (zeros unless ``track_stalls``).
+    """
+    param, grad, m_codes, v_codes = param.view(-1), grad.reshape(-1), m_codes.view(-1), v_codes.view(-1)
+    numel = param.numel()
+    exp_avg = m_format.dequantize_reference(m_codes, m_scales, numel)
+    exp_avg_sq = v_format.dequantize_reference(v_codes, v_scales, numel)
+    old_m, old_v = (exp_avg.clone(), exp_avg_sq.clone()) if track_stalls else (exp_avg, exp_avg_sq)
+    param.copy_(adam_math(param, grad, exp_avg, exp_avg_sq, hyper, decoupled_weight_decay, maximize))
+    counts = []
+    for fmt, codes, scales, value, old in ((m_format, m_codes, m_scales, exp_avg, old_m), (v_format, v_codes, v_scales, exp_avg_sq, old_v)):
+        new_codes, new_scales = fmt.quantize_reference(value, rounding, None)
+        codes.copy_(new_codes)
+        if scales is not None:
+            scales.copy_(new_scales)
+        if track_stalls:
+            moved = value != old
+            stored = fmt.dequantize_reference(codes, scales, numel)
+            counts += [(moved & (stored == old)).sum(), moved.sum()]
+    return torch.stack(counts) if track_stalls else torch.zeros(4, dtype=torch.int64)
+
+
+@functools.lru_cache(maxsize=None)
+def compiled_adam_step():
+    """``adam_step_quantized`` compiled; the block count is marked dynamic, formats and flags specialise it."""
+    return torch.compile(adam_step_quantized, fullgraph=True)
+
+
+def fused_layout(value: QuantizedTensor) -> int | None:
+    """Elements per block the fused path splits at (``None`` if the state's format has no blocks)."""
+    return value.format.block_size if isinstance(value.format, BlockFormat) else None
+
+
+def can_fuse(param: torch.Tensor, group: dict, state: dict) -> bool:
+    """Whether the compiled CPU path applies: fp32 CPU param, plain Adam options, both moments quantized alike."""
+    m, v = state.get("exp_avg"), state.get("exp_avg_sq")
+    if not (isinstance(m, QuantizedTensor) and isinstance(v, QuantizedTensor)):
+        return False
+    if not all(isinstance(q.format, (BlockFormat, CastFormat)) for q in (m, v)):
+        return False
+    return (
+        param.device.type == "cpu"
+        and param.dtype == torch.float32
+        and m.dtype == torch.float32
+        and param.numel() >= FUSED_MIN_NUMEL
+        and not (group["amsgrad"] or group["capturable"] or group["differentiable"] or group["fused"])
+    )
+
+
+def _split(value: QuantizedTensor, count: int, block: int) -> tuple[tuple, tuple]:
+    """(codes, scales) of the first ``count`` values as ``(count // block, -1)`` views, and of the rest (flat)."""
+    fmt = value.format
+    code_split = count // 2 if isinstance(fmt, BlockFormat) and fmt.bits <= 4 else count
+    head_codes = _dynamic_rows(value.codes[:code_split].view(count // block, -1))
+    if isinstance(fmt, CastFormat):
+        return (head_codes, None), (value.codes[count:], None)
+    block_split = count // fmt.block_size
+    return (head_codes, _dynamic_rows(value.scales[:block_split])), (value.codes[code_split:], value.scales[block_split:])
+
+
+def _dynamic_rows(tensor: torch.Tensor) -> torch.Tensor:
+    """Mark dim 0 dynamic so one compiled kernel serves every parameter size."""
+    torch._dynamo.mark_dynamic(tensor, 0)
+    return tensor
+
+
+_warned_compile = False
+
+
+def fused_adam_step(param: torch.Tensor, grad: torch.Tensor, state: dict, group: dict, track_stalls: bool) -> torch.Tensor:
+    """Compiled Adam step on the whole blocks of ``param``, eager on the partial last block; returns stall counts."""
+    global _warned_compile
+    m, v = state["exp_avg"], state["exp_avg_sq"]
+    state["step"] += 1
+    step = float(state["step"])
+    beta1, beta2 = group["betas"]
+    hyper = {
+        "lr": torch.as_tensor(group["lr"], dtype=torch.float32),
+        "weight_decay": torch.tensor(float(group["weight_decay"])),
+        "beta1": torch.tensor(float(beta1)),
+        "beta2": torch.tensor(float(beta2)),
+        "eps": torch.tensor(float(group["eps"])),
+        "step_size": torch.as_tensor(group["lr"], dtype=torch.float32) / (1 - float(beta1) ** step),
+        "bias_correction2_sqrt": torch.tensor((1 - float(beta2) ** step) ** 0.5),
+    }
+    flat_param, flat_grad = param.view(-1), grad.reshape(-1)
+    block = max(fused_layout(m) or CAST_ROW, fused_layout(v) or CAST_ROW)
+    whole = flat_param.numel() // block * block
+    (m_head, m_tail), (v_head, v_tail) = _split(m, whole, block), _split(v, whole, block)
+    options = (m.format, v.format, group["rounding"], group["decoupled_weight_decay"], group["maximize"], track_stalls)
+    step_function = compiled_adam_step()
+    try:
+        head_param, head_grad = _dynamic_rows(flat_param[:whole].view(-1, block)), _dynamic_rows(flat_grad[:whole].view(-1, block))
+        counts = step_function(head_param, head_grad, *m_head, *v_head, hyper, *options)
+    except Exception as error:  # no C++ compiler, an unsupported platform, ...: fall back to eager, once noisily
+        if not _warned_compile:
+            warnings.warn(f"torch.compile of the quantized Adam step failed ({error!r}); using the eager step", RuntimeWarning, stacklevel=3)
+            _warned_compile = True
+        counts = adam_step_quantized(flat_param[:whole], flat_grad[:whole], *m_head, *v_head, hyper, *options)
+    if whole < flat_param.numel():
+        counts = counts + adam_step_quantized(flat_param[whole:], flat_grad[whole:], *m_tail, *v_tail, hyper, *options)
+    for q in (m, v):
+        if q.scales is not None and not bool(torch.isfinite(q.scales).all()):
+            raise FloatingPointError("an Adam moment overflowed to inf/NaN during the step; its packed codes were not trusted")
+    return counts

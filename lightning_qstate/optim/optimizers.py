@@ -1,0 +1,263 @@
+"""QAdam, QAdamW, QSGD, QMuon: the torch optimizers with low-bit states.
+
+Each class takes exactly its torch counterpart's arguments and defaults, and runs
+torch's own functional update on fp32 copies of one parameter's states at a time,
+so its semantics (weight decay, amsgrad, nesterov, maximize, tensor LR, ...) are
+torch's. The added keyword arguments, each overridable per param group:
+
+- ``states``: one format name for every state, or ``{state_name: format}``
+  (unnamed states stay fp32), e.g. ``{"exp_avg": "int8", "exp_avg_sq": "e4m3"}``;
+- ``rounding``: ``"nearest"`` or ``"stochastic"``;
+- ``block_size``: values per scale (power of two; default per format);
+- ``min_quant_size``: parameters with fewer elements keep fp32 states (default 4096).
+
+QAdam and QAdamW step large fp32 CPU parameters with a ``torch.compile``d
+one-pass kernel (``optim/fused.py``; set ``optimizer.cpu_compile = False`` to
+use the plain path, which gives the same result up to float rounding).
+
+And, for the whole optimizer: ``track_stalls`` (count stalled entries, see
+``stall_stats``), ``nonfinite`` (``"skip"``: skip a parameter whose gradient holds
+inf/NaN, count it in ``nonfinite_skips`` and warn; ``"raise"``) and ``generator``
+(the random source of stochastic rounding).
+
+Example::
+
+    >>> import torch
+    >>> from lightning_qstate import QAdamW
+    >>> model = torch.nn.Linear(128, 128)
+    >>> opt = QAdamW(model.parameters(), lr=1e-3, states={"exp_avg": "int8", "exp_avg_sq": "int4"}, min_quant_size=0)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.optim.adam import adam
+from torch.optim.optimizer import _get_scalar_dtype
+from torch.optim.sgd import sgd
+
+from .base import NonFiniteGradPolicy, QuantizedStates
+from .fused import can_fuse, fused_adam_step
+from .policy import StatesSpec
+
+from torch.optim._muon import muon
+
+
+class _AdamStates(QuantizedStates):
+    """Adam-family state handling shared by QAdam and QAdamW (the same functional ``adam``)."""
+
+    state_names = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+    cpu_compile = True
+
+    def _step_param(self, group: dict, param: torch.Tensor, grad: torch.Tensor, state: dict) -> None:
+        """Large fp32 CPU parameters take the compiled one-pass step (see ``optim/fused.py``); others torch's math."""
+        if not state:
+            self._init_state(group, param, state)
+        if self.cpu_compile and can_fuse(param, group, state):
+            counts = fused_adam_step(param, grad, state, group, self.track_stalls)
+            if self.track_stalls:
+                self._add_stall_counts(param, "exp_avg", counts[:2])
+                self._add_stall_counts(param, "exp_avg_sq", counts[2:])
+            return
+        super()._step_param(group, param, grad, state)
+
+    def _init_state(self, group: dict, param: torch.Tensor, state: dict) -> None:
+        on_device = group["capturable"] or group["fused"]
+        state["step"] = torch.zeros((), dtype=_get_scalar_dtype(is_fused=group["fused"]), device=param.device if on_device else "cpu")
+        names = self.state_names if group["amsgrad"] else self.state_names[:2]
+        for name in names:
+            state[name] = self._initial(group, param, name, torch.zeros_like(param, memory_format=torch.preserve_format))
+
+    def _update(self, group: dict, param: torch.Tensor, grad: torch.Tensor, states: dict[str, torch.Tensor], state: dict) -> None:
+        beta1, beta2 = group["betas"]
+        adam(
+            [param],
+            [grad],
+            [states["exp_avg"]],
+            [states["exp_avg_sq"]],
+            [states["max_exp_avg_sq"]] if group["amsgrad"] else [],
+            [state["step"]],
+            foreach=False,
+            capturable=group["capturable"],
+            differentiable=group["differentiable"],
+            fused=group["fused"],
+            decoupled_weight_decay=group["decoupled_weight_decay"],
+            amsgrad=group["amsgrad"],
+            beta1=beta1,
+            beta2=beta2,
+            lr=group["lr"],
+            weight_decay=group["weight_decay"],
+            eps=group["eps"],
+            maximize=group["maximize"],
+        )
+
+
+class QAdam(_AdamStates, torch.optim.Adam):
+    """``torch.optim.Adam`` with quantized ``exp_avg``/``exp_avg_sq``/``max_exp_avg_sq`` (see module docs)."""
+
+    def __init__(
+        self,
+        params: Any,
+        lr: float | torch.Tensor = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0,
+        amsgrad: bool = False,
+        *,
+        foreach: bool | None = None,
+        maximize: bool = False,
+        capturable: bool = False,
+        differentiable: bool = False,
+        fused: bool | None = None,
+        decoupled_weight_decay: bool = False,
+        states: StatesSpec = "int8",
+        rounding: str = "nearest",
+        block_size: int | None = None,
+        min_quant_size: int = 4096,
+        track_stalls: bool = False,
+        nonfinite: NonFiniteGradPolicy = "skip",
+        generator: torch.Generator | None = None,
+    ) -> None:
+        torch.optim.Adam.__init__(
+            self, params, lr, betas, eps, weight_decay, amsgrad, foreach=foreach, maximize=maximize, capturable=capturable,
+            differentiable=differentiable, fused=fused, decoupled_weight_decay=decoupled_weight_decay,
+        )  # fmt: skip
+        self._setup_quantized_states(states, rounding, block_size, min_quant_size, track_stalls, nonfinite, generator)
+
+
+class QAdamW(_AdamStates, torch.optim.AdamW):
+    """``torch.optim.AdamW`` with quantized ``exp_avg``/``exp_avg_sq``/``max_exp_avg_sq`` (see module docs)."""
+
+    def __init__(
+        self,
+        params: Any,
+        lr: float | torch.Tensor = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        amsgrad: bool = False,
+        *,
+        maximize: bool = False,
+        foreach: bool | None = None,
+        capturable: bool = False,
+        differentiable: bool = False,
+        fused: bool | None = None,
+        states: StatesSpec = "int8",
+        rounding: str = "nearest",
+        block_size: int | None = None,
+        min_quant_size: int = 4096,
+        track_stalls: bool = False,
+        nonfinite: NonFiniteGradPolicy = "skip",
+        generator: torch.Generator | None = None,
+    ) -> None:
+        torch.optim.AdamW.__init__(
+            self, params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize, foreach=foreach, capturable=capturable,
+            differentiable=differentiable, fused=fused,
+        )  # fmt: skip
+        self._setup_quantized_states(states, rounding, block_size, min_quant_size, track_stalls, nonfinite, generator)
+
+
+class QSGD(QuantizedStates, torch.optim.SGD):
+    """``torch.optim.SGD`` with a quantized ``momentum_buffer`` (see module docs).
+
+    As in torch, the buffer is created from the first gradient, so there is no state when ``momentum=0``.
+    """
+
+    state_names = ("momentum_buffer",)
+
+    def __init__(
+        self,
+        params: Any,
+        lr: float | torch.Tensor = 1e-3,
+        momentum: float = 0,
+        dampening: float = 0,
+        weight_decay: float = 0,
+        nesterov: bool = False,
+        *,
+        maximize: bool = False,
+        foreach: bool | None = None,
+        differentiable: bool = False,
+        fused: bool | None = None,
+        states: StatesSpec = "int8",
+        rounding: str = "nearest",
+        block_size: int | None = None,
+        min_quant_size: int = 4096,
+        track_stalls: bool = False,
+        nonfinite: NonFiniteGradPolicy = "skip",
+        generator: torch.Generator | None = None,
+    ) -> None:
+        torch.optim.SGD.__init__(
+            self, params, lr, momentum, dampening, weight_decay, nesterov, maximize=maximize, foreach=foreach,
+            differentiable=differentiable, fused=fused,
+        )  # fmt: skip
+        self._setup_quantized_states(states, rounding, block_size, min_quant_size, track_stalls, nonfinite, generator)
+
+    def _init_state(self, group: dict, param: torch.Tensor, state: dict) -> None:
+        """No state until the first step with momentum (torch clones the first gradient into the buffer)."""
+
+    def _update(self, group: dict, param: torch.Tensor, grad: torch.Tensor, states: dict[str, torch.Tensor], state: dict) -> None:
+        buffers = [states.get("momentum_buffer")]
+        sgd(
+            [param],
+            [grad],
+            buffers,
+            foreach=False,
+            fused=group["fused"],
+            weight_decay=group["weight_decay"],
+            momentum=group["momentum"],
+            lr=group["lr"],
+            dampening=group["dampening"],
+            nesterov=group["nesterov"],
+            maximize=group["maximize"],
+        )
+        if group["momentum"] != 0:
+            states["momentum_buffer"] = buffers[0]
+
+
+class QMuon(QuantizedStates, torch.optim.Muon):
+    """``torch.optim.Muon`` (2-D parameters) with a quantized ``momentum_buffer`` (see module docs)."""
+
+    state_names = ("momentum_buffer",)
+
+    def __init__(
+        self,
+        params: Any,
+        lr: float = 1e-3,
+        weight_decay: float = 0.1,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        ns_coefficients: tuple[float, float, float] = (3.4445, -4.775, 2.0315),
+        eps: float = 1e-7,
+        ns_steps: int = 5,
+        adjust_lr_fn: str | None = None,
+        *,
+        states: StatesSpec = "int8",
+        rounding: str = "nearest",
+        block_size: int | None = None,
+        min_quant_size: int = 4096,
+        track_stalls: bool = False,
+        nonfinite: NonFiniteGradPolicy = "skip",
+        generator: torch.Generator | None = None,
+    ) -> None:
+        torch.optim.Muon.__init__(self, params, lr, weight_decay, momentum, nesterov, ns_coefficients, eps, ns_steps, adjust_lr_fn)
+        self._setup_quantized_states(states, rounding, block_size, min_quant_size, track_stalls, nonfinite, generator)
+
+    def _init_state(self, group: dict, param: torch.Tensor, state: dict) -> None:
+        state["momentum_buffer"] = self._initial(group, param, "momentum_buffer", torch.zeros_like(param, memory_format=torch.preserve_format))
+
+    def _update(self, group: dict, param: torch.Tensor, grad: torch.Tensor, states: dict[str, torch.Tensor], state: dict) -> None:
+        muon(
+            [param],
+            [grad],
+            [states["momentum_buffer"]],
+            lr=group["lr"],
+            weight_decay=group["weight_decay"],
+            momentum=group["momentum"],
+            nesterov=group["nesterov"],
+            ns_coefficients=group["ns_coefficients"],
+            ns_steps=group["ns_steps"],
+            eps=group["eps"],
+            adjust_lr_fn=group["adjust_lr_fn"],
+            has_complex=False,
+        )

@@ -1,0 +1,73 @@
+"""Which storage format each optimizer state gets: the ``states=`` policy and its per-group options."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Union
+
+import torch
+
+from ..formats import ROUNDINGS, StorageFormat, check_block_size, get_format
+
+StatesSpec = Union[str, Mapping[str, str]]
+
+# States that are never negative get unsigned maps (no codes spent on the sign).
+NONNEGATIVE_STATES = frozenset({"exp_avg_sq", "max_exp_avg_sq", "exp_avg_sq_row", "exp_avg_sq_col", "sum", "square_avg", "acc_delta"})
+
+# Options every quantized optimizer adds to its torch counterpart; each may be overridden per param group.
+POLICY_DEFAULTS: dict[str, Any] = {
+    "states": "int8",
+    "rounding": "nearest",
+    "block_size": None,
+    "min_quant_size": 4096,
+}
+
+
+def validate_policy(group: Mapping[str, Any], state_names: tuple[str, ...] | None, owner: str) -> None:
+    """Check a param group's policy options up front; errors name the option and the valid values.
+
+    ``state_names`` is the optimizer's set of state names, or ``None`` when
+    unknown (the generic wrapper), in which case any name is accepted.
+    """
+    states = group["states"]
+    if isinstance(states, Mapping):
+        if state_names is not None:
+            unknown = sorted(set(states) - set(state_names))
+            if unknown:
+                raise ValueError(f"{owner}: unknown state name(s) {unknown} in states=; valid names: {list(state_names)}")
+        names = list(states.values())
+    elif isinstance(states, str):
+        names = [states]
+    else:
+        raise TypeError(f"{owner}: states= must be a format name or a mapping of state name -> format name, got {type(states).__name__}")
+    for name in names:
+        get_format(name)  # raises with the list of valid formats
+    if group["rounding"] not in ROUNDINGS:
+        raise ValueError(f"{owner}: rounding={group['rounding']!r} is not valid; use one of {ROUNDINGS}")
+    if group["block_size"] is not None:
+        check_block_size(group["block_size"])
+    min_size = group["min_quant_size"]
+    if not isinstance(min_size, int) or min_size < 0:
+        raise ValueError(f"{owner}: min_quant_size={min_size!r} must be an int >= 0")
+
+
+def format_name_for(group: Mapping[str, Any], state_name: str) -> str:
+    """Format name for ``state_name`` under this group's ``states=`` (a mapping leaves unnamed states fp32)."""
+    states = group["states"]
+    return states.get(state_name, "fp32") if isinstance(states, Mapping) else states
+
+
+def global_numel(param: torch.Tensor) -> int:
+    """Number of elements of the full parameter, also for a DTensor shard (decisions never depend on the local shard)."""
+    return param.numel()
+
+
+def resolve_format(group: Mapping[str, Any], state_name: str, param: torch.Tensor) -> StorageFormat | None:
+    """The format a state of ``param`` is stored in, or ``None`` for plain fp32 storage.
+
+    Parameters with fewer than ``min_quant_size`` elements, and ``fp32`` states, stay plain tensors.
+    """
+    name = format_name_for(group, state_name)
+    if name == "fp32" or global_numel(param) < group["min_quant_size"]:
+        return None
+    return get_format(name, block_size=group["block_size"], signed=state_name not in NONNEGATIVE_STATES)

@@ -1,0 +1,173 @@
+"""Quantize the states of an optimizer that already exists.
+
+``quantize_optimizer(opt)`` turns ``torch.optim.Adam``/``AdamW``/``SGD``/``Muon``
+into ``QAdam``/``QAdamW``/``QSGD``/``QMuon`` in place: the same object changes
+class, so its ``param_groups`` (the same dict objects), hyperparameters, hooks and
+any LR scheduler built on it keep working, and its existing state is quantized.
+
+Any other ``torch.optim.Optimizer`` (Lion, Adafactor, your own) gets
+:class:`QuantizedOptimizerWrapper`: between steps, every floating state tensor
+shaped like its parameter is stored in the chosen format.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+import weakref
+
+import torch
+
+from ..formats import BlockFormat, QuantizedTensor, StorageFormat, get_format
+from .base import NonFiniteGradPolicy, QuantizedStates, StateValue, dequantized
+from .optimizers import QAdam, QAdamW, QMuon, QSGD
+from .policy import StatesSpec
+
+QUANTIZED_EQUIVALENTS: dict[type, type] = {torch.optim.Adam: QAdam, torch.optim.AdamW: QAdamW, torch.optim.SGD: QSGD, torch.optim.Muon: QMuon}
+
+
+class QuantizedOptimizerWrapper(QuantizedStates, torch.optim.Optimizer):
+    """Low-bit states for an arbitrary optimizer.
+
+    Between steps, each floating state tensor shaped like its parameter (with at
+    least ``min_quant_size`` elements) is stored in the format ``states`` names
+    for it; other states stay as they are. Unsigned maps are used for state names
+    known to be non-negative (``exp_avg_sq``, ...); a state that turns out to hold
+    negative values falls back to the signed variant, with a warning.
+
+    Transient memory: the inner optimizer updates all its parameters in one call,
+    so during ``step()`` every quantized state is decoded to a full-precision tensor
+    at once; the step peaks at the inner optimizer's unquantized state size, and
+    only the low-bit states are held between steps.
+
+    Args:
+        optimizer: the optimizer to wrap; it keeps doing the math.
+        states, rounding, block_size, min_quant_size, track_stalls, nonfinite, generator:
+            as for :class:`~lightning_qstate.QAdamW`; ``states`` may name any state key.
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        *,
+        states: StatesSpec = "int8",
+        rounding: str = "nearest",
+        block_size: int | None = None,
+        min_quant_size: int = 4096,
+        track_stalls: bool = False,
+        nonfinite: NonFiniteGradPolicy = "skip",
+        generator: torch.Generator | None = None,
+    ) -> None:
+        torch.optim.Optimizer.__init__(self, optimizer.param_groups, optimizer.defaults)
+        self.optimizer = optimizer
+        self.param_groups = optimizer.param_groups  # the same list and dicts: schedulers of the inner optimizer keep working
+        self.state = optimizer.state
+        self.defaults = optimizer.defaults
+        self._setup_quantized_states(states, rounding, block_size, min_quant_size, track_stalls, nonfinite, generator)
+        self._quantize_existing()
+
+    def _quantize_existing(self) -> None:
+        for group in self.param_groups:
+            for param in group["params"]:
+                for name, value in self.state.get(param, {}).items():
+                    if isinstance(value, torch.Tensor):
+                        self.state[param][name] = self._store(group, param, name, value, None, None)
+
+    def _format_for(self, group: dict, param: torch.Tensor, name: str, value: torch.Tensor, old: StateValue | None) -> StorageFormat | None:
+        if old is None and (not isinstance(value, torch.Tensor) or not value.is_floating_point() or value.shape != param.shape):
+            return None
+        fmt = super()._format_for(group, param, name, value, old)
+        if isinstance(fmt, BlockFormat) and not fmt.signed and bool((value < 0).any()):
+            warnings.warn(f"state {name!r} holds negative values; storing it with the signed {fmt.name!r} map", RuntimeWarning, stacklevel=2)
+            fmt = get_format(fmt.config["name"], block_size=fmt.config["block_size"], signed=True)
+        return fmt
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """Decode the states, let the inner optimizer step (skipping parameters with non-finite grads), re-encode."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        held_back = {}
+        for group in self.param_groups:
+            for param in group["params"]:
+                if param.grad is not None:
+                    self._check_grad(param.grad)
+                    if not self._grad_is_finite(param, param.grad):
+                        held_back[param] = param.grad
+                        param.grad = None
+        stored = {param: dict(state) for param, state in self.state.items()}
+        for state in self.state.values():
+            for name, value in state.items():
+                state[name] = dequantized(value)
+        before = {(p, n): v.dequantize() for p, s in stored.items() for n, v in s.items() if self.track_stalls and isinstance(v, QuantizedTensor)}
+        try:
+            self.optimizer.step()
+        finally:
+            for param, grad in held_back.items():
+                param.grad = grad
+        for group in self.param_groups:
+            for param in group["params"]:
+                state = self.state.get(param, {})
+                for name, value in state.items():
+                    state[name] = self._store(group, param, name, value, stored.get(param, {}).get(name), before.get((param, name)))
+        return loss
+
+
+def quantize_optimizer(
+    optimizer: torch.optim.Optimizer,
+    *,
+    states: StatesSpec = "int8",
+    rounding: str = "nearest",
+    block_size: int | None = None,
+    min_quant_size: int = 4096,
+    track_stalls: bool = False,
+    nonfinite: NonFiniteGradPolicy = "skip",
+    generator: torch.Generator | None = None,
+) -> torch.optim.Optimizer:
+    """The quantized equivalent of ``optimizer``, keeping its param groups, hyperparameters and (quantized) state.
+
+    ``torch.optim.Adam``/``AdamW``/``SGD``/``Muon`` (exact classes) become ``QAdam``/``QAdamW``/``QSGD``/``QMuon``
+    in place, and the same object is returned; any other ``torch.optim.Optimizer`` is wrapped in
+    :class:`QuantizedOptimizerWrapper` (a new object sharing its param groups and state).
+
+    Raises:
+        TypeError: ``optimizer`` is not a ``torch.optim.Optimizer``, or is quantized already.
+    """
+    if isinstance(optimizer, QuantizedStates):
+        raise TypeError(f"{type(optimizer).__name__} already has quantized states; pass the original torch optimizer")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"quantize_optimizer needs a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    options = dict(states=states, rounding=rounding, block_size=block_size, min_quant_size=min_quant_size, track_stalls=track_stalls, nonfinite=nonfinite, generator=generator)
+    quantized_class = QUANTIZED_EQUIVALENTS.get(type(optimizer))
+    if quantized_class is None:
+        return QuantizedOptimizerWrapper(optimizer, **options)
+    scheduler_wrapped = getattr(optimizer.__dict__.pop("step", None), "_wrapped_by_lr_sched", False)
+    optimizer.__class__ = quantized_class
+    optimizer._patch_step_function()
+    if scheduler_wrapped:
+        _track_step_for_schedulers(optimizer)
+    optimizer._setup_quantized_states(states, rounding, block_size, min_quant_size, track_stalls, nonfinite, generator)
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            state = optimizer.state.get(param, {})
+            for name in optimizer.state_names:
+                if isinstance(state.get(name), torch.Tensor):
+                    state[name] = optimizer._initial(group, param, name, state[name])
+    return optimizer
+
+
+def _track_step_for_schedulers(optimizer: torch.optim.Optimizer) -> None:
+    """Re-create the step wrapper an LR scheduler installed on the old class's ``step`` (it records ``_opt_called``)."""
+    optimizer_ref = weakref.ref(optimizer)
+    step_function = type(optimizer).step
+
+    @functools.wraps(step_function)
+    def tracked_step(*args, **kwargs):
+        owner = optimizer_ref()
+        owner._opt_called = True
+        return step_function(owner, *args, **kwargs)
+
+    tracked_step._wrapped_by_lr_sched = True
+    optimizer.step = tracked_step

@@ -1,0 +1,80 @@
+"""Ahead-of-time compile of every Triton kernel for sm_80 and sm_90, without a GPU: no errors, no register spills.
+
+``lightning_qstate.kernels.aot_variants()`` lists the specializations (codebook and
+minifloat encoders, RN and SR, nibble / byte / int16 containers, several block
+sizes, every kernel of ``KERNELS``), built by the same functions the launchers use.
+Each is compiled with ``triton.compile`` for a CUDA target; the cubin must exist and
+the bundled ``cuobjdump -res-usage`` must report no stack or local memory, and the
+bundled ``ptxas -v`` no spill stores or loads. Skipped where Triton or its NVIDIA
+backend is missing, and under ``TRITON_INTERPRET=1`` (interpreted kernels do not compile).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import tempfile
+
+import pytest
+
+triton = pytest.importorskip("triton")
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    pytest.skip("TRITON_INTERPRET=1 replaces kernels by interpreted functions", allow_module_level=True)
+
+try:
+    import triton.backends.nvidia
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+except ImportError as error:  # pragma: no cover - depends on the platform
+    pytest.skip(f"no Triton NVIDIA backend: {error}", allow_module_level=True)
+
+from lightning_qstate.kernels import KERNELS, aot_variants  # noqa: E402
+from lightning_qstate.kernels import triton_kernels  # noqa: E402
+
+BIN = os.path.join(os.path.dirname(triton.backends.nvidia.__file__), "bin")
+CUOBJDUMP = os.path.join(BIN, "cuobjdump")
+PTXAS = os.path.join(BIN, "ptxas")
+TARGETS = {80: "sm_80", 90: "sm_90a"}  # capability -> ptxas --gpu-name
+VARIANTS = aot_variants()
+
+
+def test_every_kernel_has_variants_with_full_signatures():
+    assert triton_kernels.defined_kernels() == set(KERNELS), "every @triton.jit kernel of triton_kernels must be in KERNELS"
+    assert {variant.kernel for variant in VARIANTS} == set(KERNELS), "aot_variants() must compile every kernel"
+    for variant in VARIANTS:
+        assert list(variant.signature) == variant.fn.arg_names, variant.label
+        assert {name for name, kind in variant.signature.items() if kind == "constexpr"} == set(variant.constexprs), variant.label
+
+
+def _run(command: list[str]) -> str:
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, f"{' '.join(command)} failed:\n{result.stdout}\n{result.stderr}"
+    return result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("capability", sorted(TARGETS))
+@pytest.mark.parametrize("variant", VARIANTS, ids=[variant.label for variant in VARIANTS])
+def test_compiles_without_spills(variant, capability):
+    source = ASTSource(fn=variant.fn, signature=variant.signature, constexprs=variant.constexprs)
+    compiled = triton.compile(source, target=GPUTarget("cuda", capability, 32), options={"num_warps": variant.num_warps})
+    assert "cubin" in compiled.asm and compiled.asm["cubin"], variant.label
+    assert compiled.metadata.num_warps == variant.num_warps
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = os.path.join(tmp, "kernel.cubin")
+        with open(cubin, "wb") as file:
+            file.write(compiled.asm["cubin"])
+        usage = _run([CUOBJDUMP, "-res-usage", cubin])
+        resources = re.findall(r"REG:(\d+) STACK:(\d+) SHARED:\d+ LOCAL:(\d+)", usage)
+        assert resources, usage
+        for registers, stack, local in resources:
+            assert (int(stack), int(local)) == (0, 0), f"{variant.label} on sm_{capability}: stack/local memory in use:\n{usage}"
+            assert int(registers) <= 255, usage
+        ptx = os.path.join(tmp, "kernel.ptx")
+        with open(ptx, "w") as file:
+            file.write(compiled.asm["ptx"])
+        report = _run([PTXAS, "-v", "--gpu-name", TARGETS[capability], ptx, "-o", os.path.join(tmp, "ptxas.cubin")])
+    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
+    assert spills, report
+    assert all(stores == "0" and loads == "0" for stores, loads in spills), f"{variant.label} on sm_{capability} spills:\n{report}"
