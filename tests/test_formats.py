@@ -21,25 +21,9 @@ from lightning_qstate.formats import (
 from lightning_qstate.formats.cast import FP16_SPEC
 from lightning_qstate.formats.rounding import encode_minifloat
 
-# (name, options) of every block format, with the sign convention used for m (signed) and v (unsigned).
-BLOCK_FORMATS = [
-    ("int8", {}),
-    ("int8", {"signed": False}),
-    ("int4", {}),
-    ("int4", {"signed": False}),
-    ("int8_linear", {}),
-    ("int8_linear", {"signed": False}),
-    ("int4_linear", {}),
-    ("fp8_e4m3", {}),
-    ("fp8_e5m2", {}),
-    ("e2m2", {"signed": False}),
-    ("e3m0", {"signed": False}),
-    ("e4m3", {}),
-    ("e2m1", {}),
-    ("e5m10", {}),
-]
+from cases import BLOCK_FORMATS, FORMAT_IDS
+
 CAST_FORMATS = ["fp32", "bf16", "fp16"]
-FORMAT_IDS = [f"{n}-{'u' if o.get('signed') is False else 's'}" for n, o in BLOCK_FORMATS]
 
 
 def sample(fmt: BlockFormat, numel: int, seed: int = 0) -> torch.Tensor:

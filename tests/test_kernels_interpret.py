@@ -73,21 +73,8 @@ else:
     # The interpreter runs casts in numpy, which warns when fp32 -> fp16 overflows to inf (as the tests ask it to).
     pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")
 
-    BLOCK_FORMATS = [
-        ("int8", {}),
-        ("int8", {"signed": False}),
-        ("int4", {}),
-        ("int4", {"signed": False}),
-        ("int8_linear", {}),
-        ("int4_linear", {}),
-        ("fp8_e4m3", {}),
-        ("fp8_e5m2", {}),
-        ("e2m2", {"signed": False}),
-        ("e3m0", {"signed": False}),
-        ("e4m3", {}),
-        ("e5m10", {}),
-    ]
-    FORMAT_IDS = [f"{name}-{'u' if options.get('signed') is False else 's'}" for name, options in BLOCK_FORMATS]
+    from cases import BLOCK_FORMATS, FORMAT_IDS
+
     DTYPES = [torch.float32, torch.bfloat16, torch.float16]
     # Kernels this file exercises; a new kernel in triton_kernels.KERNELS must get a test here.
     COVERED_KERNELS = {"quantize_blocks_kernel", "dequantize_blocks_kernel", "stochastic_cast_kernel"}

@@ -103,12 +103,17 @@ class QuantizedStates:
     @torch.no_grad()
     def step(self, closure=None):
         """One optimization step, parameter by parameter; ``closure`` re-evaluates the loss under grad mode."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = self._evaluate(closure)
         self._step_params()
         return loss
+
+    @staticmethod
+    def _evaluate(closure):
+        """Run the closure (if any) with gradients enabled, before any gradient is checked."""
+        if closure is None:
+            return None
+        with torch.enable_grad():
+            return closure()
 
     def _step_params(self) -> None:
         for group in self.param_groups:

@@ -85,10 +85,7 @@ class QuantizedOptimizerWrapper(QuantizedStates, torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None):
         """Decode the states, let the inner optimizer step (skipping parameters with non-finite grads), re-encode."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = self._evaluate(closure)
         held_back = {}
         for group in self.param_groups:
             for param in group["params"]:
