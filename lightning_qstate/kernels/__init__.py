@@ -12,11 +12,15 @@ Layout:
 * :mod:`.triton_formats`: ``@triton.jit`` device functions (block absmax and
   normalization, codebook and minifloat encoders, nibble packing, block decode,
   bf16/fp16 SR casts) for these kernels and for fused optimizer kernels.
+* :mod:`.triton_adam`: the fused Adam(W) step over block-quantized moments (one
+  pass per block: decode, update, requantize), which the optimizers use for CUDA
+  parameters.
 * :mod:`.triton_kernels`: the kernels, :data:`KERNELS` (every kernel by name) and
   :func:`aot_variants` (the specializations ``tests/test_kernels_compile.py``
   compiles ahead of time for sm_80 and sm_90).
 * :mod:`.launch`: launchers (``triton_quantize_blocks``, ``triton_dequantize_blocks``,
-  ``triton_stochastic_cast``) that also run on CPU tensors under ``TRITON_INTERPRET=1``.
+  ``triton_stochastic_cast``, ``triton_adam_step``) that also run on CPU tensors under
+  ``TRITON_INTERPRET=1``.
 
 This package imports :mod:`lightning_qstate.formats` only (never the optimizers
 or Lightning); ``formats`` does not import it.
@@ -38,14 +42,16 @@ else:
 __all__ = ["TRITON_AVAILABLE", "TritonBackend"]
 
 if TRITON_AVAILABLE:
-    from .launch import draw_seed, triton_dequantize_blocks, triton_quantize_blocks, triton_stochastic_cast
-    from .triton_kernels import KERNELS, KernelVariant, aot_variants
+    from .launch import draw_seed, triton_adam_step, triton_dequantize_blocks, triton_quantize_blocks, triton_stochastic_cast
+    from .triton_kernels import KERNELS, KernelVariant, adam_step_supported, aot_variants
 
     __all__ += [
         "KERNELS",
         "KernelVariant",
+        "adam_step_supported",
         "aot_variants",
         "draw_seed",
+        "triton_adam_step",
         "triton_dequantize_blocks",
         "triton_quantize_blocks",
         "triton_stochastic_cast",

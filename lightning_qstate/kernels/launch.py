@@ -4,7 +4,8 @@ They take any device Triton can run on: CUDA tensors, or CPU tensors under
 ``TRITON_INTERPRET=1`` (how the tests check them against the torch reference).
 SR takes ``seed``: an int, or a one-element integer tensor on the input's device
 (what :func:`draw_seed` returns; it is read by the kernel, so drawing it needs no
-host synchronization).
+host synchronization). :func:`triton_adam_step` runs the fused Adam(W) step of
+:mod:`.triton_adam` on a parameter and its two quantized moments, in place.
 """
 
 from __future__ import annotations
@@ -13,9 +14,11 @@ import contextlib
 
 import torch
 
-from ..formats import FLOAT_INPUT_DTYPES, BlockFormat, CastFormat, CodebookFormat, Rounding
+from ..formats import FLOAT_INPUT_DTYPES, BlockFormat, CastFormat, CodebookFormat, QuantizedTensor, Rounding
 from ..formats.packing import container_dtype, num_blocks, packed_numel
+from .triton_adam import COEFFICIENTS, STALL_SLOTS, adam_step_kernel
 from .triton_kernels import (
+    adam_step_variant,
     dequantize_blocks_kernel,
     dequantize_blocks_variant,
     quantize_blocks_kernel,
@@ -29,9 +32,9 @@ SEED_HIGH = 2**31 - 1
 _PLACEHOLDERS: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
-def draw_seed(generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
-    """A ``(1,)`` int64 seed in ``[0, 2**31 - 1)`` on ``device`` from ``generator`` (default: the device's)."""
-    return torch.randint(0, SEED_HIGH, (1,), generator=generator, device=device)
+def draw_seed(generator: torch.Generator | None, device: torch.device, count: int = 1) -> torch.Tensor:
+    """A ``(count,)`` int64 tensor of seeds in ``[0, 2**31 - 1)`` on ``device`` from ``generator`` (default: the device's)."""
+    return torch.randint(0, SEED_HIGH, (count,), generator=generator, device=device)
 
 
 def _seed_tensor(seed: int | torch.Tensor | None, device: torch.device) -> torch.Tensor:
@@ -47,6 +50,16 @@ def _placeholders(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     if device not in _PLACEHOLDERS:
         _PLACEHOLDERS[device] = (torch.zeros(1, dtype=torch.int32, device=device), torch.zeros(1, dtype=torch.int64, device=device))
     return _PLACEHOLDERS[device]
+
+
+def _encoder_args(fmt: BlockFormat, device: torch.device) -> tuple:
+    """``bucket_floor, values, key_shift, half, last, max_value`` of :func:`~.triton_formats.encode_block` for ``fmt``."""
+    tables = fmt.tables(device)
+    if isinstance(fmt, CodebookFormat):
+        index = tables["index"]
+        return (index.bucket_floor, index.values, index.key_shift, index.half, index.values.numel() - 1, 1.0)
+    int_placeholder, _ = _placeholders(device)
+    return (int_placeholder, tables["decode"], 0, 0, 0, float(fmt.max_value))
 
 
 def _on_device(device: torch.device) -> contextlib.AbstractContextManager:
@@ -76,18 +89,10 @@ def triton_quantize_blocks(
     scales = torch.empty(blocks, dtype=torch.float32, device=device)
     if numel == 0:
         return codes, scales
-    int_placeholder, seed_placeholder = _placeholders(device)
+    _, seed_placeholder = _placeholders(device)
     seed_tensor = _seed_tensor(seed, device) if rounding == "stochastic" else seed_placeholder
-    tables = fmt.tables(device)
-    if isinstance(fmt, CodebookFormat):
-        index = tables["index"]
-        encoder_args = (index.bucket_floor, index.values, index.key_shift, index.half, index.values.numel() - 1, 1.0)
-    else:
-        encoder_args = (int_placeholder, tables["decode"], 0, 0, 0, float(fmt.max_value))
     with _on_device(device):
-        quantize_blocks_kernel[(blocks,)](
-            flat, codes, scales, seed_tensor, numel, *encoder_args, num_warps=variant.num_warps, **variant.constexprs
-        )
+        quantize_blocks_kernel[(blocks,)](flat, codes, scales, seed_tensor, numel, *_encoder_args(fmt, device), **variant.launch_options)
     return codes, scales
 
 
@@ -110,7 +115,7 @@ def triton_dequantize_blocks(
     decode = fmt.tables(codes.device)["decode"]
     with _on_device(codes.device):
         dequantize_blocks_kernel[(blocks,)](
-            codes.contiguous(), scales.float().contiguous(), decode, out, numel, num_warps=variant.num_warps, **variant.constexprs
+            codes.contiguous(), scales.float().contiguous(), decode, out, numel, **variant.launch_options
         )
     return out
 
@@ -125,5 +130,110 @@ def triton_stochastic_cast(fmt: CastFormat, flat: torch.Tensor, seed: int | torc
     grid = (-(-flat.numel() // variant.constexprs["BLOCK_SIZE"]),)
     seed_tensor = _seed_tensor(seed, flat.device)
     with _on_device(flat.device):
-        stochastic_cast_kernel[grid](flat, out, seed_tensor, flat.numel(), num_warps=variant.num_warps, **variant.constexprs)
+        stochastic_cast_kernel[grid](flat, out, seed_tensor, flat.numel(), **variant.launch_options)
     return out
+
+
+def adam_coefficients(hyper: dict[str, torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The fp32 coefficient vector of :func:`~.triton_adam.adam_step_kernel` on ``device`` (layout ``COEFFICIENTS``).
+
+    ``hyper`` as ``optim.fused.adam_math`` takes it (0-d tensors or numbers: ``lr``, ``weight_decay``, ``beta1``,
+    ``beta2``, ``eps``, ``step_size``, ``bias_correction2_sqrt``); the derived scalars are computed by the same
+    torch operations as ``adam_math``, so they round the same. No host synchronization.
+    """
+    as_float = lambda value: torch.as_tensor(value, dtype=torch.float32)  # noqa: E731
+    lr, weight_decay, beta1, beta2 = (as_float(hyper[name]) for name in ("lr", "weight_decay", "beta1", "beta2"))
+    values = {
+        "decay": 1 - lr * weight_decay,
+        "weight_decay": weight_decay,
+        "lerp_weight": 1 - beta1,
+        "beta2": beta2,
+        "square_weight": 1 - beta2,
+        "eps": as_float(hyper["eps"]),
+        "step_size": as_float(hyper["step_size"]),
+        "bias_correction2_sqrt": as_float(hyper["bias_correction2_sqrt"]),
+    }
+    tensors = [values[name].reshape(()) for name in COEFFICIENTS]
+    if all(tensor.device == device for tensor in tensors):
+        return torch.stack(tensors)
+    if all(tensor.device.type == "cpu" for tensor in tensors):
+        return torch.stack(tensors).to(device, non_blocking=True)
+    return torch.stack([tensor.to(device, non_blocking=True) for tensor in tensors])
+
+
+def _seed_pair(seed: int | torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    """``(2,)`` int64 seeds (``exp_avg``, ``exp_avg_sq``): drawn, the first two of a tensor, or derived from one seed."""
+    if seed is None:
+        return draw_seed(None, device, 2)
+    first = _seed_tensor(seed, device) if not isinstance(seed, torch.Tensor) or seed.numel() < 2 else None
+    if first is None:
+        return seed.reshape(-1)[:2].to(device=device, dtype=torch.int64)
+    return torch.cat([first, first + SEED_HIGH])  # two streams that never share a seed in [0, 2**31 - 1)
+
+
+def _check_moment(name: str, q: QuantizedTensor, numel: int, device: torch.device) -> None:
+    fmt = q.format
+    if not isinstance(fmt, BlockFormat) or q.scales is None:
+        raise TypeError(f"triton_adam_step: {name} must be stored in a block format, got {fmt!r}")
+    if q.numel != numel:
+        raise ValueError(f"triton_adam_step: {name} holds {q.numel} values, the parameter {numel}")
+    expected = packed_numel(numel, fmt.bits)
+    if q.codes.numel() != expected or q.codes.dtype != container_dtype(fmt.bits) or not q.codes.is_contiguous():
+        raise ValueError(f"triton_adam_step: {name} ({fmt.name!r}) needs {expected} contiguous {container_dtype(fmt.bits)} codes")
+    blocks = num_blocks(numel, fmt.block_size)
+    if q.scales.numel() != blocks or q.scales.dtype != torch.float32 or not q.scales.is_contiguous():
+        raise ValueError(f"triton_adam_step: {name} ({fmt.name!r}) needs {blocks} contiguous fp32 scales")
+    if q.codes.device != device or q.scales.device != device:
+        raise ValueError(f"triton_adam_step: {name} is on {q.codes.device}, the parameter on {device}")
+
+
+def triton_adam_step(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    m: QuantizedTensor,
+    v: QuantizedTensor,
+    hyper: dict[str, torch.Tensor],
+    rounding: Rounding = "nearest",
+    decoupled_weight_decay: bool = False,
+    maximize: bool = False,
+    track_stalls: bool = False,
+    seed: int | torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One Adam(W) step of ``param`` (fp32, contiguous) with moments ``m`` (``exp_avg``) and ``v`` (``exp_avg_sq``).
+
+    Updates ``param`` and the codes and scales of ``m`` and ``v`` in place, in one kernel pass: the step of
+    ``optim.fused.adam_step_quantized`` (``hyper`` as there). SR draws from ``seed``: two seeds (``m``, ``v``)
+    as a tensor, or one (an int or a one-element tensor) from which the second is derived; ``None`` draws them
+    from the device's default generator. Returns int64 ``[stalled_m, moved_m, stalled_v, moved_v]`` on
+    ``param``'s device (zeros unless ``track_stalls``).
+    """
+    device, numel = param.device, param.numel()
+    if param.dtype != torch.float32 or not param.is_contiguous():
+        raise TypeError(f"triton_adam_step updates contiguous float32 parameters, got {param.dtype} (contiguous={param.is_contiguous()})")
+    if grad.numel() != numel or grad.dtype not in FLOAT_INPUT_DTYPES or grad.device != device:
+        raise ValueError(f"triton_adam_step: the gradient ({grad.numel()} {grad.dtype} on {grad.device}) does not match the parameter")
+    _check_moment("exp_avg", m, numel, device)
+    _check_moment("exp_avg_sq", v, numel, device)
+    if track_stalls and numel >= 2**32:
+        raise ValueError("triton_adam_step counts stalls of parameters with fewer than 2**32 elements")
+    variant = adam_step_variant(m.format, v.format, rounding, grad.dtype, decoupled_weight_decay, maximize, track_stalls)
+    if numel == 0:
+        return torch.zeros(4, dtype=torch.int64, device=device)
+    _, int64_placeholder = _placeholders(device)
+    counts = torch.zeros(int(STALL_SLOTS), 2, dtype=torch.int64, device=device) if track_stalls else int64_placeholder
+    seeds = _seed_pair(seed, device) if rounding == "stochastic" else int64_placeholder
+    coefficients = adam_coefficients(hyper, device)
+    m_format, v_format = m.format, v.format
+    blocks = -(-numel // variant.constexprs["BLOCK_SIZE"])
+    with _on_device(device):
+        adam_step_kernel[(blocks,)](
+            param, grad.reshape(-1).contiguous(),
+            m.codes, m.scales, m_format.tables(device)["decode"], *_encoder_args(m_format, device),
+            v.codes, v.scales, v_format.tables(device)["decode"], *_encoder_args(v_format, device),
+            coefficients, seeds, counts, numel,
+            **variant.launch_options,
+        )  # fmt: skip
+    if not track_stalls:
+        return torch.zeros(4, dtype=torch.int64, device=device)
+    packed = counts.sum(dim=0)  # stalled + (moved << 32) per moment
+    return torch.stack([packed & 0xFFFFFFFF, packed >> 32], dim=1).view(4)

@@ -1,8 +1,10 @@
 """Triton device functions that mirror the torch reference of :mod:`lightning_qstate.formats`.
 
 Every function here is an ``@triton.jit`` helper meant to be inlined into a
-kernel: the block kernels of :mod:`.triton_kernels` today, and a fused optimizer
-kernel (dequantize -> update -> requantize, one pass per block) later. Each one
+kernel: the block kernels of :mod:`.triton_kernels` and the fused optimizer
+kernel of :mod:`.triton_adam` (dequantize -> update -> requantize, one pass per
+block; :func:`load_moment` / :func:`store_moment` handle a state whose block size
+divides the program's block as several sub-blocks). Each one
 follows its torch twin in ``formats/rounding.py``, ``formats/block.py`` or
 ``formats/cast.py`` operation by operation, so that round-to-nearest (RN) gives
 the reference's codes bit for bit:
@@ -33,7 +35,6 @@ import triton.language as tl
 
 FLT_MAX: tl.constexpr = tl.constexpr(3.4028234663852886e38)
 RNE_MAGIC: tl.constexpr = tl.constexpr(8388608.0)  # 2**23, as formats.rounding._RNE_MAGIC
-NAN: tl.constexpr = tl.constexpr(float("nan"))
 FP16_MAX: tl.constexpr = tl.constexpr(65504.0)
 
 
@@ -95,6 +96,16 @@ def encode_minifloat(magnitude, MANTISSA_BITS: tl.constexpr, BIAS: tl.constexpr,
 
 
 @triton.jit
+def quiet_nan_like(x):
+    """fp32 quiet NaNs (``0x7FC00000``) of ``x``'s shape.
+
+    Built from a bit pattern, not a global ``nan`` constexpr: Triton checks that every function of a kernel
+    sees the same value of a global, and ``nan != nan`` fails that check once two inlined calls read it.
+    """
+    return (x.to(tl.int32, bitcast=True) * 0 + 0x7FC00000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def normalize_block(x):
     """Absmax-normalize one fp32 block (padding must be 0), as ``BlockFormat.quantize_reference``.
 
@@ -110,7 +121,7 @@ def normalize_block(x):
     values = tl.where(all_finite, x, 0.0)
     divisor = tl.where(all_finite & (absmax > 0), absmax, 1.0)
     normalized = tl.math.div_rn(values, tl.broadcast_to(divisor, values.shape))
-    scale = tl.where(all_finite, absmax, NAN)
+    scale = tl.where(all_finite, absmax, quiet_nan_like(absmax))
     return normalized, scale
 
 
@@ -222,6 +233,116 @@ def decode_block(packed, decode_lut_ptr, scale, BITS: tl.constexpr):
     else:
         codes = packed.to(tl.int32) & 0xFFFF
     return tl.load(decode_lut_ptr + codes) * scale
+
+
+# --------------------------------------------------------------------------- moments of fused optimizer kernels
+
+
+@triton.jit
+def sub_block_scale(values, scale, SUB_BLOCKS: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """``values * scale``: one scalar ``scale``, or ``(SUB_BLOCKS,)`` scales over equal runs of ``values``."""
+    if SUB_BLOCKS == 1:
+        scaled = values * scale
+    else:
+        rows = tl.reshape(values, (SUB_BLOCKS, BLOCK_SIZE // SUB_BLOCKS))
+        scaled = tl.reshape(rows * scale[:, None], (BLOCK_SIZE,))
+    return scaled
+
+
+@triton.jit
+def normalize_sub_blocks(x, SUB_BLOCKS: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """:func:`~.triton_formats.normalize_block` of each of ``SUB_BLOCKS`` equal runs of ``x`` (padding 0).
+
+    Returns ``(normalized, scale)``; ``scale`` is a scalar when ``SUB_BLOCKS == 1``, else ``(SUB_BLOCKS,)``.
+    """
+    if SUB_BLOCKS == 1:
+        normalized, scale = normalize_block(x)
+    else:
+        rows = tl.reshape(x, (SUB_BLOCKS, BLOCK_SIZE // SUB_BLOCKS))
+        magnitude = tl.abs(rows)
+        finite = magnitude <= FLT_MAX  # False for inf and NaN
+        all_finite = tl.min(finite.to(tl.int32), axis=1) > 0
+        absmax = tl.max(tl.where(finite, magnitude, 0.0), axis=1)
+        values = tl.where(all_finite[:, None], rows, 0.0)
+        divisor = tl.where(all_finite & (absmax > 0), absmax, 1.0)
+        normalized = tl.reshape(tl.math.div_rn(values, tl.broadcast_to(divisor[:, None], values.shape)), (BLOCK_SIZE,))
+        scale = tl.where(all_finite, absmax, quiet_nan_like(absmax))
+    return normalized, scale
+
+
+@triton.jit
+def load_moment(codes_ptr, scales_ptr, decode_ptr, block, numel, BITS: tl.constexpr, SUB_BLOCKS: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """fp32 values of block ``block`` of a stored moment (``BlockFormat.dequantize_reference``)."""
+    packed = load_block_codes(codes_ptr, block, numel, BITS, BLOCK_SIZE)
+    if SUB_BLOCKS == 1:
+        values = decode_block(packed, decode_ptr, tl.load(scales_ptr + block), BITS)
+    else:
+        index = block.to(tl.int64) * SUB_BLOCKS + tl.arange(0, SUB_BLOCKS)
+        scales = tl.load(scales_ptr + index, mask=index * (BLOCK_SIZE // SUB_BLOCKS) < numel, other=0.0)
+        values = sub_block_scale(decode_block(packed, decode_ptr, 1.0, BITS), scales, SUB_BLOCKS, BLOCK_SIZE)
+    return values
+
+
+@triton.jit
+def store_moment(
+    x,
+    uniform,
+    codes_ptr,
+    scales_ptr,
+    decode_ptr,
+    bucket_floor_ptr,
+    values_ptr,
+    key_shift,
+    half,
+    last,
+    max_value,
+    block,
+    numel,
+    BLOCK_SIZE: tl.constexpr,
+    SUB_BLOCKS: tl.constexpr,
+    BITS: tl.constexpr,
+    IS_MINIFLOAT: tl.constexpr,
+    SIGNED: tl.constexpr,
+    MANTISSA_BITS: tl.constexpr,
+    BIAS: tl.constexpr,
+    MAX_CODE: tl.constexpr,
+    STOCHASTIC: tl.constexpr,
+    DECODE_STORED: tl.constexpr,
+):
+    """Quantize and store block ``block`` of a moment (``x``: fp32, 0 past ``numel``), as ``BlockFormat.quantize_reference``.
+
+    Returns the stored values (``decode[code] * scale``) when ``DECODE_STORED``, else ``x``.
+    """
+    normalized, scale = normalize_sub_blocks(x, SUB_BLOCKS, BLOCK_SIZE)
+    codes = encode_block(
+        normalized, uniform, bucket_floor_ptr, values_ptr, key_shift, half, last, max_value,
+        IS_MINIFLOAT, SIGNED, BITS, MANTISSA_BITS, BIAS, MAX_CODE, STOCHASTIC,
+    )  # fmt: skip
+    store_block_codes(codes_ptr, codes, block, numel, BITS, BLOCK_SIZE)
+    if SUB_BLOCKS == 1:
+        tl.store(scales_ptr + block, scale)
+    else:
+        index = block.to(tl.int64) * SUB_BLOCKS + tl.arange(0, SUB_BLOCKS)
+        tl.store(scales_ptr + index, scale, mask=index * (BLOCK_SIZE // SUB_BLOCKS) < numel)
+    if DECODE_STORED:
+        stored = sub_block_scale(tl.load(decode_ptr + codes), scale, SUB_BLOCKS, BLOCK_SIZE)
+    else:
+        stored = x
+    return stored
+
+
+@triton.jit
+def stall_counts(new, old, stored, in_range):
+    """``stalled + (moved << 32)`` (int64) of one block: ``moved`` entries the update changed, ``stalled`` those of
+    them whose stored value stayed at the old one.
+
+    One packed sum instead of two, and no sum of booleans (LLVM turns that into a bit mask built on the stack).
+    Sums of packed counts stay exact while the total ``stalled`` is below ``2**32``.
+    """
+    moved = (new != old) & in_range
+    stalled = moved & (stored == old)
+    packed = tl.where(moved, 1 << 32, 0).to(tl.int64) + tl.where(stalled, 1, 0).to(tl.int64)
+    return tl.sum(packed, axis=0)
 
 
 # --------------------------------------------------------------------------- casts

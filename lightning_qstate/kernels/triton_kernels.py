@@ -6,6 +6,8 @@ Kernels (each built from the device functions of :mod:`.triton_formats`):
   absmax scale, encode (codebook or minifloat, RN or SR), pack, store.
 * :func:`dequantize_blocks_kernel`: one program per block: unpack, decode, scale.
 * :func:`stochastic_cast_kernel`: SR cast of fp32/bf16/fp16 values to bf16 or fp16.
+* :func:`~.triton_adam.adam_step_kernel` (defined in :mod:`.triton_adam`): one fused
+  Adam(W) step per block of a parameter with block-quantized moments.
 
 :class:`KernelVariant` describes one specialization (argument types, constexprs,
 ``num_warps``). The ``*_variant`` functions give the one a launch uses, so the
@@ -17,6 +19,7 @@ and to :func:`aot_variants`.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 
 import torch
@@ -26,6 +29,7 @@ from triton.runtime.jit import KernelInterface
 
 from ..formats import BlockFormat, CastFormat, CodebookFormat, MinifloatFormat, Rounding, StorageFormat, get_format
 from ..formats.packing import container_dtype
+from .triton_adam import adam_step_kernel
 from .triton_formats import (
     bf16_stochastic,
     decode_block,
@@ -114,16 +118,20 @@ KERNELS = {
     "quantize_blocks_kernel": quantize_blocks_kernel,
     "dequantize_blocks_kernel": dequantize_blocks_kernel,
     "stochastic_cast_kernel": stochastic_cast_kernel,
+    "adam_step_kernel": adam_step_kernel,
 }
-"""Every ``@triton.jit`` kernel of this module, by name."""
+"""Every ``@triton.jit`` kernel of this module and of :mod:`.triton_adam`, by name."""
 
 
 def defined_kernels() -> set[str]:
-    """Names of the ``@triton.jit`` kernels defined in this module (the tests check that :data:`KERNELS` has them all)."""
+    """Names of the ``@triton.jit`` kernels defined in this module and in :mod:`.triton_adam` (the tests check that
+    :data:`KERNELS` has them all)."""
+    modules = {__name__, adam_step_kernel.fn.__module__}
     return {
         name
-        for name, obj in globals().items()
-        if isinstance(obj, KernelInterface) and getattr(getattr(obj, "fn", None), "__module__", None) == __name__
+        for module in modules
+        for name, obj in vars(sys.modules[module]).items()
+        if isinstance(obj, KernelInterface) and getattr(getattr(obj, "fn", None), "__module__", None) == module
     }
 
 
@@ -155,7 +163,8 @@ class KernelVariant:
     """One specialization of a kernel in :data:`KERNELS`: what ``triton.compile`` needs and the launch uses.
 
     ``signature`` maps every argument, in order, to its Triton type (``"constexpr"``
-    for the constexprs, whose values are in ``constexprs``).
+    for the constexprs, whose values are in ``constexprs``). ``options``: further
+    compile options the launch passes (e.g. ``enable_fp_fusion``).
     """
 
     kernel: str
@@ -163,6 +172,12 @@ class KernelVariant:
     constexprs: dict[str, object]
     num_warps: int
     label: str = field(default="", compare=False)
+    options: dict[str, object] = field(default_factory=dict, compare=False)
+
+    @property
+    def launch_options(self) -> dict[str, object]:
+        """Keyword arguments of the launch besides the kernel's own: ``num_warps``, ``options`` and the constexprs."""
+        return {"num_warps": self.num_warps, **self.options, **self.constexprs}
 
     @property
     def fn(self):
@@ -173,10 +188,8 @@ def _with_constexprs(types: dict[str, str], constexprs: dict[str, object]) -> di
     return {**types, **{name: "constexpr" for name in constexprs}}
 
 
-def quantize_blocks_variant(fmt: BlockFormat, rounding: Rounding, input_dtype: torch.dtype) -> KernelVariant:
-    """The :func:`quantize_blocks_kernel` specialization for ``fmt``, ``rounding`` and input ``input_dtype``."""
-    if not isinstance(fmt, BlockFormat):
-        raise TypeError(f"quantize_blocks_kernel stores block formats, got {fmt!r}")
+def encoder_constexprs(fmt: BlockFormat, prefix: str = "") -> dict[str, object]:
+    """The constexprs of :func:`~.triton_formats.encode_block` for ``fmt`` (and ``BITS``), names prefixed by ``prefix``."""
     if isinstance(fmt, MinifloatFormat):
         spec = fmt.spec
         minifloat = {
@@ -190,7 +203,14 @@ def quantize_blocks_variant(fmt: BlockFormat, rounding: Rounding, input_dtype: t
         minifloat = {"IS_MINIFLOAT": False, "SIGNED": fmt.signed, "MANTISSA_BITS": 0, "BIAS": 0, "MAX_CODE": 0}
     else:
         raise TypeError(f"no Triton encoder for block format {fmt!r}")
-    constexprs = {"BLOCK_SIZE": fmt.block_size, "BITS": fmt.bits, **minifloat, "STOCHASTIC": rounding == "stochastic"}
+    return {f"{prefix}{name}": value for name, value in {"BITS": fmt.bits, **minifloat}.items()}
+
+
+def quantize_blocks_variant(fmt: BlockFormat, rounding: Rounding, input_dtype: torch.dtype) -> KernelVariant:
+    """The :func:`quantize_blocks_kernel` specialization for ``fmt``, ``rounding`` and input ``input_dtype``."""
+    if not isinstance(fmt, BlockFormat):
+        raise TypeError(f"quantize_blocks_kernel stores block formats, got {fmt!r}")
+    constexprs = {"BLOCK_SIZE": fmt.block_size, **encoder_constexprs(fmt), "STOCHASTIC": rounding == "stochastic"}
     types = {
         "x_ptr": pointer_type(input_dtype),
         "codes_ptr": pointer_type(container_dtype(fmt.bits)),
@@ -236,6 +256,70 @@ def stochastic_cast_variant(fmt: CastFormat, input_dtype: torch.dtype) -> Kernel
     return KernelVariant("stochastic_cast_kernel", _with_constexprs(types, constexprs), constexprs, CAST_NUM_WARPS, label)
 
 
+def adam_step_supported(m_format: StorageFormat, v_format: StorageFormat) -> bool:
+    """Whether :func:`adam_step_kernel` stores these moment formats: both block formats with a Triton encoder."""
+    return all(isinstance(fmt, (CodebookFormat, MinifloatFormat)) for fmt in (m_format, v_format))
+
+
+def adam_step_variant(
+    m_format: BlockFormat,
+    v_format: BlockFormat,
+    rounding: Rounding,
+    grad_dtype: torch.dtype,
+    decoupled_weight_decay: bool,
+    maximize: bool,
+    track_stalls: bool,
+) -> KernelVariant:
+    """The :func:`adam_step_kernel` specialization for the moment formats, rounding, gradient dtype and Adam flags.
+
+    The program block is the larger of the two block sizes; the other moment is scaled per sub-block. The launch
+    disables FMA contraction (``enable_fp_fusion=False``) so that the update rounds as torch's kernels do.
+    """
+    if not adam_step_supported(m_format, v_format):
+        raise TypeError(f"adam_step_kernel stores block-format moments, got {m_format!r} and {v_format!r}")
+    block_size = max(m_format.block_size, v_format.block_size)
+    constexprs = {
+        "BLOCK_SIZE": block_size,
+        "M_SUB_BLOCKS": block_size // m_format.block_size,
+        **encoder_constexprs(m_format, "M_"),
+        "V_SUB_BLOCKS": block_size // v_format.block_size,
+        **encoder_constexprs(v_format, "V_"),
+        "STOCHASTIC": rounding == "stochastic",
+        "DECOUPLED": bool(decoupled_weight_decay),
+        "MAXIMIZE": bool(maximize),
+        "TRACK_STALLS": bool(track_stalls),
+    }
+    types = {"param_ptr": "*fp32", "grad_ptr": pointer_type(grad_dtype)}
+    for prefix, fmt in (("m_", m_format), ("v_", v_format)):
+        types.update(
+            {
+                f"{prefix}codes_ptr": pointer_type(container_dtype(fmt.bits)),
+                f"{prefix}scales_ptr": "*fp32",
+                f"{prefix}decode_ptr": "*fp32",
+                f"{prefix}bucket_floor_ptr": "*i32",
+                f"{prefix}values_ptr": "*fp32",
+                f"{prefix}key_shift": "i32",
+                f"{prefix}half": "i32",
+                f"{prefix}last": "i32",
+                f"{prefix}max_value": "fp32",
+            }
+        )
+    types.update({"coefficients_ptr": "*fp32", "seed_ptr": "*i64", "counts_ptr": "*i64", "numel": "i32"})
+    flags = ",".join(name for name, on in (("decoupled", decoupled_weight_decay), ("maximize", maximize), ("stalls", track_stalls)) if on)
+    label = (
+        f"adam_step[m={m_format.name}/{m_format.bits}b/{m_format.block_size},v={v_format.name}/{v_format.bits}b/{v_format.block_size},"
+        f"{rounding},{grad_dtype},{flags}]"
+    )
+    return KernelVariant(
+        "adam_step_kernel",
+        _with_constexprs(types, constexprs),
+        constexprs,
+        block_num_warps(block_size),
+        label,
+        options={"enable_fp_fusion": False},
+    )
+
+
 def aot_variants() -> list[KernelVariant]:
     """Specializations to compile ahead of time: every kernel, encoder, rounding and container, a few block sizes."""
     fp32, bf16, fp16 = torch.float32, torch.bfloat16, torch.float16
@@ -256,4 +340,17 @@ def aot_variants() -> list[KernelVariant]:
         dequantize_blocks_variant(get_format("e5m10", block_size=32), fp16),
     ]
     variants += [stochastic_cast_variant(get_format("bf16"), fp32), stochastic_cast_variant(get_format("fp16"), bf16)]
+    # Adam: (m format, v format, rounding, grad dtype, decoupled, maximize, track_stalls).
+    adam: list[tuple[StorageFormat, StorageFormat, Rounding, torch.dtype, bool, bool, bool]] = [
+        (get_format("int8"), get_format("int8", signed=False), "nearest", fp32, True, False, False),  # the default states
+        (get_format("int8"), get_format("int8", signed=False), "stochastic", fp32, True, False, True),
+        (get_format("int4"), get_format("int4", signed=False), "nearest", fp32, False, True, True),  # nibbles, 128 blocks
+        (get_format("int4"), get_format("int4", signed=False), "stochastic", bf16, True, False, False),
+        (get_format("fp8_e4m3"), get_format("fp8_e4m3"), "nearest", fp32, True, False, True),  # minifloat
+        (get_format("fp8_e4m3"), get_format("fp8_e5m2"), "stochastic", fp32, False, False, True),
+        (get_format("int8"), get_format("int4", signed=False), "nearest", fp32, True, False, True),  # v in 2 sub-blocks
+        (get_format("fp8_e4m3", block_size=32), get_format("int8", signed=False), "stochastic", fp32, True, True, True),  # 8 sub-blocks
+        (get_format("int8", block_size=2048), get_format("e5m10", block_size=2048), "nearest", fp16, True, False, True),  # large block
+    ]
+    variants += [adam_step_variant(*case) for case in adam]
     return variants

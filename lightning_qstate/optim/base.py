@@ -13,14 +13,28 @@ import warnings
 from typing import Any, Literal
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from ..formats import QuantizedTensor, StorageFormat, get_format
 from .policy import NONNEGATIVE_STATES, POLICY_DEFAULTS, StatesSpec, resolve_format, validate_policy
-from .serialization import STATE_FORMAT_VERSION, VERSION_KEY, export_state, import_state, is_exported
+from .serialization import FORMAT_SUFFIX, STATE_FORMAT_VERSION, VERSION_KEY, export_state, format_from_marker, format_marker, import_state, is_exported
 
 NonFiniteGradPolicy = Literal["skip", "raise"]
+CheckpointMode = Literal["packed", "fp32"]
 NONFINITE_GRAD_POLICIES: tuple[str, ...] = ("skip", "raise")
 StateValue = torch.Tensor | QuantizedTensor
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The local shard of a DTensor (FSDP2), or the tensor itself."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def like_param(local: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """``local`` as a tensor laid out like ``param``: a DTensor with its mesh and placements under FSDP2."""
+    if isinstance(param, DTensor):
+        return DTensor.from_local(local, param.device_mesh, param.placements, shape=param.shape, stride=param.stride())
+    return local
 
 
 def dequantized(value: StateValue) -> torch.Tensor:
@@ -43,12 +57,24 @@ def state_nbytes(optimizer: torch.optim.Optimizer) -> int:
     return total
 
 
+def state_summary(optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """Local (this rank's) totals over the per-element states of ``optimizer``: ``bytes`` stored, ``values``
+    held, and ``fp32_bytes`` they would take in fp32. Scalars such as Adam's ``step`` are left out."""
+    stored = values = 0
+    for state in optimizer.state.values():
+        for value in state.values():
+            if isinstance(value, QuantizedTensor) or (isinstance(value, torch.Tensor) and value.ndim > 0):
+                stored += value.nbytes
+                values += value.numel if isinstance(value, QuantizedTensor) else local_tensor(value).numel()
+    return {"bytes": stored, "values": values, "fp32_bytes": 4 * values}
+
+
 class QuantizedStates:
     """Mixin holding the state-storage logic; concrete optimizers combine it with a ``torch.optim`` class.
 
     Subclasses set ``state_names`` and implement ``_update(group, param, grad, states, state)``, which
     applies torch's update to the fp32 ``states`` (a dict of tensors, mutated in place or replaced), and
-    ``_init_state(group, param, state)`` to create a parameter's states.
+    ``_init_state(group, key, param, state)`` to create a parameter's states.
     """
 
     state_names: tuple[str, ...] = ()
@@ -73,6 +99,8 @@ class QuantizedStates:
         self.nonfinite = nonfinite
         self.generator = generator
         self.nonfinite_skips = 0
+        self.state_overrides: dict[torch.Tensor, StatesSpec] = {}
+        self.checkpoint_mode: CheckpointMode = "packed"
         self._stall_counts: dict[tuple[torch.Tensor, str], torch.Tensor] = {}
         self._step_supports_amp_scaling = False  # a GradScaler must unscale the grads before our step
 
@@ -117,44 +145,51 @@ class QuantizedStates:
 
     def _step_params(self) -> None:
         for group in self.param_groups:
-            for param in group["params"]:
-                grad = param.grad
-                if grad is None:
+            for key in group["params"]:
+                if key.grad is None:
                     continue
-                self._check_grad(grad)
-                if not self._grad_is_finite(param, grad):
+                self._check_grad(key.grad)
+                if not self._grad_is_finite(key, key.grad):
                     continue
-                self._step_param(group, param, grad, self.state[param])
+                self._step_param(group, key, local_tensor(key), local_tensor(key.grad), self.state[key])
 
-    def _step_param(self, group: dict, param: torch.Tensor, grad: torch.Tensor, state: dict) -> None:
+    def _step_param(self, group: dict, key: torch.Tensor, param: torch.Tensor, grad: torch.Tensor, state: dict) -> None:
+        """Step one parameter. ``key`` is the parameter as the optimizer holds it (a DTensor under FSDP2: all
+        decisions use its full shape); ``param`` and ``grad`` are the local tensors the math runs on."""
         if not state:
-            self._init_state(group, param, state)
+            self._init_state(group, key, param, state)
         states = {name: dequantized(state[name]) for name in self.state_names if state.get(name) is not None}
         before = {name: value.clone() for name, value in states.items() if self.track_stalls and isinstance(state[name], QuantizedTensor)}
         self._update(group, param, grad, states, state)
         for name, value in states.items():
-            state[name] = self._store(group, param, name, value, state.get(name), before.get(name))
+            state[name] = self._store(group, key, name, value, state.get(name), before.get(name))
 
-    def _store(self, group: dict, param: torch.Tensor, name: str, value: torch.Tensor, old: StateValue | None, before: torch.Tensor | None) -> StateValue:
+    def _store(self, group: dict, key: torch.Tensor, name: str, value: torch.Tensor, old: StateValue | None, before: torch.Tensor | None) -> StateValue:
         """Write an updated fp32 state back in its format: the old state's format, or the policy's for a new state."""
-        fmt = self._format_for(group, param, name, value, old)
+        fmt = self._format_for(group, key, name, value, old)
         if fmt is None:
             return value
+        value = local_tensor(value)
         stored = fmt.quantize(value, rounding=group["rounding"], generator=self.generator)
         if before is not None:
-            self._count_stalls(param, name, before, value, stored)
+            self._count_stalls(key, name, before, value, stored)
         return stored
 
-    def _format_for(self, group: dict, param: torch.Tensor, name: str, value: torch.Tensor, old: StateValue | None) -> StorageFormat | None:
+    def _format_for(self, group: dict, key: torch.Tensor, name: str, value: torch.Tensor, old: StateValue | None) -> StorageFormat | None:
         """Format to store ``value`` in: a quantized state keeps its format, a plain one stays plain, a new one follows the policy."""
         if isinstance(old, QuantizedTensor):
             return old.format
-        return resolve_format(group, name, param) if old is None else None
+        return self._policy_format(group, key, name) if old is None else None
 
-    def _initial(self, group: dict, param: torch.Tensor, name: str, value: torch.Tensor) -> StateValue:
-        """Store a freshly created state per the group's policy."""
-        fmt = resolve_format(group, name, param)
-        return value if fmt is None else fmt.quantize(value, rounding="nearest")
+    def _policy_format(self, group: dict, key: torch.Tensor, name: str) -> StorageFormat | None:
+        """The policy's format for state ``name`` of parameter ``key``: the group's, or a per-parameter override."""
+        override = self.state_overrides.get(key)
+        return resolve_format(group if override is None else {**group, "states": override}, name, key)
+
+    def _initial(self, group: dict, key: torch.Tensor, name: str, value: torch.Tensor) -> StateValue:
+        """Store a freshly created state of parameter ``key`` (``value``: local tensor) per the policy."""
+        fmt = self._policy_format(group, key, name)
+        return local_tensor(value) if fmt is None else fmt.quantize(local_tensor(value), rounding="nearest")
 
     # --- stall statistics -----------------------------------------------------------------------------
     def _count_stalls(self, param: torch.Tensor, name: str, before: torch.Tensor, updated: torch.Tensor, stored: QuantizedTensor) -> None:
@@ -231,31 +266,58 @@ class QuantizedStates:
 
     # --- checkpoints ------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """Torch's state dict, with each quantized state as a versioned dict of its codes and scales (bit-exact)."""
+        """Torch's state dict with every quantized state in checkpoint form (see ``checkpoint_mode``).
+
+        ``"packed"`` (default): a versioned dict of codes and scales, bit-exact. ``"fp32"``: a tensor shaped
+        like the parameter (a DTensor under FSDP2, the flat shard under FSDP1) plus a ``"<name>.qstate_format"``
+        string, for strategies that reshard optimizer state; loading re-quantizes it into the same format.
+        DTensor parameters always use ``"fp32"``: per-rank packed buffers would load on the wrong rank.
+        """
         state_dict = super().state_dict()
-        state_dict["state"] = {index: {k: export_state(v) for k, v in entries.items()} for index, entries in state_dict["state"].items()}
+        params = [p for group in self.param_groups for p in group["params"]]
+        state_dict["state"] = {index: self._export_entries(params[index], entries) for index, entries in state_dict["state"].items()}
         state_dict[VERSION_KEY] = STATE_FORMAT_VERSION
         return state_dict
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load our own state dict bit-exactly, or a plain torch one (its fp32 states are quantized per the policy).
+    def _export_entries(self, key: torch.Tensor, entries: dict[str, Any]) -> dict[str, Any]:
+        if self.checkpoint_mode == "packed" and not isinstance(key, DTensor):
+            return {name: export_state(value) for name, value in entries.items()}
+        exported: dict[str, Any] = {}
+        for name, value in entries.items():
+            if isinstance(value, QuantizedTensor):
+                exported[name + FORMAT_SUFFIX] = format_marker(value.format)
+                value = like_param(value.dequantize(), key)
+            exported[name] = value
+        return exported
 
-        Packed codes never pass through ``torch.optim.Optimizer.load_state_dict``, which would cast them.
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load our own state dict (either mode), or a plain torch one (its fp32 states are quantized per the policy).
+
+        Packed codes never pass through ``torch.optim.Optimizer.load_state_dict``, which would cast them; a
+        packed state whose shape or size does not fit its parameter raises.
         """
-        packed = {index: {k: v for k, v in entries.items() if is_exported(v)} for index, entries in state_dict["state"].items()}
-        plain = {index: {k: v for k, v in entries.items() if not is_exported(v)} for index, entries in state_dict["state"].items()}
+        packed, markers, plain = {}, {}, {}
+        for index, entries in state_dict["state"].items():
+            packed[index] = {k: v for k, v in entries.items() if is_exported(v)}
+            markers[index] = {k[: -len(FORMAT_SUFFIX)]: v for k, v in entries.items() if k.endswith(FORMAT_SUFFIX)}
+            plain[index] = {k: v for k, v in entries.items() if not is_exported(v) and not k.endswith(FORMAT_SUFFIX)}
         super().load_state_dict({**{k: v for k, v in state_dict.items() if k != VERSION_KEY}, "state": plain})
         params = [p for group in self.param_groups for p in group["params"]]
         for index, entries in packed.items():
             for name, entry in entries.items():
                 self.state[params[index]][name] = import_state(entry, params[index], f"{type(self).__name__} state {index} ({name!r})")
+        for index, entries in markers.items():
+            for name, marker in entries.items():
+                state = self.state[params[index]]
+                state[name] = format_from_marker(marker).quantize(local_tensor(state[name]))
         for group in self.param_groups:
             self._complete_group(group)
-            for param in group["params"]:
-                state = self.state.get(param, {})
-                for name in self.state_names:
-                    if isinstance(state.get(name), torch.Tensor):
-                        state[name] = self._initial(group, param, name, state[name])
+            for key in group["params"]:
+                state = self.state.get(key, {})
+                for name, value in state.items():
+                    if isinstance(value, torch.Tensor) and (name in self.state_names or not self.state_names):
+                        fmt = self._format_for(group, key, name, local_tensor(value), None)
+                        state[name] = local_tensor(value) if fmt is None else fmt.quantize(local_tensor(value))
 
     def fp32_state_dict(self) -> dict[str, Any]:
         """A plain torch state dict (quantized states decoded to their original dtype), loadable by the torch optimizer."""

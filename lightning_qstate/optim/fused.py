@@ -1,4 +1,10 @@
-"""One-pass Adam step over quantized states: decode -> Adam update -> requantize, for the CPU fast path.
+"""One-pass Adam step over quantized states: decode -> Adam update -> requantize.
+
+CUDA parameters (and those of any device type in ``TRITON_DEVICE_TYPES``) take
+the Triton kernel of ``kernels/triton_adam.py``: one pass per block reads the
+gradient, parameter and packed moments and writes the parameter and packed
+moments, following ``adam_step_quantized`` below operation by operation. The
+rest of this docstring is about the CPU fast path.
 
 ``adam_step_quantized`` is plain torch built from the formats' torch references.
 On the CPU, ``torch.compile`` turns it into one C++ loop nest per parameter
@@ -20,9 +26,15 @@ import warnings
 import torch
 
 from ..formats import BlockFormat, CastFormat, QuantizedTensor, Rounding, StorageFormat
+from ..kernels import TRITON_AVAILABLE
+
+if TRITON_AVAILABLE:
+    from ..kernels import adam_step_supported, draw_seed, triton_adam_step
 
 # Parameters smaller than this take the plain per-parameter path (compiling would not pay off).
 FUSED_MIN_NUMEL = 1 << 16
+# Device types whose parameters step with the Triton kernel (tests add "cpu" under TRITON_INTERPRET=1).
+TRITON_DEVICE_TYPES: tuple[str, ...] = ("cuda",)
 # Row length of the 2-D view of cast-format (unblocked) states on the compiled path.
 CAST_ROW = 256
 
@@ -104,19 +116,23 @@ def fused_layout(value: QuantizedTensor) -> int | None:
 
 
 def can_fuse(param: torch.Tensor, group: dict, state: dict) -> bool:
-    """Whether the compiled CPU path applies: fp32 CPU param, plain Adam options, both moments quantized alike."""
+    """Whether a one-pass step applies: contiguous fp32 param, plain Adam options, both moments quantized, and
+    either a Triton device (block formats) or a large CPU param (block or cast formats, compiled)."""
     m, v = state.get("exp_avg"), state.get("exp_avg_sq")
     if not (isinstance(m, QuantizedTensor) and isinstance(v, QuantizedTensor)):
         return False
     if not all(isinstance(q.format, (BlockFormat, CastFormat)) for q in (m, v)):
         return False
-    return (
-        param.device.type == "cpu"
-        and param.dtype == torch.float32
+    if not (
+        param.dtype == torch.float32
         and m.dtype == torch.float32
-        and param.numel() >= FUSED_MIN_NUMEL
+        and param.is_contiguous()
         and not (group["amsgrad"] or group["capturable"] or group["differentiable"] or group["fused"])
-    )
+    ):
+        return False
+    if param.device.type in TRITON_DEVICE_TYPES:
+        return TRITON_AVAILABLE and adam_step_supported(m.format, v.format)
+    return param.device.type == "cpu" and param.numel() >= FUSED_MIN_NUMEL
 
 
 def _split(value: QuantizedTensor, count: int, block: int) -> tuple[tuple, tuple]:
@@ -139,14 +155,10 @@ def _dynamic_rows(tensor: torch.Tensor) -> torch.Tensor:
 _warned_compile = False
 
 
-def fused_adam_step(param: torch.Tensor, grad: torch.Tensor, state: dict, group: dict, track_stalls: bool) -> torch.Tensor:
-    """Compiled Adam step on the whole blocks of ``param``, eager on the partial last block; returns stall counts."""
-    global _warned_compile
-    m, v = state["exp_avg"], state["exp_avg_sq"]
-    state["step"] += 1
-    step = float(state["step"])
+def adam_hyper(group: dict, step: float) -> dict[str, torch.Tensor]:
+    """The 0-d fp32 tensors ``adam_math`` takes, for ``group``'s options at step ``step`` (1 for the first step)."""
     beta1, beta2 = group["betas"]
-    hyper = {
+    return {
         "lr": torch.as_tensor(group["lr"], dtype=torch.float32),
         "weight_decay": torch.tensor(float(group["weight_decay"])),
         "beta1": torch.tensor(float(beta1)),
@@ -155,6 +167,38 @@ def fused_adam_step(param: torch.Tensor, grad: torch.Tensor, state: dict, group:
         "step_size": torch.as_tensor(group["lr"], dtype=torch.float32) / (1 - float(beta1) ** step),
         "bias_correction2_sqrt": torch.tensor((1 - float(beta2) ** step) ** 0.5),
     }
+
+
+def fused_adam_step(
+    param: torch.Tensor, grad: torch.Tensor, state: dict, group: dict, track_stalls: bool, generator: torch.Generator | None = None
+) -> torch.Tensor:
+    """One Adam step of ``param`` and its quantized moments in ``state``; returns stall counts.
+
+    Triton devices: one kernel pass (SR seeds drawn from ``generator``, default: the device's). CPU: compiled
+    step on the whole blocks of ``param``, eager on the partial last block.
+    """
+    m, v = state["exp_avg"], state["exp_avg_sq"]
+    state["step"] += 1
+    hyper = adam_hyper(group, float(state["step"]))
+    if param.device.type in TRITON_DEVICE_TYPES:
+        seed = None
+        if group["rounding"] == "stochastic":  # two seeds (m, v), drawn where the generator lives
+            seed = draw_seed(generator, generator.device if generator is not None else param.device, 2).to(param.device, non_blocking=True)
+        options = (group["rounding"], group["decoupled_weight_decay"], group["maximize"], track_stalls, seed)
+        counts = triton_adam_step(param, grad, m, v, hyper, *options)
+    else:
+        counts = _compiled_cpu_step(param, grad, m, v, hyper, group, track_stalls)
+    scales = [q.scales for q in (m, v) if q.scales is not None]
+    if scales and not bool(torch.stack([torch.isfinite(s).all() for s in scales]).all()):  # one host sync
+        raise FloatingPointError("an Adam moment overflowed to inf/NaN during the step; its packed codes were not trusted")
+    return counts
+
+
+def _compiled_cpu_step(
+    param: torch.Tensor, grad: torch.Tensor, m: QuantizedTensor, v: QuantizedTensor, hyper: dict, group: dict, track_stalls: bool
+) -> torch.Tensor:
+    """Compiled Adam step on the whole blocks of ``param``, eager on the partial last block; returns stall counts."""
+    global _warned_compile
     flat_param, flat_grad = param.view(-1), grad.reshape(-1)
     block = max(fused_layout(m) or CAST_ROW, fused_layout(v) or CAST_ROW)
     whole = flat_param.numel() // block * block
@@ -166,12 +210,9 @@ def fused_adam_step(param: torch.Tensor, grad: torch.Tensor, state: dict, group:
         counts = step_function(head_param, head_grad, *m_head, *v_head, hyper, *options)
     except Exception as error:  # no C++ compiler, an unsupported platform, ...: fall back to eager, once noisily
         if not _warned_compile:
-            warnings.warn(f"torch.compile of the quantized Adam step failed ({error!r}); using the eager step", RuntimeWarning, stacklevel=3)
+            warnings.warn(f"torch.compile of the quantized Adam step failed ({error!r}); using the eager step", RuntimeWarning, stacklevel=4)
             _warned_compile = True
         counts = adam_step_quantized(flat_param[:whole], flat_grad[:whole], *m_head, *v_head, hyper, *options)
     if whole < flat_param.numel():
         counts = counts + adam_step_quantized(flat_param[whole:], flat_grad[whole:], *m_tail, *v_tail, hyper, *options)
-    for q in (m, v):
-        if q.scales is not None and not bool(torch.isfinite(q.scales).all()):
-            raise FloatingPointError("an Adam moment overflowed to inf/NaN during the step; its packed codes were not trusted")
     return counts

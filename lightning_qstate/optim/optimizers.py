@@ -50,24 +50,24 @@ class _AdamStates(QuantizedStates):
     state_names = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
     cpu_compile = True
 
-    def _step_param(self, group: dict, param: torch.Tensor, grad: torch.Tensor, state: dict) -> None:
+    def _step_param(self, group: dict, key: torch.Tensor, param: torch.Tensor, grad: torch.Tensor, state: dict) -> None:
         """Large fp32 CPU parameters take the compiled one-pass step (see ``optim/fused.py``); others torch's math."""
         if not state:
-            self._init_state(group, param, state)
+            self._init_state(group, key, param, state)
         if self.cpu_compile and can_fuse(param, group, state):
             counts = fused_adam_step(param, grad, state, group, self.track_stalls)
             if self.track_stalls:
-                self._add_stall_counts(param, "exp_avg", counts[:2])
-                self._add_stall_counts(param, "exp_avg_sq", counts[2:])
+                self._add_stall_counts(key, "exp_avg", counts[:2])
+                self._add_stall_counts(key, "exp_avg_sq", counts[2:])
             return
-        super()._step_param(group, param, grad, state)
+        super()._step_param(group, key, param, grad, state)
 
-    def _init_state(self, group: dict, param: torch.Tensor, state: dict) -> None:
+    def _init_state(self, group: dict, key: torch.Tensor, param: torch.Tensor, state: dict) -> None:
         on_device = group["capturable"] or group["fused"]
         state["step"] = torch.zeros((), dtype=_get_scalar_dtype(is_fused=group["fused"]), device=param.device if on_device else "cpu")
         names = self.state_names if group["amsgrad"] else self.state_names[:2]
         for name in names:
-            state[name] = self._initial(group, param, name, torch.zeros_like(param, memory_format=torch.preserve_format))
+            state[name] = self._initial(group, key, name, torch.zeros_like(param, memory_format=torch.preserve_format))
 
     def _update(self, group: dict, param: torch.Tensor, grad: torch.Tensor, states: dict[str, torch.Tensor], state: dict) -> None:
         beta1, beta2 = group["betas"]
@@ -193,7 +193,7 @@ class QSGD(QuantizedStates, torch.optim.SGD):
         )  # fmt: skip
         self._setup_quantized_states(states, rounding, block_size, min_quant_size, track_stalls, nonfinite, generator)
 
-    def _init_state(self, group: dict, param: torch.Tensor, state: dict) -> None:
+    def _init_state(self, group: dict, key: torch.Tensor, param: torch.Tensor, state: dict) -> None:
         """No state until the first step with momentum (torch clones the first gradient into the buffer)."""
 
     def _update(self, group: dict, param: torch.Tensor, grad: torch.Tensor, states: dict[str, torch.Tensor], state: dict) -> None:
@@ -243,8 +243,8 @@ class QMuon(QuantizedStates, torch.optim.Muon):
         torch.optim.Muon.__init__(self, params, lr, weight_decay, momentum, nesterov, ns_coefficients, eps, ns_steps, adjust_lr_fn)
         self._setup_quantized_states(states, rounding, block_size, min_quant_size, track_stalls, nonfinite, generator)
 
-    def _init_state(self, group: dict, param: torch.Tensor, state: dict) -> None:
-        state["momentum_buffer"] = self._initial(group, param, "momentum_buffer", torch.zeros_like(param, memory_format=torch.preserve_format))
+    def _init_state(self, group: dict, key: torch.Tensor, param: torch.Tensor, state: dict) -> None:
+        state["momentum_buffer"] = self._initial(group, key, "momentum_buffer", torch.zeros_like(param, memory_format=torch.preserve_format))
 
     def _update(self, group: dict, param: torch.Tensor, grad: torch.Tensor, states: dict[str, torch.Tensor], state: dict) -> None:
         muon(

@@ -6,13 +6,17 @@ from collections.abc import Mapping
 from typing import Any, Union
 
 import torch
+from torch.distributed.tensor import DTensor, Shard
 
-from ..formats import ROUNDINGS, StorageFormat, check_block_size, get_format
+from ..formats import ROUNDINGS, BlockFormat, StorageFormat, check_block_size, get_format
 
 StatesSpec = Union[str, Mapping[str, str]]
 
 # States that are never negative get unsigned maps (no codes spent on the sign).
 NONNEGATIVE_STATES = frozenset({"exp_avg_sq", "max_exp_avg_sq", "exp_avg_sq_row", "exp_avg_sq_col", "sum", "square_avg", "acc_delta"})
+
+# Smallest block a row-aligned (sharded) parameter may use before it keeps fp32 states.
+MIN_ALIGNED_BLOCK = 32
 
 # Options every quantized optimizer adds to its torch counterpart; each may be overridden per param group.
 POLICY_DEFAULTS: dict[str, Any] = {
@@ -41,7 +45,10 @@ def validate_policy(group: Mapping[str, Any], state_names: tuple[str, ...] | Non
     else:
         raise TypeError(f"{owner}: states= must be a format name or a mapping of state name -> format name, got {type(states).__name__}")
     for name in names:
-        get_format(name)  # raises with the list of valid formats
+        try:
+            get_format(name)
+        except ValueError as error:  # name the option that holds the bad value
+            raise ValueError(f"{owner}: {error}") from None
     if group["rounding"] not in ROUNDINGS:
         raise ValueError(f"{owner}: rounding={group['rounding']!r} is not valid; use one of {ROUNDINGS}")
     if group["block_size"] is not None:
@@ -66,8 +73,23 @@ def resolve_format(group: Mapping[str, Any], state_name: str, param: torch.Tenso
     """The format a state of ``param`` is stored in, or ``None`` for plain fp32 storage.
 
     Parameters with fewer than ``min_quant_size`` elements, and ``fp32`` states, stay plain tensors.
+    For a DTensor sharded on dim 0 (FSDP2), blocks must not straddle rows, so that every rank and every
+    world size cuts the same blocks: the block size becomes the largest power of two dividing the row
+    length when the format's does not, and a parameter whose rows allow no block of at least
+    ``MIN_ALIGNED_BLOCK`` keeps fp32 states. All of this depends on the full shape only.
     """
     name = format_name_for(group, state_name)
     if name == "fp32" or global_numel(param) < group["min_quant_size"]:
         return None
-    return get_format(name, block_size=group["block_size"], signed=state_name not in NONNEGATIVE_STATES)
+    signed = state_name not in NONNEGATIVE_STATES
+    fmt = get_format(name, block_size=group["block_size"], signed=signed)
+    if not isinstance(fmt, BlockFormat) or not isinstance(param, DTensor):
+        return fmt
+    sharded_dims = [p.dim for p in param.placements if isinstance(p, Shard)]
+    if any(dim != 0 for dim in sharded_dims):
+        return None
+    row = param.shape[1:].numel() if param.ndim > 1 else 1
+    if not sharded_dims or row % fmt.block_size == 0:
+        return fmt
+    aligned = row & -row
+    return get_format(name, block_size=aligned, signed=signed) if aligned >= MIN_ALIGNED_BLOCK else None

@@ -12,14 +12,16 @@ loader never sees (and so never casts) the codes.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import torch
 
-from ..formats import QuantizedTensor, get_format
+from ..formats import QuantizedTensor, StorageFormat, get_format
 
 STATE_FORMAT_VERSION = 1
 VERSION_KEY = "qstate_version"
+FORMAT_SUFFIX = ".qstate_format"  # "<state>.qstate_format" holds the format of a state exported as fp32
 
 
 def export_state(value: Any) -> Any:
@@ -60,3 +62,16 @@ def import_state(entry: dict, param: torch.Tensor, where: str) -> QuantizedTenso
         raise ValueError(f"{where}: checkpoint state holds {stored} bytes but format {fmt.name!r} needs {fmt.nbytes(shape.numel())} for shape {tuple(shape)}")
     device = param.device
     return QuantizedTensor(fmt, codes.to(device), None if scales is None else scales.to(device), shape, getattr(torch, entry["dtype"]))
+
+
+def format_marker(fmt: StorageFormat) -> str:
+    """The string that records a state's format next to its fp32 export."""
+    return json.dumps({VERSION_KEY: STATE_FORMAT_VERSION, **fmt.config}, sort_keys=True)
+
+
+def format_from_marker(marker: str) -> StorageFormat:
+    config = json.loads(marker)
+    version = config.pop(VERSION_KEY)
+    if version > STATE_FORMAT_VERSION:
+        raise ValueError(f"checkpoint state version {version} is newer than this lightning_qstate ({STATE_FORMAT_VERSION}); upgrade to load it")
+    return get_format(**config)

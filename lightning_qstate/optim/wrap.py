@@ -12,16 +12,20 @@ shaped like its parameter is stored in the chosen format.
 
 from __future__ import annotations
 
+import fnmatch
 import functools
 import warnings
 import weakref
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 import torch
+from torch.distributed.fsdp import FullyShardedDataParallel
 
 from ..formats import BlockFormat, QuantizedTensor, StorageFormat, get_format
-from .base import NonFiniteGradPolicy, QuantizedStates, StateValue, dequantized
+from .base import NonFiniteGradPolicy, QuantizedStates, StateValue, dequantized, like_param, local_tensor
 from .optimizers import QAdam, QAdamW, QMuon, QSGD
-from .policy import StatesSpec
+from .policy import StatesSpec, validate_policy
 
 QUANTIZED_EQUIVALENTS: dict[type, type] = {torch.optim.Adam: QAdam, torch.optim.AdamW: QAdamW, torch.optim.SGD: QSGD, torch.optim.Muon: QMuon}
 
@@ -73,10 +77,10 @@ class QuantizedOptimizerWrapper(QuantizedStates, torch.optim.Optimizer):
                     if isinstance(value, torch.Tensor):
                         self.state[param][name] = self._store(group, param, name, value, None, None)
 
-    def _format_for(self, group: dict, param: torch.Tensor, name: str, value: torch.Tensor, old: StateValue | None) -> StorageFormat | None:
-        if old is None and (not isinstance(value, torch.Tensor) or not value.is_floating_point() or value.shape != param.shape):
+    def _format_for(self, group: dict, key: torch.Tensor, name: str, value: torch.Tensor, old: StateValue | None) -> StorageFormat | None:
+        if old is None and (not isinstance(value, torch.Tensor) or not value.is_floating_point() or local_tensor(value).shape != local_tensor(key).shape):
             return None
-        fmt = super()._format_for(group, param, name, value, old)
+        fmt = super()._format_for(group, key, name, value, old)
         if isinstance(fmt, BlockFormat) and not fmt.signed and bool((value < 0).any()):
             warnings.warn(f"state {name!r} holds negative values; storing it with the signed {fmt.name!r} map", RuntimeWarning, stacklevel=2)
             fmt = get_format(fmt.config["name"], block_size=fmt.config["block_size"], signed=True)
@@ -95,9 +99,9 @@ class QuantizedOptimizerWrapper(QuantizedStates, torch.optim.Optimizer):
                         held_back[param] = param.grad
                         param.grad = None
         stored = {param: dict(state) for param, state in self.state.items()}
-        for state in self.state.values():
+        for param, state in self.state.items():
             for name, value in state.items():
-                state[name] = dequantized(value)
+                state[name] = like_param(dequantized(value), param) if isinstance(value, QuantizedTensor) else value
         before = {(p, n): v.dequantize() for p, s in stored.items() for n, v in s.items() if self.track_stalls and isinstance(v, QuantizedTensor)}
         try:
             self.optimizer.step()
@@ -168,3 +172,91 @@ def _track_step_for_schedulers(optimizer: torch.optim.Optimizer) -> None:
 
     tracked_step._wrapped_by_lr_sched = True
     optimizer.step = tracked_step
+
+
+# Prefixes that DDP, FSDP, activation checkpointing and Lightning's wrappers add to parameter names.
+WRAPPER_PREFIXES = ("module.", "_forward_module.", "_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
+
+
+def clean_parameter_name(name: str) -> str:
+    """A parameter's name as the user's module knows it, without wrapper prefixes."""
+    return ".".join(part for part in name.split(".") if part + "." not in WRAPPER_PREFIXES)
+
+
+@dataclass
+class QuantizationPolicy:
+    """Everything that decides how an optimizer's states are stored; applied to any optimizer and module.
+
+    Args:
+        states, rounding, block_size, min_quant_size, track_stalls, nonfinite: as for :class:`~lightning_qstate.QAdamW`.
+        overrides: ``{pattern: states}`` for parameters whose name (as in ``module.named_parameters()``,
+            wrapper prefixes removed) matches the ``fnmatch`` pattern, e.g. ``{"*embed*": "fp32", "*norm*": "fp32"}``.
+            The first matching pattern wins.
+    """
+
+    states: StatesSpec = "int8"
+    rounding: str = "nearest"
+    block_size: int | None = None
+    min_quant_size: int = 4096
+    overrides: Mapping[str, StatesSpec] = field(default_factory=dict)
+    track_stalls: bool = False
+    nonfinite: NonFiniteGradPolicy = "skip"
+
+    def __post_init__(self) -> None:
+        validate_policy(
+            {"states": self.states, "rounding": self.rounding, "block_size": self.block_size, "min_quant_size": self.min_quant_size},
+            None,
+            "QuantizationPolicy",
+        )
+        for pattern, states in dict(self.overrides).items():
+            validate_policy({"states": states, "rounding": self.rounding, "block_size": None, "min_quant_size": 0}, None, f"overrides[{pattern!r}]")
+
+    def apply(self, optimizer: torch.optim.Optimizer, module: torch.nn.Module | None = None) -> torch.optim.Optimizer:
+        """The quantized form of ``optimizer`` (converted in place where possible); an already quantized one is returned as is.
+
+        ``module`` supplies parameter names for ``overrides``.
+        """
+        if isinstance(optimizer, QuantizedStates):
+            return optimizer
+        quantized = quantize_optimizer(
+            optimizer,
+            states=self.states,
+            rounding=self.rounding,
+            block_size=self.block_size,
+            min_quant_size=self.min_quant_size,
+            track_stalls=self.track_stalls,
+            nonfinite=self.nonfinite,
+        )
+        if self.overrides and module is not None:
+            quantized.state_overrides = self.overrides_for(module)
+        if module is not None and any(isinstance(m, FullyShardedDataParallel) for m in module.modules()):
+            quantized.checkpoint_mode = "fp32"  # FSDP1 gathers and reshapes state tensors like its flat shards
+        return quantized
+
+    def overrides_for(self, module: torch.nn.Module) -> dict[torch.Tensor, StatesSpec]:
+        """``{parameter: states}`` for every parameter of ``module`` that an override pattern matches."""
+        matched: dict[torch.Tensor, StatesSpec] = {}
+        for name, param in module.named_parameters():
+            clean = clean_parameter_name(name)
+            for pattern, states in self.overrides.items():
+                if fnmatch.fnmatchcase(clean, pattern):
+                    matched[param] = states
+                    break
+        return matched
+
+
+def check_optimizer_parameters(model: torch.nn.Module, optimizers: list[torch.optim.Optimizer]) -> None:
+    """Raise if an optimizer holds parameters the (wrapped) model no longer has.
+
+    That happens when the optimizer was built before the strategy sharded the model (for example
+    LightningCLI's automatic ``--optimizer`` under ModelParallelStrategy): it would silently update nothing.
+    """
+    model_params = {id(p) for p in model.parameters()}
+    for optimizer in optimizers:
+        stale = [p for group in optimizer.param_groups for p in group["params"] if id(p) not in model_params]
+        if stale:
+            raise RuntimeError(
+                f"{type(optimizer).__name__} holds {len(stale)} parameter(s) that are not in the model the strategy set up; "
+                "build the optimizer in configure_optimizers after configure_model (with LightningCLI and FSDP2 use an "
+                "OptimizerCallable argument and auto_configure_optimizers=False)"
+            )

@@ -1,0 +1,83 @@
+"""Quantize the optimizer states of a LightningModule from a callback, and log their memory."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+
+from ..optim import NonFiniteGradPolicy, QuantizationPolicy, QuantizedStates, StatesSpec, check_optimizer_parameters, state_summary
+
+
+class QuantizedOptimizerStates(Callback):
+    """Store the optimizer states of any LightningModule in low-bit formats, and log what that saves.
+
+    For users who keep their own precision plugin: in ``on_fit_start`` the optimizers of
+    ``trainer.strategy`` are converted (in place for Adam/AdamW/SGD/Muon, wrapped otherwise), before
+    any checkpoint is restored, so resuming loads straight into the quantized optimizers. Optimizers a
+    :class:`~lightning_qstate.plugins.QStatePrecision` already converted are left as they are; the
+    callback then only logs.
+
+    At the Trainer's logging interval (``log_every_n_steps``) it logs, summed over ranks:
+    ``qstate/state_bytes``, ``qstate/bits_per_value`` (average, scales included),
+    ``qstate/saving_vs_fp32`` (fraction of the fp32 state memory saved) and
+    ``qstate/nonfinite_skips`` (parameter updates skipped for non-finite gradients, cumulative).
+
+    Example::
+
+        trainer = Trainer(callbacks=[QuantizedOptimizerStates(states={"exp_avg": "int8", "exp_avg_sq": "int4"},
+                                                              overrides={"*embed*": "fp32"})])
+
+    Args:
+        states, rounding, block_size, min_quant_size, overrides, track_stalls, nonfinite:
+            as for :class:`~lightning_qstate.plugins.QStatePrecision`.
+        log_stats: log the memory statistics above.
+    """
+
+    def __init__(
+        self,
+        states: StatesSpec = "int8",
+        rounding: str = "nearest",
+        block_size: int | None = None,
+        min_quant_size: int = 4096,
+        overrides: Mapping[str, StatesSpec] | None = None,
+        track_stalls: bool = False,
+        nonfinite: NonFiniteGradPolicy = "skip",
+        log_stats: bool = True,
+    ) -> None:
+        self.policy = QuantizationPolicy(states, rounding, block_size, min_quant_size, dict(overrides or {}), track_stalls, nonfinite)
+        self.log_stats = log_stats
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        model = trainer.strategy.model if trainer.strategy.model is not None else pl_module
+        check_optimizer_parameters(model, trainer.strategy.optimizers)
+        trainer.strategy.optimizers = [self.policy.apply(optimizer, model) for optimizer in trainer.strategy.optimizers]
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        if not self.log_stats or not trainer._logger_connector.should_update_logs:
+            return
+        metrics = memory_metrics(trainer)
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.fit_loop.epoch_loop._batches_that_stepped)
+
+
+def memory_metrics(trainer: pl.Trainer) -> dict[str, float]:
+    """State memory of all of ``trainer``'s optimizers, summed over ranks (a collective: call it on every rank)."""
+    local = [0, 0, 0, 0]
+    for optimizer in trainer.strategy.optimizers:
+        summary = state_summary(optimizer)
+        local[0] += summary["bytes"]
+        local[1] += summary["values"]
+        local[2] += summary["fp32_bytes"]
+        local[3] += optimizer.nonfinite_skips if isinstance(optimizer, QuantizedStates) else 0
+    totals = trainer.strategy.reduce(torch.tensor(local, dtype=torch.float64, device=trainer.strategy.root_device), reduce_op="sum")
+    stored, values, fp32_bytes, skips = (float(t) for t in totals)
+    return {
+        "qstate/state_bytes": stored,
+        "qstate/bits_per_value": 8 * stored / values if values else 0.0,
+        "qstate/saving_vs_fp32": 1 - stored / fp32_bytes if fp32_bytes else 0.0,
+        "qstate/nonfinite_skips": skips,
+    }

@@ -1,0 +1,146 @@
+"""The fused Adam(W) step over block-quantized moments: one Triton program per block, one pass over memory.
+
+:func:`adam_step_kernel` reads a block of the fp32 parameter, its gradient and the
+packed codes + scales of both moments, and writes the parameter, codes and scales
+back in place: decode (``decode[code] * scale``) -> torch's Adam(W) update ->
+per-block absmax -> encode (RN or SR) -> pack. Nothing else touches memory.
+
+It follows ``optim/fused.py``'s ``adam_step_quantized`` (the torch definition of the
+step) operation by operation, in the operation order of torch's kernels:
+
+* ``exp_avg.lerp_(grad, w)`` is ``fma(w, grad - exp_avg, exp_avg)`` for ``|w| < 0.5``,
+  else ``fma(w - 1, grad - exp_avg, grad)`` (torch's vectorized CPU and CUDA lerp);
+* ``exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)`` is
+  ``fma((1 - beta2) * grad, grad, exp_avg_sq * beta2)``;
+* ``sqrt`` and the two divisions are IEEE (``sqrt_rn``, ``div_rn``), every other
+  operation rounds once. Launch with ``enable_fp_fusion=False`` (the launcher does,
+  via the kernel variant) so the compiler adds no FMA contraction of its own.
+
+The hyperparameters come from a device vector (:data:`COEFFICIENTS`), so a new
+learning rate never recompiles and never synchronizes. The moments may have
+different formats and block sizes: a program covers ``BLOCK_SIZE`` values, the
+larger of the two block sizes, and the moment with the smaller block size is
+scaled per sub-block (``*_SUB_BLOCKS`` of them).
+
+SR draws ``tl.rand(seed_m, i)`` for ``exp_avg`` and ``tl.rand(seed_v, i)`` for
+``exp_avg_sq`` (two seeds at ``seed_ptr``). With ``TRACK_STALLS``, each program
+atomically adds its block's ``stalled + (moved << 32)`` of ``exp_avg`` and of
+``exp_avg_sq`` into row ``block % STALL_SLOTS`` of an int64 ``(STALL_SLOTS, 2)``
+buffer (rows spread the atomics; the launcher sums and unpacks them into
+``[stalled_m, moved_m, stalled_v, moved_v]``).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .triton_formats import load_moment, stall_counts, store_moment, to_float32
+
+COEFFICIENTS = ("decay", "weight_decay", "lerp_weight", "beta2", "square_weight", "eps", "step_size", "bias_correction2_sqrt")
+"""Layout of the fp32 coefficient vector: ``1 - lr * weight_decay``, ``weight_decay``, ``1 - beta1``, ``beta2``,
+``1 - beta2``, ``eps``, ``lr / (1 - beta1**t)``, ``sqrt(1 - beta2**t)``."""
+
+STALL_SLOTS: tl.constexpr = tl.constexpr(32)
+
+
+@triton.jit
+def adam_step_kernel(
+    param_ptr,
+    grad_ptr,
+    m_codes_ptr,
+    m_scales_ptr,
+    m_decode_ptr,
+    m_bucket_floor_ptr,
+    m_values_ptr,
+    m_key_shift,
+    m_half,
+    m_last,
+    m_max_value,
+    v_codes_ptr,
+    v_scales_ptr,
+    v_decode_ptr,
+    v_bucket_floor_ptr,
+    v_values_ptr,
+    v_key_shift,
+    v_half,
+    v_last,
+    v_max_value,
+    coefficients_ptr,
+    seed_ptr,
+    counts_ptr,
+    numel,
+    BLOCK_SIZE: tl.constexpr,
+    M_SUB_BLOCKS: tl.constexpr,
+    M_BITS: tl.constexpr,
+    M_IS_MINIFLOAT: tl.constexpr,
+    M_SIGNED: tl.constexpr,
+    M_MANTISSA_BITS: tl.constexpr,
+    M_BIAS: tl.constexpr,
+    M_MAX_CODE: tl.constexpr,
+    V_SUB_BLOCKS: tl.constexpr,
+    V_BITS: tl.constexpr,
+    V_IS_MINIFLOAT: tl.constexpr,
+    V_SIGNED: tl.constexpr,
+    V_MANTISSA_BITS: tl.constexpr,
+    V_BIAS: tl.constexpr,
+    V_MAX_CODE: tl.constexpr,
+    STOCHASTIC: tl.constexpr,
+    DECOUPLED: tl.constexpr,
+    MAXIMIZE: tl.constexpr,
+    TRACK_STALLS: tl.constexpr,
+):
+    """One Adam(W) step of block ``program_id(0)`` (``BLOCK_SIZE`` values) of a parameter with quantized moments.
+
+    ``m_*`` / ``v_*``: codes, scales and decode table of ``exp_avg`` / ``exp_avg_sq``, then the encoder
+    arguments of :func:`~.triton_formats.encode_block`. ``coefficients_ptr``: fp32 vector laid out as
+    :data:`COEFFICIENTS`. ``seed_ptr``: two int64 seeds (``m``, ``v``), read only when ``STOCHASTIC``.
+    ``counts_ptr``: int64 ``(STALL_SLOTS, 2)`` packed counts, written only when ``TRACK_STALLS``.
+    """
+    block = tl.program_id(0)
+    offsets = block.to(tl.int64) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
+    in_range = offsets < numel
+    param = tl.load(param_ptr + offsets, mask=in_range, other=0.0)
+    grad = to_float32(tl.load(grad_ptr + offsets, mask=in_range, other=0.0))
+    exp_avg = load_moment(m_codes_ptr, m_scales_ptr, m_decode_ptr, block, numel, M_BITS, M_SUB_BLOCKS, BLOCK_SIZE)
+    exp_avg_sq = load_moment(v_codes_ptr, v_scales_ptr, v_decode_ptr, block, numel, V_BITS, V_SUB_BLOCKS, BLOCK_SIZE)
+
+    # optim/fused.py adam_math, in torch's rounding order.
+    if MAXIMIZE:
+        grad = -grad
+    if DECOUPLED:
+        param = param * tl.load(coefficients_ptr + 0)
+    else:
+        grad = grad + param * tl.load(coefficients_ptr + 1)
+    weight = tl.load(coefficients_ptr + 2)
+    small = tl.abs(weight) < 0.5
+    new_exp_avg = tl.fma(tl.where(small, weight, weight - 1.0), grad - exp_avg, tl.where(small, exp_avg, grad))
+    new_exp_avg_sq = tl.fma(tl.load(coefficients_ptr + 4) * grad, grad, exp_avg_sq * tl.load(coefficients_ptr + 3))
+    denom = tl.math.div_rn(tl.math.sqrt_rn(new_exp_avg_sq), tl.load(coefficients_ptr + 7)) + tl.load(coefficients_ptr + 5)
+    param = param - tl.math.div_rn(tl.load(coefficients_ptr + 6) * new_exp_avg, denom)
+    tl.store(param_ptr + offsets, param, mask=in_range)
+
+    # Requantize; values past numel are 0 so that they do not enter the block absmax.
+    new_exp_avg = tl.where(in_range, new_exp_avg, 0.0)
+    new_exp_avg_sq = tl.where(in_range, new_exp_avg_sq, 0.0)
+    if STOCHASTIC:
+        uniform_m = tl.rand(tl.load(seed_ptr), offsets)
+        uniform_v = tl.rand(tl.load(seed_ptr + 1), offsets)
+    else:
+        uniform_m = new_exp_avg  # not read by RN
+        uniform_v = new_exp_avg_sq
+    stored_m = store_moment(
+        new_exp_avg, uniform_m, m_codes_ptr, m_scales_ptr, m_decode_ptr, m_bucket_floor_ptr, m_values_ptr,
+        m_key_shift, m_half, m_last, m_max_value, block, numel, BLOCK_SIZE, M_SUB_BLOCKS,
+        M_BITS, M_IS_MINIFLOAT, M_SIGNED, M_MANTISSA_BITS, M_BIAS, M_MAX_CODE, STOCHASTIC, TRACK_STALLS,
+    )  # fmt: skip
+    stored_v = store_moment(
+        new_exp_avg_sq, uniform_v, v_codes_ptr, v_scales_ptr, v_decode_ptr, v_bucket_floor_ptr, v_values_ptr,
+        v_key_shift, v_half, v_last, v_max_value, block, numel, BLOCK_SIZE, V_SUB_BLOCKS,
+        V_BITS, V_IS_MINIFLOAT, V_SIGNED, V_MANTISSA_BITS, V_BIAS, V_MAX_CODE, STOCHASTIC, TRACK_STALLS,
+    )  # fmt: skip
+
+    if TRACK_STALLS:
+        row = counts_ptr + (block % STALL_SLOTS) * 2
+        tl.atomic_add(row, stall_counts(new_exp_avg, exp_avg, stored_m, in_range), sem="relaxed")
+        tl.atomic_add(row + 1, stall_counts(new_exp_avg_sq, exp_avg_sq, stored_v, in_range), sem="relaxed")

@@ -1,0 +1,147 @@
+"""Precision plugins that quantize the optimizer states of whatever LightningModule they are given.
+
+``QStatePrecision(precision=..., states=..., ...)`` picks the right Lightning base for ``precision``:
+``"32-true"`` (``Precision``), ``"16-mixed"``/``"bf16-mixed"`` (``MixedPrecision``, returned as
+:class:`QStateMixedPrecision`), ``"16-true"``/``"bf16-true"`` (``HalfPrecision``, returned as
+:class:`QStateHalfPrecision`). ``FSDPStrategy`` accepts only ``FSDPPrecision`` subclasses: use
+:class:`QStateFSDPPrecision` there. Under ``ModelParallelStrategy`` (FSDP2) pass the plugin through
+``Trainer(plugins=[...])``.
+
+Example::
+
+    trainer = Trainer(plugins=[QStatePrecision("bf16-mixed", states="int8", overrides={"*embed*": "fp32"})])
+
+The conversion happens in ``connect()``, after ``configure_optimizers`` and the strategy's model
+wrapping and before any checkpoint is loaded, so resumed runs load straight into the quantized
+optimizer. The configuration comes from the constructor only (restored plugin state arrives too late).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Literal
+
+import torch
+from lightning.pytorch.plugins.precision import FSDPPrecision, HalfPrecision, MixedPrecision, Precision
+
+from ..optim import NonFiniteGradPolicy, QuantizationPolicy, StatesSpec, check_optimizer_parameters
+
+PrecisionName = Literal["32-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true"]
+
+
+class QStatePolicyMixin:
+    """The optimizer conversion shared by every QState precision plugin."""
+
+    policy: QuantizationPolicy
+
+    def _set_policy(self, **options: Any) -> None:
+        self.policy = QuantizationPolicy(**options)
+
+    def connect(self, model: torch.nn.Module, optimizers: list[torch.optim.Optimizer], lr_schedulers: list[Any]):
+        model, optimizers, lr_schedulers = super().connect(model, optimizers, lr_schedulers)
+        check_optimizer_parameters(model, optimizers)
+        return model, [self.policy.apply(optimizer, model) for optimizer in optimizers], lr_schedulers
+
+
+_POLICY_DOC = """
+    Args:
+        states: one format for every state, or ``{state_name: format}`` (unnamed states stay fp32).
+        rounding: ``"nearest"`` or ``"stochastic"``.
+        block_size: values per scale (power of two); ``None`` for each format's default.
+        min_quant_size: parameters with fewer elements (full shape) keep fp32 states.
+        overrides: ``{name_pattern: states}``, matched with ``fnmatch`` against parameter names,
+            e.g. ``{"*embed*": "fp32", "*norm*": "fp32"}``.
+        track_stalls: count stalled state entries (read by ``StallMonitor``).
+        nonfinite: ``"skip"`` (default) or ``"raise"`` for parameters whose gradient holds inf/NaN.
+"""
+
+
+class QStatePrecision(QStatePolicyMixin, Precision):
+    __doc__ = "Quantized optimizer states with Lightning's precision ``precision``; see the module docs." + _POLICY_DOC
+
+    def __new__(cls, precision: PrecisionName = "32-true", *args: Any, **kwargs: Any):
+        if cls is QStatePrecision and precision != "32-true":
+            variants = {"16-mixed": QStateMixedPrecision, "bf16-mixed": QStateMixedPrecision, "16-true": QStateHalfPrecision, "bf16-true": QStateHalfPrecision}
+            if precision not in variants:
+                raise ValueError(f"QStatePrecision: precision={precision!r} is not supported; use one of {['32-true', *variants]}")
+            cls = variants[precision]
+        return super().__new__(cls)
+
+    def __init__(
+        self,
+        precision: PrecisionName = "32-true",
+        *,
+        states: StatesSpec = "int8",
+        rounding: str = "nearest",
+        block_size: int | None = None,
+        min_quant_size: int = 4096,
+        overrides: Mapping[str, StatesSpec] | None = None,
+        track_stalls: bool = False,
+        nonfinite: NonFiniteGradPolicy = "skip",
+    ) -> None:
+        Precision.__init__(self)
+        self._set_policy(states=states, rounding=rounding, block_size=block_size, min_quant_size=min_quant_size, overrides=dict(overrides or {}), track_stalls=track_stalls, nonfinite=nonfinite)
+
+
+class QStateMixedPrecision(QStatePrecision, MixedPrecision):
+    __doc__ = "``MixedPrecision`` (``16-mixed``/``bf16-mixed``) with quantized optimizer states." + _POLICY_DOC
+
+    def __init__(
+        self,
+        precision: Literal["16-mixed", "bf16-mixed"] = "bf16-mixed",
+        device: str | None = None,
+        scaler: torch.amp.GradScaler | None = None,
+        *,
+        states: StatesSpec = "int8",
+        rounding: str = "nearest",
+        block_size: int | None = None,
+        min_quant_size: int = 4096,
+        overrides: Mapping[str, StatesSpec] | None = None,
+        track_stalls: bool = False,
+        nonfinite: NonFiniteGradPolicy = "skip",
+    ) -> None:
+        MixedPrecision.__init__(self, precision, device or ("cuda" if torch.cuda.is_available() else "cpu"), scaler)
+        self._set_policy(states=states, rounding=rounding, block_size=block_size, min_quant_size=min_quant_size, overrides=dict(overrides or {}), track_stalls=track_stalls, nonfinite=nonfinite)
+
+
+class QStateHalfPrecision(QStatePrecision, HalfPrecision):
+    __doc__ = "``HalfPrecision`` (``16-true``/``bf16-true``) with quantized optimizer states." + _POLICY_DOC
+
+    def __init__(
+        self,
+        precision: Literal["16-true", "bf16-true"] = "bf16-true",
+        *,
+        states: StatesSpec = "int8",
+        rounding: str = "nearest",
+        block_size: int | None = None,
+        min_quant_size: int = 4096,
+        overrides: Mapping[str, StatesSpec] | None = None,
+        track_stalls: bool = False,
+        nonfinite: NonFiniteGradPolicy = "skip",
+    ) -> None:
+        HalfPrecision.__init__(self, precision)
+        self._set_policy(states=states, rounding=rounding, block_size=block_size, min_quant_size=min_quant_size, overrides=dict(overrides or {}), track_stalls=track_stalls, nonfinite=nonfinite)
+
+
+class QStateFSDPPrecision(QStatePolicyMixin, FSDPPrecision):
+    __doc__ = (
+        "``FSDPPrecision`` with quantized optimizer states, for ``FSDPStrategy`` (which accepts only FSDPPrecision). "
+        "Checkpoints store the states as fp32 flat shards (FSDP reshapes them) and re-quantize on load." + _POLICY_DOC
+    )
+
+    def __init__(
+        self,
+        precision: PrecisionName = "32-true",
+        scaler: Any = None,
+        *,
+        states: StatesSpec = "int8",
+        rounding: str = "nearest",
+        block_size: int | None = None,
+        min_quant_size: int = 4096,
+        overrides: Mapping[str, StatesSpec] | None = None,
+        track_stalls: bool = False,
+        nonfinite: NonFiniteGradPolicy = "skip",
+    ) -> None:
+        FSDPPrecision.__init__(self, precision, scaler)
+        self._set_policy(states=states, rounding=rounding, block_size=block_size, min_quant_size=min_quant_size, overrides=dict(overrides or {}), track_stalls=track_stalls, nonfinite=nonfinite)
+

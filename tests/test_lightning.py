@@ -1,0 +1,162 @@
+"""Lightning integration on a single device: plugins, callback, resume, logging, training loop features."""
+
+from __future__ import annotations
+
+import warnings
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
+
+from lightning_qstate import QAdamW, QSGD
+from lightning_qstate.callbacks import QuantizedOptimizerStates
+from lightning_qstate.formats import QuantizedTensor
+from lightning_qstate.optim import QuantizedOptimizerWrapper
+from lightning_qstate.plugins import QStateFSDPPrecision, QStateHalfPrecision, QStateMixedPrecision, QStatePrecision
+
+from lightning_models import Regressor, flat_weights, regression_data, step_batch
+
+warnings.filterwarnings("ignore", ".*does not have many workers.*")
+warnings.filterwarnings("ignore", ".*GPU available but not used.*")
+
+
+def trainer(tmp_path, max_steps: int = 6, **kwargs) -> pl.Trainer:
+    defaults = dict(accelerator="cpu", devices=1, max_steps=max_steps, logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    return pl.Trainer(default_root_dir=tmp_path, **{**defaults, **kwargs})
+
+
+def test_plugin_converts_and_matches_the_callback(tmp_path):
+    by_plugin, by_callback = Regressor(), Regressor()
+    first = trainer(tmp_path, plugins=[QStatePrecision(states="int8", min_quant_size=0)])
+    first.fit(by_plugin, regression_data())
+    second = trainer(tmp_path, callbacks=[QuantizedOptimizerStates(states="int8", min_quant_size=0, log_stats=False)])
+    second.fit(by_callback, regression_data())
+    for fitted in (first, second):
+        optimizer = fitted.strategy.optimizers[0]
+        assert isinstance(optimizer, QAdamW)
+        assert isinstance(optimizer.state[by_plugin.net[0].weight if fitted is first else by_callback.net[0].weight]["exp_avg"], QuantizedTensor)
+        assert fitted.lr_scheduler_configs[0].scheduler.optimizer is optimizer
+    assert torch.equal(flat_weights(by_plugin), flat_weights(by_callback))
+    assert first.lr_scheduler_configs[0].scheduler.get_last_lr()[0] == pytest.approx(1e-2 * 0.7**2)
+
+
+def test_precision_variants():
+    assert type(QStatePrecision("bf16-mixed")) is QStateMixedPrecision
+    assert type(QStatePrecision("bf16-true")) is QStateHalfPrecision
+    assert QStatePrecision("16-true").precision == "16-true"
+    assert isinstance(QStateFSDPPrecision("32-true"), QStatePrecision.__mro__[1])
+    with pytest.raises(ValueError, match="precision='64-true'.*32-true"):
+        QStatePrecision("64-true")
+    with pytest.raises(ValueError, match="unknown format 'int5'"):
+        QStatePrecision(states="int5")
+    with pytest.raises(ValueError, match=r"overrides\['\*norm\*'\].*unknown format"):
+        QStateMixedPrecision(overrides={"*norm*": "fp31"})
+
+
+def test_bf16_mixed_plugin_trains(tmp_path):
+    model = Regressor()
+    fit = trainer(tmp_path, plugins=[QStatePrecision("bf16-mixed", states="int4", min_quant_size=0)])
+    fit.fit(model, regression_data())
+    assert isinstance(fit.strategy.optimizers[0], QAdamW)
+    assert torch.isfinite(flat_weights(model)).all()
+
+
+def test_overrides_keep_matching_parameters_fp32(tmp_path):
+    model = Regressor()
+    fit = trainer(tmp_path, max_steps=2, callbacks=[QuantizedOptimizerStates(min_quant_size=0, overrides={"net.1.*": "fp32", "net.0.bias": "bf16"}, log_stats=False)])
+    fit.fit(model, regression_data())
+    optimizer = fit.strategy.optimizers[0]
+    assert optimizer.state_format(model.net[1].weight, "exp_avg") is None
+    assert optimizer.state_format(model.net[0].bias, "exp_avg").name == "bf16"
+    assert optimizer.state_format(model.net[0].weight, "exp_avg").name == "int8"
+
+
+def test_resume_is_bit_exact_with_round_to_nearest(tmp_path):
+    plugin = lambda: QStatePrecision(states="int8", min_quant_size=0)  # noqa: E731
+    straight = Regressor()
+    trainer(tmp_path / "a", max_steps=8, plugins=[plugin()]).fit(straight, regression_data())
+    checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_epochs=1, save_top_k=-1)
+    trainer(tmp_path / "b", max_steps=4, enable_checkpointing=True, callbacks=[checkpoint], plugins=[plugin()]).fit(Regressor(), regression_data())
+    saved = torch.load(next((tmp_path / "ckpt").glob("*.ckpt")), weights_only=True)
+    packed = saved["optimizer_states"][0]["state"][0]["exp_avg"]
+    assert packed["codes"].dtype == torch.uint8 and packed["format"]["name"] == "int8", "the checkpoint keeps the low-bit codes"
+    resumed = Regressor(lr=0.5)  # hyperparameters and weights must come from the checkpoint
+    resumed.lr = 1e-2
+    trainer(tmp_path / "c", max_steps=8, plugins=[plugin()]).fit(resumed, regression_data(), ckpt_path=str(next((tmp_path / "ckpt").glob("*.ckpt"))))
+    assert torch.equal(flat_weights(straight), flat_weights(resumed))
+
+
+def test_memory_metrics_are_logged(tmp_path):
+    logger = CSVLogger(tmp_path)
+    fit = trainer(tmp_path, max_steps=4, logger=logger, log_every_n_steps=2, callbacks=[QuantizedOptimizerStates(states="int8", min_quant_size=0)])
+    fit.fit(Regressor(), regression_data())
+    logger.save()
+    text = (tmp_path / "lightning_logs" / "version_0" / "metrics.csv").read_text()
+    header, *rows = text.strip().splitlines()
+    for name in ("qstate/state_bytes", "qstate/bits_per_value", "qstate/saving_vs_fp32", "qstate/nonfinite_skips"):
+        assert name in header
+    columns = header.split(",")
+    values = [dict(zip(columns, row.split(","))) for row in rows]
+    bits = [float(v["qstate/bits_per_value"]) for v in values if v.get("qstate/bits_per_value")]
+    assert bits and all(8.0 < b < 8.5 for b in bits)
+    saving = [float(v["qstate/saving_vs_fp32"]) for v in values if v.get("qstate/saving_vs_fp32")]
+    assert all(0.7 < s < 0.76 for s in saving)
+
+
+class TwoOptimizers(Regressor):
+    """Manual optimization with two optimizers (one SGD with momentum), gradient clipping done by hand."""
+
+    def __init__(self) -> None:
+        super().__init__(scheduler=False)
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        first, second = self.optimizers()
+        x, y = step_batch(self.global_step)
+        loss = torch.nn.functional.mse_loss(self(x), y)
+        first.zero_grad()
+        second.zero_grad()
+        self.manual_backward(loss)
+        self.clip_gradients(first, gradient_clip_val=1.0, gradient_clip_algorithm="norm")
+        first.step()
+        second.step()
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.net[0].parameters(), lr=1e-2), torch.optim.SGD(self.net[3].parameters(), lr=1e-2, momentum=0.9)
+
+
+def test_manual_optimization_with_two_optimizers(tmp_path):
+    model = TwoOptimizers()
+    fit = trainer(tmp_path, max_steps=6, plugins=[QStatePrecision(states="int8", min_quant_size=0)])
+    fit.fit(model, regression_data())
+    first, second = fit.strategy.optimizers
+    assert isinstance(first, QAdamW) and isinstance(second, QSGD)
+    assert isinstance(second.state[model.net[3].weight]["momentum_buffer"], QuantizedTensor)
+
+
+class Accumulating(Regressor):
+    def configure_optimizers(self):
+        return torch.optim.RMSprop(self.parameters(), lr=1e-3)
+
+
+@pytest.mark.parametrize("clip", ["norm", "value"])
+def test_accumulation_clipping_and_generic_optimizers(tmp_path, clip):
+    model = Accumulating()
+    fit = trainer(tmp_path, max_steps=3, accumulate_grad_batches=2, gradient_clip_val=0.5, gradient_clip_algorithm=clip, callbacks=[QuantizedOptimizerStates(min_quant_size=0, log_stats=False)])
+    fit.fit(model, regression_data())
+    optimizer = fit.strategy.optimizers[0]
+    assert isinstance(optimizer, QuantizedOptimizerWrapper)
+    assert isinstance(optimizer.state[model.net[0].weight]["square_avg"], QuantizedTensor)
+    assert fit.global_step == 3
+
+
+def test_stale_optimizer_parameters_are_refused(tmp_path):
+    class Stale(Regressor):
+        def configure_optimizers(self):
+            return torch.optim.AdamW([torch.nn.Parameter(torch.zeros(3))])
+
+    with pytest.raises(RuntimeError, match="not in the model the strategy set up"):
+        trainer(tmp_path, plugins=[QStatePrecision()]).fit(Stale(), regression_data())
