@@ -76,8 +76,9 @@ else:
     from cases import BLOCK_FORMATS, FORMAT_IDS
 
     DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-    # Kernels this file exercises; a new kernel in triton_kernels.KERNELS must get a test here.
-    COVERED_KERNELS = {"quantize_blocks_kernel", "dequantize_blocks_kernel", "stochastic_cast_kernel"}
+    # Kernels this file exercises, and adam_step_kernel (tests/test_kernels_adam_interpret.py); a new kernel in
+    # triton_kernels.KERNELS must get a test here.
+    COVERED_KERNELS = {"quantize_blocks_kernel", "dequantize_blocks_kernel", "stochastic_cast_kernel", "adam_step_kernel"}
 
     def block_format(name: str, options: dict, block_size: int) -> BlockFormat:
         return get_format(name, block_size=block_size, nonfinite="nan_block", **options)

@@ -105,19 +105,22 @@ def adam_step_kernel(
     exp_avg = load_moment(m_codes_ptr, m_scales_ptr, m_decode_ptr, block, numel, M_BITS, M_SUB_BLOCKS, BLOCK_SIZE)
     exp_avg_sq = load_moment(v_codes_ptr, v_scales_ptr, v_decode_ptr, block, numel, V_BITS, V_SUB_BLOCKS, BLOCK_SIZE)
 
-    # optim/fused.py adam_math, in torch's rounding order.
+    # optim/fused.py adam_math, in torch's rounding order; coefficients in the order of COEFFICIENTS.
+    decay, weight_decay = tl.load(coefficients_ptr + 0), tl.load(coefficients_ptr + 1)
+    lerp_weight, beta2, square_weight = tl.load(coefficients_ptr + 2), tl.load(coefficients_ptr + 3), tl.load(coefficients_ptr + 4)
+    eps, step_size, bias_correction2_sqrt = tl.load(coefficients_ptr + 5), tl.load(coefficients_ptr + 6), tl.load(coefficients_ptr + 7)
     if MAXIMIZE:
         grad = -grad
     if DECOUPLED:
-        param = param * tl.load(coefficients_ptr + 0)
+        param = param * decay
     else:
-        grad = grad + param * tl.load(coefficients_ptr + 1)
-    weight = tl.load(coefficients_ptr + 2)
-    small = tl.abs(weight) < 0.5
-    new_exp_avg = tl.fma(tl.where(small, weight, weight - 1.0), grad - exp_avg, tl.where(small, exp_avg, grad))
-    new_exp_avg_sq = tl.fma(tl.load(coefficients_ptr + 4) * grad, grad, exp_avg_sq * tl.load(coefficients_ptr + 3))
-    denom = tl.math.div_rn(tl.math.sqrt_rn(new_exp_avg_sq), tl.load(coefficients_ptr + 7)) + tl.load(coefficients_ptr + 5)
-    param = param - tl.math.div_rn(tl.load(coefficients_ptr + 6) * new_exp_avg, denom)
+        grad = grad + param * weight_decay
+    small = tl.abs(lerp_weight) < 0.5  # torch's lerp: from the nearer end
+    coefficient = tl.where(small, lerp_weight, lerp_weight - 1.0)
+    new_exp_avg = tl.fma(coefficient, grad - exp_avg, tl.where(small, exp_avg, grad))
+    new_exp_avg_sq = tl.fma(square_weight * grad, grad, exp_avg_sq * beta2)
+    denom = tl.math.div_rn(tl.math.sqrt_rn(new_exp_avg_sq), bias_correction2_sqrt) + eps
+    param = param - tl.math.div_rn(step_size * new_exp_avg, denom)
     tl.store(param_ptr + offsets, param, mask=in_range)
 
     # Requantize; values past numel are 0 so that they do not enter the block absmax.

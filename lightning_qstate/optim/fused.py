@@ -25,8 +25,9 @@ import warnings
 
 import torch
 
-from ..formats import BlockFormat, CastFormat, QuantizedTensor, Rounding, StorageFormat
+from ..formats import BlockFormat, CastFormat, CodebookFormat, QuantizedTensor, Rounding, StorageFormat
 from ..kernels import TRITON_AVAILABLE
+from . import cpu_kernel
 
 if TRITON_AVAILABLE:
     from ..kernels import adam_step_supported, draw_seed, triton_adam_step
@@ -204,15 +205,47 @@ def _compiled_cpu_step(
     whole = flat_param.numel() // block * block
     (m_head, m_tail), (v_head, v_tail) = _split(m, whole, block), _split(v, whole, block)
     options = (m.format, v.format, group["rounding"], group["decoupled_weight_decay"], group["maximize"], track_stalls)
+    native = cpu_kernel.kernel() if _native_eligible(m, v, group, track_stalls) else None
+    if native is not None:
+        _native_step(native, flat_param[:whole], flat_grad[:whole], m_head, v_head, m.format, v.format, block, hyper, group)
+        counts = torch.zeros(4, dtype=torch.int64)
+        if whole < flat_param.numel():
+            counts = adam_step_quantized(flat_param[whole:], flat_grad[whole:], *m_tail, *v_tail, hyper, *options)
+        return counts
     step_function = compiled_adam_step()
     try:
         head_param, head_grad = _dynamic_rows(flat_param[:whole].view(-1, block)), _dynamic_rows(flat_grad[:whole].view(-1, block))
         counts = step_function(head_param, head_grad, *m_head, *v_head, hyper, *options)
     except Exception as error:  # no C++ compiler, an unsupported platform, ...: fall back to eager, once noisily
         if not _warned_compile:
-            warnings.warn(f"torch.compile of the quantized Adam step failed ({error!r}); using the eager step", RuntimeWarning, stacklevel=4)
+            message = f"torch.compile of the quantized Adam step failed ({error!r}); using the eager step"
+            warnings.warn(message, RuntimeWarning, stacklevel=4)
             _warned_compile = True
         counts = adam_step_quantized(flat_param[:whole], flat_grad[:whole], *m_head, *v_head, hyper, *options)
     if whole < flat_param.numel():
         counts = counts + adam_step_quantized(flat_param[whole:], flat_grad[whole:], *m_tail, *v_tail, hyper, *options)
     return counts
+
+
+def _native_eligible(m: QuantizedTensor, v: QuantizedTensor, group: dict, track_stalls: bool) -> bool:
+    """The C++ kernel covers byte-coded codebook moments (int8 family) with one block size, RN, no stall counts."""
+    formats = (m.format, v.format)
+    return (
+        all(isinstance(f, CodebookFormat) and 4 < f.bits <= 8 for f in formats)
+        and m.format.block_size == v.format.block_size
+        and group["rounding"] == "nearest"
+        and not track_stalls
+    )
+
+
+def _native_step(native, param, grad, m_head, v_head, m_format, v_format, block: int, hyper: dict, group: dict) -> None:
+    """Run ``cpu_kernel``'s C++ step on whole blocks (views, updated in place)."""
+    m_tables, v_tables = m_format.tables(param.device), v_format.tables(param.device)
+    m_index, v_index = m_tables["index"], v_tables["index"]
+    native(
+        param, grad, m_head[0].reshape(-1), m_head[1], v_head[0].reshape(-1), v_head[1],
+        m_tables["decode"], m_index.bucket_floor, m_index.values, m_index.key_shift, m_index.half,
+        v_tables["decode"], v_index.bucket_floor, v_index.values, v_index.key_shift, v_index.half,
+        block, float(hyper["lr"]), float(hyper["weight_decay"]), float(hyper["beta1"]), float(hyper["beta2"]), float(hyper["eps"]),
+        float(hyper["step_size"]), float(hyper["bias_correction2_sqrt"]), group["decoupled_weight_decay"], group["maximize"],
+    )  # fmt: skip

@@ -54,8 +54,8 @@ class _AdamStates(QuantizedStates):
         """Large fp32 CPU parameters take the compiled one-pass step (see ``optim/fused.py``); others torch's math."""
         if not state:
             self._init_state(group, key, param, state)
-        if self.cpu_compile and can_fuse(param, group, state):
-            counts = fused_adam_step(param, grad, state, group, self.track_stalls)
+        if (self.cpu_compile or param.device.type != "cpu") and can_fuse(param, group, state):
+            counts = fused_adam_step(param, grad, state, group, self.track_stalls, self.generator)
             if self.track_stalls:
                 self._add_stall_counts(key, "exp_avg", counts[:2])
                 self._add_stall_counts(key, "exp_avg_sq", counts[2:])

@@ -1,0 +1,290 @@
+"""The fused Adam(W) Triton kernel under the interpreter (CPU tensors) against the torch definition of the step.
+
+Same mechanism as ``tests/test_kernels_interpret.py``: in a normal run this file holds one
+test, ``test_interpreter_suite``, which re-runs it in a subprocess with ``TRITON_INTERPRET=1``
+(``TRITON_INTERPRET=1 python -m pytest tests/test_kernels_adam_interpret.py`` runs the cases
+directly).
+
+The reference is ``optim.fused.adam_step_quantized`` (decode -> torch's Adam math -> requantize).
+torch's CPU kernels compute ``lerp_`` and ``addcmul_`` with a fused multiply-add, as the kernel's
+``tl.fma`` does on a GPU; the interpreter's ``tl.fma`` rounds twice, so the ``exact_fma`` fixture
+makes it round once (through float64), as on the hardware. torch's CPU ``sqrt`` is not always
+correctly rounded (the kernel's ``sqrt_rn`` is), so the parameter is compared with ``rtol=1e-6``.
+
+Checked: round-to-nearest over several steps (int8 signed m / unsigned v, int4, fp8_e4m3, mixed
+block sizes, partial last blocks, decoupled and L2 weight decay, maximize, both lerp branches, a
+bf16 gradient): parameter allclose, codes equal for >= 99.9% of the entries, scales allclose,
+stall counts equal to the reference's; stochastic rounding: the parameter and scales of the RN
+step, every code one of the two neighbours of the exact moment, no mean error, reproducible from
+a seed; the optimizer dispatch of ``optim/fused.py`` for a Triton device.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+if not INTERPRET:
+
+    def test_interpreter_suite():
+        """Run this file's interpreter cases in a subprocess with ``TRITON_INTERPRET=1``."""
+        pytest.importorskip("triton")
+        env = dict(os.environ, TRITON_INTERPRET="1")
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+        command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__).resolve())]
+        result = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=900)
+        report = (result.stdout + result.stderr)[-20000:]
+        assert result.returncode == 0, f"interpreter suite failed (rc={result.returncode}):\n{report}"
+        assert " passed" in result.stdout and " skipped" not in result.stdout, report
+
+else:
+    import numpy as np
+    import torch
+    from triton.runtime import interpreter
+
+    from lightning_qstate import QAdamW
+    from lightning_qstate.formats import BlockFormat, QuantizedTensor, get_format
+    from lightning_qstate.formats.packing import as_blocks, unpack
+    from lightning_qstate.kernels import adam_step_supported, triton_adam_step
+    from lightning_qstate.optim import fused
+    from lightning_qstate.optim.fused import adam_hyper, adam_step_quantized
+
+    @pytest.fixture(autouse=True)
+    def exact_fma(monkeypatch):
+        """``tl.fma`` rounding once, as the GPU's ``fma.rn`` (the product of two fp32 is exact in float64)."""
+
+        def create_fma(self, x, y, z):
+            exact = x.data.astype(np.float64) * y.data.astype(np.float64) + z.data.astype(np.float64)
+            return interpreter.TensorHandle(exact.astype(z.data.dtype), z.dtype.scalar)
+
+        monkeypatch.setattr(interpreter.InterpreterBuilder, "create_fma", create_fma)
+
+    def moment_format(spec: tuple[str, dict]) -> BlockFormat:
+        name, options = spec
+        return get_format(name, **options)
+
+    def group_options(lr=1e-3, betas=(0.9, 0.999), weight_decay=1e-2, eps=1e-8) -> dict:
+        return {"lr": lr, "betas": betas, "weight_decay": weight_decay, "eps": eps}
+
+    def quiet(numel: int) -> torch.Tensor:
+        """Every fourth entry: parameter and moments start at 0 and gradients are tiny there, so that updates
+        (also with L2 weight decay) stall at the code of 0."""
+        return torch.arange(numel) % 4 == 0
+
+    def initial_state(m_format: BlockFormat, v_format: BlockFormat, numel: int, seed: int):
+        """fp32 param and quantized moments of mixed magnitudes, 0 at the ``quiet`` entries."""
+        gen = torch.Generator().manual_seed(seed)
+        spread = torch.exp(torch.randn(numel, generator=gen))
+        param = torch.randn(numel, generator=gen).masked_fill(quiet(numel), 0.0)
+        m = torch.randn(numel, generator=gen) * 1e-2 * spread
+        v = torch.rand(numel, generator=gen) * 1e-4 * spread
+        return param, m_format.quantize(m.masked_fill(quiet(numel), 0.0)), v_format.quantize(v.masked_fill(quiet(numel), 0.0))
+
+    def gradient(numel: int, seed: int) -> torch.Tensor:
+        """Gradients over several binades, tiny (1e-9 x) at the ``quiet`` entries."""
+        gen = torch.Generator().manual_seed(seed)
+        grad = torch.randn(numel, generator=gen) * 1e-2 * torch.exp(torch.randn(numel, generator=gen))
+        return torch.where(quiet(numel), grad * 1e-9, grad)
+
+    def clone(q: QuantizedTensor) -> QuantizedTensor:
+        return QuantizedTensor(q.format, q.codes.clone(), q.scales.clone(), q.shape, q.dtype)
+
+    def code_agreement(a: QuantizedTensor, b: QuantizedTensor) -> tuple[float, int]:
+        """Fraction of equal (unpacked) codes, and the number of differing ones."""
+        codes_a = unpack(a.codes, a.format.bits, a.numel)
+        codes_b = unpack(b.codes, b.format.bits, b.numel)
+        differing = int((codes_a != codes_b).sum())
+        return 1.0 - differing / a.numel, differing
+
+    # ----------------------------------------------------------------------------------- RN against the reference
+
+    S8, U8 = ("int8", {}), ("int8", {"signed": False})
+    S4, U4 = ("int4", {}), ("int4", {"signed": False})
+    E4M3 = ("fp8_e4m3", {})
+    RN_CASES = [
+        # (m format, v format, numel, decoupled, maximize, group options, grad dtype)
+        pytest.param(S8, U8, 3 * 256 + 77, True, False, group_options(), torch.float32, id="int8-adamw"),
+        pytest.param(S4, U4, 5 * 128 + 33, False, True, group_options(weight_decay=0.1), torch.float32, id="int4-l2-maximize"),
+        pytest.param(E4M3, E4M3, 2 * 256 + 1, True, True, group_options(betas=(0.3, 0.99)), torch.float32, id="fp8-large-lerp-weight"),
+        pytest.param(S8, U4, 4 * 256 + 130, False, False, group_options(), torch.bfloat16, id="int8-int4-sub-blocks-bf16-grad"),
+        pytest.param(
+            ("fp8_e4m3", {"block_size": 32}), ("int8", {"signed": False, "block_size": 128}), 3 * 128 + 45, True, False,
+            group_options(lr=3e-2), torch.float32, id="fp8-32-int8-128",
+        ),  # fmt: skip
+    ]
+
+    @pytest.mark.parametrize(("m_spec", "v_spec", "numel", "decoupled", "maximize", "options", "grad_dtype"), RN_CASES)
+    def test_round_to_nearest_matches_reference(m_spec, v_spec, numel, decoupled, maximize, options, grad_dtype):
+        m_format, v_format = moment_format(m_spec), moment_format(v_spec)
+        param, m, v = initial_state(m_format, v_format, numel, seed=numel)
+        ref_param, ref_m, ref_v = param.clone(), clone(m), clone(v)
+        stalled = torch.zeros(4, dtype=torch.int64)
+        for step in range(1, 4):
+            grad = gradient(numel, seed=100 * step + numel).to(grad_dtype)
+            hyper = adam_hyper(options, float(step))
+            counts = triton_adam_step(param, grad, m, v, hyper, "nearest", decoupled, maximize, track_stalls=True)
+            ref_counts = adam_step_quantized(
+                ref_param, grad.float(), ref_m.codes, ref_m.scales, ref_v.codes, ref_v.scales, hyper,
+                m_format, v_format, "nearest", decoupled, maximize, True,
+            )  # fmt: skip
+            where = f"step {step}"
+            torch.testing.assert_close(param, ref_param, rtol=1e-6, atol=0, msg=f"{where}: parameters differ")
+            agreement_m, differing_m = code_agreement(m, ref_m)
+            agreement_v, differing_v = code_agreement(v, ref_v)
+            assert agreement_m >= 0.999 and agreement_v >= 0.999, f"{where}: codes agree for {agreement_m:.5f} (m), {agreement_v:.5f} (v)"
+            torch.testing.assert_close(m.scales, ref_m.scales, rtol=1e-6, atol=0)
+            torch.testing.assert_close(v.scales, ref_v.scales, rtol=1e-6, atol=0)
+            # Equal stall counts; a code that differs (a rounding tie of the Adam math) may move one count by one.
+            slack = torch.tensor([differing_m, differing_m, differing_v, differing_v])
+            assert bool(((counts - ref_counts).abs() <= slack).all()), f"{where}: stall counts {counts.tolist()} vs {ref_counts.tolist()}"
+            assert int(counts[1]) > 0 and int(counts[3]) > 0
+            stalled += ref_counts
+            # Continue both from the kernel's state, so that each step is compared on its own.
+            ref_param.copy_(param)
+            for ours, theirs in ((m, ref_m), (v, ref_v)):
+                theirs.codes.copy_(ours.codes)
+                theirs.scales.copy_(ours.scales)
+        assert int(stalled[0]) > 0, "the case should exercise stalled entries"
+
+    def test_changed_hyperparameters_take_effect():
+        """A new learning rate or beta takes effect at once (the kernel reads them from its coefficient vector)."""
+        fmt_m, fmt_v = moment_format(S8), moment_format(U8)
+        param, m, v = initial_state(fmt_m, fmt_v, 300, seed=1)
+        grad = gradient(300, seed=2)
+        results = []
+        for options in (group_options(lr=1e-3), group_options(lr=1e-2), group_options(lr=1e-2, betas=(0.8, 0.99))):
+            p, mm, vv = param.clone(), clone(m), clone(v)
+            triton_adam_step(p, grad, mm, vv, adam_hyper(options, 2.0), "nearest", True, False)
+            ref_p, ref_m, ref_v = param.clone(), clone(m), clone(v)
+            adam_step_quantized(
+                ref_p, grad, ref_m.codes, ref_m.scales, ref_v.codes, ref_v.scales, adam_hyper(options, 2.0),
+                fmt_m, fmt_v, "nearest", True, False, False,
+            )  # fmt: skip
+            torch.testing.assert_close(p, ref_p, rtol=1e-6, atol=0)
+            results.append(p)
+        assert not torch.equal(results[0], results[1]) and not torch.equal(results[1], results[2])
+
+    # ----------------------------------------------------------------------------------- SR
+
+    def exact_moments(param, grad, m, v, hyper, decoupled):
+        """The fp32 moments of the step before quantization (the reference's math on decoded moments)."""
+        exp_avg = m.format.dequantize_reference(m.codes, m.scales, m.numel)
+        exp_avg_sq = v.format.dequantize_reference(v.codes, v.scales, v.numel)
+        fused.adam_math(param.clone(), grad, exp_avg, exp_avg_sq, hyper, decoupled, False)
+        return exp_avg, exp_avg_sq
+
+    def check_stochastic(name: str, fmt: BlockFormat, stored: QuantizedTensor, exact: torch.Tensor) -> None:
+        """Every code is one of the two SR neighbours of the exact value, and the stored values have no mean error."""
+        numel = exact.numel()
+        blocks = as_blocks(exact, fmt.block_size)
+        absmax = blocks.abs().amax(dim=1, keepdim=True)
+        normalized = (blocks / torch.where(absmax > 0, absmax, 1.0)).view(-1)[:numel]
+        low = fmt.encode(normalized, "stochastic", torch.full_like(normalized, 1.0 - 2.0**-24))
+        high = fmt.encode(normalized, "stochastic", torch.zeros_like(normalized))
+        codes = unpack(stored.codes, fmt.bits, numel)
+        assert bool(((codes == low) | (codes == high)).all()), f"{name}: an SR code is not a neighbour of the exact value"
+        decode = fmt.tables(torch.device("cpu"))["decode"].double()
+        scale = torch.repeat_interleave(stored.scales.double(), fmt.block_size)[:numel]
+        value, low_value, high_value = exact.double(), decode[low] * scale, decode[high] * scale
+        values = decode[codes] * scale
+        moving = high != low
+        assert int(moving.sum()) > numel // 2, name
+        error = (values - value)[moving].sum()
+        spread = ((high_value - value) * (value - low_value))[moving].clamp(min=0).sum().sqrt()
+        assert abs(float(error)) < 5 * float(spread), f"{name}: SR mean error {float(error):.3g} vs spread {float(spread):.3g}"
+        assert int((codes != low)[moving].sum()) > 0 and int((codes != high)[moving].sum()) > 0, f"{name}: SR never/always rounds up"
+
+    SR_CASES = [pytest.param(S8, U8, id="int8"), pytest.param(S4, U4, id="int4"), pytest.param(E4M3, E4M3, id="fp8_e4m3")]
+
+    @pytest.mark.parametrize(("m_spec", "v_spec"), SR_CASES)
+    def test_stochastic_rounding_is_unbiased(m_spec, v_spec):
+        m_format, v_format = moment_format(m_spec), moment_format(v_spec)
+        numel = 16 * 256 + 100
+        param, m, v = initial_state(m_format, v_format, numel, seed=7)
+        grad = gradient(numel, seed=8)
+        hyper = adam_hyper(group_options(), 3.0)
+        exact_m, exact_v = exact_moments(param, grad, m, v, hyper, True)
+        rn = (param.clone(), clone(m), clone(v))
+        triton_adam_step(rn[0], grad, rn[1], rn[2], hyper, "nearest", True, False)
+        sr = (param.clone(), clone(m), clone(v))
+        triton_adam_step(sr[0], grad, sr[1], sr[2], hyper, "stochastic", True, False, seed=torch.tensor([11, 12]))
+        assert torch.equal(sr[0], rn[0]), "the parameter update does not depend on the rounding of the stored moments"
+        assert torch.equal(sr[1].scales, rn[1].scales) and torch.equal(sr[2].scales, rn[2].scales)
+        check_stochastic(f"{m_format.name} m", m_format, sr[1], exact_m)
+        check_stochastic(f"{v_format.name} v", v_format, sr[2], exact_v)
+        assert code_agreement(sr[1], rn[1])[0] < 1.0 and code_agreement(sr[2], rn[2])[0] < 1.0
+        again = (param.clone(), clone(m), clone(v))
+        triton_adam_step(again[0], grad, again[1], again[2], hyper, "stochastic", True, False, seed=torch.tensor([11, 12]))
+        assert torch.equal(again[1].codes, sr[1].codes) and torch.equal(again[2].codes, sr[2].codes)
+
+    def test_stochastic_streams_of_m_and_v_differ():
+        """m and v draw from different seeds: given the same values in the same format, they round differently.
+
+        With ``betas=(0.5, 0.5)``, no weight decay, a gradient of ones and ``m == v``, both new moments are
+        ``(1 + old) / 2`` (up to an ulp).
+        """
+        fmt = moment_format(U8)
+        numel = 2048
+        param, _, v = initial_state(fmt, fmt, numel, seed=3)
+        m = clone(v)
+        hyper = adam_hyper(group_options(betas=(0.5, 0.5), weight_decay=0.0), 1.0)
+        rn_m, rn_v = clone(m), clone(v)
+        triton_adam_step(param.clone(), torch.ones(numel), rn_m, rn_v, hyper, "nearest", True, False)
+        assert code_agreement(rn_m, rn_v)[0] > 0.99
+        triton_adam_step(param, torch.ones(numel), m, v, hyper, "stochastic", True, False, seed=5)
+        assert code_agreement(m, v)[0] < 0.9
+
+    # ----------------------------------------------------------------------------------- the optimizer dispatch
+
+    def test_optimizer_steps_triton_devices_with_the_kernel(monkeypatch):
+        """With "cpu" taken for a Triton device, QAdamW's step runs triton_adam_step and matches the reference."""
+        monkeypatch.setattr(fused, "TRITON_DEVICE_TYPES", ("cuda", "cpu"))
+        calls = []
+        launcher = fused.triton_adam_step
+
+        def spy(*args, **kwargs):
+            calls.append(args[0].shape)
+            return launcher(*args, **kwargs)
+
+        monkeypatch.setattr(fused, "triton_adam_step", spy)
+        gen = torch.Generator().manual_seed(0)
+        weight = torch.nn.Parameter(torch.randn(40, 130, generator=gen))  # 5200 values: a partial last block
+        opt = QAdamW([weight], lr=1e-2, states={"exp_avg": "int8", "exp_avg_sq": "int4"}, track_stalls=True)
+        ref_param = weight.detach().clone()
+        ref_m = ref_v = None
+        group = opt.param_groups[0]
+        for step in range(1, 4):
+            weight.grad = torch.randn(40, 130, generator=gen) * 1e-2
+            opt.step()
+            state = opt.state[weight]
+            if ref_m is None:  # the states as created at the first step: zeros
+                ref_m = state["exp_avg"].format.quantize(torch.zeros(weight.numel()))
+                ref_v = state["exp_avg_sq"].format.quantize(torch.zeros(weight.numel()))
+            adam_step_quantized(
+                ref_param.view(-1), weight.grad.view(-1), ref_m.codes, ref_m.scales, ref_v.codes, ref_v.scales,
+                adam_hyper(group, float(step)), ref_m.format, ref_v.format, "nearest", True, False, False,
+            )  # fmt: skip
+            torch.testing.assert_close(weight.detach(), ref_param, rtol=1e-6, atol=0)
+            assert code_agreement(state["exp_avg"], ref_m)[0] >= 0.999 and code_agreement(state["exp_avg_sq"], ref_v)[0] >= 0.999
+        assert len(calls) == 3 and float(state["step"]) == 3.0
+        stats = opt.stall_stats()
+        assert set(next(iter(stats.values()))) == {"exp_avg", "exp_avg_sq"}
+
+    def test_cast_format_moments_fall_back_to_the_eager_step(monkeypatch):
+        monkeypatch.setattr(fused, "TRITON_DEVICE_TYPES", ("cuda", "cpu"))
+        assert adam_step_supported(get_format("int8"), get_format("fp8_e5m2"))
+        assert not adam_step_supported(get_format("bf16"), get_format("int8"))
+        weight = torch.nn.Parameter(torch.randn(80, 80))
+        opt = QAdamW([weight], states={"exp_avg": "bf16", "exp_avg_sq": "int8"})
+        weight.grad = torch.randn(80, 80)
+        opt.step()
+        state = opt.state[weight]
+        assert not fused.can_fuse(weight, opt.param_groups[0], state)
+        assert state["exp_avg"].format.name == "bf16" and float(state["step"]) == 1.0
