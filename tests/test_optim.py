@@ -466,3 +466,14 @@ def test_fast_cpu_paths_match_the_plain_step(states):
         fast, plain = fast_state[name], plain_state[name]
         assert fast.format is plain.format
         assert float((fast.codes != plain.codes).float().mean()) < 1e-2  # the same codes but for float-rounding ties
+
+
+def test_compiled_step_handles_stochastic_rounding():
+    weight = torch.nn.Parameter(torch.randn(1 << 17))
+    optimizer = lq.QAdamW([weight], states="int4", rounding="stochastic")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the compiled path must not fall back to eager with a warning
+        for _ in range(2):
+            weight.grad = torch.randn_like(weight)
+            optimizer.step()
+    assert optimizer.state[weight]["exp_avg"].format.name == "int4"

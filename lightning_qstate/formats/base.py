@@ -113,6 +113,8 @@ class StorageFormat(ABC):
 
 def uniform_like(x: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
     """U[0, 1) fp32 draws of ``x``'s shape and device."""
+    if generator is None:  # rand_like also traces under torch.compile with dynamic shapes
+        return torch.rand_like(x, dtype=torch.float32)
     return torch.rand(x.shape, generator=generator, device=x.device, dtype=torch.float32)
 
 
