@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor
 
 from ..formats import QuantizedTensor, StorageFormat, get_format
 from .policy import NONNEGATIVE_STATES, POLICY_DEFAULTS, StatesSpec, resolve_format, validate_policy
-from .serialization import FORMAT_SUFFIX, STATE_FORMAT_VERSION, VERSION_KEY, export_state, format_from_marker, format_marker, import_state, is_exported
+from .serialization import FORMAT_SUFFIX, STATE_FORMAT_VERSION, VERSION_KEY, exact_values, export_state, format_from_marker, format_marker, import_state, is_exported
 
 NonFiniteGradPolicy = Literal["skip", "raise"]
 CheckpointMode = Literal["packed", "fp32"]
@@ -35,6 +35,11 @@ def like_param(local: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     if isinstance(param, DTensor):
         return DTensor.from_local(local, param.device_mesh, param.placements, shape=param.shape, stride=param.stride())
     return local
+
+
+def _is_local_shard(value: Any, param: DTensor) -> bool:
+    """Whether ``value`` is a plain (non-DTensor) tensor shaped like this rank's shard of ``param``."""
+    return isinstance(value, torch.Tensor) and not isinstance(value, DTensor) and value.ndim > 0 and value.shape == param.to_local().shape
 
 
 def dequantized(value: StateValue) -> torch.Tensor:
@@ -100,6 +105,7 @@ class QuantizedStates:
         self.generator = generator
         self.nonfinite_skips = 0
         self.state_overrides: dict[torch.Tensor, StatesSpec] = {}
+        self.full_numels: dict[torch.Tensor, int] = {}  # full sizes of parameters that are local views (FSDP1), see resolve_format
         self.checkpoint_mode: CheckpointMode = "packed"
         self._stall_counts: dict[tuple[torch.Tensor, str], torch.Tensor] = {}
         self._step_supports_amp_scaling = False  # a GradScaler must unscale the grads before our step
@@ -184,7 +190,7 @@ class QuantizedStates:
     def _policy_format(self, group: dict, key: torch.Tensor, name: str) -> StorageFormat | None:
         """The policy's format for state ``name`` of parameter ``key``: the group's, or a per-parameter override."""
         override = self.state_overrides.get(key)
-        return resolve_format(group if override is None else {**group, "states": override}, name, key)
+        return resolve_format(group if override is None else {**group, "states": override}, name, key, self.full_numels.get(key))
 
     def _initial(self, group: dict, key: torch.Tensor, name: str, value: torch.Tensor) -> StateValue:
         """Store a freshly created state of parameter ``key`` (``value``: local tensor) per the policy."""
@@ -270,8 +276,10 @@ class QuantizedStates:
 
         ``"packed"`` (default): a versioned dict of codes and scales, bit-exact. ``"fp32"``: a tensor shaped
         like the parameter (a DTensor under FSDP2, the flat shard under FSDP1) plus a ``"<name>.qstate_format"``
-        string, for strategies that reshard optimizer state; loading re-quantizes it into the same format.
-        DTensor parameters always use ``"fp32"``: per-rank packed buffers would load on the wrong rank.
+        string, for strategies that reshard optimizer state; loading re-quantizes it into the same format, and
+        with the same block layout (same world size) into the same codes and scales (see ``exact_values``).
+        DTensor parameters always use ``"fp32"``: per-rank packed buffers would load on the wrong rank; for the
+        same reason their plain states, held as local shards, are exported as DTensors.
         """
         state_dict = super().state_dict()
         params = [p for group in self.param_groups for p in group["params"]]
@@ -286,7 +294,9 @@ class QuantizedStates:
         for name, value in entries.items():
             if isinstance(value, QuantizedTensor):
                 exported[name + FORMAT_SUFFIX] = format_marker(value.format)
-                value = like_param(value.dequantize(), key)
+                value = like_param(exact_values(value), key)  # re-quantizes to the same codes: resume is exact
+            elif isinstance(key, DTensor) and _is_local_shard(value, key):
+                value = like_param(value, key)  # a plain state held as a local shard: as a DTensor, each rank saves and loads its own
             exported[name] = value
         return exported
 
@@ -294,7 +304,8 @@ class QuantizedStates:
         """Load our own state dict (either mode), or a plain torch one (its fp32 states are quantized per the policy).
 
         Packed codes never pass through ``torch.optim.Optimizer.load_state_dict``, which would cast them; a
-        packed state whose shape or size does not fit its parameter raises.
+        packed state whose shape or size does not fit its parameter raises. State keys are matched to parameters
+        as torch does, by position in the saved ``param_groups`` (ints, or FQNs from ``set_optimizer_state_dict``).
         """
         packed, markers, plain = {}, {}, {}
         for index, entries in state_dict["state"].items():
@@ -302,10 +313,13 @@ class QuantizedStates:
             markers[index] = {k[: -len(FORMAT_SUFFIX)]: v for k, v in entries.items() if k.endswith(FORMAT_SUFFIX)}
             plain[index] = {k: v for k, v in entries.items() if not is_exported(v) and not k.endswith(FORMAT_SUFFIX)}
         super().load_state_dict({**{k: v for k, v in state_dict.items() if k != VERSION_KEY}, "state": plain})
-        params = [p for group in self.param_groups for p in group["params"]]
+        saved_keys = [key for group in state_dict["param_groups"] for key in group["params"]]
+        params = dict(zip(saved_keys, (p for group in self.param_groups for p in group["params"])))
         for index, entries in packed.items():
             for name, entry in entries.items():
-                self.state[params[index]][name] = import_state(entry, params[index], f"{type(self).__name__} state {index} ({name!r})")
+                where = f"{type(self).__name__} state {index} ({name!r})"
+                # checked against the local shard: a full-shape packed state (a DDP checkpoint) never loads into a DTensor shard
+                self.state[params[index]][name] = import_state(entry, local_tensor(params[index]), where)
         for index, entries in markers.items():
             for name, marker in entries.items():
                 state = self.state[params[index]]

@@ -69,17 +69,22 @@ def global_numel(param: torch.Tensor) -> int:
     return param.numel()
 
 
-def resolve_format(group: Mapping[str, Any], state_name: str, param: torch.Tensor) -> StorageFormat | None:
+def resolve_format(group: Mapping[str, Any], state_name: str, param: torch.Tensor, numel: int | None = None) -> StorageFormat | None:
     """The format a state of ``param`` is stored in, or ``None`` for plain fp32 storage.
 
     Parameters with fewer than ``min_quant_size`` elements, and ``fp32`` states, stay plain tensors.
+    ``numel`` is the full parameter's size when ``param`` cannot tell it: under FSDP1 the optimizer holds
+    1-D views of this rank's part of the flat shard, and ``QuantizationPolicy.apply`` records their full
+    sizes (``optimizer.full_numels``), so every rank takes the same decisions. The block layout there
+    follows the local flat shard (blocks are cut from each rank's 1-D view); that is consistent because
+    FSDP1 checkpoints store the states as fp32 shards and loading re-quantizes them.
     For a DTensor sharded on dim 0 (FSDP2), blocks must not straddle rows, so that every rank and every
     world size cuts the same blocks: the block size becomes the largest power of two dividing the row
     length when the format's does not, and a parameter whose rows allow no block of at least
     ``MIN_ALIGNED_BLOCK`` keeps fp32 states. All of this depends on the full shape only.
     """
     name = format_name_for(group, state_name)
-    if name == "fp32" or global_numel(param) < group["min_quant_size"]:
+    if name == "fp32" or (global_numel(param) if numel is None else numel) < group["min_quant_size"]:
         return None
     signed = state_name not in NONNEGATIVE_STATES
     fmt = get_format(name, block_size=group["block_size"], signed=signed)

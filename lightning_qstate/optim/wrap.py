@@ -231,6 +231,7 @@ class QuantizationPolicy:
             quantized.state_overrides = self.overrides_for(module)
         if module is not None and any(isinstance(m, FullyShardedDataParallel) for m in module.modules()):
             quantized.checkpoint_mode = "fp32"  # FSDP1 gathers and reshapes state tensors like its flat shards
+            quantized.full_numels = fsdp_full_numels(module)  # its parameters are local 1-D views: decide from the full sizes
         return quantized
 
     def overrides_for(self, module: torch.nn.Module) -> dict[torch.Tensor, StatesSpec]:
@@ -243,6 +244,24 @@ class QuantizationPolicy:
                     matched[param] = states
                     break
         return matched
+
+
+def fsdp_full_numels(module: torch.nn.Module) -> dict[torch.Tensor, int]:
+    """``{parameter: numel of the full parameter}`` for the parameters FSDP1 (``FullyShardedDataParallel``) shards in ``module``.
+
+    With ``use_orig_params=True`` the optimizer holds the original parameters, which FSDP1 turns into 1-D views of
+    this rank's part of the flat shard (possibly empty); with ``use_orig_params=False`` it holds the flat parameter.
+    Their local ``numel()`` differs between ranks; the flat parameter's handle knows the full sizes.
+    """
+    numels: dict[torch.Tensor, int] = {}
+    for submodule in module.modules():
+        flat = getattr(submodule, "_flat_param", None) if isinstance(submodule, FullyShardedDataParallel) else None
+        if flat is None:
+            continue
+        numels[flat] = flat._unpadded_unsharded_size.numel()
+        for param, numel in zip(flat._params or [], flat._numels):
+            numels[param] = numel
+    return numels
 
 
 def check_optimizer_parameters(model: torch.nn.Module, optimizers: list[torch.optim.Optimizer]) -> None:

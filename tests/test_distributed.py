@@ -1,0 +1,313 @@
+"""Multi-process Lightning tests on CPU (gloo, 2 ranks): DDP, FSDP1 (``CPUFSDPStrategy``) and FSDP2 (``ModelParallelStrategy``).
+
+Lightning re-executes ``sys.argv`` to start the second rank, so each run is ``tests/distributed_worker.py``
+launched as a subprocess; it writes the gathered weights and every rank's optimizer states (formats, block
+sizes, hashes of the codes) into a folder that the tests below read. Launching costs most of the time
+(importing Lightning twice), so one launch runs several phases: an uninterrupted run to step 6 and a run
+saving a checkpoint at step 3 (for each checkpoint kind), then, in a second launch, the resume to step 6.
+
+Round-to-nearest states resume bit-exactly under every strategy: DDP checkpoints hold the packed codes,
+FSDP1/FSDP2 ones fp32 values that re-quantize to the very same codes and scales.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_qstate import QAdamW
+from lightning_qstate.formats import QuantizedTensor, get_format
+from lightning_qstate.optim.serialization import exact_values
+
+TESTS = Path(__file__).resolve().parent
+REPO = TESTS.parent
+WORKER = TESTS / "distributed_worker.py"
+LAUNCH_TIMEOUT = 300  # seconds per launch; a launch takes ~10-30 s on 2 loaded cores
+STEPS, SAVE_STEP = 6, 3
+
+GLOO = torch.distributed.is_available() and torch.distributed.is_gloo_available()
+pytestmark = pytest.mark.skipif(not GLOO, reason="needs torch.distributed with gloo")
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One configuration: a strategy, its checkpoint kinds and the quantization policy."""
+
+    strategy: str
+    kinds: tuple[str, ...]
+    hidden: int
+    min_quant_size: int
+    states: str = "int8"
+    via: str = "plugin"
+    fresh_resume: bool = True  # resume in new processes (else in the processes that saved the checkpoint)
+    quantized: tuple[str, ...] = ("net.0.weight",)  # parameters whose states must be quantized (on every rank holding a part)
+
+    def args(self) -> list[str]:
+        return [
+            "--strategy", self.strategy, "--state-dict", ",".join(self.kinds), "--hidden", str(self.hidden), "--min-quant-size", str(self.min_quant_size),
+            "--states", self.states, "--via", self.via, "--steps", str(STEPS), "--save-step", str(SAVE_STEP),
+        ]  # fmt: skip
+
+
+RUNS = {
+    # Both big weights quantized; DDP saves the packed codes.
+    "ddp": RunSpec("ddp", ("full",), hidden=300, min_quant_size=1024, quantized=("net.0.weight", "net.3.weight"), fresh_resume=False),
+    # hidden=301: uneven flat shards. net.0.weight (19264 values) falls on rank 0 (11296 values) and rank 1 (7968):
+    # min_quant_size=8192 lies between, so deciding from the local numel would quantize it on rank 0 only.
+    "fsdp": RunSpec("fsdp", ("full", "sharded"), hidden=301, min_quant_size=8192),
+    # hidden=301 rows sharded 151/150; rows of 64 give row-aligned blocks of 64, rows of 301 (net.3.weight) keep fp32.
+    "fsdp2": RunSpec("fsdp2", ("full", "sharded"), hidden=301, min_quant_size=1024),
+    # int4 through the callback; net.3.weight lies wholly on rank 1 (rank 0 holds an empty view and no state).
+    "fsdp-int4-callback": RunSpec(
+        "fsdp", ("full", "sharded"), hidden=301, min_quant_size=1024, states="int4", via="callback", fresh_resume=False, quantized=("net.0.weight", "net.3.weight")
+    ),
+}
+
+
+LAUNCHER_VARIABLES = ("LOCAL_RANK", "NODE_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")  # the worker must launch its own ranks
+
+
+def kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def launch(out: Path, args: list[str], timeout: float = LAUNCH_TIMEOUT) -> float:
+    """Run the worker (it starts the second rank itself) in its own session; fail with its output on error."""
+    env = {key: value for key, value in os.environ.items() if key not in LAUNCHER_VARIABLES}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(TESTS), *filter(None, [os.environ.get("PYTHONPATH")])])
+    env.setdefault("OMP_NUM_THREADS", "1")
+    command = [sys.executable, str(WORKER), "--out", str(out), *args]
+    start = time.perf_counter()
+    # its own session: on failure or timeout the whole process group (rank 1 included) is killed
+    process = subprocess.Popen(command, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        output, _ = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_group(process.pid)
+        output, _ = process.communicate()
+        pytest.fail(f"{' '.join(command)} timed out after {timeout} s:\n{output[-8000:]}")
+    finally:
+        kill_group(process.pid)  # a rank left behind by a failure
+    if process.returncode != 0:
+        pytest.fail(f"{' '.join(command)} exited with {process.returncode}:\n{output[-8000:]}")
+    return time.perf_counter() - start
+
+
+@dataclass
+class Run:
+    spec: RunSpec
+    out: Path
+    seconds: list[float] = field(default_factory=list)
+
+    def phases(self) -> list[str]:
+        return ["straight", *(f"{phase}-{kind}" for phase in ("first", "resume") for kind in self.spec.kinds)]
+
+    def info(self, phase: str, rank: int) -> dict:
+        return json.loads((self.out / phase / f"rank{rank}.json").read_text())
+
+    def weights(self, phase: str) -> dict[str, torch.Tensor]:
+        return torch.load(self.out / phase / "weights.pt", weights_only=True)
+
+
+@pytest.fixture(scope="module", params=list(RUNS))
+def run(request, tmp_path_factory) -> Run:
+    spec = RUNS[request.param]
+    result = Run(spec, tmp_path_factory.mktemp(request.param))
+    if spec.fresh_resume:
+        result.seconds.append(launch(result.out, [*spec.args(), "--mode", "straight,first"]))
+        result.seconds.append(launch(result.out, [*spec.args(), "--mode", "resume"]))
+    else:
+        result.seconds.append(launch(result.out, [*spec.args(), "--mode", "straight,first,resume"]))
+    for phase in result.phases():
+        for rank in (0, 1):
+            assert (result.out / phase / f"done{rank}").is_file(), f"rank {rank} did not finish {phase}"
+    return result
+
+
+def states_of(info: dict) -> dict[str, dict[str, dict]]:
+    """``{param: {state: description}}`` of a rank's report."""
+    return {name: entry["states"] for name, entry in info["params"].items()}
+
+
+def test_resume_gives_the_weights_and_states_of_an_uninterrupted_run(run):
+    straight = run.weights("straight")
+    assert set(straight) == {"net.0.weight", "net.0.bias", "net.1.weight", "net.1.bias", "net.3.weight", "net.3.bias"}
+    for kind in run.spec.kinds:
+        resumed = run.weights(f"resume-{kind}")
+        assert set(resumed) == set(straight)
+        for name, value in straight.items():
+            assert resumed[name].shape == value.shape
+            assert torch.equal(resumed[name], value), f"{kind}: {name} differs by {(resumed[name] - value).abs().max().item()}"
+        for rank in (0, 1):
+            info, reference = run.info(f"resume-{kind}", rank), run.info("straight", rank)
+            assert info["global_step"] == reference["global_step"] == STEPS
+            assert info["lr"] == reference["lr"]
+            assert states_of(info) == states_of(reference), f"{kind}: rank {rank}'s states differ from the uninterrupted run"
+    assert not torch.equal(run.weights(f"first-{run.spec.kinds[0]}")["net.0.weight"], straight["net.0.weight"])  # it trained on
+
+
+def test_checkpoint_loads_into_the_same_formats_codes_and_ranks(run):
+    """Right after loading (before a step): every rank's states are what that rank saved, in the same formats."""
+    for kind in run.spec.kinds:
+        for rank in (0, 1):
+            saved, loaded = run.info(f"first-{kind}", rank), run.info(f"resume-{kind}", rank)["loaded"]
+            assert loaded["global_step"] == SAVE_STEP
+            assert states_of(loaded) == states_of(saved), f"{kind}: rank {rank} did not get back its own states"
+            for name in run.spec.quantized:
+                for state in states_of(loaded)[name].values():
+                    if state.get("shape") != []:  # not the step counter
+                        assert state["quantized"] and state["format"]["name"] == run.spec.states, (kind, rank, name, state)
+
+
+def test_every_rank_takes_the_same_decisions(run):
+    """Which states are quantized, in which format and block size, follows the full shape on every rank."""
+    for phase in run.phases():
+        first, second = run.info(phase, 0), run.info(phase, 1)
+        assert first["optimizer"] == second["optimizer"] == "QAdamW"
+        # FSDP1 exports fp32 flat shards; FSDP2's DTensor parameters always export fp32, whatever the mode
+        assert first["checkpoint_mode"] == second["checkpoint_mode"] == ("fp32" if run.spec.strategy == "fsdp" else "packed")
+        assert first["params"].keys() == second["params"].keys()
+        for name, entry in first["params"].items():
+            other = second["params"][name]
+            assert entry["full_numel"] == other["full_numel"], name
+            if run.spec.strategy != "fsdp":  # FSDP1's parameters are 1-D views of each rank's part
+                assert entry["shape"] == other["shape"] and entry["full_numel"] == torch.Size(entry["shape"]).numel(), name
+            assert entry["policy"] == other["policy"], f"{phase}: ranks decide differently for {name}"
+            for state, value in entry["states"].items():
+                if state in other["states"]:  # a rank holding no part of a parameter (FSDP1) has no state for it
+                    assert value["format"] == other["states"][state]["format"], (phase, name, state)
+                assert value["format"] == entry["policy"].get(state), (phase, name, state)
+        for name in run.spec.quantized:
+            assert first["params"][name]["policy"]["exp_avg"]["name"] == run.spec.states
+
+
+def test_uneven_shards(run):
+    info = [run.info("straight", rank)["params"] for rank in (0, 1)]
+    weight = [entry["net.0.weight"] for entry in info]
+    if run.spec.strategy == "fsdp2":  # rows sharded 151 / 150; blocks never straddle rows (64 values each)
+        assert [w["local_shape"] for w in weight] == [[151, 64], [150, 64]]
+        assert all(w["states"]["exp_avg"]["format"]["resolved_block_size"] == 64 for w in weight)
+        assert all(entry["net.3.weight"]["policy"]["exp_avg"] is None for entry in info)  # rows of 301 allow no aligned block
+    elif run.spec.strategy == "fsdp":  # 1-D views of the flat shards; the decisions use the full numel
+        local = [w["local_shape"][0] for w in weight]
+        assert 0 < local[1] < local[0] and sum(local) == 301 * 64
+        assert all(w["full_numel"] == 301 * 64 for w in weight)
+        assert all(w["states"]["exp_avg"]["quantized"] for w in weight)
+        assert info[0]["net.3.weight"]["local_shape"] == [0] and info[0]["net.3.weight"]["states"] == {}
+    else:
+        assert weight[0]["local_shape"] == weight[1]["local_shape"] == [300, 64]
+
+
+def test_ddp_states_are_identical_on_both_ranks(run):
+    if run.spec.strategy != "ddp":
+        pytest.skip("DDP only: sharded strategies hold different parts")
+    for phase in run.phases():
+        first, second = (states_of(run.info(phase, rank)) for rank in (0, 1))
+        assert first == second, f"{phase}: the ranks' optimizer states differ"
+        assert first["net.0.weight"]["exp_avg"]["quantized"] and first["net.3.weight"]["exp_avg_sq"]["quantized"]
+
+
+def test_checkpoint_contents(run):
+    """DDP keeps the packed low-bit codes; FSDP1/FSDP2 fp32 values of the parameter's shape plus a format marker."""
+    for kind in run.spec.kinds:
+        path = run.out / f"first-{kind}" / "ckpt.ckpt"
+        if kind == "sharded":
+            assert path.is_dir() and any(path.iterdir())
+            continue
+        checkpoint = torch.load(path, weights_only=True)
+        optimizer_state = checkpoint["optimizer_states"][0]
+        names = list(checkpoint["state_dict"])  # full checkpoints key the optimizer states by parameter position
+        by_name = optimizer_state["state"][names.index("net.0.weight")]
+        if run.spec.strategy == "ddp":
+            packed = by_name["exp_avg"]
+            assert packed["codes"].dtype == torch.uint8 and packed["format"]["name"] == run.spec.states
+            assert packed["codes"].numel() == 300 * 64 and packed["shape"] == [300, 64]
+        else:
+            assert by_name["exp_avg"].dtype == torch.float32 and by_name["exp_avg"].shape == (301, 64)
+            assert json.loads(by_name["exp_avg.qstate_format"])["name"] == run.spec.states
+            assert json.loads(by_name["exp_avg_sq.qstate_format"])["signed"] is False
+            # every state its own values (torch's FSDP1 CPU offload used to alias them all to the last one)
+            assert not torch.equal(by_name["exp_avg"], by_name["exp_avg_sq"]) and bool((by_name["exp_avg"] < 0).any())
+
+
+def test_packed_state_of_the_full_shape_never_loads_into_a_shard(run):
+    if run.spec.strategy != "fsdp2":
+        pytest.skip("FSDP2 only")
+    for rank in (0, 1):
+        error = json.loads((run.out / "straight" / f"packed_into_shard{rank}.json").read_text())["error"]
+        assert error is not None and "shape (301, 64)" in error and ("(151, 64)" if rank == 0 else "(150, 64)") in error
+
+
+# --- single process ----------------------------------------------------------------------------------
+def trained_optimizer(shape: tuple[int, ...], states: str = "int8") -> tuple[QAdamW, torch.nn.Parameter]:
+    param = torch.nn.Parameter(torch.randn(shape, generator=torch.Generator().manual_seed(0)))
+    optimizer = QAdamW([param], lr=1e-2, states=states, min_quant_size=0)
+    for step in range(3):
+        param.grad = torch.randn(shape, generator=torch.Generator().manual_seed(step + 1))
+        optimizer.step()
+    return optimizer, param
+
+
+@pytest.mark.parametrize("shape", [(31, 64), (64, 32), (2048,)])
+def test_packed_checkpoint_refuses_a_parameter_of_another_shape(shape):
+    saved, _ = trained_optimizer((32, 64))
+    state_dict = saved.state_dict()
+    assert state_dict["state"][0]["exp_avg"]["codes"].dtype == torch.uint8  # packed, as DDP saves it
+    target, _ = trained_optimizer(shape)
+    with pytest.raises(ValueError, match=r"checkpoint state has shape \(32, 64\) but the parameter has shape"):
+        target.load_state_dict(state_dict)
+
+
+def test_packed_checkpoint_refuses_codes_of_the_wrong_size():
+    saved, _ = trained_optimizer((32, 64))
+    state_dict = saved.state_dict()
+    entry = state_dict["state"][0]["exp_avg"]
+    entry["codes"] = entry["codes"][:-1]
+    target, _ = trained_optimizer((32, 64))
+    with pytest.raises(ValueError, match="holds .* bytes but format 'int8' needs"):
+        target.load_state_dict(state_dict)
+
+
+@pytest.mark.parametrize("states", ["int8", "int4"])
+def test_fp32_checkpoint_requantizes_to_the_same_codes(states):
+    """The fp32 export (FSDP1/FSDP2) loads back bit-exactly, although signed maps cannot reach -1."""
+    saved, _ = trained_optimizer((40, 64), states)
+    saved.checkpoint_mode = "fp32"
+    state_dict = saved.state_dict()
+    assert state_dict["state"][0]["exp_avg"].dtype == torch.float32 and "exp_avg.qstate_format" in state_dict["state"][0]
+    target, _ = trained_optimizer((40, 64), "fp32")  # the markers, not the policy, decide the formats
+    target.load_state_dict(state_dict)
+    for name in ("exp_avg", "exp_avg_sq"):
+        before, after = saved.state[saved.param_groups[0]["params"][0]][name], target.state[target.param_groups[0]["params"][0]][name]
+        assert isinstance(after, QuantizedTensor) and after.format.config == before.format.config
+        assert torch.equal(after.codes, before.codes) and torch.equal(after.scales, before.scales)
+
+
+def test_exact_values_differ_from_dequantize_only_at_negative_block_maxima():
+    fmt = get_format("int8", block_size=64)
+    values = torch.randn(64 * 50, generator=torch.Generator().manual_seed(0))
+    quantized = fmt.quantize(values)
+    exact, plain = exact_values(quantized), quantized.dequantize()
+    changed = (exact != plain).view(50, 64)
+    assert changed.sum(dim=1).le(1).all() and changed.any()
+    negative_max = values.view(50, 64).gather(1, values.view(50, 64).abs().argmax(1, keepdim=True)).squeeze(1) < 0
+    assert not (changed.any(dim=1) & ~negative_max).any()  # only blocks whose absmax was negative ...
+    short = plain.view(50, 64).abs().amax(dim=1) < quantized.scales
+    assert torch.equal(changed.any(dim=1), short) and short.any()  # ... and whose decoded values fall short of the scale
+    assert torch.equal(exact.view(50, 64).abs().amax(dim=1), quantized.scales)
+    assert torch.equal(exact.view(50, 64)[changed], -quantized.scales[changed.any(dim=1)])
+    again = fmt.quantize(exact)
+    assert torch.equal(again.codes, quantized.codes) and torch.equal(again.scales, quantized.scales)
+    assert not torch.equal(fmt.quantize(plain).scales, quantized.scales)  # what re-quantizing dequantize() would give
