@@ -132,10 +132,11 @@ def kernel():
         from torch.utils.cpp_extension import load_inline
 
         module = load_inline(
-            name="lightning_qstate_cpu_adam_v2",
+            name="lightning_qstate_cpu_adam_v3",
             cpp_sources=SOURCE,
             functions=["adam_step_u8"],
-            extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-fopenmp-simd"],
+            extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
             verbose=False,
         )
     except Exception as error:  # no compiler or ninja: the torch.compile path takes over
