@@ -17,7 +17,7 @@ test: $(VENV)/.installed
 	$(PY) -m pytest -q tests
 
 demo: $(VENV)/.installed
-	$(PY) benchmarks/formats.py
+	$(PY) -m lightning_qstate.cli fit --config examples/configs/gpt_int8.yaml
 
 bench: $(VENV)/.installed
 	$(PY) benchmarks/formats.py

@@ -56,8 +56,10 @@ _POLICY_DOC = """
 """
 
 
-class QStatePrecision(QStatePolicyMixin, Precision):
-    __doc__ = "Quantized optimizer states with Lightning's precision ``precision``; see the module docs." + _POLICY_DOC
+class _PrecisionDispatch:
+    """``QStatePrecision(precision)`` returns the subclass for ``precision``. This ``__new__`` lives in a base of
+    its own because jsonargparse (LightningCLI) reads a class's arguments from a ``__new__`` the class itself
+    defines, and would then accept none of ``__init__``'s options (``states`` etc.) in YAML configs."""
 
     def __new__(cls, precision: PrecisionName = "32-true", *args: Any, **kwargs: Any):
         if cls is QStatePrecision and precision != "32-true":
@@ -66,6 +68,10 @@ class QStatePrecision(QStatePolicyMixin, Precision):
                 raise ValueError(f"QStatePrecision: precision={precision!r} is not supported; use one of {['32-true', *variants]}")
             cls = variants[precision]
         return super().__new__(cls)
+
+
+class QStatePrecision(QStatePolicyMixin, _PrecisionDispatch, Precision):
+    __doc__ = "Quantized optimizer states with Lightning's precision ``precision``; see the module docs." + _POLICY_DOC
 
     def __init__(
         self,

@@ -1,0 +1,868 @@
+"""Optimizer step time, state size and memory on the CPU: fp32 AdamW, torchao's and bitsandbytes' low-bit AdamW, and QAdamW.
+
+Usage::
+
+    python benchmarks/optim.py [--repeats R] [--out PATH] [--models mlp,transformer] [--quick]
+                               [--methods KEY,...] [--no-compile] [--warm-cache] [--threads N]
+                               [--budget S] [--profile KEY,...|none]
+
+Only ``optimizer.step()`` is timed: each model's gradients are fixed seeded random
+tensors, set once. Models: an MLP 1024 -> 4096 -> 1024 (8.4M parameters) and a small
+transformer (256-token embedding, ``nn.TransformerEncoder`` with d_model 256,
+4 layers, ffn 1024, and a 256-way head: 3.3M parameters).
+
+Every (method, model) pair runs in its own worker process (``--worker KEY``), so
+that RSS, ``torch.compile`` caches and imports do not leak between methods; all
+workers start with the same seed. The parent drives them over a pipe:
+
+1. ``setup``: build the model and optimizer, time the first step (state allocation
+   and, for compiling methods, ``torch.compile``) and the warm-up steps. One worker
+   at a time, so compiles do not compete for the CPU.
+2. ``step``, ``R`` rounds: every worker times one ``optimizer.step()`` per round, one
+   worker at a time (the others sleep on their pipe), in a rotated order, so a slow
+   phase of a shared machine hits all methods alike. A method whose timed steps have
+   taken more than ``--budget`` seconds sits out the remaining rounds (after at least
+   2), so one pathologically slow method cannot stretch the run. Reported: the median,
+   the interquartile range and the number of rounds, and ``x fused fp32``: the median
+   over rounds of the step time over the fused fp32 AdamW step of the same round.
+3. ``finish``: memory figures (below); ``profile``: one step under ``torch.profiler``.
+
+Memory, from ``/proc/self/status`` (``VmRSS``/``VmHWM``; the high-water mark is reset
+through ``/proc/self/clear_refs`` where Linux allows it, else ``ru_maxrss`` is read):
+
+- RSS peak: the worker's highest RSS over its whole life (torch and peer imports
+  included: the mapped torch libraries alone are several hundred MB);
+- step RSS increase: the high-water mark over the timed steps minus the RSS just
+  before them: the transient memory of a steady-state step;
+- first-step RSS increase: the high-water mark over the first and warm-up steps minus
+  the RSS before them: the states allocated, plus whatever compiling took.
+
+Inductor and ``torch.utils.cpp_extension`` build in a cache directory that is fresh
+for each method in each run, unless ``--warm-cache``: a method's first model
+compiles cold (as on a first run), its later models find that method's kernels of the
+first model on disk (as on a second run; graphs of new shapes still compile).
+Compiler subprocesses are not in the RSS.
+
+State bytes per parameter: ours through ``lightning_qstate.state_nbytes`` (codes and
+scales of every quantized state, every plain tensor); the peers through
+:func:`state_bytes`, which counts each distinct tensor storage in ``optimizer.state``
+once, expanding tensor subclasses (torchao's ``OptimState8bit``/``4bit``: ``codes``,
+``scale`` and ``qmap``) into their inner tensors via ``__tensor_flatten__``;
+bitsandbytes' states are plain tensors (``state1``/``state2`` codes, ``absmax1/2``
+scales, the shared ``qmap1/2`` counted once). Everyone's ``step`` counter is
+included where it is a tensor. All methods keep fp32 states for parameters with
+fewer than 4096 values (``min_quant_size=4096``; torchao also for sizes that are not
+a multiple of its block, bitsandbytes' ``min_8bit_size=4096``).
+
+A method that cannot run (peer not installed, or failing on the CPU) shows as
+``n/a (reason)``. The report ends with PASS/FAIL lines for the targets (a) QAdamW
+int8 step <= 1.5x fused fp32 AdamW, (b) QAdamW int8 faster than bitsandbytes' and
+torchao's 8-bit AdamW, (c) state <= 2.05 bytes/param for int8 and <= 1.1 for int4.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import importlib.util
+import json
+import math
+import os
+import platform
+import re
+import resource
+import select
+import shlex
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+try:
+    from lightning_qstate import QAdamW, state_nbytes
+except ModuleNotFoundError:  # run as ``python benchmarks/optim.py`` from anywhere
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from lightning_qstate import QAdamW, state_nbytes
+from lightning_qstate.formats import QuantizedTensor
+
+
+def _formats_module():
+    """``benchmarks/formats.py``, for its helpers (loaded by path: ``benchmarks`` is not a package)."""
+    name = "benchmarks_formats"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().with_name("formats.py"))
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # dataclasses look their module up by name
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+_formats = _formats_module()
+_short_reason, _version, seconds = _formats._short_reason, _formats._version, _formats.seconds
+
+SCRIPT = Path(__file__).resolve()
+DEFAULT_OUT = SCRIPT.parent / "results" / "optim.md"
+LR, WEIGHT_DECAY = 1e-3, 1e-2  # every method gets the same AdamW hyperparameters (betas, eps: torch's defaults)
+MIN_QUANT_SIZE = 4096
+BASELINE = "adamw-fused"
+OUR_INT8 = "qadamw-int8-rn"
+TARGET_STEP_RATIO = 1.5
+TARGET_BYTES = {"int8": 2.05, "int4": 1.1}
+WORKER_TIMEOUT_S = 900.0
+
+
+# --------------------------------------------------------------------------- methods
+
+
+@dataclass(frozen=True)
+class Options:
+    """What a worker was asked to do; ``compile=False`` turns off ``torch.compile`` for every method."""
+
+    compile: bool = True
+
+
+@dataclass(frozen=True)
+class Method:
+    """One optimizer under test: ``build(params, options)`` makes it (importing peers lazily).
+
+    ``family``: ``"torch"``, ``"torchao"``, ``"bitsandbytes"`` or ``"ours"``; ``compiles``: whether it runs
+    ``torch.compile`` on the CPU (its first step then includes a compile); ``fmt``: our state format.
+    """
+
+    key: str  # CLI name, e.g. "qadamw-int8-rn"
+    label: str
+    family: str
+    build: Callable[[list[torch.nn.Parameter], Options], torch.optim.Optimizer]
+    compiles: bool = False
+    fmt: str | None = None
+    rounding: str | None = None
+
+
+def _torch_adamw(**kwargs: Any) -> Callable[[list[torch.nn.Parameter], Options], torch.optim.Optimizer]:
+    return lambda params, _: torch.optim.AdamW(params, lr=LR, weight_decay=WEIGHT_DECAY, **kwargs)
+
+
+def _torchao_adamw(name: str) -> Callable[[list[torch.nn.Parameter], Options], torch.optim.Optimizer]:
+    def build(params: list[torch.nn.Parameter], options: Options) -> torch.optim.Optimizer:
+        import torchao.optim
+
+        if not options.compile:  # torchao calls torch.compile(fullgraph=True) in every step: make it the identity
+            torch.compile = lambda model=None, **_: model  # (only in this worker process)
+        return getattr(torchao.optim, name)(params, lr=LR, weight_decay=WEIGHT_DECAY)  # min size 4096 is built in
+
+    return build
+
+
+def _bnb_adamw8bit(params: list[torch.nn.Parameter], _: Options) -> torch.optim.Optimizer:
+    import bitsandbytes as bnb
+
+    return bnb.optim.AdamW8bit(params, lr=LR, weight_decay=WEIGHT_DECAY, min_8bit_size=MIN_QUANT_SIZE)
+
+
+def _qadamw(fmt: str, rounding: str) -> Callable[[list[torch.nn.Parameter], Options], torch.optim.Optimizer]:
+    def build(params: list[torch.nn.Parameter], options: Options) -> torch.optim.Optimizer:
+        opt = QAdamW(params, lr=LR, weight_decay=WEIGHT_DECAY, states=fmt, rounding=rounding, min_quant_size=MIN_QUANT_SIZE)
+        opt.cpu_compile = options.compile
+        return opt
+
+    return build
+
+
+OUR_FORMATS = ("int8", "int4", "fp8_e4m3", "bf16")
+ROUNDINGS = {"rn": "nearest", "sr": "stochastic"}
+
+
+def all_methods() -> list[Method]:
+    """The registry: torch's fp32 AdamW (the baseline first), the peers, then QAdamW per format and rounding."""
+    methods = [
+        Method("adamw-fused", "torch AdamW fused (fp32)", "torch", _torch_adamw(fused=True)),
+        Method("adamw-foreach", "torch AdamW foreach (fp32)", "torch", _torch_adamw(foreach=True)),
+        Method("torchao-adamw8bit", "torchao AdamW8bit", "torchao", _torchao_adamw("AdamW8bit"), compiles=True),
+        Method("torchao-adamw4bit", "torchao AdamW4bit", "torchao", _torchao_adamw("AdamW4bit"), compiles=True),
+        Method("bnb-adamw8bit", "bitsandbytes AdamW8bit", "bitsandbytes", _bnb_adamw8bit),
+    ]
+    for fmt in OUR_FORMATS:
+        for short, rounding in ROUNDINGS.items():
+            methods.append(Method(f"qadamw-{fmt}-{short}", f"QAdamW {fmt} · {short.upper()}", "ours", _qadamw(fmt, rounding), True, fmt, rounding))
+    return methods
+
+
+METHODS = {m.key: m for m in all_methods()}
+
+
+def state_bytes(optimizer: torch.optim.Optimizer, params: list[torch.Tensor] | None = None) -> int:
+    """Bytes of every distinct tensor storage held in ``optimizer.state`` (of ``params`` only, if given; see the module docs).
+
+    Our ``QuantizedTensor`` counts its codes and scales; a tensor subclass (torchao's states) counts the
+    inner tensors of ``__tensor_flatten__``, recursively; storages shared between states (bitsandbytes'
+    ``qmap1``/``qmap2``) count once. Non-tensor values (bitsandbytes' int ``step``) count nothing.
+    """
+    seen: set[int] = set()
+
+    def count(value: Any) -> int:
+        if isinstance(value, QuantizedTensor):
+            return sum(count(t) for t in (value.codes, value.scales) if t is not None)
+        if not isinstance(value, torch.Tensor):
+            return 0
+        if type(value) not in (torch.Tensor, torch.nn.Parameter) and hasattr(value, "__tensor_flatten__"):
+            names, _ = value.__tensor_flatten__()
+            return sum(count(getattr(value, name)) for name in names)
+        storage = value.untyped_storage()
+        if storage.data_ptr() in seen:
+            return 0
+        seen.add(storage.data_ptr())
+        return storage.nbytes()
+
+    states = optimizer.state.values() if params is None else [optimizer.state[p] for p in params if p in optimizer.state]
+    return sum(count(value) for state in states for value in state.values())
+
+
+# --------------------------------------------------------------------------- models
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    description: str
+    build: Callable[[], torch.nn.Module]
+
+
+class TinyTransformer(torch.nn.Module):
+    """Token embedding, ``nn.TransformerEncoder``, linear head (only its parameters matter here)."""
+
+    def __init__(self, vocab: int, d_model: int, layers: int, ffn: int, heads: int) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, d_model)
+        layer = torch.nn.TransformerEncoderLayer(d_model, heads, ffn, batch_first=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # enable_nested_tensor notice
+            self.encoder = torch.nn.TransformerEncoder(layer, layers)
+        self.head = torch.nn.Linear(d_model, vocab)
+
+
+def model_specs(quick: bool) -> dict[str, ModelSpec]:
+    """The two models; ``quick``: tiny ones (still above ``min_quant_size``, so states get quantized)."""
+    if quick:
+        mlp = (64, 256)
+        tf = dict(vocab=256, d_model=32, layers=1, ffn=128, heads=2)
+    else:
+        mlp = (1024, 4096)
+        tf = dict(vocab=256, d_model=256, layers=4, ffn=1024, heads=4)
+    return {
+        "mlp": ModelSpec(
+            "mlp", f"MLP {mlp[0]} -> {mlp[1]} -> {mlp[0]} (GELU)",
+            lambda: torch.nn.Sequential(torch.nn.Linear(*mlp), torch.nn.GELU(), torch.nn.Linear(mlp[1], mlp[0])),
+        ),
+        "transformer": ModelSpec(
+            "transformer",
+            f"{tf['vocab']}-token embedding + TransformerEncoder (d_model {tf['d_model']}, {tf['layers']} layers, "
+            f"ffn {tf['ffn']}, {tf['heads']} heads) + {tf['vocab']}-way head",
+            lambda: TinyTransformer(**tf),
+        ),
+    }  # fmt: skip
+
+
+def make_model(spec: ModelSpec, seed: int) -> list[torch.nn.Parameter]:
+    """The model's parameters, each with a fixed seeded random gradient."""
+    torch.manual_seed(seed)
+    params = list(spec.build().parameters())
+    generator = torch.Generator().manual_seed(seed + 1)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=generator) * 1e-2
+    return params
+
+
+# --------------------------------------------------------------------------- worker side
+
+
+def _proc_status_kb(field_name: str) -> int | None:
+    try:
+        match = re.search(rf"^{field_name}:\s+(\d+) kB", Path("/proc/self/status").read_text(), re.M)
+    except OSError:
+        return None
+    return int(match.group(1)) if match else None
+
+
+def maxrss_mb() -> float:
+    """``ru_maxrss`` in MiB (kB on Linux, bytes on macOS)."""
+    value = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return value / (1 << 20) if sys.platform == "darwin" else value / 1024
+
+
+def rss_mb() -> float:
+    """Current RSS in MiB (``ru_maxrss`` where ``/proc`` is missing)."""
+    kb = _proc_status_kb("VmRSS")
+    return maxrss_mb() if kb is None else kb / 1024
+
+
+def hwm_mb() -> float:
+    """RSS high-water mark in MiB since the last :func:`reset_hwm`."""
+    kb = _proc_status_kb("VmHWM")
+    return maxrss_mb() if kb is None else kb / 1024
+
+
+def reset_hwm() -> bool:
+    """Reset the RSS high-water mark to the current RSS (Linux >= 4.0); False where that is not possible."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        return False
+    return True
+
+
+class WorkerBench:
+    """One method on one model, inside the worker process."""
+
+    def __init__(self, method: Method, spec: ModelSpec, seed: int, warmup: int, options: Options) -> None:
+        self.method, self.spec, self.seed, self.warmup, self.options = method, spec, seed, warmup, options
+        self.peak = 0.0
+        self.digest = source_digest()  # of the sources as imported (the package may change while the run goes on)
+
+    def setup(self) -> dict[str, Any]:
+        params = make_model(self.spec, self.seed)
+        n_params = sum(p.numel() for p in params)
+        self.optimizer = self.method.build(params, self.options)
+        gc.collect()
+        rss_before = rss_mb()
+        self.peak = max(hwm_mb(), maxrss_mb())  # imports and model
+        self.hwm_reset = reset_hwm()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            first_s = seconds(self.optimizer.step)
+            for _ in range(self.warmup - 1):
+                self.optimizer.step()
+        first_peak = hwm_mb() if self.hwm_reset else maxrss_mb()
+        self.peak = max(self.peak, first_peak)
+        first_increase = first_peak - rss_before
+        nbytes = state_nbytes(self.optimizer) if self.method.family == "ours" else state_bytes(self.optimizer)
+        small = [p for p in params if p.numel() < MIN_QUANT_SIZE]
+        small_bytes = state_bytes(self.optimizer, small)
+        notes = sorted({_short_reason(w.message) for w in caught if issubclass(w.category, RuntimeWarning)})
+        if self.method.family == "ours" and nbytes != state_bytes(self.optimizer):
+            notes.append(f"state_nbytes {nbytes} != storage count {state_bytes(self.optimizer)}")
+        gc.collect()
+        self.hwm_reset = self.hwm_reset and reset_hwm()
+        self.rss_steady = rss_mb()
+        self.maxrss_steady = maxrss_mb()
+        return {
+            "n_params": n_params,
+            "first_step_s": first_s,
+            "state_bytes": nbytes,
+            "small_params": sum(p.numel() for p in small),
+            "small_state_bytes": small_bytes,
+            "rss_before_mb": rss_before,
+            "first_rss_increase_mb": first_increase,
+            "threads": torch.get_num_threads(),
+            "digest": self.digest,
+            "notes": notes,
+        }
+
+    def step(self) -> float:
+        return 1e3 * seconds(self.optimizer.step)
+
+    def finish(self) -> dict[str, Any]:
+        if self.hwm_reset:
+            step_peak, increase = hwm_mb(), hwm_mb() - self.rss_steady
+        else:  # only what went beyond the earlier high-water mark shows
+            step_peak, increase = maxrss_mb(), maxrss_mb() - self.maxrss_steady
+        return {"rss_peak_mb": max(self.peak, step_peak), "step_rss_increase_mb": increase, "hwm_reset": self.hwm_reset}
+
+    def profile(self, top: int = 8) -> list[list[Any]]:
+        """The ``top`` ops of one step by self CPU time: ``[name, self ms, calls]``, plus the step's total."""
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            self.optimizer.step()
+        events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+        total = sum(e.self_cpu_time_total for e in events) / 1e3
+        rows = [[e.key if len(e.key) <= 60 else e.key[:57] + "...", e.self_cpu_time_total / 1e3, e.count] for e in events[:top]]
+        grads = [p.grad for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
+        check = statistics.median(seconds(lambda: [bool(torch.isfinite(g).all()) for g in grads]) for _ in range(3))
+        step = statistics.median(seconds(self.optimizer.step) for _ in range(3))
+        return [
+            ["(all ops, self CPU total)", total, sum(e.count for e in events)],
+            *rows,
+            ["(unprofiled) one step, median of 3", 1e3 * step, 1],
+            ["(unprofiled) `bool(torch.isfinite(g).all())` for every grad alone, median of 3", 1e3 * check, len(grads)],
+        ]
+
+
+def worker_main(args: argparse.Namespace) -> None:
+    """Serve ``setup`` / ``step`` / ``profile`` / ``finish`` requests on stdin, one JSON line each on the real stdout."""
+    reply_stream = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)  # anything a library prints goes to stderr, not into the protocol
+    sys.stdout = sys.stderr
+
+    def reply(**message: Any) -> None:
+        reply_stream.write(json.dumps(message) + "\n")
+        reply_stream.flush()
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    bench = WorkerBench(METHODS[args.worker], model_specs(args.quick)[args.model], args.seed, args.warmup, Options(compile=not args.no_compile))
+    reply(hello=True)
+    for line in sys.stdin:
+        command = line.strip()
+        try:
+            if command == "setup":
+                reply(**bench.setup())
+            elif command == "step":
+                reply(ms=bench.step())
+            elif command == "profile":
+                reply(ops=bench.profile())
+            elif command == "finish":
+                reply(**bench.finish())
+                return
+            else:
+                reply(error=f"unknown command {command!r}")
+        except Exception as error:  # noqa: BLE001 - a peer failing on CPU is a result, not a crash
+            reply(error=_short_reason(error))
+            return
+
+
+# --------------------------------------------------------------------------- parent side
+
+
+class WorkerError(RuntimeError):
+    pass
+
+
+class Worker:
+    """A ``--worker`` subprocess and its pipe; its stderr goes to ``log_path``."""
+
+    def __init__(self, method: Method, model: str, args: argparse.Namespace, run_dir: Path) -> None:
+        self.method = method
+        self.log_path = run_dir / f"{model}-{method.key}.log"
+        env = dict(os.environ)
+        if not args.warm_cache:
+            cache = run_dir / f"cache-{method.key}"  # fresh per run and method, shared by its models
+            env["TORCHINDUCTOR_CACHE_DIR"], env["TORCH_EXTENSIONS_DIR"] = str(cache / "inductor"), str(cache / "extensions")
+        command = [sys.executable, str(SCRIPT), "--worker", method.key, "--model", model, "--seed", str(args.seed), "--warmup", str(args.warmup)]
+        command += ["--quick"] * args.quick + ["--no-compile"] * args.no_compile
+        command += ["--threads", str(args.threads)] if args.threads else []
+        with self.log_path.open("wb") as log:
+            self.proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, bufsize=0, env=env)
+        self.buffer = b""
+
+    def _last_log_line(self) -> str:
+        try:
+            lines = [line for line in self.log_path.read_text(errors="replace").splitlines() if line.strip()]
+        except OSError:
+            return "no log"
+        errors = [line for line in lines if re.match(r"^\w*(Error|Exception)\b", line)]
+        return (errors or lines or ["exited without output"])[-1][:200]
+
+    def receive(self, timeout: float = WORKER_TIMEOUT_S) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while b"\n" not in self.buffer:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                self.kill()
+                raise WorkerError(f"worker timed out after {timeout:.0f} s")
+            ready, _, _ = select.select([self.proc.stdout], [], [], remaining)
+            if ready:
+                chunk = os.read(self.proc.stdout.fileno(), 65536)
+                if not chunk:
+                    self.proc.wait()
+                    raise WorkerError(f"worker exited ({self.proc.returncode}): {self._last_log_line()}")
+                self.buffer += chunk
+        line, self.buffer = self.buffer.split(b"\n", 1)
+        message = json.loads(line)
+        if "error" in message:
+            raise WorkerError(message["error"])
+        return message
+
+    def request(self, command: str, timeout: float = WORKER_TIMEOUT_S) -> dict[str, Any]:
+        try:
+            self.proc.stdin.write(command.encode() + b"\n")
+        except (BrokenPipeError, OSError):
+            pass  # the read below reports why it died
+        return self.receive(timeout)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def close(self) -> None:
+        try:
+            self.proc.stdin.close()
+            self.proc.wait(timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            self.kill()
+
+
+@dataclass
+class Row:
+    """One method on one model; ``failure`` set (numbers NaN) when it could not run."""
+
+    method: Method
+    model: str
+    n_params: int = 0
+    times_ms: list[float] = field(default_factory=list)
+    rounds: list[int] = field(default_factory=list)  # the round of each entry of times_ms
+    small_params: int = 0  # parameters under min_quant_size (fp32 states everywhere)
+    small_state_bytes: float = math.nan
+    first_step_s: float = math.nan
+    state_bytes: float = math.nan
+    rss_peak_mb: float = math.nan
+    step_rss_increase_mb: float = math.nan
+    first_rss_increase_mb: float = math.nan
+    rss_before_mb: float = math.nan
+    hwm_reset: bool = True
+    threads: int = 0
+    digest: str = ""
+    notes: list[str] = field(default_factory=list)
+    profile: list[list[Any]] | None = None
+    failure: str | None = None
+
+    @property
+    def step_ms(self) -> float:
+        return statistics.median(self.times_ms) if self.times_ms else math.nan
+
+    @property
+    def iqr_ms(self) -> tuple[float, float]:
+        if len(self.times_ms) < 2:
+            return self.step_ms, self.step_ms
+        q = statistics.quantiles(self.times_ms, n=4, method="inclusive")
+        return q[0], q[2]
+
+    @property
+    def bytes_per_param(self) -> float:
+        return self.state_bytes / self.n_params if self.n_params else math.nan
+
+    @property
+    def quantized_bytes_per_param(self) -> float:
+        """Bytes/param over the parameters of at least ``min_quant_size`` values only."""
+        n = self.n_params - self.small_params
+        return (self.state_bytes - self.small_state_bytes) / n if n > 0 else math.nan
+
+
+def paired_ratio(row: Row, base: Row | None) -> float:
+    """Median over rounds of ``row``'s step time over ``base``'s in the same round (NaN without both)."""
+    if base is None or row.failure or base.failure:
+        return math.nan
+    base_times = dict(zip(base.rounds, base.times_ms))
+    ratios = [t / base_times[r] for r, t in zip(row.rounds, row.times_ms) if r in base_times]
+    return statistics.median(ratios) if ratios else math.nan
+
+
+def measure_model(model: str, methods: list[Method], args: argparse.Namespace, run_dir: Path, log: Callable[[str], None]) -> list[Row]:
+    """Start one worker per method (imports in parallel), set them up one at a time, then time them round-robin."""
+    rows = [Row(method, model) for method in methods]
+    workers: dict[int, Worker] = {}
+    try:
+        for i, row in enumerate(rows):
+            workers[i] = Worker(row.method, model, args, run_dir)
+        for i, row in enumerate(rows):
+            try:
+                workers[i].receive()  # hello: imports done
+                info = workers[i].request("setup")
+            except WorkerError as error:
+                row.failure = str(error)
+                workers.pop(i).kill()
+                log(f"  {model:<11} {row.method.label:<28} n/a ({row.failure})")
+                continue
+            row.n_params, row.first_step_s, row.state_bytes = info["n_params"], info["first_step_s"], info["state_bytes"]
+            row.small_params, row.small_state_bytes = info["small_params"], info["small_state_bytes"]
+            row.rss_before_mb, row.first_rss_increase_mb = info["rss_before_mb"], info["first_rss_increase_mb"]
+            row.threads, row.notes, row.digest = info["threads"], info["notes"], info["digest"]
+            log(f"  {model:<11} {row.method.label:<28} first step {row.first_step_s:7.2f} s, {row.bytes_per_param:.3f} B/param")
+        order = list(workers)
+        for r in range(args.repeats):
+            shift = r % len(order) if order else 0
+            for i in order[shift:] + order[:shift]:
+                row = rows[i]
+                if row.failure is None and (len(row.times_ms) < 2 or sum(row.times_ms) <= 1e3 * args.budget):
+                    try:
+                        row.times_ms.append(workers[i].request("step")["ms"])
+                        row.rounds.append(r)
+                    except WorkerError as error:
+                        row.failure, row.times_ms, row.rounds = f"during timing: {error}", [], []
+            if r == 0 or (r + 1) % 5 == 0 or r + 1 == args.repeats:
+                log(f"  {model:<11} round {r + 1}/{args.repeats}")
+        for i in order:
+            row = rows[i]
+            if row.failure is not None:
+                continue
+            try:
+                if row.method.key in args.profile:
+                    row.profile = workers[i].request("profile")["ops"]
+                info = workers[i].request("finish")
+                row.rss_peak_mb, row.step_rss_increase_mb, row.hwm_reset = info["rss_peak_mb"], info["step_rss_increase_mb"], info["hwm_reset"]
+            except WorkerError as error:
+                row.notes.append(f"finish failed: {error}")
+    finally:
+        for worker in workers.values():
+            worker.close()
+    return rows
+
+
+# --------------------------------------------------------------------------- verdicts
+
+
+def _find(rows: list[Row], model: str, key: str) -> Row | None:
+    return next((r for r in rows if r.model == model and r.method.key == key), None)
+
+
+def _ok(flag: bool) -> str:
+    return "PASS" if flag else "FAIL"
+
+
+def _overall(outcomes: list[bool | None]) -> str:
+    checked = [o for o in outcomes if o is not None]
+    if not checked:
+        return "n/a"
+    return _ok(all(checked)) + (f" ({len(outcomes) - len(checked)} n/a)" if len(checked) < len(outcomes) else "")
+
+
+def verdicts(rows: list[Row], models: list[str]) -> list[str]:
+    """PASS/FAIL lines for targets (a), (b), (c), per model, from this run's numbers."""
+    lines = ["## Verdicts (this run; ratios are paired medians against fused fp32 AdamW, see header)", ""]
+    # (a)
+    details, outcomes = [], []
+    for model in models:
+        ours, base = _find(rows, model, OUR_INT8), _find(rows, model, BASELINE)
+        ratio = math.nan if ours is None else paired_ratio(ours, base)
+        if math.isnan(ratio):
+            details.append(f"{model}: n/a")
+            outcomes.append(None)
+        else:
+            details.append(f"{model} {ours.step_ms:.1f} ms vs {base.step_ms:.1f} ms = {ratio:.2f}x")
+            outcomes.append(ratio <= TARGET_STEP_RATIO)
+    lines.append(f"- (a) QAdamW int8 · RN step <= {TARGET_STEP_RATIO}x fused fp32 AdamW: **{_overall(outcomes)}**: " + "; ".join(details))
+    # (b)
+    details, outcomes = [], []
+    for model in models:
+        ours, base = _find(rows, model, OUR_INT8), _find(rows, model, BASELINE)
+        for key in ("bnb-adamw8bit", "torchao-adamw8bit"):
+            peer = _find(rows, model, key)
+            if ours is None or peer is None or ours.failure or peer.failure:
+                reason = peer.failure if peer is not None and peer.failure else "no result"
+                details.append(f"{model} vs {METHODS[key].label}: n/a ({reason})")
+                outcomes.append(None)
+                continue
+            mine, theirs = paired_ratio(ours, base), paired_ratio(peer, base)
+            if math.isnan(mine) or math.isnan(theirs):  # no baseline: compare the medians directly
+                mine, theirs = ours.step_ms, peer.step_ms
+            details.append(
+                f"{model} vs {METHODS[key].label}: {ours.step_ms:.1f} ms vs {peer.step_ms:.1f} ms "
+                f"({mine:.2f}x vs {theirs:.2f}x fused; ours / theirs {mine / theirs:.2f})"
+            )
+            outcomes.append(mine < theirs)
+    lines.append(f"- (b) QAdamW int8 · RN faster than bitsandbytes' and torchao's 8-bit AdamW: **{_overall(outcomes)}**: " + "; ".join(details))
+    # (c)
+    details, outcomes = [], []
+    for fmt, limit in TARGET_BYTES.items():
+        for model in models:
+            for short in ROUNDINGS:
+                row = _find(rows, model, f"qadamw-{fmt}-{short}")
+                if row is None or row.failure:
+                    continue
+                details.append(
+                    f"{fmt} · {short.upper()} {model} {row.bytes_per_param:.4f} ({row.quantized_bytes_per_param:.4f} over the params "
+                    f">= {MIN_QUANT_SIZE} values; {row.small_params:,} smaller params keep fp32 states)"
+                )
+                outcomes.append(row.bytes_per_param <= limit)
+    limits = ", ".join(f"<= {limit} for {fmt}" for fmt, limit in TARGET_BYTES.items())
+    lines.append(f"- (c) state bytes/param {limits}: **{_overall(outcomes)}**: " + "; ".join(details))
+    return lines
+
+
+# --------------------------------------------------------------------------- output
+
+
+def _num(value: float, spec: str) -> str:
+    return "—" if value is None or math.isnan(value) else format(value, spec)
+
+
+def render_table(model: str, description: str, rows: list[Row]) -> str:
+    base = _find(rows, model, BASELINE)
+    n_params = next((r.n_params for r in rows if r.n_params), 0)
+    lines = [
+        f"### {model}: {description}, {n_params:,} parameters",
+        "",
+        "| method | step ms, median [IQR] (rounds) | × fused fp32 | state bytes/param | RSS peak MB | step RSS increase MB "
+        "| first-step RSS increase MB | first step s |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for row in rows:
+        if row.failure:
+            lines.append(f"| {row.method.label} | n/a ({row.failure}) | — | — | — | — | — | — |")
+            continue
+        low, high = row.iqr_ms
+        increase = _num(row.step_rss_increase_mb, ".1f") + ("" if row.hwm_reset else " (≥)")
+        cells = [
+            row.method.label + "".join(f" ⚠ {note}" for note in row.notes),
+            f"{row.step_ms:.1f} [{low:.1f}–{high:.1f}] ({len(row.times_ms)})",
+            _num(paired_ratio(row, base), ".2f"),
+            _num(row.bytes_per_param, ".3f"),
+            _num(row.rss_peak_mb, ".0f"),
+            increase,
+            _num(row.first_rss_increase_mb, ".1f"),
+            _num(row.first_step_s, ".2f"),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def render_profiles(rows: list[Row]) -> str | None:
+    profiled = [r for r in rows if r.profile]
+    if not profiled:
+        return None
+    lines = [
+        "## Where the step time goes (torch.profiler, one step after the timed rounds; self CPU ms)",
+        "",
+        "Work done outside aten ops (Python, a compiled C++ extension called directly) counts as self time of "
+        "`Optimizer.step#...`; an inductor graph shows as `## Call CompiledFxGraph ...`. `isfinite` shows as "
+        "`aten::abs`/`eq`/`ne`/`mul`/`all`.",
+        "",
+    ]
+    for row in profiled:
+        total = row.profile[0][1]
+        lines += [f"**{row.method.label}, {row.model}** (profiled step: {total:.1f} ms of op self time)", "", "| op | self ms | share | calls |", "|---|---:|---:|---:|"]
+        ops, extra = [e for e in row.profile[1:] if not e[0].startswith("(")], [e for e in row.profile[1:] if e[0].startswith("(")]
+        lines += [f"| `{name}` | {ms:.2f} | {100 * ms / total:.0f}% | {calls} |" for name, ms, calls in ops]
+        lines += ["", *(f"- {name}: {ms:.1f} ms" for name, ms, _ in extra)]
+        lines.append("")
+    return "\n".join(lines).rstrip()
+
+
+def source_digest() -> str:
+    """Short SHA-1 of the ``lightning_qstate`` sources measured (the package changes between runs)."""
+    import hashlib
+
+    root = Path(sys.modules["lightning_qstate"].__file__).resolve().parent
+    digest = hashlib.sha1()
+    for path in sorted(root.rglob("*.py")):
+        digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:12]
+
+
+def render_report(command: str, args: argparse.Namespace, specs: dict[str, ModelSpec], rows: list[Row], runtime_s: float, digest: str) -> str:
+    threads = sorted({r.threads for r in rows if r.threads})
+    affinity = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    compile_mode = "off (--no-compile: ours cpu_compile=False, torchao eager)" if args.no_compile else (
+        "on; " + ("warm caches (--warm-cache)" if args.warm_cache else "inductor and cpp_extension caches fresh per method and run: "
+                  f"`first step s` is a cold compile for {args.models[0]}, with that method's kernels of {args.models[0]} on disk for "
+                  "later models (new graphs still compile)")
+    )  # fmt: skip
+    header = [
+        "# Optimizer step on the CPU: fp32 AdamW vs torchao / bitsandbytes low-bit AdamW vs QAdamW",
+        "",
+        f"- command: `{command}`",
+        f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}; runtime {runtime_s:.0f} s",
+        f"- versions: python {platform.python_version()}, torch {torch.__version__}, "
+        f"torchao {_version('torchao')}, bitsandbytes {_version('bitsandbytes')}, lightning_qstate source digest {digest}",
+        f"- machine: {platform.machine()}, {platform.system()}, CPUs {os.cpu_count()} (usable {affinity}), "
+        f"torch threads per worker {', '.join(map(str, threads)) or '?'}; shared machine, timings are noisy",
+        f"- timing: `optimizer.step()` only (fixed seeded gradients), {args.warmup} untimed first/warm-up step(s), then "
+        f"{args.repeats} round(s), all methods of a model interleaved (one step each per round, rotated order; a method sits out "
+        f"the remaining rounds once its timed steps exceed {args.budget:g} s, after >= 2), one worker process per method and model "
+        f"(seed {args.seed}); × fused fp32 = median over rounds of step / fused fp32 step of the same round",
+        f"- torch.compile: {compile_mode}; `first step s` includes state allocation and any compile",
+        f"- hyperparameters: lr {LR}, weight_decay {WEIGHT_DECAY}, torch default betas/eps; states of parameters with "
+        f"< {MIN_QUANT_SIZE} values stay fp32 (every method)",
+        "- state bytes/param: ours `state_nbytes(opt)`; peers every distinct storage in `optimizer.state` (torchao subclass "
+        "tensors expanded to codes + scale + qmap; bitsandbytes state1/2 + absmax1/2 + shared qmaps once); step counters included",
+        "- RSS (MiB): peak = worker's high-water mark (includes the imported torch/peer libraries); step increase = high-water "
+        "mark over the timed steps minus RSS before them (transient memory of one step; `(≥)`: no /proc high-water reset, "
+        "only growth beyond the earlier peak); first-step increase = high-water mark over the first + warm-up steps minus "
+        "RSS before them (states + compile)",
+    ]
+    changed = sorted({r.digest for r in rows if r.digest and r.digest != digest} | ({source_digest()} - {digest}))
+    if changed:
+        header.append(f"- **warning**: the lightning_qstate sources changed during the run (digests {', '.join(changed)}): rows may mix versions")
+    body = [render_table(name, specs[name].description, [r for r in rows if r.model == name]) for name in args.models]
+    parts = ["\n".join(header), *body, "\n".join(verdicts(rows, args.models))]
+    profiles = render_profiles(rows)
+    if profiles:
+        parts.append(profiles)
+    return "\n\n".join(parts) + "\n"
+
+
+# --------------------------------------------------------------------------- entry point
+
+
+@dataclass
+class Report:
+    """What :func:`main` returns: the markdown it printed and wrote to ``path``, and the measured rows."""
+
+    text: str
+    rows: list[Row]
+    path: Path
+
+
+def _csv(text: str) -> list[str]:
+    return [item.strip() for item in text.split(",") if item.strip()]
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=None, help="timed rounds (default 10; 1 with --quick)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps before timing, the first included (default 2)")
+    parser.add_argument("--budget", type=float, default=15.0, help="seconds of timed steps per method and model before it sits out (default 15)")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads per worker (default: torch's default)")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="markdown output (default benchmarks/results/optim.md)")
+    parser.add_argument("--models", type=_csv, default=["mlp", "transformer"], help="comma-separated: mlp,transformer")
+    parser.add_argument("--methods", type=_csv, default=list(METHODS), help=f"comma-separated keys (default all): {','.join(METHODS)}")
+    parser.add_argument("--quick", action="store_true", help="tiny models and 1 round (smoke test)")
+    parser.add_argument("--no-compile", action="store_true", help="no torch.compile anywhere (ours: cpu_compile=False; torchao eager)")
+    parser.add_argument("--warm-cache", action="store_true", help="use the default inductor cache instead of a fresh one per worker")
+    parser.add_argument("--profile", type=_csv, default=[OUR_INT8], help=f"methods to profile one step of (default {OUR_INT8}; 'none')")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    parser.add_argument("--worker", metavar="KEY", help=argparse.SUPPRESS)
+    parser.add_argument("--model", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.repeats is None:
+        args.repeats = 1 if args.quick else 10
+    if args.repeats < 1 or args.warmup < 1 or args.threads < 0 or args.budget <= 0:
+        parser.error("--repeats, --warmup and --budget must be positive, --threads >= 0")
+    if args.profile == ["none"]:
+        args.profile = []
+    for key in args.methods + args.profile:
+        if key not in METHODS:
+            parser.error(f"unknown method {key!r}; choose from {', '.join(METHODS)}")
+    for name in args.models:
+        if name not in ("mlp", "transformer"):
+            parser.error(f"unknown model {name!r}; choose from mlp, transformer")
+    if BASELINE not in args.methods:
+        print(f"note: {BASELINE} not selected: the x fused fp32 column stays empty", file=sys.stderr)
+    return args
+
+
+def main(argv: list[str] | None = None) -> Report | None:
+    """Run the benchmark (or, with ``--worker``, serve as one worker), print the report and write it to ``--out``."""
+    args = parse_args(argv)
+    if args.worker:
+        worker_main(args)
+        return None
+    command = shlex.join(["python", "benchmarks/optim.py", *(sys.argv[1:] if argv is None else argv)])
+    log = (lambda _: None) if args.quiet else (lambda line: print(line, file=sys.stderr, flush=True))
+    specs = model_specs(args.quick)
+    methods = [METHODS[key] for key in args.methods]
+    start, digest = time.perf_counter(), source_digest()
+    run_dir = Path(tempfile.mkdtemp(prefix="qstate-bench-optim-"))
+    try:
+        rows = [row for model in args.models for row in measure_model(model, methods, args, run_dir, log)]
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
+    text = render_report(command, args, specs, rows, time.perf_counter() - start, digest)
+    print(text)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(text)
+    return Report(text, rows, args.out)
+
+
+if __name__ == "__main__":
+    main()

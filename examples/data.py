@@ -1,0 +1,182 @@
+"""LightningDataModules on corpora that ship with the installed packages: nothing is ever downloaded.
+
+* :class:`ByteTextDataModule`: byte-level language modelling on the text of CPython's
+  ``pydoc_data.topics`` (the help topics of the standard library, ~466 KB of English and code).
+* :class:`DigitsDataModule`: scikit-learn's ``load_digits`` (1797 8x8 grayscale digits) upsampled to
+  small RGB images, or CIFAR-10 from a local folder of the python pickle batches.
+"""
+
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+
+import lightning.pytorch as pl
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, Dataset, RandomSampler, TensorDataset
+
+
+def pydoc_topics_bytes() -> bytes:
+    """The corpus: every ``pydoc_data.topics`` entry, in key order, joined by newlines, as UTF-8 bytes."""
+    from pydoc_data.topics import topics
+
+    return "\n".join(topics[key] for key in sorted(topics)).encode("utf-8")
+
+
+class ByteWindows(Dataset):
+    """Windows of ``seq_len + 1`` bytes of ``data`` starting every ``stride`` bytes: ``(input, target)``
+    pairs of ``seq_len`` tokens, the target shifted by one."""
+
+    def __init__(self, data: torch.Tensor, seq_len: int, stride: int = 1) -> None:
+        if len(data) < seq_len + 1:
+            raise ValueError(f"ByteWindows: {len(data)} bytes is too short for windows of seq_len + 1 = {seq_len + 1}")
+        self.data, self.seq_len, self.stride = data, seq_len, stride
+
+    def __len__(self) -> int:
+        return (len(self.data) - self.seq_len - 1) // self.stride + 1
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        start = index * self.stride
+        window = self.data[start : start + self.seq_len + 1]
+        return window[:-1], window[1:]
+
+
+class ByteTextDataModule(pl.LightningDataModule):
+    """Byte-level tokens (vocabulary 256) of the ``pydoc_data.topics`` text, split 90/10 into train/val.
+
+    Training draws windows at random offsets (a seeded generator, so runs repeat); an epoch is
+    ``len(train bytes) // (seq_len + 1)`` windows, about one pass over the training text. Validation
+    uses fixed, non-overlapping windows (at most ``val_windows`` of them).
+
+    Args:
+        seq_len: tokens per sequence (the model's context must be at least this long).
+        batch_size: sequences per batch.
+        val_fraction: the last part of the text held out for validation.
+        val_windows: cap on the number of validation windows (``None``: all).
+        seed: seed of the training sampler.
+    """
+
+    vocab_size = 256
+
+    def __init__(self, seq_len: int = 128, batch_size: int = 32, val_fraction: float = 0.1, val_windows: int | None = 256, seed: int = 0) -> None:
+        super().__init__()
+        if not 0 < val_fraction < 1:
+            raise ValueError(f"ByteTextDataModule: val_fraction={val_fraction} must lie in (0, 1)")
+        self.seq_len, self.batch_size, self.val_fraction, self.val_windows, self.seed = seq_len, batch_size, val_fraction, val_windows, seed
+        self.train_set: ByteWindows | None = None
+        self.val_set: ByteWindows | None = None
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.train_set is not None:
+            return
+        data = torch.frombuffer(bytearray(pydoc_topics_bytes()), dtype=torch.uint8).long()
+        split = int(len(data) * (1 - self.val_fraction))
+        self.train_set = ByteWindows(data[:split], self.seq_len)
+        self.val_set = ByteWindows(data[split:], self.seq_len, stride=self.seq_len)
+
+    def train_dataloader(self) -> DataLoader:
+        assert self.train_set is not None, "call setup() first"
+        windows_per_epoch = len(self.train_set.data) // (self.seq_len + 1)
+        generator = torch.Generator().manual_seed(self.seed)
+        sampler = RandomSampler(self.train_set, replacement=True, num_samples=windows_per_epoch, generator=generator)
+        return DataLoader(self.train_set, batch_size=self.batch_size, sampler=sampler, num_workers=0, drop_last=True)
+
+    def val_dataloader(self) -> DataLoader:
+        assert self.val_set is not None, "call setup() first"
+        count = len(self.val_set) if self.val_windows is None else min(self.val_windows, len(self.val_set))
+        return DataLoader(torch.utils.data.Subset(self.val_set, range(count)), batch_size=self.batch_size, shuffle=False, num_workers=0)
+
+
+CIFAR10_TRAIN = tuple(f"data_batch_{i}" for i in range(1, 6))
+CIFAR10_TEST = "test_batch"
+CIFAR10_MEAN, CIFAR10_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
+
+
+def load_cifar10(folder: str | Path) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    """CIFAR-10 from the python pickle batches in ``folder`` (or its ``cifar-10-batches-py`` subfolder):
+    ``((train_images, train_labels), (test_images, test_labels))``, images uint8 ``(N, 3, 32, 32)``."""
+    folder = Path(folder).expanduser()
+    if not (folder / CIFAR10_TEST).is_file() and (folder / "cifar-10-batches-py").is_dir():
+        folder = folder / "cifar-10-batches-py"
+    missing = [name for name in (*CIFAR10_TRAIN, CIFAR10_TEST) if not (folder / name).is_file()]
+    if missing:
+        raise FileNotFoundError(
+            f"cifar10_dir={str(folder)!r} lacks the CIFAR-10 python batches {missing}; it must hold data_batch_1..5 and test_batch "
+            "(the 'CIFAR-10 python version' archive, extracted). Nothing is downloaded."
+        )
+
+    def read(names) -> tuple[torch.Tensor, torch.Tensor]:
+        images, labels = [], []
+        for name in names:
+            with open(folder / name, "rb") as file:
+                batch = pickle.load(file, encoding="bytes")
+            images.append(np.asarray(batch[b"data"], dtype=np.uint8).reshape(-1, 3, 32, 32))
+            labels.extend(batch[b"labels"])
+        return torch.from_numpy(np.concatenate(images)), torch.tensor(labels, dtype=torch.long)
+
+    return read(CIFAR10_TRAIN), read([CIFAR10_TEST])
+
+
+class DigitsDataModule(pl.LightningDataModule):
+    """Image classification with 10 classes and no download.
+
+    By default scikit-learn's ``load_digits`` (1797 grayscale 8x8 images, shipped with scikit-learn),
+    upsampled bilinearly to ``image_size`` and repeated over 3 channels, normalised to zero mean and
+    unit variance, with a seeded train/val split. With ``cifar10_dir`` pointing at a local CIFAR-10
+    folder (python pickle batches ``data_batch_1..5`` and ``test_batch``), CIFAR-10 is used instead
+    (train: the five data batches, val: the test batch; resized when ``image_size != 32``).
+
+    Args:
+        image_size: side of the square images the model sees.
+        batch_size: images per batch.
+        val_fraction: share of the digits held out for validation (ignored for CIFAR-10).
+        cifar10_dir: a local CIFAR-10 folder; ``None`` for the digits.
+        seed: seed of the split and of the training shuffle.
+    """
+
+    num_classes = 10
+
+    def __init__(self, image_size: int = 32, batch_size: int = 64, val_fraction: float = 0.2, cifar10_dir: str | None = None, seed: int = 0) -> None:
+        super().__init__()
+        if not 0 < val_fraction < 1:
+            raise ValueError(f"DigitsDataModule: val_fraction={val_fraction} must lie in (0, 1)")
+        self.image_size, self.batch_size, self.val_fraction, self.cifar10_dir, self.seed = image_size, batch_size, val_fraction, cifar10_dir, seed
+        self.train_set: TensorDataset | None = None
+        self.val_set: TensorDataset | None = None
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.train_set is not None:
+            return
+        if self.cifar10_dir is not None:
+            (train_x, train_y), (val_x, val_y) = load_cifar10(self.cifar10_dir)
+            mean, std = torch.tensor(CIFAR10_MEAN).view(1, 3, 1, 1), torch.tensor(CIFAR10_STD).view(1, 3, 1, 1)
+            train_x, val_x = ((self._resize(x.float() / 255) - mean) / std for x in (train_x, val_x))
+        else:
+            from sklearn.datasets import load_digits
+
+            digits = load_digits()
+            images = self._resize(torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16).repeat(1, 3, 1, 1)
+            labels = torch.tensor(digits.target, dtype=torch.long)
+            order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(self.seed))
+            n_val = int(round(len(labels) * self.val_fraction))
+            val_idx, train_idx = order[:n_val], order[n_val:]
+            mean, std = images[train_idx].mean(), images[train_idx].std()
+            images = (images - mean) / std
+            train_x, train_y, val_x, val_y = images[train_idx], labels[train_idx], images[val_idx], labels[val_idx]
+        self.train_set, self.val_set = TensorDataset(train_x, train_y), TensorDataset(val_x, val_y)
+
+    def _resize(self, images: torch.Tensor) -> torch.Tensor:
+        if images.shape[-1] == self.image_size:
+            return images
+        return F.interpolate(images, size=(self.image_size, self.image_size), mode="bilinear", align_corners=False)
+
+    def train_dataloader(self) -> DataLoader:
+        assert self.train_set is not None, "call setup() first"
+        generator = torch.Generator().manual_seed(self.seed)
+        return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True, generator=generator, num_workers=0, drop_last=True)
+
+    def val_dataloader(self) -> DataLoader:
+        assert self.val_set is not None, "call setup() first"
+        return DataLoader(self.val_set, batch_size=256, shuffle=False, num_workers=0)

@@ -1,0 +1,87 @@
+"""Smoke test of ``benchmarks/optim.py``: a ``--quick`` run, with and without the peers installed."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "optim.py"
+PEERS = {"torchao-adamw8bit": "torchao", "bnb-adamw8bit": "bitsandbytes"}
+
+
+@pytest.fixture(scope="module")
+def bench() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("benchmarks_optim", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    return module
+
+
+def installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def run_quick(bench: ModuleType, out: Path, methods: list[str], models: str = "mlp,transformer"):
+    argv = ["--quick", "--no-compile", "--quiet", "--profile", "none", "--methods", ",".join(methods), "--models", models, "--out", str(out)]
+    return bench.main(argv)
+
+
+def check_rows(report, out: Path, methods: list[str], models: list[str]) -> None:
+    text = out.read_text()
+    assert text == report.text
+    assert "torch " in text and "--quick" in text and "## Verdicts" in text
+    assert {(row.method.key, row.model) for row in report.rows} == {(key, model) for key in methods for model in models}
+    for model in models:
+        assert f"### {model}:" in text
+    for row in report.rows:
+        assert f"| {row.method.label}" in text
+        if row.method.family in ("torch", "ours"):
+            assert row.failure is None, (row.method.key, row.failure)
+        if row.failure is None:
+            assert row.times_ms and all(math.isfinite(t) and t > 0 for t in row.times_ms), row.method.key
+            assert math.isfinite(row.first_step_s) and math.isfinite(row.rss_peak_mb) and row.rss_peak_mb > 0
+            assert math.isfinite(row.step_rss_increase_mb) and math.isfinite(row.first_rss_increase_mb)
+            assert 0 < row.bytes_per_param < 9, (row.method.key, row.bytes_per_param)
+    by_key = {(row.method.key, row.model): row for row in report.rows}
+    for model in models:
+        assert by_key[("adamw-fused", model)].bytes_per_param == pytest.approx(8, abs=0.01)
+        if ("qadamw-int8-rn", model) in by_key:
+            assert by_key[("qadamw-int8-rn", model)].bytes_per_param < by_key[("adamw-fused", model)].bytes_per_param / 2
+
+
+def test_quick_run(bench: ModuleType, tmp_path: Path) -> None:
+    methods = ["adamw-fused", "qadamw-int8-rn"] + (["bnb-adamw8bit"] if installed("bitsandbytes") else [])
+    out = tmp_path / "results" / "optim.md"
+    report = run_quick(bench, out, methods)
+    check_rows(report, out, methods, ["mlp", "transformer"])
+    assert "(a) QAdamW int8 · RN step" in report.text and ("PASS" in report.text or "FAIL" in report.text)
+
+
+def test_quick_run_without_peers(bench: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Peers that cannot be imported (hidden from the workers by stub modules) show as n/a rows; nothing fails.
+
+    One model and no QAdamW row, to keep it quick: each row is a worker process that imports torch.
+    """
+    stubs = tmp_path / "stubs"
+    stubs.mkdir()
+    for module in PEERS.values():
+        (stubs / f"{module}.py").write_text("raise ImportError('hidden by the test')\n")
+        monkeypatch.setitem(sys.modules, module, None)  # the parent's version lookup
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(stubs), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    methods = ["adamw-fused", *PEERS]
+    out = tmp_path / "optim.md"
+    report = run_quick(bench, out, methods, models="mlp")
+    check_rows(report, out, methods, ["mlp"])
+    peers = [row for row in report.rows if row.method.key in PEERS]
+    assert peers and all(row.failure and "hidden by the test" in row.failure for row in peers)
+    assert "n/a (" in report.text

@@ -1,0 +1,188 @@
+"""The examples through the CLI: every YAML config parses, and GPT / ViT configs train end to end for a few
+steps with tiny models, quantized states and TensorBoard logs."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("timm")
+pytest.importorskip("sklearn")
+
+import torch  # noqa: E402
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
+
+from lightning_qstate.callbacks import RunSummary  # noqa: E402
+from lightning_qstate.cli import build_cli  # noqa: E402
+from lightning_qstate.formats import QuantizedTensor  # noqa: E402
+from lightning_qstate.optim import QAdamW  # noqa: E402
+
+CONFIGS = Path(__file__).resolve().parents[1] / "examples" / "configs"
+QSTATE_TAGS = {"qstate/state_bytes", "qstate/bits_per_value", "qstate/saving_vs_fp32", "qstate/nonfinite_skips"}
+TINY_GPT = ["--model.init_args.n_embd=32", "--model.init_args.n_layer=1", "--model.init_args.n_head=2", "--data.init_args.seq_len=32", "--data.init_args.batch_size=4"]
+TINY_VIT = ["--model.init_args.embed_dim=64", "--model.init_args.depth=1", "--model.init_args.num_heads=2", "--data.init_args.batch_size=16"]
+SHORT = ["--trainer.max_steps=3", "--trainer.log_every_n_steps=1", "--trainer.limit_val_batches=1", "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false"]
+
+
+@pytest.fixture(autouse=True)
+def plain_argv(monkeypatch):
+    """LightningCLI warns when both ``args`` and ``sys.argv`` (pytest's) carry arguments."""
+    monkeypatch.setattr(sys, "argv", ["lightning-qstate"])
+
+
+def fit(config: str, tmp_path: Path, *extra: str):
+    return build_cli(["fit", "--config", str(CONFIGS / config), f"--trainer.logger.init_args.save_dir={tmp_path}", *SHORT, *extra])
+
+
+def quantized_formats(optimizer: torch.optim.Optimizer) -> dict[str, set[str]]:
+    found: dict[str, set[str]] = {}
+    for state in optimizer.state.values():
+        for name, value in state.items():
+            if isinstance(value, QuantizedTensor):
+                found.setdefault(name, set()).add(value.format.name)
+    return found
+
+
+def scalar_tags(log_dir: str) -> set[str]:
+    accumulator = EventAccumulator(log_dir)
+    accumulator.Reload()
+    return set(accumulator.Tags()["scalars"])
+
+
+@pytest.mark.parametrize("config", sorted(path.name for path in CONFIGS.glob("*.yaml")))
+def test_every_config_parses_and_instantiates(config, tmp_path):
+    cli = build_cli(["--config", str(CONFIGS / config), f"--trainer.logger.init_args.save_dir={tmp_path}"], run=False)
+    assert cli.trainer.max_steps > 0 and cli.trainer.log_every_n_steps > 0
+    assert type(cli.trainer.logger).__name__ == "TensorBoardLogger"
+    assert any(isinstance(callback, RunSummary) for callback in cli.trainer.callbacks)
+    assert type(cli.model).__module__ == ("examples.gpt" if config.startswith("gpt") else "examples.vit")
+
+
+EXPECTED_FORMATS = {  # state formats each config gives the tiny models' quantized parameters (None: plain torch AdamW)
+    "gpt_fp32.yaml": None,
+    "gpt_int8.yaml": {"exp_avg": {"int8"}, "exp_avg_sq": {"int8"}},
+    "gpt_int4.yaml": {"exp_avg": {"int4", "int8"}, "exp_avg_sq": {"int4", "int8"}},  # int8: the tied embedding (override)
+    "gpt_bf16_sr.yaml": {"exp_avg": {"bf16"}, "exp_avg_sq": {"bf16"}},
+    "gpt_callbacks.yaml": {"exp_avg": {"int8"}, "exp_avg_sq": {"int4"}},
+    "vit_fp32.yaml": None,
+    "vit_int8.yaml": {"exp_avg": {"int8"}, "exp_avg_sq": {"int8"}},
+}
+
+
+@pytest.mark.filterwarnings("ignore:`GPTModule.configure_optimizers` will be overridden")
+@pytest.mark.parametrize("config", sorted(EXPECTED_FORMATS))
+def test_every_config_trains_two_steps(config, tmp_path):
+    assert {path.name for path in CONFIGS.glob("*.yaml")} == set(EXPECTED_FORMATS)
+    tiny = TINY_GPT if config.startswith("gpt") else TINY_VIT
+    cli = fit(config, tmp_path, *tiny, "--trainer.max_steps=2", "--trainer.enable_checkpointing=false")
+    (optimizer,) = cli.trainer.strategy.optimizers
+    expected = EXPECTED_FORMATS[config]
+    if expected is None:
+        assert type(optimizer) is torch.optim.AdamW
+    else:
+        assert isinstance(optimizer, QAdamW) and quantized_formats(optimizer) == expected
+    assert cli.trainer.global_step == 2 and torch.isfinite(cli.trainer.callback_metrics["train_loss"])
+
+
+def test_gpt_int8_plugin_trains_and_logs(tmp_path, capsys):
+    cli = fit("gpt_int8.yaml", tmp_path, *TINY_GPT, "--trainer.val_check_interval=2")
+    (optimizer,) = cli.trainer.strategy.optimizers
+    assert isinstance(optimizer, QAdamW)
+    assert quantized_formats(optimizer) == {"exp_avg": {"int8"}, "exp_avg_sq": {"int8"}}
+    assert {"train_loss", "val_loss"} <= set(cli.trainer.callback_metrics)
+    assert torch.isfinite(cli.trainer.callback_metrics["train_loss"])
+    assert cli.trainer.global_step == 3
+    assert QSTATE_TAGS | {"train_loss", "val_loss"} <= scalar_tags(cli.trainer.log_dir)
+    (summary,) = [callback for callback in cli.trainer.callbacks if isinstance(callback, RunSummary)]
+    assert 0 < summary.summary["state_bytes"] < summary.summary["fp32_state_bytes"]
+    printed = capsys.readouterr().out
+    assert "run summary" in printed and "in fp32" in printed and f"tensorboard --logdir {tmp_path}" in printed
+
+
+def test_gpt_callback_with_cli_optimizer(tmp_path):
+    """gpt_callbacks.yaml: LightningCLI builds AdamW from `optimizer:`, the callback quantizes it and logs qstate/*."""
+    with pytest.warns(UserWarning, match="configure_optimizers"):
+        cli = fit("gpt_callbacks.yaml", tmp_path, *TINY_GPT)
+    (optimizer,) = cli.trainer.strategy.optimizers
+    assert isinstance(optimizer, QAdamW)
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(1e-3)
+    assert quantized_formats(optimizer) == {"exp_avg": {"int8"}, "exp_avg_sq": {"int4"}}
+    assert QSTATE_TAGS <= scalar_tags(cli.trainer.log_dir)
+
+
+def test_gpt_fp32_baseline_keeps_torch_adamw(tmp_path):
+    cli = fit("gpt_fp32.yaml", tmp_path, *TINY_GPT)
+    (optimizer,) = cli.trainer.strategy.optimizers
+    assert type(optimizer) is torch.optim.AdamW
+    (summary,) = [callback for callback in cli.trainer.callbacks if isinstance(callback, RunSummary)]
+    assert summary.summary["state_bytes"] == summary.summary["fp32_state_bytes"] > 0
+
+
+def test_vit_int8_trains(tmp_path):
+    cli = fit("vit_int8.yaml", tmp_path, *TINY_VIT, "--trainer.val_check_interval=2")
+    (optimizer,) = cli.trainer.strategy.optimizers
+    assert isinstance(optimizer, QAdamW)
+    assert quantized_formats(optimizer)["exp_avg"] == {"int8"}
+    assert {"train_loss", "train_acc", "val_loss", "val_acc"} <= set(cli.trainer.callback_metrics)
+    assert QSTATE_TAGS | {"val_acc"} <= scalar_tags(cli.trainer.log_dir)
+
+
+def test_byte_text_windows():
+    from examples.data import ByteTextDataModule
+
+    data = ByteTextDataModule(seq_len=16, batch_size=4, val_windows=3)
+    data.setup()
+    tokens, targets = next(iter(data.train_dataloader()))
+    assert tokens.shape == targets.shape == (4, 16) and tokens.dtype == torch.long
+    assert torch.equal(tokens[:, 1:], targets[:, :-1])
+    again, _ = next(iter(data.train_dataloader()))
+    assert torch.equal(tokens, again)  # seeded sampler: the same windows every time
+    assert len(data.val_dataloader().dataset) == 3
+
+
+def test_digits_and_local_cifar10(tmp_path):
+    import pickle
+
+    import numpy as np
+
+    from examples.data import DigitsDataModule
+
+    data = DigitsDataModule(image_size=32, batch_size=8)
+    data.setup()
+    images, labels = next(iter(data.train_dataloader()))
+    assert images.shape == (8, 3, 32, 32) and labels.max() < 10
+    assert len(data.train_set) + len(data.val_set) == 1797
+    with pytest.raises(FileNotFoundError, match="data_batch_1"):
+        DigitsDataModule(cifar10_dir=str(tmp_path)).setup()
+    folder = tmp_path / "cifar-10-batches-py"  # a fake CIFAR-10 in the pickle layout, 4 images per batch
+    folder.mkdir()
+    rng = np.random.default_rng(0)
+    for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
+        batch = {b"data": rng.integers(0, 256, (4, 3072), dtype=np.uint8), b"labels": [0, 1, 2, 9]}
+        (folder / name).write_bytes(pickle.dumps(batch))
+    cifar = DigitsDataModule(image_size=16, batch_size=4, cifar10_dir=str(tmp_path))
+    cifar.setup()
+    assert len(cifar.train_set) == 20 and len(cifar.val_set) == 4
+    assert cifar.train_set.tensors[0].shape == (20, 3, 16, 16)
+
+
+def test_main_returns_none_for_console_scripts(tmp_path):
+    """Console scripts call ``sys.exit(main())``: anything but None would become exit status 1."""
+    from lightning_qstate.cli import main
+
+    assert main(["fit", "--config", str(CONFIGS / "vit_fp32.yaml"), f"--trainer.logger.init_args.save_dir={tmp_path}", *SHORT, *TINY_VIT]) is None
+
+
+def test_example_script_entry(tmp_path):
+    """``python examples/vit.py`` from any directory resolves the configs' ``examples.*`` class paths."""
+    import subprocess
+
+    script = CONFIGS.parent / "vit.py"
+    result = subprocess.run(
+        [sys.executable, str(script), "fit", "--config", str(CONFIGS / "vit_int8.yaml"), "--print_config"], cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "class_path: examples.vit.ViTModule" in result.stdout and "lightning_qstate.plugins.QStatePrecision" in result.stdout
