@@ -192,7 +192,8 @@ def all_methods() -> list[Method]:
     ]
     for fmt in OUR_FORMATS:
         for short, rounding in ROUNDINGS.items():
-            methods.append(Method(f"qadamw-{fmt}-{short}", f"QAdamW {fmt} · {short.upper()}", "ours", _qadamw(fmt, rounding), True, fmt, rounding))
+            label = f"QAdamW {fmt} · {short.upper()}"
+            methods.append(Method(f"qadamw-{fmt}-{short}", label, "ours", _qadamw(fmt, rounding), True, fmt, rounding))
     return methods
 
 
@@ -408,7 +409,8 @@ def worker_main(args: argparse.Namespace) -> None:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    bench = WorkerBench(METHODS[args.worker], model_specs(args.quick)[args.model], args.seed, args.warmup, Options(compile=not args.no_compile))
+    spec, options = model_specs(args.quick)[args.model], Options(compile=not args.no_compile)
+    bench = WorkerBench(METHODS[args.worker], spec, args.seed, args.warmup, options)
     reply(hello=True)
     for line in sys.stdin:
         command = line.strip()
@@ -446,7 +448,8 @@ class Worker:
         if not args.warm_cache:
             cache = run_dir / f"cache-{method.key}"  # fresh per run and method, shared by its models
             env["TORCHINDUCTOR_CACHE_DIR"], env["TORCH_EXTENSIONS_DIR"] = str(cache / "inductor"), str(cache / "extensions")
-        command = [sys.executable, str(SCRIPT), "--worker", method.key, "--model", model, "--seed", str(args.seed), "--warmup", str(args.warmup)]
+        command = [sys.executable, str(SCRIPT), "--worker", method.key, "--model", model]
+        command += ["--seed", str(args.seed), "--warmup", str(args.warmup)]
         command += ["--quick"] * args.quick + ["--no-compile"] * args.no_compile
         command += ["--threads", str(args.threads)] if args.threads else []
         with self.log_path.open("wb") as log:
@@ -598,7 +601,8 @@ def measure_model(model: str, methods: list[Method], args: argparse.Namespace, r
                 if row.method.key in args.profile:
                     row.profile = workers[i].request("profile")["ops"]
                 info = workers[i].request("finish")
-                row.rss_peak_mb, row.step_rss_increase_mb, row.hwm_reset = info["rss_peak_mb"], info["step_rss_increase_mb"], info["hwm_reset"]
+                row.rss_peak_mb, row.step_rss_increase_mb = info["rss_peak_mb"], info["step_rss_increase_mb"]
+                row.hwm_reset = info["hwm_reset"]
             except WorkerError as error:
                 row.notes.append(f"finish failed: {error}")
     finally:
@@ -659,7 +663,8 @@ def verdicts(rows: list[Row], models: list[str]) -> list[str]:
                 f"({mine:.2f}x vs {theirs:.2f}x fused; ours / theirs {mine / theirs:.2f})"
             )
             outcomes.append(mine < theirs)
-    lines.append(f"- (b) QAdamW int8 · RN faster than bitsandbytes' and torchao's 8-bit AdamW: **{_overall(outcomes)}**: " + "; ".join(details))
+    target = "QAdamW int8 · RN faster than bitsandbytes' and torchao's 8-bit AdamW"
+    lines.append(f"- (b) {target}: **{_overall(outcomes)}**: " + "; ".join(details))
     # (c)
     details, outcomes = [], []
     for fmt, limit in TARGET_BYTES.items():
@@ -729,7 +734,8 @@ def render_profiles(rows: list[Row]) -> str | None:
     ]
     for row in profiled:
         total = row.profile[0][1]
-        lines += [f"**{row.method.label}, {row.model}** (profiled step: {total:.1f} ms of op self time)", "", "| op | self ms | share | calls |", "|---|---:|---:|---:|"]
+        lines += [f"**{row.method.label}, {row.model}** (profiled step: {total:.1f} ms of op self time)", ""]
+        lines += ["| op | self ms | share | calls |", "|---|---:|---:|---:|"]
         ops, extra = [e for e in row.profile[1:] if not e[0].startswith("(")], [e for e in row.profile[1:] if e[0].startswith("(")]
         lines += [f"| `{name}` | {ms:.2f} | {100 * ms / total:.0f}% | {calls} |" for name, ms, calls in ops]
         lines += ["", *(f"- {name}: {ms:.1f} ms" for name, ms, _ in extra)]
@@ -748,7 +754,9 @@ def source_digest() -> str:
     return digest.hexdigest()[:12]
 
 
-def render_report(command: str, args: argparse.Namespace, specs: dict[str, ModelSpec], rows: list[Row], runtime_s: float, digest: str) -> str:
+def render_report(
+    command: str, args: argparse.Namespace, specs: dict[str, ModelSpec], rows: list[Row], runtime_s: float, digest: str
+) -> str:
     threads = sorted({r.threads for r in rows if r.threads})
     affinity = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     compile_mode = "off (--no-compile: ours cpu_compile=False, torchao eager)" if args.no_compile else (
@@ -781,7 +789,8 @@ def render_report(command: str, args: argparse.Namespace, specs: dict[str, Model
     ]
     changed = sorted({r.digest for r in rows if r.digest and r.digest != digest} | ({source_digest()} - {digest}))
     if changed:
-        header.append(f"- **warning**: the lightning_qstate sources changed during the run (digests {', '.join(changed)}): rows may mix versions")
+        digests = ", ".join(changed)
+        header.append(f"- **warning**: the lightning_qstate sources changed during the run (digests {digests}): rows may mix versions")
     body = [render_table(name, specs[name].description, [r for r in rows if r.model == name]) for name in args.models]
     parts = ["\n".join(header), *body, "\n".join(verdicts(rows, args.models))]
     profiles = render_profiles(rows)
@@ -810,7 +819,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=None, help="timed rounds (default 10; 1 with --quick)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps before timing, the first included (default 2)")
-    parser.add_argument("--budget", type=float, default=15.0, help="seconds of timed steps per method and model before it sits out (default 15)")
+    parser.add_argument(
+        "--budget", type=float, default=15.0, help="seconds of timed steps per method and model before it sits out (default 15)"
+    )
     parser.add_argument("--threads", type=int, default=0, help="torch threads per worker (default: torch's default)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="markdown output (default benchmarks/results/optim.md)")
     parser.add_argument("--models", type=_csv, default=["mlp", "transformer"], help="comma-separated: mlp,transformer")

@@ -121,10 +121,33 @@ class Run:
         return torch.load(self.out / phase / "weights.pt", weights_only=True)
 
 
+_EXECUTED: dict[str, Run] = {}
+
+
 @pytest.fixture(scope="module", params=list(RUNS))
 def run(request, tmp_path_factory) -> Run:
-    spec = RUNS[request.param]
-    result = Run(spec, tmp_path_factory.mktemp(request.param))
+    return executed(request.param, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def ddp_run(tmp_path_factory) -> Run:
+    return executed("ddp", tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def fsdp2_run(tmp_path_factory) -> Run:
+    return executed("fsdp2", tmp_path_factory)
+
+
+def executed(name: str, tmp_path_factory) -> Run:
+    """The finished run ``name`` (launched once per session, shared by every test that reads it)."""
+    if name not in _EXECUTED:
+        _EXECUTED[name] = launch_run(RUNS[name], tmp_path_factory.mktemp(name))
+    return _EXECUTED[name]
+
+
+def launch_run(spec: RunSpec, out: Path) -> Run:
+    result = Run(spec, out)
     if spec.fresh_resume:
         result.seconds.append(launch(result.out, [*spec.args(), "--mode", "straight,first"]))
         result.seconds.append(launch(result.out, [*spec.args(), "--mode", "resume"]))
@@ -210,9 +233,8 @@ def test_uneven_shards(run):
         assert weight[0]["local_shape"] == weight[1]["local_shape"] == [300, 64]
 
 
-def test_ddp_states_are_identical_on_both_ranks(run):
-    if run.spec.strategy != "ddp":
-        pytest.skip("DDP only: sharded strategies hold different parts")
+def test_ddp_states_are_identical_on_both_ranks(ddp_run):
+    run = ddp_run
     for phase in run.phases():
         first, second = (states_of(run.info(phase, rank)) for rank in (0, 1))
         assert first == second, f"{phase}: the ranks' optimizer states differ"
@@ -242,9 +264,8 @@ def test_checkpoint_contents(run):
             assert not torch.equal(by_name["exp_avg"], by_name["exp_avg_sq"]) and bool((by_name["exp_avg"] < 0).any())
 
 
-def test_packed_state_of_the_full_shape_never_loads_into_a_shard(run):
-    if run.spec.strategy != "fsdp2":
-        pytest.skip("FSDP2 only")
+def test_packed_state_of_the_full_shape_never_loads_into_a_shard(fsdp2_run):
+    run = fsdp2_run
     for rank in (0, 1):
         error = json.loads((run.out / "straight" / f"packed_into_shard{rank}.json").read_text())["error"]
         assert error is not None and "shape (301, 64)" in error and ("(151, 64)" if rank == 0 else "(150, 64)") in error

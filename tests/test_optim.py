@@ -468,12 +468,13 @@ def test_fast_cpu_paths_match_the_plain_step(states):
         assert float((fast.codes != plain.codes).float().mean()) < 1e-2  # the same codes but for float-rounding ties
 
 
-def test_compiled_step_handles_stochastic_rounding():
+@pytest.mark.parametrize("states", ["int4", "bf16"])
+def test_compiled_step_handles_stochastic_rounding(states):
     weight = torch.nn.Parameter(torch.randn(1 << 17))
-    optimizer = lq.QAdamW([weight], states="int4", rounding="stochastic")
+    optimizer = lq.QAdamW([weight], states=states, rounding="stochastic")
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the compiled path must not fall back to eager with a warning
         for _ in range(2):
             weight.grad = torch.randn_like(weight)
             optimizer.step()
-    assert optimizer.state[weight]["exp_avg"].format.name == "int4"
+    assert optimizer.state[weight]["exp_avg"].format.name == states

@@ -62,7 +62,10 @@ class CastFormat(StorageFormat):
     def stochastic_reference(self, flat: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
         """Torch reference of the SR cast of fp32 ``flat``."""
         if self.dtype == torch.bfloat16:
-            random_bits = torch.randint(0, 1 << 16, flat.shape, generator=generator, device=flat.device, dtype=torch.int32)
+            if generator is None:  # randint_like also traces under torch.compile with dynamic shapes
+                random_bits = torch.randint_like(flat, 0, 1 << 16, dtype=torch.int32)
+            else:
+                random_bits = torch.randint(0, 1 << 16, flat.shape, generator=generator, device=flat.device, dtype=torch.int32)
             return bf16_stochastic(flat, random_bits)
         return fp16_stochastic(flat, uniform_like(flat, generator))
 

@@ -120,8 +120,12 @@ class QuantizedStates:
 
     # --- the step -------------------------------------------------------------------------------------
     def _grad_is_finite(self, param: torch.Tensor, grad: torch.Tensor) -> bool:
-        """Apply the non-finite-gradient policy: ``skip`` (count and warn) or ``raise``."""
-        if bool(torch.isfinite(grad).all()):
+        """Apply the non-finite-gradient policy: ``skip`` (count and warn) or ``raise``.
+
+        One fp32-accumulated sum decides (inf and NaN propagate into it); only a non-finite sum, which an
+        overflow of finite values can also give, pays for the exact element-wise check.
+        """
+        if bool(torch.isfinite(torch.sum(grad, dtype=torch.float32))) or bool(torch.isfinite(grad).all()):
             return True
         message = f"{type(self).__name__}: non-finite gradient for a parameter of shape {tuple(param.shape)}"
         if self.nonfinite == "raise":

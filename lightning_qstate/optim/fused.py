@@ -153,7 +153,8 @@ def _dynamic_rows(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-_warned_compile = False
+# Option tuples whose compile failed: they take the eager step without retrying.
+_COMPILE_FAILED: set[tuple] = set()
 
 
 def adam_hyper(group: dict, step: float) -> dict[str, torch.Tensor]:
@@ -199,7 +200,6 @@ def _compiled_cpu_step(
     param: torch.Tensor, grad: torch.Tensor, m: QuantizedTensor, v: QuantizedTensor, hyper: dict, group: dict, track_stalls: bool
 ) -> torch.Tensor:
     """Compiled Adam step on the whole blocks of ``param``, eager on the partial last block; returns stall counts."""
-    global _warned_compile
     flat_param, flat_grad = param.view(-1), grad.reshape(-1)
     block = max(fused_layout(m) or CAST_ROW, fused_layout(v) or CAST_ROW)
     whole = flat_param.numel() // block * block
@@ -212,15 +212,16 @@ def _compiled_cpu_step(
         if whole < flat_param.numel():
             counts = adam_step_quantized(flat_param[whole:], flat_grad[whole:], *m_tail, *v_tail, hyper, *options)
         return counts
-    step_function = compiled_adam_step()
-    try:
-        head_param, head_grad = _dynamic_rows(flat_param[:whole].view(-1, block)), _dynamic_rows(flat_grad[:whole].view(-1, block))
-        counts = step_function(head_param, head_grad, *m_head, *v_head, hyper, *options)
-    except Exception as error:  # no C++ compiler, an unsupported platform, ...: fall back to eager, once noisily
-        if not _warned_compile:
-            message = f"torch.compile of the quantized Adam step failed ({error!r}); using the eager step"
+    counts = None
+    if options not in _COMPILE_FAILED:
+        try:
+            head_param, head_grad = _dynamic_rows(flat_param[:whole].view(-1, block)), _dynamic_rows(flat_grad[:whole].view(-1, block))
+            counts = compiled_adam_step()(head_param, head_grad, *m_head, *v_head, hyper, *options)
+        except Exception as error:  # no C++ compiler, an unsupported platform, ...: eager from now on, said once
+            _COMPILE_FAILED.add(options)
+            message = f"torch.compile of the quantized Adam step failed ({error!r}); using the eager step for these formats"
             warnings.warn(message, RuntimeWarning, stacklevel=4)
-            _warned_compile = True
+    if counts is None:
         counts = adam_step_quantized(flat_param[:whole], flat_grad[:whole], *m_head, *v_head, hyper, *options)
     if whole < flat_param.numel():
         counts = counts + adam_step_quantized(flat_param[whole:], flat_grad[whole:], *m_tail, *v_tail, hyper, *options)
