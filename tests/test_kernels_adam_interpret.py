@@ -22,27 +22,18 @@ a seed; the optimizer dispatch of ``optim/fused.py`` for a Triton device.
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-REPO_ROOT = Path(__file__).resolve().parent.parent
 
 if not INTERPRET:
+    from cases import run_under_interpreter
+
 
     def test_interpreter_suite():
         """Run this file's interpreter cases in a subprocess with ``TRITON_INTERPRET=1``."""
-        pytest.importorskip("triton")
-        env = dict(os.environ, TRITON_INTERPRET="1")
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
-        command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__).resolve())]
-        result = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=900)
-        report = (result.stdout + result.stderr)[-20000:]
-        assert result.returncode == 0, f"interpreter suite failed (rc={result.returncode}):\n{report}"
-        assert " passed" in result.stdout and " skipped" not in result.stdout, report
+        run_under_interpreter(__file__)
 
 else:
     import numpy as np
