@@ -20,6 +20,7 @@ BLOCK_FORMATS = [
     ("int4_linear", {}),
     ("fp8_e4m3", {}),
     ("fp8_e5m2", {}),
+    ("fp8_e4m3", {"signed": False}),
     ("e2m2", {"signed": False}),
     ("e3m0", {"signed": False}),
     ("e4m3", {}),

@@ -17,7 +17,8 @@ Trainer and model each time); ``--state-dict`` is one checkpoint kind or a comma
 Each phase writes into its folder: ``weights.pt`` (the full, gathered model weights, written by
 rank 0), ``rank<r>.json`` (written by rank ``r``: per parameter, the policy's decision and every
 state's format, block size, shape and a hash of its codes; for ``resume`` also the same right after
-the checkpoint was loaded, before any step) and ``done<r>`` when the rank finished. Under FSDP2,
+the checkpoint was loaded, before any step; ``metrics``: every ``log_metrics`` call the rank's logger got;
+``callbacks``: the ``state_dict()`` of each ``--callbacks`` entry) and ``done<r>`` when the rank finished. Under FSDP2,
 ``straight`` also writes ``packed_into_shard<r>.json``: the error raised when a packed state of the full
 parameter's shape (a DDP checkpoint) is loaded into the rank's shard.
 
@@ -52,6 +53,9 @@ from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy  # n
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict  # noqa: E402
 
 from lightning_models import Regressor, regression_data, step_batch  # noqa: E402
+from lightning.pytorch.loggers import Logger  # noqa: E402
+
+import lightning_qstate.callbacks as qstate_callbacks  # noqa: E402
 from lightning_qstate.callbacks import QuantizedOptimizerStates  # noqa: E402
 from lightning_qstate.formats import BlockFormat, QuantizedTensor  # noqa: E402
 from lightning_qstate.optim import QuantizedStates, clean_parameter_name  # noqa: E402
@@ -82,6 +86,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--via", choices=("plugin", "callback", "none"), default="plugin", help="how the optimizer gets quantized (none: plain torch states, a control)"
     )
     parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument(
+        "--callbacks", default="[]", help='JSON list of lightning_qstate.callbacks to add: [{"class": "StallMonitor", "init_args": {...}}]'
+    )
+    parser.add_argument("--log-every", type=int, default=1, help="Trainer log_every_n_steps (metrics are recorded per rank)")
     args = parser.parse_args(argv)
     args.phases = [phase.strip() for phase in args.mode.split(",") if phase.strip()]
     unknown = sorted(set(args.phases) - set(PHASES))
@@ -92,6 +100,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--state-dict {args.state_dict!r}: use full and/or sharded (ddp: full only)")
     if args.states.startswith("{"):
         args.states = json.loads(args.states)
+    args.callbacks = json.loads(args.callbacks)
     return args
 
 
@@ -141,8 +150,35 @@ def make_strategy(args: argparse.Namespace, kind: str):
     )
 
 
+class RecordingLogger(Logger):
+    """Keeps every ``log_metrics`` call of this rank, on every rank: ``[{"step": s, **metrics}, ...]``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[dict] = []
+
+    @property
+    def name(self) -> str:
+        return "recording"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        self.records.append({"step": step, **{key: float(value) for key, value in metrics.items()}})
+
+    def log_hyperparams(self, params, *args, **kwargs) -> None:
+        pass
+
+
+def named_callbacks(args: argparse.Namespace) -> list[Callback]:
+    """The ``--callbacks`` specs, instantiated from ``lightning_qstate.callbacks``."""
+    return [getattr(qstate_callbacks, spec["class"])(**spec.get("init_args", {})) for spec in args.callbacks]
+
+
 def make_trainer(args: argparse.Namespace, phase: str, kind: str, out: Path, extra_callbacks: list[Callback]) -> pl.Trainer:
-    callbacks = list(extra_callbacks)
+    callbacks = [*extra_callbacks, *named_callbacks(args)]
     plugins = []
     if args.via == "callback":
         callbacks.append(QuantizedOptimizerStates(**policy_options(args), log_stats=False))
@@ -162,7 +198,8 @@ def make_trainer(args: argparse.Namespace, phase: str, kind: str, out: Path, ext
         callbacks=callbacks,
         max_steps=args.save_step if phase == "first" else args.steps,
         default_root_dir=out,
-        logger=False,
+        logger=RecordingLogger(),
+        log_every_n_steps=args.log_every,
         enable_checkpointing=phase == "first",
         enable_progress_bar=False,
         enable_model_summary=False,
@@ -286,6 +323,8 @@ def run_phase(args: argparse.Namespace, phase: str, kind: str) -> None:
         "lr": optimizer.param_groups[0]["lr"],
         **describe_optimizer(optimizer, trainer.strategy.model),
         "loaded": recorder.loaded,
+        "metrics": trainer.logger.records,
+        "callbacks": {type(c).__name__: c.state_dict() for c in trainer.callbacks if type(c).__module__.startswith("lightning_qstate.")},
     }
     (out / f"rank{rank}.json").write_text(json.dumps(info, indent=1, sort_keys=True))
     if rank == 0:

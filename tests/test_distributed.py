@@ -27,6 +27,7 @@ import torch
 from lightning_qstate import QAdamW
 from lightning_qstate.formats import QuantizedTensor, get_format
 from lightning_qstate.optim.serialization import exact_values
+from lightning_qstate.theory import stall_probability
 
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent
@@ -50,26 +51,60 @@ class RunSpec:
     via: str = "plugin"
     fresh_resume: bool = True  # resume in new processes (else in the processes that saved the checkpoint)
     quantized: tuple[str, ...] = ("net.0.weight",)  # parameters whose states must be quantized (on every rank holding a part)
+    callbacks: str = "[]"  # JSON list of lightning_qstate callbacks (see the worker's --callbacks)
+    log_every: int = 1
 
     def args(self) -> list[str]:
         return [
             "--strategy", self.strategy, "--state-dict", ",".join(self.kinds), "--hidden", str(self.hidden), "--min-quant-size", str(self.min_quant_size),
             "--states", self.states, "--via", self.via, "--steps", str(STEPS), "--save-step", str(SAVE_STEP),
+            "--callbacks", self.callbacks, "--log-every", str(self.log_every),
         ]  # fmt: skip
 
 
+# StallMonitor + StateResetScheduler (periodic, staggered, and threshold-triggered from rank-summed counts) under FSDP1 with
+# uneven shards (rank 0 holds no part of net.3.weight): e2m2 states stall within a few steps. The DDP and FSDP2 runs use them too.
+STALL_CALLBACKS = [
+    {"class": "StallMonitor", "init_args": {"log_every_n_steps": 2}},
+    {"class": "StateResetScheduler", "init_args": {"period": 4, "stagger": True, "threshold": 0.3, "check_every_n_steps": 2}},
+]
+STALL_CALLBACKS_JSON = json.dumps(STALL_CALLBACKS)
+
 RUNS = {
     # Both big weights quantized; DDP saves the packed codes.
-    "ddp": RunSpec("ddp", ("full",), hidden=300, min_quant_size=1024, quantized=("net.0.weight", "net.3.weight"), fresh_resume=False),
+    "ddp": RunSpec(
+        "ddp", ("full",), hidden=300, min_quant_size=1024, quantized=("net.0.weight", "net.3.weight"), fresh_resume=False, callbacks=STALL_CALLBACKS_JSON
+    ),
     # hidden=301: uneven flat shards. net.0.weight (19264 values) falls on rank 0 (11296 values) and rank 1 (7968):
     # min_quant_size=8192 lies between, so deciding from the local numel would quantize it on rank 0 only.
     "fsdp": RunSpec("fsdp", ("full", "sharded"), hidden=301, min_quant_size=8192),
     # hidden=301 rows sharded 151/150; rows of 64 give row-aligned blocks of 64, rows of 301 (net.3.weight) keep fp32.
-    "fsdp2": RunSpec("fsdp2", ("full", "sharded"), hidden=301, min_quant_size=1024),
+    "fsdp2": RunSpec("fsdp2", ("full", "sharded"), hidden=301, min_quant_size=1024, callbacks=STALL_CALLBACKS_JSON),
     # int4 through the callback; net.3.weight lies wholly on rank 1 (rank 0 holds an empty view and no state).
     "fsdp-int4-callback": RunSpec(
         "fsdp", ("full", "sharded"), hidden=301, min_quant_size=1024, states="int4", via="callback", fresh_resume=False, quantized=("net.0.weight", "net.3.weight")
     ),
+}
+
+
+# Runs with AdaptiveBitWidth (hidden=301: uneven shards). Formats change during these runs, so the fixed-format tests of
+# `run` leave them out; theirs are below. A check at every step and a threshold rising fast change decisions before and
+# after the checkpoint at step 3; the targets make the budget bind (FSDP2 keeps net.3.weight fp32: rows of 301).
+ADAPTIVE = {"interval": 1, "hysteresis": 1, "threshold_start": 0.3, "threshold_end": 6.0, "anneal_steps": STEPS, "ema_decay": 0.5}
+
+
+def adaptive_callbacks(target_bits: float) -> str:
+    return json.dumps([{"class": "AdaptiveBitWidth", "init_args": {**ADAPTIVE, "target_bits": target_bits}}])
+
+
+ADAPTIVE_RUNS = {
+    "fsdp-adaptive": RunSpec("fsdp", ("full", "sharded"), hidden=301, min_quant_size=1024, callbacks=adaptive_callbacks(7.0), quantized=()),
+    "fsdp2-adaptive": RunSpec("fsdp2", ("full", "sharded"), hidden=301, min_quant_size=1024, callbacks=adaptive_callbacks(10.5), quantized=()),
+}
+
+
+STALL_RUNS = {
+    "fsdp-stalls": RunSpec("fsdp", ("full",), hidden=301, min_quant_size=1024, states="e2m2", fresh_resume=False, callbacks=STALL_CALLBACKS_JSON),
 }
 
 
@@ -139,10 +174,15 @@ def fsdp2_run(tmp_path_factory) -> Run:
     return executed("fsdp2", tmp_path_factory)
 
 
+@pytest.fixture(scope="module", params=list(ADAPTIVE_RUNS))
+def adaptive_run(request, tmp_path_factory) -> Run:
+    return executed(request.param, tmp_path_factory)
+
+
 def executed(name: str, tmp_path_factory) -> Run:
     """The finished run ``name`` (launched once per session, shared by every test that reads it)."""
     if name not in _EXECUTED:
-        _EXECUTED[name] = launch_run(RUNS[name], tmp_path_factory.mktemp(name))
+        _EXECUTED[name] = launch_run({**RUNS, **ADAPTIVE_RUNS, **STALL_RUNS}[name], tmp_path_factory.mktemp(name))
     return _EXECUTED[name]
 
 
@@ -269,6 +309,91 @@ def test_packed_state_of_the_full_shape_never_loads_into_a_shard(fsdp2_run):
     for rank in (0, 1):
         error = json.loads((run.out / "straight" / f"packed_into_shard{rank}.json").read_text())["error"]
         assert error is not None and "shape (301, 64)" in error and ("(151, 64)" if rank == 0 else "(150, 64)") in error
+
+
+# --- adaptive bit-widths ---------------------------------------------------------------------------------
+def adaptive_state(info: dict) -> dict:
+    return info["callbacks"]["AdaptiveBitWidth"]
+
+
+def test_adaptive_bit_widths_are_identical_on_every_rank(adaptive_run):
+    """Decisions come from all-reduced statistics only: both ranks hold the same callback state and state formats."""
+    run = adaptive_run
+    for phase in run.phases():
+        first, second = run.info(phase, 0), run.info(phase, 1)
+        assert adaptive_state(first) == adaptive_state(second), f"{phase}: decisions, EMAs or history differ between ranks"
+        decisions = adaptive_state(first)["layers"]
+        for name, entry in first["params"].items():
+            other = second["params"][name]
+            assert entry["policy"] == other["policy"], (phase, name)
+            for state, value in entry["states"].items():
+                if state in other["states"]:  # FSDP1: a rank holding no part of net.3.weight has no state for it
+                    assert value["format"] == other["states"][state]["format"], (phase, name, state)
+                assert value["format"] == entry["policy"].get(state), (phase, name, state)  # re-encoded as decided (blocks included)
+            for state in ("exp_avg", "exp_avg_sq"):
+                policy = entry["policy"][state]
+                assert policy is None or policy["name"] == decisions[name]["formats"][state], (phase, name, state)
+    straight, first = adaptive_state(run.info("straight", 0)), adaptive_state(run.info(f"first-{run.spec.kinds[0]}", 0))
+    assert [entry["step"] for entry in straight["history"]] == list(range(STEPS))
+    assert straight["transitions"] > first["transitions"] > 0, "decisions change before and after the checkpoint"
+    formats = {state["format"]["name"] for entry in run.info("straight", 0)["params"].values() for state in entry["states"].values() if state["quantized"]}
+    assert formats and formats <= {"int8_linear", "int8", "int4_linear", "e4m0"}
+
+
+def test_adaptive_resume_continues_exactly(adaptive_run):
+    run = adaptive_run
+    straight = run.weights("straight")
+    for kind in run.spec.kinds:
+        resumed = run.weights(f"resume-{kind}")
+        for name, value in straight.items():
+            assert torch.equal(resumed[name], value), f"{kind}: {name} differs by {(resumed[name] - value).abs().max().item()}"
+        for rank in (0, 1):
+            info, reference = run.info(f"resume-{kind}", rank), run.info("straight", rank)
+            assert adaptive_state(info) == adaptive_state(reference), f"{kind}: rank {rank}'s decisions or EMAs differ from the uninterrupted run"
+            assert states_of(info) == states_of(reference), f"{kind}: rank {rank}'s states differ from the uninterrupted run"
+            assert states_of(info["loaded"]) == states_of(run.info(f"first-{kind}", rank)), f"{kind}: rank {rank} did not get back its own states"
+
+
+def test_adaptive_budget_is_met_and_logged_by_rank_zero(adaptive_run):
+    run = adaptive_run
+    target = json.loads(run.spec.callbacks)[0]["init_args"]["target_bits"]
+    averages = [record["qstate/adaptive/avg_bits"] for record in run.info("straight", 0)["metrics"] if "qstate/adaptive/avg_bits" in record]
+    assert len(averages) == STEPS and all(value <= target for value in averages)
+    assert not any("qstate/adaptive/avg_bits" in record for record in run.info("straight", 1)["metrics"])
+
+
+# --- stall monitoring and resets ---------------------------------------------------------------------------
+@pytest.fixture(scope="module", params=["fsdp-stalls", "ddp", "fsdp2"])
+def stall_run(request, tmp_path_factory) -> Run:
+    return executed(request.param, tmp_path_factory)
+
+
+def test_resets_are_identical_on_every_rank_and_resume_exactly(stall_run):
+    run = stall_run
+    schedules = {phase: [run.info(phase, rank)["callbacks"]["StateResetScheduler"] for rank in (0, 1)] for phase in run.phases()}
+    for phase, (first, second) in schedules.items():
+        assert first == second, f"{phase}: the ranks reset differently"
+    straight = schedules["straight"][0]
+    assert straight["history"] and {step for step, _ in straight["history"]} <= set(range(1, STEPS + 1))
+    for kind in run.spec.kinds:
+        assert schedules[f"resume-{kind}"][0] == straight
+        weights, resumed = run.weights("straight"), run.weights(f"resume-{kind}")
+        for name, value in weights.items():
+            assert torch.equal(resumed[name], value), (kind, name)
+
+
+def test_stall_rates_are_summed_over_ranks_and_logged_by_rank_zero(stall_run):
+    run = stall_run
+    records = [record for record in run.info("straight", 0)["metrics"] if "qstate/stall/exp_avg_sq" in record]
+    assert [record["step"] for record in records] == [1, 3, 5]  # Lightning's logging step: batches stepped before this one
+    block = run.info("straight", 0)["params"]["net.0.weight"]["states"]["exp_avg_sq"]["format"]["resolved_block_size"]  # 64 under FSDP2
+    predicted = stall_probability(get_format(run.spec.states, block_size=block, signed=False), 0.999)
+    for record in records:
+        assert 0.0 <= record["qstate/stall/exp_avg_sq/net.0.weight"] <= 1.0
+        assert record["qstate/stall_predicted/exp_avg_sq/net.0.weight"] == pytest.approx(predicted)
+        if run.spec.strategy == "fsdp":
+            assert "qstate/stall/exp_avg_sq/net.3.weight" in record  # held by rank 1 alone: counted through the all-reduce
+    assert not any(key.startswith("qstate/") for record in run.info("straight", 1)["metrics"] for key in record)
 
 
 # --- single process ----------------------------------------------------------------------------------

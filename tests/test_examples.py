@@ -15,7 +15,7 @@ pytest.importorskip("sklearn")
 import torch  # noqa: E402
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
 
-from lightning_qstate.callbacks import RunSummary  # noqa: E402
+from lightning_qstate.callbacks import RunSummary, StateResetScheduler  # noqa: E402
 from lightning_qstate.cli import build_cli  # noqa: E402
 from lightning_qstate.formats import QuantizedTensor  # noqa: E402
 from lightning_qstate.optim import QAdamW  # noqa: E402
@@ -67,6 +67,8 @@ EXPECTED_FORMATS = {  # state formats each config gives the tiny models' quantiz
     "gpt_int4.yaml": {"exp_avg": {"int4", "int8"}, "exp_avg_sq": {"int4", "int8"}},  # int8: the tied embedding (override)
     "gpt_bf16_sr.yaml": {"exp_avg": {"bf16"}, "exp_avg_sq": {"bf16"}},
     "gpt_callbacks.yaml": {"exp_avg": {"int8"}, "exp_avg_sq": {"int4"}},
+    "gpt_stale.yaml": {"exp_avg": {"bf16"}, "exp_avg_sq": {"bf16"}},
+    "gpt_adaptive.yaml": {"exp_avg": {"int4_linear"}, "exp_avg_sq": {"e4m0"}},  # the tiny model's 5.1-bit budget: every weight at the floor
     "vit_fp32.yaml": None,
     "vit_int8.yaml": {"exp_avg": {"int8"}, "exp_avg_sq": {"int8"}},
 }
@@ -111,6 +113,14 @@ def test_gpt_callback_with_cli_optimizer(tmp_path):
     assert optimizer.param_groups[0]["lr"] == pytest.approx(1e-3)
     assert quantized_formats(optimizer) == {"exp_avg": {"int8"}, "exp_avg_sq": {"int4"}}
     assert QSTATE_TAGS <= scalar_tags(cli.trainer.log_dir)
+
+
+def test_gpt_stale_config_logs_stall_rates_to_tensorboard(tmp_path):
+    cli = fit("gpt_stale.yaml", tmp_path, *TINY_GPT)  # the monitor follows the Trainer's log_every_n_steps (1 here)
+    tags = scalar_tags(cli.trainer.log_dir)
+    assert {"qstate/stall/exp_avg_sq", "qstate/stall_predicted/exp_avg_sq", "qstate/stall/exp_avg_sq/model.transformer.h.0.attn.c_attn.weight"} <= tags
+    (scheduler,) = [callback for callback in cli.trainer.callbacks if isinstance(callback, StateResetScheduler)]
+    assert set(scheduler.last_reset) and all(scheduler.layer_period(rows) == 1000 for rows in scheduler.layers(cli.trainer).values())
 
 
 def test_gpt_fp32_baseline_keeps_torch_adamw(tmp_path):

@@ -99,6 +99,19 @@ def test_v_map_of_int4_is_zero_free():
     assert 0.0 in get_format("int4").decode_values().tolist()
 
 
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+@pytest.mark.parametrize("name, smallest", [("e2m2", 0.25 / 7), ("fp8_e4m3", 2.0**-9 / 448)])
+def test_minifloats_for_nonnegative_states_are_zero_free(name, smallest, rounding):
+    """A v flushed to zero beside a nonzero m would blow Adam's step up to m/eps."""
+    fmt = get_format(name, signed=False)
+    x = torch.tensor([1.0, 1e-3 * smallest, 1e-9, 0.0] + [0.5] * 124)
+    q = fmt.quantize(x, rounding=rounding, generator=torch.Generator().manual_seed(0))
+    assert float(fmt.decode_values()[1]) == pytest.approx(smallest)
+    assert torch.equal(q.dequantize()[1:4], torch.full((3,), float(fmt.decode_values()[1])))
+    assert bool((fmt.quantize(torch.zeros(128)).dequantize() == 0).all())  # an all-zero block stays zero
+    assert get_format(name, signed=True).quantize(x).dequantize()[2] == 0  # m keeps its zero
+
+
 def test_linear_maps_symmetric_and_sorted():
     for bits in (4, 8):
         table = linear_map(True, bits)
@@ -147,6 +160,8 @@ def test_rn_picks_the_nearest_code_within_half_a_spacing(name, options):
     scales = q.scales.repeat_interleave(fmt.block_size)[: x.numel()].double()
     error = (q.dequantize().double() - x.double()).abs()
     values = fmt.decode_values().double().unique()
+    if isinstance(fmt, MinifloatFormat) and fmt.zero_free:  # 0 is never stored for a nonzero value
+        values = values[values > 0] if not fmt.signed else values[values.abs() > 0]
     normalized = x.double() / scales
     distance = nearest_distance(normalized, values)
     # RN error == distance to the nearest codebook value (times the block scale), up to fp32 rounding

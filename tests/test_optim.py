@@ -468,6 +468,27 @@ def test_fast_cpu_paths_match_the_plain_step(states):
         assert float((fast.codes != plain.codes).float().mean()) < 1e-2  # the same codes but for float-rounding ties
 
 
+@pytest.mark.parametrize("states", ["int8", "int4"])
+def test_fast_cpu_paths_count_the_stalls_of_the_plain_step(states):
+    """The C++ kernel (int8) and the compiled step (int4) count stalls as ``formats.count_stalls`` does."""
+
+    def counts(fast: bool) -> torch.Tensor:
+        torch.manual_seed(0)
+        weight = torch.nn.Parameter(torch.randn((1 << 17) + 77) * 0.1)
+        optimizer = lq.QAdamW([weight], lr=1e-2, betas=(0.9, 0.999), states=states, track_stalls=True)
+        optimizer.cpu_compile = fast
+        for step in range(3):
+            weight.grad = torch.randn(weight.shape, generator=torch.Generator().manual_seed(step))
+            optimizer.step()
+        per_state = optimizer.stall_counts()[weight]
+        return torch.stack([per_state["exp_avg"], per_state["exp_avg_sq"]])
+
+    fast, plain = counts(True), counts(False)
+    assert bool((plain[:, 0] > 0).all()) and bool((plain[:, 1] > plain[:, 0]).all())
+    # equal but for float-rounding ties of the Adam math (see the test above)
+    assert float((fast - plain).abs().max()) <= 1e-3 * float(plain[:, 1].min()), (fast.tolist(), plain.tolist())
+
+
 @pytest.mark.parametrize("states", ["int4", "bf16"])
 def test_compiled_step_handles_stochastic_rounding(states):
     weight = torch.nn.Parameter(torch.randn(1 << 17))

@@ -1,6 +1,9 @@
-"""Lightning callbacks: quantizing optimizer states and logging their memory; an end-of-fit run summary."""
+"""Lightning callbacks: quantizing optimizer states, measuring and resetting stale states, adaptive bit-widths; a run summary."""
 
+from .adaptive_bits import AdaptiveBitWidth
 from .quantized_states import QuantizedOptimizerStates, memory_metrics
+from .stall_monitor import StallMonitor
+from .state_reset import StateResetScheduler
 from .summary import RunSummary
 
-__all__ = ["QuantizedOptimizerStates", "RunSummary", "memory_metrics"]
+__all__ = ["AdaptiveBitWidth", "QuantizedOptimizerStates", "RunSummary", "StallMonitor", "StateResetScheduler", "memory_metrics"]

@@ -20,7 +20,7 @@ from functools import lru_cache
 
 import torch
 
-from .base import FLOAT_INPUT_DTYPES, KernelBackend, NonFiniteError, QuantizedTensor, StorageFormat, kernel_backend, register_kernel_backend
+from .base import FLOAT_INPUT_DTYPES, KernelBackend, NonFiniteError, QuantizedTensor, StorageFormat, count_stalls, kernel_backend, register_kernel_backend
 from .block import NONFINITE_POLICIES, BlockFormat, CodebookFormat, MinifloatFormat, NonFinitePolicy, check_block_size
 from .cast import CastFormat
 from .codebooks import CodebookIndex, MinifloatSpec, dynamic_map, linear_map
@@ -64,7 +64,8 @@ def get_format(name: str, *, block_size: int | None = None, signed: bool = True,
         block_size: values per absmax scale, a power of two; default 128 for
             formats of at most 4 bits, else 256. Ignored by casts.
         signed: ``False`` for non-negative states such as Adam's ``v``: the map
-            spends no codes on negatives. Ignored by casts and FP8.
+            spends no codes on negatives, and minifloats never store a positive
+            value as 0 (zero-free; FP8 keeps its OCP bit patterns). Ignored by casts.
         nonfinite: block formats only; ``"raise"`` (default) or ``"nan_block"``,
             see :mod:`lightning_qstate.formats.block`.
 
@@ -80,7 +81,7 @@ def _build_format(name: str, block_size: int | None, signed: bool, nonfinite: No
     if name in _CAST_DTYPES:
         return CastFormat(name, _CAST_DTYPES[name])
     if name in _FP8_SPECS:
-        return MinifloatFormat(name, _FP8_SPECS[name], 256 if block_size is None else block_size, nonfinite)
+        return MinifloatFormat(name, _FP8_SPECS[name], 256 if block_size is None else block_size, nonfinite, zero_free=not signed)
     integer_maps = {
         "int8": lambda: dynamic_map(signed, 8),
         "int4": lambda: dynamic_map(True, 4) if signed else linear_map(False, 4, zero_free=True),
@@ -93,7 +94,7 @@ def _build_format(name: str, block_size: int | None, signed: bool, nonfinite: No
     match = _MINIFLOAT.fullmatch(name)
     if match:
         spec = minifloat_spec(int(match.group(1)), int(match.group(2)), signed)
-        return MinifloatFormat(name, spec, default_block_size(spec.bits) if block_size is None else block_size, nonfinite)
+        return MinifloatFormat(name, spec, default_block_size(spec.bits) if block_size is None else block_size, nonfinite, zero_free=not signed)
     raise ValueError(f"unknown format {name!r}; valid formats: {', '.join(FORMAT_NAMES)} (eXmY such as 'e2m2', 'e3m0', 'e4m3')")
 
 
@@ -115,6 +116,7 @@ __all__ = [
     "Rounding",
     "StorageFormat",
     "check_block_size",
+    "count_stalls",
     "default_block_size",
     "dynamic_map",
     "get_format",

@@ -39,6 +39,13 @@ class QuantizedTensor:
         """The stored values as a tensor of ``shape``, in ``dtype`` (default: the original dtype)."""
         return self.format.dequantize(self, dtype)
 
+    def unit_values(self) -> torch.Tensor:
+        """Flat fp32 stored values in units of their block's scale (the code's value); the values themselves for casts.
+
+        Two states hold the same code at an entry exactly when these agree there (``-0`` and ``+0`` aside).
+        """
+        return self.format.unit_values_reference(self.codes, self.scales, self.numel)
+
     @property
     def numel(self) -> int:
         return self.shape.numel()
@@ -94,6 +101,10 @@ class StorageFormat(ABC):
     def nbytes(self, numel: int) -> int:
         """Bytes stored for ``numel`` values, scales included."""
 
+    @abstractmethod
+    def unit_values_reference(self, codes: torch.Tensor, scales: torch.Tensor | None, numel: int) -> torch.Tensor:
+        """Torch reference of :meth:`QuantizedTensor.unit_values`: ``(numel,)`` fp32."""
+
     @property
     def is_float(self) -> bool:
         """True for formats whose spacing is relative to the value (casts and minifloats)."""
@@ -109,6 +120,20 @@ class StorageFormat(ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name!r})"
+
+
+def count_stalls(before: torch.Tensor, updated: torch.Tensor, stored: torch.Tensor, before_units: torch.Tensor, stored_units: torch.Tensor) -> torch.Tensor:
+    """int64 ``[stalled, moved]`` of one state write (flat fp32 tensors of equal size).
+
+    ``before``: the stored values before the step; ``updated``: the fp32 update of them; ``stored``: what the
+    format stored for ``updated``; ``*_units``: the same two in units of their block's scale (:meth:`QuantizedTensor.unit_values`).
+    An entry *moved* when the update changed it, and *stalled* when it moved but kept its code without being
+    stored exactly: for casts, its stored value stayed put; for block formats, it changed at most through the
+    block's shared scale (which follows the block's largest entry, stored exactly, at every step).
+    """
+    moved = updated != before
+    stalled = moved & (stored_units == before_units) & (stored != updated)
+    return torch.stack([stalled.sum(), moved.sum()])
 
 
 def uniform_like(x: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:

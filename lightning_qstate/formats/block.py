@@ -105,8 +105,12 @@ class BlockFormat(StorageFormat):
 
     def dequantize_reference(self, codes: torch.Tensor, scales: torch.Tensor, numel: int) -> torch.Tensor:
         """Torch reference: packed codes + scales -> ``(numel,)`` fp32."""
-        values = lookup(self.tables(codes.device)["decode"], unpack(codes, self.bits, numel))
+        values = self.unit_values_reference(codes, None, numel)
         return (as_blocks(values, self.block_size) * scales[:, None]).view(-1)[:numel]
+
+    def unit_values_reference(self, codes: torch.Tensor, scales: torch.Tensor | None, numel: int) -> torch.Tensor:
+        """``(numel,)`` fp32 ``decode[code]`` in ``[-1, 1]``: each value in units of its block's scale (``scales`` unused)."""
+        return lookup(self.tables(codes.device)["decode"], unpack(codes, self.bits, numel))
 
 
 class CodebookFormat(BlockFormat):
@@ -133,13 +137,25 @@ class MinifloatFormat(BlockFormat):
 
     The block absmax maps to the format's largest finite value; codes are the
     minifloat's sign-magnitude bit patterns (for FP8, the OCP bit patterns).
-    Unsigned formats clamp negative inputs to zero.
+
+    ``zero_free`` formats (those ``get_format`` makes for non-negative states such as Adam's
+    ``v``: unsigned ExMy, and FP8 with ``signed=False``, which keeps the OCP bit patterns) are
+    like torchao's 4-bit ``v`` map: magnitudes below the smallest positive value are stored
+    as it. A ``v`` flushed to 0 next to a nonzero ``m`` would make Adam's step ``m / eps``;
+    e2m2's smallest positive value is only 1/28 of the block's absmax, and SR sends tiny FP8
+    values to 0 often. A block whose absmax is 0 still reads back as zeros (its scale is 0).
     """
 
-    def __init__(self, name: str, spec: MinifloatSpec, block_size: int, nonfinite: NonFinitePolicy = "raise") -> None:
+    def __init__(self, name: str, spec: MinifloatSpec, block_size: int, nonfinite: NonFinitePolicy = "raise", zero_free: bool = False) -> None:
         super().__init__(name, spec.bits, block_size, spec.signed, nonfinite)
         self.spec = spec
         self.max_value = spec.max_value
+        self.zero_free = zero_free
+
+    @property
+    def min_code(self) -> int:
+        """Smallest magnitude code the encoder writes: 1 when ``zero_free``, else 0."""
+        return int(self.zero_free)
 
     @property
     def is_float(self) -> bool:
@@ -150,7 +166,7 @@ class MinifloatFormat(BlockFormat):
 
     def encode(self, normalized: torch.Tensor, rounding: Rounding, uniform: torch.Tensor | None) -> torch.Tensor:
         magnitude = normalized.abs() if self.signed else normalized.clamp(min=0)
-        code = encode_minifloat(magnitude * self.max_value, self.spec, rounding, uniform)
+        code = encode_minifloat(magnitude * self.max_value, self.spec, rounding, uniform).clamp(min=self.min_code)
         if self.signed:
             code = code | ((normalized < 0).to(torch.int32) << (self.bits - 1))
         return code

@@ -59,6 +59,8 @@ class CastFormat(StorageFormat):
         """Torch reference: stored values -> ``(numel,)`` fp32."""
         return codes.float()
 
+    unit_values_reference = dequantize_reference  # no scales: a value is its own unit
+
     def stochastic_reference(self, flat: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
         """Torch reference of the SR cast of fp32 ``flat``."""
         if self.dtype == torch.bfloat16:

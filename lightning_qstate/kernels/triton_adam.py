@@ -78,6 +78,7 @@ def adam_step_kernel(
     M_MANTISSA_BITS: tl.constexpr,
     M_BIAS: tl.constexpr,
     M_MAX_CODE: tl.constexpr,
+    M_MIN_CODE: tl.constexpr,
     V_SUB_BLOCKS: tl.constexpr,
     V_BITS: tl.constexpr,
     V_IS_MINIFLOAT: tl.constexpr,
@@ -85,6 +86,7 @@ def adam_step_kernel(
     V_MANTISSA_BITS: tl.constexpr,
     V_BIAS: tl.constexpr,
     V_MAX_CODE: tl.constexpr,
+    V_MIN_CODE: tl.constexpr,
     STOCHASTIC: tl.constexpr,
     DECOUPLED: tl.constexpr,
     MAXIMIZE: tl.constexpr,
@@ -102,8 +104,8 @@ def adam_step_kernel(
     in_range = offsets < numel
     param = tl.load(param_ptr + offsets, mask=in_range, other=0.0)
     grad = to_float32(tl.load(grad_ptr + offsets, mask=in_range, other=0.0))
-    exp_avg = load_moment(m_codes_ptr, m_scales_ptr, m_decode_ptr, block, numel, M_BITS, M_SUB_BLOCKS, BLOCK_SIZE)
-    exp_avg_sq = load_moment(v_codes_ptr, v_scales_ptr, v_decode_ptr, block, numel, V_BITS, V_SUB_BLOCKS, BLOCK_SIZE)
+    exp_avg, exp_avg_units = load_moment(m_codes_ptr, m_scales_ptr, m_decode_ptr, block, numel, M_BITS, M_SUB_BLOCKS, BLOCK_SIZE)
+    exp_avg_sq, exp_avg_sq_units = load_moment(v_codes_ptr, v_scales_ptr, v_decode_ptr, block, numel, V_BITS, V_SUB_BLOCKS, BLOCK_SIZE)
 
     # optim/fused.py adam_math, in torch's rounding order; coefficients in the order of COEFFICIENTS.
     decay, weight_decay = tl.load(coefficients_ptr + 0), tl.load(coefficients_ptr + 1)
@@ -132,18 +134,18 @@ def adam_step_kernel(
     else:
         uniform_m = new_exp_avg  # not read by RN
         uniform_v = new_exp_avg_sq
-    stored_m = store_moment(
+    stored_m, stored_m_units = store_moment(
         new_exp_avg, uniform_m, m_codes_ptr, m_scales_ptr, m_decode_ptr, m_bucket_floor_ptr, m_values_ptr,
         m_key_shift, m_half, m_last, m_max_value, block, numel, BLOCK_SIZE, M_SUB_BLOCKS,
-        M_BITS, M_IS_MINIFLOAT, M_SIGNED, M_MANTISSA_BITS, M_BIAS, M_MAX_CODE, STOCHASTIC, TRACK_STALLS,
+        M_BITS, M_IS_MINIFLOAT, M_SIGNED, M_MANTISSA_BITS, M_BIAS, M_MAX_CODE, M_MIN_CODE, STOCHASTIC, TRACK_STALLS,
     )  # fmt: skip
-    stored_v = store_moment(
+    stored_v, stored_v_units = store_moment(
         new_exp_avg_sq, uniform_v, v_codes_ptr, v_scales_ptr, v_decode_ptr, v_bucket_floor_ptr, v_values_ptr,
         v_key_shift, v_half, v_last, v_max_value, block, numel, BLOCK_SIZE, V_SUB_BLOCKS,
-        V_BITS, V_IS_MINIFLOAT, V_SIGNED, V_MANTISSA_BITS, V_BIAS, V_MAX_CODE, STOCHASTIC, TRACK_STALLS,
+        V_BITS, V_IS_MINIFLOAT, V_SIGNED, V_MANTISSA_BITS, V_BIAS, V_MAX_CODE, V_MIN_CODE, STOCHASTIC, TRACK_STALLS,
     )  # fmt: skip
 
     if TRACK_STALLS:
         row = counts_ptr + (block % STALL_SLOTS) * 2
-        tl.atomic_add(row, stall_counts(new_exp_avg, exp_avg, stored_m, in_range), sem="relaxed")
-        tl.atomic_add(row + 1, stall_counts(new_exp_avg_sq, exp_avg_sq, stored_v, in_range), sem="relaxed")
+        tl.atomic_add(row, stall_counts(new_exp_avg, exp_avg, stored_m, exp_avg_units, stored_m_units, in_range), sem="relaxed")
+        tl.atomic_add(row + 1, stall_counts(new_exp_avg_sq, exp_avg_sq, stored_v, exp_avg_sq_units, stored_v_units, in_range), sem="relaxed")

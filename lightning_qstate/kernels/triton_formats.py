@@ -141,20 +141,21 @@ def encode_block(
     MANTISSA_BITS: tl.constexpr,
     BIAS: tl.constexpr,
     MAX_CODE: tl.constexpr,
+    MIN_CODE: tl.constexpr,
     STOCHASTIC: tl.constexpr,
 ):
     """int32 codes of a normalized block: ``CodebookFormat.encode`` or ``MinifloatFormat.encode``.
 
     Codebook formats use ``bucket_floor_ptr, values_ptr, key_shift, half, last``;
     minifloat formats use ``max_value`` (fp32, the format's largest finite value)
-    and the constexprs ``SIGNED, BITS, MANTISSA_BITS, BIAS, MAX_CODE``.
+    and the constexprs ``SIGNED, BITS, MANTISSA_BITS, BIAS, MAX_CODE, MIN_CODE`` (1: zero-free).
     """
     if IS_MINIFLOAT:
         if SIGNED:
             magnitude = tl.abs(normalized)
         else:
             magnitude = tl.maximum(normalized, 0.0)
-        code = encode_minifloat(magnitude * max_value, MANTISSA_BITS, BIAS, MAX_CODE, STOCHASTIC, uniform)
+        code = tl.maximum(encode_minifloat(magnitude * max_value, MANTISSA_BITS, BIAS, MAX_CODE, STOCHASTIC, uniform), MIN_CODE)
         if SIGNED:
             code = code | ((normalized < 0).to(tl.int32) << (BITS - 1))
     else:
@@ -272,15 +273,16 @@ def normalize_sub_blocks(x, SUB_BLOCKS: tl.constexpr, BLOCK_SIZE: tl.constexpr):
 
 @triton.jit
 def load_moment(codes_ptr, scales_ptr, decode_ptr, block, numel, BITS: tl.constexpr, SUB_BLOCKS: tl.constexpr, BLOCK_SIZE: tl.constexpr):
-    """fp32 values of block ``block`` of a stored moment (``BlockFormat.dequantize_reference``)."""
-    packed = load_block_codes(codes_ptr, block, numel, BITS, BLOCK_SIZE)
+    """fp32 values of block ``block`` of a stored moment (``BlockFormat.dequantize_reference``), and the same in units
+    of their scale (``unit_values_reference``; unused results cost nothing)."""
+    units = decode_block(load_block_codes(codes_ptr, block, numel, BITS, BLOCK_SIZE), decode_ptr, 1.0, BITS)
     if SUB_BLOCKS == 1:
-        values = decode_block(packed, decode_ptr, tl.load(scales_ptr + block), BITS)
+        values = units * tl.load(scales_ptr + block)
     else:
         index = block.to(tl.int64) * SUB_BLOCKS + tl.arange(0, SUB_BLOCKS)
         scales = tl.load(scales_ptr + index, mask=index * (BLOCK_SIZE // SUB_BLOCKS) < numel, other=0.0)
-        values = sub_block_scale(decode_block(packed, decode_ptr, 1.0, BITS), scales, SUB_BLOCKS, BLOCK_SIZE)
-    return values
+        values = sub_block_scale(units, scales, SUB_BLOCKS, BLOCK_SIZE)
+    return values, units
 
 
 @triton.jit
@@ -306,17 +308,19 @@ def store_moment(
     MANTISSA_BITS: tl.constexpr,
     BIAS: tl.constexpr,
     MAX_CODE: tl.constexpr,
+    MIN_CODE: tl.constexpr,
     STOCHASTIC: tl.constexpr,
     DECODE_STORED: tl.constexpr,
 ):
     """Quantize and store block ``block`` of a moment (``x``: fp32, 0 past ``numel``), as ``BlockFormat.quantize_reference``.
 
-    Returns the stored values (``decode[code] * scale``) when ``DECODE_STORED``, else ``x``.
+    Returns the stored values (``decode[code] * scale``) and their units (``decode[code]``) when ``DECODE_STORED``,
+    else ``x`` twice.
     """
     normalized, scale = normalize_sub_blocks(x, SUB_BLOCKS, BLOCK_SIZE)
     codes = encode_block(
         normalized, uniform, bucket_floor_ptr, values_ptr, key_shift, half, last, max_value,
-        IS_MINIFLOAT, SIGNED, BITS, MANTISSA_BITS, BIAS, MAX_CODE, STOCHASTIC,
+        IS_MINIFLOAT, SIGNED, BITS, MANTISSA_BITS, BIAS, MAX_CODE, MIN_CODE, STOCHASTIC,
     )  # fmt: skip
     store_block_codes(codes_ptr, codes, block, numel, BITS, BLOCK_SIZE)
     if SUB_BLOCKS == 1:
@@ -325,22 +329,24 @@ def store_moment(
         index = block.to(tl.int64) * SUB_BLOCKS + tl.arange(0, SUB_BLOCKS)
         tl.store(scales_ptr + index, scale, mask=index * (BLOCK_SIZE // SUB_BLOCKS) < numel)
     if DECODE_STORED:
-        stored = sub_block_scale(tl.load(decode_ptr + codes), scale, SUB_BLOCKS, BLOCK_SIZE)
+        units = tl.load(decode_ptr + codes)
+        stored = sub_block_scale(units, scale, SUB_BLOCKS, BLOCK_SIZE)
     else:
+        units = x
         stored = x
-    return stored
+    return stored, units
 
 
 @triton.jit
-def stall_counts(new, old, stored, in_range):
+def stall_counts(new, old, stored, old_units, stored_units, in_range):
     """``stalled + (moved << 32)`` (int64) of one block: ``moved`` entries the update changed, ``stalled`` those of
-    them whose stored value stayed at the old one.
+    them that kept their code without being stored exactly (``formats.count_stalls``).
 
     One packed sum instead of two, and no sum of booleans (LLVM turns that into a bit mask built on the stack).
     Sums of packed counts stay exact while the total ``stalled`` is below ``2**32``.
     """
     moved = (new != old) & in_range
-    stalled = moved & (stored == old)
+    stalled = moved & (stored_units == old_units) & (stored != new)
     packed = tl.where(moved, 1 << 32, 0).to(tl.int64) + tl.where(stalled, 1, 0).to(tl.int64)
     return tl.sum(packed, axis=0)
 

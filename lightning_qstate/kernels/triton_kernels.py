@@ -66,6 +66,7 @@ def quantize_blocks_kernel(
     MANTISSA_BITS: tl.constexpr,
     BIAS: tl.constexpr,
     MAX_CODE: tl.constexpr,
+    MIN_CODE: tl.constexpr,
     STOCHASTIC: tl.constexpr,
 ):
     """Quantize block ``program_id(0)`` of ``x`` (``numel`` values): packed codes and its fp32 scale (NaN if non-finite).
@@ -84,7 +85,7 @@ def quantize_blocks_kernel(
         uniform = normalized  # not read by RN
     codes = encode_block(
         normalized, uniform, bucket_floor_ptr, values_ptr, key_shift, half, last, max_value,
-        IS_MINIFLOAT, SIGNED, BITS, MANTISSA_BITS, BIAS, MAX_CODE, STOCHASTIC,
+        IS_MINIFLOAT, SIGNED, BITS, MANTISSA_BITS, BIAS, MAX_CODE, MIN_CODE, STOCHASTIC,
     )  # fmt: skip
     store_block_codes(codes_ptr, codes, block, numel, BITS, BLOCK_SIZE)
     tl.store(scales_ptr + block, scale)
@@ -198,9 +199,10 @@ def encoder_constexprs(fmt: BlockFormat, prefix: str = "") -> dict[str, object]:
             "MANTISSA_BITS": spec.mantissa_bits,
             "BIAS": spec.bias,
             "MAX_CODE": spec.max_code,
+            "MIN_CODE": fmt.min_code,
         }
     elif isinstance(fmt, CodebookFormat):
-        minifloat = {"IS_MINIFLOAT": False, "SIGNED": fmt.signed, "MANTISSA_BITS": 0, "BIAS": 0, "MAX_CODE": 0}
+        minifloat = {"IS_MINIFLOAT": False, "SIGNED": fmt.signed, "MANTISSA_BITS": 0, "BIAS": 0, "MAX_CODE": 0, "MIN_CODE": 0}
     else:
         raise TypeError(f"no Triton encoder for block format {fmt!r}")
     return {f"{prefix}{name}": value for name, value in {"BITS": fmt.bits, **minifloat}.items()}

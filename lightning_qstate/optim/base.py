@@ -10,13 +10,14 @@ states of a single parameter.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterable
 from typing import Any, Literal
 
 import torch
 from torch.distributed.tensor import DTensor
 
-from ..formats import QuantizedTensor, StorageFormat, get_format
-from .policy import NONNEGATIVE_STATES, POLICY_DEFAULTS, StatesSpec, resolve_format, validate_policy
+from ..formats import QuantizedTensor, StorageFormat, count_stalls
+from .policy import POLICY_DEFAULTS, StatesSpec, resolve_format, validate_policy
 from .serialization import FORMAT_SUFFIX, STATE_FORMAT_VERSION, VERSION_KEY, exact_values, export_state, format_from_marker, format_marker, import_state, is_exported
 
 NonFiniteGradPolicy = Literal["skip", "raise"]
@@ -172,18 +173,18 @@ class QuantizedStates:
         before = {name: value.clone() for name, value in states.items() if self.track_stalls and isinstance(state[name], QuantizedTensor)}
         self._update(group, param, grad, states, state)
         for name, value in states.items():
-            state[name] = self._store(group, key, name, value, state.get(name), before.get(name))
+            old = state.get(name)
+            stored = self._store(group, key, name, value, old)
+            if name in before:
+                self._count_stalls(key, name, old, before[name], value, stored)
+            state[name] = stored
 
-    def _store(self, group: dict, key: torch.Tensor, name: str, value: torch.Tensor, old: StateValue | None, before: torch.Tensor | None) -> StateValue:
+    def _store(self, group: dict, key: torch.Tensor, name: str, value: torch.Tensor, old: StateValue | None) -> StateValue:
         """Write an updated fp32 state back in its format: the old state's format, or the policy's for a new state."""
         fmt = self._format_for(group, key, name, value, old)
         if fmt is None:
             return value
-        value = local_tensor(value)
-        stored = fmt.quantize(value, rounding=group["rounding"], generator=self.generator)
-        if before is not None:
-            self._count_stalls(key, name, before, value, stored)
-        return stored
+        return fmt.quantize(local_tensor(value), rounding=group["rounding"], generator=self.generator)
 
     def _format_for(self, group: dict, key: torch.Tensor, name: str, value: torch.Tensor, old: StateValue | None) -> StorageFormat | None:
         """Format to store ``value`` in: a quantized state keeps its format, a plain one stays plain, a new one follows the policy."""
@@ -202,11 +203,10 @@ class QuantizedStates:
         return local_tensor(value) if fmt is None else fmt.quantize(local_tensor(value), rounding="nearest")
 
     # --- stall statistics -----------------------------------------------------------------------------
-    def _count_stalls(self, param: torch.Tensor, name: str, before: torch.Tensor, updated: torch.Tensor, stored: QuantizedTensor) -> None:
-        """Count entries whose stored value stayed put although the fp32 update moved them."""
-        moved = updated != before
-        stalled = moved & (stored.dequantize() == before)
-        self._add_stall_counts(param, name, torch.stack([stalled.sum(), moved.sum()]))
+    def _count_stalls(self, param: torch.Tensor, name: str, old: QuantizedTensor, before: torch.Tensor, updated: torch.Tensor, stored: QuantizedTensor) -> None:
+        """Count the entries the fp32 update moved, and those of them that kept their code (see ``formats.count_stalls``)."""
+        flat = (before.reshape(-1), local_tensor(updated).reshape(-1).float(), stored.dequantize(torch.float32).reshape(-1))
+        self._add_stall_counts(param, name, count_stalls(*flat, old.unit_values(), stored.unit_values()))
 
     def _add_stall_counts(self, param: torch.Tensor, name: str, counts: torch.Tensor) -> None:
         """Accumulate ``[stalled, moved]`` for one state (device tensors: no sync)."""
@@ -258,16 +258,42 @@ class QuantizedStates:
         """Store state ``name`` of ``param`` in a new format from now on (``"fp32"`` for a plain tensor).
 
         The values are decoded and re-encoded with round-to-nearest, so nothing is lost beyond the new
-        format's precision. A format name gets the group's block size and the state's sign convention.
+        format's precision. A format name is resolved as the policy resolves new states (``resolve_format``, with
+        no ``min_quant_size``): the group's block size, the state's sign convention, blocks aligned to rows of
+        an FSDP2 shard (a shard whose rows allow no aligned block stays fp32) and FSDP1's full parameter size,
+        so that every rank and world size re-encodes alike.
         """
         state = self.state[param]
         if name not in state:
             raise KeyError(f"{type(self).__name__}: parameter has no state {name!r} yet (states: {sorted(state)})")
         group = next(g for g in self.param_groups if any(p is param for p in g["params"]))
         if isinstance(fmt, str):
-            fmt = None if fmt == "fp32" else get_format(fmt, block_size=group["block_size"], signed=name not in NONNEGATIVE_STATES)
+            fmt = resolve_format({**group, "states": fmt, "min_quant_size": 0}, name, param, self.full_numels.get(param))
         value = dequantized(state[name])
         state[name] = value if fmt is None else fmt.quantize(value)
+
+    def reset_states(self, param: torch.Tensor, names: Iterable[str], restart_step: bool = False) -> list[str]:
+        """Zero the states ``names`` of ``param`` in place, each keeping its format; returns the names it zeroed.
+
+        States the parameter does not have (yet) are skipped. ``restart_step`` also zeroes ``state["step"]``
+        (Adam's bias correction starts over); without it the first Adam step after a reset is about
+        ``(1 - β1) / sqrt(1 - β2)`` times a normal one (3.16 at ``β = (0.9, 0.999)``).
+        """
+        state = self.state.get(param, {})
+        zeroed = []
+        for name in names:
+            value = state.get(name)
+            if isinstance(value, QuantizedTensor):
+                state[name] = value.format.quantize(torch.zeros(value.shape, dtype=value.dtype, device=value.device))
+            elif isinstance(value, torch.Tensor):
+                value.zero_()
+            else:
+                continue
+            zeroed.append(name)
+        if restart_step and zeroed and "step" in state:
+            step = state["step"]
+            state["step"] = step.zero_() if isinstance(step, torch.Tensor) else type(step)(0)
+        return zeroed
 
     def state_format(self, param: torch.Tensor, name: str) -> StorageFormat | None:
         """The format state ``name`` of ``param`` is stored in; ``None`` for a plain tensor."""

@@ -1,4 +1,4 @@
-"""A hand-written C++ Adam(W) step for 8-bit codebook states on the CPU (round-to-nearest).
+"""A hand-written C++ Adam(W) step for 8-bit codebook states on the CPU (round-to-nearest), with optional stall counts.
 
 One pass per block of ``block_size`` values, threaded with ``at::parallel_for``: decode both moments
 (table lookup times the block scale), torch's Adam(W) update, per-block absmax, and the encoder of
@@ -23,6 +23,7 @@ SOURCE = r"""
 #include <ATen/Parallel.h>
 #include <cmath>
 #include <cstring>
+#include <mutex>
 #include <vector>
 
 namespace {
@@ -60,6 +61,20 @@ void encode_block(const float* __restrict__ x, float divisor, bool finite, const
   }
 }
 
+// formats.count_stalls for one block: [stalled, moved] added to counts. ``old``: codes before the step.
+void count_block(const uint8_t* __restrict__ old, float old_scale, const uint8_t* __restrict__ codes, float scale,
+                 const float* __restrict__ updated, const float* __restrict__ decode, int64_t n, int64_t* counts) {
+  int64_t stalled = 0, moved = 0;
+#pragma omp simd reduction(+ : stalled, moved)
+  for (int64_t i = 0; i < n; ++i) {
+    const bool move = updated[i] != decode[old[i]] * old_scale;
+    moved += move ? 1 : 0;
+    stalled += (move && codes[i] == old[i] && decode[codes[i]] * scale != updated[i]) ? 1 : 0;
+  }
+  counts[0] += stalled;
+  counts[1] += moved;
+}
+
 }  // namespace
 
 void adam_step_u8(torch::Tensor param, torch::Tensor grad,
@@ -67,7 +82,7 @@ void adam_step_u8(torch::Tensor param, torch::Tensor grad,
                   torch::Tensor m_decode, torch::Tensor m_floor, torch::Tensor m_values, int64_t m_shift, int64_t m_half,
                   torch::Tensor v_decode, torch::Tensor v_floor, torch::Tensor v_values, int64_t v_shift, int64_t v_half,
                   int64_t block, double lr, double weight_decay, double beta1, double beta2, double eps,
-                  double step_size, double bias_correction2_sqrt, bool decoupled, bool maximize) {
+                  double step_size, double bias_correction2_sqrt, bool decoupled, bool maximize, torch::Tensor counts) {
   float* p = param.data_ptr<float>();
   const float* g = grad.data_ptr<float>();
   uint8_t* mc = m_codes.data_ptr<uint8_t>();
@@ -83,8 +98,12 @@ void adam_step_u8(torch::Tensor param, torch::Tensor grad,
   const float one_minus_b1 = 1.0f - f_b1, one_minus_b2 = 1.0f - f_b2;
   const float f_step = step_size, f_bc2 = bias_correction2_sqrt;
   const int64_t blocks = param.numel() / block;
+  const bool track = counts.numel() == 4;  // int64 [stalled_m, moved_m, stalled_v, moved_v], added to
+  std::mutex counts_mutex;
   at::parallel_for(0, blocks, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> m_buffer(block), v_buffer(block);
+    std::vector<uint8_t> old_m(track ? block : 0), old_v(track ? block : 0);
+    int64_t local[4] = {0, 0, 0, 0};
     float* __restrict__ m = m_buffer.data();
     float* __restrict__ v = v_buffer.data();
     for (int64_t b = begin; b < end; ++b) {
@@ -115,10 +134,23 @@ void adam_step_u8(torch::Tensor param, torch::Tensor grad,
         bad |= ((vi - vi) != (vi - vi)) ? 2 : 0;
       }
       const bool m_ok = !(bad & 1), v_ok = !(bad & 2);
+      if (track) {
+        std::memcpy(old_m.data(), mcb_in, block);
+        std::memcpy(old_v.data(), vcb_in, block);
+      }
       encode_block(m, (m_ok && m_max > 0.0f) ? m_max : 1.0f, m_ok, mcb, mc + base, block);
       encode_block(v, (v_ok && v_max > 0.0f) ? v_max : 1.0f, v_ok, vcb, vc + base, block);
       ms[b] = m_ok ? m_max : NAN;
       vs[b] = v_ok ? v_max : NAN;
+      if (track) {
+        count_block(old_m.data(), m_scale, mc + base, ms[b], m, mcb.decode, block, local);
+        count_block(old_v.data(), v_scale, vc + base, vs[b], v, vcb.decode, block, local + 2);
+      }
+    }
+    if (track) {
+      std::lock_guard<std::mutex> guard(counts_mutex);
+      int64_t* total = counts.data_ptr<int64_t>();
+      for (int k = 0; k < 4; ++k) total[k] += local[k];
     }
   });
 }
@@ -132,7 +164,7 @@ def kernel():
         from torch.utils.cpp_extension import load_inline
 
         module = load_inline(
-            name="lightning_qstate_cpu_adam_v3",
+            name="lightning_qstate_cpu_adam_v4",
             cpp_sources=SOURCE,
             functions=["adam_step_u8"],
             extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-fopenmp"],

@@ -25,7 +25,7 @@ import warnings
 
 import torch
 
-from ..formats import BlockFormat, CastFormat, CodebookFormat, QuantizedTensor, Rounding, StorageFormat
+from ..formats import BlockFormat, CastFormat, CodebookFormat, QuantizedTensor, Rounding, StorageFormat, count_stalls
 from ..kernels import TRITON_AVAILABLE
 from . import cpu_kernel
 
@@ -95,14 +95,14 @@ def adam_step_quantized(
     counts = []
     for fmt, codes, scales, value, old in ((m_format, m_codes, m_scales, exp_avg, old_m), (v_format, v_codes, v_scales, exp_avg_sq, old_v)):
         new_codes, new_scales = fmt.quantize_reference(value, rounding, None)
+        if track_stalls:
+            stored = fmt.dequantize_reference(new_codes, new_scales, numel)
+            units = (fmt.unit_values_reference(c, None, numel) for c in (codes, new_codes))
+            counts.append(count_stalls(old, value, stored, *units))
         codes.copy_(new_codes)
         if scales is not None:
             scales.copy_(new_scales)
-        if track_stalls:
-            moved = value != old
-            stored = fmt.dequantize_reference(codes, scales, numel)
-            counts += [(moved & (stored == old)).sum(), moved.sum()]
-    return torch.stack(counts) if track_stalls else torch.zeros(4, dtype=torch.int64)
+    return torch.cat(counts) if track_stalls else torch.zeros(4, dtype=torch.int64)
 
 
 @functools.lru_cache(maxsize=None)
@@ -205,12 +205,13 @@ def _compiled_cpu_step(
     whole = flat_param.numel() // block * block
     (m_head, m_tail), (v_head, v_tail) = _split(m, whole, block), _split(v, whole, block)
     options = (m.format, v.format, group["rounding"], group["decoupled_weight_decay"], group["maximize"], track_stalls)
-    native = cpu_kernel.kernel() if _native_eligible(m, v, group, track_stalls) else None
+    native = cpu_kernel.kernel() if _native_eligible(m, v, group) else None
     if native is not None:
-        _native_step(native, flat_param[:whole], flat_grad[:whole], m_head, v_head, m.format, v.format, block, hyper, group)
-        counts = torch.zeros(4, dtype=torch.int64)
+        counts = torch.zeros(4 if track_stalls else 0, dtype=torch.int64)
+        _native_step(native, flat_param[:whole], flat_grad[:whole], m_head, v_head, m.format, v.format, block, hyper, group, counts)
+        counts = counts if track_stalls else torch.zeros(4, dtype=torch.int64)
         if whole < flat_param.numel():
-            counts = adam_step_quantized(flat_param[whole:], flat_grad[whole:], *m_tail, *v_tail, hyper, *options)
+            counts = counts + adam_step_quantized(flat_param[whole:], flat_grad[whole:], *m_tail, *v_tail, hyper, *options)
         return counts
     counts = None
     if options not in _COMPILE_FAILED:
@@ -228,19 +229,18 @@ def _compiled_cpu_step(
     return counts
 
 
-def _native_eligible(m: QuantizedTensor, v: QuantizedTensor, group: dict, track_stalls: bool) -> bool:
-    """The C++ kernel covers byte-coded codebook moments (int8 family) with one block size, RN, no stall counts."""
+def _native_eligible(m: QuantizedTensor, v: QuantizedTensor, group: dict) -> bool:
+    """The C++ kernel covers byte-coded codebook moments (int8 family) with one block size, RN."""
     formats = (m.format, v.format)
     return (
         all(isinstance(f, CodebookFormat) and 4 < f.bits <= 8 for f in formats)
         and m.format.block_size == v.format.block_size
         and group["rounding"] == "nearest"
-        and not track_stalls
     )
 
 
-def _native_step(native, param, grad, m_head, v_head, m_format, v_format, block: int, hyper: dict, group: dict) -> None:
-    """Run ``cpu_kernel``'s C++ step on whole blocks (views, updated in place)."""
+def _native_step(native, param, grad, m_head, v_head, m_format, v_format, block: int, hyper: dict, group: dict, counts: torch.Tensor) -> None:
+    """Run ``cpu_kernel``'s C++ step on whole blocks (views, updated in place); adds stall counts into a 4-element ``counts``."""
     m_tables, v_tables = m_format.tables(param.device), v_format.tables(param.device)
     m_index, v_index = m_tables["index"], v_tables["index"]
     native(
@@ -248,5 +248,5 @@ def _native_step(native, param, grad, m_head, v_head, m_format, v_format, block:
         m_tables["decode"], m_index.bucket_floor, m_index.values, m_index.key_shift, m_index.half,
         v_tables["decode"], v_index.bucket_floor, v_index.values, v_index.key_shift, v_index.half,
         block, float(hyper["lr"]), float(hyper["weight_decay"]), float(hyper["beta1"]), float(hyper["beta2"]), float(hyper["eps"]),
-        float(hyper["step_size"]), float(hyper["bias_correction2_sqrt"]), group["decoupled_weight_decay"], group["maximize"],
+        float(hyper["step_size"]), float(hyper["bias_correction2_sqrt"]), group["decoupled_weight_decay"], group["maximize"], counts,
     )  # fmt: skip

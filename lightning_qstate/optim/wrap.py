@@ -75,7 +75,7 @@ class QuantizedOptimizerWrapper(QuantizedStates, torch.optim.Optimizer):
             for param in group["params"]:
                 for name, value in self.state.get(param, {}).items():
                     if isinstance(value, torch.Tensor):
-                        self.state[param][name] = self._store(group, param, name, value, None, None)
+                        self.state[param][name] = self._store(group, param, name, value, None)
 
     def _format_for(self, group: dict, key: torch.Tensor, name: str, value: torch.Tensor, old: StateValue | None) -> StorageFormat | None:
         if old is None and (not isinstance(value, torch.Tensor) or not value.is_floating_point() or local_tensor(value).shape != local_tensor(key).shape):
@@ -102,7 +102,7 @@ class QuantizedOptimizerWrapper(QuantizedStates, torch.optim.Optimizer):
         for param, state in self.state.items():
             for name, value in state.items():
                 state[name] = like_param(dequantized(value), param) if isinstance(value, QuantizedTensor) else value
-        before = {(p, n): v.dequantize() for p, s in stored.items() for n, v in s.items() if self.track_stalls and isinstance(v, QuantizedTensor)}
+        before = {(p, n): v.dequantize(torch.float32).reshape(-1) for p, s in stored.items() for n, v in s.items() if self.track_stalls and isinstance(v, QuantizedTensor)}
         try:
             self.optimizer.step()
         finally:
@@ -112,7 +112,10 @@ class QuantizedOptimizerWrapper(QuantizedStates, torch.optim.Optimizer):
             for param in group["params"]:
                 state = self.state.get(param, {})
                 for name, value in state.items():
-                    state[name] = self._store(group, param, name, value, stored.get(param, {}).get(name), before.get((param, name)))
+                    old = stored.get(param, {}).get(name)
+                    state[name] = self._store(group, param, name, value, old)
+                    if (param, name) in before:
+                        self._count_stalls(param, name, old, before[param, name], value, state[name])
         return loss
 
 

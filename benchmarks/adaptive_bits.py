@@ -1,0 +1,303 @@
+"""Adaptive per-layer bit-widths (``AdaptiveBitWidth``, an STQuant reconstruction) against fixed state formats.
+
+Usage::
+
+    python benchmarks/adaptive_bits.py [--quick] [--out PATH] [--models gpt,vit] [--configs fp32,int8,int4,adaptive]
+                                       [--gpt-steps N] [--vit-steps N] [--target-bits B] [--interval K] [--hysteresis H]
+
+Trains the repository's examples on the CPU, one configuration after the other in this process, each from the
+same seed (``seed_everything(0)``):
+
+- ``gpt``: ``examples.gpt.GPTModule`` (byte-level GPT-2, 0.84 M parameters, the ``gpt_int8.yaml`` settings with
+  a cosine schedule over ``--gpt-steps``) on CPython's pydoc text; reported: the final validation loss (nats/byte);
+- ``vit``: ``examples.vit.ViTModule`` (timm ViT, 0.31 M parameters, the ``vit_int8.yaml`` settings) on
+  scikit-learn's digits; reported: the final validation accuracy and loss.
+
+Configurations (AdamW throughout; quantized ones through ``QStatePrecision``, ``min_quant_size`` 4096):
+``fp32`` (torch's AdamW), ``int8`` and ``int4`` (fixed formats for every quantized state), ``adaptive``
+(``QStatePrecision(states="int8")`` plus ``AdaptiveBitWidth(target_bits, interval, hysteresis)`` with its
+default zone formats).
+
+Memory: ``RunSummary``'s ``state_summary`` of the optimizer at the end (every per-element state, fp32 ones of small parameters
+included; bits per value count the scales). Time: each training step (``on_train_batch_start`` to ``_end``,
+validation excluded); the callback's overhead is the time of its checks (statistics, the collective, decisions,
+re-encoding) over the total step time of the same run. ``torch.compile`` of the fused CPU step for a new pair of
+formats (parameters of >= 65,536 values) falls in the steps where it first happens, in every configuration.
+
+``--quick`` trains tiny versions for a few steps (every state quantized, ``min_quant_size`` 0), to test the script.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import math
+import os
+import platform
+import shlex
+import statistics
+import sys
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # the examples package lives in the checkout
+    sys.path.insert(0, str(ROOT))
+
+import lightning.pytorch as pl  # noqa: E402
+import torch  # noqa: E402
+from lightning.pytorch.callbacks import Callback  # noqa: E402
+
+from lightning_qstate.callbacks import AdaptiveBitWidth, RunSummary  # noqa: E402
+from lightning_qstate.plugins import QStatePrecision  # noqa: E402
+
+CONFIGS = ("fp32", "int8", "int4", "adaptive")
+DEFAULT_OUT = ROOT / "benchmarks" / "results" / "adaptive_bits.md"
+PAPER_BITS, PAPER_SAVING, QUALITY_TOLERANCE = 5.1, 0.84, 0.01  # the issue's targets: average bits, saving vs fp32, final loss (accuracy) vs int8
+
+
+@dataclass(frozen=True)
+class ModelSetup:
+    """One example: how to build it, how long to train, what to report."""
+
+    name: str
+    label: str
+    make_module: Callable[[], pl.LightningModule]
+    make_data: Callable[[], pl.LightningDataModule]
+    steps: int
+    interval: int
+
+
+def model_setups(args: argparse.Namespace) -> dict[str, ModelSetup]:
+    from examples.data import ByteTextDataModule, DigitsDataModule
+    from examples.gpt import GPTModule
+    from examples.vit import ViTModule
+
+    if args.quick:
+        return {
+            "gpt": ModelSetup(
+                "gpt", "GPT-2 (tiny: 1 layer, width 32)", lambda: GPTModule(n_embd=32, n_layer=1, n_head=2, n_positions=32, warmup_steps=2),
+                lambda: ByteTextDataModule(seq_len=32, batch_size=4, val_windows=8), args.gpt_steps or 6, args.interval or 2,
+            ),
+            "vit": ModelSetup(
+                "vit", "ViT (tiny: depth 1, width 32)", lambda: ViTModule(embed_dim=32, depth=1, num_heads=2, warmup_steps=2),
+                lambda: DigitsDataModule(image_size=32, batch_size=16), args.vit_steps or 6, args.interval or 2,
+            ),
+        }  # fmt: skip
+    gpt_steps, vit_steps = args.gpt_steps or 400, args.vit_steps or 330
+    return {
+        "gpt": ModelSetup(
+            "gpt", "byte-level GPT-2 (n_embd 128, 4 layers, 0.84 M parameters), pydoc text, seq 128, batch 16",
+            lambda: GPTModule(n_embd=128, n_layer=4, n_head=4, n_positions=128, lr=0.003, weight_decay=0.1, betas=(0.9, 0.95), warmup_steps=50),
+            lambda: ByteTextDataModule(seq_len=128, batch_size=16, val_windows=128), gpt_steps, args.interval or max(gpt_steps // 30, 1),
+        ),
+        "vit": ModelSetup(
+            "vit", "timm ViT (width 96, depth 4, 0.31 M parameters), digits 32x32, batch 64",
+            lambda: ViTModule(embed_dim=96, depth=4, num_heads=3, lr=0.002, warmup_steps=20),
+            lambda: DigitsDataModule(image_size=32, batch_size=64), vit_steps, args.interval or max(vit_steps // 30, 1),
+        ),
+    }  # fmt: skip
+
+
+class StepTimer(Callback):
+    """Wall time of every training step (batch start to batch end)."""
+
+    def __init__(self) -> None:
+        self.seconds: list[float] = []
+        self._start = 0.0
+
+    def on_train_batch_start(self, *args) -> None:
+        self._start = time.perf_counter()
+
+    def on_train_batch_end(self, *args) -> None:
+        self.seconds.append(time.perf_counter() - self._start)
+
+
+@dataclass
+class Row:
+    model: str
+    config: str
+    metrics: dict[str, float]
+    state_bytes: float
+    fp32_bytes: float
+    bits: float
+    step_seconds: list[float]
+    overhead_seconds: float | None = None
+    adaptive: dict[str, float] = field(default_factory=dict)
+    formats: dict[str, dict[str, int]] = field(default_factory=dict)
+
+    @property
+    def train_seconds(self) -> float:
+        return sum(self.step_seconds)
+
+    @property
+    def saving(self) -> float:
+        return 1 - self.state_bytes / self.fp32_bytes if self.fp32_bytes else 0.0
+
+
+def run_config(setup: ModelSetup, config: str, args: argparse.Namespace) -> Row:
+    """Train ``setup`` with ``config`` from seed 0 and measure it."""
+    pl.seed_everything(0, verbose=False)
+    min_quant_size = 0 if args.quick else 4096
+    timer, summary_callback = StepTimer(), RunSummary()
+    callbacks: list[Callback] = [timer, summary_callback]
+    plugins = []
+    adaptive = None
+    if config != "fp32":
+        plugins.append(QStatePrecision(states="int4" if config == "int4" else "int8", min_quant_size=min_quant_size))
+    if config == "adaptive":
+        adaptive = AdaptiveBitWidth(target_bits=args.target_bits, interval=setup.interval, hysteresis=args.hysteresis)
+        callbacks.append(adaptive)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=setup.steps,
+        val_check_interval=setup.steps,  # one validation, at the end
+        check_val_every_n_epoch=None,
+        num_sanity_val_steps=0,
+        gradient_clip_val=1.0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        plugins=plugins,
+        callbacks=callbacks,
+    )
+    module = setup.make_module()
+    trainer.fit(module, setup.make_data())
+    summary = summary_callback.summary
+    return Row(
+        setup.name,
+        config,
+        {key: value for key, value in summary["metrics"].items() if key.startswith("val_")},
+        summary["state_bytes"],
+        summary["fp32_state_bytes"],
+        summary["bits_per_value"],
+        timer.seconds,
+        adaptive.overhead_seconds if adaptive is not None else None,
+        adaptive.metrics() if adaptive is not None else {},
+        summary["state_formats"],
+    )
+
+
+def fmt_ms(seconds: list[float]) -> str:
+    return f"{1000 * statistics.median(seconds):.0f}" if seconds else "n/a"
+
+
+def model_table(setup: ModelSetup, rows: list[Row]) -> list[str]:
+    by_config = {row.config: row for row in rows}
+    reference = by_config.get("int8")
+    accuracy = any("val_acc" in row.metrics for row in rows)
+    head = "| config | val loss | " + ("val acc | " if accuracy else "") + "Δ loss vs int8 | avg bits/value | state bytes | saved vs fp32 | median step ms | all steps s | callback overhead |"
+    lines = [f"### {setup.name}: {setup.label}; {setup.steps} steps" + (f", checks every {setup.interval} steps" if "adaptive" in by_config else ""), "", head]
+    lines.append("|---|" + "---:|" * (head.count("|") - 2))
+    for row in rows:
+        loss = row.metrics.get("val_loss", math.nan)
+        delta = f"{100 * (loss / reference.metrics['val_loss'] - 1):+.2f} %" if reference is not None and "val_loss" in reference.metrics else "n/a"
+        overhead = f"{100 * row.overhead_seconds / row.train_seconds:.2f} % ({row.overhead_seconds:.2f} s)" if row.overhead_seconds is not None else "–"
+        cells = [row.config, f"{loss:.4f}"] + ([f"{row.metrics.get('val_acc', math.nan):.4f}"] if accuracy else [])
+        cells += [delta, f"{row.bits:.3f}", f"{row.state_bytes / 1e6:.3f} MB", f"{100 * row.saving:.1f} %", fmt_ms(row.step_seconds), f"{row.train_seconds:.0f}", overhead]
+        lines.append("| " + " | ".join(cells) + " |")
+    for row in rows:
+        if row.adaptive:
+            zones = ", ".join(f"{key.rsplit('_', 1)[-1]} {int(value)}" for key, value in row.adaptive.items() if "/zone_" in key)
+            per_state = "; ".join(f"{name}: " + ", ".join(f"{fmt} x{count}" for fmt, count in sorted(counts.items())) for name, counts in row.formats.items())
+            lines += ["", f"adaptive at the end: zones {zones}; {int(row.adaptive['qstate/adaptive/transitions'])} transitions; formats {per_state}"]
+    return lines + [""]
+
+
+def verdicts(rows: list[Row]) -> list[str]:
+    lines = ["## Targets (the issue's)", ""]
+    for model in dict.fromkeys(row.model for row in rows):
+        by_config = {row.config: row for row in rows if row.model == model}
+        adaptive, int8 = by_config.get("adaptive"), by_config.get("int8")
+        if adaptive is None:
+            continue
+        checks = [
+            (f"average bits <= {PAPER_BITS}", adaptive.bits <= PAPER_BITS, f"{adaptive.bits:.3f}"),
+            (f"state memory >= {100 * PAPER_SAVING:.0f} % below fp32", adaptive.saving >= PAPER_SAVING, f"{100 * adaptive.saving:.1f} %"),
+            ("callback overhead <= 2 % of step time", adaptive.overhead_seconds <= 0.02 * adaptive.train_seconds, f"{100 * adaptive.overhead_seconds / adaptive.train_seconds:.2f} %"),
+        ]
+        if int8 is not None and "val_loss" in int8.metrics:
+            ratio = adaptive.metrics["val_loss"] / int8.metrics["val_loss"] - 1
+            checks.append((f"final val loss within {100 * QUALITY_TOLERANCE:.0f} % of fixed int8", ratio <= QUALITY_TOLERANCE, f"{100 * ratio:+.2f} %"))
+        if int8 is not None and "val_acc" in int8.metrics:
+            ratio = adaptive.metrics["val_acc"] / int8.metrics["val_acc"] - 1
+            checks.append((f"final val accuracy within {100 * QUALITY_TOLERANCE:.0f} % of fixed int8", ratio >= -QUALITY_TOLERANCE, f"{100 * ratio:+.2f} %"))
+        for label, ok, value in checks:
+            lines.append(f"- {model}: {label}: {'PASS' if ok else 'FAIL'} ({value})")
+    return lines + [""]
+
+
+def report(args: argparse.Namespace, setups: dict[str, ModelSetup], rows: list[Row], seconds: float, argv: list[str]) -> str:
+    command = "python benchmarks/adaptive_bits.py" + ("" if not argv else " " + shlex.join(argv))
+    import lightning
+
+    lines = [
+        "# Adaptive bit-widths (AdaptiveBitWidth, STQuant reconstruction) against fixed state formats",
+        "",
+        f"- command: `{command}`",
+        f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; runtime {seconds:.0f} s",
+        f"- versions: python {platform.python_version()}, torch {torch.__version__}, lightning {lightning.__version__}",
+        f"- machine: {platform.machine()}, {platform.system()}, CPUs {os.cpu_count()}, torch threads {torch.get_num_threads()}; shared machine, timings are noisy",
+        "- training: AdamW from seed 0, gradient clipping 1.0, one validation at the end; quantized states through `QStatePrecision`"
+        + (" (min_quant_size 0)" if args.quick else " (min_quant_size 4096: smaller parameters keep fp32 states, counted in every average)"),
+        f"- adaptive: `QStatePrecision(states=\"int8\")` + `AdaptiveBitWidth(target_bits={args.target_bits}, interval=K, hysteresis={args.hysteresis})`, default zone formats",
+        "- avg bits/value and state bytes: `state_summary` of the optimizer at the end (all m and v values, fp32 ones included, scales included)",
+        "- callback overhead: time in its hooks (statistics, all-reduce, decisions, re-encoding; no logger here) / total training-step time of the same run",
+        "",
+    ]
+    for name, setup in setups.items():
+        lines += model_table(setup, [row for row in rows if row.model == name])
+    return "\n".join(lines + verdicts(rows))
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="tiny models, a few steps (a smoke test)")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--models", default="gpt,vit", help="comma-separated: gpt, vit")
+    parser.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated: {', '.join(CONFIGS)}")
+    parser.add_argument("--gpt-steps", type=int, default=None, help="training steps of the GPT (default 400; quick 6)")
+    parser.add_argument("--vit-steps", type=int, default=None, help="training steps of the ViT (default 330; quick 6)")
+    parser.add_argument("--target-bits", type=float, default=PAPER_BITS)
+    parser.add_argument("--interval", type=int, default=None, help="steps between checks (default: steps // 30; quick 2)")
+    parser.add_argument("--hysteresis", type=int, default=2)
+    args = parser.parse_args(argv)
+    args.model_names = [name.strip() for name in args.models.split(",") if name.strip()]
+    args.config_names = [name.strip() for name in args.configs.split(",") if name.strip()]
+    if not args.model_names or set(args.model_names) - {"gpt", "vit"}:
+        parser.error(f"--models {args.models!r}: use gpt and/or vit")
+    if not args.config_names or set(args.config_names) - set(CONFIGS):
+        parser.error(f"--configs {args.configs!r}: use some of {', '.join(CONFIGS)}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> str:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    warnings.filterwarnings("ignore", ".*does not have many workers.*")
+    warnings.filterwarnings("ignore", ".*GPU available but not used.*")
+    import logging
+
+    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
+    start = time.perf_counter()
+    setups = {name: setup for name, setup in model_setups(args).items() if name in args.model_names}
+    rows = []
+    for setup in setups.values():
+        for config in args.config_names:
+            row = run_config(setup, config, args)
+            print(f"{setup.name} {config}: {row.metrics} bits {row.bits:.3f} train {row.train_seconds:.0f} s", flush=True)
+            rows.append(row)
+    text = report(args, setups, rows, time.perf_counter() - start, argv)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(text)
+    print(text)
+    return text
+
+
+if __name__ == "__main__":
+    main()

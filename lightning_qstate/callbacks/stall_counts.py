@@ -1,0 +1,114 @@
+"""Stall counts of the trainer's quantized optimizers, measured on chosen steps and shared by the callbacks.
+
+A callback that needs stall rates calls :func:`request_stall_tracking` in ``on_before_optimizer_step`` of a
+step it wants measured, and :func:`collect_stalls` in ``on_train_batch_end``. The optimizer counts in the
+step itself (``track_stalls``; no copies of the states are kept between steps), and the counts of every
+``(layer, state)`` are summed over ranks in one all-reduce. The result is cached per global step, so
+:class:`StallMonitor` and :class:`StateResetScheduler` read the same numbers, and tracking is switched back
+to what the user configured.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+import lightning.pytorch as pl
+import torch
+
+from ..formats import QuantizedTensor, StorageFormat
+from ..optim import QuantizedStates, clean_parameter_name
+
+
+@dataclass(frozen=True)
+class StateRow:
+    """One state of one parameter: ``layer`` is the parameter's clean name, ``state`` the state's name."""
+
+    layer: str
+    state: str
+    optimizer: QuantizedStates
+    group: dict
+    param: torch.Tensor
+
+    @property
+    def format(self) -> StorageFormat | None:
+        """The state's format here, or the policy's where this rank holds none of it (an empty shard)."""
+        if self.state in self.optimizer.state.get(self.param, {}):
+            return self.optimizer.state_format(self.param, self.state)
+        return self.optimizer._policy_format(self.group, self.param, self.state)
+
+
+@dataclass
+class StallMeasurement:
+    """Stall counts of one measured step: ``counts[i] = [stalled, moved]`` of ``rows[i]``, summed over ranks."""
+
+    step: int
+    rows: list[StateRow]
+    counts: torch.Tensor  # (len(rows), 2) float64, on the CPU
+
+    def rates(self) -> dict[tuple[str, str], float]:
+        """``{(layer, state): stalled / moved}`` of the rows that moved."""
+        return {(row.layer, row.state): float(c[0] / c[1]) for row, c in zip(self.rows, self.counts) if c[1] > 0}
+
+
+_CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # trainer -> last StallMeasurement
+_TRACKING_BASE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> the user's track_stalls
+
+
+def quantized_optimizers(trainer: pl.Trainer) -> list[QuantizedStates]:
+    return [optimizer for optimizer in trainer.strategy.optimizers if isinstance(optimizer, QuantizedStates)]
+
+
+def state_rows(trainer: pl.Trainer) -> list[StateRow]:
+    """Every ``(parameter, state name)`` of the quantized optimizers, in the same order on every rank."""
+    model = trainer.strategy.model if trainer.strategy.model is not None else trainer.lightning_module
+    names = {param: clean_parameter_name(name) for name, param in model.named_parameters()}
+    rows = []
+    for optimizer in quantized_optimizers(trainer):
+        fallback = optimizer.param_names()
+        state_names = optimizer.state_names or _wrapped_state_names(optimizer)
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                rows += [StateRow(names.get(param, fallback[param]), name, optimizer, group, param) for name in state_names]
+    return rows
+
+
+def _wrapped_state_names(optimizer: QuantizedStates) -> tuple[str, ...]:
+    """State names of a wrapped optimizer of unknown kind: its parameter-shaped states, over all its parameters
+    (one list for every parameter, so ranks that hold different parameters agree)."""
+    names = {
+        name
+        for state in optimizer.state.values()
+        for name, value in state.items()
+        if isinstance(value, QuantizedTensor) or (isinstance(value, torch.Tensor) and value.dim() > 0)
+    }
+    return tuple(sorted(names))
+
+
+def request_stall_tracking(trainer: pl.Trainer) -> None:
+    """Count stalls in the coming optimizer step(s) of every quantized optimizer."""
+    for optimizer in quantized_optimizers(trainer):
+        _TRACKING_BASE.setdefault(optimizer, optimizer.track_stalls)
+        optimizer.track_stalls = True
+
+
+def collect_stalls(trainer: pl.Trainer) -> StallMeasurement:
+    """The counts since the last collection, summed over ranks (a collective: call it on every rank at the
+    same step); a second call at the same global step returns the same measurement."""
+    cached = _CACHE.get(trainer)
+    if cached is not None and cached.step == trainer.global_step:
+        return cached
+    rows = state_rows(trainer)
+    local = torch.zeros(len(rows), 2, dtype=torch.float64)
+    taken = {id(optimizer): optimizer.stall_counts(reset=True) if optimizer.track_stalls else {} for optimizer in quantized_optimizers(trainer)}
+    for index, row in enumerate(rows):
+        counts = taken[id(row.optimizer)].get(row.param, {}).get(row.state)
+        if counts is not None:
+            local[index] = counts.to("cpu", torch.float64)
+    device = trainer.strategy.root_device
+    total = trainer.strategy.reduce(local.to(device), reduce_op="sum").cpu() if trainer.world_size > 1 else local
+    for optimizer in quantized_optimizers(trainer):
+        optimizer.track_stalls = _TRACKING_BASE.pop(optimizer, optimizer.track_stalls)
+    measurement = StallMeasurement(trainer.global_step, rows, total)
+    _CACHE[trainer] = measurement
+    return measurement

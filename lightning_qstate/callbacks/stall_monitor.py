@@ -1,0 +1,130 @@
+"""Log how often quantized optimizer states stall, measured in the step, next to the theory's prediction."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.utilities import rank_zero_warn
+
+from ..theory import moment_of, stall_probability, state_decay
+from .stall_counts import StallMeasurement, StateRow, collect_stalls, quantized_optimizers, request_stall_tracking
+
+
+class StallMonitor(Callback):
+    """Measure the stall rate of every quantized optimizer state, per layer and per state, and log it with the prediction.
+
+    An entry *stalls* on a step when the fp32 update moved it but its stored code stayed put
+    (:func:`lightning_qstate.formats.count_stalls`). Every ``log_every_n_steps`` optimizer steps the monitor
+    has the optimizers count that during the step that completes the interval (no copies of the states are
+    kept, and the other steps pay nothing), sums the counts over ranks, and logs from rank 0:
+
+    - ``qstate/stall/<state>/<layer>``: the measured rate of one parameter's state (``per_layer``);
+    - ``qstate/stall_predicted/<state>/<layer>``: :func:`lightning_qstate.theory.stall_probability` for its
+      format, decay (``β1``/``β2``/momentum) and rounding, in the steady state;
+    - ``qstate/stall/<state>`` and ``qstate/stall_predicted/<state>``: the same over the whole model (all
+      stalled over all moved entries; the prediction weighted alike);
+    - a TensorBoard histogram ``qstate/stall/<state>/layers`` of the per-layer rates (``histograms``).
+
+    Plain (fp32) states are not measured. The optimizers must have quantized states: use this callback with
+    :class:`~lightning_qstate.plugins.QStatePrecision` or after
+    :class:`~lightning_qstate.callbacks.QuantizedOptimizerStates`.
+
+    Example::
+
+        trainer = Trainer(plugins=[QStatePrecision(states="bf16")],
+                          callbacks=[StallMonitor(log_every_n_steps=50)],
+                          logger=TensorBoardLogger("runs"))
+
+    Args:
+        log_every_n_steps: optimizer steps between measurements; default: the Trainer's ``log_every_n_steps``.
+        per_layer: log a scalar per layer and state (else only the model-wide rates).
+        histograms: log histograms of the per-layer rates to TensorBoard loggers.
+
+    Raises:
+        ValueError: if ``log_every_n_steps`` is not a positive int.
+    """
+
+    def __init__(self, log_every_n_steps: int | None = None, per_layer: bool = True, histograms: bool = True) -> None:
+        if log_every_n_steps is not None and (not isinstance(log_every_n_steps, int) or isinstance(log_every_n_steps, bool) or log_every_n_steps < 1):
+            raise ValueError(f"StallMonitor: log_every_n_steps={log_every_n_steps!r} must be a positive int, or None for the Trainer's")
+        self.log_every_n_steps = log_every_n_steps
+        self.per_layer = per_layer
+        self.histograms = histograms
+        self._predictions: dict[tuple, float | None] = {}
+        self._last_logged = -1
+
+    def interval(self, trainer: pl.Trainer) -> int:
+        return self.log_every_n_steps or max(1, trainer.log_every_n_steps)
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not quantized_optimizers(trainer):
+            rank_zero_warn(
+                "StallMonitor: no optimizer has quantized states, so there is nothing to measure. Add "
+                "QStatePrecision to the Trainer's plugins, or QuantizedOptimizerStates to its callbacks."
+            )
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer) -> None:
+        if (trainer.global_step + 1) % self.interval(trainer) == 0:
+            request_stall_tracking(trainer)
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        step = trainer.global_step
+        if step == 0 or step % self.interval(trainer) or not quantized_optimizers(trainer):
+            return
+        if self._last_logged == step:  # no optimizer step in this batch (gradient accumulation)
+            return
+        self._last_logged = step
+        measurement = collect_stalls(trainer)
+        if trainer.is_global_zero:
+            self._log(trainer, measurement)
+
+    def predicted(self, row: StateRow) -> float | None:
+        """The steady-state prediction for ``row``'s format, decay and rounding (``None`` for plain states or unknown decays)."""
+        fmt, beta = row.format, state_decay(row.group, row.state)
+        if fmt is None or beta is None:
+            return None
+        key = (fmt, beta, row.group["rounding"], moment_of(row.state))
+        if key not in self._predictions:
+            self._predictions[key] = stall_probability(fmt, beta, row.group["rounding"], moment=key[3])
+        return self._predictions[key]
+
+    def metrics(self, measurement: StallMeasurement) -> tuple[dict[str, float], dict[str, list[float]]]:
+        """``(scalars, per-layer rates by state)`` of one measurement."""
+        scalars: dict[str, float] = {}
+        per_state: dict[str, list[float]] = {}
+        totals: dict[str, list[float]] = {}  # state -> [stalled, moved, predicted * moved, moved with a prediction]
+        for row, (stalled, moved) in zip(measurement.rows, measurement.counts.tolist()):
+            if moved == 0:
+                continue
+            rate, prediction = stalled / moved, self.predicted(row)
+            per_state.setdefault(row.state, []).append(rate)
+            total = totals.setdefault(row.state, [0.0, 0.0, 0.0, 0.0])
+            total[0] += stalled
+            total[1] += moved
+            if self.per_layer:
+                scalars[f"qstate/stall/{row.state}/{row.layer}"] = rate
+            if prediction is not None:
+                total[2] += prediction * moved
+                total[3] += moved
+                if self.per_layer:
+                    scalars[f"qstate/stall_predicted/{row.state}/{row.layer}"] = prediction
+        for state, (stalled, moved, weighted, predicted_moved) in totals.items():
+            scalars[f"qstate/stall/{state}"] = stalled / moved
+            if predicted_moved:
+                scalars[f"qstate/stall_predicted/{state}"] = weighted / predicted_moved
+        return scalars, per_state
+
+    def _log(self, trainer: pl.Trainer, measurement: StallMeasurement) -> None:
+        scalars, per_state = self.metrics(measurement)
+        if not scalars:
+            return
+        step = trainer.fit_loop.epoch_loop._batches_that_stepped
+        for logger in trainer.loggers:
+            logger.log_metrics(scalars, step=step)
+            if self.histograms and isinstance(logger, TensorBoardLogger):
+                for state, rates in per_state.items():
+                    logger.experiment.add_histogram(f"qstate/stall/{state}/layers", torch.tensor(rates), global_step=step)

@@ -1,0 +1,200 @@
+"""Zero stale low-precision optimizer states on the stall theory's schedule, or when they measurably stall."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from functools import lru_cache
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_warn
+
+from ..formats import StorageFormat
+from ..theory import moment_of, reset_period, state_decay
+from .stall_counts import StateRow, collect_stalls, quantized_optimizers, request_stall_tracking, state_rows
+
+STATE_VERSION = 1
+
+
+@lru_cache(maxsize=None)
+def _theory_period(fmt: StorageFormat, beta: float, rounding: str, state: str) -> int | None:
+    return reset_period(fmt, beta, rounding, moment=moment_of(state))
+
+
+class StateResetScheduler(Callback):
+    """Periodically zero the EMA states of quantized optimizers, which stall as they age (arXiv 2603.16731).
+
+    A state that is zeroed is responsive again: its stall probability builds up from about zero to the steady
+    state over the following hundreds of steps (:func:`lightning_qstate.theory.stall_probability` with
+    ``age``). A *layer* here is one parameter; its selected states are zeroed together, keeping their formats.
+
+    **When.** ``period="auto"`` (default): each layer every :func:`lightning_qstate.theory.reset_period` steps
+    for its states' formats, decays and rounding (the shortest over its states; bf16 1000, FP8 300, E2M2 200
+    at ``β2 = 0.999``; fp32 and fp16 states never), recomputed when a format changes. An int: every layer with
+    a quantized selected state, every ``period`` steps. ``threshold``: also (or, with ``period=None``, only)
+    reset a layer once its measured stall rate of any selected state reaches ``threshold``, measured on one
+    step every ``check_every_n_steps``. ``stagger=True`` spreads the layers' first resets over one period.
+
+    **What.** ``states``: the state names to zero (default: all of the optimizer's EMA states, i.e. Adam's two
+    moments or SGD's momentum). ``reset_step``: also restart Adam's step count, hence its bias correction.
+    The paper does not (the default); then the first step after a reset is about ``(1 - β1) / sqrt(1 - β2)``
+    times a normal one (3.16 at ``(0.9, 0.999)``), which is logged as ``qstate/reset/first_step_ratio``.
+
+    **fp32 states** are never reset unless ``include_fp32=True`` (which warns: resets slightly hurt there).
+
+    Resets happen after the optimizer step, identically on every rank (from the global step and
+    rank-summed measurements). Logged from rank 0 at every reset: ``qstate/reset/layers`` (layers reset at
+    that step) and ``qstate/reset/total``. The schedule (last reset of each layer, history) is saved in
+    checkpoints, so a resumed run resets at the same steps.
+
+    Example::
+
+        trainer = Trainer(plugins=[QStatePrecision(states="bf16", rounding="stochastic")],
+                          callbacks=[StateResetScheduler()])             # bf16 states: every 1000 steps at β2 = 0.999
+
+    Args:
+        period: ``"auto"``, a number of steps, or ``None`` (only the threshold trigger).
+        threshold: measured stall rate in ``(0, 1]`` that triggers a layer's reset, or ``None``.
+        check_every_n_steps: steps between stall measurements of the threshold trigger.
+        states: names of the states to zero; default all of the optimizer's EMA states.
+        reset_step: restart the step count (bias correction) of the reset layers.
+        stagger: give the layers evenly spread phases, so they do not all reset at the same step.
+        include_fp32: reset plain fp32 states too.
+
+    Raises:
+        ValueError: for invalid options, or (at the start of training) state names the optimizer does not have.
+    """
+
+    def __init__(
+        self,
+        period: int | Literal["auto"] | None = "auto",
+        threshold: float | None = None,
+        check_every_n_steps: int = 50,
+        states: Sequence[str] | None = None,
+        reset_step: bool = False,
+        stagger: bool = False,
+        include_fp32: bool = False,
+    ) -> None:
+        if not (period == "auto" or period is None or (isinstance(period, int) and not isinstance(period, bool) and period >= 1)):
+            raise ValueError(f"StateResetScheduler: period={period!r} is not valid; use 'auto', a positive int, or None (threshold only)")
+        if threshold is not None and not 0.0 < float(threshold) <= 1.0:
+            raise ValueError(f"StateResetScheduler: threshold={threshold!r} must lie in (0, 1] (a stall rate), or be None")
+        if period is None and threshold is None:
+            raise ValueError("StateResetScheduler: period=None needs a threshold; give period='auto', an int, or a threshold")
+        if not isinstance(check_every_n_steps, int) or check_every_n_steps < 1:
+            raise ValueError(f"StateResetScheduler: check_every_n_steps={check_every_n_steps!r} must be a positive int")
+        if states is not None and (isinstance(states, str) or not states or not all(isinstance(name, str) for name in states)):
+            raise ValueError(f"StateResetScheduler: states={states!r} must be a non-empty list of state names, e.g. ['exp_avg', 'exp_avg_sq']")
+        if include_fp32:
+            rank_zero_warn("StateResetScheduler(include_fp32=True): resetting fp32 states slightly hurts training (arXiv 2603.16731); they do not stall")
+        self.period = period
+        self.threshold = None if threshold is None else float(threshold)
+        self.check_every_n_steps = check_every_n_steps
+        self.states = None if states is None else tuple(states)
+        self.reset_step = reset_step
+        self.stagger = stagger
+        self.include_fp32 = include_fp32
+        self.last_reset: dict[str, int] = {}  # layer -> global step of its last reset (negative: the stagger phase)
+        self.history: list[tuple[int, str]] = []  # (global step, layer) of every reset
+        self._last_seen_step = -1
+
+    # --- which layers and states ------------------------------------------------------------------------
+    def layers(self, trainer: pl.Trainer) -> dict[str, list[StateRow]]:
+        """``{layer: rows of its selected states}``, in parameter order (the same on every rank)."""
+        layers: dict[str, list[StateRow]] = {}
+        for row in state_rows(trainer):
+            selected = row.state in self.states if self.states is not None else state_decay(row.group, row.state) is not None
+            if selected and (self.include_fp32 or row.format is not None):
+                layers.setdefault(row.layer, []).append(row)
+        return layers
+
+    def layer_period(self, rows: list[StateRow]) -> int | None:
+        """Steps between resets of a layer (``None``: never by period)."""
+        if self.period != "auto":
+            return self.period
+        periods = []
+        for row in rows:
+            beta = state_decay(row.group, row.state)
+            if row.format is not None and beta is not None:
+                periods.append(_theory_period(row.format, beta, row.group["rounding"], row.state))
+        periods = [p for p in periods if p is not None]
+        return min(periods) if periods else None
+
+    # --- hooks ----------------------------------------------------------------------------------------------
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        optimizers = quantized_optimizers(trainer)
+        if self.states is not None:
+            known = {name for optimizer in optimizers for name in optimizer.state_names}
+            unknown = sorted(set(self.states) - known) if known else []
+            if unknown:
+                raise ValueError(f"StateResetScheduler: unknown state name(s) {unknown} in states=; the optimizers have {sorted(known)}")
+        layers = self.layers(trainer)
+        if not layers:
+            rank_zero_warn(
+                "StateResetScheduler: no quantized state to reset (fp32 states are left alone: resets hurt there). "
+                "Quantize the states with QStatePrecision or QuantizedOptimizerStates, or pass include_fp32=True."
+            )
+        for index, (layer, rows) in enumerate(layers.items()):
+            if layer not in self.last_reset:  # a fresh run; a resumed one keeps its schedule
+                period = self.layer_period(rows)
+                self.last_reset[layer] = -((index * period) // len(layers)) if self.stagger and period else 0
+        self._last_seen_step = trainer.global_step
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer) -> None:
+        if self.threshold is not None and (trainer.global_step + 1) % self.check_every_n_steps == 0:
+            request_stall_tracking(trainer)
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        step = trainer.global_step
+        if step == self._last_seen_step:  # no optimizer step in this batch (gradient accumulation)
+            return
+        self._last_seen_step = step
+        layers = self.layers(trainer)
+        due = []
+        for layer, rows in layers.items():
+            period = self.layer_period(rows)
+            if period is not None and step - self.last_reset.setdefault(layer, 0) >= period:
+                due.append(layer)
+        if self.threshold is not None and step % self.check_every_n_steps == 0:
+            rates = collect_stalls(trainer).rates()
+            due += [layer for layer, rows in layers.items() if layer not in due and any(rates.get((layer, row.state), 0.0) >= self.threshold for row in rows)]
+        if due:
+            self._reset(trainer, {layer: layers[layer] for layer in due}, step)
+
+    def _reset(self, trainer: pl.Trainer, layers: dict[str, list[StateRow]], step: int) -> None:
+        ratios = []
+        for layer, rows in layers.items():
+            zeroed = rows[0].optimizer.reset_states(rows[0].param, [row.state for row in rows], restart_step=self.reset_step)
+            ratios += [first_step_ratio(rows[0].group, rows[0].optimizer.state.get(rows[0].param, {}), self.reset_step)] if zeroed else []
+            self.last_reset[layer] = step
+            self.history.append((step, layer))
+        metrics = {"qstate/reset/layers": float(len(layers)), "qstate/reset/total": float(len(self.history))}
+        ratios = [r for r in ratios if r is not None]
+        if ratios:
+            metrics["qstate/reset/first_step_ratio"] = max(ratios)
+        if trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=trainer.fit_loop.epoch_loop._batches_that_stepped)
+
+    # --- checkpoints ----------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {"version": STATE_VERSION, "last_reset": dict(self.last_reset), "history": [list(entry) for entry in self.history]}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if state_dict.get("version") != STATE_VERSION:
+            raise ValueError(f"StateResetScheduler: checkpoint state version {state_dict.get('version')!r} is not {STATE_VERSION}")
+        self.last_reset = {layer: int(step) for layer, step in state_dict["last_reset"].items()}
+        self.history = [(int(step), layer) for step, layer in state_dict["history"]]
+
+
+def first_step_ratio(group: dict, state: dict, restarted: bool) -> float | None:
+    """Size of the first Adam step after a reset relative to a steady one, ``m̂/sqrt(v̂)`` for ``m, v`` rebuilt from zero
+    by one gradient over the usual ``≈1``: ``(1 - β1)·sqrt(1 - β2^t) / ((1 - β1^t)·sqrt(1 - β2))`` at the next step
+    ``t``; 1 when the step count restarted; ``None`` for optimizers without ``betas``."""
+    if restarted or "betas" not in group or "step" not in state:
+        return None if "betas" not in group else 1.0
+    beta1, beta2 = (float(b) for b in group["betas"])
+    t = float(state["step"]) + 1
+    return (1 - beta1) * (1 - beta2**t) ** 0.5 / ((1 - beta1**t) * (1 - beta2) ** 0.5)

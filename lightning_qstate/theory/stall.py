@@ -1,0 +1,337 @@
+"""Stall model of low-precision EMA states (arXiv 2603.16731; ``shared/docs/ALGORITHMS.md`` section 1).
+
+An EMA state ``s`` is updated in fp32 and rounded when it is written back. An entry *stalls* when the
+update moved it but its stored code stayed put (see :func:`lightning_qstate.formats.count_stalls`). With
+round-to-nearest (RN) that happens when the update is under half the gap to the next code in its
+direction; with stochastic rounding (SR) it happens with probability ``1 - |update| / gap``.
+
+**Second moment** (``exp_avg_sq``, the paper's model). ``g/σ ~ N(0, 1)``, ``v ≈ a·σ²`` with ``a = 1``
+in the steady state and ``a_k = 1 - β^k`` ``k`` steps after ``v`` was zeroed; ``z = g²/σ² ~ χ²₁``. With
+relative gaps ``δ`` above and below the stored value, ``ρ = δ / (2(1 - β))``:
+
+- RN: ``P = F(a(1 + ρ_up)) - F(a(1 - ρ_down))`` (``F``: CDF of ``z``);
+- SR: ``P = E_z[max(0, 1 - |z - a| / (2ρa))]`` (``ρ`` on the side ``z`` falls), in closed form.
+
+**First moment** (``exp_avg``, SGD's ``momentum_buffer``; our extension of the same mechanism,
+documented as such). Zero-mean gradients ``g/σ ~ N(0, 1)``; the state ``m/σ ~ N(0, s²)`` with
+``s² = (1 - β)(1 - β^{2k}) / (1 + β)`` (``k = ∞``: steady state), independent of ``g``. The update
+``(1 - β)(g - m)`` stalls when ``g`` lies in ``(m(1 - ρ_down), m(1 + ρ_up))`` (RN), and the same SR tent;
+the result is averaged over ``|m|`` numerically. Momentum ``μ·b + g`` is an EMA with ``β = μ`` up to a
+factor, which relative gaps do not see.
+
+**Gaps per format.**
+
+- Float formats (``bf16``/``fp16``/``fp32`` casts, FP8 and any ``eXmY``, block-scaled or not): the gap at
+  ``x = mant·2^e`` is ``ε·x/mant`` with ``ε = 2^-p`` (``p`` fraction bits); as in the paper, ``1/mant`` is
+  replaced by its mean over a binade, ``ln 2``, so ``ρ = ε·ln2 / (2(1 - β))`` on both sides. Subnormals,
+  and the largest entry of a block (stored exactly as the block's scale), are ignored.
+- Block-scaled codebooks (``int8``, ``int4``, ``*_linear``): the gaps are those between neighbouring codes,
+  ``δ_up = (c_{i+1} - c_i)/c_i`` and ``δ_down = (c_i - c_{i-1})/c_i``. **Assumption** (ours): a block's
+  entries are spread log-uniformly over its top binade (``(absmax/2, absmax]``), as a float's mantissa is,
+  so each positive code there is weighted by the log-width of its rounding cell; the top code's upper gap
+  is taken equal to its lower one (above it the entry becomes the block maximum and is stored exactly).
+  Pass ``values=`` (the stored state, or values in units of their block's absmax) to weight the codes by
+  their actual occupancy instead.
+
+**Block-scale drift** (block-scaled formats, second moment; ours). A block's scale is its absmax, stored
+exactly, so it moves every step with the update of the block's largest entry, and every code of the block
+is read against the new scale. An entry keeps its code when its own relative update minus the scale's
+stays inside the window: ``z`` is compared with ``z'``, an independent ``χ²₁`` draw standing for the largest
+entry's, instead of with ``a``; the largest entry itself (a fraction ``1/block_size``) never stalls. This
+lowers the SR stall rate of FP8 at ``β = 0.99`` from 0.889 to 0.853 (measured: 0.85). ``block_drift=False``
+gives the paper's closed forms for every format.
+
+The model ignores the correlation of ``v`` with past ``g`` and the drift of ``v`` under RN ratcheting;
+``benchmarks/stall_simulation.py`` measures how far that matters.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import torch
+
+from ..formats import BlockFormat, CastFormat, CodebookFormat, MinifloatFormat, QuantizedTensor, Rounding, StorageFormat, get_format
+from ..optim import NONNEGATIVE_STATES
+
+Moment = Literal["first", "second"]
+MOMENTS: tuple[str, ...] = ("first", "second")
+_ROUNDINGS = ("nearest", "stochastic")
+_HALF_NORMAL_POINTS = 4001  # quadrature over |m| for the first moment
+_HALF_NORMAL_RANGE = 9.0  # in standard deviations
+_CAST_FRACTION_BITS = {torch.float32: 23, torch.bfloat16: 7, torch.float16: 10}
+
+
+def moment_of(state_name: str) -> Moment:
+    """``"second"`` for squared-gradient EMAs (``exp_avg_sq``, ...), ``"first"`` for the others (``exp_avg``, ``momentum_buffer``)."""
+    return "second" if state_name in NONNEGATIVE_STATES else "first"
+
+
+def state_decay(group: dict, state_name: str) -> float | None:
+    """The EMA decay of state ``state_name`` under a param group's options (``None`` if not an EMA we know).
+
+    ``exp_avg``: ``β1``; ``exp_avg_sq``/``max_exp_avg_sq``: ``β2`` (Adam's ``betas``); ``momentum_buffer``: ``momentum``
+    (SGD, Muon); ``square_avg``: ``alpha`` (RMSprop).
+    """
+    betas = group.get("betas")
+    if betas is not None and state_name in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
+        return float(betas[0] if state_name == "exp_avg" else betas[1])
+    if state_name == "momentum_buffer" and group.get("momentum"):
+        return float(group["momentum"])
+    if state_name == "square_avg" and "alpha" in group:
+        return float(group["alpha"])
+    return None
+
+
+def resolve_format(fmt: str | StorageFormat | None, moment: Moment = "second") -> StorageFormat:
+    """A format object: names get the sign convention of ``moment`` (unsigned maps for the second moment); ``None`` is fp32."""
+    if moment not in MOMENTS:
+        raise ValueError(f"moment={moment!r} is not valid; use one of {MOMENTS}")
+    if fmt is None:
+        fmt = "fp32"
+    if isinstance(fmt, str):
+        return get_format(fmt, signed=moment == "first")
+    if not isinstance(fmt, StorageFormat):
+        raise TypeError(f"fmt must be a format name or a StorageFormat, got {type(fmt).__name__}")
+    return fmt
+
+
+def fraction_bits(fmt: StorageFormat) -> int | None:
+    """Fraction (mantissa) bits ``p`` of a float format; ``None`` for codebook formats."""
+    if isinstance(fmt, CastFormat):
+        return _CAST_FRACTION_BITS[fmt.dtype]
+    if isinstance(fmt, MinifloatFormat):
+        return fmt.spec.mantissa_bits
+    return None
+
+
+def relative_gaps(fmt: StorageFormat, values: torch.Tensor | QuantizedTensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(weights, gap_up, gap_down)`` float64 vectors: relative code gaps and how often each occurs (weights sum to 1).
+
+    Float formats without ``values``: one entry, ``ε·ln2`` on both sides. Codebooks (and floats given
+    ``values``): one entry per positive code, weighted by the log-uniform top-binade assumption or by the
+    occupancy of ``values`` (magnitudes in units of the block absmax, or a stored state).
+    """
+    p = fraction_bits(fmt)
+    if p is not None and values is None:
+        gap = torch.tensor([2.0**-p * math.log(2.0)], dtype=torch.float64)
+        return torch.ones(1, dtype=torch.float64), gap, gap.clone()
+    codes = _positive_codes(fmt)
+    up = torch.empty_like(codes)
+    up[:-1] = codes[1:] - codes[:-1]
+    down = torch.empty_like(codes)
+    down[1:] = codes[1:] - codes[:-1]
+    down[0] = codes[0] if isinstance(fmt, BlockFormat) else 2.0 ** -(fraction_bits(fmt) + 1)  # to zero; a cast: into the binade below
+    up[-1] = down[-1]
+    if values is None:
+        edges = torch.cat([codes[:1] * 0, (codes[1:] + codes[:-1]) / 2, codes[-1:]])
+        lower, upper = edges[:-1].clamp(min=0.5), edges[1:].clamp(min=0.5)
+        weights = torch.log(upper / lower)
+    else:
+        weights = _occupancy(fmt, codes, values)
+    keep = weights > 0
+    weights = weights[keep]
+    return weights / weights.sum(), up[keep] / codes[keep], down[keep] / codes[keep]
+
+
+def _positive_codes(fmt: StorageFormat) -> torch.Tensor:
+    """Sorted positive values of the format's codes, in units of the block absmax (float64)."""
+    if isinstance(fmt, BlockFormat):
+        values = fmt.decode_values().to(torch.float64)
+    elif isinstance(fmt, CastFormat):  # one binade of the cast's grid: relative gaps repeat per binade
+        p = _CAST_FRACTION_BITS[fmt.dtype]
+        values = 1.0 + torch.arange(2**p + 1, dtype=torch.float64) / 2**p
+    else:
+        raise TypeError(f"no code gaps for format {fmt!r}")
+    return torch.unique(values[values > 0])
+
+
+def _occupancy(fmt: StorageFormat, codes: torch.Tensor, values: torch.Tensor | QuantizedTensor) -> torch.Tensor:
+    """Fraction of the nonzero ``values`` stored at each of ``codes`` (nearest code, by magnitude)."""
+    if isinstance(values, QuantizedTensor):
+        magnitude = values.unit_values().abs().to(torch.float64)
+    else:
+        magnitude = values.detach().reshape(-1).abs().to(torch.float64).cpu()
+    magnitude = magnitude[magnitude > 0].cpu()
+    if isinstance(fmt, CastFormat):  # a float's position within its binade
+        magnitude = magnitude / torch.pow(2.0, torch.floor(torch.log2(magnitude)))
+    index = torch.bucketize(magnitude, (codes[1:] + codes[:-1]) / 2)
+    return torch.bincount(index, minlength=codes.numel()).to(torch.float64)
+
+
+# --- the noise distributions: CDF F and partial mean T(x) = E[X; X <= x] -------------------------------------
+def _chi2_cdf(x: torch.Tensor) -> torch.Tensor:
+    return torch.erf(torch.sqrt(x.clamp(min=0) / 2))
+
+
+def _chi2_partial_mean(x: torch.Tensor) -> torch.Tensor:
+    x = x.clamp(min=0)
+    return _chi2_cdf(x) - torch.sqrt(2 * x / math.pi) * torch.exp(-x / 2)
+
+
+def _normal_cdf(x: torch.Tensor) -> torch.Tensor:
+    return torch.special.ndtr(x)
+
+
+def _normal_partial_mean(x: torch.Tensor) -> torch.Tensor:
+    return -torch.exp(-x * x / 2) / math.sqrt(2 * math.pi)
+
+
+def _window_stall(center: torch.Tensor, width_up: torch.Tensor, width_down: torch.Tensor, rounding: Rounding, cdf, partial_mean) -> torch.Tensor:
+    """Stall probability when the noise ``X`` (CDF ``cdf``) must land near ``center``: RN stalls for ``X`` in
+    ``(center - width_down, center + width_up)``; SR stalls with probability ``1 - |X - center| / (2·width)``
+    (``width`` on the side ``X`` falls)."""
+    if rounding == "nearest":
+        return cdf(center + width_up) - cdf(center - width_down)
+    width_up, width_down = 2 * width_up, 2 * width_down
+    lower, upper = center - width_down, center + width_up
+    below = (1 - center / width_down) * (cdf(center) - cdf(lower)) + (partial_mean(center) - partial_mean(lower)) / width_down
+    above = (1 + center / width_up) * (cdf(upper) - cdf(center)) - (partial_mean(upper) - partial_mean(center)) / width_up
+    return below + above
+
+
+def _half_normal_grid(spread: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quadrature nodes ``t > 0`` and weights (summing to 1) of ``|N(0, spread²)|``."""
+    grid = torch.linspace(0.0, _HALF_NORMAL_RANGE * spread, _HALF_NORMAL_POINTS, dtype=torch.float64)[1:]
+    density = torch.exp(-0.5 * (grid / spread) ** 2)
+    weights = density * (grid[1] - grid[0])
+    return grid, weights / weights.sum()
+
+
+def _check(beta: float, rounding: str, age: int | None) -> None:
+    if not 0.0 < beta < 1.0:
+        raise ValueError(f"beta={beta!r} must lie in (0, 1)")
+    if rounding not in _ROUNDINGS:
+        raise ValueError(f"rounding={rounding!r} is not valid; use one of {_ROUNDINGS}")
+    if age is not None and (not isinstance(age, int) or age < 1):
+        raise ValueError(f"age={age!r} must be None (steady state) or an int >= 1 (steps since the state was zeroed)")
+
+
+def stall_probability(
+    fmt: str | StorageFormat | None,
+    beta: float,
+    rounding: Rounding = "nearest",
+    age: int | None = None,
+    *,
+    moment: Moment = "second",
+    values: torch.Tensor | QuantizedTensor | None = None,
+    block_drift: bool = True,
+) -> float:
+    """Probability that one entry of an EMA state stored in ``fmt`` stalls on one step.
+
+    Args:
+        fmt: a format name (``"bf16"``, ``"fp8_e4m3"``, ``"e2m2"``, ``"int8"``...), a format, or ``None`` (fp32).
+        beta: the EMA decay (``β2`` for ``exp_avg_sq``, ``β1`` for ``exp_avg``, the momentum for SGD).
+        rounding: ``"nearest"`` or ``"stochastic"``.
+        age: steps since the state was zeroed (initialisation or a reset); ``None`` for the steady state.
+        moment: ``"second"`` (the paper's model, squared gradients) or ``"first"`` (zero-mean gradients).
+        values: optional stored state (or values in units of their block absmax) whose code occupancy
+            weights the gaps, instead of the module's assumption.
+        block_drift: for block-scaled formats and the second moment, account for the block's scale moving
+            every step (see the module docstring); ``False`` gives the paper's closed forms for every format.
+
+    Returns:
+        The probability in ``[0, 1]``; e.g. bf16 at ``β = 0.999``: 0.946 (RN), 0.825 (SR).
+    """
+    _check(beta, rounding, age)
+    return _stall_probability(resolve_format(fmt, moment), beta, rounding, age, moment, values, block_drift)
+
+
+def _stall_probability(
+    fmt: StorageFormat,
+    beta: float,
+    rounding: Rounding,
+    age: float | None,
+    moment: Moment,
+    values: torch.Tensor | QuantizedTensor | None,
+    block_drift: bool,
+) -> float:
+    """:func:`stall_probability` for a resolved format and a real-valued ``age``."""
+    weights, gap_up, gap_down = relative_gaps(fmt, values)
+    rho_up, rho_down = gap_up / (2 * (1 - beta)), gap_down / (2 * (1 - beta))
+    drift = block_drift and isinstance(fmt, BlockFormat)
+    if moment == "second":
+        center = torch.tensor(1.0 if age is None else -math.expm1(age * math.log(beta)), dtype=torch.float64)
+        if drift:  # the scale's own update: z' = t², t ~ |N(0, 1)|, and the window follows it
+            t, t_weights = _half_normal_grid(1.0)
+            stalls = _window_stall((t * t)[:, None], center * rho_up, center * rho_down, rounding, _chi2_cdf, _chi2_partial_mean)
+            per_gap = (stalls * t_weights[:, None]).sum(dim=0)
+        else:
+            per_gap = _window_stall(center, center * rho_up, center * rho_down, rounding, _chi2_cdf, _chi2_partial_mean)
+    else:
+        decay = 1.0 if age is None else -math.expm1(2 * age * math.log(beta))
+        spread = math.sqrt((1 - beta) * decay / (1 + beta))
+        m, m_weights = _half_normal_grid(spread)
+        stalls = _window_stall(m[:, None], m[:, None] * rho_up, m[:, None] * rho_down, rounding, _normal_cdf, _normal_partial_mean)
+        per_gap = (stalls * m_weights[:, None]).sum(dim=0)
+    probability = (weights * per_gap).sum()
+    if drift:
+        probability = probability * (1 - 1 / fmt.block_size)  # a block's largest entry is its scale, stored exactly
+    return float(probability.clamp(0.0, 1.0))
+
+
+# --- reset periods ------------------------------------------------------------------------------------------
+# Calibration of reset_period (see its docstring): the geometric mean of these many EMA horizons 1/(1-β)
+# and the half-staleness age gives the paper's periods at β2 = 0.999.
+RESET_HORIZONS = 8.4
+# A format whose steady-state stall probability stays below this gets no resets (fp32, fp16 at β2 = 0.999).
+MIN_STALL_FOR_RESETS = 0.5
+_ROUND_SERIES = (1.0, 2.0, 3.0, 5.0)  # the paper's periods are 1-2-3-5 round numbers
+
+
+def half_staleness_age(fmt: str | StorageFormat | None, beta: float, *, moment: Moment = "second") -> float:
+    """Steps after a reset at which the round-to-nearest stall probability reaches half its steady state (real-valued).
+
+    bf16 at ``β = 0.999``: 114 steps; FP8 E4M3: 10.3; E2M2: 5.2.
+    """
+    _check(beta, "nearest", None)
+    fmt = resolve_format(fmt, moment)
+    target = 0.5 * _stall_probability(fmt, beta, "nearest", None, moment, None, False)
+    low, high = 0.0, 1.0
+    while _stall_probability(fmt, beta, "nearest", high, moment, None, False) < target:
+        low, high = high, 2 * high
+    for _ in range(60):  # bisection on the age; P(age) increases with age
+        middle = (low + high) / 2
+        low, high = (middle, high) if _stall_probability(fmt, beta, "nearest", middle, moment, None, False) < target else (low, middle)
+    return high
+
+
+def reset_period(
+    fmt: str | StorageFormat | None,
+    beta2: float,
+    rounding: Rounding = "nearest",
+    *,
+    moment: Moment = "second",
+    horizons: float = RESET_HORIZONS,
+    min_stall: float = MIN_STALL_FOR_RESETS,
+    round_period: bool = True,
+) -> int | None:
+    """Steps between resets of a state stored in ``fmt`` with EMA decay ``beta2``; ``None``: resets do not pay.
+
+    **Rule** (the paper's rule could not be recovered; this one is ours, calibrated). Let ``k½`` be the
+    half-staleness age (:func:`half_staleness_age`: how fast stalling builds up after a reset; it shrinks as
+    the format's gaps grow) and ``H = 1/(1 - β2)`` the EMA horizon. The period is the geometric mean
+    ``sqrt(k½ · horizons · H)``, rounded to the nearest 1-2-3-5 round number (``round_period``). With
+    ``horizons = 8.4`` (the log-mean of the three calibration points) it gives the paper's periods at
+    ``β2 = 0.999``: bf16 1000, FP8 E4M3 300, E2M2 (FP4) 200; before rounding 980, 295, 210. Formats whose
+    steady-state stall probability under ``rounding`` is below ``min_stall`` get ``None`` (no resets): fp32,
+    and fp16 at ``β2 = 0.999`` (0.17).
+
+    Args:
+        fmt: a format name, a format, or ``None`` (fp32).
+        beta2: the state's EMA decay.
+        rounding: the state's rounding; it decides only whether resets pay (``min_stall``).
+        moment: ``"second"`` (``exp_avg_sq``) or ``"first"`` (``exp_avg``, momentum).
+    """
+    _check(beta2, rounding, None)
+    if horizons <= 0 or not 0.0 <= min_stall <= 1.0:
+        raise ValueError(f"horizons={horizons!r} must be > 0 and min_stall={min_stall!r} in [0, 1]")
+    if stall_probability(fmt, beta2, rounding, moment=moment) < min_stall:
+        return None
+    period = math.sqrt(half_staleness_age(fmt, beta2, moment=moment) * horizons / (1 - beta2))
+    if not round_period:
+        return max(1, math.ceil(period))
+    decade = 10 ** math.floor(math.log10(period))
+    candidates = [step * decade * scale for scale in (1, 10) for step in _ROUND_SERIES]
+    return int(min(candidates, key=lambda candidate: abs(math.log(candidate / period))))

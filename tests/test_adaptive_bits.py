@@ -1,0 +1,415 @@
+"""Adaptive per-layer bit-widths: the policy pieces (``theory/bits.py``) and the ``AdaptiveBitWidth`` callback on one device.
+
+The multi-process runs (DDP-style decisions on every rank, FSDP1/FSDP2 with uneven shards, resume) are in
+``test_distributed.py``.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import TensorBoardLogger
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from lightning_qstate import QAdamW
+from lightning_qstate.callbacks import AdaptiveBitWidth, QuantizedOptimizerStates
+from lightning_qstate.callbacks.adaptive_bits import HEATMAP_PALETTE, bit_width_heatmap
+from lightning_qstate.formats import QuantizedTensor, get_format
+from lightning_qstate.optim import state_summary
+from lightning_qstate.plugins import QStatePrecision
+from lightning_qstate.theory import (
+    ZONES,
+    AnnealedThreshold,
+    BudgetError,
+    ZoneHysteresis,
+    check_zone_formats,
+    classify_zone,
+    ema,
+    fit_budget,
+    format_nbytes,
+    gradient_statistics,
+    model_statistics,
+    resolved_nbytes,
+    zone_ladder,
+)
+
+from lightning_models import Regressor, flat_weights, regression_data
+
+warnings.filterwarnings("ignore", ".*does not have many workers.*")
+warnings.filterwarnings("ignore", ".*GPU available but not used.*")
+
+# Checks at every step, a threshold that rises fast: zones (and formats) change within a few steps.
+FAST = dict(interval=1, hysteresis=1, threshold_start=0.3, threshold_end=6.0, anneal_steps=8, ema_decay=0.5)
+TARGET = 9.0  # Regressor with min_quant_size=1024: 6.65 bits at least (fp32 small states), 10.2 with every state at 8 bits
+
+
+# --- statistics, zones, annealing, hysteresis -----------------------------------------------------------
+def sums(tensor: torch.Tensor) -> tuple[float, float, float]:
+    tensor = tensor.double()
+    return float(tensor.abs().sum()), float(tensor.square().sum()), float(tensor.numel())
+
+
+def test_gradient_statistics_from_sums_of_shards():
+    grad = torch.randn(1000, generator=torch.Generator().manual_seed(0)) * torch.linspace(0.1, 3, 1000)
+    rms, dispersion = gradient_statistics(*sums(grad))
+    assert rms == pytest.approx(float(grad.double().square().mean().sqrt()), rel=1e-12)
+    assert dispersion == pytest.approx(float(grad.double().abs().std(unbiased=False) / grad.double().abs().mean()), rel=1e-9)
+    parts = [sums(part) for part in grad.split([1, 600, 399])]  # uneven shards add up to the whole
+    assert gradient_statistics(*(sum(column) for column in zip(*parts))) == pytest.approx((rms, dispersion), rel=1e-12)
+    assert gradient_statistics(0.0, 0.0, 0.0) == gradient_statistics(0.0, 0.0, 10.0) == (0.0, 0.0)
+
+
+def test_model_statistics_references():
+    layers = [torch.randn(300, generator=torch.Generator().manual_seed(1)), 10 * torch.randn(100, generator=torch.Generator().manual_seed(2))]
+    abs_sums, square_sums, counts = zip(*(sums(layer) for layer in layers))
+    pooled = gradient_statistics(*sums(torch.cat(layers)))
+    assert model_statistics(abs_sums, square_sums, counts, "model") == pytest.approx(pooled, rel=1e-12)
+    per_layer = [gradient_statistics(*sums(layer)) for layer in layers]
+    weighted = [(300 * a + 100 * b) / 400 for a, b in zip(*per_layer)]
+    assert model_statistics(abs_sums, square_sums, counts, "layers") == pytest.approx(weighted, rel=1e-12)
+    assert pooled[1] > max(r for _, r in per_layer)  # pooling mixes the scales: its dispersion exceeds every layer's
+    with pytest.raises(ValueError, match="reference='median'.*'layers', 'model'"):
+        model_statistics(abs_sums, square_sums, counts, "median")
+
+
+def test_ema_starts_at_the_first_value():
+    assert ema(None, 3.0, 0.9) == 3.0
+    assert ema(3.0, 1.0, 0.75) == pytest.approx(2.5)
+
+
+@pytest.mark.parametrize(
+    "rms,dispersion,zone", [(2.0, 2.0, "critical"), (2.0, 0.5, "magnitude"), (0.5, 2.0, "structural"), (0.5, 0.5, "redundant")]
+)
+def test_zones_are_the_four_quadrants(rms, dispersion, zone):
+    assert classify_zone(rms, dispersion, 1.0, 1.0, threshold=1.0) == zone
+    assert classify_zone(rms, dispersion, 1.0, 1.0, threshold=4.0) == "redundant"  # a high enough threshold: nothing is high
+
+
+def test_annealed_threshold_rises_to_its_end_and_stays():
+    threshold = AnnealedThreshold(1.0, 1.5, steps=100)
+    values = [threshold(step) for step in range(0, 201, 10)]
+    assert values[0] == 1.0 and threshold(50) == pytest.approx(1.25) and threshold(100) == threshold(10_000) == 1.5
+    assert values == sorted(values)
+    with pytest.raises(ValueError, match="start=0"):
+        AnnealedThreshold(0, 1.5, 10)
+    with pytest.raises(ValueError, match="steps=0"):
+        AnnealedThreshold(1.0, 1.5, 0)
+
+
+def test_annealing_moves_layers_to_lower_zones():
+    threshold = AnnealedThreshold(1.0, 2.0, steps=10)
+    zones = [classify_zone(1.5, 1.5, 1.0, 1.0, threshold(step)) for step in (0, 10)]
+    assert zones == ["critical", "redundant"]
+
+
+def test_hysteresis_needs_a_zone_to_persist():
+    layer = ZoneHysteresis()
+    assert layer.observe("critical", persist=3) and layer.zone == "critical"  # the first observation is adopted at once
+    assert not layer.observe("redundant", 3) and not layer.observe("redundant", 3)
+    assert layer.zone == "critical" and (layer.pending, layer.streak) == ("redundant", 2)
+    assert not layer.observe("structural", 3) and (layer.pending, layer.streak) == ("structural", 1)  # another zone restarts the count
+    assert not layer.observe("critical", 3) and (layer.pending, layer.streak) == (None, 0)  # back to its zone: nothing pending
+    assert [layer.observe("magnitude", 3) for _ in range(3)] == [False, False, True]
+    assert layer.zone == "magnitude" and layer.pending is None
+    assert layer.observe("redundant", persist=1) and layer.zone == "redundant"
+
+
+# --- formats, bytes and the budget ------------------------------------------------------------------------
+def test_zone_formats_are_checked():
+    good = {zone: "int4" for zone in ZONES}
+    assert check_zone_formats(good, "v_formats") == good
+    with pytest.raises(ValueError, match=r"v_formats must name exactly the zones \['critical', 'magnitude', 'structural', 'redundant'\]"):
+        check_zone_formats({"critical": "int8"}, "v_formats")
+    with pytest.raises(ValueError, match=r"m_formats\['redundant'\]: unknown format 'int3'"):
+        check_zone_formats({**good, "redundant": "int3"}, "m_formats")
+    with pytest.raises(ValueError, match=r"m_formats\['critical'\]='fp32' is not a candidate"):
+        check_zone_formats({**good, "critical": "fp32"}, "m_formats")
+    with pytest.raises(TypeError, match="m_formats must be a mapping"):
+        check_zone_formats("int8", "m_formats")
+
+
+@pytest.mark.parametrize("numel", [1, 100, 4096, 5000, 70_000])
+@pytest.mark.parametrize("name,signed", [("int8", True), ("int4", False), ("int4_linear", True), ("e4m0", False), ("e3m3", False), ("bf16", True)])
+def test_priced_bytes_are_the_stored_bytes(numel, name, signed):
+    """The budget prices a candidate at exactly the bytes a quantized state of that size holds (scales included)."""
+    state = "exp_avg" if signed else "exp_avg_sq"
+    param = torch.nn.Parameter(torch.zeros(numel))
+    group = {"states": name, "block_size": None, "min_quant_size": 0}
+    stored = get_format(name, signed=signed).quantize(torch.rand(numel))
+    assert resolved_nbytes(group, state, param, numel) == stored.nbytes == format_nbytes(stored.format, numel)
+    assert resolved_nbytes({**group, "min_quant_size": numel + 1}, state, param, numel) == 4 * numel  # kept fp32: priced as fp32
+
+
+def test_zone_ladder_falls_to_the_floor():
+    formats = {"exp_avg": {"critical": "int8_linear", "magnitude": "int8_linear", "structural": "int4_linear", "redundant": "int4_linear"},
+               "exp_avg_sq": {"critical": "int8", "magnitude": "e4m0", "structural": "int8", "redundant": "e4m0"}}  # fmt: skip
+    numel = 10_000
+
+    def nbytes(state: str, name: str) -> int:
+        return get_format(name, signed=state == "exp_avg").nbytes(numel)
+
+    ladder = zone_ladder(None, formats, nbytes)
+    assert [choice for choice, _ in ladder] == [("int8_linear", "int8"), ("int8_linear", "e4m0"), ("int4_linear", "e4m0")]  # structural saves nothing over magnitude
+    assert [cost for _, cost in ladder] == sorted({cost for _, cost in ladder}, reverse=True)
+    assert zone_ladder("structural", formats, nbytes)[0][0] == ("int4_linear", "int8")
+    assert zone_ladder("redundant", formats, nbytes) == [(("int4_linear", "e4m0"), nbytes("exp_avg", "int4_linear") + nbytes("exp_avg_sq", "e4m0"))]
+    upside_down = {state: {**per_zone, "redundant": per_zone["critical"]} for state, per_zone in formats.items()}
+    assert zone_ladder("redundant", upside_down, nbytes)[-1][0] == ("int4_linear", "e4m0")  # the floor: the cheapest candidates
+
+
+ladders_strategy = st.lists(
+    st.lists(st.integers(1, 10_000), min_size=1, max_size=4, unique=True).map(lambda costs: sorted(costs, reverse=True)), min_size=1, max_size=12
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(ladders=ladders_strategy, fixed=st.integers(0, 5_000), target_bits=st.floats(0.5, 40), data=st.data())
+def test_budget_is_always_met_or_refused(ladders, fixed, target_bits, data):
+    values = sum(ladder[0] for ladder in ladders) // 2 + 1
+    order = data.draw(st.permutations(range(len(ladders))))
+    cap = target_bits * values / 8
+    floor = fixed + sum(ladder[-1] for ladder in ladders)
+    if floor > cap:
+        with pytest.raises(BudgetError, match=f"target_bits={target_bits} cannot be met"):
+            fit_budget(ladders, fixed, values, target_bits, order)
+        return
+    rungs = fit_budget(ladders, fixed, values, target_bits, order)
+    total = fixed + sum(ladder[rung] for ladder, rung in zip(ladders, rungs))
+    assert total <= cap
+    demoted = [position for position, index in enumerate(order) if rungs[index] > 0]
+    if demoted:  # layers are demoted in order: every one before the last demoted is at its floor ...
+        assert all(rungs[index] == len(ladders[index]) - 1 for index in order[: demoted[-1]])
+        last = order[demoted[-1]]  # ... and the last demoted one went no further than needed
+        assert total - ladders[last][rungs[last]] + ladders[last][rungs[last] - 1] > cap
+    if fixed + sum(ladder[0] for ladder in ladders) <= cap:
+        assert rungs == [0] * len(ladders)
+    assert fit_budget(ladders, fixed, values, None, order) == [0] * len(ladders)
+
+
+# --- the callback on one device -------------------------------------------------------------------------
+def trainer(tmp_path, max_steps: int = 8, **kwargs) -> pl.Trainer:
+    defaults = dict(accelerator="cpu", devices=1, max_steps=max_steps, logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    return pl.Trainer(default_root_dir=tmp_path, **{**defaults, **kwargs})
+
+
+def plugin(min_quant_size: int = 1024) -> QStatePrecision:
+    return QStatePrecision(states="int8", min_quant_size=min_quant_size)
+
+
+def average_bits(optimizer: torch.optim.Optimizer) -> float:
+    summary = state_summary(optimizer)
+    return 8 * summary["bytes"] / summary["values"]
+
+
+@pytest.mark.parametrize(
+    "kwargs,error",
+    [
+        ({"target_bits": 0}, r"target_bits=0 must be a number > 0"),
+        ({"target_bits": "5"}, r"target_bits='5' must be a number > 0"),
+        ({"interval": 0}, r"interval=0 must be an int >= 1"),
+        ({"hysteresis": 1.5}, r"hysteresis=1.5 must be an int >= 1"),
+        ({"max_history": 0}, r"max_history=0 must be an int >= 1"),
+        ({"ema_decay": 1.0}, r"ema_decay=1.0 must be in \[0, 1\)"),
+        ({"anneal_steps": 0}, r"anneal_steps=0 must be an int >= 1 or None"),
+        ({"threshold_end": -1}, r"threshold_start=1.0 and threshold_end=-1 must be > 0"),
+        ({"reference": "pooled"}, r"reference='pooled' is not valid; use one of \('layers', 'model'\)"),
+        ({"m_formats": {"critical": "int8"}}, r"m_formats must name exactly the zones"),
+        ({"v_formats": {zone: "int5" for zone in ZONES}}, r"v_formats\['critical'\]: unknown format 'int5'"),
+    ],
+)
+def test_bad_arguments_raise_clear_errors(kwargs, error):
+    with pytest.raises(ValueError, match="AdaptiveBitWidth: " + error):
+        AdaptiveBitWidth(**kwargs)
+
+
+def test_decisions_reencode_states_and_meet_the_budget(tmp_path, monkeypatch):
+    model = Regressor()
+    callback = AdaptiveBitWidth(target_bits=TARGET, **FAST)
+    reencoded = []
+    original = QAdamW.reencode_state
+
+    def recording(self, param, name, fmt):
+        before = self.state[param][name]
+        original(self, param, name, fmt)
+        reencoded.append((before, self.state[param][name], fmt))
+
+    monkeypatch.setattr(QAdamW, "reencode_state", recording)
+    fit = trainer(tmp_path, plugins=[plugin()], callbacks=[callback])
+    fit.fit(model, regression_data())
+    optimizer = fit.strategy.optimizers[0]
+
+    assert callback.last_check == 7 and len(callback.history) == 8 and callback.transitions > 0
+    assert reencoded, "a decision changed a state's format"
+    for before, after, fmt in reencoded:  # re-encoding loses nothing beyond the new format's precision: RN from the decoded values
+        assert isinstance(after, QuantizedTensor) and after.format is fmt and before.format.config != fmt.config
+        direct = fmt.quantize(before.dequantize())
+        assert torch.equal(after.codes, direct.codes) and torch.equal(after.scales, direct.scales)
+
+    names = {param: name for name, param in model.named_parameters()}
+    decisions = callback.decisions()
+    assert set(decisions) == set(names.values()) and all(entry["zone"] in ZONES for entry in decisions.values())
+    for param, state in optimizer.state.items():
+        decided = decisions[names[param]]
+        assert optimizer.state_overrides[param] == {"exp_avg": decided["exp_avg"], "exp_avg_sq": decided["exp_avg_sq"]}  # new states follow too
+        for name in ("exp_avg", "exp_avg_sq"):
+            if param.numel() >= 1024:
+                assert state[name].format.name == decided[name], (names[param], name)
+            else:  # below min_quant_size: fp32 whatever the zone
+                assert not isinstance(state[name], QuantizedTensor)
+
+    metrics = callback.metrics()
+    assert metrics["qstate/adaptive/avg_bits"] == pytest.approx(average_bits(optimizer), rel=1e-12)  # the plan is the stored bytes
+    assert metrics["qstate/adaptive/avg_bits"] <= TARGET
+    assert metrics["qstate/adaptive/bytes_saved"] == state_summary(optimizer)["fp32_bytes"] - state_summary(optimizer)["bytes"]
+    assert sum(metrics[f"qstate/adaptive/zone_{zone}"] for zone in ZONES) == len(names)
+    numels = torch.tensor([float(param.numel()) for param in model.parameters()])
+    for entry in callback.history:  # the cap held at every check
+        bits = torch.tensor(entry["bits"])
+        assert float((bits * numels).sum() / (2 * numels.sum())) <= TARGET
+
+
+def test_tighter_budget_demotes_more(tmp_path):
+    bits = {}
+    for target in (None, 8.0, 7.0):
+        fit = trainer(tmp_path, max_steps=2, plugins=[plugin()], callbacks=[AdaptiveBitWidth(target_bits=target, interval=1)])
+        fit.fit(Regressor(), regression_data())
+        bits[target] = average_bits(fit.strategy.optimizers[0])
+    assert bits[7.0] <= 7.0 and bits[8.0] <= 8.0 < bits[None]  # without a cap the zones' formats alone give more
+    assert bits[7.0] <= bits[8.0]
+
+
+def test_unreachable_budget_raises_at_the_start(tmp_path):
+    callback = AdaptiveBitWidth(target_bits=8.0)
+    with pytest.raises(BudgetError, match=r"AdaptiveBitWidth: target_bits=8.0 cannot be met: the cheapest candidates give .* bits.*min_quant_size"):
+        trainer(tmp_path, plugins=[plugin(min_quant_size=8000)], callbacks=[callback]).fit(Regressor(), regression_data())
+
+
+def test_unsupported_optimizers_are_refused(tmp_path):
+    with pytest.raises(TypeError, match="AdaptiveBitWidth needs a QAdam/QAdamW optimizer.*got AdamW"):
+        trainer(tmp_path, callbacks=[AdaptiveBitWidth()]).fit(Regressor(), regression_data())
+
+    class AMSGrad(Regressor):
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), amsgrad=True)
+
+    with pytest.raises(ValueError, match="does not support amsgrad=True"):
+        trainer(tmp_path, plugins=[plugin()], callbacks=[AdaptiveBitWidth()]).fit(AMSGrad(), regression_data())
+
+
+def test_overridden_parameters_keep_their_formats_and_count(tmp_path):
+    model = Regressor()
+    states = QuantizedOptimizerStates(min_quant_size=0, overrides={"net.0.weight": "bf16"}, log_stats=False)
+    callback = AdaptiveBitWidth(target_bits=13.0, **FAST)  # bf16 for 70 % of the values: 12.3 bits at least
+    fit = trainer(tmp_path, callbacks=[states, callback])
+    fit.fit(model, regression_data())
+    optimizer = fit.strategy.optimizers[0]
+    assert "net.0.weight" not in callback.decisions()
+    assert {optimizer.state_format(model.net[0].weight, name).name for name in ("exp_avg", "exp_avg_sq")} == {"bf16"}
+    assert callback.metrics()["qstate/adaptive/avg_bits"] == pytest.approx(average_bits(optimizer), rel=1e-12) and average_bits(optimizer) <= 13.0
+
+
+def test_resume_continues_exactly(tmp_path):
+    """Straight to step 8 == to step 4, checkpoint, resume to 8: weights, states, decisions, EMAs and history."""
+    straight_model, straight_callback = Regressor(), AdaptiveBitWidth(target_bits=TARGET, **FAST)
+    straight = trainer(tmp_path / "a", plugins=[plugin()], callbacks=[straight_callback])
+    straight.fit(straight_model, regression_data())
+
+    first_callback = AdaptiveBitWidth(target_bits=TARGET, **FAST)
+    checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_epochs=1, save_top_k=-1)
+    trainer(tmp_path / "b", max_steps=4, enable_checkpointing=True, plugins=[plugin()], callbacks=[first_callback, checkpoint]).fit(Regressor(), regression_data())
+    path = next((tmp_path / "ckpt").glob("*.ckpt"))
+    saved = torch.load(path, weights_only=True)
+    assert any(key.startswith("AdaptiveBitWidth") for key in saved["callbacks"])  # decisions and EMAs are in the checkpoint
+    assert first_callback.transitions < straight_callback.transitions, "decisions changed after the checkpoint"
+
+    resumed_model, resumed_callback = Regressor(), AdaptiveBitWidth(target_bits=TARGET, **FAST)
+    resumed = trainer(tmp_path / "c", plugins=[plugin()], callbacks=[resumed_callback])
+    resumed.fit(resumed_model, regression_data(), ckpt_path=str(path))
+
+    assert torch.equal(flat_weights(straight_model), flat_weights(resumed_model))
+    assert resumed_callback.state_dict() == straight_callback.state_dict()
+    first, second = straight.strategy.optimizers[0], resumed.strategy.optimizers[0]
+    for a, b in zip(straight_model.parameters(), resumed_model.parameters()):
+        for name in ("exp_avg", "exp_avg_sq"):
+            x, y = first.state[a][name], second.state[b][name]
+            assert type(x) is type(y)
+            if isinstance(x, QuantizedTensor):
+                assert x.format.config == y.format.config and torch.equal(x.codes, y.codes) and torch.equal(x.scales, y.scales)
+            else:
+                assert torch.equal(x, y)
+
+
+def test_a_checkpoint_of_other_layers_is_refused(tmp_path):
+    callback = AdaptiveBitWidth(target_bits=TARGET, **FAST)
+    trainer(tmp_path, max_steps=1, plugins=[plugin()], callbacks=[callback]).fit(Regressor(), regression_data())
+    state = callback.state_dict()
+    state["layers"]["net.9.weight"] = state["layers"].pop("net.0.weight")
+    other = AdaptiveBitWidth(target_bits=TARGET, **FAST)
+    other.load_state_dict(state)
+    with pytest.raises(ValueError, match=r"layers do not match.*missing: \['net.0.weight'\], unknown: \['net.9.weight'\]"):
+        trainer(tmp_path, max_steps=1, plugins=[plugin()], callbacks=[other]).fit(Regressor(), regression_data())
+
+
+def test_metrics_and_heatmap_are_logged(tmp_path):
+    logger = TensorBoardLogger(tmp_path, name="tb")
+    fit = trainer(tmp_path, max_steps=6, logger=logger, log_every_n_steps=2, plugins=[plugin()], callbacks=[AdaptiveBitWidth(target_bits=TARGET, **{**FAST, "interval": 2})])
+    fit.fit(Regressor(), regression_data())
+    logger.experiment.flush()
+    events = EventAccumulator(logger.log_dir, size_guidance={"images": 0, "scalars": 0})
+    events.Reload()
+    scalars = set(events.Tags()["scalars"])
+    expected = {"qstate/adaptive/avg_bits", "qstate/adaptive/bytes_saved", "qstate/adaptive/threshold", "qstate/adaptive/transitions"}
+    assert expected | {f"qstate/adaptive/zone_{zone}" for zone in ZONES} <= scalars
+    logged_steps = [event.step for event in events.Scalars("qstate/adaptive/avg_bits")]
+    assert len(logged_steps) == 3 and logged_steps == [event.step for event in events.Scalars("train_loss")]  # the Trainer's interval and steps
+    assert all(event.value <= TARGET for event in events.Scalars("qstate/adaptive/avg_bits"))
+    assert sum(events.Scalars(f"qstate/adaptive/zone_{zone}")[-1].value for zone in ZONES) == 6
+    images = events.Images("qstate/adaptive/bit_widths")
+    assert [image.step for image in images] == [0, 2, 4]  # at every check
+    # 6 layers x 2 states + a separator row, 4 px cells; one column per check so far
+    assert (images[-1].height, images[-1].width) == ((2 * 6 + 1) * 4, 3 * 4)
+
+
+def test_heatmap_image():
+    bits = torch.tensor([[[4.0, 32.0], [8.0, 4.25]], [[32.0, 32.0], [4.0, 100.0]]])  # (states, layers, checks)
+    image = bit_width_heatmap(bits, cell=2)
+    assert image.dtype == torch.uint8 and image.shape == (3, (2 * 2 + 1) * 2, 2 * 2)
+    assert torch.equal(image[:, 0, 0], HEATMAP_PALETTE[0].to(torch.uint8))  # 4 bits: the low end
+    assert torch.equal(image[:, 0, 2], HEATMAP_PALETTE[-1].to(torch.uint8))  # 32 bits: the high end
+    assert torch.equal(image[:, 2, 0], HEATMAP_PALETTE[0].lerp(HEATMAP_PALETTE[1], 2 * (1 / 3)).round().to(torch.uint8))  # 8 bits: 1/3 up
+    assert (image[:, 4:6] == 255).all()  # the line between the m and v panels
+    assert torch.equal(image[:, -1, -1], HEATMAP_PALETTE[-1].to(torch.uint8))  # clamped above 32 bits
+    assert not math.isnan(float(image.float().mean()))
+
+
+# --- reencode_state resolves format names like the policy -------------------------------------------------
+def test_reencode_by_name_aligns_blocks_to_rows_of_a_dtensor_shard():
+    """FSDP2: a named format gets the row-aligned block that ``resolve_format`` gives new states (rows of 96: blocks of 32)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    if not dist.is_available() or dist.is_initialized():
+        pytest.skip("needs torch.distributed, not initialised yet")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        param = torch.nn.Parameter(distribute_tensor(torch.randn(10, 96, generator=torch.Generator().manual_seed(0)), mesh, [Shard(0)]))
+        optimizer = QAdamW([param], lr=1e-2, states="int8", min_quant_size=0)
+        param.grad = distribute_tensor(torch.randn(10, 96, generator=torch.Generator().manual_seed(1)), mesh, [Shard(0)])
+        optimizer.step()
+        assert optimizer.state_format(param, "exp_avg").block_size == 32
+        optimizer.reencode_state(param, "exp_avg", "int4")
+        optimizer.reencode_state(param, "exp_avg_sq", "e4m0")
+        assert optimizer.state_format(param, "exp_avg").block_size == 32 != get_format("int4").block_size
+        assert optimizer.state_format(param, "exp_avg_sq").config == {"name": "e4m0", "block_size": 32, "signed": False, "nonfinite": "raise"}
+        optimizer.step()  # and steps on from there
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,28 @@
+"""Smoke test of ``benchmarks/staleness.py``: a ``--quick`` run of a few steps writes the paper-style table."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "staleness.py"
+
+
+def test_quick_run_writes_the_table(tmp_path):
+    spec = importlib.util.spec_from_file_location("benchmarks_staleness", SCRIPT)
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = bench
+    spec.loader.exec_module(bench)
+    out = tmp_path / "staleness.md"
+    results = bench.main(["--quick", "--steps", "24", "--jobs", "2", "--out", str(out)])
+    assert set(results) == {("fp32", "RN"), ("bf16", "RN"), ("bf16", "SR + resets")}
+    text = out.read_text()
+    assert "| RN | " in text and "| SR + resets | " in text and "--quick" in text
+    bf16 = results["bf16", "RN"]
+    assert bf16["state_bytes"] * 2 == bf16["fp32_bytes"] and results["fp32", "RN"]["stall_v"] is None
+    assert 0.0 <= bf16["stall_v"] <= 1.0 and bf16["stall_v_predicted"] == pytest.approx(0.946, abs=1e-3)

@@ -1,0 +1,256 @@
+"""StallMonitor and StateResetScheduler on a single device: what they measure, log, reset and checkpoint."""
+
+from __future__ import annotations
+
+import warnings
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.loggers import Logger, TensorBoardLogger
+
+from lightning_qstate.callbacks import QuantizedOptimizerStates, StallMonitor, StateResetScheduler
+from lightning_qstate.formats import QuantizedTensor, count_stalls
+from lightning_qstate.plugins import QStatePrecision
+from lightning_qstate.theory import reset_period, stall_probability
+
+from lightning_models import Regressor, flat_weights, regression_data
+
+warnings.filterwarnings("ignore", ".*does not have many workers.*")
+warnings.filterwarnings("ignore", ".*GPU available but not used.*")
+
+
+class MemoryLogger(Logger):
+    """Keeps every ``log_metrics`` call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[tuple[int, dict[str, float]]] = []
+
+    name = "memory"
+    version = 0
+
+    def log_metrics(self, metrics, step=None) -> None:
+        self.records.append((step, dict(metrics)))
+
+    def log_hyperparams(self, *args, **kwargs) -> None:
+        pass
+
+    def values(self, key: str) -> list[float]:
+        return [metrics[key] for _, metrics in self.records if key in metrics]
+
+
+class TrackingSpy(Callback):
+    """Records, at every optimizer step, whether the optimizer counts stalls in it."""
+
+    def __init__(self) -> None:
+        self.tracked: dict[int, bool] = {}
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        self.tracked[trainer.global_step + 1] = trainer.strategy.optimizers[0].track_stalls
+
+
+def fit(tmp_path, model=None, max_steps=10, callbacks=(), plugins=None, logger=None, ckpt_path=None, **kwargs) -> pl.Trainer:
+    options = dict(
+        accelerator="cpu", devices=1, max_steps=max_steps, default_root_dir=tmp_path, enable_progress_bar=False, enable_model_summary=False,
+        enable_checkpointing=False, logger=logger if logger is not None else False, callbacks=list(callbacks),
+        plugins=plugins if plugins is not None else [QStatePrecision(states="bf16", min_quant_size=0)],
+    )  # fmt: skip
+    trainer = pl.Trainer(**{**options, **kwargs})
+    trainer.fit(model or Regressor(scheduler=False), regression_data(), ckpt_path=ckpt_path)
+    return trainer
+
+
+# --- StallMonitor ------------------------------------------------------------------------------------------
+def test_monitor_measures_one_step_per_interval_and_logs_measured_and_predicted(tmp_path):
+    logger, spy = MemoryLogger(), TrackingSpy()
+    trainer = fit(tmp_path, max_steps=12, callbacks=[StallMonitor(log_every_n_steps=4), spy], logger=logger)
+    assert [step for step, on in sorted(spy.tracked.items()) if on] == [4, 8, 12]  # tracking only on the measured steps
+    optimizer = trainer.strategy.optimizers[0]
+    assert not optimizer.track_stalls and not optimizer._stall_counts
+    measured = logger.values("qstate/stall/exp_avg_sq/net.0.weight")
+    predicted = logger.values("qstate/stall_predicted/exp_avg_sq/net.0.weight")
+    assert len(measured) == 3 and all(0.0 <= rate <= 1.0 for rate in measured)
+    assert predicted == [pytest.approx(stall_probability("bf16", 0.999))] * 3
+    assert logger.values("qstate/stall_predicted/exp_avg/net.0.weight")[0] == pytest.approx(stall_probability("bf16", 0.9, moment="first"))
+    model_wide = logger.values("qstate/stall/exp_avg_sq")
+    assert len(model_wide) == 3 and all(0.0 <= rate <= 1.0 for rate in model_wide)
+    assert "qstate/stall_predicted/exp_avg_sq" in logger.records[-1][1]
+
+
+def test_monitor_rates_equal_the_counts_of_the_step(tmp_path):
+    """The logged rate is the optimizer's in-step count of that very step, checked against a recount."""
+    monitor, logger = StallMonitor(log_every_n_steps=3, per_layer=True, histograms=False), MemoryLogger()
+
+    class Recount(Callback):
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            opt = trainer.strategy.optimizers[0]
+            self.before = opt.state[pl_module.net[0].weight]["exp_avg_sq"] if opt.state.get(pl_module.net[0].weight) else None
+            self.grad = pl_module.net[0].weight.grad.clone()
+
+        def on_train_batch_end(self, trainer, pl_module, *args):
+            if trainer.global_step == 6:
+                opt = trainer.strategy.optimizers[0]
+                beta2 = opt.param_groups[0]["betas"][1]
+                before = self.before.dequantize(torch.float32).reshape(-1)
+                updated = before * beta2 + (1 - beta2) * self.grad.reshape(-1) ** 2
+                new = opt.state[pl_module.net[0].weight]["exp_avg_sq"]
+                stalled, moved = count_stalls(before, updated, new.dequantize(torch.float32).reshape(-1), self.before.unit_values(), new.unit_values())
+                self.rate = float(stalled) / float(moved)
+
+    recount = Recount()
+    fit(tmp_path, max_steps=6, callbacks=[monitor, recount], logger=logger, plugins=[QStatePrecision(states="bf16", min_quant_size=0)])
+    assert logger.values("qstate/stall/exp_avg_sq/net.0.weight")[-1] == pytest.approx(recount.rate, abs=2e-3)
+
+
+def test_monitor_writes_tensorboard_histograms(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    logger = TensorBoardLogger(tmp_path, name="tb")
+    fit(tmp_path, max_steps=4, callbacks=[StallMonitor(log_every_n_steps=2)], logger=logger)
+    logger.experiment.flush()
+    events = EventAccumulator(logger.log_dir, size_guidance={"histograms": 0, "scalars": 0}).Reload()
+    assert "qstate/stall/exp_avg_sq/layers" in events.Tags()["histograms"]
+    assert "qstate/stall/exp_avg_sq" in events.Tags()["scalars"]
+
+
+def test_monitor_keeps_user_tracking_and_warns_without_quantized_states(tmp_path):
+    trainer = fit(tmp_path, max_steps=4, callbacks=[StallMonitor(log_every_n_steps=2)], plugins=[QStatePrecision(states="int8", min_quant_size=0, track_stalls=True)])
+    assert trainer.strategy.optimizers[0].track_stalls
+    with pytest.warns(UserWarning, match="no optimizer has quantized states"):
+        fit(tmp_path, max_steps=2, callbacks=[StallMonitor()], plugins=[])
+    with pytest.raises(ValueError, match="log_every_n_steps=0"):
+        StallMonitor(log_every_n_steps=0)
+
+
+# --- StateResetScheduler -------------------------------------------------------------------------------------
+class StateSpy(Callback):
+    """Snapshots, after each step, the exp_avg_sq of net.0.weight and Adam's step count."""
+
+    def __init__(self) -> None:
+        self.zero: dict[int, bool] = {}
+        self.step: dict[int, float] = {}
+        self.format: dict[int, str] = {}
+
+    def on_train_batch_end(self, trainer, pl_module, *args) -> None:
+        state = trainer.strategy.optimizers[0].state[pl_module.net[0].weight]
+        self.zero[trainer.global_step] = bool((state["exp_avg_sq"].dequantize() == 0).all() and (state["exp_avg"].dequantize() == 0).all())
+        self.step[trainer.global_step] = float(state["step"])
+        self.format[trainer.global_step] = state["exp_avg_sq"].format.name
+
+
+@pytest.mark.parametrize("reset_step", [False, True])
+def test_periodic_resets_zero_the_states_and_keep_their_formats(tmp_path, reset_step):
+    spy, logger = StateSpy(), MemoryLogger()
+    scheduler = StateResetScheduler(period=3, reset_step=reset_step)
+    fit(tmp_path, max_steps=8, callbacks=[scheduler, spy], logger=logger, plugins=[QStatePrecision(states="int8", min_quant_size=0)])
+    assert [step for step, zero in sorted(spy.zero.items()) if zero] == [3, 6]
+    assert set(spy.format.values()) == {"int8"}
+    assert spy.step[3] == (0.0 if reset_step else 3.0) and spy.step[4] == (1.0 if reset_step else 4.0)
+    assert sorted({step for step, _ in scheduler.history}) == [3, 6] and len(scheduler.history) == 2 * 6  # six parameters
+    assert logger.values("qstate/reset/total") == [6.0, 12.0] and logger.values("qstate/reset/layers") == [6.0, 6.0]
+    ratio = logger.values("qstate/reset/first_step_ratio")[0]
+    assert ratio == pytest.approx(1.0 if reset_step else 0.1 * (1 - 0.999**4) ** 0.5 / ((1 - 0.9**4) * 0.001**0.5))
+
+
+def test_auto_period_follows_the_theory_and_skips_fp32(tmp_path):
+    model = Regressor(scheduler=False)
+    spy = StateSpy()
+    scheduler = StateResetScheduler()  # auto
+    plugin = QStatePrecision(states="e2m2", min_quant_size=0, overrides={"net.1.*": "fp32"})
+
+    class Betas(Regressor):
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=self.lr, betas=(0.9, 0.99))
+
+    model = Betas(scheduler=False)
+    fit(tmp_path, model=model, max_steps=105, callbacks=[scheduler, spy], plugins=[plugin])
+    period = reset_period("e2m2", 0.99)
+    assert period == 50
+    assert [step for step, zero in sorted(spy.zero.items()) if zero] == [50, 100]
+    assert not any(layer.startswith("net.1.") for _, layer in scheduler.history)  # fp32 states are never reset
+
+
+def test_stagger_spreads_the_first_resets(tmp_path):
+    scheduler = StateResetScheduler(period=6, stagger=True)
+    fit(tmp_path, max_steps=6, callbacks=[scheduler], plugins=[QStatePrecision(states="int8", min_quant_size=0)])
+    first = {}
+    for step, layer in scheduler.history:
+        first.setdefault(layer, step)
+    assert sorted(first.values()) == [1, 2, 3, 4, 5, 6]
+
+
+def test_threshold_trigger_resets_layers_that_measurably_stall(tmp_path):
+    logger = MemoryLogger()
+    scheduler = StateResetScheduler(period=None, threshold=0.5, check_every_n_steps=5, states=["exp_avg_sq", "exp_avg"])
+    monitor = StallMonitor(log_every_n_steps=5)
+    fit(tmp_path, max_steps=20, callbacks=[monitor, scheduler], logger=logger, plugins=[QStatePrecision(states="e2m2", min_quant_size=0)])
+    rates = {step: metrics for step, metrics in logger.records if "qstate/stall/exp_avg_sq/net.0.weight" in metrics}
+    assert scheduler.history, "e2m2 states at β2 = 0.999 stall above 0.5 within a few steps"
+    for step, layer in scheduler.history:
+        assert step % 5 == 0
+    reset_at = sorted({step for step, layer in scheduler.history if layer == "net.0.weight"})
+    logged = [metrics["qstate/stall/exp_avg_sq/net.0.weight"] for metrics in rates.values()]
+    assert reset_at and len(logged) == 4 and max(logged) >= 0.5  # the monitor saw what triggered the reset (shared measurement)
+
+
+def test_fp32_states_are_left_alone_unless_forced(tmp_path):
+    with pytest.warns(UserWarning, match="no quantized state to reset"):
+        fit(tmp_path, max_steps=2, callbacks=[StateResetScheduler(period=1)], plugins=[QStatePrecision(states="fp32")])
+    with pytest.warns(UserWarning, match="slightly hurts"):
+        forced = StateResetScheduler(period=1, include_fp32=True)
+    fit(tmp_path, max_steps=2, callbacks=[forced], plugins=[QStatePrecision(states="fp32")])
+    assert len(forced.history) == 2 * 6
+
+
+def test_resume_continues_the_reset_schedule_exactly(tmp_path):
+    plugin = lambda: QStatePrecision(states="int8", min_quant_size=0)  # noqa: E731
+    straight_model, straight = Regressor(), StateResetScheduler(period=3, stagger=True)
+    fit(tmp_path / "a", model=straight_model, max_steps=10, callbacks=[straight], plugins=[plugin()])
+    checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=4, save_top_k=-1)
+    fit(tmp_path / "b", model=Regressor(), max_steps=4, callbacks=[StateResetScheduler(period=3, stagger=True), checkpoint], plugins=[plugin()], enable_checkpointing=True)
+    resumed_model, resumed = Regressor(), StateResetScheduler(period=3, stagger=True)
+    ckpt = str(next((tmp_path / "ckpt").glob("*.ckpt")))
+    fit(tmp_path / "c", model=resumed_model, max_steps=10, callbacks=[resumed], plugins=[plugin()], ckpt_path=ckpt)
+    assert resumed.history == straight.history and resumed.last_reset == straight.last_reset
+    assert torch.equal(flat_weights(resumed_model), flat_weights(straight_model))
+
+
+def test_scheduler_with_the_callback_and_bad_options(tmp_path):
+    scheduler = StateResetScheduler(period=2, states=["exp_avg_sq"])
+    fit(tmp_path, max_steps=4, callbacks=[QuantizedOptimizerStates(states="int4", min_quant_size=0, log_stats=False), scheduler], plugins=[])
+    assert sorted({step for step, _ in scheduler.history}) == [2, 4]
+    with pytest.raises(ValueError, match=r"unknown state name\(s\) \['momentum'\]"):
+        fit(tmp_path, max_steps=1, callbacks=[StateResetScheduler(states=["momentum"])])
+    with pytest.raises(ValueError, match="period=0"):
+        StateResetScheduler(period=0)
+    with pytest.raises(ValueError, match="threshold=1.5"):
+        StateResetScheduler(threshold=1.5)
+    with pytest.raises(ValueError, match="period=None needs a threshold"):
+        StateResetScheduler(period=None)
+
+
+def test_monitor_and_resets_cover_sgd_momentum(tmp_path):
+    class Momentum(Regressor):
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=1e-2, momentum=0.9)
+
+    logger, scheduler = MemoryLogger(), StateResetScheduler(period=3)
+    fit(tmp_path, model=Momentum(scheduler=False), max_steps=6, callbacks=[StallMonitor(log_every_n_steps=2), scheduler], logger=logger,
+        plugins=[QStatePrecision(states="e2m2", min_quant_size=0)])  # fmt: skip
+    assert logger.values("qstate/stall_predicted/momentum_buffer")[0] == pytest.approx(stall_probability("e2m2", 0.9, moment="first"), rel=0.01)
+    assert all(0.0 <= rate <= 1.0 for rate in logger.values("qstate/stall/momentum_buffer/net.0.weight"))
+    assert sorted({step for step, _ in scheduler.history}) == [3, 6]
+
+
+def test_monitor_measures_wrapped_optimizers_without_a_prediction(tmp_path):
+    class Adagrad(Regressor):
+        def configure_optimizers(self):
+            return torch.optim.Adagrad(self.parameters(), lr=1e-3)
+
+    logger = MemoryLogger()
+    fit(tmp_path, model=Adagrad(scheduler=False), max_steps=4, callbacks=[StallMonitor(log_every_n_steps=2)], logger=logger,
+        plugins=[QStatePrecision(states="bf16", min_quant_size=0)])  # fmt: skip
+    assert len(logger.values("qstate/stall/sum/net.0.weight")) == 2
+    assert not any(key.startswith("qstate/stall_predicted") for _, metrics in logger.records for key in metrics)  # a sum, not an EMA

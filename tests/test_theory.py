@@ -1,0 +1,147 @@
+"""The stall model: the paper's reference numbers, the closed forms against sampling, reset periods, and the
+controlled simulation of ``benchmarks/stall_simulation.py`` against the prediction."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_qstate.formats import get_format
+from lightning_qstate.theory import half_staleness_age, relative_gaps, reset_period, stall_probability, state_decay
+
+SIMULATION = Path(__file__).resolve().parents[1] / "benchmarks" / "stall_simulation.py"
+
+
+@pytest.mark.parametrize(
+    "fmt, rho, rn, sr",
+    [("bf16", 2.71, 0.946, 0.825), ("fp8_e4m3", 43.3, 1.0, 0.989), ("e2m2", 86.6, 1.0, 0.994)],
+)
+def test_reference_values_of_the_paper(fmt, rho, rn, sr):
+    """ALGORITHMS.md section 1, β2 = 0.999 (the paper's closed forms: no block-scale drift)."""
+    _, gap, _ = relative_gaps(get_format(fmt, signed=False))
+    assert float(gap[0]) / (2 * 0.001) == pytest.approx(rho, abs=0.05)
+    assert stall_probability(fmt, 0.999, "nearest", block_drift=False) == pytest.approx(rn, abs=5e-4)
+    assert stall_probability(fmt, 0.999, "stochastic", block_drift=False) == pytest.approx(sr, abs=5e-4)
+
+
+def test_build_up_after_a_reset():
+    """bf16 at β2 = 0.999: about 0.45 at k=100, 0.67 at 300, 0.87 at 1000, rising to the steady 0.946."""
+    ages = [1, 10, 100, 300, 1000, 3000, 10000]
+    curve = [stall_probability("bf16", 0.999, age=k) for k in ages]
+    assert curve[2:5] == pytest.approx([0.45, 0.67, 0.87], abs=0.01)
+    assert all(a <= b for a, b in zip(curve, curve[1:]))
+    assert curve[-1] == pytest.approx(stall_probability("bf16", 0.999), abs=1e-4)
+    assert curve[0] < 0.05  # just after a reset the state is responsive
+
+
+def sampled_stall(rho: float, center: float, rounding: str, moment: str, samples: int = 2_000_000) -> float:
+    """Monte Carlo of the model's stall condition (the closed forms must equal it)."""
+    gen = torch.Generator().manual_seed(0)
+    if moment == "second":
+        noise, centers = torch.randn(samples, generator=gen, dtype=torch.float64).square(), torch.full((samples,), center, dtype=torch.float64)
+    else:
+        noise = torch.randn(samples, generator=gen, dtype=torch.float64)
+        centers = (center * torch.randn(samples, generator=gen, dtype=torch.float64)).abs()
+    distance = (noise - centers).abs() / (rho * centers)
+    if rounding == "nearest":
+        return float((distance < 1).double().mean())
+    return float((1 - distance / 2).clamp(min=0).mean())
+
+
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+@pytest.mark.parametrize("fmt, beta, age", [("bf16", 0.999, None), ("bf16", 0.999, 300), ("e4m3", 0.99, None), ("fp16", 0.999, 50)])
+def test_second_moment_closed_forms_match_sampling(fmt, beta, age, rounding):
+    _, gap, _ = relative_gaps(get_format(fmt, signed=False))
+    rho = float(gap[0]) / (2 * (1 - beta))
+    center = 1.0 if age is None else 1 - beta**age
+    predicted = stall_probability(fmt, beta, rounding, age=age, block_drift=False)
+    assert predicted == pytest.approx(sampled_stall(rho, center, rounding, "second"), abs=2e-3)
+
+
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+@pytest.mark.parametrize("fmt, beta", [("bf16", 0.9), ("e2m2", 0.9), ("e3m2", 0.99)])
+def test_first_moment_quadrature_matches_sampling(fmt, beta, rounding):
+    _, gap, _ = relative_gaps(get_format(fmt))
+    rho = float(gap[0]) / (2 * (1 - beta))
+    spread = math.sqrt((1 - beta) / (1 + beta))
+    predicted = stall_probability(fmt, beta, rounding, moment="first")
+    assert predicted == pytest.approx(sampled_stall(rho, spread, rounding, "first"), abs=2e-3)
+
+
+def test_codebook_gaps_and_occupancy():
+    weights, up, down = relative_gaps(get_format("int8_linear", signed=False))
+    assert float(weights.sum()) == pytest.approx(1.0)
+    assert torch.allclose(up * torch.linspace(0, 1, 256, dtype=torch.float64)[-len(up) :], torch.full_like(up, 1 / 255), rtol=1e-5)
+    # a state whose entries all sit at one code is predicted from that code's gaps alone
+    fmt = get_format("int8_linear", signed=False)
+    state = fmt.quantize(torch.cat([torch.ones(1), torch.full((255,), 0.5)]))
+    one_code = stall_probability(fmt, 0.99, values=state, block_drift=False)
+    rho = (1 / 255) / (0.5 * 2 * 0.01)
+    expected = math.erf(math.sqrt((1 + rho) / 2)) - math.erf(math.sqrt((1 - rho) / 2))
+    assert one_code == pytest.approx(expected, abs=0.01)
+    assert 0.0 < stall_probability("int8", 0.999) < 1.0 and 0.0 < stall_probability("int4", 0.999, "stochastic") < 1.0
+
+
+def test_block_drift_lowers_the_stall_of_block_formats_only():
+    assert stall_probability("bf16", 0.99, "stochastic") == stall_probability("bf16", 0.99, "stochastic", block_drift=False)
+    assert stall_probability("fp8_e4m3", 0.99, "stochastic") < stall_probability("fp8_e4m3", 0.99, "stochastic", block_drift=False) - 0.02
+
+
+def test_reset_periods_reproduce_the_paper_and_skip_formats_that_do_not_stall():
+    assert [reset_period(f, 0.999) for f in ("bf16", "fp8_e4m3", "e2m2")] == [1000, 300, 200]
+    assert [reset_period(f, 0.999, "stochastic") for f in ("bf16", "fp8_e4m3", "e2m2")] == [1000, 300, 200]
+    assert reset_period("fp32", 0.999) is None and reset_period(None, 0.999) is None and reset_period("fp16", 0.999) is None
+    unrounded = [reset_period(f, 0.999, round_period=False) for f in ("bf16", "fp8_e4m3", "e2m2")]
+    assert all(0.85 < got / paper < 1.15 for got, paper in zip(unrounded, (1000, 300, 200)))
+    assert half_staleness_age("bf16", 0.999) > half_staleness_age("fp8_e4m3", 0.999) > half_staleness_age("e2m2", 0.999)
+    assert reset_period("e2m2", 0.99) < reset_period("e2m2", 0.999)  # a shorter EMA horizon resets sooner
+
+
+def test_state_decays():
+    adam = {"betas": (0.9, 0.98)}
+    assert state_decay(adam, "exp_avg") == 0.9 and state_decay(adam, "exp_avg_sq") == 0.98
+    assert state_decay({"momentum": 0.95}, "momentum_buffer") == 0.95
+    assert state_decay({"momentum": 0}, "momentum_buffer") is None and state_decay(adam, "step") is None
+    assert state_decay({"alpha": 0.99}, "square_avg") == 0.99 and state_decay({"lr_decay": 0}, "sum") is None
+
+
+def test_bad_arguments_raise_clear_errors():
+    with pytest.raises(ValueError, match="beta=1.5"):
+        stall_probability("bf16", 1.5)
+    with pytest.raises(ValueError, match="rounding='up'.*nearest"):
+        stall_probability("bf16", 0.9, "up")
+    with pytest.raises(ValueError, match="age=0"):
+        stall_probability("bf16", 0.9, age=0)
+    with pytest.raises(ValueError, match="moment='third'"):
+        stall_probability("bf16", 0.9, moment="third")
+    with pytest.raises(ValueError, match="unknown format 'bf17'"):
+        stall_probability("bf17", 0.9)
+
+
+@pytest.fixture(scope="module")
+def simulation():
+    spec = importlib.util.spec_from_file_location("benchmarks_stall_simulation", SIMULATION)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+@pytest.mark.parametrize("beta", [0.99, 0.999])
+@pytest.mark.parametrize("fmt", ["bf16", "fp8_e4m3"])
+def test_simulated_stall_rate_is_within_3_points_of_the_prediction(simulation, fmt, beta, rounding):
+    result = simulation.run_case(simulation.Case(fmt, beta, rounding, "gaussian", "second"), entries=16384, horizons=1.0, long_run=False, seed=0)
+    assert abs(result.measured - result.predicted) <= 0.03, (result.measured, result.predicted)
+
+
+def test_simulation_script_writes_its_table(simulation, tmp_path):
+    out = tmp_path / "stall.md"
+    results = simulation.main(["--quick", "--entries", "2048", "--out", str(out), "--quiet"])
+    text = out.read_text()
+    assert len(results) == 8 and "| v | bf16 | 0.999 | nearest | gaussian |" in text and "--quick" in text
