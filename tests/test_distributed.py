@@ -337,7 +337,7 @@ def test_adaptive_bit_widths_are_identical_on_every_rank(adaptive_run):
     assert [entry["step"] for entry in straight["history"]] == list(range(STEPS))
     assert straight["transitions"] > first["transitions"] > 0, "decisions change before and after the checkpoint"
     formats = {state["format"]["name"] for entry in run.info("straight", 0)["params"].values() for state in entry["states"].values() if state["quantized"]}
-    assert formats and formats <= {"int8_linear", "int8", "int4_linear", "e4m0"}
+    assert formats and formats <= {"int8_linear", "int8", "int4", "e4m0"}
 
 
 def test_adaptive_resume_continues_exactly(adaptive_run):
