@@ -18,7 +18,7 @@ from typing import Literal
 import torch
 
 from .base import NonFiniteError, QuantizedTensor, StorageFormat, kernel_backend, uniform_like
-from .codebooks import CodebookIndex, MinifloatSpec
+from .codebooks import CodebookIndex, MinifloatSpec, NearestCodeIndex
 from .packing import as_blocks, num_blocks, pack, packed_numel, unpack
 from .rounding import Rounding, encode_codebook, encode_minifloat, lookup
 
@@ -121,12 +121,14 @@ class CodebookFormat(BlockFormat):
         super().__init__(name, bits, block_size, signed, nonfinite)
         self.codebook = codebook
         self.index = CodebookIndex.build(codebook)
+        self.nearest_index = NearestCodeIndex.build(codebook)  # None where no byte-bucket table fits (the C++ kernel then skips it)
 
     def decode_values(self) -> torch.Tensor:
         return self.codebook.to(torch.float32)
 
     def _make_tables(self) -> dict:
-        return {"decode": self.decode_values(), "index": self.index}
+        tables = {"decode": self.decode_values(), "index": self.index}
+        return tables if self.nearest_index is None else {**tables, "nearest": self.nearest_index}
 
     def encode(self, normalized: torch.Tensor, rounding: Rounding, uniform: torch.Tensor | None) -> torch.Tensor:
         return encode_codebook(normalized, self.tables(normalized.device)["index"], rounding, uniform)

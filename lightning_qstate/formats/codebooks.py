@@ -150,3 +150,95 @@ class CodebookIndex:
 
     def to(self, device: torch.device) -> CodebookIndex:
         return CodebookIndex(self.values.to(device), self.bucket_floor.to(device), self.key_shift, self.half)
+
+
+def _order_key(x: torch.Tensor) -> torch.Tensor:
+    """int64 keys in the order of the fp32 values ``x`` (adjacent floats get adjacent keys; ``-0.0`` and ``0.0`` share 0)."""
+    bits = x.view(torch.int32).to(torch.int64)
+    return torch.where(bits >= 0, bits, -(bits & 0x7FFFFFFF))
+
+
+def _from_order_key(key: torch.Tensor) -> torch.Tensor:
+    """The fp32 values of ``_order_key`` keys."""
+    bits = torch.where(key >= 0, key, (-key) | 0x80000000)
+    return torch.where(bits >= 2**31, bits - 2**32, bits).to(torch.int32).view(torch.float32)
+
+
+def nearest_thresholds(values: torch.Tensor) -> torch.Tensor:
+    """``(n - 1,)`` fp32: ``thresholds[k]`` is the least fp32 ``x`` that round-to-nearest sends to code ``k + 1`` rather than ``k``.
+
+    "Rounds up" is ``formats.rounding.round_up_mask`` on ``(x - values[k], values[k + 1] - values[k])`` in fp32, which
+    is monotone in ``x``, so the exact threshold is found by bisection over the floats between the two values.
+    Then ``encode_codebook(x, "nearest") == #{k : thresholds[k] <= x}`` for every fp32 ``x`` (clamping included).
+    """
+    values = values.to(torch.float32)
+    low, high = values[:-1], values[1:]
+    gap = high - low
+    below, above = _order_key(low), _order_key(high)  # rounds up at ``high`` (2 * gap >= gap), not at ``low``
+    while bool((above - below > 1).any()):
+        middle = torch.div(below + above, 2, rounding_mode="floor")
+        up = (_from_order_key(middle) - low) * 2 >= gap
+        above, below = torch.where(up, middle, above), torch.where(up, below, middle)
+    return _from_order_key(above)
+
+
+@dataclass(frozen=True)
+class NearestCodeIndex:
+    """Round-to-nearest codebook codes from one 32-bit table lookup and integer compares (the C++ CPU kernel's encoder).
+
+    The bucket of ``x`` is ``half + key`` for ``x >= 0`` and ``half - 1 - key`` for ``x < 0``, with
+    ``key = clamp((bits(|x|) - key_base) >> key_shift, 0, half - 1)`` from the fp32 pattern. A bucket holds at most one
+    of the ``nearest_thresholds``. Its entry packs ``first`` (bits 0-7: the thresholds at or below ``x`` for every
+    ``x`` in the bucket), ``inside`` (bit 8: a threshold lies in the bucket) and ``offset`` (bits 9+: that
+    threshold's magnitude pattern minus ``key_base + (key << key_shift)``). Then
+    ``code = first + (inside and (|x| >= |t| if x >= 0 else |x| <= |t|))``, which equals
+    ``encode_codebook(x, index, "nearest")`` for every fp32 ``x`` (tested exhaustively at the thresholds).
+    """
+
+    decode: torch.Tensor  # (256,) fp32 codebook values, padded with 0
+    bucket_entries: torch.Tensor  # (2 * half,) int32
+    key_base: int
+    key_shift: int
+    half: int
+
+    @staticmethod
+    def build(codebook: torch.Tensor) -> NearestCodeIndex | None:
+        """The index of a sorted codebook of at most 256 values, or ``None`` if its thresholds are too close together."""
+        if codebook.numel() > 256:
+            return None
+        thresholds = nearest_thresholds(codebook)
+        smallest = thresholds.abs()[thresholds != 0].min()
+        exponent = max(int(torch.floor(torch.log2(smallest.double()))), -126)
+        key_base = (exponent + 127) << 23  # fp32 pattern of the binade start at or below the smallest |threshold|
+        decode = torch.zeros(256)
+        decode[: codebook.numel()] = codebook
+        for key_bits in range(4, 16):
+            entries = NearestCodeIndex._bucket_entries(thresholds, key_base, 23 - key_bits)
+            if entries is not None:
+                return NearestCodeIndex(decode, entries, key_base, 23 - key_bits, entries.numel() // 2)
+        return None
+
+    @staticmethod
+    def _bucket_entries(thresholds: torch.Tensor, key_base: int, key_shift: int) -> torch.Tensor | None:
+        keys = torch.arange(((0x3F800000 - key_base) >> key_shift) + 2, dtype=torch.int64)  # the last bucket: above 1
+        start_bits = key_base + (keys << key_shift)
+        starts = start_bits[1:].to(torch.int32).view(torch.float32).double()
+        lower = torch.cat([torch.zeros(1, dtype=torch.float64), starts])  # |x| in [lower, upper)
+        upper = torch.cat([starts, torch.full((1,), float("inf"), dtype=torch.float64)])
+        sorted_thresholds = thresholds.double()
+        magnitude_bits = thresholds.abs().view(torch.int32).to(torch.int64)
+        negative_top = torch.where(lower > 0, -lower, -torch.finfo(torch.float64).tiny)  # a threshold at 0 is above every x < 0
+        sides = []
+        for first, beyond in (
+            (torch.searchsorted(sorted_thresholds, -upper, right=True), torch.searchsorted(sorted_thresholds, negative_top, right=True)),
+            (torch.searchsorted(sorted_thresholds, lower, right=True), torch.searchsorted(sorted_thresholds, upper, right=False)),
+        ):  # x < 0: thresholds in (-upper, -lower]; x >= 0: in (lower, upper)
+            if (beyond - first).max() > 1:
+                return None
+            inside = beyond > first
+            offset = torch.where(inside, magnitude_bits[first.clamp(max=thresholds.numel() - 1)] - start_bits, 0)
+            sides.append(first + (inside.to(torch.int64) << 8) + (offset << 9))
+        return torch.cat([sides[0].flip(0), sides[1]]).to(torch.int32)
+
+    def to(self, device: torch.device) -> NearestCodeIndex:
+        return NearestCodeIndex(self.decode.to(device), self.bucket_entries.to(device), self.key_base, self.key_shift, self.half)

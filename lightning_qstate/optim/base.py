@@ -128,12 +128,16 @@ class QuantizedStates:
         """
         if bool(torch.isfinite(torch.sum(grad, dtype=torch.float32))) or bool(torch.isfinite(grad).all()):
             return True
+        self._skip_nonfinite_grad(param)
+        return False
+
+    def _skip_nonfinite_grad(self, param: torch.Tensor) -> None:
+        """Count and warn (``nonfinite="skip"``) or raise, for a parameter whose gradient holds inf/NaN."""
         message = f"{type(self).__name__}: non-finite gradient for a parameter of shape {tuple(param.shape)}"
         if self.nonfinite == "raise":
             raise FloatingPointError(message + " (nonfinite='raise')")
         self.nonfinite_skips += 1
-        warnings.warn(message + "; its update was skipped and its states left unchanged (nonfinite='skip')", RuntimeWarning, stacklevel=3)
-        return False
+        warnings.warn(message + "; its update was skipped and its states left unchanged (nonfinite='skip')", RuntimeWarning, stacklevel=4)
 
     def _check_grad(self, grad: torch.Tensor) -> None:
         if grad.is_sparse:
@@ -156,13 +160,20 @@ class QuantizedStates:
 
     def _step_params(self) -> None:
         for group in self.param_groups:
-            for key in group["params"]:
-                if key.grad is None:
-                    continue
-                self._check_grad(key.grad)
-                if not self._grad_is_finite(key, key.grad):
-                    continue
-                self._step_param(group, key, local_tensor(key), local_tensor(key.grad), self.state[key])
+            for key in self._params_with_grads(group):
+                self._step_checked(group, key)
+
+    def _params_with_grads(self, group: dict) -> list[torch.Tensor]:
+        """The params of ``group`` that have a gradient (checked: dense)."""
+        keys = [key for key in group["params"] if key.grad is not None]
+        for key in keys:
+            self._check_grad(key.grad)
+        return keys
+
+    def _step_checked(self, group: dict, key: torch.Tensor) -> None:
+        """Step one parameter unless the non-finite-gradient policy skips it."""
+        if self._grad_is_finite(key, key.grad):
+            self._step_param(group, key, local_tensor(key), local_tensor(key.grad), self.state[key])
 
     def _step_param(self, group: dict, key: torch.Tensor, param: torch.Tensor, grad: torch.Tensor, state: dict) -> None:
         """Step one parameter. ``key`` is the parameter as the optimizer holds it (a DTensor under FSDP2: all

@@ -1,10 +1,18 @@
 """A hand-written C++ Adam(W) step for 8-bit codebook states on the CPU (round-to-nearest), with optional stall counts.
 
-One pass per block of ``block_size`` values, threaded with ``at::parallel_for``: decode both moments
-(table lookup times the block scale), torch's Adam(W) update, per-block absmax, and the encoder of
-``formats.rounding.encode_codebook`` (bucket lookup, one compare, nearest of two neighbours), writing
-param, codes and scales in place. The codes are the reference's, computed with the same float
-operations in the same order (compiled with ``-ffp-contract=off``).
+``adam_steps_u8`` steps every parameter of a param group in one call, threaded with ``at::parallel_for``
+over all their blocks: first a check of every gradient (a parameter with an inf/NaN gradient is left
+untouched), then one pass per block: decode both moments (table lookup times the block scale), torch's
+Adam(W) update, per-block absmax, and round-to-nearest encoding with ``formats.NearestCodeIndex`` (one
+table lookup and integer compares), writing param, codes and scales in place.
+
+The codes and scales are those of the torch reference ``fused.adam_step_quantized`` bit for bit: the
+update uses the float operations of torch's vectorized CPU kernels in the same order (explicit FMAs
+where torch's ``lerp_``/``addcmul_`` use them, no other contraction: ``-ffp-contract=off``), and the
+encoder reproduces ``encode_codebook`` exactly. Params may differ from the eager reference in the last
+bit where torch's vectorized ``sqrt`` is not correctly rounded. With AVX-512 the body of each block runs
+16 lanes at a time (table lookups by register permutes, not gathers); the scalar code runs the rest and
+is the whole kernel on other CPUs.
 
 It is built on first use with ``torch.utils.cpp_extension.load_inline`` (needs a C++ compiler and
 ninja); where that fails, ``kernel()`` returns ``None`` and the optimizer uses the ``torch.compile``
@@ -23,42 +31,152 @@ SOURCE = r"""
 #include <ATen/Parallel.h>
 #include <cmath>
 #include <cstring>
-#include <mutex>
+#include <algorithm>
+#include <array>
+#include <atomic>
 #include <vector>
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define QSTATE_AVX512 1
+#endif
 
 namespace {
 
+// One state's formats.codebooks.NearestCodeIndex.
 struct Codebook {
-  const float* decode;      // value of every code
-  const int32_t* floor;     // bucket -> floor code
-  const float* values;      // sorted codebook
-  int32_t key_shift, half, last;
+  const float* decode;       // (256,) value of every code
+  const int32_t* entries;    // bucket -> first | inside << 8 | offset << 9
+  int32_t key_base, key_shift, half;
 };
 
-Codebook codebook(const torch::Tensor& decode, const torch::Tensor& floor, const torch::Tensor& values, int64_t key_shift, int64_t half) {
-  return Codebook{decode.data_ptr<float>(), floor.data_ptr<int32_t>(), values.data_ptr<float>(),
-                  static_cast<int32_t>(key_shift), static_cast<int32_t>(half), static_cast<int32_t>(values.numel() - 1)};
+Codebook codebook(const torch::Tensor& decode, const torch::Tensor& entries, int64_t key_base, int64_t key_shift, int64_t half) {
+  TORCH_CHECK(decode.numel() == 256 && entries.numel() == 2 * half, "a NearestCodeIndex: 256 decode values, 2 * half bucket entries");
+  return Codebook{decode.data_ptr<float>(), entries.data_ptr<int32_t>(),
+                  static_cast<int32_t>(key_base), static_cast<int32_t>(key_shift), static_cast<int32_t>(half)};
 }
 
-// formats.rounding.encode_codebook for one block: same operations, same order, vectorizable.
+// Adam(W) hyperparameters as fp32. The update follows fused.adam_math as torch's vectorized CPU kernels compute it:
+// lerp_ is fma(coeff, end - self, base) (coeff = w, base = self if |w| < 0.5, else w - 1 and end), addcmul_ is
+// fma(value * t1, t2, self).
+struct Hyper {
+  float sign, l2, decay, lerp_coeff, b2, one_minus_b2, step, bc2, eps;
+  bool lerp_from_end;
+};
+
+// One value of the Adam(W) update: param p and moments m, v (decoded) in place.
+inline void adam_lane(float& p, float g, float& m, float& v, const Hyper& h) {
+  const float gi = h.sign * g + p * h.l2;
+  m = std::fma(h.lerp_coeff, gi - m, h.lerp_from_end ? gi : m);
+  v = std::fma(h.one_minus_b2 * gi, gi, v * h.b2);
+  const float denom = std::sqrt(v) / h.bc2 + h.eps;
+  p = p * h.decay - (h.step * m) / denom;
+}
+
+inline uint8_t encode_lane(float value, const Codebook& cb) {
+  const float magnitude = std::fabs(value);
+  int32_t bits;
+  std::memcpy(&bits, &magnitude, 4);
+  int32_t key = (bits - cb.key_base) >> cb.key_shift;
+  key = key < 0 ? 0 : (key > cb.half - 1 ? cb.half - 1 : key);
+  const bool negative = value < 0.0f;
+  const int32_t entry = cb.entries[negative ? cb.half - 1 - key : cb.half + key];
+  const int32_t threshold = cb.key_base + (key << cb.key_shift) + (entry >> 9);
+  const bool up = (entry & 0x100) && (negative ? bits <= threshold : bits >= threshold);
+  return static_cast<uint8_t>((entry & 0xFF) + (up ? 1 : 0));
+}
+
+#ifdef QSTATE_AVX512
+// table[index] for a 256-entry fp32 table and 16 indices in [0, 256): eight two-register permutes and a blend tree
+// (no gathers, which are slow on recent Intel cores).
+inline __m512 lookup256(const float* table, __m512i index) {
+  __m512 part[8];
+  for (int k = 0; k < 8; ++k)
+    part[k] = _mm512_permutex2var_ps(_mm512_loadu_ps(table + 32 * k), index, _mm512_loadu_ps(table + 32 * k + 16));
+  const __mmask16 bit5 = _mm512_test_epi32_mask(index, _mm512_set1_epi32(32));
+  const __mmask16 bit6 = _mm512_test_epi32_mask(index, _mm512_set1_epi32(64));
+  const __mmask16 bit7 = _mm512_test_epi32_mask(index, _mm512_set1_epi32(128));
+  for (int k = 0; k < 4; ++k) part[k] = _mm512_mask_blend_ps(bit5, part[2 * k], part[2 * k + 1]);
+  for (int k = 0; k < 2; ++k) part[k] = _mm512_mask_blend_ps(bit6, part[2 * k], part[2 * k + 1]);
+  return _mm512_mask_blend_ps(bit7, part[0], part[1]);
+}
+
+inline __m512 decode16(const uint8_t* codes, const float* decode, float scale) {
+  const __m512i index = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes)));
+  return _mm512_mul_ps(lookup256(decode, index), _mm512_set1_ps(scale));
+}
+
+// encode_lane on 16 values; ``value`` already normalized.
+inline void encode16(__m512 value, const Codebook& cb, uint8_t* out) {
+  const __m512i bits = _mm512_castps_si512(_mm512_abs_ps(value));
+  const __m128i shift = _mm_cvtsi32_si128(cb.key_shift);
+  __m512i key = _mm512_sra_epi32(_mm512_sub_epi32(bits, _mm512_set1_epi32(cb.key_base)), shift);
+  key = _mm512_min_epi32(_mm512_max_epi32(key, _mm512_setzero_si512()), _mm512_set1_epi32(cb.half - 1));
+  const __mmask16 negative = _mm512_cmp_ps_mask(value, _mm512_setzero_ps(), _CMP_LT_OQ);
+  const __m512i bucket = _mm512_mask_sub_epi32(_mm512_add_epi32(_mm512_set1_epi32(cb.half), key), negative, _mm512_set1_epi32(cb.half - 1), key);
+  const __m512i entry = _mm512_i32gather_epi32(bucket, cb.entries, 4);
+  const __m512i threshold = _mm512_add_epi32(_mm512_add_epi32(_mm512_set1_epi32(cb.key_base), _mm512_sll_epi32(key, shift)), _mm512_srai_epi32(entry, 9));
+  const __mmask16 inside = _mm512_test_epi32_mask(entry, _mm512_set1_epi32(0x100));
+  const __mmask16 up = inside & ((negative & _mm512_cmple_epi32_mask(bits, threshold)) | (~negative & _mm512_cmpge_epi32_mask(bits, threshold)));
+  const __m512i first = _mm512_and_si512(entry, _mm512_set1_epi32(0xFF));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm512_cvtepi32_epi8(_mm512_mask_add_epi32(first, up, first, _mm512_set1_epi32(1))));
+}
+#endif
+
+// Decode both moments, Adam update of param (in place), moments to m / v; returns the absmaxes and NaN/inf flags.
+void update_block(float* __restrict__ p, const float* __restrict__ g, const uint8_t* mc, float m_scale, const uint8_t* vc, float v_scale,
+                  const Codebook& mcb, const Codebook& vcb, const Hyper& h, int64_t n, float* __restrict__ m, float* __restrict__ v,
+                  float& m_max, float& v_max, bool& m_ok, bool& v_ok) {
+  int64_t i = 0;
+  m_max = 0.0f, v_max = 0.0f;
+  bool m_bad = false, v_bad = false;
+#ifdef QSTATE_AVX512
+  const __m512 sign = _mm512_set1_ps(h.sign), l2 = _mm512_set1_ps(h.l2), decay = _mm512_set1_ps(h.decay);
+  const __m512 lerp_coeff = _mm512_set1_ps(h.lerp_coeff);
+  const __m512 b2 = _mm512_set1_ps(h.b2), one_minus_b2 = _mm512_set1_ps(h.one_minus_b2);
+  const __m512 step = _mm512_set1_ps(h.step), bc2 = _mm512_set1_ps(h.bc2), eps = _mm512_set1_ps(h.eps);
+  __m512 m_top = _mm512_setzero_ps(), v_top = _mm512_setzero_ps();
+  __mmask16 m_nonfinite = 0, v_nonfinite = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512 pi = _mm512_loadu_ps(p + i);
+    const __m512 gi = _mm512_add_ps(_mm512_mul_ps(sign, _mm512_loadu_ps(g + i)), _mm512_mul_ps(pi, l2));
+    __m512 mi = decode16(mc + i, mcb.decode, m_scale);
+    __m512 vi = decode16(vc + i, vcb.decode, v_scale);
+    mi = _mm512_fmadd_ps(lerp_coeff, _mm512_sub_ps(gi, mi), h.lerp_from_end ? gi : mi);
+    vi = _mm512_fmadd_ps(_mm512_mul_ps(one_minus_b2, gi), gi, _mm512_mul_ps(vi, b2));
+    const __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(vi), bc2), eps);
+    _mm512_storeu_ps(p + i, _mm512_sub_ps(_mm512_mul_ps(pi, decay), _mm512_div_ps(_mm512_mul_ps(step, mi), denom)));
+    _mm512_storeu_ps(m + i, mi);
+    _mm512_storeu_ps(v + i, vi);
+    m_top = _mm512_max_ps(_mm512_abs_ps(mi), m_top);  // a NaN lane keeps the running max, as the scalar compare does
+    v_top = _mm512_max_ps(_mm512_abs_ps(vi), v_top);
+    m_nonfinite |= _mm512_cmp_ps_mask(_mm512_sub_ps(mi, mi), _mm512_setzero_ps(), _CMP_UNORD_Q);
+    v_nonfinite |= _mm512_cmp_ps_mask(_mm512_sub_ps(vi, vi), _mm512_setzero_ps(), _CMP_UNORD_Q);
+  }
+  m_max = _mm512_reduce_max_ps(m_top), v_max = _mm512_reduce_max_ps(v_top);
+  m_bad = m_nonfinite != 0, v_bad = v_nonfinite != 0;
+#endif
+  for (; i < n; ++i) {
+    float mi = mcb.decode[mc[i]] * m_scale, vi = vcb.decode[vc[i]] * v_scale;
+    adam_lane(p[i], g[i], mi, vi, h);
+    m[i] = mi, v[i] = vi;
+    const float am = std::fabs(mi), av = std::fabs(vi);
+    m_max = am > m_max ? am : m_max;
+    v_max = av > v_max ? av : v_max;
+    m_bad |= std::isnan(mi - mi);
+    v_bad |= std::isnan(vi - vi);
+  }
+  m_ok = !m_bad, v_ok = !v_bad;
+}
+
+// formats.rounding.encode_codebook (RN) of x / divisor for one block; a non-finite block encodes zeros.
 void encode_block(const float* __restrict__ x, float divisor, bool finite, const Codebook& cb, uint8_t* __restrict__ out, int64_t n) {
   const float scale_ok = finite ? 1.0f : 0.0f;
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) {
-    const float value = (x[i] * scale_ok) / divisor;
-    const float magnitude = std::fabs(value);
-    int32_t bits;
-    std::memcpy(&bits, &magnitude, 4);
-    const int32_t key = bits >> cb.key_shift;
-    const int32_t bucket = value < 0.0f ? cb.half - 1 - key : cb.half + key;
-    int32_t floor = cb.floor[bucket];
-    const int32_t next = floor + 1 < cb.last ? floor + 1 : cb.last;
-    floor += cb.values[next] <= value ? 1 : 0;
-    const int32_t low = floor < 0 ? 0 : (floor > cb.last - 1 ? cb.last - 1 : floor);
-    const float low_value = cb.values[low];
-    const float high_value = cb.values[low + 1];
-    out[i] = static_cast<uint8_t>(low + ((value - low_value) * 2.0f >= (high_value - low_value) ? 1 : 0));
-  }
+  int64_t i = 0;
+#ifdef QSTATE_AVX512
+  const __m512 ok = _mm512_set1_ps(scale_ok), d = _mm512_set1_ps(divisor);
+  for (; i + 16 <= n; i += 16) encode16(_mm512_div_ps(_mm512_mul_ps(_mm512_loadu_ps(x + i), ok), d), cb, out + i);
+#endif
+  for (; i < n; ++i) out[i] = encode_lane((x[i] * scale_ok) / divisor, cb);
 }
 
 // formats.count_stalls for one block: [stalled, moved] added to counts. ``old``: codes before the step.
@@ -75,98 +193,145 @@ void count_block(const uint8_t* __restrict__ old, float old_scale, const uint8_t
   counts[1] += moved;
 }
 
+// Whether every value of x[0:n] is finite (x - x is 0, not NaN).
+bool all_finite(const float* __restrict__ x, int64_t n) {
+  int64_t i = 0;
+  bool bad = false;
+#ifdef QSTATE_AVX512
+  __mmask16 nonfinite = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512 value = _mm512_loadu_ps(x + i);
+    nonfinite |= _mm512_cmp_ps_mask(_mm512_sub_ps(value, value), _mm512_setzero_ps(), _CMP_UNORD_Q);
+  }
+  bad = nonfinite != 0;
+#endif
+  for (; i < n; ++i) bad |= std::isnan(x[i] - x[i]);
+  return !bad;
+}
+
+// One parameter of the multi-tensor step.
+struct Param {
+  float* p;
+  const float* g;
+  uint8_t *mc, *vc;
+  float *ms, *vs;
+  Codebook mcb, vcb;
+  Hyper h;
+  int64_t numel, block, first_block;  // first_block: index of its first block in the step's global block order
+};
+
 }  // namespace
 
-void adam_step_u8(torch::Tensor param, torch::Tensor grad,
-                  torch::Tensor m_codes, torch::Tensor m_scales, torch::Tensor v_codes, torch::Tensor v_scales,
-                  torch::Tensor m_decode, torch::Tensor m_floor, torch::Tensor m_values, int64_t m_shift, int64_t m_half,
-                  torch::Tensor v_decode, torch::Tensor v_floor, torch::Tensor v_values, int64_t v_shift, int64_t v_half,
-                  int64_t block, double lr, double weight_decay, double beta1, double beta2, double eps,
-                  double step_size, double bias_correction2_sqrt, bool decoupled, bool maximize, torch::Tensor counts) {
-  float* p = param.data_ptr<float>();
-  const float* g = grad.data_ptr<float>();
-  uint8_t* mc = m_codes.data_ptr<uint8_t>();
-  uint8_t* vc = v_codes.data_ptr<uint8_t>();
-  float* ms = m_scales.data_ptr<float>();
-  float* vs = v_scales.data_ptr<float>();
-  const Codebook mcb = codebook(m_decode, m_floor, m_values, m_shift, m_half);
-  const Codebook vcb = codebook(v_decode, v_floor, v_values, v_shift, v_half);
-  const float f_lr = lr, f_wd = weight_decay, f_b1 = beta1, f_b2 = beta2, f_eps = eps;
-  const float sign = maximize ? -1.0f : 1.0f;
-  const float decay = decoupled ? 1.0f - f_lr * f_wd : 1.0f;
-  const float l2 = decoupled ? 0.0f : f_wd;
-  const float one_minus_b1 = 1.0f - f_b1, one_minus_b2 = 1.0f - f_b2;
-  const float f_step = step_size, f_bc2 = bias_correction2_sqrt;
-  const int64_t blocks = param.numel() / block;
-  const bool track = counts.numel() == 4;  // int64 [stalled_m, moved_m, stalled_v, moved_v], added to
-  std::mutex counts_mutex;
-  at::parallel_for(0, blocks, 16, [&](int64_t begin, int64_t end) {
-    std::vector<float> m_buffer(block), v_buffer(block);
-    std::vector<uint8_t> old_m(track ? block : 0), old_v(track ? block : 0);
-    int64_t local[4] = {0, 0, 0, 0};
-    float* __restrict__ m = m_buffer.data();
-    float* __restrict__ v = v_buffer.data();
-    for (int64_t b = begin; b < end; ++b) {
-      const int64_t base = b * block;
-      const float m_scale = ms[b], v_scale = vs[b];
-      float* __restrict__ pb = p + base;
-      const float* __restrict__ gb = g + base;
-      const uint8_t* __restrict__ mcb_in = mc + base;
-      const uint8_t* __restrict__ vcb_in = vc + base;
-      float m_max = 0.0f, v_max = 0.0f;
-      int32_t bad = 0;
-#pragma omp simd reduction(max : m_max, v_max) reduction(| : bad)
-      for (int64_t i = 0; i < block; ++i) {
-        const float pi = pb[i];
-        const float gi = sign * gb[i] + pi * l2;
-        float mi = mcb.decode[mcb_in[i]] * m_scale;
-        float vi = vcb.decode[vcb_in[i]] * v_scale;
-        mi = mi + one_minus_b1 * (gi - mi);
-        vi = vi * f_b2 + one_minus_b2 * (gi * gi);
-        const float denom = std::sqrt(vi) / f_bc2 + f_eps;
-        pb[i] = pi * decay - f_step * (mi / denom);
-        m[i] = mi;
-        v[i] = vi;
-        const float am = std::fabs(mi), av = std::fabs(vi);
-        m_max = am > m_max ? am : m_max;
-        v_max = av > v_max ? av : v_max;
-        bad |= ((mi - mi) != (mi - mi)) ? 1 : 0;
-        bad |= ((vi - vi) != (vi - vi)) ? 2 : 0;
-      }
-      const bool m_ok = !(bad & 1), v_ok = !(bad & 2);
-      if (track) {
-        std::memcpy(old_m.data(), mcb_in, block);
-        std::memcpy(old_v.data(), vcb_in, block);
-      }
-      encode_block(m, (m_ok && m_max > 0.0f) ? m_max : 1.0f, m_ok, mcb, mc + base, block);
-      encode_block(v, (v_ok && v_max > 0.0f) ? v_max : 1.0f, v_ok, vcb, vc + base, block);
-      ms[b] = m_ok ? m_max : NAN;
-      vs[b] = v_ok ? v_max : NAN;
-      if (track) {
-        count_block(old_m.data(), m_scale, mc + base, ms[b], m, mcb.decode, block, local);
-        count_block(old_v.data(), v_scale, vc + base, vs[b], v, vcb.decode, block, local + 2);
-      }
+// Adam(W) step of every parameter of one param group. ``tables``: per parameter [m_decode, m_entries, v_decode,
+// v_entries]; ``ints``: (n, 7) int64 [block, m_base, m_shift, m_half, v_base, v_shift, v_half]; ``per_step``: (n, 2)
+// float64 [step_size, bias_correction2_sqrt]. First every gradient is checked: a parameter with an inf/NaN gradient is
+// left untouched. Returns (n, 6) int64 [grad_finite, moments_finite, stalled_m, moved_m, stalled_v, moved_v]
+// (stall columns 0 unless ``track``).
+torch::Tensor adam_steps_u8(std::vector<torch::Tensor> params, std::vector<torch::Tensor> grads,
+                            std::vector<torch::Tensor> m_codes, std::vector<torch::Tensor> m_scales,
+                            std::vector<torch::Tensor> v_codes, std::vector<torch::Tensor> v_scales,
+                            std::vector<torch::Tensor> tables, torch::Tensor ints, torch::Tensor per_step,
+                            double lr, double weight_decay, double beta1, double beta2, double eps,
+                            bool decoupled, bool maximize, bool track) {
+  const int64_t n = static_cast<int64_t>(params.size());
+  const float f_lr = lr, f_wd = weight_decay, f_b1 = beta1, f_b2 = beta2;
+  Hyper shared;
+  shared.sign = maximize ? -1.0f : 1.0f;
+  shared.decay = decoupled ? 1.0f - f_lr * f_wd : 1.0f;
+  shared.l2 = decoupled ? 0.0f : f_wd;
+  const float lerp_weight = 1.0f - f_b1;
+  shared.lerp_from_end = !(std::fabs(lerp_weight) < 0.5f);
+  shared.lerp_coeff = shared.lerp_from_end ? lerp_weight - 1.0f : lerp_weight;
+  shared.b2 = f_b2, shared.one_minus_b2 = 1.0f - f_b2;
+  shared.eps = static_cast<float>(eps);
+  const auto ints_a = ints.accessor<int64_t, 2>();
+  const auto step_a = per_step.accessor<double, 2>();
+  std::vector<Param> work(n);
+  int64_t total_blocks = 0;
+  for (int64_t k = 0; k < n; ++k) {
+    Param& w = work[k];
+    w.p = params[k].data_ptr<float>(), w.g = grads[k].data_ptr<float>();
+    w.mc = m_codes[k].data_ptr<uint8_t>(), w.vc = v_codes[k].data_ptr<uint8_t>();
+    w.ms = m_scales[k].data_ptr<float>(), w.vs = v_scales[k].data_ptr<float>();
+    w.mcb = codebook(tables[4 * k], tables[4 * k + 1], ints_a[k][1], ints_a[k][2], ints_a[k][3]);
+    w.vcb = codebook(tables[4 * k + 2], tables[4 * k + 3], ints_a[k][4], ints_a[k][5], ints_a[k][6]);
+    w.h = shared;
+    w.h.step = static_cast<float>(step_a[k][0]), w.h.bc2 = static_cast<float>(step_a[k][1]);
+    w.numel = params[k].numel(), w.block = ints_a[k][0];
+    w.first_block = total_blocks;
+    total_blocks += (w.numel + w.block - 1) / w.block;
+  }
+  auto result = torch::zeros({n, 6}, torch::kInt64);
+  auto out = result.accessor<int64_t, 2>();
+  std::vector<std::atomic<int>> grad_bad(n), moments_bad(n);
+  std::vector<std::array<std::atomic<int64_t>, 4>> stalls(n);
+  auto owner = [&](int64_t global_block) {  // the parameter holding a global block index
+    int64_t low = 0, high = n - 1;
+    while (low < high) {
+      const int64_t mid = (low + high + 1) / 2;
+      if (work[mid].first_block <= global_block) low = mid; else high = mid - 1;
     }
-    if (track) {
-      std::lock_guard<std::mutex> guard(counts_mutex);
-      int64_t* total = counts.data_ptr<int64_t>();
-      for (int k = 0; k < 4; ++k) total[k] += local[k];
+    return low;
+  };
+  at::parallel_for(0, total_blocks, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin, k = owner(begin); b < end; ++b) {
+      while (k + 1 < n && work[k + 1].first_block <= b) ++k;
+      const Param& w = work[k];
+      const int64_t base = (b - w.first_block) * w.block;
+      if (!all_finite(w.g + base, std::min(w.block, w.numel - base))) grad_bad[k].store(1, std::memory_order_relaxed);
     }
   });
+  at::parallel_for(0, total_blocks, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> m_buffer, v_buffer;
+    std::vector<uint8_t> old_m, old_v;
+    for (int64_t b = begin, k = owner(begin); b < end; ++b) {
+      while (k + 1 < n && work[k + 1].first_block <= b) ++k;
+      if (grad_bad[k].load(std::memory_order_relaxed)) continue;
+      const Param& w = work[k];
+      const int64_t index = b - w.first_block, base = index * w.block, size = std::min(w.block, w.numel - base);
+      m_buffer.resize(size), v_buffer.resize(size);
+      const float m_scale = w.ms[index], v_scale = w.vs[index];
+      if (track) {
+        old_m.assign(w.mc + base, w.mc + base + size);
+        old_v.assign(w.vc + base, w.vc + base + size);
+      }
+      float m_max, v_max;
+      bool m_ok, v_ok;
+      update_block(w.p + base, w.g + base, w.mc + base, m_scale, w.vc + base, v_scale, w.mcb, w.vcb, w.h, size,
+                   m_buffer.data(), v_buffer.data(), m_max, v_max, m_ok, v_ok);
+      encode_block(m_buffer.data(), (m_ok && m_max > 0.0f) ? m_max : 1.0f, m_ok, w.mcb, w.mc + base, size);
+      encode_block(v_buffer.data(), (v_ok && v_max > 0.0f) ? v_max : 1.0f, v_ok, w.vcb, w.vc + base, size);
+      w.ms[index] = m_ok ? m_max : NAN;
+      w.vs[index] = v_ok ? v_max : NAN;
+      if (!(m_ok && v_ok)) moments_bad[k].store(1, std::memory_order_relaxed);
+      if (track) {
+        int64_t local[4] = {0, 0, 0, 0};
+        count_block(old_m.data(), m_scale, w.mc + base, w.ms[index], m_buffer.data(), w.mcb.decode, size, local);
+        count_block(old_v.data(), v_scale, w.vc + base, w.vs[index], v_buffer.data(), w.vcb.decode, size, local + 2);
+        for (int c = 0; c < 4; ++c) stalls[k][c].fetch_add(local[c], std::memory_order_relaxed);
+      }
+    }
+  });
+  for (int64_t k = 0; k < n; ++k) {
+    out[k][0] = grad_bad[k].load() ? 0 : 1;
+    out[k][1] = moments_bad[k].load() ? 0 : 1;
+    for (int c = 0; c < 4; ++c) out[k][2 + c] = stalls[k][c].load();
+  }
+  return result;
 }
 """
 
 
 @functools.lru_cache(maxsize=None)
 def kernel():
-    """The compiled extension's ``adam_step_u8``, or ``None`` when it cannot be built here (warns once)."""
+    """The compiled extension's ``adam_steps_u8``, or ``None`` when it cannot be built here (warns once)."""
     try:
         from torch.utils.cpp_extension import load_inline
 
         module = load_inline(
-            name="lightning_qstate_cpu_adam_v4",
+            name="lightning_qstate_cpu_adam_v6",
             cpp_sources=SOURCE,
-            functions=["adam_step_u8"],
+            functions=["adam_steps_u8"],
             extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-fopenmp"],
             extra_ldflags=["-fopenmp"],
             verbose=False,
@@ -174,4 +339,4 @@ def kernel():
     except Exception as error:  # no compiler or ninja: the torch.compile path takes over
         warnings.warn(f"building the C++ CPU Adam kernel failed ({error!r}); using the torch.compile path", RuntimeWarning, stacklevel=2)
         return None
-    return module.adam_step_u8
+    return module.adam_steps_u8

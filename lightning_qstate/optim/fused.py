@@ -16,6 +16,11 @@ shapes are dynamic, so one compile serves every parameter of a model.
 
 The same function runs eagerly on the partial last block of a parameter, so
 the compiled and eager paths share one definition of the step.
+
+CPU parameters whose moments are both byte-coded codebook formats (the int8
+family) under round-to-nearest skip all that: ``native_adam_steps`` steps every
+such parameter of a param group in one call of the C++ kernel in
+``cpu_kernel.py`` (gradient check included), with no per-parameter Python.
 """
 
 from __future__ import annotations
@@ -116,24 +121,76 @@ def fused_layout(value: QuantizedTensor) -> int | None:
     return value.format.block_size if isinstance(value.format, BlockFormat) else None
 
 
-def can_fuse(param: torch.Tensor, group: dict, state: dict) -> bool:
-    """Whether a one-pass step applies: contiguous fp32 param, plain Adam options, both moments quantized, and
-    either a Triton device (block formats) or a large CPU param (block or cast formats, compiled)."""
+def _plain_adam(param: torch.Tensor, group: dict, state: dict) -> bool:
+    """A contiguous fp32 param, plain Adam options, and both moments quantized."""
     m, v = state.get("exp_avg"), state.get("exp_avg_sq")
-    if not (isinstance(m, QuantizedTensor) and isinstance(v, QuantizedTensor)):
-        return False
-    if not all(isinstance(q.format, (BlockFormat, CastFormat)) for q in (m, v)):
-        return False
-    if not (
-        param.dtype == torch.float32
+    return (
+        isinstance(m, QuantizedTensor)
+        and isinstance(v, QuantizedTensor)
+        and param.dtype == torch.float32
         and m.dtype == torch.float32
         and param.is_contiguous()
         and not (group["amsgrad"] or group["capturable"] or group["differentiable"] or group["fused"])
-    ):
+    )
+
+
+def can_fuse(param: torch.Tensor, group: dict, state: dict) -> bool:
+    """Whether a one-pass step applies: ``_plain_adam`` with block or cast formats, and either a Triton device (block
+    formats) or a large CPU param (compiled)."""
+    if not _plain_adam(param, group, state):
+        return False
+    m, v = state["exp_avg"], state["exp_avg_sq"]
+    if not all(isinstance(q.format, (BlockFormat, CastFormat)) for q in (m, v)):
         return False
     if param.device.type in TRITON_DEVICE_TYPES:
         return TRITON_AVAILABLE and adam_step_supported(m.format, v.format)
     return param.device.type == "cpu" and param.numel() >= FUSED_MIN_NUMEL
+
+
+def native_eligible(param: torch.Tensor, grad: torch.Tensor, group: dict, state: dict) -> bool:
+    """Whether ``native_adam_steps`` covers this parameter: a ``_plain_adam`` CPU param with an fp32 grad, byte-coded
+    codebook moments (the int8 family) of one block size, round-to-nearest, and a C++ kernel built here."""
+    if not (param.device.type == "cpu" and grad.dtype == torch.float32 and group["rounding"] == "nearest" and _plain_adam(param, group, state)):
+        return False
+    formats = (state["exp_avg"].format, state["exp_avg_sq"].format)
+    return (
+        all(isinstance(f, CodebookFormat) and 4 < f.bits <= 8 and f.nearest_index is not None for f in formats)
+        and formats[0].block_size == formats[1].block_size
+        and cpu_kernel.kernel() is not None
+    )
+
+
+def native_adam_steps(params: list[torch.Tensor], grads: list[torch.Tensor], states: list[dict], group: dict, track_stalls: bool) -> torch.Tensor:
+    """The Adam step of every (``native_eligible``) parameter of ``group`` in one C++ call (``cpu_kernel``), in place.
+
+    Parameters whose gradient holds inf/NaN are left untouched (their ``step`` too). Returns ``(n, 6)`` int64:
+    ``[grad_finite, moments_finite, stalled_m, moved_m, stalled_v, moved_v]`` per parameter (stalls 0 unless tracked).
+    """
+    tables, ints, per_step, hypers = [], [], [], {}
+    for state in states:
+        m_index, v_index = (state[name].format.tables(torch.device("cpu"))["nearest"] for name in ("exp_avg", "exp_avg_sq"))
+        tables += [m_index.decode, m_index.bucket_entries, v_index.decode, v_index.bucket_entries]
+        ints.append([state["exp_avg"].format.block_size, m_index.key_base, m_index.key_shift, m_index.half, v_index.key_base, v_index.key_shift, v_index.half])
+        step = float(state["step"]) + 1
+        if step not in hypers:
+            hypers[step] = adam_hyper(group, step)
+        per_step.append([float(hypers[step]["step_size"]), float(hypers[step]["bias_correction2_sqrt"])])
+    hyper = next(iter(hypers.values()))
+    moments = [(state["exp_avg"], state["exp_avg_sq"]) for state in states]
+    result = cpu_kernel.kernel()(
+        [p.view(-1) for p in params], [g.reshape(-1).contiguous() for g in grads],
+        [m.codes for m, _ in moments], [m.scales for m, _ in moments], [v.codes for _, v in moments], [v.scales for _, v in moments],
+        tables, torch.tensor(ints, dtype=torch.int64), torch.tensor(per_step, dtype=torch.float64),
+        float(hyper["lr"]), float(hyper["weight_decay"]), float(hyper["beta1"]), float(hyper["beta2"]), float(hyper["eps"]),
+        group["decoupled_weight_decay"], group["maximize"], track_stalls,
+    )  # fmt: skip
+    finite = result[:, 0].bool()
+    for state, ok in zip(states, finite.tolist()):
+        if ok:
+            state["step"] += 1
+    if not bool(result[finite, 1].all()):
+        raise FloatingPointError("an Adam moment overflowed to inf/NaN during the step; its packed codes were not trusted")
+    return result
 
 
 def _split(value: QuantizedTensor, count: int, block: int) -> tuple[tuple, tuple]:
@@ -205,14 +262,6 @@ def _compiled_cpu_step(
     whole = flat_param.numel() // block * block
     (m_head, m_tail), (v_head, v_tail) = _split(m, whole, block), _split(v, whole, block)
     options = (m.format, v.format, group["rounding"], group["decoupled_weight_decay"], group["maximize"], track_stalls)
-    native = cpu_kernel.kernel() if _native_eligible(m, v, group) else None
-    if native is not None:
-        counts = torch.zeros(4 if track_stalls else 0, dtype=torch.int64)
-        _native_step(native, flat_param[:whole], flat_grad[:whole], m_head, v_head, m.format, v.format, block, hyper, group, counts)
-        counts = counts if track_stalls else torch.zeros(4, dtype=torch.int64)
-        if whole < flat_param.numel():
-            counts = counts + adam_step_quantized(flat_param[whole:], flat_grad[whole:], *m_tail, *v_tail, hyper, *options)
-        return counts
     counts = None
     if options not in _COMPILE_FAILED:
         try:
@@ -227,26 +276,3 @@ def _compiled_cpu_step(
     if whole < flat_param.numel():
         counts = counts + adam_step_quantized(flat_param[whole:], flat_grad[whole:], *m_tail, *v_tail, hyper, *options)
     return counts
-
-
-def _native_eligible(m: QuantizedTensor, v: QuantizedTensor, group: dict) -> bool:
-    """The C++ kernel covers byte-coded codebook moments (int8 family) with one block size, RN."""
-    formats = (m.format, v.format)
-    return (
-        all(isinstance(f, CodebookFormat) and 4 < f.bits <= 8 for f in formats)
-        and m.format.block_size == v.format.block_size
-        and group["rounding"] == "nearest"
-    )
-
-
-def _native_step(native, param, grad, m_head, v_head, m_format, v_format, block: int, hyper: dict, group: dict, counts: torch.Tensor) -> None:
-    """Run ``cpu_kernel``'s C++ step on whole blocks (views, updated in place); adds stall counts into a 4-element ``counts``."""
-    m_tables, v_tables = m_format.tables(param.device), v_format.tables(param.device)
-    m_index, v_index = m_tables["index"], v_tables["index"]
-    native(
-        param, grad, m_head[0].reshape(-1), m_head[1], v_head[0].reshape(-1), v_head[1],
-        m_tables["decode"], m_index.bucket_floor, m_index.values, m_index.key_shift, m_index.half,
-        v_tables["decode"], v_index.bucket_floor, v_index.values, v_index.key_shift, v_index.half,
-        block, float(hyper["lr"]), float(hyper["weight_decay"]), float(hyper["beta1"]), float(hyper["beta2"]), float(hyper["eps"]),
-        float(hyper["step_size"]), float(hyper["bias_correction2_sqrt"]), group["decoupled_weight_decay"], group["maximize"], counts,
-    )  # fmt: skip

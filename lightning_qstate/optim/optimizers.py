@@ -37,8 +37,9 @@ from torch.optim.adam import adam
 from torch.optim.optimizer import _get_scalar_dtype
 from torch.optim.sgd import sgd
 
-from .base import NonFiniteGradPolicy, QuantizedStates
-from .fused import can_fuse, fused_adam_step
+from ..formats import QuantizedTensor
+from .base import NonFiniteGradPolicy, QuantizedStates, local_tensor
+from .fused import can_fuse, fused_adam_step, native_adam_steps, native_eligible
 from .policy import StatesSpec
 
 from torch.optim._muon import muon
@@ -49,6 +50,52 @@ class _AdamStates(QuantizedStates):
 
     state_names = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
     cpu_compile = True
+
+    def _step_params(self) -> None:
+        """Batches per group: CPU params with int8-family moments in one C++ call (``fused.native_adam_steps``, gradient
+        checks included), params whose states are all plain tensors in one multi-tensor torch call; the rest one by one."""
+        for group in self.param_groups:
+            native, plain = [], []
+            for key in self._params_with_grads(group):
+                param, grad, state = local_tensor(key), local_tensor(key.grad), self.state[key]
+                if not state:
+                    self._init_state(group, key, param, state)
+                if self.cpu_compile and native_eligible(param, grad, group, state):
+                    native.append(key)
+                elif not any(isinstance(value, QuantizedTensor) for value in state.values()):
+                    plain.append(key)
+                else:
+                    self._step_checked(group, key)
+            if native:
+                self._native_steps(group, native)
+            if plain:
+                self._plain_steps(group, plain)
+
+    def _plain_steps(self, group: dict, keys: list[torch.Tensor]) -> None:
+        """torch's multi-tensor Adam(W) for params whose states are plain tensors (on the CPU bit-identical to its
+        per-parameter loop), after one batched gradient check."""
+        grads = [local_tensor(key.grad) for key in keys]
+        finite = torch.isfinite(torch.stack([norm.float() for norm in torch._foreach_norm(grads, float("inf"))])).tolist()
+        for key in (key for key, ok in zip(keys, finite) if not ok):
+            self._skip_nonfinite_grad(key)
+        kept = [(key, grad) for key, grad, ok in zip(keys, grads, finite) if ok]
+        if kept:
+            states = [self.state[key] for key, _ in kept]
+            # torch's multi-tensor Adam takes neither autograd nor a tensor lr (unless capturable)
+            tensor_lr = isinstance(group["lr"], torch.Tensor) and not group["capturable"]
+            multi_tensor = group["foreach"] is not False and not (group["fused"] or group["differentiable"] or tensor_lr)
+            self._adam(group, [local_tensor(key) for key, _ in kept], [grad for _, grad in kept], states, multi_tensor)
+
+    def _native_steps(self, group: dict, keys: list[torch.Tensor]) -> None:
+        states = [self.state[key] for key in keys]
+        params, grads = [local_tensor(key) for key in keys], [local_tensor(key.grad) for key in keys]
+        result = native_adam_steps(params, grads, states, group, self.track_stalls)
+        for key, row in zip(keys, result.tolist()):
+            if not row[0]:
+                self._skip_nonfinite_grad(key)
+            elif self.track_stalls:
+                self._add_stall_counts(key, "exp_avg", torch.tensor(row[2:4]))
+                self._add_stall_counts(key, "exp_avg_sq", torch.tensor(row[4:6]))
 
     def _step_param(self, group: dict, key: torch.Tensor, param: torch.Tensor, grad: torch.Tensor, state: dict) -> None:
         """Large fp32 CPU parameters take the compiled one-pass step (see ``optim/fused.py``); others torch's math."""
@@ -70,15 +117,20 @@ class _AdamStates(QuantizedStates):
             state[name] = self._initial(group, key, name, torch.zeros_like(param, memory_format=torch.preserve_format))
 
     def _update(self, group: dict, param: torch.Tensor, grad: torch.Tensor, states: dict[str, torch.Tensor], state: dict) -> None:
+        self._adam(group, [param], [grad], [{**state, **states}], multi_tensor=False)
+
+    @staticmethod
+    def _adam(group: dict, params: list[torch.Tensor], grads: list[torch.Tensor], states: list[dict], multi_tensor: bool) -> None:
+        """torch's functional Adam(W) with ``group``'s options on plain tensors; ``states``: per param, ``step`` and moments."""
         beta1, beta2 = group["betas"]
         adam(
-            [param],
-            [grad],
-            [states["exp_avg"]],
-            [states["exp_avg_sq"]],
-            [states["max_exp_avg_sq"]] if group["amsgrad"] else [],
-            [state["step"]],
-            foreach=False,
+            params,
+            grads,
+            [state["exp_avg"] for state in states],
+            [state["exp_avg_sq"] for state in states],
+            [state["max_exp_avg_sq"] for state in states] if group["amsgrad"] else [],
+            [state["step"] for state in states],
+            foreach=multi_tensor,
             capturable=group["capturable"],
             differentiable=group["differentiable"],
             fused=group["fused"],

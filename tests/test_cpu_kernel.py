@@ -1,0 +1,152 @@
+"""The C++ CPU Adam kernel (``optim/cpu_kernel.py``) against the torch references it must match.
+
+Its encoder (``formats.NearestCodeIndex``: one table lookup and integer compares) must give the codes of
+``formats.rounding.encode_codebook`` for every fp32 input, and its step the codes and scales of
+``optim.fused.adam_step_quantized``, on the AVX-512 body and on the scalar tail of every block.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import lightning_qstate as lq
+from lightning_qstate.formats import CodebookFormat, get_format
+from lightning_qstate.formats.codebooks import NearestCodeIndex, nearest_thresholds
+from lightning_qstate.formats.rounding import encode_codebook
+from lightning_qstate.optim import cpu_kernel
+from lightning_qstate.optim.fused import adam_hyper, adam_step_quantized, native_adam_steps, native_eligible
+
+pytestmark = pytest.mark.skipif(cpu_kernel.kernel() is None, reason="no C++ compiler here: the optimizer uses the compiled torch path")
+
+BYTE_FORMATS = {
+    "int8": get_format("int8"),
+    "int8 unsigned": get_format("int8", signed=False),
+    "int8_linear": get_format("int8_linear"),
+    "int8_linear unsigned": get_format("int8_linear", signed=False),
+    # no zero code: the threshold between -1/63 and 1/63 is 0, which -0.0 and 0.0 both reach
+    "zero-free": CodebookFormat("zero-free", torch.linspace(-1, 1, 64, dtype=torch.float64), 64, signed=True),
+}
+
+
+def adam_group(betas=(0.9, 0.999), weight_decay=0.1, decoupled=True, maximize=False) -> dict:
+    return {
+        "lr": 1e-2, "betas": betas, "eps": 1e-8, "weight_decay": weight_decay, "decoupled_weight_decay": decoupled,
+        "maximize": maximize, "amsgrad": False, "capturable": False, "differentiable": False, "fused": None, "rounding": "nearest",
+    }  # fmt: skip
+
+
+def adam_state(m_format, v_format, numel: int, seed: int) -> dict:
+    generator = torch.Generator().manual_seed(seed)
+    m = m_format.quantize(torch.randn(numel, generator=generator) * 0.1)
+    v = v_format.quantize(torch.rand(numel, generator=generator) * 0.01)
+    return {"step": torch.tensor(3.0), "exp_avg": m, "exp_avg_sq": v}
+
+
+def hard_inputs(fmt: CodebookFormat) -> torch.Tensor:
+    """Every rounding threshold, its fp32 neighbours, every code value, zeros, ends, and random values in [-1, 1]."""
+    thresholds = nearest_thresholds(fmt.codebook)
+    generator = torch.Generator().manual_seed(0)
+    values = torch.cat([
+        thresholds, torch.nextafter(thresholds, torch.full_like(thresholds, -2.0)), torch.nextafter(thresholds, torch.full_like(thresholds, 2.0)),
+        fmt.codebook.float(), torch.tensor([0.0, -0.0, 1e-30, -1e-30, 1e-45, -1e-45]),
+        torch.rand(20_000, generator=generator) * 2 - 1, (torch.rand(2_000, generator=generator) * 2 - 1) * 1e-6,
+    ])  # fmt: skip
+    return values if fmt.signed else values.abs()
+
+
+@pytest.mark.parametrize("name", list(BYTE_FORMATS))
+def test_nearest_code_index_gives_the_reference_codes(name):
+    fmt = BYTE_FORMATS[name]
+    index = NearestCodeIndex.build(fmt.codebook)
+    assert index is not None
+    x = hard_inputs(fmt)
+    magnitude = x.abs().view(torch.int32).to(torch.int64)
+    key = ((magnitude - index.key_base) >> index.key_shift).clamp(0, index.half - 1)
+    negative = x < 0
+    entry = index.bucket_entries[torch.where(negative, index.half - 1 - key, index.half + key)].to(torch.int64)
+    threshold = index.key_base + (key << index.key_shift) + (entry >> 9)
+    up = (entry & 0x100).bool() & torch.where(negative, magnitude <= threshold, magnitude >= threshold)
+    assert torch.equal((entry & 0xFF) + up.to(torch.int64), encode_codebook(x, fmt.index, "nearest").to(torch.int64))
+
+
+@pytest.mark.parametrize("name", list(BYTE_FORMATS))
+def test_kernel_encodes_like_the_reference(name):
+    """With beta1 = 0 and no weight decay the new ``m`` is the gradient, so the kernel's codes of ``m`` are its encoder's
+    codes of chosen values: each 64-value block holds a 1.0 (its absmax), so the normalized values are the inputs."""
+    fmt = BYTE_FORMATS[name]
+    values = hard_inputs(fmt)
+    values = values[: values.numel() // 63 * 63].view(-1, 63)
+    grad = torch.cat([torch.ones(values.shape[0], 1), values], dim=1).view(-1)
+    m_format = CodebookFormat(fmt.name, fmt.codebook, 64, fmt.signed)
+    v_format = get_format("int8", signed=False, block_size=64)
+    state = adam_state(m_format, v_format, grad.numel(), seed=0)
+    param = torch.zeros(grad.numel())
+    native_adam_steps([param], [grad], [state], adam_group(betas=(0.0, 0.999), weight_decay=0.0), track_stalls=False)
+    codes, scales = m_format.quantize_reference(grad, "nearest", None)
+    assert torch.equal(state["exp_avg"].codes, codes)
+    assert torch.equal(state["exp_avg"].scales, scales)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"decoupled": False},
+        {"betas": (0.3, 0.99)},  # torch's lerp takes its other branch for weights >= 0.5
+        {"maximize": True, "weight_decay": 0.0},
+    ],
+)
+def test_kernel_step_matches_the_reference_step(options):
+    """Several parameters in one call (formats and block sizes differ, partial last blocks, one shorter than a vector):
+    codes and scales equal the reference's; params within an ulp (torch's CPU sqrt is not always correctly rounded)."""
+    layouts = [
+        (get_format("int8"), get_format("int8", signed=False), (1 << 12) + 77),
+        (get_format("int8_linear", block_size=64), get_format("int8", signed=False, block_size=64), 1000),
+        (get_format("int8"), get_format("int8_linear", signed=False), 13),
+    ]
+    group = adam_group(**options)
+    params, grads, states, expected = [], [], [], []
+    for seed, (m_format, v_format, numel) in enumerate(layouts):
+        param, grad = torch.randn(numel, generator=torch.Generator().manual_seed(seed)), torch.randn(numel) * 0.1
+        state, reference = adam_state(m_format, v_format, numel, seed), adam_state(m_format, v_format, numel, seed)
+        m, v = reference["exp_avg"], reference["exp_avg_sq"]
+        reference_param = param.clone()
+        hyper = adam_hyper(group, 4.0)
+        adam_step_quantized(reference_param, grad, m.codes, m.scales, v.codes, v.scales, hyper, m_format, v_format, "nearest", group["decoupled_weight_decay"], group["maximize"], False)  # fmt: skip
+        params.append(param), grads.append(grad), states.append(state), expected.append((reference_param, m, v))
+    result = native_adam_steps(params, grads, states, group, track_stalls=False)
+    assert result[:, :2].eq(1).all()
+    for param, state, (reference_param, m, v) in zip(params, states, expected):
+        assert float(state["step"]) == 4.0
+        for name, reference in (("exp_avg", m), ("exp_avg_sq", v)):
+            assert torch.equal(state[name].codes, reference.codes), name
+            assert torch.equal(state[name].scales, reference.scales), name
+        torch.testing.assert_close(param, reference_param, rtol=3e-7, atol=0)
+
+
+def test_a_nonfinite_gradient_skips_only_its_parameter():
+    torch.manual_seed(0)
+    weights = [torch.nn.Parameter(torch.randn(5000)) for _ in range(2)]
+    optimizer = lq.QAdamW(weights, states="int8", min_quant_size=0)
+    for weight in weights:
+        weight.grad = torch.randn_like(weight)
+    optimizer.step()
+    assert all(native_eligible(w, w.grad, optimizer.param_groups[0], optimizer.state[w]) for w in weights)
+    before = [(w.detach().clone(), optimizer.state[w]["exp_avg"].codes.clone(), optimizer.state[w]["exp_avg_sq"].scales.clone()) for w in weights]
+    weights[0].grad[-3] = float("nan")  # in the partial last block
+    with pytest.warns(RuntimeWarning, match="non-finite gradient"):
+        optimizer.step()
+    assert optimizer.nonfinite_skips == 1
+    skipped, stepped = optimizer.state[weights[0]], optimizer.state[weights[1]]
+    assert torch.equal(weights[0].detach(), before[0][0]) and float(skipped["step"]) == 1.0
+    assert torch.equal(skipped["exp_avg"].codes, before[0][1]) and torch.equal(skipped["exp_avg_sq"].scales, before[0][2])
+    assert not torch.equal(weights[1].detach(), before[1][0]) and float(stepped["step"]) == 2.0
+    assert torch.isfinite(stepped["exp_avg_sq"].scales).all()
+
+    strict = lq.QAdamW([weights[0]], states="int8", min_quant_size=0, nonfinite="raise")
+    with warnings.catch_warnings(), pytest.raises(FloatingPointError, match="nonfinite='raise'"):
+        warnings.simplefilter("error")
+        strict.step()
