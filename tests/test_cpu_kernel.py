@@ -101,7 +101,8 @@ def test_kernel_encodes_like_the_reference(name):
 )
 def test_kernel_step_matches_the_reference_step(options):
     """Several parameters in one call (formats and block sizes differ, partial last blocks, one shorter than a vector):
-    codes and scales equal the reference's; params within an ulp (torch's CPU sqrt is not always correctly rounded)."""
+    codes and scales equal the reference's; params within an ulp of the update (torch's CPU sqrt is not always
+    correctly rounded, and the update is about lr = 1e-2)."""
     layouts = [
         (get_format("int8"), get_format("int8", signed=False), (1 << 12) + 77),
         (get_format("int8_linear", block_size=64), get_format("int8", signed=False, block_size=64), 1000),
@@ -110,7 +111,8 @@ def test_kernel_step_matches_the_reference_step(options):
     group = adam_group(**options)
     params, grads, states, expected = [], [], [], []
     for seed, (m_format, v_format, numel) in enumerate(layouts):
-        param, grad = torch.randn(numel, generator=torch.Generator().manual_seed(seed)), torch.randn(numel) * 0.1
+        generator = torch.Generator().manual_seed(seed)
+        param, grad = torch.randn(numel, generator=generator), torch.randn(numel, generator=generator) * 0.1
         state, reference = adam_state(m_format, v_format, numel, seed), adam_state(m_format, v_format, numel, seed)
         m, v = reference["exp_avg"], reference["exp_avg_sq"]
         reference_param = param.clone()
@@ -124,7 +126,7 @@ def test_kernel_step_matches_the_reference_step(options):
         for name, reference in (("exp_avg", m), ("exp_avg_sq", v)):
             assert torch.equal(state[name].codes, reference.codes), name
             assert torch.equal(state[name].scales, reference.scales), name
-        torch.testing.assert_close(param, reference_param, rtol=3e-7, atol=0)
+        torch.testing.assert_close(param, reference_param, rtol=3e-7, atol=2e-9)
 
 
 def test_a_nonfinite_gradient_skips_only_its_parameter():

@@ -160,6 +160,15 @@ def native_eligible(param: torch.Tensor, grad: torch.Tensor, group: dict, state:
     )
 
 
+@functools.lru_cache(maxsize=None)
+def _native_layout(m_format: CodebookFormat, v_format: CodebookFormat) -> tuple[list[torch.Tensor], list[int]]:
+    """The kernel's per-parameter tables ``[m_decode, m_entries, v_decode, v_entries]`` and integers
+    ``[block, m_base, m_shift, m_half, v_base, v_shift, v_half]`` for a pair of moment formats."""
+    m_index, v_index = (fmt.tables(torch.device("cpu"))["nearest"] for fmt in (m_format, v_format))
+    tables = [m_index.decode, m_index.bucket_entries, v_index.decode, v_index.bucket_entries]
+    return tables, [m_format.block_size, m_index.key_base, m_index.key_shift, m_index.half, v_index.key_base, v_index.key_shift, v_index.half]
+
+
 def native_adam_steps(params: list[torch.Tensor], grads: list[torch.Tensor], states: list[dict], group: dict, track_stalls: bool) -> torch.Tensor:
     """The Adam step of every (``native_eligible``) parameter of ``group`` in one C++ call (``cpu_kernel``), in place.
 
@@ -168,20 +177,21 @@ def native_adam_steps(params: list[torch.Tensor], grads: list[torch.Tensor], sta
     """
     tables, ints, per_step, hypers = [], [], [], {}
     for state in states:
-        m_index, v_index = (state[name].format.tables(torch.device("cpu"))["nearest"] for name in ("exp_avg", "exp_avg_sq"))
-        tables += [m_index.decode, m_index.bucket_entries, v_index.decode, v_index.bucket_entries]
-        ints.append([state["exp_avg"].format.block_size, m_index.key_base, m_index.key_shift, m_index.half, v_index.key_base, v_index.key_shift, v_index.half])
+        layout = _native_layout(state["exp_avg"].format, state["exp_avg_sq"].format)
+        tables += layout[0]
+        ints.append(layout[1])
         step = float(state["step"]) + 1
         if step not in hypers:
-            hypers[step] = adam_hyper(group, step)
-        per_step.append([float(hypers[step]["step_size"]), float(hypers[step]["bias_correction2_sqrt"])])
-    hyper = next(iter(hypers.values()))
+            hyper = adam_hyper(group, step)
+            hypers[step] = [float(hyper["step_size"]), float(hyper["bias_correction2_sqrt"])]
+        per_step.append(hypers[step])
     moments = [(state["exp_avg"], state["exp_avg_sq"]) for state in states]
+    beta1, beta2 = group["betas"]
     result = cpu_kernel.kernel()(
         [p.view(-1) for p in params], [g.reshape(-1).contiguous() for g in grads],
         [m.codes for m, _ in moments], [m.scales for m, _ in moments], [v.codes for _, v in moments], [v.scales for _, v in moments],
         tables, torch.tensor(ints, dtype=torch.int64), torch.tensor(per_step, dtype=torch.float64),
-        float(hyper["lr"]), float(hyper["weight_decay"]), float(hyper["beta1"]), float(hyper["beta2"]), float(hyper["eps"]),
+        float(group["lr"]), float(group["weight_decay"]), float(beta1), float(beta2), float(group["eps"]),
         group["decoupled_weight_decay"], group["maximize"], track_stalls,
     )  # fmt: skip
     finite = result[:, 0].bool()
