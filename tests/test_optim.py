@@ -402,6 +402,25 @@ def test_nonfinite_gradients_skip_or_raise():
         strict.step()
 
 
+def test_fp32_state_params_step_together_with_the_same_gradient_policy():
+    """Params under min_quant_size step in one multi-tensor call: an empty shard is fine, a finite gradient whose L1
+    norm overflows still steps, a non-finite one is skipped; the others match torch.optim.AdamW exactly."""
+    def make():
+        return [torch.nn.Parameter(torch.empty(0)), torch.nn.Parameter(torch.ones(10)), torch.nn.Parameter(torch.ones(10))]
+
+    params, reference = make(), make()
+    optimizer, torch_optimizer = lq.QAdamW(params, lr=0.1), torch.optim.AdamW(reference[:2], lr=0.1)
+    for p, q in zip(params, reference):
+        p.grad, q.grad = torch.full_like(p, 3e37), torch.full_like(q, 3e37)  # 10 of them overflow an fp32 L1 norm
+    params[2].grad[3] = float("nan")
+    with pytest.warns(RuntimeWarning, match="non-finite gradient"):
+        optimizer.step()
+    torch_optimizer.step()
+    assert optimizer.nonfinite_skips == 1 and torch.equal(params[2].detach(), torch.ones(10))
+    assert torch.equal(params[1].detach(), reference[1].detach()) and not torch.equal(params[1].detach(), torch.ones(10))
+    assert not any(isinstance(value, QuantizedTensor) for state in optimizer.state.values() for value in state.values())
+
+
 @pytest.mark.parametrize(
     "kwargs,error,match",
     [

@@ -73,9 +73,11 @@ class _AdamStates(QuantizedStates):
 
     def _plain_steps(self, group: dict, keys: list[torch.Tensor]) -> None:
         """torch's multi-tensor Adam(W) for params whose states are plain tensors (on the CPU bit-identical to its
-        per-parameter loop), after one batched gradient check."""
+        per-parameter loop), after one batched gradient check: an L1 norm per gradient (defined for empty shards),
+        and the exact check only where it is not finite (finite values can overflow it)."""
         grads = [local_tensor(key.grad) for key in keys]
-        finite = torch.isfinite(torch.stack([norm.float() for norm in torch._foreach_norm(grads, float("inf"))])).tolist()
+        norms_finite = torch.isfinite(torch.stack([norm.float() for norm in torch._foreach_norm(grads, 1)])).tolist()
+        finite = [ok or bool(torch.isfinite(grad).all()) for ok, grad in zip(norms_finite, grads)]
         for key in (key for key, ok in zip(keys, finite) if not ok):
             self._skip_nonfinite_grad(key)
         kept = [(key, grad) for key, grad, ok in zip(keys, grads, finite) if ok]
