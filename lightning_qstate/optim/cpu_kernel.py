@@ -258,8 +258,13 @@ torch::Tensor adam_steps_u8(std::vector<torch::Tensor> params, std::vector<torch
     w.h = shared;
     w.h.step = static_cast<float>(step_a[k][0]), w.h.bc2 = static_cast<float>(step_a[k][1]);
     w.numel = params[k].numel(), w.block = ints_a[k][0];
+    const int64_t blocks = (w.numel + w.block - 1) / w.block;
+    TORCH_CHECK(grads[k].numel() == w.numel && m_codes[k].numel() == w.numel && v_codes[k].numel() == w.numel &&
+                m_scales[k].numel() == blocks && v_scales[k].numel() == blocks, "parameter ", k, ": grad, codes or scales of the wrong size");
+    for (const torch::Tensor* t : {&params[k], &grads[k], &m_codes[k], &v_codes[k], &m_scales[k], &v_scales[k]})
+      TORCH_CHECK(t->is_contiguous(), "parameter ", k, ": every tensor must be contiguous");
     w.first_block = total_blocks;
-    total_blocks += (w.numel + w.block - 1) / w.block;
+    total_blocks += blocks;
   }
   auto result = torch::zeros({n, 6}, torch::kInt64);
   auto out = result.accessor<int64_t, 2>();
@@ -329,7 +334,7 @@ def kernel():
         from torch.utils.cpp_extension import load_inline
 
         module = load_inline(
-            name="lightning_qstate_cpu_adam_v6",
+            name="lightning_qstate_cpu_adam_v7",
             cpp_sources=SOURCE,
             functions=["adam_steps_u8"],
             extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-fopenmp"],
