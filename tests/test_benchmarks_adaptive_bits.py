@@ -1,4 +1,4 @@
-"""Smoke test of ``benchmarks/adaptive_bits.py``: a ``--quick`` run (tiny GPT and ViT, a few steps, every configuration)."""
+"""Smoke test of ``benchmarks/adaptive_bits.py``: a ``--quick`` run (tiny GPT and ViT, a few steps, every configuration, two seeds)."""
 
 from __future__ import annotations
 
@@ -26,25 +26,37 @@ def bench() -> ModuleType:
     return module
 
 
+def table(lines: list[str]) -> dict[str, dict[str, str]]:
+    """``{first cell: {column: cell}}`` of a markdown table's lines (header, rule, rows)."""
+    header, _, *rows = lines
+    columns = [cell.strip() for cell in header.strip("|").split("|")]
+    return {cells[0]: dict(zip(columns, cells)) for cells in ([cell.strip() for cell in line.strip("|").split("|")] for line in rows)}
+
+
 def test_quick_run(bench: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(sys, "argv", ["adaptive_bits.py"])
     out = tmp_path / "results" / "adaptive_bits.md"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        text = bench.main(["--quick", "--out", str(out)])
+        text = bench.main(["--quick", "--seeds", "0", "1", "--out", str(out)])
     assert out.read_text() == text
-    assert "`python benchmarks/adaptive_bits.py --quick --out" in text and "## Targets" in text
+    assert "`python benchmarks/adaptive_bits.py --quick --seeds 0 1 --out" in text and "## Targets" in text
     for model in ("gpt", "vit"):
         section = text.split(f"### {model}:")[1].split("###")[0]
-        header, _, *lines = [line for line in section.splitlines() if line.startswith("|")]
-        columns = [cell.strip() for cell in header.strip("|").split("|")]
-        rows = {cells[0]: dict(zip(columns, cells)) for cells in ([cell.strip() for cell in line.strip("|").split("|")] for line in lines)}
-        assert set(rows) == set(bench.CONFIGS)
-        bits = {config: float(row["avg bits/value"]) for config, row in rows.items()}
+        assert "; seeds 0, 1" in section.splitlines()[0]
+        tables = [[line for line in block.splitlines() if line.startswith("|")] for block in section.split("\n\n")]
+        means, per_seed = (table(lines) for lines in tables if lines)
+        assert set(means) == set(per_seed) == set(bench.CONFIGS)
+        bits = {config: float(row["avg bits/value"]) for config, row in means.items()}
         assert bits["fp32"] == 32.0 and 8.0 < bits["int8"] < 8.5 and 4.0 < bits["int4"] < 4.5
         assert bits["adaptive"] <= 5.1
-        assert "%" in rows["adaptive"]["callback overhead"] and rows["fp32"]["callback overhead"] == "–"
-        assert "adaptive at the end: zones critical" in section
+        assert "%" in means["adaptive"]["callback overhead"] and means["fp32"]["callback overhead"] == "–"
+        assert means["int8"]["Δ mean loss vs int8"] == "+0.00 %"
+        loss, spread = (float(part) for part in means["adaptive"]["val loss"].split(" ± "))  # mean ± sd over the two seeds
+        seed_losses = [float(per_seed["adaptive"][f"seed {seed}"].split()[0].rstrip(",")) for seed in (0, 1)]  # "loss (acc), Δ ..."
+        assert loss == pytest.approx(sum(seed_losses) / 2, abs=2e-4) and spread == pytest.approx(abs(seed_losses[0] - seed_losses[1]) / 2**0.5, abs=2e-4)
+        assert "Δ" in per_seed["adaptive"]["seed 1"] and "Δ" not in per_seed["int8"]["seed 1"]
+        assert section.count("adaptive, seed ") == 2 and "at the end: zones critical" in section
     assert text.count("PASS") + text.count("FAIL") == 9  # 4 targets per model, and the ViT's accuracy
 
 
@@ -53,3 +65,6 @@ def test_arguments_are_checked(bench: ModuleType) -> None:
         bench.parse_args(["--configs", "fp16"])
     with pytest.raises(SystemExit):
         bench.parse_args(["--models", "resnet"])
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--seeds", "0", "0"])
+    assert bench.parse_args([]).seeds == [0, 1, 2]
