@@ -59,15 +59,15 @@ def quantized_optimizers(trainer: pl.Trainer) -> list[QuantizedStates]:
     return [optimizer for optimizer in trainer.strategy.optimizers if isinstance(optimizer, QuantizedStates)]
 
 
-_ROWS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # trainer -> (optimizer ids, rows), built once per set of optimizers
+_ROWS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # trainer -> (optimizers, rows), built once per set of optimizers
 
 
 def state_rows(trainer: pl.Trainer) -> list[StateRow]:
     """Every ``(parameter, state name)`` of the quantized optimizers, in the same order on every rank (built once
     for the trainer's current optimizers: callbacks call this at every step)."""
-    optimizers = tuple(id(optimizer) for optimizer in quantized_optimizers(trainer))
-    cached = _ROWS.get(trainer)
-    if cached is None or cached[0] != optimizers:
+    optimizers = quantized_optimizers(trainer)
+    cached = _ROWS.get(trainer)  # compared by identity: an id() of a discarded optimizer can be reused by a new one
+    if cached is None or len(cached[0]) != len(optimizers) or any(a is not b for a, b in zip(cached[0], optimizers)):
         cached = _ROWS[trainer] = (optimizers, _build_state_rows(trainer))
     return cached[1]
 

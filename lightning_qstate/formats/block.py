@@ -12,6 +12,7 @@ dequantizes to NaN: a non-finite value never becomes a finite code.
 
 from __future__ import annotations
 
+import functools
 from abc import abstractmethod
 from typing import Literal
 
@@ -121,14 +122,17 @@ class CodebookFormat(BlockFormat):
         super().__init__(name, bits, block_size, signed, nonfinite)
         self.codebook = codebook
         self.index = CodebookIndex.build(codebook)
-        self.nearest_index = NearestCodeIndex.build(codebook)  # None where no byte-bucket table fits (the C++ kernel then skips it)
+
+    @functools.cached_property
+    def nearest_index(self) -> NearestCodeIndex | None:
+        """The C++ CPU kernel's encoder (CPU tensors), built on first use; ``None`` where no bucket table fits."""
+        return NearestCodeIndex.build(self.codebook)
 
     def decode_values(self) -> torch.Tensor:
         return self.codebook.to(torch.float32)
 
     def _make_tables(self) -> dict:
-        tables = {"decode": self.decode_values(), "index": self.index}
-        return tables if self.nearest_index is None else {**tables, "nearest": self.nearest_index}
+        return {"decode": self.decode_values(), "index": self.index}
 
     def encode(self, normalized: torch.Tensor, rounding: Rounding, uniform: torch.Tensor | None) -> torch.Tensor:
         return encode_codebook(normalized, self.tables(normalized.device)["index"], rounding, uniform)

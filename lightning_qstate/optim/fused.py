@@ -164,7 +164,7 @@ def native_eligible(param: torch.Tensor, grad: torch.Tensor, group: dict, state:
 def _native_layout(m_format: CodebookFormat, v_format: CodebookFormat) -> tuple[list[torch.Tensor], list[int]]:
     """The kernel's per-parameter tables ``[m_decode, m_entries, v_decode, v_entries]`` and integers
     ``[block, m_base, m_shift, m_half, v_base, v_shift, v_half]`` for a pair of moment formats."""
-    m_index, v_index = (fmt.tables(torch.device("cpu"))["nearest"] for fmt in (m_format, v_format))
+    m_index, v_index = m_format.nearest_index, v_format.nearest_index
     tables = [m_index.decode, m_index.bucket_entries, v_index.decode, v_index.bucket_entries]
     return tables, [m_format.block_size, m_index.key_base, m_index.key_shift, m_index.half, v_index.key_base, v_index.key_shift, v_index.half]
 
