@@ -518,3 +518,19 @@ def test_compiled_step_handles_stochastic_rounding(states):
             weight.grad = torch.randn_like(weight)
             optimizer.step()
     assert optimizer.state[weight]["exp_avg"].format.name == states
+
+
+def test_fp32_state_remainder_of_a_quantized_group_steps_like_torch_fused_adamw():
+    """Small params beside quantized ones take torch's fused CPU kernel: bit-identical to AdamW(fused=True)."""
+    torch.manual_seed(0)
+    small, large = torch.nn.Parameter(torch.randn(100)), torch.nn.Parameter(torch.randn(8192))
+    reference = torch.nn.Parameter(small.detach().clone())
+    optimizer = lq.QAdamW([small, large], lr=0.01, weight_decay=0.1, states="int8")
+    torch_optimizer = torch.optim.AdamW([reference], lr=0.01, weight_decay=0.1, fused=True)
+    for _ in range(5):
+        small.grad, large.grad = torch.randn(100), torch.randn(8192)
+        reference.grad = small.grad.clone()
+        optimizer.step(), torch_optimizer.step()
+    assert isinstance(optimizer.state[large]["exp_avg"], QuantizedTensor) and not isinstance(optimizer.state[small]["exp_avg"], QuantizedTensor)
+    assert torch.equal(small.detach(), reference.detach())
+    assert torch.equal(optimizer.state[small]["exp_avg_sq"], torch_optimizer.state[reference]["exp_avg_sq"])

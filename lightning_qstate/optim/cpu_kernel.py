@@ -2,17 +2,18 @@
 
 ``adam_steps_u8`` steps every parameter of a param group in one call, threaded with ``at::parallel_for``
 over all their blocks: first a check of every gradient (a parameter with an inf/NaN gradient is left
-untouched), then one pass per block: decode both moments (table lookup times the block scale), torch's
-Adam(W) update, per-block absmax, and round-to-nearest encoding with ``formats.NearestCodeIndex`` (one
-table lookup and integer compares), writing param, codes and scales in place.
+untouched), then one pass per block (the next block's data prefetched): decode both moments (table lookup
+times the block scale), torch's Adam(W) update, per-block absmax, and round-to-nearest encoding with
+``formats.NearestCodeIndex`` (one table lookup and integer compares), writing param, codes and scales in place.
 
 The codes and scales are those of the torch reference ``fused.adam_step_quantized`` bit for bit: the
-update uses the float operations of torch's vectorized CPU kernels in the same order (explicit FMAs
-where torch's ``lerp_``/``addcmul_`` use them, no other contraction: ``-ffp-contract=off``), and the
-encoder reproduces ``encode_codebook`` exactly. Params may differ from the eager reference in the last
-bit where torch's vectorized ``sqrt`` is not correctly rounded. With AVX-512 the body of each block runs
-16 lanes at a time (table lookups by register permutes, not gathers); the scalar code runs the rest and
-is the whole kernel on other CPUs.
+moments use the float operations of torch's vectorized CPU kernels in the same order (explicit FMAs
+where torch's ``lerp_``/``addcmul_`` use them, no other contraction: ``-ffp-contract=off``), the division
+by the block's absmax is correctly rounded (Markstein's reciprocal-and-remainder form), and the encoder
+reproduces ``encode_codebook`` exactly. The param update multiplies by reciprocals where the reference
+divides, so params are within a few ulps of the update of the reference's. With AVX-512 the body of each
+block runs 16 lanes at a time (table lookups by register permutes, not gathers; with VBMI, 64 codes at a
+time from byte planes of the table); the scalar code runs the rest and is the whole kernel on other CPUs.
 
 It is built on first use with ``torch.utils.cpp_extension.load_inline`` (needs a C++ compiler and
 ninja); where that fails, ``kernel()`` returns ``None`` and the optimizer uses the ``torch.compile``
@@ -38,6 +39,9 @@ SOURCE = r"""
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #define QSTATE_AVX512 1
+#if defined(__AVX512VBMI__)
+#define QSTATE_VBMI 1
+#endif
 #endif
 
 namespace {
@@ -47,19 +51,25 @@ struct Codebook {
   const float* decode;       // (256,) value of every code
   const int32_t* entries;    // bucket -> first | inside << 8 | offset << 9
   int32_t key_base, key_shift, half;
+  const uint8_t* planes;     // (4, 256): byte j of decode[c] at [j][c] (the VBMI decoder's tables)
 };
 
-Codebook codebook(const torch::Tensor& decode, const torch::Tensor& entries, int64_t key_base, int64_t key_shift, int64_t half) {
+// ``planes``: 1024 bytes of storage for the byte planes of ``decode``, filled here.
+Codebook codebook(const torch::Tensor& decode, const torch::Tensor& entries, int64_t key_base, int64_t key_shift, int64_t half, uint8_t* planes) {
   TORCH_CHECK(decode.numel() == 256 && entries.numel() == 2 * half, "a NearestCodeIndex: 256 decode values, 2 * half bucket entries");
+  const uint8_t* bytes = reinterpret_cast<const uint8_t*>(decode.data_ptr<float>());
+  for (int c = 0; c < 256; ++c)
+    for (int j = 0; j < 4; ++j) planes[256 * j + c] = bytes[4 * c + j];
   return Codebook{decode.data_ptr<float>(), entries.data_ptr<int32_t>(),
-                  static_cast<int32_t>(key_base), static_cast<int32_t>(key_shift), static_cast<int32_t>(half)};
+                  static_cast<int32_t>(key_base), static_cast<int32_t>(key_shift), static_cast<int32_t>(half), planes};
 }
 
-// Adam(W) hyperparameters as fp32. The update follows fused.adam_math as torch's vectorized CPU kernels compute it:
+// Adam(W) hyperparameters as fp32. The moments follow fused.adam_math as torch's vectorized CPU kernels compute them:
 // lerp_ is fma(coeff, end - self, base) (coeff = w, base = self if |w| < 0.5, else w - 1 and end), addcmul_ is
-// fma(value * t1, t2, self).
+// fma(value * t1, t2, self). The param update multiplies by reciprocals instead of dividing (by bias_correction2_sqrt,
+// and by the denominator: its reciprocal to about an ulp), so it is within a few ulps of the reference's update.
 struct Hyper {
-  float sign, l2, decay, lerp_coeff, b2, one_minus_b2, step, bc2, eps;
+  float sign, l2, decay, lerp_coeff, b2, one_minus_b2, step, inv_bc2, eps;
   bool lerp_from_end;
 };
 
@@ -68,8 +78,8 @@ inline void adam_lane(float& p, float g, float& m, float& v, const Hyper& h) {
   const float gi = h.sign * g + p * h.l2;
   m = std::fma(h.lerp_coeff, gi - m, h.lerp_from_end ? gi : m);
   v = std::fma(h.one_minus_b2 * gi, gi, v * h.b2);
-  const float denom = std::sqrt(v) / h.bc2 + h.eps;
-  p = p * h.decay - (h.step * m) / denom;
+  const float denom = std::sqrt(v) * h.inv_bc2 + h.eps;
+  p = p * h.decay - (h.step * m) * (1.0f / denom);
 }
 
 inline uint8_t encode_lane(float value, const Codebook& cb) {
@@ -105,21 +115,84 @@ inline __m512 decode16(const uint8_t* codes, const float* decode, float scale) {
   return _mm512_mul_ps(lookup256(decode, index), _mm512_set1_ps(scale));
 }
 
-// encode_lane on 16 values; ``value`` already normalized.
+#ifdef QSTATE_VBMI
+// decode16 of 64 codes: out[r] holds values 16r .. 16r + 15. Each byte plane of the table is looked up with two
+// 128-entry byte permutes (bit 7 of the code picks one), then bytes are interleaved into fp32 lanes. The interleave
+// leaves value 16L + 4r + t in lane 4L + t of out[r] (L: 128-bit lane); the codes are permuted first so that this is
+// value 16r + 4L + t.
+inline void decode64(const uint8_t* codes, const uint8_t* planes, float scale, __m512 out[4]) {
+  alignas(64) static const uint8_t order[64] = {
+      0, 1, 2, 3, 16, 17, 18, 19, 32, 33, 34, 35, 48, 49, 50, 51, 4, 5, 6, 7, 20, 21, 22, 23, 36, 37, 38, 39, 52, 53, 54, 55,
+      8, 9, 10, 11, 24, 25, 26, 27, 40, 41, 42, 43, 56, 57, 58, 59, 12, 13, 14, 15, 28, 29, 30, 31, 44, 45, 46, 47, 60, 61, 62, 63};
+  const __m512i index = _mm512_permutexvar_epi8(_mm512_load_si512(order), _mm512_loadu_si512(codes));
+  const __mmask64 high = _mm512_movepi8_mask(index);
+  __m512i byte[4];
+  for (int j = 0; j < 4; ++j) {
+    const uint8_t* plane = planes + 256 * j;
+    const __m512i low_half = _mm512_permutex2var_epi8(_mm512_loadu_si512(plane), index, _mm512_loadu_si512(plane + 64));
+    const __m512i high_half = _mm512_permutex2var_epi8(_mm512_loadu_si512(plane + 128), index, _mm512_loadu_si512(plane + 192));
+    byte[j] = _mm512_mask_blend_epi8(high, low_half, high_half);
+  }
+  const __m512i low01 = _mm512_unpacklo_epi8(byte[0], byte[1]), high01 = _mm512_unpackhi_epi8(byte[0], byte[1]);
+  const __m512i low23 = _mm512_unpacklo_epi8(byte[2], byte[3]), high23 = _mm512_unpackhi_epi8(byte[2], byte[3]);
+  const __m512 factor = _mm512_set1_ps(scale);
+  out[0] = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpacklo_epi16(low01, low23)), factor);
+  out[1] = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(low01, low23)), factor);
+  out[2] = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpacklo_epi16(high01, high23)), factor);
+  out[3] = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(high01, high23)), factor);
+}
+#endif
+
+// encode_lane on 16 values; ``value`` already normalized (``Nonnegative``: no value is < 0, as for Adam's v). Magnitude
+// patterns and thresholds are compared relative to key_base.
+template <bool Nonnegative>
 inline void encode16(__m512 value, const Codebook& cb, uint8_t* out) {
-  const __m512i bits = _mm512_castps_si512(_mm512_abs_ps(value));
-  const __m128i shift = _mm_cvtsi32_si128(cb.key_shift);
-  __m512i key = _mm512_sra_epi32(_mm512_sub_epi32(bits, _mm512_set1_epi32(cb.key_base)), shift);
+  const __m512i shift = _mm512_set1_epi32(cb.key_shift);
+  const __m512i bits = _mm512_sub_epi32(_mm512_castps_si512(_mm512_abs_ps(value)), _mm512_set1_epi32(cb.key_base));
+  __m512i key = _mm512_srav_epi32(bits, shift);
   key = _mm512_min_epi32(_mm512_max_epi32(key, _mm512_setzero_si512()), _mm512_set1_epi32(cb.half - 1));
-  const __mmask16 negative = _mm512_cmp_ps_mask(value, _mm512_setzero_ps(), _CMP_LT_OQ);
+  const __mmask16 negative = Nonnegative ? 0 : _mm512_cmp_ps_mask(value, _mm512_setzero_ps(), _CMP_LT_OQ);
   const __m512i bucket = _mm512_mask_sub_epi32(_mm512_add_epi32(_mm512_set1_epi32(cb.half), key), negative, _mm512_set1_epi32(cb.half - 1), key);
   const __m512i entry = _mm512_i32gather_epi32(bucket, cb.entries, 4);
-  const __m512i threshold = _mm512_add_epi32(_mm512_add_epi32(_mm512_set1_epi32(cb.key_base), _mm512_sll_epi32(key, shift)), _mm512_srai_epi32(entry, 9));
+  const __m512i threshold = _mm512_add_epi32(_mm512_sllv_epi32(key, shift), _mm512_srai_epi32(entry, 9));
   const __mmask16 inside = _mm512_test_epi32_mask(entry, _mm512_set1_epi32(0x100));
   const __mmask16 up = inside & ((negative & _mm512_cmple_epi32_mask(bits, threshold)) | (~negative & _mm512_cmpge_epi32_mask(bits, threshold)));
   const __m512i first = _mm512_and_si512(entry, _mm512_set1_epi32(0xFF));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm512_cvtepi32_epi8(_mm512_mask_add_epi32(first, up, first, _mm512_set1_epi32(1))));
 }
+#endif
+
+#ifdef QSTATE_AVX512
+// The AVX-512 form of adam_lane and the block's running absmaxes / non-finite flags, for 16 values.
+struct Update16 {
+  __m512 sign, l2, decay, lerp_coeff, b2, one_minus_b2, step, inv_bc2, eps;
+  bool lerp_from_end;
+  __m512 m_top = _mm512_setzero_ps(), v_top = _mm512_setzero_ps();
+  __mmask16 m_nonfinite = 0, v_nonfinite = 0;
+
+  explicit Update16(const Hyper& h)
+      : sign(_mm512_set1_ps(h.sign)), l2(_mm512_set1_ps(h.l2)), decay(_mm512_set1_ps(h.decay)), lerp_coeff(_mm512_set1_ps(h.lerp_coeff)),
+        b2(_mm512_set1_ps(h.b2)), one_minus_b2(_mm512_set1_ps(h.one_minus_b2)), step(_mm512_set1_ps(h.step)),
+        inv_bc2(_mm512_set1_ps(h.inv_bc2)), eps(_mm512_set1_ps(h.eps)), lerp_from_end(h.lerp_from_end) {}
+
+  // p[0:16] updated in place; the new moments (from decoded mi, vi) to m[0:16], v[0:16].
+  inline void operator()(float* p, const float* g, __m512 mi, __m512 vi, float* m, float* v) {
+    const __m512 pi = _mm512_loadu_ps(p);
+    const __m512 gi = _mm512_add_ps(_mm512_mul_ps(sign, _mm512_loadu_ps(g)), _mm512_mul_ps(pi, l2));
+    mi = _mm512_fmadd_ps(lerp_coeff, _mm512_sub_ps(gi, mi), lerp_from_end ? gi : mi);
+    vi = _mm512_fmadd_ps(_mm512_mul_ps(one_minus_b2, gi), gi, _mm512_mul_ps(vi, b2));
+    const __m512 denom = _mm512_add_ps(_mm512_mul_ps(_mm512_sqrt_ps(vi), inv_bc2), eps);
+    const __m512 estimate = _mm512_rcp14_ps(denom);  // one Newton step: about an ulp
+    const __m512 reciprocal = _mm512_fmadd_ps(estimate, _mm512_fnmadd_ps(denom, estimate, _mm512_set1_ps(1.0f)), estimate);
+    _mm512_storeu_ps(p, _mm512_sub_ps(_mm512_mul_ps(pi, decay), _mm512_mul_ps(_mm512_mul_ps(step, mi), reciprocal)));
+    _mm512_storeu_ps(m, mi);
+    _mm512_storeu_ps(v, vi);
+    m_top = _mm512_max_ps(_mm512_abs_ps(mi), m_top);  // a NaN lane keeps the running max, as the scalar compare does
+    v_top = _mm512_max_ps(_mm512_abs_ps(vi), v_top);
+    m_nonfinite |= _mm512_cmp_ps_mask(_mm512_sub_ps(mi, mi), _mm512_setzero_ps(), _CMP_UNORD_Q);
+    v_nonfinite |= _mm512_cmp_ps_mask(_mm512_sub_ps(vi, vi), _mm512_setzero_ps(), _CMP_UNORD_Q);
+  }
+};
 #endif
 
 // Decode both moments, Adam update of param (in place), moments to m / v; returns the absmaxes and NaN/inf flags.
@@ -130,30 +203,18 @@ void update_block(float* __restrict__ p, const float* __restrict__ g, const uint
   m_max = 0.0f, v_max = 0.0f;
   bool m_bad = false, v_bad = false;
 #ifdef QSTATE_AVX512
-  const __m512 sign = _mm512_set1_ps(h.sign), l2 = _mm512_set1_ps(h.l2), decay = _mm512_set1_ps(h.decay);
-  const __m512 lerp_coeff = _mm512_set1_ps(h.lerp_coeff);
-  const __m512 b2 = _mm512_set1_ps(h.b2), one_minus_b2 = _mm512_set1_ps(h.one_minus_b2);
-  const __m512 step = _mm512_set1_ps(h.step), bc2 = _mm512_set1_ps(h.bc2), eps = _mm512_set1_ps(h.eps);
-  __m512 m_top = _mm512_setzero_ps(), v_top = _mm512_setzero_ps();
-  __mmask16 m_nonfinite = 0, v_nonfinite = 0;
-  for (; i + 16 <= n; i += 16) {
-    const __m512 pi = _mm512_loadu_ps(p + i);
-    const __m512 gi = _mm512_add_ps(_mm512_mul_ps(sign, _mm512_loadu_ps(g + i)), _mm512_mul_ps(pi, l2));
-    __m512 mi = decode16(mc + i, mcb.decode, m_scale);
-    __m512 vi = decode16(vc + i, vcb.decode, v_scale);
-    mi = _mm512_fmadd_ps(lerp_coeff, _mm512_sub_ps(gi, mi), h.lerp_from_end ? gi : mi);
-    vi = _mm512_fmadd_ps(_mm512_mul_ps(one_minus_b2, gi), gi, _mm512_mul_ps(vi, b2));
-    const __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(vi), bc2), eps);
-    _mm512_storeu_ps(p + i, _mm512_sub_ps(_mm512_mul_ps(pi, decay), _mm512_div_ps(_mm512_mul_ps(step, mi), denom)));
-    _mm512_storeu_ps(m + i, mi);
-    _mm512_storeu_ps(v + i, vi);
-    m_top = _mm512_max_ps(_mm512_abs_ps(mi), m_top);  // a NaN lane keeps the running max, as the scalar compare does
-    v_top = _mm512_max_ps(_mm512_abs_ps(vi), v_top);
-    m_nonfinite |= _mm512_cmp_ps_mask(_mm512_sub_ps(mi, mi), _mm512_setzero_ps(), _CMP_UNORD_Q);
-    v_nonfinite |= _mm512_cmp_ps_mask(_mm512_sub_ps(vi, vi), _mm512_setzero_ps(), _CMP_UNORD_Q);
+  Update16 update(h);
+#ifdef QSTATE_VBMI
+  for (; i + 64 <= n; i += 64) {
+    __m512 mi[4], vi[4];
+    decode64(mc + i, mcb.planes, m_scale, mi);
+    decode64(vc + i, vcb.planes, v_scale, vi);
+    for (int r = 0; r < 4; ++r) update(p + i + 16 * r, g + i + 16 * r, mi[r], vi[r], m + i + 16 * r, v + i + 16 * r);
   }
-  m_max = _mm512_reduce_max_ps(m_top), v_max = _mm512_reduce_max_ps(v_top);
-  m_bad = m_nonfinite != 0, v_bad = v_nonfinite != 0;
+#endif
+  for (; i + 16 <= n; i += 16) update(p + i, g + i, decode16(mc + i, mcb.decode, m_scale), decode16(vc + i, vcb.decode, v_scale), m + i, v + i);
+  m_max = _mm512_reduce_max_ps(update.m_top), v_max = _mm512_reduce_max_ps(update.v_top);
+  m_bad = update.m_nonfinite != 0, v_bad = update.v_nonfinite != 0;
 #endif
   for (; i < n; ++i) {
     float mi = mcb.decode[mc[i]] * m_scale, vi = vcb.decode[vc[i]] * v_scale;
@@ -168,15 +229,29 @@ void update_block(float* __restrict__ p, const float* __restrict__ g, const uint
   m_ok = !m_bad, v_ok = !v_bad;
 }
 
-// formats.rounding.encode_codebook (RN) of x / divisor for one block; a non-finite block encodes zeros.
+// formats.rounding.encode_codebook (RN) of x / divisor for one block; a non-finite block encodes 0.0 everywhere. The
+// quotient is Markstein's: q = fma(x - q0 * divisor, r, q0) with q0 = x * r and r = 1 / divisor correctly rounded,
+// which is the correctly rounded x / divisor (|x| <= divisor here) down to quotients of about 2^-100, far below
+// any code's rounding threshold.
+template <bool Nonnegative>
 void encode_block(const float* __restrict__ x, float divisor, bool finite, const Codebook& cb, uint8_t* __restrict__ out, int64_t n) {
-  const float scale_ok = finite ? 1.0f : 0.0f;
+  if (!finite) {
+    std::memset(out, encode_lane(0.0f, cb), n);
+    return;
+  }
+  const float reciprocal = 1.0f / divisor;
   int64_t i = 0;
 #ifdef QSTATE_AVX512
-  const __m512 ok = _mm512_set1_ps(scale_ok), d = _mm512_set1_ps(divisor);
-  for (; i + 16 <= n; i += 16) encode16(_mm512_div_ps(_mm512_mul_ps(_mm512_loadu_ps(x + i), ok), d), cb, out + i);
+  const __m512 d = _mm512_set1_ps(divisor), r = _mm512_set1_ps(reciprocal);
+  for (; i + 16 <= n; i += 16) {
+    const __m512 value = _mm512_loadu_ps(x + i), estimate = _mm512_mul_ps(value, r);
+    encode16<Nonnegative>(_mm512_fmadd_ps(_mm512_fnmadd_ps(estimate, d, value), r, estimate), cb, out + i);
+  }
 #endif
-  for (; i < n; ++i) out[i] = encode_lane((x[i] * scale_ok) / divisor, cb);
+  for (; i < n; ++i) {
+    const float estimate = x[i] * reciprocal;
+    out[i] = encode_lane(std::fma(std::fma(-estimate, divisor, x[i]), reciprocal, estimate), cb);
+  }
 }
 
 // formats.count_stalls for one block: [stalled, moved] added to counts. ``old``: codes before the step.
@@ -193,19 +268,24 @@ void count_block(const uint8_t* __restrict__ old, float old_scale, const uint8_t
   counts[1] += moved;
 }
 
-// Whether every value of x[0:n] is finite (x - x is 0, not NaN).
+// Whether every value of x[0:n] is finite (x - x is 0, not NaN). The vector loop reads eight far-apart parts of x
+// side by side: a single stream leaves the memory system idle between cache misses.
 bool all_finite(const float* __restrict__ x, int64_t n) {
-  int64_t i = 0;
+  int64_t done = 0;
   bool bad = false;
 #ifdef QSTATE_AVX512
+  constexpr int parts = 8;
+  const int64_t part = n / parts / 16 * 16;
   __mmask16 nonfinite = 0;
-  for (; i + 16 <= n; i += 16) {
-    const __m512 value = _mm512_loadu_ps(x + i);
-    nonfinite |= _mm512_cmp_ps_mask(_mm512_sub_ps(value, value), _mm512_setzero_ps(), _CMP_UNORD_Q);
-  }
+  for (int64_t i = 0; i < part; i += 16)
+    for (int k = 0; k < parts; ++k) {
+      const __m512 value = _mm512_loadu_ps(x + k * part + i);
+      nonfinite |= _mm512_cmp_ps_mask(_mm512_sub_ps(value, value), _mm512_setzero_ps(), _CMP_UNORD_Q);
+    }
   bad = nonfinite != 0;
+  done = parts * part;
 #endif
-  for (; i < n; ++i) bad |= std::isnan(x[i] - x[i]);
+  for (int64_t i = done; i < n; ++i) bad |= std::isnan(x[i] - x[i]);
   return !bad;
 }
 
@@ -217,7 +297,20 @@ struct Param {
   float *ms, *vs;
   Codebook mcb, vcb;
   Hyper h;
-  int64_t numel, block, first_block;  // first_block: index of its first block in the step's global block order
+  int64_t numel, block, blocks;
+
+  // Starts loading block ``index``'s param, gradient and codes into the cache.
+  void prefetch(int64_t index) const {
+    const int64_t base = index * block, size = std::min(block, numel - base);
+    for (int64_t i = 0; i < size; i += 16) {
+      __builtin_prefetch(p + base + i);
+      __builtin_prefetch(g + base + i);
+    }
+    for (int64_t i = 0; i < size; i += 64) {
+      __builtin_prefetch(mc + base + i);
+      __builtin_prefetch(vc + base + i);
+    }
+  }
 };
 
 }  // namespace
@@ -247,74 +340,85 @@ torch::Tensor adam_steps_u8(std::vector<torch::Tensor> params, std::vector<torch
   const auto ints_a = ints.accessor<int64_t, 2>();
   const auto step_a = per_step.accessor<double, 2>();
   std::vector<Param> work(n);
-  int64_t total_blocks = 0;
+  std::vector<uint8_t> planes(2 * 1024 * n);
   for (int64_t k = 0; k < n; ++k) {
     Param& w = work[k];
     w.p = params[k].data_ptr<float>(), w.g = grads[k].data_ptr<float>();
     w.mc = m_codes[k].data_ptr<uint8_t>(), w.vc = v_codes[k].data_ptr<uint8_t>();
     w.ms = m_scales[k].data_ptr<float>(), w.vs = v_scales[k].data_ptr<float>();
-    w.mcb = codebook(tables[4 * k], tables[4 * k + 1], ints_a[k][1], ints_a[k][2], ints_a[k][3]);
-    w.vcb = codebook(tables[4 * k + 2], tables[4 * k + 3], ints_a[k][4], ints_a[k][5], ints_a[k][6]);
+    w.mcb = codebook(tables[4 * k], tables[4 * k + 1], ints_a[k][1], ints_a[k][2], ints_a[k][3], &planes[2048 * k]);
+    w.vcb = codebook(tables[4 * k + 2], tables[4 * k + 3], ints_a[k][4], ints_a[k][5], ints_a[k][6], &planes[2048 * k + 1024]);
     w.h = shared;
-    w.h.step = static_cast<float>(step_a[k][0]), w.h.bc2 = static_cast<float>(step_a[k][1]);
+    w.h.step = static_cast<float>(step_a[k][0]), w.h.inv_bc2 = 1.0f / static_cast<float>(step_a[k][1]);
     w.numel = params[k].numel(), w.block = ints_a[k][0];
-    const int64_t blocks = (w.numel + w.block - 1) / w.block;
+    const int64_t blocks = w.blocks = (w.numel + w.block - 1) / w.block;
     TORCH_CHECK(grads[k].numel() == w.numel && m_codes[k].numel() == w.numel && v_codes[k].numel() == w.numel &&
                 m_scales[k].numel() == blocks && v_scales[k].numel() == blocks, "parameter ", k, ": grad, codes or scales of the wrong size");
     for (const torch::Tensor* t : {&params[k], &grads[k], &m_codes[k], &v_codes[k], &m_scales[k], &v_scales[k]})
       TORCH_CHECK(t->is_contiguous(), "parameter ", k, ": every tensor must be contiguous");
-    w.first_block = total_blocks;
-    total_blocks += blocks;
   }
   auto result = torch::zeros({n, 6}, torch::kInt64);
   auto out = result.accessor<int64_t, 2>();
   std::vector<std::atomic<int>> grad_bad(n), moments_bad(n);
   std::vector<std::array<std::atomic<int64_t>, 4>> stalls(n);
+  // One block of parameter k: decode, update, encode in place (and its stall counts).
+  auto step_block = [&](int64_t k, int64_t index, std::vector<float>& m_buffer, std::vector<float>& v_buffer,
+                        std::vector<uint8_t>& old_m, std::vector<uint8_t>& old_v) {
+    const Param& w = work[k];
+    const int64_t base = index * w.block, size = std::min(w.block, w.numel - base);
+    m_buffer.resize(size), v_buffer.resize(size);
+    const float m_scale = w.ms[index], v_scale = w.vs[index];
+    if (track) {
+      old_m.assign(w.mc + base, w.mc + base + size);
+      old_v.assign(w.vc + base, w.vc + base + size);
+    }
+    float m_max, v_max;
+    bool m_ok, v_ok;
+    update_block(w.p + base, w.g + base, w.mc + base, m_scale, w.vc + base, v_scale, w.mcb, w.vcb, w.h, size,
+                 m_buffer.data(), v_buffer.data(), m_max, v_max, m_ok, v_ok);
+    encode_block<false>(m_buffer.data(), (m_ok && m_max > 0.0f) ? m_max : 1.0f, m_ok, w.mcb, w.mc + base, size);
+    encode_block<true>(v_buffer.data(), (v_ok && v_max > 0.0f) ? v_max : 1.0f, v_ok, w.vcb, w.vc + base, size);
+    w.ms[index] = m_ok ? m_max : NAN;
+    w.vs[index] = v_ok ? v_max : NAN;
+    if (!(m_ok && v_ok)) moments_bad[k].store(1, std::memory_order_relaxed);
+    if (track) {
+      int64_t local[4] = {0, 0, 0, 0};
+      count_block(old_m.data(), m_scale, w.mc + base, w.ms[index], m_buffer.data(), w.mcb.decode, size, local);
+      count_block(old_v.data(), v_scale, w.vc + base, w.vs[index], v_buffer.data(), w.vcb.decode, size, local + 2);
+      for (int c = 0; c < 4; ++c) stalls[k][c].fetch_add(local[c], std::memory_order_relaxed);
+    }
+  };
+  std::vector<int64_t> first_blocks(n + 1, 0);  // index of each parameter's first block in the global block order
+  for (int64_t k = 0; k < n; ++k) first_blocks[k + 1] = first_blocks[k] + work[k].blocks;
+  const int64_t total_blocks = first_blocks[n];
   auto owner = [&](int64_t global_block) {  // the parameter holding a global block index
     int64_t low = 0, high = n - 1;
     while (low < high) {
       const int64_t mid = (low + high + 1) / 2;
-      if (work[mid].first_block <= global_block) low = mid; else high = mid - 1;
+      if (first_blocks[mid] <= global_block) low = mid; else high = mid - 1;
     }
     return low;
   };
-  at::parallel_for(0, total_blocks, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin, k = owner(begin); b < end; ++b) {
-      while (k + 1 < n && work[k + 1].first_block <= b) ++k;
+  // First every gradient is checked (a parameter with inf/NaN is left untouched), then every block is stepped.
+  at::parallel_for(0, total_blocks, 64, [&](int64_t begin, int64_t end) {  // each parameter's part of blocks [begin, end)
+    for (int64_t k = owner(begin); k < n && first_blocks[k] < end; ++k) {
       const Param& w = work[k];
-      const int64_t base = (b - w.first_block) * w.block;
-      if (!all_finite(w.g + base, std::min(w.block, w.numel - base))) grad_bad[k].store(1, std::memory_order_relaxed);
+      const int64_t first = std::max<int64_t>(begin - first_blocks[k], 0) * w.block, last = std::min((end - first_blocks[k]) * w.block, w.numel);
+      if (first < last && !all_finite(w.g + first, last - first)) grad_bad[k].store(1, std::memory_order_relaxed);
     }
   });
   at::parallel_for(0, total_blocks, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> m_buffer, v_buffer;
     std::vector<uint8_t> old_m, old_v;
     for (int64_t b = begin, k = owner(begin); b < end; ++b) {
-      while (k + 1 < n && work[k + 1].first_block <= b) ++k;
+      while (k + 1 < n && first_blocks[k + 1] <= b) ++k;
       if (grad_bad[k].load(std::memory_order_relaxed)) continue;
-      const Param& w = work[k];
-      const int64_t index = b - w.first_block, base = index * w.block, size = std::min(w.block, w.numel - base);
-      m_buffer.resize(size), v_buffer.resize(size);
-      const float m_scale = w.ms[index], v_scale = w.vs[index];
-      if (track) {
-        old_m.assign(w.mc + base, w.mc + base + size);
-        old_v.assign(w.vc + base, w.vc + base + size);
+      if (b + 1 < end) {
+        int64_t next = k;
+        while (next + 1 < n && first_blocks[next + 1] <= b + 1) ++next;
+        work[next].prefetch(b + 1 - first_blocks[next]);
       }
-      float m_max, v_max;
-      bool m_ok, v_ok;
-      update_block(w.p + base, w.g + base, w.mc + base, m_scale, w.vc + base, v_scale, w.mcb, w.vcb, w.h, size,
-                   m_buffer.data(), v_buffer.data(), m_max, v_max, m_ok, v_ok);
-      encode_block(m_buffer.data(), (m_ok && m_max > 0.0f) ? m_max : 1.0f, m_ok, w.mcb, w.mc + base, size);
-      encode_block(v_buffer.data(), (v_ok && v_max > 0.0f) ? v_max : 1.0f, v_ok, w.vcb, w.vc + base, size);
-      w.ms[index] = m_ok ? m_max : NAN;
-      w.vs[index] = v_ok ? v_max : NAN;
-      if (!(m_ok && v_ok)) moments_bad[k].store(1, std::memory_order_relaxed);
-      if (track) {
-        int64_t local[4] = {0, 0, 0, 0};
-        count_block(old_m.data(), m_scale, w.mc + base, w.ms[index], m_buffer.data(), w.mcb.decode, size, local);
-        count_block(old_v.data(), v_scale, w.vc + base, w.vs[index], v_buffer.data(), w.vcb.decode, size, local + 2);
-        for (int c = 0; c < 4; ++c) stalls[k][c].fetch_add(local[c], std::memory_order_relaxed);
-      }
+      step_block(k, b - first_blocks[k], m_buffer, v_buffer, old_m, old_v);
     }
   });
   for (int64_t k = 0; k < n; ++k) {
@@ -334,7 +438,7 @@ def kernel():
         from torch.utils.cpp_extension import load_inline
 
         module = load_inline(
-            name="lightning_qstate_cpu_adam_v7",
+            name="lightning_qstate_cpu_adam_v12",
             cpp_sources=SOURCE,
             functions=["adam_steps_u8"],
             extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-fopenmp"],

@@ -176,11 +176,11 @@ def native_adam_steps(params: list[torch.Tensor], grads: list[torch.Tensor], sta
     ``[grad_finite, moments_finite, stalled_m, moved_m, stalled_v, moved_v]`` per parameter (stalls 0 unless tracked).
     """
     tables, ints, per_step, hypers = [], [], [], {}
-    for state in states:
+    steps = [state["step"] for state in states]
+    for state, step in zip(states, (torch.stack(steps).double() + 1).tolist()):
         layout = _native_layout(state["exp_avg"].format, state["exp_avg_sq"].format)
         tables += layout[0]
         ints.append(layout[1])
-        step = float(state["step"]) + 1
         if step not in hypers:
             hyper = adam_hyper(group, step)
             hypers[step] = [float(hyper["step_size"]), float(hyper["bias_correction2_sqrt"])]
@@ -195,9 +195,9 @@ def native_adam_steps(params: list[torch.Tensor], grads: list[torch.Tensor], sta
         group["decoupled_weight_decay"], group["maximize"], track_stalls,
     )  # fmt: skip
     finite = result[:, 0].bool()
-    for state, ok in zip(states, finite.tolist()):
-        if ok:
-            state["step"] += 1
+    stepped = [step for step, ok in zip(steps, finite.tolist()) if ok]
+    if stepped:
+        torch._foreach_add_(stepped, 1)
     if not bool(result[finite, 1].all()):
         raise FloatingPointError("an Adam moment overflowed to inf/NaN during the step; its packed codes were not trusted")
     return result
