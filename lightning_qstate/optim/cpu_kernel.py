@@ -315,30 +315,43 @@ struct Param {
 
 }  // namespace
 
-// Adam(W) step of every parameter of one param group. ``tables``: per parameter [m_decode, m_entries, v_decode,
-// v_entries]; ``ints``: (n, 7) int64 [block, m_base, m_shift, m_half, v_base, v_shift, v_half]; ``per_step``: (n, 2)
-// float64 [step_size, bias_correction2_sqrt]. First every gradient is checked: a parameter with an inf/NaN gradient is
-// left untouched. Returns (n, 6) int64 [grad_finite, moments_finite, stalled_m, moved_m, stalled_v, moved_v]
-// (stall columns 0 unless ``track``).
+// Adam(W) step of every parameter of one param group: n with 8-bit codebook moments, then ``plain`` ones with fp32
+// moments. ``tables``: per coded parameter [m_decode, m_entries, v_decode, v_entries]; ``ints``: (n, 7) int64 [block,
+// m_base, m_shift, m_half, v_base, v_shift, v_half]; ``plain``: per fp32-state parameter [param, grad, exp_avg,
+// exp_avg_sq]; ``per_step``: (n + plain, 2) float64 [step_size, bias_correction2_sqrt]. First every gradient is checked:
+// a parameter with an inf/NaN gradient is left untouched. Returns (n + plain, 6) int64 [grad_finite, moments_finite,
+// stalled_m, moved_m, stalled_v, moved_v] (stall columns 0 unless ``track``; moments_finite 1 for fp32 states).
 torch::Tensor adam_steps_u8(std::vector<torch::Tensor> params, std::vector<torch::Tensor> grads,
                             std::vector<torch::Tensor> m_codes, std::vector<torch::Tensor> m_scales,
                             std::vector<torch::Tensor> v_codes, std::vector<torch::Tensor> v_scales,
-                            std::vector<torch::Tensor> tables, torch::Tensor ints, torch::Tensor per_step,
-                            double lr, double weight_decay, double beta1, double beta2, double eps,
+                            std::vector<torch::Tensor> tables, torch::Tensor ints, std::vector<torch::Tensor> plain,
+                            torch::Tensor per_step, double lr, double weight_decay, double beta1, double beta2, double eps,
                             bool decoupled, bool maximize, bool track) {
-  const int64_t n = static_cast<int64_t>(params.size());
-  const float f_lr = lr, f_wd = weight_decay, f_b1 = beta1, f_b2 = beta2;
-  Hyper shared;
-  shared.sign = maximize ? -1.0f : 1.0f;
-  shared.decay = decoupled ? 1.0f - f_lr * f_wd : 1.0f;
-  shared.l2 = decoupled ? 0.0f : f_wd;
-  const float lerp_weight = 1.0f - f_b1;
-  shared.lerp_from_end = !(std::fabs(lerp_weight) < 0.5f);
-  shared.lerp_coeff = shared.lerp_from_end ? lerp_weight - 1.0f : lerp_weight;
-  shared.b2 = f_b2, shared.one_minus_b2 = 1.0f - f_b2;
-  shared.eps = static_cast<float>(eps);
+  const int64_t n = static_cast<int64_t>(params.size()), n_plain = static_cast<int64_t>(plain.size()) / 4;
+  // Coded parameters: the constants as fused.adam_math computes them from fp32 0-d tensors; fp32-state ones: as torch's
+  // per-parameter AdamW computes them, in double, rounded to fp32 where they meet a tensor.
+  auto constants = [&](bool from_double) {
+    const float f_lr = lr, f_wd = weight_decay, f_b1 = beta1, f_b2 = beta2;
+    Hyper h;
+    h.sign = maximize ? -1.0f : 1.0f;
+    h.decay = !decoupled ? 1.0f : from_double ? static_cast<float>(1.0 - lr * weight_decay) : 1.0f - f_lr * f_wd;
+    h.l2 = decoupled ? 0.0f : f_wd;
+    const float lerp_weight = from_double ? static_cast<float>(1.0 - beta1) : 1.0f - f_b1;
+    h.lerp_from_end = !(std::fabs(lerp_weight) < 0.5f);
+    h.lerp_coeff = h.lerp_from_end ? lerp_weight - 1.0f : lerp_weight;
+    h.b2 = f_b2, h.one_minus_b2 = from_double ? static_cast<float>(1.0 - beta2) : 1.0f - f_b2;
+    h.eps = static_cast<float>(eps);
+    return h;
+  };
+  const Hyper coded_constants = constants(false), plain_constants = constants(true);
   const auto ints_a = ints.accessor<int64_t, 2>();
   const auto step_a = per_step.accessor<double, 2>();
+  TORCH_CHECK(static_cast<int64_t>(plain.size()) == 4 * n_plain && per_step.size(0) == n + n_plain, "per_step: one row per parameter");
+  auto hyper = [&](int64_t row) {
+    Hyper h = row < n ? coded_constants : plain_constants;
+    h.step = static_cast<float>(step_a[row][0]), h.inv_bc2 = 1.0f / static_cast<float>(step_a[row][1]);
+    return h;
+  };
   std::vector<Param> work(n);
   std::vector<uint8_t> planes(2 * 1024 * n);
   for (int64_t k = 0; k < n; ++k) {
@@ -348,8 +361,7 @@ torch::Tensor adam_steps_u8(std::vector<torch::Tensor> params, std::vector<torch
     w.ms = m_scales[k].data_ptr<float>(), w.vs = v_scales[k].data_ptr<float>();
     w.mcb = codebook(tables[4 * k], tables[4 * k + 1], ints_a[k][1], ints_a[k][2], ints_a[k][3], &planes[2048 * k]);
     w.vcb = codebook(tables[4 * k + 2], tables[4 * k + 3], ints_a[k][4], ints_a[k][5], ints_a[k][6], &planes[2048 * k + 1024]);
-    w.h = shared;
-    w.h.step = static_cast<float>(step_a[k][0]), w.h.inv_bc2 = 1.0f / static_cast<float>(step_a[k][1]);
+    w.h = hyper(k);
     w.numel = params[k].numel(), w.block = ints_a[k][0];
     const int64_t blocks = w.blocks = (w.numel + w.block - 1) / w.block;
     TORCH_CHECK(grads[k].numel() == w.numel && m_codes[k].numel() == w.numel && v_codes[k].numel() == w.numel &&
@@ -357,7 +369,11 @@ torch::Tensor adam_steps_u8(std::vector<torch::Tensor> params, std::vector<torch
     for (const torch::Tensor* t : {&params[k], &grads[k], &m_codes[k], &v_codes[k], &m_scales[k], &v_scales[k]})
       TORCH_CHECK(t->is_contiguous(), "parameter ", k, ": every tensor must be contiguous");
   }
-  auto result = torch::zeros({n, 6}, torch::kInt64);
+  for (int64_t j = 0; j < n_plain; ++j)
+    for (int c = 0; c < 4; ++c)
+      TORCH_CHECK(plain[4 * j + c].is_contiguous() && plain[4 * j + c].scalar_type() == torch::kFloat && plain[4 * j + c].numel() == plain[4 * j].numel(),
+                  "fp32-state parameter ", j, ": param, grad and moments must be contiguous fp32 tensors of one size");
+  auto result = torch::zeros({n + n_plain, 6}, torch::kInt64);
   auto out = result.accessor<int64_t, 2>();
   std::vector<std::atomic<int>> grad_bad(n), moments_bad(n);
   std::vector<std::array<std::atomic<int64_t>, 4>> stalls(n);
@@ -421,6 +437,24 @@ torch::Tensor adam_steps_u8(std::vector<torch::Tensor> params, std::vector<torch
       step_block(k, b - first_blocks[k], m_buffer, v_buffer, old_m, old_v);
     }
   });
+  // fp32-state parameters (small ones, as a rule): the same checks and update, moments stored as they are.
+  for (int64_t j = 0; j < n_plain; ++j) {
+    float* p = plain[4 * j].data_ptr<float>();
+    const float* g = plain[4 * j + 1].data_ptr<float>();
+    float *m = plain[4 * j + 2].data_ptr<float>(), *v = plain[4 * j + 3].data_ptr<float>();
+    const Hyper h = hyper(n + j);
+    std::atomic<int> bad{0};
+    const int64_t numel = plain[4 * j].numel();
+    at::parallel_for(0, numel, 1 << 16, [&](int64_t begin, int64_t end) {
+      if (!all_finite(g + begin, end - begin)) bad.store(1, std::memory_order_relaxed);
+    });
+    out[n + j][0] = bad.load() ? 0 : 1;
+    out[n + j][1] = 1;
+    if (bad.load()) continue;
+    at::parallel_for(0, numel, 1 << 16, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) adam_lane(p[i], g[i], m[i], v[i], h);
+    });
+  }
   for (int64_t k = 0; k < n; ++k) {
     out[k][0] = grad_bad[k].load() ? 0 : 1;
     out[k][1] = moments_bad[k].load() ? 0 : 1;
@@ -438,7 +472,7 @@ def kernel():
         from torch.utils.cpp_extension import load_inline
 
         module = load_inline(
-            name="lightning_qstate_cpu_adam_v12",
+            name="lightning_qstate_cpu_adam_v14",
             cpp_sources=SOURCE,
             functions=["adam_steps_u8"],
             extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-fopenmp"],

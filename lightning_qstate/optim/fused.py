@@ -121,17 +121,15 @@ def fused_layout(value: QuantizedTensor) -> int | None:
     return value.format.block_size if isinstance(value.format, BlockFormat) else None
 
 
+def _plain_options(param: torch.Tensor, group: dict) -> bool:
+    """A contiguous fp32 param and plain Adam options (no amsgrad, capturable, differentiable or fused)."""
+    return param.dtype == torch.float32 and param.is_contiguous() and not (group["amsgrad"] or group["capturable"] or group["differentiable"] or group["fused"])
+
+
 def _plain_adam(param: torch.Tensor, group: dict, state: dict) -> bool:
-    """A contiguous fp32 param, plain Adam options, and both moments quantized."""
+    """``_plain_options`` and both moments quantized."""
     m, v = state.get("exp_avg"), state.get("exp_avg_sq")
-    return (
-        isinstance(m, QuantizedTensor)
-        and isinstance(v, QuantizedTensor)
-        and param.dtype == torch.float32
-        and m.dtype == torch.float32
-        and param.is_contiguous()
-        and not (group["amsgrad"] or group["capturable"] or group["differentiable"] or group["fused"])
-    )
+    return isinstance(m, QuantizedTensor) and isinstance(v, QuantizedTensor) and m.dtype == torch.float32 and _plain_options(param, group)
 
 
 def can_fuse(param: torch.Tensor, group: dict, state: dict) -> bool:
@@ -160,6 +158,19 @@ def native_eligible(param: torch.Tensor, grad: torch.Tensor, group: dict, state:
     )
 
 
+def native_plain_eligible(param: torch.Tensor, grad: torch.Tensor, group: dict, state: dict) -> bool:
+    """Whether ``native_adam_steps`` can also step this parameter with fp32 moments: ``_plain_options`` on the CPU,
+    an fp32 gradient, and both moments contiguous fp32 tensors."""
+    moments = (state.get("exp_avg"), state.get("exp_avg_sq"))
+    return (
+        param.device.type == "cpu"
+        and grad.dtype == torch.float32
+        and _plain_options(param, group)
+        and all(isinstance(m, torch.Tensor) and not isinstance(m, QuantizedTensor) and m.dtype == torch.float32 and m.is_contiguous() for m in moments)
+        and cpu_kernel.kernel() is not None
+    )
+
+
 @functools.lru_cache(maxsize=None)
 def _native_layout(m_format: CodebookFormat, v_format: CodebookFormat) -> tuple[list[torch.Tensor], list[int]]:
     """The kernel's per-parameter tables ``[m_decode, m_entries, v_decode, v_entries]`` and integers
@@ -169,38 +180,51 @@ def _native_layout(m_format: CodebookFormat, v_format: CodebookFormat) -> tuple[
     return tables, [m_format.block_size, m_index.key_base, m_index.key_shift, m_index.half, v_index.key_base, v_index.key_shift, v_index.half]
 
 
-def native_adam_steps(params: list[torch.Tensor], grads: list[torch.Tensor], states: list[dict], group: dict, track_stalls: bool) -> torch.Tensor:
-    """The Adam step of every (``native_eligible``) parameter of ``group`` in one C++ call (``cpu_kernel``), in place.
+def native_adam_steps(params: list[torch.Tensor], grads: list[torch.Tensor], states: list[dict], group: dict, track_stalls: bool) -> list[list[int]]:
+    """The Adam step of every parameter of ``group`` given (each ``native_eligible``, or ``native_plain_eligible``: fp32
+    moments) in one C++ call (``cpu_kernel``), in place.
 
-    Parameters whose gradient holds inf/NaN are left untouched (their ``step`` too). Returns ``(n, 6)`` int64:
-    ``[grad_finite, moments_finite, stalled_m, moved_m, stalled_v, moved_v]`` per parameter (stalls 0 unless tracked).
+    Parameters whose gradient holds inf/NaN are left untouched (their ``step`` too). Returns per parameter, in order,
+    ``[grad_finite, moments_finite, stalled_m, moved_m, stalled_v, moved_v]`` (stalls 0 unless tracked or fp32).
     """
-    tables, ints, per_step, hypers = [], [], [], {}
-    steps = [state["step"] for state in states]
-    for state, step in zip(states, (torch.stack(steps).double() + 1).tolist()):
-        layout = _native_layout(state["exp_avg"].format, state["exp_avg_sq"].format)
+    coded = [k for k, state in enumerate(states) if isinstance(state["exp_avg"], QuantizedTensor)]
+    plain = [k for k, state in enumerate(states) if not isinstance(state["exp_avg"], QuantizedTensor)]
+    order = coded + plain  # the kernel's parameter order
+    steps = [states[k]["step"] for k in order]
+    beta1, beta2 = group["betas"]
+
+    @functools.cache
+    def step_scalars(coded_row: bool, step: float) -> list[float]:
+        """[step_size, bias_correction2_sqrt]: coded params as ``adam_math`` has them (fp32), fp32-state ones as torch's AdamW (double)."""
+        if coded_row:
+            hyper = adam_hyper(group, step)
+            return [float(hyper["step_size"]), float(hyper["bias_correction2_sqrt"])]
+        return [float(group["lr"]) / (1 - beta1**step), (1 - beta2**step) ** 0.5]
+
+    per_step = [step_scalars(row < len(coded), step) for row, step in enumerate((torch.stack(steps).double() + 1).tolist())]
+    tables, ints, moments = [], [], [(states[k]["exp_avg"], states[k]["exp_avg_sq"]) for k in coded]
+    for m, v in moments:
+        layout = _native_layout(m.format, v.format)
         tables += layout[0]
         ints.append(layout[1])
-        if step not in hypers:
-            hyper = adam_hyper(group, step)
-            hypers[step] = [float(hyper["step_size"]), float(hyper["bias_correction2_sqrt"])]
-        per_step.append(hypers[step])
-    moments = [(state["exp_avg"], state["exp_avg_sq"]) for state in states]
-    beta1, beta2 = group["betas"]
-    result = cpu_kernel.kernel()(
-        [p.view(-1) for p in params], [g.reshape(-1).contiguous() for g in grads],
+    rows = cpu_kernel.kernel()(
+        [params[k] for k in coded], [grads[k].contiguous() for k in coded],
         [m.codes for m, _ in moments], [m.scales for m, _ in moments], [v.codes for _, v in moments], [v.scales for _, v in moments],
-        tables, torch.tensor(ints, dtype=torch.int64), torch.tensor(per_step, dtype=torch.float64),
+        tables, torch.tensor(ints, dtype=torch.int64).view(-1, 7),
+        [t for k in plain for t in (params[k], grads[k].contiguous(), states[k]["exp_avg"], states[k]["exp_avg_sq"])],
+        torch.tensor(per_step, dtype=torch.float64).view(-1, 2),
         float(group["lr"]), float(group["weight_decay"]), float(beta1), float(beta2), float(group["eps"]),
         group["decoupled_weight_decay"], group["maximize"], track_stalls,
-    )  # fmt: skip
-    finite = result[:, 0].bool()
-    stepped = [step for step, ok in zip(steps, finite.tolist()) if ok]
+    ).tolist()  # fmt: skip
+    stepped = [step for step, row in zip(steps, rows) if row[0]]
     if stepped:
         torch._foreach_add_(stepped, 1)
-    if not bool(result[finite, 1].all()):
+    if not all(row[1] for row in rows if row[0]):
         raise FloatingPointError("an Adam moment overflowed to inf/NaN during the step; its packed codes were not trusted")
-    return result
+    by_param = [None] * len(states)
+    for k, row in zip(order, rows):
+        by_param[k] = row
+    return by_param
 
 
 def _split(value: QuantizedTensor, count: int, block: int) -> tuple[tuple, tuple]:

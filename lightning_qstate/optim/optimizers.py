@@ -39,7 +39,7 @@ from torch.optim.sgd import sgd
 
 from ..formats import QuantizedTensor
 from .base import NonFiniteGradPolicy, QuantizedStates, local_tensor
-from .fused import can_fuse, fused_adam_step, native_adam_steps, native_eligible
+from .fused import can_fuse, fused_adam_step, native_adam_steps, native_eligible, native_plain_eligible
 from .policy import StatesSpec
 
 from torch.optim._muon import muon
@@ -53,11 +53,12 @@ class _AdamStates(QuantizedStates):
 
     def _step_params(self) -> None:
         """Batches per group: CPU params with int8-family moments in one C++ call (``fused.native_adam_steps``, gradient
-        checks included), params whose states are all plain tensors in one multi-tensor torch call; the rest one by one."""
+        checks included), params whose states are all plain tensors in one multi-tensor torch call; the rest one by one.
+        Where a group has params of the first kind, its fp32-state CPU params join their C++ call (one call for the
+        small params that ``min_quant_size`` keeps fp32, not a dozen torch ops; within a few ulps per step of torch's)."""
         for group in self.param_groups:
             native, plain = [], []
-            keys = self._params_with_grads(group)
-            for key in keys:
+            for key in self._params_with_grads(group):
                 param, grad, state = local_tensor(key), local_tensor(key.grad), self.state[key]
                 if not state:
                     self._init_state(group, key, param, state)
@@ -68,20 +69,18 @@ class _AdamStates(QuantizedStates):
                 else:
                     self._step_checked(group, key)
             if native:
-                self._native_steps(group, native)
+                joining, rest = [], []
+                for key in plain:
+                    (joining if native_plain_eligible(local_tensor(key), local_tensor(key.grad), group, self.state[key]) else rest).append(key)
+                self._native_steps(group, native + joining)
+                plain = rest
             if plain:
-                self._plain_steps(group, plain, remainder=len(plain) < len(keys))
+                self._plain_steps(group, plain)
 
-    def _plain_steps(self, group: dict, keys: list[torch.Tensor], remainder: bool) -> None:
-        """One torch Adam(W) call for params whose states are plain tensors, after one batched gradient check: an L1
-        norm per gradient (defined for empty shards), and the exact check only where it is not finite (finite values
-        can overflow it).
-
-        The call is torch's multi-tensor Adam(W), on the CPU bit-identical to its per-parameter loop (so
-        ``states="fp32"`` follows ``torch.optim.AdamW``). The small ``remainder`` of a group whose other params have
-        quantized states takes torch's fused kernel instead where it can (CPU params; the group does not set
-        ``fused=False``, ``foreach=True`` or ``differentiable``): one call, not one per elementwise op, and within an
-        few ulps per step of the multi-tensor one."""
+    def _plain_steps(self, group: dict, keys: list[torch.Tensor]) -> None:
+        """torch's multi-tensor Adam(W) for params whose states are plain tensors (on the CPU bit-identical to its
+        per-parameter loop), after one batched gradient check: an L1 norm per gradient (defined for empty shards),
+        and the exact check only where it is not finite (finite values can overflow it)."""
         grads = [local_tensor(key.grad) for key in keys]
         norms_finite = torch.isfinite(torch.stack([norm.float() for norm in torch._foreach_norm(grads, 1)])).tolist()
         finite = [ok or bool(torch.isfinite(grad).all()) for ok, grad in zip(norms_finite, grads)]
@@ -90,22 +89,18 @@ class _AdamStates(QuantizedStates):
         kept = [(key, grad) for key, grad, ok in zip(keys, grads, finite) if ok]
         if kept:
             states = [self.state[key] for key, _ in kept]
-            params = [local_tensor(key) for key, _ in kept]
-            on_cpu = all(param.device.type == "cpu" for param in params)  # their step counters are CPU tensors
-            fused = group["fused"] or (remainder and group["fused"] is None and not group["foreach"] and not group["differentiable"] and on_cpu)
             # torch's multi-tensor Adam takes neither autograd nor a tensor lr (unless capturable)
             tensor_lr = isinstance(group["lr"], torch.Tensor) and not group["capturable"]
-            multi_tensor = not fused and group["foreach"] is not False and not (group["differentiable"] or tensor_lr)
-            self._adam(group, params, [grad for _, grad in kept], states, multi_tensor, fused)
+            multi_tensor = group["foreach"] is not False and not (group["fused"] or group["differentiable"] or tensor_lr)
+            self._adam(group, [local_tensor(key) for key, _ in kept], [grad for _, grad in kept], states, multi_tensor)
 
     def _native_steps(self, group: dict, keys: list[torch.Tensor]) -> None:
         states = [self.state[key] for key in keys]
         params, grads = [local_tensor(key) for key in keys], [local_tensor(key.grad) for key in keys]
-        result = native_adam_steps(params, grads, states, group, self.track_stalls)
-        for key, row in zip(keys, result.tolist()):
+        for key, state, row in zip(keys, states, native_adam_steps(params, grads, states, group, self.track_stalls)):
             if not row[0]:
                 self._skip_nonfinite_grad(key)
-            elif self.track_stalls:
+            elif self.track_stalls and isinstance(state["exp_avg"], QuantizedTensor):
                 self._add_stall_counts(key, "exp_avg", torch.tensor(row[2:4]))
                 self._add_stall_counts(key, "exp_avg_sq", torch.tensor(row[4:6]))
 
@@ -129,10 +124,10 @@ class _AdamStates(QuantizedStates):
             state[name] = self._initial(group, key, name, torch.zeros_like(param, memory_format=torch.preserve_format))
 
     def _update(self, group: dict, param: torch.Tensor, grad: torch.Tensor, states: dict[str, torch.Tensor], state: dict) -> None:
-        self._adam(group, [param], [grad], [{**state, **states}], multi_tensor=False, fused=group["fused"])
+        self._adam(group, [param], [grad], [{**state, **states}], multi_tensor=False)
 
     @staticmethod
-    def _adam(group: dict, params: list[torch.Tensor], grads: list[torch.Tensor], states: list[dict], multi_tensor: bool, fused: bool | None) -> None:
+    def _adam(group: dict, params: list[torch.Tensor], grads: list[torch.Tensor], states: list[dict], multi_tensor: bool) -> None:
         """torch's functional Adam(W) with ``group``'s options on plain tensors; ``states``: per param, ``step`` and moments."""
         beta1, beta2 = group["betas"]
         adam(
@@ -145,7 +140,7 @@ class _AdamStates(QuantizedStates):
             foreach=multi_tensor,
             capturable=group["capturable"],
             differentiable=group["differentiable"],
-            fused=fused,
+            fused=group["fused"],
             decoupled_weight_decay=group["decoupled_weight_decay"],
             amsgrad=group["amsgrad"],
             beta1=beta1,
