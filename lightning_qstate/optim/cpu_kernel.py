@@ -5,6 +5,8 @@ over all their blocks: first a check of every gradient (a parameter with an inf/
 untouched), then one pass per block (the next block's data prefetched): decode both moments (table lookup
 times the block scale), torch's Adam(W) update, per-block absmax, and round-to-nearest encoding with
 ``formats.NearestCodeIndex`` (one table lookup and integer compares), writing param, codes and scales in place.
+The group's parameters with fp32 moments (those ``min_quant_size`` keeps fp32) step in the same call, and the
+kernel increments every step counter, so a whole group costs one call and no per-parameter torch ops.
 
 The codes and scales are those of the torch reference ``fused.adam_step_quantized`` bit for bit: the
 moments use the float operations of torch's vectorized CPU kernels in the same order (explicit FMAs
@@ -318,14 +320,15 @@ struct Param {
 // Adam(W) step of every parameter of one param group: n with 8-bit codebook moments, then ``plain`` ones with fp32
 // moments. ``tables``: per coded parameter [m_decode, m_entries, v_decode, v_entries]; ``ints``: (n, 7) int64 [block,
 // m_base, m_shift, m_half, v_base, v_shift, v_half]; ``plain``: per fp32-state parameter [param, grad, exp_avg,
-// exp_avg_sq]; ``per_step``: (n + plain, 2) float64 [step_size, bias_correction2_sqrt]. First every gradient is checked:
-// a parameter with an inf/NaN gradient is left untouched. Returns (n + plain, 6) int64 [grad_finite, moments_finite,
-// stalled_m, moved_m, stalled_v, moved_v] (stall columns 0 unless ``track``; moments_finite 1 for fp32 states).
+// exp_avg_sq]; ``steps``: per parameter (coded first) its 0-d fp32/fp64 step count, incremented here unless its
+// gradient holds inf/NaN (then the parameter is left untouched). Returns (n + plain, 6) int64 [grad_finite,
+// moments_finite, stalled_m, moved_m, stalled_v, moved_v] (stall columns 0 unless ``track``; moments_finite 1 for fp32
+// states).
 torch::Tensor adam_steps_u8(std::vector<torch::Tensor> params, std::vector<torch::Tensor> grads,
                             std::vector<torch::Tensor> m_codes, std::vector<torch::Tensor> m_scales,
                             std::vector<torch::Tensor> v_codes, std::vector<torch::Tensor> v_scales,
                             std::vector<torch::Tensor> tables, torch::Tensor ints, std::vector<torch::Tensor> plain,
-                            torch::Tensor per_step, double lr, double weight_decay, double beta1, double beta2, double eps,
+                            std::vector<torch::Tensor> steps, double lr, double weight_decay, double beta1, double beta2, double eps,
                             bool decoupled, bool maximize, bool track) {
   const int64_t n = static_cast<int64_t>(params.size()), n_plain = static_cast<int64_t>(plain.size()) / 4;
   // Coded parameters: the constants as fused.adam_math computes them from fp32 0-d tensors; fp32-state ones: as torch's
@@ -345,11 +348,20 @@ torch::Tensor adam_steps_u8(std::vector<torch::Tensor> params, std::vector<torch
   };
   const Hyper coded_constants = constants(false), plain_constants = constants(true);
   const auto ints_a = ints.accessor<int64_t, 2>();
-  const auto step_a = per_step.accessor<double, 2>();
-  TORCH_CHECK(static_cast<int64_t>(plain.size()) == 4 * n_plain && per_step.size(0) == n + n_plain, "per_step: one row per parameter");
+  TORCH_CHECK(static_cast<int64_t>(plain.size()) == 4 * n_plain && static_cast<int64_t>(steps.size()) == n + n_plain, "steps: one per parameter");
+  for (const torch::Tensor& step : steps)
+    TORCH_CHECK(step.numel() == 1 && step.device().is_cpu() && (step.scalar_type() == torch::kFloat || step.scalar_type() == torch::kDouble), "steps: 0-d fp32/fp64 CPU tensors");
+  auto step_count = [&](int64_t row) {
+    const torch::Tensor& step = steps[row];
+    return step.scalar_type() == torch::kFloat ? static_cast<double>(*step.data_ptr<float>()) : *step.data_ptr<double>();
+  };
+  // The hyperparameters of parameter ``row`` at its next step t: step size lr / (1 - beta1^t) and sqrt(1 - beta2^t)
+  // as fused.adam_hyper has them (fp32 tensors) for coded parameters, as torch's AdamW (double) for fp32-state ones.
   auto hyper = [&](int64_t row) {
+    const double t = step_count(row) + 1, bias1 = 1.0 - std::pow(beta1, t);
     Hyper h = row < n ? coded_constants : plain_constants;
-    h.step = static_cast<float>(step_a[row][0]), h.inv_bc2 = 1.0f / static_cast<float>(step_a[row][1]);
+    h.step = row < n ? static_cast<float>(lr) / static_cast<float>(bias1) : static_cast<float>(lr / bias1);
+    h.inv_bc2 = 1.0f / static_cast<float>(std::pow(1.0 - std::pow(beta2, t), 0.5));
     return h;
   };
   std::vector<Param> work(n);
@@ -460,6 +472,11 @@ torch::Tensor adam_steps_u8(std::vector<torch::Tensor> params, std::vector<torch
     out[k][1] = moments_bad[k].load() ? 0 : 1;
     for (int c = 0; c < 4; ++c) out[k][2 + c] = stalls[k][c].load();
   }
+  for (int64_t row = 0; row < n + n_plain; ++row) {
+    if (!out[row][0]) continue;
+    if (steps[row].scalar_type() == torch::kFloat) *steps[row].data_ptr<float>() += 1.0f;
+    else *steps[row].data_ptr<double>() += 1.0;
+  }
   return result;
 }
 """
@@ -472,7 +489,7 @@ def kernel():
         from torch.utils.cpp_extension import load_inline
 
         module = load_inline(
-            name="lightning_qstate_cpu_adam_v14",
+            name="lightning_qstate_cpu_adam_v15",
             cpp_sources=SOURCE,
             functions=["adam_steps_u8"],
             extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-fopenmp"],

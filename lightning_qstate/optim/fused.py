@@ -184,24 +184,15 @@ def native_adam_steps(params: list[torch.Tensor], grads: list[torch.Tensor], sta
     """The Adam step of every parameter of ``group`` given (each ``native_eligible``, or ``native_plain_eligible``: fp32
     moments) in one C++ call (``cpu_kernel``), in place.
 
-    Parameters whose gradient holds inf/NaN are left untouched (their ``step`` too). Returns per parameter, in order,
+    Each ``step`` counter goes up by one, in the kernel, which also derives the step's bias corrections from it (as
+    ``adam_hyper`` does for coded params, as torch's AdamW for fp32 ones); parameters whose gradient holds inf/NaN
+    are left untouched (their ``step`` too). Returns per parameter, in order,
     ``[grad_finite, moments_finite, stalled_m, moved_m, stalled_v, moved_v]`` (stalls 0 unless tracked or fp32).
     """
     coded = [k for k, state in enumerate(states) if isinstance(state["exp_avg"], QuantizedTensor)]
     plain = [k for k, state in enumerate(states) if not isinstance(state["exp_avg"], QuantizedTensor)]
     order = coded + plain  # the kernel's parameter order
-    steps = [states[k]["step"] for k in order]
     beta1, beta2 = group["betas"]
-
-    @functools.cache
-    def step_scalars(coded_row: bool, step: float) -> list[float]:
-        """[step_size, bias_correction2_sqrt]: coded params as ``adam_math`` has them (fp32), fp32-state ones as torch's AdamW (double)."""
-        if coded_row:
-            hyper = adam_hyper(group, step)
-            return [float(hyper["step_size"]), float(hyper["bias_correction2_sqrt"])]
-        return [float(group["lr"]) / (1 - beta1**step), (1 - beta2**step) ** 0.5]
-
-    per_step = [step_scalars(row < len(coded), step) for row, step in enumerate((torch.stack(steps).double() + 1).tolist())]
     tables, ints, moments = [], [], [(states[k]["exp_avg"], states[k]["exp_avg_sq"]) for k in coded]
     for m, v in moments:
         layout = _native_layout(m.format, v.format)
@@ -212,13 +203,10 @@ def native_adam_steps(params: list[torch.Tensor], grads: list[torch.Tensor], sta
         [m.codes for m, _ in moments], [m.scales for m, _ in moments], [v.codes for _, v in moments], [v.scales for _, v in moments],
         tables, torch.tensor(ints, dtype=torch.int64).view(-1, 7),
         [t for k in plain for t in (params[k], grads[k].contiguous(), states[k]["exp_avg"], states[k]["exp_avg_sq"])],
-        torch.tensor(per_step, dtype=torch.float64).view(-1, 2),
+        [states[k]["step"] for k in order],
         float(group["lr"]), float(group["weight_decay"]), float(beta1), float(beta2), float(group["eps"]),
         group["decoupled_weight_decay"], group["maximize"], track_stalls,
     ).tolist()  # fmt: skip
-    stepped = [step for step, row in zip(steps, rows) if row[0]]
-    if stepped:
-        torch._foreach_add_(stepped, 1)
     if not all(row[1] for row in rows if row[0]):
         raise FloatingPointError("an Adam moment overflowed to inf/NaN during the step; its packed codes were not trusted")
     by_param = [None] * len(states)
