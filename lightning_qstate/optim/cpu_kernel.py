@@ -2,7 +2,7 @@
 
 ``adam_steps_u8`` steps every parameter of a param group in one call, threaded with ``at::parallel_for``
 over all their blocks: first a check of every gradient (a parameter with an inf/NaN gradient is left
-untouched), then one pass per block (the next block's data prefetched): decode both moments (table lookup
+untouched), then one pass per block (data prefetched a few blocks ahead): decode both moments (table lookup
 times the block scale), torch's Adam(W) update, per-block absmax, and round-to-nearest encoding with
 ``formats.NearestCodeIndex`` (one table lookup and integer compares), writing param, codes and scales in place.
 The group's parameters with fp32 moments (those ``min_quant_size`` keeps fp32) step in the same call, and the
@@ -164,6 +164,9 @@ inline void encode16(__m512 value, const Codebook& cb, uint8_t* out) {
 }
 #endif
 
+// How far ahead (in values) the vector loops prefetch param, gradient and codes: a cold step waits on memory otherwise.
+constexpr int64_t PREFETCH_AHEAD = 512;
+
 #ifdef QSTATE_AVX512
 // The AVX-512 form of adam_lane and the block's running absmaxes / non-finite flags, for 16 values.
 struct Update16 {
@@ -179,6 +182,8 @@ struct Update16 {
 
   // p[0:16] updated in place; the new moments (from decoded mi, vi) to m[0:16], v[0:16].
   inline void operator()(float* p, const float* g, __m512 mi, __m512 vi, float* m, float* v) {
+    __builtin_prefetch(p + PREFETCH_AHEAD);
+    __builtin_prefetch(g + PREFETCH_AHEAD);
     const __m512 pi = _mm512_loadu_ps(p);
     const __m512 gi = _mm512_add_ps(_mm512_mul_ps(sign, _mm512_loadu_ps(g)), _mm512_mul_ps(pi, l2));
     mi = _mm512_fmadd_ps(lerp_coeff, _mm512_sub_ps(gi, mi), lerp_from_end ? gi : mi);
@@ -209,12 +214,18 @@ void update_block(float* __restrict__ p, const float* __restrict__ g, const uint
 #ifdef QSTATE_VBMI
   for (; i + 64 <= n; i += 64) {
     __m512 mi[4], vi[4];
+    __builtin_prefetch(mc + i + PREFETCH_AHEAD);
+    __builtin_prefetch(vc + i + PREFETCH_AHEAD);
     decode64(mc + i, mcb.planes, m_scale, mi);
     decode64(vc + i, vcb.planes, v_scale, vi);
     for (int r = 0; r < 4; ++r) update(p + i + 16 * r, g + i + 16 * r, mi[r], vi[r], m + i + 16 * r, v + i + 16 * r);
   }
 #endif
-  for (; i + 16 <= n; i += 16) update(p + i, g + i, decode16(mc + i, mcb.decode, m_scale), decode16(vc + i, vcb.decode, v_scale), m + i, v + i);
+  for (; i + 16 <= n; i += 16) {
+    __builtin_prefetch(mc + i + PREFETCH_AHEAD);
+    __builtin_prefetch(vc + i + PREFETCH_AHEAD);
+    update(p + i, g + i, decode16(mc + i, mcb.decode, m_scale), decode16(vc + i, vcb.decode, v_scale), m + i, v + i);
+  }
   m_max = _mm512_reduce_max_ps(update.m_top), v_max = _mm512_reduce_max_ps(update.v_top);
   m_bad = update.m_nonfinite != 0, v_bad = update.v_nonfinite != 0;
 #endif
@@ -300,19 +311,6 @@ struct Param {
   Codebook mcb, vcb;
   Hyper h;
   int64_t numel, block, blocks;
-
-  // Starts loading block ``index``'s param, gradient and codes into the cache.
-  void prefetch(int64_t index) const {
-    const int64_t base = index * block, size = std::min(block, numel - base);
-    for (int64_t i = 0; i < size; i += 16) {
-      __builtin_prefetch(p + base + i);
-      __builtin_prefetch(g + base + i);
-    }
-    for (int64_t i = 0; i < size; i += 64) {
-      __builtin_prefetch(mc + base + i);
-      __builtin_prefetch(vc + base + i);
-    }
-  }
 };
 
 }  // namespace
@@ -441,11 +439,6 @@ torch::Tensor adam_steps_u8(std::vector<torch::Tensor> params, std::vector<torch
     for (int64_t b = begin, k = owner(begin); b < end; ++b) {
       while (k + 1 < n && first_blocks[k + 1] <= b) ++k;
       if (grad_bad[k].load(std::memory_order_relaxed)) continue;
-      if (b + 1 < end) {
-        int64_t next = k;
-        while (next + 1 < n && first_blocks[next + 1] <= b + 1) ++next;
-        work[next].prefetch(b + 1 - first_blocks[next]);
-      }
       step_block(k, b - first_blocks[k], m_buffer, v_buffer, old_m, old_v);
     }
   });
@@ -489,7 +482,7 @@ def kernel():
         from torch.utils.cpp_extension import load_inline
 
         module = load_inline(
-            name="lightning_qstate_cpu_adam_v15",
+            name="lightning_qstate_cpu_adam_v16",
             cpp_sources=SOURCE,
             functions=["adam_steps_u8"],
             extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-fopenmp"],
