@@ -29,6 +29,7 @@ from lightning_qstate.theory import (
     AnnealedThreshold,
     BudgetError,
     ZoneHysteresis,
+    budget_ladder,
     check_zone_formats,
     classify_zone,
     ema,
@@ -147,13 +148,15 @@ def test_priced_bytes_are_the_stored_bytes(numel, name, signed):
     assert resolved_nbytes({**group, "min_quant_size": numel + 1}, state, param, numel) == 4 * numel  # kept fp32: priced as fp32
 
 
+def stored_nbytes(numel: int):
+    """Bytes of a state of ``numel`` values in a format (m signed, v unsigned), as the callback prices it."""
+    return lambda state, name: get_format(name, signed=state == "exp_avg").nbytes(numel)
+
+
 def test_zone_ladder_falls_to_the_floor():
     formats = {"exp_avg": {"critical": "int8_linear", "magnitude": "int8_linear", "structural": "int4_linear", "redundant": "int4_linear"},
                "exp_avg_sq": {"critical": "int8", "magnitude": "e4m0", "structural": "int8", "redundant": "e4m0"}}  # fmt: skip
-    numel = 10_000
-
-    def nbytes(state: str, name: str) -> int:
-        return get_format(name, signed=state == "exp_avg").nbytes(numel)
+    nbytes = stored_nbytes(10_000)
 
     ladder = zone_ladder(None, formats, nbytes)
     assert [choice for choice, _ in ladder] == [("int8_linear", "int8"), ("int8_linear", "e4m0"), ("int4_linear", "e4m0")]  # structural saves nothing over magnitude
@@ -169,28 +172,66 @@ ladders_strategy = st.lists(
 )
 
 
+def test_budget_ladder_adds_the_higher_zones_above_the_zone():
+    formats = {"exp_avg": {"critical": "int8_linear", "magnitude": "int8_linear", "structural": "int4", "redundant": "int4"},
+               "exp_avg_sq": {"critical": "int8", "magnitude": "e4m0", "structural": "int8", "redundant": "e4m0"}}  # fmt: skip
+    nbytes = stored_nbytes(10_000)
+
+    def cost(m: str, v: str) -> int:
+        return nbytes("exp_avg", m) + nbytes("exp_avg_sq", v)
+
+    for zone in (None, "critical"):
+        assert budget_ladder(zone, formats, nbytes) == (zone_ladder(zone, formats, nbytes), 0)
+    ladder, start = budget_ladder("redundant", formats, nbytes)  # magnitude costs what structural costs: skipped
+    assert [choice for choice, _ in ladder] == [("int8_linear", "int8"), ("int4", "int8"), ("int4", "e4m0")] and start == 2
+    assert [bytes_ for _, bytes_ in ladder] == [cost("int8_linear", "int8"), cost("int4", "int8"), cost("int4", "e4m0")]
+    ladder, start = budget_ladder("structural", formats, nbytes)
+    assert [choice for choice, _ in ladder] == [("int8_linear", "int8"), ("int4", "int8"), ("int4", "e4m0")] and start == 1
+    assert ladder[start:] == zone_ladder("structural", formats, nbytes)
+
+
 @settings(max_examples=300, deadline=None)
 @given(ladders=ladders_strategy, fixed=st.integers(0, 5_000), target_bits=st.floats(0.5, 40), data=st.data())
 def test_budget_is_always_met_or_refused(ladders, fixed, target_bits, data):
     values = sum(ladder[0] for ladder in ladders) // 2 + 1
     order = data.draw(st.permutations(range(len(ladders))))
+    start = [data.draw(st.integers(0, len(ladder) - 1)) for ladder in ladders]
     cap = target_bits * values / 8
     floor = fixed + sum(ladder[-1] for ladder in ladders)
     if floor > cap:
         with pytest.raises(BudgetError, match=f"target_bits={target_bits} cannot be met"):
-            fit_budget(ladders, fixed, values, target_bits, order)
+            fit_budget(ladders, fixed, values, target_bits, order, start)
         return
-    rungs = fit_budget(ladders, fixed, values, target_bits, order)
+    rungs = fit_budget(ladders, fixed, values, target_bits, order, start)
     total = fixed + sum(ladder[rung] for ladder, rung in zip(ladders, rungs))
     assert total <= cap
-    demoted = [position for position, index in enumerate(order) if rungs[index] > 0]
-    if demoted:  # layers are demoted in order: every one before the last demoted is at its floor ...
-        assert all(rungs[index] == len(ladders[index]) - 1 for index in order[: demoted[-1]])
-        last = order[demoted[-1]]  # ... and the last demoted one went no further than needed
-        assert total - ladders[last][rungs[last]] + ladders[last][rungs[last] - 1] > cap
-    if fixed + sum(ladder[0] for ladder in ladders) <= cap:
-        assert rungs == [0] * len(ladders)
+    # no layer left above rung 0 could take its next rung up within the cap: the slack is used
+    assert all(total + ladder[rung - 1] - ladder[rung] > cap for ladder, rung in zip(ladders, rungs) if rung > 0)
+    asked = fixed + sum(ladder[rung] for ladder, rung in zip(ladders, start))
+    if asked <= cap:  # nothing demoted: every layer at its zone's rung or promoted
+        assert all(rung <= first for rung, first in zip(rungs, start))
+    else:  # some layer stays demoted below its zone's rung
+        assert any(rung > first for rung, first in zip(rungs, start))
+    assert fit_budget(ladders, fixed, values, None, order, start) == start
     assert fit_budget(ladders, fixed, values, None, order) == [0] * len(ladders)
+    assert fit_budget(ladders, fixed, values, target_bits, order, start) == rungs  # deterministic
+
+
+def test_budget_demotes_in_order_then_fills_the_slack_by_priority():
+    ladders = [[100, 60, 20], [100, 60, 20], [40, 10], [30, 20]]
+    order = [0, 1, 2, 3]  # layer 0 is demoted first, layer 3 promoted first
+    # asks 260 bytes; cap 200: layer 0 demoted to its floor (180), then the slack promotes layer 3 to rung 0 (190)
+    assert fit_budget(ladders, 0, 200, 8.0, order, [0, 0, 0, 1]) == [2, 0, 0, 0]
+    # asks 70 bytes; cap 200: round 1 moves layers 3, 2, 1, 0 one rung up (190), round 2 has no room left
+    assert fit_budget(ladders, 0, 200, 8.0, order, [2, 2, 1, 1]) == [1, 1, 0, 0]
+    # cap 230: round 2 promotes layer 1 (the higher priority, 230) but not layer 0
+    assert fit_budget(ladders, 0, 230, 8.0, order, [2, 2, 1, 1]) == [1, 0, 0, 0]
+    # a rung too big for the slack is skipped and a smaller one later in the reverse order still takes it
+    assert fit_budget([[100, 20], [30, 20]], 0, 55, 8.0, [1, 0], [1, 1]) == [1, 0]
+    assert fit_budget(ladders, 0, 200, None, order, [2, 2, 1, 1]) == [2, 2, 1, 1]
+    # fill=False: demotions only (layer 3 stays at its zone's rung 1, 180 bytes)
+    assert fit_budget(ladders, 0, 200, 8.0, order, [0, 0, 0, 1], fill=False) == [2, 0, 0, 1]
+    assert fit_budget(ladders, 0, 200, 8.0, order, [2, 2, 1, 1], fill=False) == [2, 2, 1, 1]
 
 
 # --- the callback on one device -------------------------------------------------------------------------
@@ -229,9 +270,12 @@ def test_bad_arguments_raise_clear_errors(kwargs, error):
         AdaptiveBitWidth(**kwargs)
 
 
-def test_decisions_reencode_states_and_meet_the_budget(tmp_path, monkeypatch):
+@pytest.mark.parametrize("target_bits", [None, TARGET])
+def test_decisions_reencode_states_and_meet_the_budget(tmp_path, monkeypatch, target_bits):
+    """Without a cap the zones alone decide, and they change formats during the run; with ``TARGET`` the budget binds
+    at every check and (two quantized layers) plans the same formats whatever the zones."""
     model = Regressor()
-    callback = AdaptiveBitWidth(target_bits=TARGET, **FAST)
+    callback = AdaptiveBitWidth(target_bits=target_bits, **FAST)
     reencoded = []
     original = QAdamW.reencode_state
 
@@ -246,7 +290,8 @@ def test_decisions_reencode_states_and_meet_the_budget(tmp_path, monkeypatch):
     optimizer = fit.strategy.optimizers[0]
 
     assert callback.last_check == 7 and len(callback.history) == 8
-    assert reencoded, "a decision changed a state's format"
+    if target_bits is None:
+        assert reencoded, "a decision changed a state's format"
     # a transition is a re-encoded state: not a changed decision for a state kept fp32, nor the plan of the first check (no states yet)
     assert callback.transitions == len(reencoded)
     for before, after, fmt in reencoded:  # re-encoding loses nothing beyond the new format's precision: RN from the decoded values
@@ -268,13 +313,32 @@ def test_decisions_reencode_states_and_meet_the_budget(tmp_path, monkeypatch):
 
     metrics = callback.metrics()
     assert metrics["qstate/adaptive/avg_bits"] == pytest.approx(average_bits(optimizer), rel=1e-12)  # the plan is the stored bytes
-    assert metrics["qstate/adaptive/avg_bits"] <= TARGET
     assert metrics["qstate/adaptive/bytes_saved"] == state_summary(optimizer)["fp32_bytes"] - state_summary(optimizer)["bytes"]
     assert sum(metrics[f"qstate/adaptive/zone_{zone}"] for zone in ZONES) == len(names)
-    numels = torch.tensor([float(param.numel()) for param in model.parameters()])
-    for entry in callback.history:  # the cap held at every check
-        bits = torch.tensor(entry["bits"])
-        assert float((bits * numels).sum() / (2 * numels.sum())) <= TARGET
+    if target_bits is not None:
+        assert metrics["qstate/adaptive/avg_bits"] <= TARGET
+        numels = torch.tensor([float(param.numel()) for param in model.parameters()])
+        for entry in callback.history:  # the cap held at every check
+            bits = torch.tensor(entry["bits"])
+            assert float((bits * numels).sum() / (2 * numels.sum())) <= TARGET
+
+
+def test_the_plan_spends_the_room_under_the_cap(tmp_path):
+    """After the fit no adapted layer could move one rung up its budget ladder within the cap; the zones alone ask for less."""
+    callback = AdaptiveBitWidth(target_bits=TARGET, **FAST)
+    fit = trainer(tmp_path, plugins=[plugin()], callbacks=[callback])
+    fit.fit(Regressor(), regression_data())
+    values = 2 * sum(layer.numel for layer in callback.layers)
+    total = sum(sum(layer.state_bytes()) for layer in callback.layers)
+    assert 8 * total / values <= TARGET
+    promoted = 0
+    for layer in callback.layers:
+        ladder, start = budget_ladder(layer.hysteresis.zone, callback.formats, lambda state, name, layer=layer: layer.nbytes[(state, name)])
+        rung = [choice for choice, _ in ladder].index(layer.choice)
+        promoted += rung < start
+        if rung > 0:
+            assert 8 * (total + ladder[rung - 1][1] - ladder[rung][1]) / values > TARGET, layer.name
+    assert promoted, "the zones' formats alone leave room under the cap: some layer is promoted"
 
 
 def test_tighter_budget_demotes_more(tmp_path):
@@ -318,12 +382,13 @@ def test_overridden_parameters_keep_their_formats_and_count(tmp_path):
 
 
 def test_resume_continues_exactly(tmp_path):
-    """Straight to step 8 == to step 4, checkpoint, resume to 8: weights, states, decisions, EMAs and history."""
-    straight_model, straight_callback = Regressor(), AdaptiveBitWidth(target_bits=TARGET, **FAST)
+    """Straight to step 8 == to step 4, checkpoint, resume to 8: weights, states, decisions, EMAs and history.
+    (Without the budget's promotions, so that the zones change the plan of the two quantized layers during the run.)"""
+    straight_model, straight_callback = Regressor(), AdaptiveBitWidth(target_bits=TARGET, fill_budget=False, **FAST)
     straight = trainer(tmp_path / "a", plugins=[plugin()], callbacks=[straight_callback])
     straight.fit(straight_model, regression_data())
 
-    first_callback = AdaptiveBitWidth(target_bits=TARGET, **FAST)
+    first_callback = AdaptiveBitWidth(target_bits=TARGET, fill_budget=False, **FAST)
     checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_epochs=1, save_top_k=-1)
     trainer(tmp_path / "b", max_steps=4, enable_checkpointing=True, plugins=[plugin()], callbacks=[first_callback, checkpoint]).fit(Regressor(), regression_data())
     path = next((tmp_path / "ckpt").glob("*.ckpt"))
@@ -331,7 +396,7 @@ def test_resume_continues_exactly(tmp_path):
     assert any(key.startswith("AdaptiveBitWidth") for key in saved["callbacks"])  # decisions and EMAs are in the checkpoint
     assert first_callback.transitions < straight_callback.transitions, "decisions changed after the checkpoint"
 
-    resumed_model, resumed_callback = Regressor(), AdaptiveBitWidth(target_bits=TARGET, **FAST)
+    resumed_model, resumed_callback = Regressor(), AdaptiveBitWidth(target_bits=TARGET, fill_budget=False, **FAST)
     resumed = trainer(tmp_path / "c", plugins=[plugin()], callbacks=[resumed_callback])
     resumed.fit(resumed_model, regression_data(), ckpt_path=str(path))
 

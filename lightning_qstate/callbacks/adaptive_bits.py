@@ -23,6 +23,7 @@ from ..theory.bits import (
     BudgetError,
     Choice,
     ZoneHysteresis,
+    budget_ladder,
     check_zone_formats,
     classify_zone,
     ema,
@@ -30,17 +31,20 @@ from ..theory.bits import (
     gradient_statistics,
     model_statistics,
     resolved_nbytes,
-    zone_ladder,
 )
 
 ADAPTED_STATES = ("exp_avg", "exp_avg_sq")  # Adam's m and v
-# Dual mode: m in linear block formats at 8 bits, v in logarithmic / minifloat formats. Formats of 5 to 8 bits all
-# store one byte per value, so each state has two real widths: 8 bits (8.125 with scales) and 4 bits (4.25).
-# At 4 bits m takes the dynamic int4 map, not int4_linear: a 4-bit linear map stores every m under 1/14 of its
-# block's absmax as 0. (The ViT benchmark cannot tell the two apart: their seed-to-seed spread is larger than the
-# difference.) Pass m_formats with "int4_linear" for the paper's all-linear m.
-DEFAULT_M_FORMATS = {"critical": "int8_linear", "magnitude": "int8_linear", "structural": "int4", "redundant": "int4"}
-DEFAULT_V_FORMATS = {"critical": "int8", "magnitude": "e4m0", "structural": "int8", "redundant": "e4m0"}
+# Formats of 5 to 8 bits all store one byte per value, so each state has two real widths: 8 bits (8.125 with scales)
+# and 4 bits (4.25). The maps give v the 8 bits first (a reconstruction choice): every zone with high N or R stores
+# v as int8, m takes 8 bits (the linear int8_linear) only in the critical zone, and redundant layers store m as the
+# dynamic int4 map and v as the logarithmic e4m0. (On the GPT benchmark a 4-bit v cost more than a 4-bit m: fixed
+# m int4 + v int8 matched int8, m int4 + v e4m0 did not.) At 4 bits m takes the dynamic int4 map, not
+# int4_linear: a 4-bit linear map stores every m under 1/14 of its block's absmax as 0. (The ViT benchmark
+# cannot tell the two apart: their seed-to-seed spread is larger than the difference.) Pass m_formats with
+# "int4_linear" for the paper's all-linear m. Whatever the maps, the budget spends the cap's slack on promotions
+# (see fit_budget), so a plan under the cap usually ends close to target_bits.
+DEFAULT_M_FORMATS = {"critical": "int8_linear", "magnitude": "int4", "structural": "int4", "redundant": "int4"}
+DEFAULT_V_FORMATS = {"critical": "int8", "magnitude": "int8", "structural": "int8", "redundant": "e4m0"}
 STATE_DICT_VERSION = 1
 
 
@@ -88,16 +92,21 @@ class AdaptiveBitWidth(Callback):
        magnitude: N only, structural: R only, redundant: neither); the threshold rises linearly from
        ``threshold_start`` to ``threshold_end`` over ``anneal_steps``; a new zone is adopted once seen at
        ``hysteresis`` consecutive checks (the first observation at once);
-    3. zone -> formats (``m_formats``, ``v_formats``), then the budget: if the average over **all** m and v
-       values (those the optimizer keeps fp32 because of ``min_quant_size`` or FSDP2 row alignment included,
-       priced at their real stored bytes, scales included) exceeds ``target_bits``, layers are demoted
+    3. zone -> formats (``m_formats``, ``v_formats``; by default ``v`` gets 8 bits in every zone but
+       ``redundant``, ``m`` only in ``critical``), then the budget over the average of **all** m and v values
+       (those the optimizer keeps fp32 because of ``min_quant_size`` or FSDP2 row alignment included, priced at
+       their real stored bytes, scales included): if it exceeds ``target_bits``, layers are demoted
        (lowest-priority zone first, then the largest, then by name) down their ladder of cheaper zones' formats
-       until it fits;
+       until it fits; then (``fill_budget``) the slack under the cap is spent: in rounds, layers in the reverse order (highest
+       priority first) move one rung up their ladder (back up, or to a higher zone's formats) while the average
+       stays within ``target_bits`` (:func:`~lightning_qstate.theory.fit_budget`), so the plan ends close to
+       the cap. The maps and both budget passes are reconstruction choices;
     4. changed states are re-encoded through ``optimizer.reencode_state`` (round-to-nearest from the decoded
        values: nothing is lost beyond the new format's precision), and ``optimizer.state_overrides`` is set so
        states created later use the decided formats.
 
-    Before the first check every layer is planned as ``critical`` and capped by the budget. Parameters with a
+    Before the first check every layer is planned as ``critical`` and capped by the budget. With
+    ``target_bits=None`` every layer keeps its zone's formats (no demotion, no promotion). Parameters with a
     user override (``overrides=`` of the plugin or ``QuantizedOptimizerStates``) keep it; they count in the
     average. ``target_bits`` that even the cheapest candidates miss raises at the start of training. Under
     FSDP1 blocks are cut from each rank's flat shard, so the stored bytes can exceed the plan by at most one
@@ -130,6 +139,8 @@ class AdaptiveBitWidth(Callback):
             layers' values, or ``"model"``, all gradients pooled (see :func:`~lightning_qstate.theory.model_statistics`).
         m_formats, v_formats: ``{zone: format name}`` for the four zones (defaults: ``DEFAULT_M_FORMATS``, ``DEFAULT_V_FORMATS``).
         max_history: checks kept for the heatmap.
+        fill_budget: spend the room left under ``target_bits`` on promotions (step 3); ``False``: the zones' formats,
+            demoted only where the cap needs it.
     """
 
     def __init__(
@@ -145,6 +156,7 @@ class AdaptiveBitWidth(Callback):
         m_formats: Mapping[str, str] | None = None,
         v_formats: Mapping[str, str] | None = None,
         max_history: int = 256,
+        fill_budget: bool = True,
     ) -> None:
         if target_bits is not None and not (isinstance(target_bits, (int, float)) and target_bits > 0):
             raise ValueError(f"AdaptiveBitWidth: target_bits={target_bits!r} must be a number > 0 (average bits per state value) or None")
@@ -172,6 +184,7 @@ class AdaptiveBitWidth(Callback):
         self.threshold_start, self.threshold_end, self.anneal_steps = float(threshold_start), float(threshold_end), anneal_steps
         self.reference = reference
         self.max_history = max_history
+        self.fill_budget = bool(fill_budget)
         self.layers: list[Layer] = []
         self.global_rms: float | None = None
         self.global_dispersion: float | None = None
@@ -289,18 +302,23 @@ class AdaptiveBitWidth(Callback):
                 layer.hysteresis.observe(zone, self.hysteresis)
 
     def _solve(self, count_transitions: bool) -> None:
-        """Choose each adapted layer's formats: its zone's (``critical`` before the first check), demoted where the budget needs it.
+        """Choose each adapted layer's formats: its zone's (``critical`` before the first check), demoted where the budget
+        needs it, promoted where the room left under the cap allows it.
 
         With ``count_transitions``, every state whose stored format changes adds one to ``transitions``.
         """
         adapted = [layer for layer in self.layers if layer.pinned is None]
         zones = [layer.hysteresis.zone for layer in adapted]
-        ladders = [zone_ladder(zone, self.formats, lambda state, name, layer=layer: layer.nbytes[(state, name)]) for zone, layer in zip(zones, adapted)]
+        planned = [
+            budget_ladder(zone, self.formats, lambda state, name, layer=layer: layer.nbytes[(state, name)]) for zone, layer in zip(zones, adapted)
+        ]
+        ladders, starts = [ladder for ladder, _ in planned], [start for _, start in planned]
         fixed = sum(sum(layer.state_bytes()) for layer in self.layers if layer.pinned is not None)
         values = len(ADAPTED_STATES) * sum(layer.numel for layer in self.layers)
         order = sorted(range(len(adapted)), key=lambda i: (-ZONES.index(zones[i] or ZONES[0]), -adapted[i].numel, adapted[i].name))
         try:
-            rungs = fit_budget([[cost for _, cost in ladder] for ladder in ladders], fixed, values, self.target_bits, order)
+            costs = [[cost for _, cost in ladder] for ladder in ladders]
+            rungs = fit_budget(costs, fixed, values, self.target_bits, order, starts, self.fill_budget)
         except BudgetError as error:
             raise BudgetError(f"AdaptiveBitWidth: {error}; raise target_bits or lower the optimizer's min_quant_size") from None
         for layer, ladder, rung in zip(adapted, ladders, rungs):

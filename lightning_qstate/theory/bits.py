@@ -11,7 +11,8 @@ below is a policy parameter of :class:`~lightning_qstate.callbacks.AdaptiveBitWi
   threshold (:func:`classify_zone`) that rises over training (:class:`AnnealedThreshold`);
 - a zone changes only after the new zone was observed at ``persist`` consecutive checks (:class:`ZoneHysteresis`);
 - a zone maps to one storage format per state; a memory budget caps the average bits, demoting layers
-  deterministically until it fits (:func:`zone_ladder`, :func:`fit_budget`).
+  deterministically until it fits, then spends what is left under the cap promoting the highest-priority
+  layers to higher zones' formats (:func:`zone_ladder`, :func:`budget_ladder`, :func:`fit_budget`).
 
 Bytes are the formats' real stored bytes (codes plus fp32 scales, :func:`format_nbytes`), never nominal bits:
 a 6-bit minifloat is stored one code per byte, so it costs what an 8-bit format costs.
@@ -185,24 +186,61 @@ def zone_ladder(zone: str | None, formats: Mapping[str, Mapping[str, str]], nbyt
     return ladder
 
 
-def fit_budget(ladders: Sequence[Sequence[int]], fixed_bytes: int, values: int, target_bits: float | None, order: Sequence[int]) -> list[int]:
-    """Which rung of each layer's ladder to use so that the average bits per state value is at most ``target_bits``.
+def budget_ladder(
+    zone: str | None, formats: Mapping[str, Mapping[str, str]], nbytes: Callable[[str, str], int]
+) -> tuple[list[tuple[Choice, int]], int]:
+    """A layer's options for the budget, ``(ladder, start)``: :func:`zone_ladder` of ``zone`` (which starts at rung
+    ``start``) under the options a budget with room to spare may promote it to: the formats of each higher-priority
+    zone, from the next one up to ``critical``, each kept only if it costs more than every option below it.
+    The bytes still fall strictly down the ladder; ``start`` is 0 for ``critical`` (and ``None``)."""
+    below = zone_ladder(zone, formats, nbytes)
+    above: list[tuple[Choice, int]] = []
+    for z in reversed(ZONES[: ZONES.index(zone) if zone is not None else 0]):
+        choice = tuple(per_zone[z] for per_zone in formats.values())
+        cost = sum(nbytes(state, name) for state, name in zip(formats, choice))
+        if cost > (above[-1][1] if above else below[0][1]):
+            above.append((choice, cost))
+    return above[::-1] + below, len(above)
+
+
+def fit_budget(
+    ladders: Sequence[Sequence[int]],
+    fixed_bytes: int,
+    values: int,
+    target_bits: float | None,
+    order: Sequence[int],
+    start: Sequence[int] | None = None,
+    fill: bool = True,
+) -> list[int]:
+    """Which rung of each layer's ladder to use so that the average bits per state value is at most ``target_bits``,
+    and with ``fill`` greedily close to it.
 
     Args:
-        ladders: per layer, the bytes of its options, falling (index 0: what its zone asks for).
+        ladders: per layer, the bytes of its options, falling.
         fixed_bytes: bytes of states that are not adapted (pinned by a user override).
         values: number of state values over everything counted, adapted or not.
         target_bits: the cap, scales included; ``None`` for none.
         order: layer indices, first to be demoted first (lowest priority zone, then largest, then name).
+        start: per layer, the rung its zone asks for (default: 0 for every layer); rungs above it are promotions.
+        fill: run the promotion pass (2. below); ``False``: demotions only, the plan stays wherever they leave it.
 
-    Each layer in ``order`` is demoted rung by rung to its floor before the next one is touched, until the
-    total fits. Deterministic, linear in layers times rungs.
+    Two passes, deterministic and linear in layers times rungs:
+
+    1. demotion: each layer in ``order`` is demoted from its ``start`` rung by rung to its floor before the next
+       one is touched, until the total fits;
+    2. promotion (the cap's slack): in rounds, each layer in reverse ``order`` (highest priority first) is
+       promoted one rung if the total stays within the cap, until no layer can move up (rung 0, or its next rung
+       does not fit: it never will, the total only grows). One rung per layer per round spreads the slack over
+       many layers' first upgrades (with the default formats, a redundant layer's ``v`` to 8 bits) before any
+       layer's second.
+
+    Without a cap every layer stays at its ``start`` rung.
 
     Raises:
         BudgetError: even every layer at its floor exceeds ``target_bits``.
     """
-    chosen = [0] * len(ladders)
-    total = fixed_bytes + sum(ladder[0] for ladder in ladders)
+    chosen = [0] * len(ladders) if start is None else list(start)
+    total = fixed_bytes + sum(ladder[rung] for ladder, rung in zip(ladders, chosen))
     if target_bits is None:
         return chosen
     cap = target_bits * values / 8
@@ -216,4 +254,15 @@ def fit_budget(ladders: Sequence[Sequence[int]], fixed_bytes: int, values: int, 
             f"target_bits={target_bits} cannot be met: the cheapest candidates give {8 * total / values:.3f} bits per state value "
             f"over {values} values (states kept fp32 included)"
         )
+    candidates = [index for index in reversed(order) if chosen[index] > 0] if fill else []
+    while candidates:  # one round: each candidate up one rung; the total only grows, so a refused rung stays refused
+        kept = []
+        for index in candidates:
+            step = ladders[index][chosen[index] - 1] - ladders[index][chosen[index]]
+            if total + step <= cap:
+                total += step
+                chosen[index] -= 1
+                if chosen[index] > 0:
+                    kept.append(index)
+        candidates = kept
     return chosen
