@@ -56,14 +56,11 @@ struct Codebook {
   const uint8_t* planes;     // (4, 256): byte j of decode[c] at [j][c] (the VBMI decoder's tables)
 };
 
-// ``planes``: 1024 bytes of storage for the byte planes of ``decode``, filled here.
-Codebook codebook(const torch::Tensor& decode, const torch::Tensor& entries, int64_t key_base, int64_t key_shift, int64_t half, uint8_t* planes) {
-  TORCH_CHECK(decode.numel() == 256 && entries.numel() == 2 * half, "a NearestCodeIndex: 256 decode values, 2 * half bucket entries");
-  const uint8_t* bytes = reinterpret_cast<const uint8_t*>(decode.data_ptr<float>());
-  for (int c = 0; c < 256; ++c)
-    for (int j = 0; j < 4; ++j) planes[256 * j + c] = bytes[4 * c + j];
+Codebook codebook(const torch::Tensor& decode, const torch::Tensor& entries, const torch::Tensor& planes, int64_t key_base, int64_t key_shift, int64_t half) {
+  TORCH_CHECK(decode.numel() == 256 && entries.numel() == 2 * half && planes.numel() == 1024 && planes.scalar_type() == torch::kUInt8,
+              "a NearestCodeIndex: 256 decode values, 2 * half bucket entries, (4, 256) uint8 byte planes");
   return Codebook{decode.data_ptr<float>(), entries.data_ptr<int32_t>(),
-                  static_cast<int32_t>(key_base), static_cast<int32_t>(key_shift), static_cast<int32_t>(half), planes};
+                  static_cast<int32_t>(key_base), static_cast<int32_t>(key_shift), static_cast<int32_t>(half), planes.data_ptr<uint8_t>()};
 }
 
 // Adam(W) hyperparameters as fp32. The moments follow fused.adam_math as torch's vectorized CPU kernels compute them:
@@ -316,7 +313,7 @@ struct Param {
 }  // namespace
 
 // Adam(W) step of every parameter of one param group: n with 8-bit codebook moments, then ``plain`` ones with fp32
-// moments. ``tables``: per coded parameter [m_decode, m_entries, v_decode, v_entries]; ``ints``: (n, 7) int64 [block,
+// moments. ``tables``: per coded parameter [m_decode, m_entries, m_planes, v_decode, v_entries, v_planes]; ``ints``: (n, 7) int64 [block,
 // m_base, m_shift, m_half, v_base, v_shift, v_half]; ``plain``: per fp32-state parameter [param, grad, exp_avg,
 // exp_avg_sq]; ``steps``: per parameter (coded first) its 0-d fp32/fp64 step count, incremented here unless its
 // gradient holds inf/NaN (then the parameter is left untouched). Returns (n + plain, 6) int64 [grad_finite,
@@ -363,14 +360,13 @@ torch::Tensor adam_steps_u8(std::vector<torch::Tensor> params, std::vector<torch
     return h;
   };
   std::vector<Param> work(n);
-  std::vector<uint8_t> planes(2 * 1024 * n);
   for (int64_t k = 0; k < n; ++k) {
     Param& w = work[k];
     w.p = params[k].data_ptr<float>(), w.g = grads[k].data_ptr<float>();
     w.mc = m_codes[k].data_ptr<uint8_t>(), w.vc = v_codes[k].data_ptr<uint8_t>();
     w.ms = m_scales[k].data_ptr<float>(), w.vs = v_scales[k].data_ptr<float>();
-    w.mcb = codebook(tables[4 * k], tables[4 * k + 1], ints_a[k][1], ints_a[k][2], ints_a[k][3], &planes[2048 * k]);
-    w.vcb = codebook(tables[4 * k + 2], tables[4 * k + 3], ints_a[k][4], ints_a[k][5], ints_a[k][6], &planes[2048 * k + 1024]);
+    w.mcb = codebook(tables[6 * k], tables[6 * k + 1], tables[6 * k + 2], ints_a[k][1], ints_a[k][2], ints_a[k][3]);
+    w.vcb = codebook(tables[6 * k + 3], tables[6 * k + 4], tables[6 * k + 5], ints_a[k][4], ints_a[k][5], ints_a[k][6]);
     w.h = hyper(k);
     w.numel = params[k].numel(), w.block = ints_a[k][0];
     const int64_t blocks = w.blocks = (w.numel + w.block - 1) / w.block;
@@ -482,7 +478,7 @@ def kernel():
         from torch.utils.cpp_extension import load_inline
 
         module = load_inline(
-            name="lightning_qstate_cpu_adam_v16",
+            name="lightning_qstate_cpu_adam_v17",
             cpp_sources=SOURCE,
             functions=["adam_steps_u8"],
             extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-fopenmp"],

@@ -173,10 +173,15 @@ def native_plain_eligible(param: torch.Tensor, grad: torch.Tensor, group: dict, 
 
 @functools.lru_cache(maxsize=None)
 def _native_layout(m_format: CodebookFormat, v_format: CodebookFormat) -> tuple[list[torch.Tensor], list[int]]:
-    """The kernel's per-parameter tables ``[m_decode, m_entries, v_decode, v_entries]`` and integers
+    """The kernel's per-parameter tables ``[m_decode, m_entries, m_planes, v_decode, v_entries, v_planes]`` (planes:
+    ``(4, 256)`` uint8, byte ``j`` of every decode value in row ``j``, for the VBMI decoder) and integers
     ``[block, m_base, m_shift, m_half, v_base, v_shift, v_half]`` for a pair of moment formats."""
     m_index, v_index = m_format.nearest_index, v_format.nearest_index
-    tables = [m_index.decode, m_index.bucket_entries, v_index.decode, v_index.bucket_entries]
+    tables = [
+        table
+        for index in (m_index, v_index)
+        for table in (index.decode, index.bucket_entries, index.decode.view(torch.uint8).view(256, 4).t().contiguous())
+    ]
     return tables, [m_format.block_size, m_index.key_base, m_index.key_shift, m_index.half, v_index.key_base, v_index.key_shift, v_index.half]
 
 
