@@ -290,8 +290,10 @@ def verdicts(rows: list[Row]) -> list[str]:
             if int8 is None or key not in int8.runs[0].metrics:
                 continue
             ratio = relative(statistics.fmean(adaptive.metric(key)), statistics.fmean(int8.metric(key)))
-            paired = ", ".join(f"{100 * relative(a, b):+.1f} %" for a, b in zip(adaptive.metric(key), int8.metric(key)))
-            checks.append((f"mean {label} within {100 * QUALITY_TOLERANCE:.0f} % of fixed int8", sign * ratio <= QUALITY_TOLERANCE, f"{100 * ratio:+.2f} %; per seed {paired}"))
+            deltas = [relative(a, b) for a, b in zip(adaptive.metric(key), int8.metric(key))]
+            paired = ", ".join(f"{100 * delta:+.1f} %" for delta in deltas)
+            spread = f"; per-seed Δ mean {100 * statistics.fmean(deltas):+.2f} % ± {100 * statistics.stdev(deltas) / math.sqrt(len(deltas)):.2f} % (standard error)" if len(deltas) > 1 else ""
+            checks.append((f"mean {label} within {100 * QUALITY_TOLERANCE:.0f} % of fixed int8", sign * ratio <= QUALITY_TOLERANCE, f"{100 * ratio:+.2f} %{spread}; per seed {paired}"))
         for label, ok, value in checks:
             lines.append(f"- {model}: {label}: {'PASS' if ok else 'FAIL'} ({value})")
     return lines + [""]

@@ -19,8 +19,10 @@ workers start with the same seed. The parent drives them over a pipe:
    and, for compiling methods, ``torch.compile``) and the warm-up steps. One worker
    at a time, so compiles do not compete for the CPU.
 2. ``step``, ``R`` rounds: every worker times one ``optimizer.step()`` per round, one
-   worker at a time (the others sleep on their pipe), in a rotated order, so a slow
-   phase of a shared machine hits all methods alike. A method whose timed steps have
+   worker at a time, in a rotated order, so a slow phase of a shared machine hits all
+   methods alike. Before each timed step the parent waits until no thread of another
+   worker runs (:func:`wait_for_quiet`: the OpenMP threads of the worker that has just
+   replied spin for several ms, and would take cores from the next one's step). A method whose timed steps have
    taken more than ``--budget`` seconds sits out the remaining rounds (after at least
    2), so one pathologically slow method cannot stretch the run. Reported: the median,
    the interquartile range and the number of rounds, and ``x fused fp32``: the median
@@ -118,6 +120,7 @@ OUR_INT8 = "qadamw-int8-rn"
 TARGET_STEP_RATIO = 1.5
 TARGET_BYTES = {"int8": 2.05, "int4": 1.1}
 WORKER_TIMEOUT_S = 900.0
+QUIET_TIMEOUT_S = 1.0  # the longest wait for the other workers' threads to go to sleep before a timed step
 
 
 # --------------------------------------------------------------------------- methods
@@ -559,6 +562,36 @@ def paired_ratio(row: Row, base: Row | None) -> float:
     return statistics.median(ratios) if ratios else math.nan
 
 
+def running_threads(pids: list[int]) -> int:
+    """How many threads of the processes ``pids`` are running or runnable (state ``R`` in ``/proc/PID/task/*/stat``)."""
+    running = 0
+    for pid in pids:
+        try:
+            tasks = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue
+        for task in tasks:
+            try:
+                with open(f"/proc/{pid}/task/{task}/stat") as stat:
+                    running += stat.read().rsplit(")", 1)[1].split()[0] == "R"
+            except (OSError, IndexError):
+                continue
+    return running
+
+
+def wait_for_quiet(pids: list[int], timeout: float = QUIET_TIMEOUT_S) -> float:
+    """Wait until no thread of ``pids`` runs (or ``timeout`` s pass); return the seconds waited.
+
+    A worker that has just replied may still have OpenMP threads spinning: libgomp's threads spin-wait after a
+    parallel region (``GOMP_SPINCOUNT``, 300,000 ``pause`` loops: several ms on recent x86) before they sleep. On a
+    machine with few cores they would take cores from the next worker's timed step, which a training run (one
+    process, one thread pool) never sees."""
+    start = time.monotonic()
+    while running_threads(pids) and time.monotonic() - start < timeout:
+        time.sleep(0.001)
+    return time.monotonic() - start
+
+
 def measure_model(model: str, methods: list[Method], args: argparse.Namespace, run_dir: Path, log: Callable[[str], None]) -> list[Row]:
     """Start one worker per method (imports in parallel), set them up one at a time, then time them round-robin."""
     rows = [Row(method, model) for method in methods]
@@ -586,6 +619,7 @@ def measure_model(model: str, methods: list[Method], args: argparse.Namespace, r
             for i in order[shift:] + order[:shift]:
                 row = rows[i]
                 if row.failure is None and (len(row.times_ms) < 2 or sum(row.times_ms) <= 1e3 * args.budget):
+                    wait_for_quiet([worker.proc.pid for j, worker in workers.items() if j != i])
                     try:
                         row.times_ms.append(workers[i].request("step")["ms"])
                         row.rounds.append(r)

@@ -58,6 +58,7 @@ def test_quick_run(bench: ModuleType, tmp_path: Path, monkeypatch: pytest.Monkey
         assert "Δ" in per_seed["adaptive"]["seed 1"] and "Δ" not in per_seed["int8"]["seed 1"]
         assert section.count("adaptive, seed ") == 2 and "at the end: zones critical" in section
     assert text.count("PASS") + text.count("FAIL") == 9  # 4 targets per model, and the ViT's accuracy
+    assert text.count("(standard error)") == 3  # the paired per-seed differences of both losses and the accuracy
 
 
 def test_arguments_are_checked(bench: ModuleType) -> None:

@@ -5,7 +5,9 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
+import subprocess
 import sys
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -87,3 +89,21 @@ def test_quick_run_without_peers(bench: ModuleType, tmp_path: Path, monkeypatch:
     peers = [row for row in report.rows if row.method.key in PEERS]
     assert peers and all(row.failure and "hidden by the test" in row.failure for row in peers)
     assert "n/a (" in report.text
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads /proc")
+def test_timed_steps_wait_for_the_other_workers_to_sleep(bench: ModuleType) -> None:
+    """``wait_for_quiet`` returns at once for a sleeping process and waits out its timeout for a spinning one."""
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.5)  # both started
+        assert bench.running_threads([sleeper.pid]) == 0
+        assert bench.running_threads([spinner.pid]) == 1
+        assert bench.wait_for_quiet([sleeper.pid], timeout=2.0) < 0.5
+        assert bench.wait_for_quiet([sleeper.pid, spinner.pid], timeout=0.2) >= 0.2
+    finally:
+        for process in (sleeper, spinner):
+            process.kill()
+            process.wait()
+    assert bench.running_threads([spinner.pid]) == 0  # gone: no /proc entry

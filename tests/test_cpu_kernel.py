@@ -101,13 +101,16 @@ def test_kernel_encodes_like_the_reference(name, absmax):
         {"maximize": True, "weight_decay": 0.0},
     ],
 )
-def test_kernel_step_matches_the_reference_step(options):
+@pytest.mark.parametrize("threads", [1, 2, 5])
+def test_kernel_step_matches_the_reference_step(options, threads):
     """Several parameters in one call (formats and block sizes differ, partial last blocks, one shorter than a vector):
     codes and scales equal the reference's; params within about two ulps of the update, which is about lr = 1e-2 (the
     kernel multiplies by reciprocals where the reference divides, and torch's CPU sqrt is not always correctly
-    rounded). Sizes reach the 64-code (VBMI), 16-code and scalar loops."""
+    rounded). Sizes reach the 64-code (VBMI), 16-code and scalar loops; the thread counts split the blocks at different
+    places inside and between parameters."""
     layouts = [
         (get_format("int8"), get_format("int8", signed=False), (1 << 12) + 77),
+        (get_format("int8"), get_format("int8", signed=False), 50 * 16 * 256 + 5),
         (get_format("int8_linear", block_size=64), get_format("int8", signed=False, block_size=64), 1000),
         (get_format("int8"), get_format("int8_linear", signed=False), 13),
     ]
@@ -122,7 +125,12 @@ def test_kernel_step_matches_the_reference_step(options):
         hyper = adam_hyper(group, 4.0)
         adam_step_quantized(reference_param, grad, m.codes, m.scales, v.codes, v.scales, hyper, m_format, v_format, "nearest", group["decoupled_weight_decay"], group["maximize"], False)  # fmt: skip
         params.append(param), grads.append(grad), states.append(state), expected.append((reference_param, m, v))
-    rows = native_adam_steps(params, grads, states, group, track_stalls=False)
+    saved_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        rows = native_adam_steps(params, grads, states, group, track_stalls=False)
+    finally:
+        torch.set_num_threads(saved_threads)
     assert all(row[:2] == [1, 1] for row in rows)
     for param, state, (reference_param, m, v) in zip(params, states, expected):
         assert float(state["step"]) == 4.0
