@@ -93,17 +93,21 @@ def test_quick_run_without_peers(bench: ModuleType, tmp_path: Path, monkeypatch:
 
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads /proc")
 def test_timed_steps_wait_for_the_other_workers_to_sleep(bench: ModuleType) -> None:
-    """``wait_for_quiet`` returns at once for a sleeping process and waits out its timeout for a spinning one."""
-    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    """``wait_for_quiet`` returns once a process sleeps and waits out its timeout for a spinning one."""
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; print(flush=True); time.sleep(60)"], stdout=subprocess.PIPE)
     spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
-        time.sleep(0.5)  # both started
+        sleeper.stdout.readline()  # started: from here on it only goes to sleep
+        assert bench.wait_for_quiet([sleeper.pid], timeout=30.0) < 30.0
         assert bench.running_threads([sleeper.pid]) == 0
+        deadline = time.monotonic() + 30.0
+        while bench.running_threads([spinner.pid]) == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)  # may still read files while it starts
         assert bench.running_threads([spinner.pid]) == 1
-        assert bench.wait_for_quiet([sleeper.pid], timeout=2.0) < 0.5
         assert bench.wait_for_quiet([sleeper.pid, spinner.pid], timeout=0.2) >= 0.2
     finally:
         for process in (sleeper, spinner):
             process.kill()
             process.wait()
+        sleeper.stdout.close()
     assert bench.running_threads([spinner.pid]) == 0  # gone: no /proc entry
