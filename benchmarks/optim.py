@@ -22,9 +22,10 @@ workers start with the same seed. The parent drives them over a pipe:
    worker at a time, in a rotated order, so a slow phase of a shared machine hits all
    methods alike. Before each timed step the parent waits until no thread of another
    worker runs (:func:`wait_for_quiet`: the OpenMP threads of the worker that has just
-   replied spin for several ms, and would take cores from the next one's step). A method whose timed steps have
-   taken more than ``--budget`` seconds sits out the remaining rounds (after at least
-   2), so one pathologically slow method cannot stretch the run. Reported: the median,
+   replied spin for several ms, and would take cores from the next one's step). A
+   method whose timed steps have taken more than ``--budget`` seconds sits out the
+   remaining rounds (after at least 2), so one pathologically slow method cannot
+   stretch the run. Reported: the median,
    the interquartile range and the number of rounds, and ``x fused fp32``: the median
    over rounds of the step time over the fused fp32 AdamW step of the same round.
 3. ``finish``: memory figures (below); ``profile``: one step under ``torch.profiler``.
