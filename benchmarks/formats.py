@@ -60,7 +60,9 @@ class Method:
     signed maps, for ``m``-like data) or ``"nonnegative"`` (unsigned maps, ``v``-like
     data). ``unavailable`` is the reason it cannot run at all (peer not installed).
     Codebook methods in RN also give ``codes(state)`` (unpacked indices into the
-    sorted ``code_table``) and ``block_size``, to check that each code is the nearest one.
+    sorted ``code_table``) and ``block_size``, to check that each code is the nearest one;
+    ``scales(state)`` gives the stored block scales where they are not the block absmax
+    (ours, rounded up to bf16 for signed formats).
     """
 
     family: str  # "ours", "torchao", "bitsandbytes"
@@ -76,6 +78,7 @@ class Method:
     codes: Callable[[Any], torch.Tensor] | None = None
     code_table: torch.Tensor | None = None
     block_size: int = 0
+    scales: Callable[[Any], torch.Tensor] | None = None
 
     @property
     def label(self) -> str:
@@ -135,6 +138,7 @@ def our_methods(seed: int) -> list[Method]:
                     codes=(lambda q: unpack(q.codes, q.format.bits, q.numel)) if codebook else None,
                     code_table=fmt.decode_values() if codebook else None,
                     block_size=getattr(fmt, "block_size", 0),
+                    scales=lambda q: q.scales,
                 )
             )
     return methods
@@ -311,12 +315,13 @@ def roundtrip_error(x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
     return float(diff.norm() / x64.norm()), float(diff.abs().max() / x64.abs().max())
 
 
-def off_nearest_fraction(x: torch.Tensor, codes: torch.Tensor, table: torch.Tensor, block_size: int) -> float:
-    """Fraction of ``codes`` that differ from the nearest entry of ``table`` to ``x / block absmax``, in float64."""
+def off_nearest_fraction(x: torch.Tensor, codes: torch.Tensor, table: torch.Tensor, block_size: int, scales: torch.Tensor | None = None) -> float:
+    """Fraction of ``codes`` that differ from the nearest entry of ``table`` to ``x / block scale``, in float64
+    (``scales``: the stored ``(num_blocks,)`` scales; ``None``: the block absmax)."""
     flat = x.double().reshape(-1)
     blocks = torch.nn.functional.pad(flat, (0, -flat.numel() % block_size)).view(-1, block_size)
-    absmax = blocks.abs().amax(dim=1, keepdim=True)
-    normalized = (blocks / torch.where(absmax > 0, absmax, 1.0)).view(-1)[: flat.numel()]
+    scale = blocks.abs().amax(dim=1, keepdim=True) if scales is None else scales.double().view(-1, 1)
+    normalized = (blocks / torch.where(scale > 0, scale, 1.0)).view(-1)[: flat.numel()]
     values = table.double()
     nearest = torch.bucketize(normalized, (values[1:] + values[:-1]) / 2)
     return float((codes.reshape(-1).long() != nearest).double().mean())
@@ -363,7 +368,8 @@ def measure_roundtrip(method: Method, kind: TensorKind) -> tuple[Row, Any]:
         row.dequantize_copies = y.untyped_storage().data_ptr() not in _storage_ptrs(state)
         row.zero_leak = zero_leak(x, y)
         if method.codes is not None and method.code_table is not None:
-            row.off_nearest = off_nearest_fraction(x, method.codes(state), method.code_table, method.block_size)
+            scales = None if method.scales is None else method.scales(state)
+            row.off_nearest = off_nearest_fraction(x, method.codes(state), method.code_table, method.block_size, scales)
     except Exception as error:  # noqa: BLE001 - a peer failing on CPU is a result, not a crash
         row.failure = _short_reason(error)
         return row, None

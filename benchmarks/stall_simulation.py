@@ -63,6 +63,11 @@ class Case:
     rounding: str
     inputs: str
     moment: Moment
+    scale_dtype: str | None = None  # block formats' scales; None: the format's default for the moment
+
+    @property
+    def format(self):
+        return get_format(self.fmt, signed=self.moment == "first", scale_dtype=self.scale_dtype)
 
 
 @dataclass
@@ -106,7 +111,7 @@ def measure(case: Case, entries: int, windows: list[tuple[int, int]], start: str
     """Stall rate (stalled / moved) over each ``(first, last)`` step window (1-based, inclusive) of one run, and the
     state at the end of the first window."""
     generator = torch.Generator().manual_seed(seed)
-    fmt = get_format(case.fmt, signed=case.moment == "first")
+    fmt = case.format
     scales = torch.ones(entries) if case.inputs == "gaussian" else torch.exp(torch.randn(entries, generator=generator))
     stored = fmt.quantize(initial_state(case, scales, start, generator))
     counts = [torch.zeros(2, dtype=torch.int64) for _ in windows]
@@ -132,7 +137,7 @@ def run_case(case: Case, entries: int, horizons: float, long_run: bool, seed: in
     horizon = round(horizons / (1 - case.beta))
     windows = [(1, horizon)] + ([(1, LONG_RUN_HORIZONS * round(1 / (1 - case.beta)))] if long_run else [])
     rates, state = measure(case, entries, windows, "steady", seed)
-    predicted = stall_probability(case.fmt, case.beta, case.rounding, moment=case.moment)
+    predicted = stall_probability(case.format, case.beta, case.rounding, moment=case.moment)
     from_codes = stall_probability(state.format, case.beta, case.rounding, moment=case.moment, values=state)
     return Result(case, rates[0], predicted, from_codes, rates[1] if long_run else None)
 

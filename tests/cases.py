@@ -26,8 +26,13 @@ BLOCK_FORMATS = [
     ("e4m3", {}),
     ("e2m1", {}),
     ("e5m10", {}),
+    ("int8", {"signed": False, "scale_dtype": "bf16"}),  # the scale types the defaults do not pick
+    ("fp8_e4m3", {"scale_dtype": "fp32"}),
 ]
-FORMAT_IDS = [f"{name}-{'u' if options.get('signed') is False else 's'}" for name, options in BLOCK_FORMATS]
+FORMAT_IDS = [
+    f"{name}-{'u' if options.get('signed') is False else 's'}" + (f"-{options['scale_dtype']}" if "scale_dtype" in options else "")
+    for name, options in BLOCK_FORMATS
+]
 
 
 def run_under_interpreter(test_file: str) -> None:

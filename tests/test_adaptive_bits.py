@@ -154,17 +154,17 @@ def stored_nbytes(numel: int):
 
 
 def test_zone_ladder_falls_to_the_floor():
-    formats = {"exp_avg": {"critical": "int8_linear", "magnitude": "int8_linear", "structural": "int4_linear", "redundant": "int4_linear"},
-               "exp_avg_sq": {"critical": "int8", "magnitude": "e4m0", "structural": "int8", "redundant": "e4m0"}}  # fmt: skip
+    formats = {"exp_avg": {"critical": "int8_linear", "magnitude": "int8_linear", "structural": "int8", "redundant": "int4_linear"},
+               "exp_avg_sq": {"critical": "int8", "magnitude": "e4m0", "structural": "e4m0", "redundant": "e4m0"}}  # fmt: skip
     nbytes = stored_nbytes(10_000)
 
     ladder = zone_ladder(None, formats, nbytes)
     assert [choice for choice, _ in ladder] == [("int8_linear", "int8"), ("int8_linear", "e4m0"), ("int4_linear", "e4m0")]  # structural saves nothing over magnitude
     assert [cost for _, cost in ladder] == sorted({cost for _, cost in ladder}, reverse=True)
-    assert zone_ladder("structural", formats, nbytes)[0][0] == ("int4_linear", "int8")
+    assert zone_ladder("structural", formats, nbytes)[0][0] == ("int8", "e4m0")
     assert zone_ladder("redundant", formats, nbytes) == [(("int4_linear", "e4m0"), nbytes("exp_avg", "int4_linear") + nbytes("exp_avg_sq", "e4m0"))]
     upside_down = {state: {**per_zone, "redundant": per_zone["critical"]} for state, per_zone in formats.items()}
-    assert zone_ladder("redundant", upside_down, nbytes)[-1][0] == ("int4_linear", "e4m0")  # the floor: the cheapest candidates
+    assert zone_ladder("redundant", upside_down, nbytes)[-1][0] == ("int8_linear", "e4m0")  # the floor: the cheapest candidates
 
 
 ladders_strategy = st.lists(
@@ -173,8 +173,8 @@ ladders_strategy = st.lists(
 
 
 def test_budget_ladder_adds_the_higher_zones_above_the_zone():
-    formats = {"exp_avg": {"critical": "int8_linear", "magnitude": "int8_linear", "structural": "int4", "redundant": "int4"},
-               "exp_avg_sq": {"critical": "int8", "magnitude": "e4m0", "structural": "int8", "redundant": "e4m0"}}  # fmt: skip
+    formats = {"exp_avg": {"critical": "int8_linear", "magnitude": "int4_linear", "structural": "int4", "redundant": "int4"},
+               "exp_avg_sq": {"critical": "int8", "magnitude": "int8", "structural": "int8", "redundant": "e4m0"}}  # fmt: skip
     nbytes = stored_nbytes(10_000)
 
     def cost(m: str, v: str) -> int:
@@ -477,7 +477,7 @@ def test_reencode_by_name_aligns_blocks_to_rows_of_a_dtensor_shard():
         optimizer.reencode_state(param, "exp_avg", "int4")
         optimizer.reencode_state(param, "exp_avg_sq", "e4m0")
         assert optimizer.state_format(param, "exp_avg").block_size == 32 != get_format("int4").block_size
-        assert optimizer.state_format(param, "exp_avg_sq").config == {"name": "e4m0", "block_size": 32, "signed": False, "nonfinite": "raise"}
+        assert optimizer.state_format(param, "exp_avg_sq").config == {"name": "e4m0", "block_size": 32, "signed": False, "nonfinite": "raise", "scale_dtype": "fp32"}
         optimizer.step()  # and steps on from there
     finally:
         if created:

@@ -72,17 +72,21 @@ def test_nearest_code_index_gives_the_reference_codes(name):
     assert torch.equal((entry & 0xFF) + up.to(torch.int64), encode_codebook(x, fmt.index, "nearest").to(torch.int64))
 
 
+@pytest.mark.parametrize("scale_dtype", ["bf16", "fp32"])
 @pytest.mark.parametrize("absmax", [1.0, 0.3, 1.7e-3, 12345.678])
 @pytest.mark.parametrize("name", list(BYTE_FORMATS))
-def test_kernel_encodes_like_the_reference(name, absmax):
+def test_kernel_encodes_like_the_reference(name, absmax, scale_dtype):
     """With beta1 = 0 and no weight decay the new ``m`` is the gradient, so the kernel's codes of ``m`` are its encoder's
-    codes of chosen values: each 64-value block holds ``absmax`` (its scale) and the inputs times it, which normalize to
-    the inputs or their fp32 neighbours: codes equal only if the kernel's division is correctly rounded."""
+    codes of chosen values: each 64-value block holds ``absmax`` (its scale; for bf16 scales, ``absmax`` is first
+    rounded to a bf16 value) and the inputs times it, which normalize to the inputs or their fp32 neighbours: codes
+    equal only if the kernel's division is correctly rounded."""
     fmt = BYTE_FORMATS[name]
+    if scale_dtype == "bf16":
+        absmax = float(torch.tensor(absmax).to(torch.bfloat16))
     values = hard_inputs(fmt) * absmax
     values = values[: values.numel() // 63 * 63].view(-1, 63)
     grad = torch.cat([torch.full((values.shape[0], 1), absmax), values], dim=1).view(-1)
-    m_format = CodebookFormat(fmt.name, fmt.codebook, 64, fmt.signed)
+    m_format = CodebookFormat(fmt.name, fmt.codebook, 64, fmt.signed, scale_dtype=scale_dtype)
     v_format = get_format("int8", signed=False, block_size=64)
     state = adam_state(m_format, v_format, grad.numel(), seed=0)
     param = torch.zeros(grad.numel())
@@ -103,8 +107,8 @@ def test_kernel_encodes_like_the_reference(name, absmax):
 )
 @pytest.mark.parametrize("threads", [1, 2, 5])
 def test_kernel_step_matches_the_reference_step(options, threads):
-    """Several parameters in one call (formats and block sizes differ, partial last blocks, one shorter than a vector):
-    codes and scales equal the reference's; params within about two ulps of the update, which is about lr = 1e-2 (the
+    """Several parameters in one call (formats, block sizes and scale dtypes differ, partial last blocks, one shorter than
+    a vector): codes and scales equal the reference's; params within about two ulps of the update, which is about lr = 1e-2 (the
     kernel multiplies by reciprocals where the reference divides, and torch's CPU sqrt is not always correctly
     rounded). Sizes reach the 64-code (VBMI), 16-code and scalar loops; the thread counts split the blocks at different
     places inside and between parameters."""
@@ -113,6 +117,8 @@ def test_kernel_step_matches_the_reference_step(options, threads):
         (get_format("int8"), get_format("int8", signed=False), 50 * 16 * 256 + 5),
         (get_format("int8_linear", block_size=64), get_format("int8", signed=False, block_size=64), 1000),
         (get_format("int8"), get_format("int8_linear", signed=False), 13),
+        (get_format("int8", scale_dtype="fp32"), get_format("int8", signed=False, scale_dtype="fp32"), 3000),  # version-1 checkpoints
+        (get_format("int8_linear", scale_dtype="fp32"), get_format("int8", signed=False), 700),
     ]
     group = adam_group(**options)
     params, grads, states, expected = [], [], [], []

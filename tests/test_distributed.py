@@ -467,7 +467,8 @@ def test_fp32_checkpoint_requantizes_to_the_same_codes(states):
 
 
 def test_exact_values_differ_from_dequantize_only_at_negative_block_maxima():
-    fmt = get_format("int8", block_size=64)
+    """fp32 scales: only the signed map's short negative end (-0.993) needs a pinned value."""
+    fmt = get_format("int8", block_size=64, scale_dtype="fp32")
     values = torch.randn(64 * 50, generator=torch.Generator().manual_seed(0))
     quantized = fmt.quantize(values)
     exact, plain = exact_values(quantized), quantized.dequantize()
@@ -482,3 +483,23 @@ def test_exact_values_differ_from_dequantize_only_at_negative_block_maxima():
     again = fmt.quantize(exact)
     assert torch.equal(again.codes, quantized.codes) and torch.equal(again.scales, quantized.scales)
     assert not torch.equal(fmt.quantize(plain).scales, quantized.scales)  # what re-quantizing dequantize() would give
+
+
+@pytest.mark.parametrize("scale_dtype", ["bf16", "fp32"])
+@pytest.mark.parametrize("name", ["int8", "int4", "int8_linear", "int4_linear", "fp8_e4m3", "fp8_e5m2", "e2m2", "e5m10"])
+@pytest.mark.parametrize("signed", [True, False])
+def test_exact_values_requantize_to_the_same_codes_and_scales(name, signed, scale_dtype):
+    """Every format and scale type, values from 1 down to 1e-12: at most one pinned value per block, and re-quantizing
+    gives the same scales and stored values (bf16 scales are rounded up, so a block's largest value may decode short of
+    its scale with any map)."""
+    fmt = get_format(name, signed=signed, scale_dtype=scale_dtype, block_size=64)
+    generator = torch.Generator().manual_seed(0)
+    for magnitude in (1.0, 1e-3, 1e-6, 1e-12):
+        values = torch.randn(64 * 200 + 7, generator=generator) * torch.rand(64 * 200 + 7, generator=generator) ** 4 * magnitude
+        values = values if signed else values.abs()
+        quantized = fmt.quantize(values)
+        exact, plain = exact_values(quantized), quantized.dequantize()
+        changed = torch.nn.functional.pad(exact != plain, (0, 64 - 7)).view(-1, 64)
+        assert changed.sum(dim=1).le(1).all()
+        again = fmt.quantize(exact)
+        assert torch.equal(again.scales, quantized.scales) and torch.equal(again.dequantize(), plain), magnitude

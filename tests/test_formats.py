@@ -18,6 +18,7 @@ from lightning_qstate.formats import (
     get_format,
     linear_map,
 )
+from lightning_qstate.formats.block import round_up_to_bf16
 from lightning_qstate.formats.cast import FP16_SPEC
 from lightning_qstate.formats.rounding import encode_minifloat
 
@@ -210,6 +211,64 @@ def test_bf16_sr_lands_on_a_neighbour():
     down = (x.view(torch.int32) & -65536).view(torch.float32)
     up = ((x.view(torch.int32) & -65536) + 65536).view(torch.float32)
     assert bool(((sr == down) | (sr == up)).all())
+
+
+# --- block scales -----------------------------------------------------------------------------------
+
+
+def test_scale_dtype_follows_the_state_by_default():
+    for name in ("int8", "int4", "int8_linear", "fp8_e4m3", "e2m2"):
+        assert get_format(name).scale_dtype == torch.bfloat16  # first moments
+        assert get_format(name, signed=False).scale_dtype == torch.float32  # second moments
+        assert get_format(name, signed=False, scale_dtype="bf16").scale_dtype == torch.bfloat16
+        assert get_format(name, scale_dtype="fp32").config["scale_dtype"] == "fp32"
+    assert get_format("int8").config["scale_dtype"] == "bf16"  # recorded resolved, for checkpoints
+    assert get_format("int8").nbytes(1000) == 1000 + 2 * 4 and get_format("int8", signed=False).nbytes(1000) == 1000 + 4 * 4
+    with pytest.raises(ValueError, match="scale_dtype='fp16'.*bf16.*fp32"):
+        get_format("int8", scale_dtype="fp16")
+
+
+@pytest.mark.parametrize("name", ["int8", "int4", "fp8_e4m3", "int8_linear"])
+def test_bf16_scales_are_block_absmax_rounded_up(name):
+    fmt = get_format(name, scale_dtype="bf16", block_size=64)
+    x = torch.randn(64 * 300, generator=torch.Generator().manual_seed(0)) * torch.logspace(-30, 30, 64 * 300)
+    q = fmt.quantize(x)
+    absmax = x.view(-1, 64).abs().amax(dim=1)
+    scales = q.scales.float()
+    assert q.scales.dtype == torch.bfloat16
+    assert bool((scales >= absmax).all()) and bool((scales < absmax * (1 + 2**-7)).all())
+    below = (scales.view(torch.int32) - 0x10000).view(torch.float32)  # the bf16 value under each scale
+    assert bool((below < absmax).all())
+    assert bool((q.dequantize().abs().view(-1, 64).amax(dim=1) <= scales).all())
+    huge = fmt.quantize(torch.tensor([3.4e38, -1.0]))  # above bf16's largest finite value: saturates, stays finite
+    assert bool(torch.isfinite(huge.scales).all()) and float(huge.dequantize()[0]) == float(torch.finfo(torch.bfloat16).max)
+
+
+def test_round_up_to_bf16_is_the_kernels_bit_pattern_rounding():
+    """The torch reference rounds up with float operations (they vectorize under torch.compile); the C++ and Triton
+    kernels add 0xFFFF to the fp32 bit pattern and clear the low half. Both must agree on every input."""
+    patterns = torch.randint(0, 0x7F800000, (1 << 20,), generator=torch.Generator().manual_seed(0), dtype=torch.int64).to(torch.int32)
+    edges = torch.tensor([0.0, 1e-45, 2.0**-133, 2.0**-126, 1.0, 1.0 + 2.0**-23, 1.00390625, 3.3895e38, 3.4e38, math.inf, math.nan])
+    values = torch.cat([patterns.view(torch.float32), edges, torch.nextafter(edges, torch.zeros_like(edges))])
+    by_pattern = ((values.view(torch.int32) + 0xFFFF) & -65536).view(torch.float32)
+    by_pattern = torch.where(torch.isfinite(values), by_pattern.clamp(max=torch.finfo(torch.bfloat16).max), values)
+    rounded = round_up_to_bf16(values)
+    assert torch.equal(rounded.nan_to_num(nan=-1.0), by_pattern.nan_to_num(nan=-1.0))
+    assert torch.equal(rounded[torch.isfinite(rounded)], rounded[torch.isfinite(rounded)].to(torch.bfloat16).float())
+
+
+def test_bf16_scales_would_ratchet_a_second_moment():
+    """Why second moments keep fp32 scales: Adam's v of unit-variance noise at beta2 = 0.999, stored int8 with RN.
+    Its block absmax moves by ~0.1 % a step, under the bf16 grid, so a bf16 scale stalls and only ratchets up."""
+    means = {}
+    for scale_dtype in ("bf16", "fp32"):
+        fmt = get_format("int8", signed=False, scale_dtype=scale_dtype)
+        generator = torch.Generator().manual_seed(0)
+        v = fmt.quantize(torch.ones(16384))
+        for _ in range(3000):
+            v = fmt.quantize(v.dequantize() * 0.999 + 0.001 * torch.randn(16384, generator=generator).square())
+        means[scale_dtype] = float(v.dequantize().mean())
+    assert means["fp32"] < 1.1 < 1.2 < means["bf16"], means
 
 
 # --- byte accounting --------------------------------------------------------------------------------

@@ -109,6 +109,10 @@ else:
             ("fp8_e4m3", {"block_size": 32}), ("int8", {"signed": False, "block_size": 128}), 3 * 128 + 45, True, False,
             group_options(lr=3e-2), torch.float32, id="fp8-32-int8-128",
         ),  # fmt: skip
+        pytest.param(
+            ("int8", {"scale_dtype": "fp32"}), ("int4", {"signed": False, "scale_dtype": "bf16"}), 2 * 256 + 3, True, False,
+            group_options(), torch.float32, id="fp32-m-scales-bf16-v-sub-block-scales",
+        ),  # fmt: skip
     ]
 
     @pytest.mark.parametrize(("m_spec", "v_spec", "numel", "decoupled", "maximize", "options", "grad_dtype"), RN_CASES)
@@ -175,8 +179,8 @@ else:
         """Every code is one of the two SR neighbours of the exact value, and the stored values have no mean error."""
         numel = exact.numel()
         blocks = as_blocks(exact, fmt.block_size)
-        absmax = blocks.abs().amax(dim=1, keepdim=True)
-        normalized = (blocks / torch.where(absmax > 0, absmax, 1.0)).view(-1)[:numel]
+        scale = fmt.stored_scale(blocks.abs().amax(dim=1, keepdim=True))
+        normalized = (blocks / torch.where(scale > 0, scale, 1.0)).view(-1)[:numel]
         low = fmt.encode(normalized, "stochastic", torch.full_like(normalized, 1.0 - 2.0**-24))
         high = fmt.encode(normalized, "stochastic", torch.zeros_like(normalized))
         codes = unpack(stored.codes, fmt.bits, numel)
@@ -186,7 +190,7 @@ else:
         value, low_value, high_value = exact.double(), decode[low] * scale, decode[high] * scale
         values = decode[codes] * scale
         moving = high != low
-        assert int(moving.sum()) > numel // 2, name
+        assert int(moving.sum()) > numel // 3, name  # zero-free int4 v holds every value under 1/15 of the scale at 1/15
         error = (values - value)[moving].sum()
         spread = ((high_value - value) * (value - low_value))[moving].clamp(min=0).sum().sqrt()
         assert abs(float(error)) < 5 * float(spread), f"{name}: SR mean error {float(error):.3g} vs spread {float(spread):.3g}"

@@ -164,7 +164,7 @@ def test_checkpoint_resume_is_bit_exact(quantized_class, options):
     train(model, optimizer, 5)
     saved_model = roundtrip(model.state_dict())
     saved = roundtrip(optimizer.state_dict())
-    assert saved["qstate_version"] == 1
+    assert saved["qstate_version"] == 2
     train(model, optimizer, 5)
 
     resumed_model = make_model(seed=9)
@@ -184,6 +184,47 @@ def test_checkpoint_resume_is_bit_exact(quantized_class, options):
     train(model, optimizer, 3)
     train(resumed_model, resumed, 8)
     assert not torch.equal(flat_params(model), flat_params(model_copy))
+
+
+def test_version_1_checkpoints_load_as_saved_with_fp32_scales():
+    """State version 1 (before bf16 scales) stored every block scale in fp32 and no ``scale_dtype``: such states load
+    bit for bit in their fp32-scaled formats, keep them while training on (the C++ kernel takes either scale type),
+    and so do their fp32 exports' format markers."""
+    from lightning_qstate.optim.serialization import format_from_marker
+
+    def fresh(seed: int):
+        torch.manual_seed(seed)
+        layer = torch.nn.Linear(256, 256)
+        return layer, lq.QAdamW(layer.parameters(), lr=1e-2, states="int8", min_quant_size=0)
+
+    def steps(layer, optimizer, count: int) -> None:
+        for step in range(count):
+            optimizer.zero_grad()
+            layer(torch.randn(8, 256, generator=torch.Generator().manual_seed(step))).square().mean().backward()
+            optimizer.step()
+
+    layer, optimizer = fresh(0)
+    steps(layer, optimizer, 3)
+    saved = roundtrip(optimizer.state_dict())
+    saved["qstate_version"] = 1
+    for entries in saved["state"].values():
+        for entry in entries.values():
+            if isinstance(entry, dict):  # what version 1 wrote
+                entry["qstate_version"] = 1
+                del entry["format"]["scale_dtype"]
+                entry["scales"] = entry["scales"].float()
+    resumed_layer, resumed = fresh(1)
+    resumed_layer.load_state_dict(layer.state_dict())
+    resumed.load_state_dict(saved)
+    for param, resumed_param in zip(layer.parameters(), resumed_layer.parameters()):
+        for name in ("exp_avg", "exp_avg_sq"):
+            before, after = optimizer.state[param][name], resumed.state[resumed_param][name]
+            assert after.format.scale_dtype == after.scales.dtype == torch.float32
+            assert torch.equal(after.codes, before.codes) and torch.equal(after.dequantize(), before.dequantize())
+    steps(resumed_layer, resumed, 2)
+    assert all(resumed.state_format(p, name).scale_dtype == torch.float32 for p in resumed_layer.parameters() for name in ("exp_avg", "exp_avg_sq"))
+    assert all(bool(torch.isfinite(p).all()) for p in resumed_layer.parameters())
+    assert format_from_marker('{"qstate_version": 1, "name": "int8", "block_size": null, "signed": true, "nonfinite": "raise"}').scale_dtype == torch.float32
 
 
 def test_resume_matches_uninterrupted_run():
@@ -479,8 +520,9 @@ def test_fast_cpu_paths_match_the_plain_step(states):
 
     fast_weight, fast_state = run(True)
     plain_weight, plain_state = run(False)
-    # a float tie that rounds a stored moment the other way moves that parameter by ~0.5% of one update (lr=1e-2)
-    torch.testing.assert_close(fast_weight, plain_weight, rtol=1e-5, atol=1e-4)
+    # a float tie that rounds a stored moment the other way moves that parameter by ~0.5% of one update (lr=1e-2);
+    # one that rounds a block's absmax across a bf16 boundary rescales m's whole block: up to ~2% of one update
+    torch.testing.assert_close(fast_weight, plain_weight, rtol=1e-5, atol=3e-4)
     assert float((fast_weight - plain_weight).abs().gt(1e-6).float().mean()) < 0.01
     for name in ("exp_avg", "exp_avg_sq"):
         fast, plain = fast_state[name], plain_state[name]

@@ -34,15 +34,15 @@ from ..theory.bits import (
 )
 
 ADAPTED_STATES = ("exp_avg", "exp_avg_sq")  # Adam's m and v
-# Formats of 5 to 8 bits all store one byte per value, so each state has two real widths: 8 bits (8.125 with scales)
-# and 4 bits (4.25). The maps give v the 8 bits first (a reconstruction choice): every zone with high N or R stores
-# v as int8, m takes 8 bits (the linear int8_linear) only in the critical zone, and redundant layers store m as the
-# dynamic int4 map and v as the logarithmic e4m0. (On the GPT benchmark a 4-bit v cost more than a 4-bit m: fixed
-# m int4 + v int8 matched int8, m int4 + v e4m0 did not.) At 4 bits m takes the dynamic int4 map, not
-# int4_linear: a 4-bit linear map stores every m under 1/14 of its block's absmax as 0. (The ViT benchmark
-# cannot tell the two apart: their seed-to-seed spread is larger than the difference.) Pass m_formats with
-# "int4_linear" for the paper's all-linear m. Whatever the maps, the budget spends the cap's slack on promotions
-# (see fit_budget), so a plan under the cap usually ends close to target_bits.
+# Formats of 5 to 8 bits all store one byte per value, so each state has two real widths: 8 bits and 4 bits (with
+# scales: 8.0625 and 4.125 for m, 8.125 and 4.25 for v). The maps give v the 8 bits first (a reconstruction choice):
+# every zone with high N or R stores v as int8, m takes 8 bits (the linear int8_linear) only in the critical zone, and
+# redundant layers store m as the dynamic int4 map and v as the logarithmic e4m0. (On the GPT benchmark a 4-bit v cost
+# more than a 4-bit m: fixed m int4 + v int8 matched int8, m int4 + v e4m0 did not.) At 4 bits m takes the dynamic
+# int4 map, not int4_linear: a 4-bit linear map stores every m under 1/14 of its block's absmax as 0. (The ViT
+# benchmark cannot tell the two apart: their seed-to-seed spread is larger than the difference.) Pass m_formats with
+# "int4_linear" for the paper's all-linear m. Whatever the maps, the budget spends the cap's slack on promotions (see
+# fit_budget), so a plan under the cap usually ends close to target_bits.
 DEFAULT_M_FORMATS = {"critical": "int8_linear", "magnitude": "int4", "structural": "int4", "redundant": "int4"}
 DEFAULT_V_FORMATS = {"critical": "int8", "magnitude": "int8", "structural": "int8", "redundant": "e4m0"}
 STATE_DICT_VERSION = 1

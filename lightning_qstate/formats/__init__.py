@@ -10,6 +10,8 @@ Example::
     >>> from lightning_qstate.formats import get_format
     >>> q = get_format("int8").quantize(torch.randn(1000))
     >>> round(q.bits_per_value, 3)
+    8.064
+    >>> round(get_format("int8", signed=False).quantize(torch.rand(1000)).bits_per_value, 3)
     8.128
 """
 
@@ -21,7 +23,7 @@ from functools import lru_cache
 import torch
 
 from .base import FLOAT_INPUT_DTYPES, KernelBackend, NonFiniteError, QuantizedTensor, StorageFormat, count_stalls, kernel_backend, register_kernel_backend
-from .block import NONFINITE_POLICIES, BlockFormat, CodebookFormat, MinifloatFormat, NonFinitePolicy, check_block_size
+from .block import NONFINITE_POLICIES, SCALE_DTYPE_NAMES, SCALE_DTYPES, BlockFormat, CodebookFormat, MinifloatFormat, NonFinitePolicy, ScaleDtype, check_block_size
 from .cast import CastFormat
 from .codebooks import CodebookIndex, MinifloatSpec, dynamic_map, linear_map
 from .rounding import ROUNDINGS, Rounding
@@ -52,7 +54,9 @@ def minifloat_spec(exponent_bits: int, mantissa_bits: int, signed: bool) -> Mini
 
 
 @lru_cache(maxsize=None)
-def get_format(name: str, *, block_size: int | None = None, signed: bool = True, nonfinite: NonFinitePolicy = "raise") -> StorageFormat:
+def get_format(
+    name: str, *, block_size: int | None = None, signed: bool = True, nonfinite: NonFinitePolicy = "raise", scale_dtype: ScaleDtype | None = None
+) -> StorageFormat:
     """The storage format called ``name``.
 
     Args:
@@ -68,20 +72,28 @@ def get_format(name: str, *, block_size: int | None = None, signed: bool = True,
             value as 0 (zero-free; FP8 keeps its OCP bit patterns). Ignored by casts.
         nonfinite: block formats only; ``"raise"`` (default) or ``"nan_block"``,
             see :mod:`lightning_qstate.formats.block`.
+        scale_dtype: block formats only; ``"bf16"`` (each block's absmax rounded up to
+            bf16, 2 bytes) or ``"fp32"`` (the absmax itself, 4 bytes, as torchao and
+            bitsandbytes store it); ``None`` (default): bf16 if ``signed`` (first moments),
+            else fp32 (second moments; why: :mod:`lightning_qstate.formats.block`).
+            Ignored by casts.
 
     Raises:
-        ValueError: unknown name, or a block size that is not a power of two.
+        ValueError: unknown name, a block size that is not a power of two, or an unknown
+            ``nonfinite`` or ``scale_dtype``.
     """
-    fmt = _build_format(name, block_size, signed, nonfinite)
-    fmt.config = {"name": name, "block_size": block_size, "signed": signed, "nonfinite": nonfinite}
+    fmt = _build_format(name, block_size, signed, nonfinite, scale_dtype)
+    if isinstance(fmt, BlockFormat):
+        scale_dtype = SCALE_DTYPE_NAMES[fmt.scale_dtype]  # recorded resolved: checkpoints never follow a changed default
+    fmt.config = {"name": name, "block_size": block_size, "signed": signed, "nonfinite": nonfinite, "scale_dtype": scale_dtype}
     return fmt
 
 
-def _build_format(name: str, block_size: int | None, signed: bool, nonfinite: NonFinitePolicy) -> StorageFormat:
+def _build_format(name: str, block_size: int | None, signed: bool, nonfinite: NonFinitePolicy, scale_dtype: ScaleDtype | None) -> StorageFormat:
     if name in _CAST_DTYPES:
         return CastFormat(name, _CAST_DTYPES[name])
     if name in _FP8_SPECS:
-        return MinifloatFormat(name, _FP8_SPECS[name], 256 if block_size is None else block_size, nonfinite, zero_free=not signed)
+        return MinifloatFormat(name, _FP8_SPECS[name], 256 if block_size is None else block_size, nonfinite, zero_free=not signed, scale_dtype=scale_dtype)
     integer_maps = {
         "int8": lambda: dynamic_map(signed, 8),
         "int4": lambda: dynamic_map(True, 4) if signed else linear_map(False, 4, zero_free=True),
@@ -90,11 +102,11 @@ def _build_format(name: str, block_size: int | None, signed: bool, nonfinite: No
     }
     if name in integer_maps:
         bits = 8 if name.startswith("int8") else 4
-        return CodebookFormat(name, integer_maps[name](), default_block_size(bits) if block_size is None else block_size, signed, nonfinite)
+        return CodebookFormat(name, integer_maps[name](), default_block_size(bits) if block_size is None else block_size, signed, nonfinite, scale_dtype)
     match = _MINIFLOAT.fullmatch(name)
     if match:
         spec = minifloat_spec(int(match.group(1)), int(match.group(2)), signed)
-        return MinifloatFormat(name, spec, default_block_size(spec.bits) if block_size is None else block_size, nonfinite, zero_free=not signed)
+        return MinifloatFormat(name, spec, default_block_size(spec.bits) if block_size is None else block_size, nonfinite, zero_free=not signed, scale_dtype=scale_dtype)
     raise ValueError(f"unknown format {name!r}; valid formats: {', '.join(FORMAT_NAMES)} (eXmY such as 'e2m2', 'e3m0', 'e4m3')")
 
 
@@ -103,6 +115,7 @@ __all__ = [
     "FORMAT_NAMES",
     "NONFINITE_POLICIES",
     "ROUNDINGS",
+    "SCALE_DTYPES",
     "BlockFormat",
     "CastFormat",
     "CodebookFormat",
@@ -114,6 +127,7 @@ __all__ = [
     "NonFinitePolicy",
     "QuantizedTensor",
     "Rounding",
+    "ScaleDtype",
     "StorageFormat",
     "check_block_size",
     "count_stalls",

@@ -22,7 +22,7 @@ class QuantizedTensor:
     Attributes:
         format: the format that wrote it and knows how to read it.
         codes: flat container tensor (uint8/int16 codes, or the bf16/fp16/fp32 values of a cast format).
-        scales: ``(num_blocks,)`` fp32 per-block absmax, or ``None`` for cast formats.
+        scales: ``(num_blocks,)`` per-block scales (bf16 or fp32, the format's ``scale_dtype``), or ``None`` for cast formats.
         shape, dtype: of the tensor that was quantized; ``dequantize()`` restores both.
     """
 
@@ -151,7 +151,7 @@ class KernelBackend(Protocol):
     """
 
     def quantize_blocks(self, fmt: StorageFormat, flat: torch.Tensor, rounding: Rounding, generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """``flat`` ``(n,)`` -> (packed codes, ``(num_blocks,)`` fp32 scales, NaN for non-finite blocks)."""
+        """``flat`` ``(n,)`` -> (packed codes, ``(num_blocks,)`` scales in ``fmt.scale_dtype``, NaN for non-finite blocks)."""
 
     def dequantize_blocks(self, fmt: StorageFormat, q: QuantizedTensor, dtype: torch.dtype) -> torch.Tensor:
         """Flat ``(n,)`` values of ``q`` in ``dtype``."""

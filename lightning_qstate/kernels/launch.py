@@ -76,7 +76,7 @@ def _check_float_input(flat: torch.Tensor) -> torch.Tensor:
 def triton_quantize_blocks(
     fmt: BlockFormat, flat: torch.Tensor, rounding: Rounding = "nearest", seed: int | torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``flat`` ``(n,)`` -> (packed codes, ``(num_blocks,)`` fp32 scales, NaN for non-finite blocks).
+    """``flat`` ``(n,)`` -> (packed codes, ``(num_blocks,)`` scales in ``fmt.scale_dtype``, NaN for non-finite blocks).
 
     Same codes and scales as ``fmt.quantize_reference`` for RN; for SR the same
     distribution, drawn from ``seed`` (a fresh one from the default generator if ``None``).
@@ -86,7 +86,7 @@ def triton_quantize_blocks(
     variant = quantize_blocks_variant(fmt, rounding, flat.dtype)
     codes = torch.empty(packed_numel(numel, fmt.bits), dtype=container_dtype(fmt.bits), device=device)
     blocks = num_blocks(numel, fmt.block_size)
-    scales = torch.empty(blocks, dtype=torch.float32, device=device)
+    scales = torch.empty(blocks, dtype=fmt.scale_dtype, device=device)
     if numel == 0:
         return codes, scales
     _, seed_placeholder = _placeholders(device)
@@ -115,7 +115,7 @@ def triton_dequantize_blocks(
     decode = fmt.tables(codes.device)["decode"]
     with _on_device(codes.device):
         dequantize_blocks_kernel[(blocks,)](
-            codes.contiguous(), scales.float().contiguous(), decode, out, numel, **variant.launch_options
+            codes.contiguous(), scales.to(fmt.scale_dtype).contiguous(), decode, out, numel, **variant.launch_options
         )
     return out
 
@@ -181,8 +181,8 @@ def _check_moment(name: str, q: QuantizedTensor, numel: int, device: torch.devic
     if q.codes.numel() != expected or q.codes.dtype != container_dtype(fmt.bits) or not q.codes.is_contiguous():
         raise ValueError(f"triton_adam_step: {name} ({fmt.name!r}) needs {expected} contiguous {container_dtype(fmt.bits)} codes")
     blocks = num_blocks(numel, fmt.block_size)
-    if q.scales.numel() != blocks or q.scales.dtype != torch.float32 or not q.scales.is_contiguous():
-        raise ValueError(f"triton_adam_step: {name} ({fmt.name!r}) needs {blocks} contiguous fp32 scales")
+    if q.scales.numel() != blocks or q.scales.dtype != fmt.scale_dtype or not q.scales.is_contiguous():
+        raise ValueError(f"triton_adam_step: {name} ({fmt.name!r}) needs {blocks} contiguous {fmt.scale_dtype} scales")
     if q.codes.device != device or q.scales.device != device:
         raise ValueError(f"triton_adam_step: {name} is on {q.codes.device}, the parameter on {device}")
 

@@ -79,6 +79,7 @@ def adam_step_kernel(
     M_BIAS: tl.constexpr,
     M_MAX_CODE: tl.constexpr,
     M_MIN_CODE: tl.constexpr,
+    M_SCALE_BF16: tl.constexpr,
     V_SUB_BLOCKS: tl.constexpr,
     V_BITS: tl.constexpr,
     V_IS_MINIFLOAT: tl.constexpr,
@@ -87,6 +88,7 @@ def adam_step_kernel(
     V_BIAS: tl.constexpr,
     V_MAX_CODE: tl.constexpr,
     V_MIN_CODE: tl.constexpr,
+    V_SCALE_BF16: tl.constexpr,
     STOCHASTIC: tl.constexpr,
     DECOUPLED: tl.constexpr,
     MAXIMIZE: tl.constexpr,
@@ -94,8 +96,8 @@ def adam_step_kernel(
 ):
     """One Adam(W) step of block ``program_id(0)`` (``BLOCK_SIZE`` values) of a parameter with quantized moments.
 
-    ``m_*`` / ``v_*``: codes, scales and decode table of ``exp_avg`` / ``exp_avg_sq``, then the encoder
-    arguments of :func:`~.triton_formats.encode_block`. ``coefficients_ptr``: fp32 vector laid out as
+    ``m_*`` / ``v_*``: codes, scales (fp32, or bf16 when ``*_SCALE_BF16``) and decode table of ``exp_avg`` /
+    ``exp_avg_sq``, then the encoder arguments of :func:`~.triton_formats.encode_block`. ``coefficients_ptr``: fp32 vector laid out as
     :data:`COEFFICIENTS`. ``seed_ptr``: two int64 seeds (``m``, ``v``), read only when ``STOCHASTIC``.
     ``counts_ptr``: int64 ``(STALL_SLOTS, 2)`` packed counts, written only when ``TRACK_STALLS``.
     """
@@ -138,11 +140,13 @@ def adam_step_kernel(
         new_exp_avg, uniform_m, m_codes_ptr, m_scales_ptr, m_decode_ptr, m_bucket_floor_ptr, m_values_ptr,
         m_key_shift, m_half, m_last, m_max_value, block, numel, BLOCK_SIZE, M_SUB_BLOCKS,
         M_BITS, M_IS_MINIFLOAT, M_SIGNED, M_MANTISSA_BITS, M_BIAS, M_MAX_CODE, M_MIN_CODE, STOCHASTIC, TRACK_STALLS,
+        M_SCALE_BF16,
     )  # fmt: skip
     stored_v, stored_v_units = store_moment(
         new_exp_avg_sq, uniform_v, v_codes_ptr, v_scales_ptr, v_decode_ptr, v_bucket_floor_ptr, v_values_ptr,
         v_key_shift, v_half, v_last, v_max_value, block, numel, BLOCK_SIZE, V_SUB_BLOCKS,
         V_BITS, V_IS_MINIFLOAT, V_SIGNED, V_MANTISSA_BITS, V_BIAS, V_MAX_CODE, V_MIN_CODE, STOCHASTIC, TRACK_STALLS,
+        V_SCALE_BF16,
     )  # fmt: skip
 
     if TRACK_STALLS:

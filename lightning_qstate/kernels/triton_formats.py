@@ -34,6 +34,7 @@ import triton
 import triton.language as tl
 
 FLT_MAX: tl.constexpr = tl.constexpr(3.4028234663852886e38)
+BF16_MAX: tl.constexpr = tl.constexpr(3.3895313892515355e38)
 RNE_MAGIC: tl.constexpr = tl.constexpr(8388608.0)  # 2**23, as formats.rounding._RNE_MAGIC
 FP16_MAX: tl.constexpr = tl.constexpr(65504.0)
 
@@ -106,22 +107,46 @@ def quiet_nan_like(x):
 
 
 @triton.jit
-def normalize_block(x):
-    """Absmax-normalize one fp32 block (padding must be 0), as ``BlockFormat.quantize_reference``.
+def stored_scale(absmax, SCALE_BF16: tl.constexpr):
+    """``BlockFormat.stored_scale``: fp32 value of the scale stored for a finite ``absmax >= 0`` (any shape).
 
-    Returns ``(normalized, scale)``: ``normalized`` in ``[-1, 1]`` and the fp32
-    ``scale`` (the absmax). A block holding inf or NaN gets a NaN scale and is
+    ``SCALE_BF16``: rounded up to a bf16 value (through its bit pattern), saturating at bf16's largest; else ``absmax``.
+    """
+    if SCALE_BF16:
+        rounded = ((absmax.to(tl.int32, bitcast=True) + 0xFFFF) & -65536).to(tl.float32, bitcast=True)
+        scale = tl.minimum(rounded, BF16_MAX)
+    else:
+        scale = absmax
+    return scale
+
+
+@triton.jit
+def store_scales(pointer, scale, mask, SCALE_BF16: tl.constexpr):
+    """Store fp32 ``scale`` (a ``stored_scale`` value or NaN) as fp32, or as bf16 through its bit pattern (exact)."""
+    if SCALE_BF16:
+        value = (scale.to(tl.int32, bitcast=True) >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    else:
+        value = scale
+    tl.store(pointer, value, mask=mask)
+
+
+@triton.jit
+def normalize_block(x, SCALE_BF16: tl.constexpr):
+    """Normalize one fp32 block (padding must be 0) by its stored scale, as ``BlockFormat.quantize_reference``.
+
+    Returns ``(normalized, scale)``: ``normalized`` in ``[-1, 1]`` and the fp32 value of the stored
+    ``scale`` (:func:`stored_scale` of the absmax). A block holding inf or NaN gets a NaN scale and is
     normalized as if it were all zeros, so its codes are the codes of 0.
     """
     magnitude = tl.abs(x)
     finite = magnitude <= FLT_MAX  # False for inf and NaN
     all_finite = tl.min(finite.to(tl.int32), axis=0) > 0
     # Max over finite magnitudes only: tl.max does not promise to propagate NaN.
-    absmax = tl.max(tl.where(finite, magnitude, 0.0), axis=0)
+    scale = stored_scale(tl.max(tl.where(finite, magnitude, 0.0), axis=0), SCALE_BF16)
     values = tl.where(all_finite, x, 0.0)
-    divisor = tl.where(all_finite & (absmax > 0), absmax, 1.0)
+    divisor = tl.where(all_finite & (scale > 0), scale, 1.0)
     normalized = tl.math.div_rn(values, tl.broadcast_to(divisor, values.shape))
-    scale = tl.where(all_finite, absmax, quiet_nan_like(absmax))
+    scale = tl.where(all_finite, scale, quiet_nan_like(scale))
     return normalized, scale
 
 
@@ -251,23 +276,23 @@ def sub_block_scale(values, scale, SUB_BLOCKS: tl.constexpr, BLOCK_SIZE: tl.cons
 
 
 @triton.jit
-def normalize_sub_blocks(x, SUB_BLOCKS: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+def normalize_sub_blocks(x, SUB_BLOCKS: tl.constexpr, BLOCK_SIZE: tl.constexpr, SCALE_BF16: tl.constexpr):
     """:func:`~.triton_formats.normalize_block` of each of ``SUB_BLOCKS`` equal runs of ``x`` (padding 0).
 
     Returns ``(normalized, scale)``; ``scale`` is a scalar when ``SUB_BLOCKS == 1``, else ``(SUB_BLOCKS,)``.
     """
     if SUB_BLOCKS == 1:
-        normalized, scale = normalize_block(x)
+        normalized, scale = normalize_block(x, SCALE_BF16)
     else:
         rows = tl.reshape(x, (SUB_BLOCKS, BLOCK_SIZE // SUB_BLOCKS))
         magnitude = tl.abs(rows)
         finite = magnitude <= FLT_MAX  # False for inf and NaN
         all_finite = tl.min(finite.to(tl.int32), axis=1) > 0
-        absmax = tl.max(tl.where(finite, magnitude, 0.0), axis=1)
+        scale = stored_scale(tl.max(tl.where(finite, magnitude, 0.0), axis=1), SCALE_BF16)
         values = tl.where(all_finite[:, None], rows, 0.0)
-        divisor = tl.where(all_finite & (absmax > 0), absmax, 1.0)
+        divisor = tl.where(all_finite & (scale > 0), scale, 1.0)
         normalized = tl.reshape(tl.math.div_rn(values, tl.broadcast_to(divisor[:, None], values.shape)), (BLOCK_SIZE,))
-        scale = tl.where(all_finite, absmax, quiet_nan_like(absmax))
+        scale = tl.where(all_finite, scale, quiet_nan_like(scale))
     return normalized, scale
 
 
@@ -277,10 +302,10 @@ def load_moment(codes_ptr, scales_ptr, decode_ptr, block, numel, BITS: tl.conste
     of their scale (``unit_values_reference``; unused results cost nothing)."""
     units = decode_block(load_block_codes(codes_ptr, block, numel, BITS, BLOCK_SIZE), decode_ptr, 1.0, BITS)
     if SUB_BLOCKS == 1:
-        values = units * tl.load(scales_ptr + block)
+        values = units * to_float32(tl.load(scales_ptr + block))
     else:
         index = block.to(tl.int64) * SUB_BLOCKS + tl.arange(0, SUB_BLOCKS)
-        scales = tl.load(scales_ptr + index, mask=index * (BLOCK_SIZE // SUB_BLOCKS) < numel, other=0.0)
+        scales = to_float32(tl.load(scales_ptr + index, mask=index * (BLOCK_SIZE // SUB_BLOCKS) < numel, other=0.0))
         values = sub_block_scale(units, scales, SUB_BLOCKS, BLOCK_SIZE)
     return values, units
 
@@ -311,23 +336,24 @@ def store_moment(
     MIN_CODE: tl.constexpr,
     STOCHASTIC: tl.constexpr,
     DECODE_STORED: tl.constexpr,
+    SCALE_BF16: tl.constexpr,
 ):
     """Quantize and store block ``block`` of a moment (``x``: fp32, 0 past ``numel``), as ``BlockFormat.quantize_reference``.
 
     Returns the stored values (``decode[code] * scale``) and their units (``decode[code]``) when ``DECODE_STORED``,
     else ``x`` twice.
     """
-    normalized, scale = normalize_sub_blocks(x, SUB_BLOCKS, BLOCK_SIZE)
+    normalized, scale = normalize_sub_blocks(x, SUB_BLOCKS, BLOCK_SIZE, SCALE_BF16)
     codes = encode_block(
         normalized, uniform, bucket_floor_ptr, values_ptr, key_shift, half, last, max_value,
         IS_MINIFLOAT, SIGNED, BITS, MANTISSA_BITS, BIAS, MAX_CODE, MIN_CODE, STOCHASTIC,
     )  # fmt: skip
     store_block_codes(codes_ptr, codes, block, numel, BITS, BLOCK_SIZE)
     if SUB_BLOCKS == 1:
-        tl.store(scales_ptr + block, scale)
+        store_scales(scales_ptr + block, scale, None, SCALE_BF16)
     else:
         index = block.to(tl.int64) * SUB_BLOCKS + tl.arange(0, SUB_BLOCKS)
-        tl.store(scales_ptr + index, scale, mask=index * (BLOCK_SIZE // SUB_BLOCKS) < numel)
+        store_scales(scales_ptr + index, scale, index * (BLOCK_SIZE // SUB_BLOCKS) < numel, SCALE_BF16)
     if DECODE_STORED:
         units = tl.load(decode_ptr + codes)
         stored = sub_block_scale(units, scale, SUB_BLOCKS, BLOCK_SIZE)

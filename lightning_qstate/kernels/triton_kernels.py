@@ -39,6 +39,7 @@ from .triton_formats import (
     load_block_codes,
     normalize_block,
     store_block_codes,
+    store_scales,
     to_float32,
 )
 
@@ -67,9 +68,11 @@ def quantize_blocks_kernel(
     BIAS: tl.constexpr,
     MAX_CODE: tl.constexpr,
     MIN_CODE: tl.constexpr,
+    SCALE_BF16: tl.constexpr,
     STOCHASTIC: tl.constexpr,
 ):
-    """Quantize block ``program_id(0)`` of ``x`` (``numel`` values): packed codes and its fp32 scale (NaN if non-finite).
+    """Quantize block ``program_id(0)`` of ``x`` (``numel`` values): packed codes and its scale (NaN if non-finite),
+    fp32 or, with ``SCALE_BF16``, bf16.
 
     ``seed_ptr``: one int64 seed, read only when ``STOCHASTIC``; the uniform draw of
     element ``i`` is ``tl.rand(seed, i)``. The encoder arguments are those of
@@ -78,7 +81,7 @@ def quantize_blocks_kernel(
     block = tl.program_id(0)
     offsets = block.to(tl.int64) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
     x = to_float32(tl.load(x_ptr + offsets, mask=offsets < numel, other=0.0))
-    normalized, scale = normalize_block(x)
+    normalized, scale = normalize_block(x, SCALE_BF16)
     if STOCHASTIC:
         uniform = tl.rand(tl.load(seed_ptr), offsets)
     else:
@@ -88,7 +91,7 @@ def quantize_blocks_kernel(
         IS_MINIFLOAT, SIGNED, BITS, MANTISSA_BITS, BIAS, MAX_CODE, MIN_CODE, STOCHASTIC,
     )  # fmt: skip
     store_block_codes(codes_ptr, codes, block, numel, BITS, BLOCK_SIZE)
-    tl.store(scales_ptr + block, scale)
+    store_scales(scales_ptr + block, scale, None, SCALE_BF16)
 
 
 @triton.jit
@@ -96,7 +99,7 @@ def dequantize_blocks_kernel(codes_ptr, scales_ptr, decode_lut_ptr, out_ptr, num
     """Dequantize block ``program_id(0)``: ``decode[code] * scale``, stored in ``out_ptr``'s dtype (RN cast)."""
     block = tl.program_id(0)
     packed = load_block_codes(codes_ptr, block, numel, BITS, BLOCK_SIZE)
-    values = decode_block(packed, decode_lut_ptr, tl.load(scales_ptr + block), BITS)
+    values = decode_block(packed, decode_lut_ptr, to_float32(tl.load(scales_ptr + block)), BITS)
     offsets = block.to(tl.int64) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
     tl.store(out_ptr + offsets, float32_to(values, out_ptr.dtype.element_ty), mask=offsets < numel)
 
@@ -190,7 +193,7 @@ def _with_constexprs(types: dict[str, str], constexprs: dict[str, object]) -> di
 
 
 def encoder_constexprs(fmt: BlockFormat, prefix: str = "") -> dict[str, object]:
-    """The constexprs of :func:`~.triton_formats.encode_block` for ``fmt`` (and ``BITS``), names prefixed by ``prefix``."""
+    """The constexprs of :func:`~.triton_formats.encode_block` for ``fmt`` (and ``BITS``, ``SCALE_BF16``), names prefixed by ``prefix``."""
     if isinstance(fmt, MinifloatFormat):
         spec = fmt.spec
         minifloat = {
@@ -205,7 +208,8 @@ def encoder_constexprs(fmt: BlockFormat, prefix: str = "") -> dict[str, object]:
         minifloat = {"IS_MINIFLOAT": False, "SIGNED": fmt.signed, "MANTISSA_BITS": 0, "BIAS": 0, "MAX_CODE": 0, "MIN_CODE": 0}
     else:
         raise TypeError(f"no Triton encoder for block format {fmt!r}")
-    return {f"{prefix}{name}": value for name, value in {"BITS": fmt.bits, **minifloat}.items()}
+    constexprs = {"BITS": fmt.bits, **minifloat, "SCALE_BF16": fmt.scale_dtype == torch.bfloat16}
+    return {f"{prefix}{name}": value for name, value in constexprs.items()}
 
 
 def quantize_blocks_variant(fmt: BlockFormat, rounding: Rounding, input_dtype: torch.dtype) -> KernelVariant:
@@ -216,7 +220,7 @@ def quantize_blocks_variant(fmt: BlockFormat, rounding: Rounding, input_dtype: t
     types = {
         "x_ptr": pointer_type(input_dtype),
         "codes_ptr": pointer_type(container_dtype(fmt.bits)),
-        "scales_ptr": "*fp32",
+        "scales_ptr": pointer_type(fmt.scale_dtype),
         "seed_ptr": "*i64",
         "numel": "i32",
         "bucket_floor_ptr": "*i32",
@@ -226,7 +230,7 @@ def quantize_blocks_variant(fmt: BlockFormat, rounding: Rounding, input_dtype: t
         "last": "i32",
         "max_value": "fp32",
     }
-    label = f"quantize[{fmt.name},bits={fmt.bits},block={fmt.block_size},{rounding},{input_dtype}]"
+    label = f"quantize[{fmt.name},bits={fmt.bits},block={fmt.block_size},scale={fmt.scale_dtype},{rounding},{input_dtype}]"
     num_warps = block_num_warps(fmt.block_size)
     return KernelVariant("quantize_blocks_kernel", _with_constexprs(types, constexprs), constexprs, num_warps, label)
 
@@ -238,12 +242,12 @@ def dequantize_blocks_variant(fmt: BlockFormat, output_dtype: torch.dtype) -> Ke
     constexprs = {"BLOCK_SIZE": fmt.block_size, "BITS": fmt.bits}
     types = {
         "codes_ptr": pointer_type(container_dtype(fmt.bits)),
-        "scales_ptr": "*fp32",
+        "scales_ptr": pointer_type(fmt.scale_dtype),
         "decode_lut_ptr": "*fp32",
         "out_ptr": pointer_type(output_dtype),
         "numel": "i32",
     }
-    label = f"dequantize[{fmt.name},bits={fmt.bits},block={fmt.block_size},{output_dtype}]"
+    label = f"dequantize[{fmt.name},bits={fmt.bits},block={fmt.block_size},scale={fmt.scale_dtype},{output_dtype}]"
     num_warps = block_num_warps(fmt.block_size)
     return KernelVariant("dequantize_blocks_kernel", _with_constexprs(types, constexprs), constexprs, num_warps, label)
 
@@ -296,7 +300,7 @@ def adam_step_variant(
         types.update(
             {
                 f"{prefix}codes_ptr": pointer_type(container_dtype(fmt.bits)),
-                f"{prefix}scales_ptr": "*fp32",
+                f"{prefix}scales_ptr": pointer_type(fmt.scale_dtype),
                 f"{prefix}decode_ptr": "*fp32",
                 f"{prefix}bucket_floor_ptr": "*i32",
                 f"{prefix}values_ptr": "*fp32",
@@ -309,7 +313,8 @@ def adam_step_variant(
     types.update({"coefficients_ptr": "*fp32", "seed_ptr": "*i64", "counts_ptr": "*i64", "numel": "i32"})
     flags = ",".join(name for name, on in (("decoupled", decoupled_weight_decay), ("maximize", maximize), ("stalls", track_stalls)) if on)
     label = (
-        f"adam_step[m={m_format.name}/{m_format.bits}b/{m_format.block_size},v={v_format.name}/{v_format.bits}b/{v_format.block_size},"
+        f"adam_step[m={m_format.name}/{m_format.bits}b/{m_format.block_size}/{m_format.scale_dtype},"
+        f"v={v_format.name}/{v_format.bits}b/{v_format.block_size}/{v_format.scale_dtype},"
         f"{rounding},{grad_dtype},{flags}]"
     )
     return KernelVariant(
@@ -328,6 +333,7 @@ def aot_variants() -> list[KernelVariant]:
     formats: list[tuple[StorageFormat, Rounding, torch.dtype]] = [
         (get_format("int8"), "nearest", fp32),  # codebook, byte container
         (get_format("int8"), "stochastic", bf16),
+        (get_format("int8", scale_dtype="fp32"), "nearest", fp32),  # fp32 scales (version-1 checkpoints)
         (get_format("int4", block_size=32), "nearest", fp32),  # codebook, nibbles, small block
         (get_format("int4", signed=False), "stochastic", fp16),
         (get_format("fp8_e4m3"), "nearest", bf16),  # minifloat, signed, byte container
@@ -339,6 +345,7 @@ def aot_variants() -> list[KernelVariant]:
     variants += [
         dequantize_blocks_variant(get_format("int4"), fp32),
         dequantize_blocks_variant(get_format("int8", block_size=2048), bf16),
+        dequantize_blocks_variant(get_format("fp8_e4m3", scale_dtype="fp32"), fp32),
         dequantize_blocks_variant(get_format("e5m10", block_size=32), fp16),
     ]
     variants += [stochastic_cast_variant(get_format("bf16"), fp32), stochastic_cast_variant(get_format("fp16"), bf16)]
@@ -346,6 +353,7 @@ def aot_variants() -> list[KernelVariant]:
     adam: list[tuple[StorageFormat, StorageFormat, Rounding, torch.dtype, bool, bool, bool]] = [
         (get_format("int8"), get_format("int8", signed=False), "nearest", fp32, True, False, False),  # the default states
         (get_format("int8"), get_format("int8", signed=False), "stochastic", fp32, True, False, True),
+        (get_format("int8", scale_dtype="fp32"), get_format("int8", signed=False), "nearest", fp32, True, False, True),  # mixed scales
         (get_format("int4"), get_format("int4", signed=False), "nearest", fp32, False, True, True),  # nibbles, 128 blocks
         (get_format("int4"), get_format("int4", signed=False), "stochastic", bf16, True, False, False),
         (get_format("fp8_e4m3"), get_format("fp8_e4m3"), "nearest", fp32, True, False, True),  # minifloat

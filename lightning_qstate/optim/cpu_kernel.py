@@ -4,14 +4,15 @@
 over all their blocks: first a check of every gradient (a parameter with an inf/NaN gradient is left
 untouched), then one pass per block (data prefetched a few blocks ahead): decode both moments (table lookup
 times the block scale), torch's Adam(W) update, per-block absmax, and round-to-nearest encoding with
-``formats.NearestCodeIndex`` (one table lookup and integer compares), writing param, codes and scales in place.
+``formats.NearestCodeIndex`` (one table lookup and integer compares), writing param, codes and scales (bf16 or
+fp32, per state) in place.
 The group's parameters with fp32 moments (those ``min_quant_size`` keeps fp32) step in the same call, and the
 kernel increments every step counter, so a whole group costs one call and no per-parameter torch ops.
 
 The codes and scales are those of the torch reference ``fused.adam_step_quantized`` bit for bit: the
 moments use the float operations of torch's vectorized CPU kernels in the same order (explicit FMAs
 where torch's ``lerp_``/``addcmul_`` use them, no other contraction: ``-ffp-contract=off``), the division
-by the block's absmax is correctly rounded (Markstein's reciprocal-and-remainder form), and the encoder
+by the block's stored scale is correctly rounded (Markstein's reciprocal-and-remainder form), and the encoder
 reproduces ``encode_codebook`` exactly. The param update multiplies by reciprocals where the reference
 divides, so params are within a few ulps of the update of the reference's. With AVX-512 the body of each
 block runs 16 lanes at a time (table lookups by register permutes, not gathers; with VBMI, 64 codes at a
@@ -299,12 +300,51 @@ bool all_finite(const float* __restrict__ x, int64_t n) {
   return !bad;
 }
 
+// A block scale as stored: fp32, or bf16 (the upper half of an fp32 pattern), as formats.block has it.
+struct Scales {
+  void* data;
+  bool bf16;
+
+  float load(int64_t i) const {
+    if (!bf16) return static_cast<const float*>(data)[i];
+    const uint32_t pattern = static_cast<uint32_t>(static_cast<const uint16_t*>(data)[i]) << 16;
+    float value;
+    std::memcpy(&value, &pattern, 4);
+    return value;
+  }
+  // formats.block.BlockFormat.stored_scale of a finite absmax >= 0: itself, or rounded up to bf16 (saturating).
+  float representable(float absmax) const {
+    if (!bf16) return absmax;
+    uint32_t pattern;
+    std::memcpy(&pattern, &absmax, 4);
+    pattern = (pattern + 0xFFFFu) & 0xFFFF0000u;
+    float rounded;
+    std::memcpy(&rounded, &pattern, 4);
+    return std::min(rounded, 3.38953139e38f);  // bf16's largest finite value
+  }
+  // Store a value that is representable (or NaN): the bf16 pattern is its upper half.
+  void store(int64_t i, float value) const {
+    if (!bf16) {
+      static_cast<float*>(data)[i] = value;
+      return;
+    }
+    uint32_t pattern;
+    std::memcpy(&pattern, &value, 4);
+    static_cast<uint16_t*>(data)[i] = static_cast<uint16_t>(pattern >> 16);
+  }
+};
+
+Scales scales_of(const torch::Tensor& t, int64_t k) {
+  TORCH_CHECK(t.scalar_type() == torch::kFloat || t.scalar_type() == torch::kBFloat16, "parameter ", k, ": scales must be fp32 or bf16");
+  return Scales{t.data_ptr(), t.scalar_type() == torch::kBFloat16};
+}
+
 // One parameter of the multi-tensor step.
 struct Param {
   float* p;
   const float* g;
   uint8_t *mc, *vc;
-  float *ms, *vs;
+  Scales ms, vs;
   Codebook mcb, vcb;
   Hyper h;
   int64_t numel, block, blocks;
@@ -364,7 +404,7 @@ torch::Tensor adam_steps_u8(std::vector<torch::Tensor> params, std::vector<torch
     Param& w = work[k];
     w.p = params[k].data_ptr<float>(), w.g = grads[k].data_ptr<float>();
     w.mc = m_codes[k].data_ptr<uint8_t>(), w.vc = v_codes[k].data_ptr<uint8_t>();
-    w.ms = m_scales[k].data_ptr<float>(), w.vs = v_scales[k].data_ptr<float>();
+    w.ms = scales_of(m_scales[k], k), w.vs = scales_of(v_scales[k], k);
     w.mcb = codebook(tables[6 * k], tables[6 * k + 1], tables[6 * k + 2], ints_a[k][1], ints_a[k][2], ints_a[k][3]);
     w.vcb = codebook(tables[6 * k + 3], tables[6 * k + 4], tables[6 * k + 5], ints_a[k][4], ints_a[k][5], ints_a[k][6]);
     w.h = hyper(k);
@@ -389,7 +429,7 @@ torch::Tensor adam_steps_u8(std::vector<torch::Tensor> params, std::vector<torch
     const Param& w = work[k];
     const int64_t base = index * w.block, size = std::min(w.block, w.numel - base);
     m_buffer.resize(size), v_buffer.resize(size);
-    const float m_scale = w.ms[index], v_scale = w.vs[index];
+    const float m_scale = w.ms.load(index), v_scale = w.vs.load(index);
     if (track) {
       old_m.assign(w.mc + base, w.mc + base + size);
       old_v.assign(w.vc + base, w.vc + base + size);
@@ -398,15 +438,16 @@ torch::Tensor adam_steps_u8(std::vector<torch::Tensor> params, std::vector<torch
     bool m_ok, v_ok;
     update_block(w.p + base, w.g + base, w.mc + base, m_scale, w.vc + base, v_scale, w.mcb, w.vcb, w.h, size,
                  m_buffer.data(), v_buffer.data(), m_max, v_max, m_ok, v_ok);
-    encode_block<false>(m_buffer.data(), (m_ok && m_max > 0.0f) ? m_max : 1.0f, m_ok, w.mcb, w.mc + base, size);
-    encode_block<true>(v_buffer.data(), (v_ok && v_max > 0.0f) ? v_max : 1.0f, v_ok, w.vcb, w.vc + base, size);
-    w.ms[index] = m_ok ? m_max : NAN;
-    w.vs[index] = v_ok ? v_max : NAN;
+    const float m_new = m_ok ? w.ms.representable(m_max) : NAN, v_new = v_ok ? w.vs.representable(v_max) : NAN;
+    encode_block<false>(m_buffer.data(), (m_ok && m_new > 0.0f) ? m_new : 1.0f, m_ok, w.mcb, w.mc + base, size);
+    encode_block<true>(v_buffer.data(), (v_ok && v_new > 0.0f) ? v_new : 1.0f, v_ok, w.vcb, w.vc + base, size);
+    w.ms.store(index, m_new);
+    w.vs.store(index, v_new);
     if (!(m_ok && v_ok)) moments_bad[k].store(1, std::memory_order_relaxed);
     if (track) {
       int64_t local[4] = {0, 0, 0, 0};
-      count_block(old_m.data(), m_scale, w.mc + base, w.ms[index], m_buffer.data(), w.mcb.decode, size, local);
-      count_block(old_v.data(), v_scale, w.vc + base, w.vs[index], v_buffer.data(), w.vcb.decode, size, local + 2);
+      count_block(old_m.data(), m_scale, w.mc + base, m_new, m_buffer.data(), w.mcb.decode, size, local);
+      count_block(old_v.data(), v_scale, w.vc + base, v_new, v_buffer.data(), w.vcb.decode, size, local + 2);
       for (int c = 0; c < 4; ++c) stalls[k][c].fetch_add(local[c], std::memory_order_relaxed);
     }
   };
@@ -478,7 +519,7 @@ def kernel():
         from torch.utils.cpp_extension import load_inline
 
         module = load_inline(
-            name="lightning_qstate_cpu_adam_v17",
+            name="lightning_qstate_cpu_adam_v18",
             cpp_sources=SOURCE,
             functions=["adam_steps_u8"],
             extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-fopenmp"],

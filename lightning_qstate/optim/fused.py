@@ -112,8 +112,12 @@ def adam_step_quantized(
 
 @functools.lru_cache(maxsize=None)
 def compiled_adam_step():
-    """``adam_step_quantized`` compiled; the block count is marked dynamic, formats and flags specialise it."""
-    return torch.compile(adam_step_quantized, fullgraph=True)
+    """``adam_step_quantized`` compiled; the block count is marked dynamic, formats and flags specialise it.
+
+    ``emulate_precision_casts``: inductor otherwise drops a cast to bf16 and back inside a fused kernel, and the
+    bf16 block scales (``formats.block.round_up_to_bf16``) would normalize by the unrounded absmax.
+    """
+    return torch.compile(adam_step_quantized, fullgraph=True, options={"emulate_precision_casts": True})
 
 
 def fused_layout(value: QuantizedTensor) -> int | None:

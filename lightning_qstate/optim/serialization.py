@@ -2,8 +2,11 @@
 
 A :class:`~lightning_qstate.formats.QuantizedTensor` is exported as::
 
-    {"qstate_version": 1, "format": {get_format kwargs}, "codes": uint8/int16/float tensor,
-     "scales": fp32 tensor or None, "shape": [..], "dtype": "float32"}
+    {"qstate_version": 2, "format": {get_format kwargs}, "codes": uint8/int16/float tensor,
+     "scales": bf16/fp32 tensor or None, "shape": [..], "dtype": "float32"}
+
+Version 1 (before block scales could be bf16) stored fp32 scales and no ``scale_dtype``; its states load
+as they were saved, in the same format with ``scale_dtype="fp32"``.
 
 Only tensors, strings, numbers and containers appear, so ``torch.load(...,
 weights_only=True)`` needs no safe globals, and ``torch.optim.Optimizer``'s
@@ -18,9 +21,8 @@ from typing import Any
 import torch
 
 from ..formats import BlockFormat, QuantizedTensor, StorageFormat, get_format
-from ..formats.packing import unpack
 
-STATE_FORMAT_VERSION = 1
+STATE_FORMAT_VERSION = 2
 VERSION_KEY = "qstate_version"
 FORMAT_SUFFIX = ".qstate_format"  # "<state>.qstate_format" holds the format of a state exported as fp32
 
@@ -50,10 +52,7 @@ def import_state(entry: dict, param: torch.Tensor, where: str) -> QuantizedTenso
         ValueError: a newer checkpoint version, or a state whose shape or size does not fit ``param``
             (a checkpoint of another rank's shard or another model never loads silently).
     """
-    version = entry[VERSION_KEY]
-    if version > STATE_FORMAT_VERSION:
-        raise ValueError(f"{where}: checkpoint state version {version} is newer than this lightning_qstate ({STATE_FORMAT_VERSION}); upgrade to load it")
-    fmt = get_format(**entry["format"])
+    fmt = versioned_format(entry[VERSION_KEY], entry["format"], where)
     shape = torch.Size(entry["shape"])
     if shape != param.shape:
         raise ValueError(f"{where}: checkpoint state has shape {tuple(shape)} but the parameter has shape {tuple(param.shape)}")
@@ -68,36 +67,57 @@ def import_state(entry: dict, param: torch.Tensor, where: str) -> QuantizedTenso
 def exact_values(value: QuantizedTensor) -> torch.Tensor:
     """The values of ``value`` as a tensor that re-quantizes (round-to-nearest) to the very same codes and scales.
 
-    This is what the ``"fp32"`` checkpoint mode exports. ``dequantize()`` alone does not round-trip: signed
-    dynamic maps stop short of -1 (``int8`` at -0.993, ``int4`` at -0.8875), so a block whose absmax was a
-    negative value decodes to a smaller absmax, and re-quantizing it would rescale the block and move codes.
-    In such blocks the first value holding the code that -1 rounds to is exported as ``-scale`` instead: the
-    block's exact absmax before quantization, which rounds to that same code. Every other value is exactly
-    its dequantized value.
+    This is what the ``"fp32"`` checkpoint mode exports. ``dequantize()`` alone does not round-trip where a
+    block's largest stored value is below its scale, for re-quantizing would rescale the block and move codes:
+    signed dynamic maps stop short of -1 (``int8`` at -0.993, ``int4`` at -0.8875), and a bf16 scale is the
+    absmax rounded up, so the absmax itself may have rounded to a code below 1. In such a block the first value
+    holding the block's largest code magnitude is exported as a value ``t`` that re-quantizes to the same scale
+    and code: the largest ``t <= scale`` whose scale is this one (for a bf16 scale, above the previous bf16
+    value) and whose code is that one, found by bisection over its fp32 bit pattern. Every other value is
+    exactly its dequantized value.
     """
     values = value.dequantize()
     fmt = value.format
     if not isinstance(fmt, BlockFormat) or value.scales is None or value.numel == 0:
         return values
-    device = value.codes.device
-    decode = fmt.tables(device)["decode"]
-    ends = fmt.encode(torch.tensor([-1.0, 1.0], device=device), "nearest", None).long()  # codes that -1 and +1 round to
     block, blocks = fmt.block_size, value.scales.numel()
-    padding = blocks * block - value.numel
-    codes = torch.nn.functional.pad(unpack(value.codes, fmt.bits, value.numel).long(), (0, padding), value=-1).view(blocks, block)
-    flat = torch.nn.functional.pad(values.reshape(-1).float(), (0, padding)).view(blocks, block)
+    flat = torch.nn.functional.pad(values.reshape(-1).float(), (0, blocks * block - value.numel)).view(blocks, block)
     scales = value.scales.float()
-    short = torch.isfinite(scales) & (scales > 0) & (flat.abs().amax(dim=1) < scales)
-    for sign, end in zip((-1.0, 1.0), ends.tolist()):
-        reach = sign * float(decode[end])
-        if not 0 < reach < 1:  # that end decodes to +-1 already, or belongs to the other sign (unsigned maps)
+    largest = flat.abs().amax(dim=1)
+    short = torch.isfinite(scales) & (scales > 0) & (largest < scales)
+    for sign in (-1.0, 1.0):
+        holds = (flat * sign == largest[:, None]) & (largest > 0)[:, None]
+        rows = (short & holds.any(dim=1)).nonzero().view(-1)
+        if rows.numel() == 0:
             continue
-        holds = codes == end
-        pin = short & holds.any(dim=1)
-        rows = pin.nonzero().view(-1)
-        flat[rows, holds[rows].int().argmax(dim=1)] = sign * scales[rows]
-        short = short & ~pin
+        columns = holds[rows].int().argmax(dim=1)
+        pinned = _same_code_value(fmt, flat[rows, columns], scales[rows])
+        found = ~torch.isnan(pinned)
+        flat[rows[found], columns[found]] = pinned[found]
+        short[rows[found]] = False
     return flat.view(-1)[: value.numel].to(values.dtype).view(values.shape)
+
+
+def _same_code_value(fmt: BlockFormat, stored: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """Per entry, the largest-magnitude ``t`` (sign of ``stored``) with ``fmt.stored_scale(|t|) == scale`` and the
+    code of ``stored / scale``; NaN where none exists. ``stored``, ``scales``: ``(k,)`` fp32."""
+    target = fmt.encode(stored / scales, "nearest", None)
+    decode = fmt.tables(stored.device)["decode"]
+    target_units = decode[target.long()].abs()
+    top = scales.view(torch.int32)
+    high = top.clone()
+    low = top - 0xFFFF if fmt.scale_dtype == torch.bfloat16 else top.clone()  # smallest pattern whose scale is this one
+    found = torch.full_like(stored, float("nan"))
+    sign = torch.where(stored < 0, -1.0, 1.0)
+    for _ in range(18):  # the pattern range holds at most 2**16 values
+        searching = low <= high
+        middle = torch.where(searching, low + torch.div(high - low, 2, rounding_mode="floor"), top)
+        candidate = sign * middle.view(torch.float32)
+        units = decode[fmt.encode(candidate / scales, "nearest", None).long()].abs()
+        found = torch.where(searching & (units == target_units), candidate, found)
+        low = torch.where(searching & (units <= target_units), middle + 1, low)  # look higher for the largest hit
+        high = torch.where(searching & (units > target_units), middle - 1, high)
+    return found
 
 
 def format_marker(fmt: StorageFormat) -> str:
@@ -107,7 +127,13 @@ def format_marker(fmt: StorageFormat) -> str:
 
 def format_from_marker(marker: str) -> StorageFormat:
     config = json.loads(marker)
-    version = config.pop(VERSION_KEY)
+    return versioned_format(config.pop(VERSION_KEY), config, "format marker")
+
+
+def versioned_format(version: int, config: dict, where: str) -> StorageFormat:
+    """The format of a state saved at checkpoint ``version`` with ``get_format`` arguments ``config``."""
     if version > STATE_FORMAT_VERSION:
-        raise ValueError(f"checkpoint state version {version} is newer than this lightning_qstate ({STATE_FORMAT_VERSION}); upgrade to load it")
+        raise ValueError(f"{where}: checkpoint state version {version} is newer than this lightning_qstate ({STATE_FORMAT_VERSION}); upgrade to load it")
+    if version < 2:  # version 1 stored every block scale in fp32
+        config = {**config, "scale_dtype": "fp32"}
     return get_format(**config)

@@ -14,7 +14,7 @@ below is a policy parameter of :class:`~lightning_qstate.callbacks.AdaptiveBitWi
   deterministically until it fits, then spends what is left under the cap promoting the highest-priority
   layers to higher zones' formats (:func:`zone_ladder`, :func:`budget_ladder`, :func:`fit_budget`).
 
-Bytes are the formats' real stored bytes (codes plus fp32 scales, :func:`format_nbytes`), never nominal bits:
+Bytes are the formats' real stored bytes (codes plus block scales, :func:`format_nbytes`), never nominal bits:
 a 6-bit minifloat is stored one code per byte, so it costs what an 8-bit format costs.
 """
 
