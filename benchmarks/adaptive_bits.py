@@ -2,9 +2,9 @@
 
 Usage::
 
-    python benchmarks/adaptive_bits.py [--quick] [--out PATH] [--models gpt,vit] [--configs fp32,int8,int4,adaptive]
+    python benchmarks/adaptive_bits.py [--quick] [--out PATH] [--models gpt,vit] [--configs fp32,int8,int4,adaptive,m_int4,v_int4]
                                        [--seeds S ...] [--gpt-steps N] [--vit-steps N] [--target-bits B] [--interval K]
-                                       [--hysteresis H]
+                                       [--hysteresis H] [--rounding nearest|stochastic]
 
 Trains the repository's examples on the CPU, one run after the other in this process: every configuration from
 every seed of ``--seeds`` (default 0 1 2; a seed sets the model's initialisation and the data's order, and for the
@@ -20,7 +20,8 @@ means over the seeds.
 Configurations (AdamW throughout; quantized ones through ``QStatePrecision``, ``min_quant_size`` 4096):
 ``fp32`` (torch's AdamW), ``int8`` and ``int4`` (fixed formats for every quantized state), ``adaptive``
 (``QStatePrecision(states="int8")`` plus ``AdaptiveBitWidth(target_bits, interval, hysteresis)`` with its
-default zone formats).
+default zone formats), and two that tell which state the 4 bits cost most in (not run by default): ``m_int4``
+(m int4, v int8) and ``v_int4`` (m int8, v int4).
 
 Memory: ``RunSummary``'s ``state_summary`` of the optimizer at the end (every per-element state, fp32 ones of small parameters
 included; bits per value count the scales). Time: each training step (``on_train_batch_start`` to ``_end``,
@@ -56,9 +57,19 @@ import torch  # noqa: E402
 from lightning.pytorch.callbacks import Callback  # noqa: E402
 
 from lightning_qstate.callbacks import AdaptiveBitWidth, RunSummary  # noqa: E402
+from lightning_qstate.formats import ROUNDINGS  # noqa: E402
 from lightning_qstate.plugins import QStatePrecision  # noqa: E402
 
-CONFIGS = ("fp32", "int8", "int4", "adaptive")
+CONFIGS = ("fp32", "int8", "int4", "adaptive", "m_int4", "v_int4")
+# The quantized configurations' states= (m: exp_avg, v: exp_avg_sq); adaptive starts from int8 and adapts.
+FIXED_STATES = {
+    "int8": "int8",
+    "int4": "int4",
+    "adaptive": "int8",
+    "m_int4": {"exp_avg": "int4", "exp_avg_sq": "int8"},
+    "v_int4": {"exp_avg": "int8", "exp_avg_sq": "int4"},
+}
+DEFAULT_CONFIGS = CONFIGS[:4]
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "adaptive_bits.md"
 PAPER_BITS, PAPER_SAVING, QUALITY_TOLERANCE = 5.1, 0.84, 0.01  # the issue's targets: average bits, saving vs fp32, final loss (accuracy) vs int8
 
@@ -154,7 +165,7 @@ def run_config(setup: ModelSetup, config: str, seed: int, args: argparse.Namespa
     plugins = []
     adaptive = None
     if config != "fp32":
-        plugins.append(QStatePrecision(states="int4" if config == "int4" else "int8", min_quant_size=min_quant_size))
+        plugins.append(QStatePrecision(states=FIXED_STATES[config], rounding=args.rounding, min_quant_size=min_quant_size))
     if config == "adaptive":
         adaptive = AdaptiveBitWidth(target_bits=args.target_bits, interval=setup.interval, hysteresis=args.hysteresis)
         callbacks.append(adaptive)
@@ -316,7 +327,8 @@ def report(args: argparse.Namespace, setups: dict[str, ModelSetup], rows: list[R
         f"- machine: {platform.machine()}, {platform.system()}, CPUs {os.cpu_count()}, torch threads {torch.get_num_threads()}; shared machine, timings are noisy",
         f"- training: AdamW, gradient clipping 1.0, one validation at the end, from each of the seeds {', '.join(map(str, args.seeds))} "
         "(a seed sets the initialisation and the data order, for the digits also the train/val split); quantized states through `QStatePrecision`"
-        + (" (min_quant_size 0)" if args.quick else " (min_quant_size 4096: smaller parameters keep fp32 states, counted in every average)"),
+        + (" (min_quant_size 0)" if args.quick else " (min_quant_size 4096: smaller parameters keep fp32 states, counted in every average)")
+        + f", rounding {args.rounding}",
         f"- adaptive: `QStatePrecision(states=\"int8\")` + `AdaptiveBitWidth(target_bits={args.target_bits}, interval=K, hysteresis={args.hysteresis})`, default zone formats",
         "- val loss and val acc: mean ± sample standard deviation over the seeds; Δ mean loss: the mean against fixed int8's mean; "
         "avg bits/value, state bytes, saved and all steps s: means over the seeds; median step ms: over the steps of all seeds",
@@ -334,10 +346,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="tiny models, a few steps (a smoke test)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--models", default="gpt,vit", help="comma-separated: gpt, vit")
-    parser.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated: {', '.join(CONFIGS)}")
+    parser.add_argument("--configs", default=",".join(DEFAULT_CONFIGS), help=f"comma-separated: {', '.join(CONFIGS)} (default {','.join(DEFAULT_CONFIGS)})")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="every configuration runs from each (default 0 1 2)")
     parser.add_argument("--gpt-steps", type=int, default=None, help="training steps of the GPT (default 400; quick 6)")
     parser.add_argument("--vit-steps", type=int, default=None, help="training steps of the ViT (default 330; quick 6)")
+    parser.add_argument("--rounding", choices=ROUNDINGS, default="nearest", help="of every quantized configuration (default nearest)")
     parser.add_argument("--target-bits", type=float, default=PAPER_BITS)
     parser.add_argument("--interval", type=int, default=None, help="steps between checks (default: steps // 30; quick 2)")
     parser.add_argument("--hysteresis", type=int, default=2)

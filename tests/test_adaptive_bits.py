@@ -20,7 +20,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from lightning_qstate import QAdamW
 from lightning_qstate.callbacks import AdaptiveBitWidth, QuantizedOptimizerStates
-from lightning_qstate.callbacks.adaptive_bits import HEATMAP_PALETTE, bit_width_heatmap
+from lightning_qstate.callbacks.adaptive_bits import DEFAULT_M_FORMATS, DEFAULT_V_FORMATS, HEATMAP_PALETTE, bit_width_heatmap
 from lightning_qstate.formats import QuantizedTensor, get_format
 from lightning_qstate.optim import state_summary
 from lightning_qstate.plugins import QStatePrecision
@@ -30,6 +30,7 @@ from lightning_qstate.theory import (
     BudgetError,
     ZoneHysteresis,
     budget_ladder,
+    budget_order,
     check_zone_formats,
     classify_zone,
     ema,
@@ -217,21 +218,44 @@ def test_budget_is_always_met_or_refused(ladders, fixed, target_bits, data):
     assert fit_budget(ladders, fixed, values, target_bits, order, start) == rungs  # deterministic
 
 
-def test_budget_demotes_in_order_then_fills_the_slack_by_priority():
+def test_budget_demotes_in_order_then_fills_the_slack_in_the_same_order():
     ladders = [[100, 60, 20], [100, 60, 20], [40, 10], [30, 20]]
-    order = [0, 1, 2, 3]  # layer 0 is demoted first, layer 3 promoted first
+    order = [0, 1, 2, 3]  # layer 0 is demoted first and promoted first
     # asks 260 bytes; cap 200: layer 0 demoted to its floor (180), then the slack promotes layer 3 to rung 0 (190)
     assert fit_budget(ladders, 0, 200, 8.0, order, [0, 0, 0, 1]) == [2, 0, 0, 0]
-    # asks 70 bytes; cap 200: round 1 moves layers 3, 2, 1, 0 one rung up (190), round 2 has no room left
+    # asks 70 bytes; cap 200: round 1 moves layers 0, 1, 2, 3 one rung up (190), round 2 has no room left
     assert fit_budget(ladders, 0, 200, 8.0, order, [2, 2, 1, 1]) == [1, 1, 0, 0]
-    # cap 230: round 2 promotes layer 1 (the higher priority, 230) but not layer 0
-    assert fit_budget(ladders, 0, 230, 8.0, order, [2, 2, 1, 1]) == [1, 0, 0, 0]
-    # a rung too big for the slack is skipped and a smaller one later in the reverse order still takes it
-    assert fit_budget([[100, 20], [30, 20]], 0, 55, 8.0, [1, 0], [1, 1]) == [1, 0]
+    # cap 230: round 2 promotes layer 0 (the first in the order, 230) but not layer 1
+    assert fit_budget(ladders, 0, 230, 8.0, order, [2, 2, 1, 1]) == [0, 1, 0, 0]
+    # a rung too big for the slack is skipped and a smaller one later in the order still takes it
+    assert fit_budget([[100, 20], [30, 20]], 0, 55, 8.0, [0, 1], [1, 1]) == [1, 0]
     assert fit_budget(ladders, 0, 200, None, order, [2, 2, 1, 1]) == [2, 2, 1, 1]
     # fill=False: demotions only (layer 3 stays at its zone's rung 1, 180 bytes)
     assert fit_budget(ladders, 0, 200, 8.0, order, [0, 0, 0, 1], fill=False) == [2, 0, 0, 1]
     assert fit_budget(ladders, 0, 200, 8.0, order, [2, 2, 1, 1], fill=False) == [2, 2, 1, 1]
+
+
+def test_the_room_goes_to_the_least_precise_layers_first():
+    """With the default maps, room for one 8-bit state goes to a redundant layer's v, not a magnitude layer's m."""
+    formats = {"exp_avg": DEFAULT_M_FORMATS, "exp_avg_sq": DEFAULT_V_FORMATS}
+    nbytes = stored_nbytes(10_000)
+    zones, names = ["magnitude", "redundant", "critical"], ["a", "b", "c"]
+    assert budget_order(zones, [10_000] * 3, names) == [1, 0, 2]
+    assert budget_order(zones, [1, 2, 3], names) == [1, 0, 2]  # the zone decides before the size
+    assert budget_order(["redundant", "redundant", None], [1, 2, 3], names) == [1, 0, 2]  # then the size, then the name; None is critical
+    assert budget_order(["redundant"] * 2, [5, 5], ["y", "x"]) == [1, 0]
+    planned = [budget_ladder(zone, formats, nbytes) for zone in zones]
+    costs = [[cost for _, cost in ladder] for ladder, _ in planned]
+    starts = [start for _, start in planned]
+    asked = sum(ladder[start] for ladder, start in zip(costs, starts))
+    v_step = nbytes("exp_avg_sq", "int8") - nbytes("exp_avg_sq", "e4m0")
+    m_step = nbytes("exp_avg", "int8_linear") - nbytes("exp_avg", "int4")
+    values = 2 * 3 * 10_000
+    target_bits = 8 * (asked + max(v_step, m_step)) / values  # room for one promotion, not two
+    assert asked + v_step + m_step > target_bits * values / 8
+    rungs = fit_budget(costs, 0, values, target_bits, budget_order(zones, [10_000] * 3, names), starts)
+    chosen = [planned[i][0][rung][0] for i, rung in enumerate(rungs)]
+    assert chosen == [("int4", "int8"), ("int4", "int8"), ("int8_linear", "int8")]  # b's v promoted; a's m stays 4 bits
 
 
 # --- the callback on one device -------------------------------------------------------------------------

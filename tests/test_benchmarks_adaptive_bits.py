@@ -38,9 +38,9 @@ def test_quick_run(bench: ModuleType, tmp_path: Path, monkeypatch: pytest.Monkey
     out = tmp_path / "results" / "adaptive_bits.md"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        text = bench.main(["--quick", "--seeds", "0", "1", "--out", str(out)])
+        text = bench.main(["--quick", "--seeds", "0", "1", "--configs", ",".join(bench.CONFIGS), "--out", str(out)])
     assert out.read_text() == text
-    assert "`python benchmarks/adaptive_bits.py --quick --seeds 0 1 --out" in text and "## Targets" in text
+    assert f"`python benchmarks/adaptive_bits.py --quick --seeds 0 1 --configs {','.join(bench.CONFIGS)} --out" in text and "## Targets" in text
     for model in ("gpt", "vit"):
         section = text.split(f"### {model}:")[1].split("###")[0]
         assert "; seeds 0, 1" in section.splitlines()[0]
@@ -49,6 +49,7 @@ def test_quick_run(bench: ModuleType, tmp_path: Path, monkeypatch: pytest.Monkey
         assert set(means) == set(per_seed) == set(bench.CONFIGS)
         bits = {config: float(row["avg bits/value"]) for config, row in means.items()}
         assert bits["fp32"] == 32.0 and 8.0 < bits["int8"] < 8.5 and 4.0 < bits["int4"] < 4.5
+        assert 6.0 < bits["m_int4"] < 6.5 and 6.0 < bits["v_int4"] < 6.5  # one state at 8 bits, the other at 4
         assert bits["adaptive"] <= 5.1
         assert "%" in means["adaptive"]["callback overhead"] and means["fp32"]["callback overhead"] == "–"
         assert means["int8"]["Δ mean loss vs int8"] == "+0.00 %"
@@ -69,3 +70,4 @@ def test_arguments_are_checked(bench: ModuleType) -> None:
     with pytest.raises(SystemExit):
         bench.parse_args(["--seeds", "0", "0"])
     assert bench.parse_args([]).seeds == [0, 1, 2]
+    assert bench.parse_args([]).config_names == ["fp32", "int8", "int4", "adaptive"]

@@ -87,7 +87,7 @@ RUNS = {
 }
 
 
-# Runs with AdaptiveBitWidth (hidden=301: uneven shards). Formats change during these runs, so the fixed-format tests of
+# Runs with AdaptiveBitWidth under DDP, FSDP1 and FSDP2 (hidden=301: uneven shards). Formats change during these runs, so the fixed-format tests of
 # `run` leave them out; theirs are below. A check at every step and a threshold rising fast change decisions before and
 # after the checkpoint at step 3; the targets make the budget bind (FSDP2 keeps net.3.weight fp32: rows of 301). Without
 # the budget's promotions (fill_budget=False): with them a binding cap plans these two quantized layers alike whatever
@@ -102,6 +102,7 @@ def adaptive_callbacks(target_bits: float, fill_budget: bool = False) -> str:
 
 
 ADAPTIVE_RUNS = {
+    "ddp-adaptive": RunSpec("ddp", ("full",), hidden=301, min_quant_size=1024, callbacks=adaptive_callbacks(7.0), quantized=(), fresh_resume=False),
     "fsdp-adaptive": RunSpec("fsdp", ("full", "sharded"), hidden=301, min_quant_size=1024, callbacks=adaptive_callbacks(7.0), quantized=()),
     "fsdp2-adaptive": RunSpec("fsdp2", ("full", "sharded"), hidden=301, min_quant_size=1024, callbacks=adaptive_callbacks(10.5), quantized=()),
     # the default, with the promotions: rank agreement and exact resume (the plan need not change during the run)
