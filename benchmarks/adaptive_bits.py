@@ -61,8 +61,8 @@ from lightning_qstate.formats import ROUNDINGS  # noqa: E402
 from lightning_qstate.plugins import QStatePrecision  # noqa: E402
 
 CONFIGS = ("fp32", "int8", "int4", "adaptive", "m_int4", "v_int4")
-# The quantized configurations' states= (m: exp_avg, v: exp_avg_sq); adaptive starts from int8 and adapts.
-FIXED_STATES = {
+# QStatePrecision(states=...) of each quantized configuration (m: exp_avg, v: exp_avg_sq); adaptive starts from int8.
+PLUGIN_STATES = {
     "int8": "int8",
     "int4": "int4",
     "adaptive": "int8",
@@ -165,7 +165,7 @@ def run_config(setup: ModelSetup, config: str, seed: int, args: argparse.Namespa
     plugins = []
     adaptive = None
     if config != "fp32":
-        plugins.append(QStatePrecision(states=FIXED_STATES[config], rounding=args.rounding, min_quant_size=min_quant_size))
+        plugins.append(QStatePrecision(states=PLUGIN_STATES[config], rounding=args.rounding, min_quant_size=min_quant_size))
     if config == "adaptive":
         adaptive = AdaptiveBitWidth(target_bits=args.target_bits, interval=setup.interval, hysteresis=args.hysteresis)
         callbacks.append(adaptive)
