@@ -21,17 +21,85 @@ works from your project, as with ``python -m``). Nothing is imported before the 
 
 Under ``ModelParallelStrategy`` (FSDP2) do not use the ``optimizer:`` config: LightningCLI builds that
 optimizer before ``configure_model`` shards the model; let the module's ``configure_optimizers`` do it.
+
+An option that one of this library's callbacks or plugins rejects (``states: int9``, ``rounding: up``) ends
+the command with a short message and exit status 2, like any usage error; ``JSONARGPARSE_DEBUG=true``
+shows the traceback instead.
 """
 
 from __future__ import annotations
 
+import inspect
 import os
+import reprlib
 import sys
+import textwrap
 from pathlib import Path
+from typing import Any
+
+try:
+    import lightning.pytorch  # noqa: F401
+except ModuleNotFoundError as error:
+    raise ImportError(f"{__name__} needs Lightning: pip install 'lightning-qstate[lightning]'") from error
 
 from lightning.pytorch.cli import ArgsType, LightningCLI
 
+from . import callbacks, plugins
 from .callbacks import RunSummary
+
+# Classes whose constructor errors are option checks written for the user (subclasses included).
+_LIBRARY_CLASSES = tuple(
+    obj for module in (callbacks, plugins) for obj in (getattr(module, name) for name in module.__all__) if isinstance(obj, type)
+)
+
+
+class OptionError(ValueError):
+    """One of this library's callbacks or plugins rejected the options the config gave it; the message names
+    the class, the options set (those not at their defaults) and the class's own reason."""
+
+
+def _is_default(parameter: inspect.Parameter | None, value: Any) -> bool:
+    default = inspect.Parameter.empty if parameter is None else parameter.default
+    return value is default or (type(value) is type(default) and value == default)
+
+
+def _option_error(class_type: type, options: dict[str, Any], error: Exception) -> OptionError:
+    parameters = inspect.signature(class_type.__init__).parameters
+    given = ", ".join(f"{name}={reprlib.repr(value)}" for name, value in options.items() if not _is_default(parameters.get(name), value))
+    return OptionError(f"invalid option for {class_type.__name__}({given}):\n{textwrap.indent(str(error), '  ')}")
+
+
+class _QStateCLI(LightningCLI):
+    """``LightningCLI`` that reports an error of a library class's constructor as an :class:`OptionError`.
+
+    jsonargparse adapts a value given for a ``Union`` type (``trainer.plugins``, ``trainer.callbacks``) to
+    each member type in turn; when all fail it raises a ``ValueError`` that quotes every member's error but
+    chains only the first one's (for ``trainer.plugins``: that the list is not a ``Precision``), so the
+    constructor's exception is not in the chain. An instantiator therefore records what each library class
+    raises; if instantiation then fails with an error quoting one of those, that one is reported.
+    """
+
+    def instantiate_classes(self) -> None:
+        rejected: list[tuple[type, dict[str, Any], Exception]] = []
+
+        def instantiate(class_type: type, *args: Any, **kwargs: Any) -> Any:
+            try:
+                return class_type(*args, **kwargs)
+            except (TypeError, ValueError) as error:
+                rejected.append((class_type, kwargs, error))
+                raise
+
+        for class_type in _LIBRARY_CLASSES:
+            self.parser.add_instantiator(instantiate, class_type)
+        try:
+            super().instantiate_classes()
+        except (TypeError, ValueError) as error:
+            reported = str(error)
+            quoted = [(class_type, options, cause) for class_type, options, cause in rejected if str(cause).partition("\n")[0] in reported]
+            if not quoted:
+                raise
+            class_type, options, cause = quoted[-1]
+            raise _option_error(class_type, options, cause) from cause
 
 
 def _add_example_paths() -> None:
@@ -48,7 +116,7 @@ def build_cli(args: ArgsType = None, run: bool = True) -> LightningCLI:
     """The ``LightningCLI`` on ``args`` (default: ``sys.argv[1:]``), run unless ``run=False`` (then ``args``
     holds no subcommand and the classes are only parsed and instantiated)."""
     _add_example_paths()
-    return LightningCLI(
+    return _QStateCLI(
         subclass_mode_model=True,
         subclass_mode_data=True,
         trainer_defaults={"callbacks": [RunSummary()]},
@@ -60,8 +128,16 @@ def build_cli(args: ArgsType = None, run: bool = True) -> LightningCLI:
 
 def main(args: ArgsType = None) -> None:
     """Entry point of ``lightning-qstate`` and ``python -m lightning_qstate.cli``. Returns nothing, as console
-    scripts pass the return value to ``sys.exit``; use :func:`build_cli` to get hold of the trainer."""
-    build_cli(args)
+    scripts pass the return value to ``sys.exit``; use :func:`build_cli` to get hold of the trainer.
+
+    An :class:`OptionError` is printed to stderr and exits with status 2, unless ``JSONARGPARSE_DEBUG=true``."""
+    try:
+        build_cli(args)
+    except OptionError as error:
+        if os.environ.get("JSONARGPARSE_DEBUG", "").lower() == "true":
+            raise
+        print(f"lightning-qstate: error: {error}\n(JSONARGPARSE_DEBUG=true shows the traceback)", file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

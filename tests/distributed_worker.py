@@ -254,7 +254,7 @@ def describe_optimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Module)
                 entry["full_numel"] = full_numels.get(param, param.numel())
             entry["states"] = {state: describe_state(value) for state, value in optimizer.state.get(param, {}).items()}
             params[name] = entry
-    return {"optimizer": type(optimizer).__name__, "checkpoint_mode": getattr(optimizer, "checkpoint_mode", None), "params": params}
+    return {"optimizer": type(optimizer).__qualname__, "checkpoint_mode": getattr(optimizer, "checkpoint_mode", None), "params": params}
 
 
 class RecordLoaded(Callback):

@@ -59,8 +59,9 @@ def hard_inputs(fmt: CodebookFormat) -> torch.Tensor:
 
 @pytest.mark.parametrize("name", list(BYTE_FORMATS))
 def test_nearest_code_index_gives_the_reference_codes(name):
+    """The codes of ``fmt.encode``: ``encode_codebook`` clamped up to ``min_code`` (zero-free unsigned formats)."""
     fmt = BYTE_FORMATS[name]
-    index = NearestCodeIndex.build(fmt.codebook)
+    index = fmt.nearest_index
     assert index is not None
     x = hard_inputs(fmt)
     magnitude = x.abs().view(torch.int32).to(torch.int64)
@@ -69,7 +70,27 @@ def test_nearest_code_index_gives_the_reference_codes(name):
     entry = index.bucket_entries[torch.where(negative, index.half - 1 - key, index.half + key)].to(torch.int64)
     threshold = index.key_base + (key << index.key_shift) + (entry >> 9)
     up = (entry & 0x100).bool() & torch.where(negative, magnitude <= threshold, magnitude >= threshold)
-    assert torch.equal((entry & 0xFF) + up.to(torch.int64), encode_codebook(x, fmt.index, "nearest").to(torch.int64))
+    assert torch.equal((entry & 0xFF) + up.to(torch.int64), fmt.encode(x, "nearest", None).to(torch.int64))
+    if fmt.min_code:
+        assert not torch.equal(index.bucket_entries, NearestCodeIndex.build(fmt.codebook).bucket_entries)
+        assert bool((encode_codebook(x, fmt.index, "nearest") < fmt.min_code).any())  # the clamp is exercised
+
+
+@pytest.mark.parametrize("name", ["int8", "int8_linear"])
+def test_kernel_never_stores_v_as_zero(name):
+    """Zero-free ``v``: with betas (0, 0) the new ``v`` is ``grad * grad`` exactly, so the kernel's ``v`` codes and scales
+    must be the reference's of it, which clamps codes up to ``min_code``: gradients spanning 1e-30..1 in every block,
+    zeros and squares that underflow to 0 included, never leave a ``v`` code that reads 0 in a block with a nonzero scale."""
+    generator = torch.Generator().manual_seed(0)
+    numel = (1 << 12) + 77
+    grad = 10.0 ** (-30 * torch.rand(numel, generator=generator)) * (torch.rand(numel, generator=generator) < 0.8)
+    m_format, v_format = get_format(name), get_format(name, signed=False)
+    assert v_format.min_code == 1
+    state = adam_state(m_format, v_format, numel, seed=0)
+    native_adam_steps([torch.zeros(numel)], [grad], [state], adam_group(betas=(0.0, 0.0), weight_decay=0.0), track_stalls=False)
+    codes, scales = v_format.quantize_reference(grad * grad, "nearest", None)
+    assert torch.equal(state["exp_avg_sq"].codes, codes) and torch.equal(state["exp_avg_sq"].scales, scales)
+    assert int(codes.min()) == 1 and bool((grad * grad == 0).any())
 
 
 @pytest.mark.parametrize("scale_dtype", ["bf16", "fp32"])

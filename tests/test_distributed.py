@@ -250,7 +250,7 @@ def test_every_rank_takes_the_same_decisions(run):
     """Which states are quantized, in which format and block size, follows the full shape on every rank."""
     for phase in run.phases():
         first, second = run.info(phase, 0), run.info(phase, 1)
-        assert first["optimizer"] == second["optimizer"] == "QAdamW"
+        assert first["optimizer"] == second["optimizer"] == "InPlaceQAdamW"
         # FSDP1 exports fp32 flat shards; FSDP2's DTensor parameters always export fp32, whatever the mode
         assert first["checkpoint_mode"] == second["checkpoint_mode"] == ("fp32" if run.spec.strategy == "fsdp" else "packed")
         assert first["params"].keys() == second["params"].keys()
@@ -459,7 +459,7 @@ def test_fp32_checkpoint_requantizes_to_the_same_codes(states):
     saved.checkpoint_mode = "fp32"
     state_dict = saved.state_dict()
     assert state_dict["state"][0]["exp_avg"].dtype == torch.float32 and "exp_avg.qstate_format" in state_dict["state"][0]
-    target, _ = trained_optimizer((40, 64), "fp32")  # the markers, not the policy, decide the formats
+    target, _ = trained_optimizer((40, 64), states)  # the same configuration: the markers' formats load exactly
     target.load_state_dict(state_dict)
     for name in ("exp_avg", "exp_avg_sq"):
         before, after = saved.state[saved.param_groups[0]["params"][0]][name], target.state[target.param_groups[0]["params"][0]][name]

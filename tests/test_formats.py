@@ -161,7 +161,7 @@ def test_rn_picks_the_nearest_code_within_half_a_spacing(name, options):
     scales = q.scales.repeat_interleave(fmt.block_size)[: x.numel()].double()
     error = (q.dequantize().double() - x.double()).abs()
     values = fmt.decode_values().double().unique()
-    if isinstance(fmt, MinifloatFormat) and fmt.zero_free:  # 0 is never stored for a nonzero value
+    if fmt.zero_free:  # 0 is never stored (values below the smallest positive code take it)
         values = values[values > 0] if not fmt.signed else values[values.abs() > 0]
     normalized = x.double() / scales
     distance = nearest_distance(normalized, values)
@@ -319,6 +319,26 @@ def test_quantized_tensor_moves_and_reports():
     moved = q.to("cpu")
     assert torch.equal(moved.dequantize(), q.dequantize())
     assert "int8" in repr(q) and q.device.type == "cpu"
+    for moved in (q.to(torch.device("cpu")), q.to(device="cpu", non_blocking=True), q.to(None, copy=True)):  # how Lightning moves state
+        assert torch.equal(moved.codes, q.codes) and moved.codes.dtype == torch.uint8 and moved.scales.dtype == q.scales.dtype
+
+
+@pytest.mark.parametrize(
+    "args,kwargs",
+    [
+        ((torch.float32,), {}),
+        (("cpu", torch.float16), {}),
+        ((), {"dtype": torch.bfloat16}),
+        ((), {"device": "cpu", "dtype": torch.float32}),
+        ((torch.zeros(2),), {}),
+    ],
+    ids=["dtype", "device-dtype", "dtype=", "device=-dtype=", "tensor"],
+)
+def test_quantized_tensor_to_refuses_to_cast_codes(args, kwargs):
+    """Casting the codes would silently turn them into other values: ``.to`` takes a device only and says to dequantize."""
+    q = get_format("int8").quantize(torch.randn(300))
+    with pytest.raises(TypeError, match=r"takes a device only.*\.dequantize\(dtype\)"):
+        q.to(*args, **kwargs)
 
 
 # --- property tests (hypothesis) ------------------------------------------------------------------

@@ -54,6 +54,15 @@ def _run(command: list[str]) -> str:
     return result.stdout + result.stderr
 
 
+def test_zero_free_encoders_are_compiled():
+    """The clamp of zero-free formats is compiled too: a codebook quantize variant with ``MIN_CODE`` 1, an Adam variant
+    whose ``v`` has it, and a zero-free SR cast."""
+    by_kernel = {kernel: [variant.constexprs for variant in VARIANTS if variant.kernel == kernel] for kernel in KERNELS}
+    assert any(not c["IS_MINIFLOAT"] and c["MIN_CODE"] == 1 for c in by_kernel["quantize_blocks_kernel"])
+    assert any(not c["V_IS_MINIFLOAT"] and c["V_MIN_CODE"] == 1 for c in by_kernel["adam_step_kernel"])
+    assert any(c["ZERO_FREE"] for c in by_kernel["stochastic_cast_kernel"])
+
+
 @pytest.mark.parametrize("capability", sorted(TARGETS))
 @pytest.mark.parametrize("variant", VARIANTS, ids=[variant.label for variant in VARIANTS])
 def test_compiles_without_spills(variant, capability):

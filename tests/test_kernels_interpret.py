@@ -15,7 +15,8 @@ Checked: round-to-nearest codes and scales identical to ``quantize_reference``
 fp32/bf16/fp16 input, zeros, subnormals, huge values, ties, +-inf and NaN blocks);
 dequantize identical to ``dequantize_reference`` in fp32/bf16/fp16; SR lands on the
 two neighbours with the reference's per-value round-up probability and zero mean
-error, and reproduces with a seed; the bf16/fp16 SR casts likewise; the
+error, and reproduces with a seed; the bf16/fp16 SR casts likewise; zero-free formats
+(``signed=False``) never store a positive value as 0, RN and SR, block formats and casts; the
 ``TritonBackend`` behind the format API.
 """
 
@@ -283,19 +284,48 @@ else:
         on_code = torch.isin(normalized, decode_table(fmt)) | ~torch.isfinite(scales).repeat_interleave(fmt.block_size)[: x.numel()]
         assert torch.equal(got[on_code], expected[on_code])
 
+    # ----------------------------------------------------------------------------------- zero-free formats
+
+    ZERO_FREE_FORMATS = [(name, options) for name, options in BLOCK_FORMATS if options.get("signed") is False]
+    ZERO_FREE_FORMATS += [("int4_linear", {"signed": False})]
+
+    @pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+    @pytest.mark.parametrize(("name", "options"), ZERO_FREE_FORMATS, ids=[f"{n}-{o}" for n, o in ZERO_FREE_FORMATS])
+    def test_zero_free_formats_never_store_zero(name, options, rounding):
+        """Blocks of absmax 1 with values down to 1e-30 and exact zeros (16 copies), then an all-zero block: the kernel
+        writes no code that reads 0 where the scale is not 0, and ``min_code`` for every value below the smallest
+        positive code, as the reference (RN: the reference's codes exactly)."""
+        fmt = block_format(name, options, 128)
+        one = torch.logspace(-30, 0, 128)
+        one[1:40:7] = 0.0
+        x = torch.cat([one.repeat(16), torch.zeros(128)])
+        codes, scales = triton_quantize_blocks(fmt, x, rounding, seed=3)
+        ref_codes, ref_scales = fmt.quantize_reference(x, rounding, torch.Generator().manual_seed(0))
+        assert same_bits(scales, ref_scales)
+        if rounding == "nearest":
+            assert torch.equal(codes, ref_codes)
+        got = unpack(codes, fmt.bits, x.numel())
+        units = decode_table(fmt)[got.long()]
+        assert bool((units[:-128] > 0).all()), f"{fmt.name}: a code that reads 0 in a block of absmax 1"
+        smallest = float(decode_table(fmt)[fmt.min_code])
+        below = x[:-128] < smallest
+        assert bool(below.any()) and bool((got[:-128][below] == fmt.min_code).all())
+        assert bool((triton_dequantize_blocks(fmt, codes, scales, x.numel())[-128:] == 0).all())  # scale 0: reads 0
+
     # ----------------------------------------------------------------------------------- SR casts
 
     CAST_REPEATS = 64
 
     def cast_neighbours(fmt: CastFormat, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The two SR candidates of fp32 ``x`` (toward zero first, as fp64) and P(second), from the reference."""
+        """The two SR candidates of fp32 ``x`` (toward zero first, as fp64) and P(second), from the reference
+        (zero-free formats: with ``lift_flushed``, so that a positive value's lower candidate is never 0)."""
         if fmt.dtype == torch.bfloat16:
             low = bf16_stochastic(x, torch.zeros_like(x, dtype=torch.int32))
             high = bf16_stochastic(x, torch.full_like(x, 0xFFFF, dtype=torch.int32))
         else:
             low = fp16_stochastic(x, torch.full_like(x, 1.0 - 2.0**-24))
             high = fp16_stochastic(x, torch.zeros_like(x))
-        low, high = low.double(), high.double()
+        low, high = fmt.lift_flushed(x, low).double(), fmt.lift_flushed(x, high).double()
         p_high = torch.where(high == low, 0.0, (x.double() - low) / torch.where(high == low, 1.0, high - low))
         return low, high, p_high
 
@@ -348,6 +378,27 @@ else:
         if input_dtype != fmt.dtype:  # else the cast is exact, whatever the draws
             assert not same_bits(out, triton_stochastic_cast(fmt, x, seed=4))
         assert triton_stochastic_cast(fmt, x[:0], seed=1).numel() == 0
+
+    @pytest.mark.parametrize(("target", "input_dtype"), [("bf16", torch.float32), ("fp16", torch.float32), ("fp16", torch.bfloat16)])
+    def test_zero_free_stochastic_cast(target, input_dtype):
+        """``signed=False`` casts: a positive value the SR cast would flush to 0 is stored as the smallest subnormal (so
+        values below it always are), zeros and negatives are cast as by the plain format; elsewhere the kernel follows
+        the reference's distribution."""
+        fmt, plain = get_format(target, signed=False), get_format(target)
+        spread = torch.rand(1000, generator=torch.Generator().manual_seed(7)) * 64 * fmt.smallest_positive  # the subnormals and below
+        base = torch.cat([torch.logspace(-44, 0, 500), spread, torch.tensor([0.0, -0.0, -1e-30, -1e-44])]).to(input_dtype)
+        x = base.repeat(CAST_REPEATS)
+        got = triton_stochastic_cast(fmt, x, seed=5)
+        reference = fmt.stochastic_reference(x.float(), torch.Generator().manual_seed(6))
+        positive = x > 0
+        assert bool((got[positive] > 0).all()) and bool((reference[positive] > 0).all())
+        below = positive & (x.float() < fmt.smallest_positive)
+        assert bool(below.any()) and bool((got[below] == fmt.smallest_positive).all())
+        unlifted = ~positive
+        assert same_bits(got[unlifted], triton_stochastic_cast(plain, x, seed=5)[unlifted])
+        low, high, p_high = cast_neighbours(fmt, base.float())  # zero-free neighbours: the lower one is never 0
+        check_frequencies(f"{target} zero-free kernel", got.double().view(CAST_REPEATS, -1), low, high, p_high)
+        check_frequencies(f"{target} zero-free reference", reference.double().view(CAST_REPEATS, -1), low, high, p_high)
 
     # ----------------------------------------------------------------------------------- the backend
 

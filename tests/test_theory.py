@@ -22,7 +22,7 @@ SIMULATION = Path(__file__).resolve().parents[1] / "benchmarks" / "stall_simulat
     [("bf16", 2.71, 0.946, 0.825), ("fp8_e4m3", 43.3, 1.0, 0.989), ("e2m2", 86.6, 1.0, 0.994)],
 )
 def test_reference_values_of_the_paper(fmt, rho, rn, sr):
-    """ALGORITHMS.md section 1, β2 = 0.999 (the paper's closed forms: no block-scale drift)."""
+    """docs/algorithms.md, "Stall model and resets" (reference values), β2 = 0.999 (the paper's closed forms: no block-scale drift)."""
     _, gap, _ = relative_gaps(get_format(fmt, signed=False))
     assert float(gap[0]) / (2 * 0.001) == pytest.approx(rho, abs=0.05)
     assert stall_probability(fmt, 0.999, "nearest", block_drift=False) == pytest.approx(rn, abs=5e-4)

@@ -1,5 +1,10 @@
 """Lightning callbacks: quantizing optimizer states, measuring and resetting stale states, adaptive bit-widths; a run summary."""
 
+try:
+    import lightning.pytorch  # noqa: F401
+except ModuleNotFoundError as error:
+    raise ImportError(f"{__name__} needs Lightning: pip install 'lightning-qstate[lightning]'") from error
+
 from .adaptive_bits import AdaptiveBitWidth
 from .quantized_states import QuantizedOptimizerStates, memory_metrics
 from .stall_monitor import StallMonitor

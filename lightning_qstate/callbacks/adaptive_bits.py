@@ -80,8 +80,8 @@ class Layer:
 
 class AdaptiveBitWidth(Callback):
     """Per-layer, per-state bit-widths for Adam's ``exp_avg`` (m) and ``exp_avg_sq`` (v) that adapt during
-    training under a hard memory cap: STQuant (arXiv 2604.06836) as reconstructed in ``shared/docs/ALGORITHMS.md``
-    section 4. The paper's method text was unavailable: the statistics, zones, annealing, hysteresis, format
+    training under a hard memory cap: STQuant (arXiv 2604.06836) as reconstructed in ``docs/algorithms.md``
+    ("Adaptive bit-widths"). The paper's method text was unavailable: the statistics, zones, annealing, hysteresis, format
     maps and budget rule below are that reconstruction, each a parameter here.
 
     Every ``interval`` optimizer steps (at ``global_step % interval == 0``, before the step):

@@ -10,6 +10,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 
 from ..optim import NonFiniteGradPolicy, QuantizationPolicy, QuantizedStates, StatesSpec, check_optimizer_parameters, state_summary
+from ..optim.policy import validate_policy
 
 
 class QuantizedOptimizerStates(Callback):
@@ -29,7 +30,7 @@ class QuantizedOptimizerStates(Callback):
     Example::
 
         trainer = Trainer(callbacks=[QuantizedOptimizerStates(states={"exp_avg": "int8", "exp_avg_sq": "int4"},
-                                                              overrides={"*embed*": "fp32"})])
+                                                              overrides={"*.wte.*": "fp32"})])
 
     Args:
         states, rounding, block_size, min_quant_size, overrides, track_stalls, nonfinite:
@@ -48,6 +49,8 @@ class QuantizedOptimizerStates(Callback):
         nonfinite: NonFiniteGradPolicy = "skip",
         log_stats: bool = True,
     ) -> None:
+        options = {"states": states, "rounding": rounding, "block_size": block_size, "min_quant_size": min_quant_size}
+        validate_policy(options, None, type(self).__name__)  # errors name this callback, not the QuantizationPolicy it builds
         self.policy = QuantizationPolicy(states, rounding, block_size, min_quant_size, dict(overrides or {}), track_stalls, nonfinite)
         self.log_stats = log_stats
 

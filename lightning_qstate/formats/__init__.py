@@ -68,8 +68,11 @@ def get_format(
         block_size: values per absmax scale, a power of two; default 128 for
             formats of at most 4 bits, else 256. Ignored by casts.
         signed: ``False`` for non-negative states such as Adam's ``v``: the map
-            spends no codes on negatives, and minifloats never store a positive
-            value as 0 (zero-free; FP8 keeps its OCP bit patterns). Ignored by casts.
+            spends no codes on negatives, and the format is zero-free: it never
+            stores a positive value as 0 (block formats store values below their
+            smallest positive code, 0 included, as that code; casts store positive
+            values below their smallest subnormal as it, and keep exact zeros; FP8
+            keeps its OCP bit patterns). See :mod:`lightning_qstate.formats.block`.
         nonfinite: block formats only; ``"raise"`` (default) or ``"nan_block"``,
             see :mod:`lightning_qstate.formats.block`.
         scale_dtype: block formats only; ``"bf16"`` (each block's absmax rounded up to
@@ -91,7 +94,7 @@ def get_format(
 
 def _build_format(name: str, block_size: int | None, signed: bool, nonfinite: NonFinitePolicy, scale_dtype: ScaleDtype | None) -> StorageFormat:
     if name in _CAST_DTYPES:
-        return CastFormat(name, _CAST_DTYPES[name])
+        return CastFormat(name, _CAST_DTYPES[name], zero_free=not signed)
     if name in _FP8_SPECS:
         return MinifloatFormat(name, _FP8_SPECS[name], 256 if block_size is None else block_size, nonfinite, zero_free=not signed, scale_dtype=scale_dtype)
     integer_maps = {

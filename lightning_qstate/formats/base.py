@@ -64,10 +64,30 @@ class QuantizedTensor:
         """``8 * nbytes / numel``, scales included; the format's nominal bits for an empty tensor."""
         return 8 * self.nbytes / self.numel if self.numel else float(self.format.bits)
 
-    def to(self, device: torch.device | str) -> QuantizedTensor:
-        """Move codes and scales to ``device``; the values are unchanged."""
-        scales = None if self.scales is None else self.scales.to(device)
-        return QuantizedTensor(self.format, self.codes.to(device), scales, self.shape, self.dtype)
+    def to(
+        self,
+        device: torch.device | str | int | None = None,
+        dtype: torch.dtype | None = None,
+        *,
+        non_blocking: bool = False,
+        copy: bool = False,
+    ) -> QuantizedTensor:
+        """Codes and scales moved to ``device`` (``None``: where they are), as ``Tensor.to``; the values are unchanged.
+
+        This is how Lightning moves optimizer state (``state.to(device)``). There is no cast: the codes are not values.
+
+        Raises:
+            TypeError: a ``dtype`` is given (``.to(dtype)``, ``.to(device, dtype)``, ``dtype=``) or a tensor to match;
+                dequantize first (``.dequantize(dtype)``) for a tensor of that dtype.
+        """
+        if isinstance(device, (torch.dtype, torch.Tensor)) or dtype is not None:
+            what = f"a tensor ({device.dtype} on {device.device})" if isinstance(device, torch.Tensor) else f"dtype {dtype or device}"
+            raise TypeError(
+                f"QuantizedTensor.to() takes a device only (a torch.device, str or index), got {what}: its codes (format "
+                f"{self.format.name!r}) are not values. Call .dequantize(dtype) for a tensor of another dtype."
+            )
+        scales = None if self.scales is None else self.scales.to(device, non_blocking=non_blocking, copy=copy)
+        return QuantizedTensor(self.format, self.codes.to(device, non_blocking=non_blocking, copy=copy), scales, self.shape, self.dtype)
 
     def __repr__(self) -> str:
         return f"QuantizedTensor(format={self.format.name!r}, shape={tuple(self.shape)}, dtype={self.dtype}, bits_per_value={self.bits_per_value:.3f})"

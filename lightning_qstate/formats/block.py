@@ -20,6 +20,19 @@ int8 ``v`` of unit-variance noise settles at 1.25 with bf16 scales against 1.06
 with fp32). Adam's two int8 states at the default block of 256 take 2.0234 bytes
 per parameter (2.0313 with fp32 scales throughout).
 
+**Zero-free formats** (``zero_free``: every format ``get_format`` makes for a non-negative state, ``signed=False``)
+never store a value ``>= 0`` as a code that reads 0: the encoder clamps its code up to ``min_code``, the code of the
+smallest positive value, after rounding (RN and SR alike; the codebooks and the meaning of every code are unchanged).
+Adam's ``v`` flushed to 0 next to a nonzero ``m`` would make the step ``m / eps`` (issue #15: ``w = -4.21`` where
+torch's AdamW gives ``-0.00167``). A value below the smallest positive code is stored as that code: ``v`` may read too
+large by the format's own resolution (a smaller step), never 0; SR stays unbiased above that code and rounds up below
+it. Exact zeros take ``min_code`` too: one clamp, the same in every implementation. It changes no step: ``v`` is
+exactly 0 only where every gradient so far was 0, so ``m`` is exactly 0 there as well and the step is 0 whatever
+``v`` reads; once a gradient arrives, ``v`` carries at most ``decode[min_code] * scale`` of it, the floor every tiny
+positive ``v`` of the block gets anyway. A block whose absmax is 0 still reads back as zeros (its scale is 0), so
+zero-initialised states stay exactly zero. :meth:`BlockFormat.lift_zero_codes` rewrites codes written by older
+versions (which stored code 0 there) as this one writes them.
+
 Non-finite input: the block's absmax is inf or NaN. By default ``quantize``
 raises :class:`NonFiniteError` (policy ``nonfinite="raise"``). With
 ``nonfinite="nan_block"`` that block's scale is stored as NaN so the whole block
@@ -68,10 +81,27 @@ def check_block_size(block_size: int) -> int:
 
 
 class BlockFormat(StorageFormat):
-    """Common machinery of block-scaled formats; subclasses define ``decode_values`` and ``encode``."""
+    """Common machinery of block-scaled formats; subclasses define ``decode_values`` and ``encode``, and set ``min_code``.
+
+    Attributes:
+        zero_free: the encoder never writes a code that reads 0 for a value ``>= 0`` (see the module docstring).
+        min_code: the code a value ``>= 0`` is clamped up to after rounding (its magnitude code, for minifloats):
+            that of the smallest positive value when ``zero_free``, else 0 (no clamp). Every encoder (torch,
+            Triton, C++) applies it.
+    """
+
+    min_code: int
 
     def __init__(
-        self, name: str, bits: int, block_size: int, signed: bool, nonfinite: NonFinitePolicy, scale_dtype: ScaleDtype | None, nonnegative: bool
+        self,
+        name: str,
+        bits: int,
+        block_size: int,
+        signed: bool,
+        nonfinite: NonFinitePolicy,
+        scale_dtype: ScaleDtype | None,
+        nonnegative: bool,
+        zero_free: bool,
     ) -> None:
         """``nonnegative``: the format is made for a non-negative (second-moment) state; it picks the default ``scale_dtype``."""
         if nonfinite not in NONFINITE_POLICIES:
@@ -86,6 +116,7 @@ class BlockFormat(StorageFormat):
         self.signed = signed
         self.nonfinite = nonfinite
         self.scale_dtype: torch.dtype = SCALE_DTYPES[scale_dtype]
+        self.zero_free = zero_free
         self._device_tables: dict[torch.device, dict[str, torch.Tensor | CodebookIndex]] = {}
 
     @abstractmethod
@@ -95,6 +126,20 @@ class BlockFormat(StorageFormat):
     @abstractmethod
     def encode(self, normalized: torch.Tensor, rounding: Rounding, uniform: torch.Tensor | None) -> torch.Tensor:
         """int32 codes of ``normalized`` values in ``[-1, 1]`` (torch reference)."""
+
+    def lift_zero_codes(self, codes: torch.Tensor, numel: int) -> torch.Tensor:
+        """Codes written by an older version (checkpoint state version < 3) as this one writes them.
+
+        ``codes``: the packed container of ``numel`` values. In a ``zero_free`` format, every code that reads 0 becomes
+        ``min_code``, which the encoder now writes for those values (blocks whose scale is 0 still read 0); the
+        padding nibble of an odd count of 4-bit codes stays 0. Returns new packed codes of the same dtype and size,
+        or ``codes`` itself when the format is not zero-free.
+        """
+        if not self.zero_free:
+            return codes
+        unpacked = unpack(codes, self.bits, numel)
+        reads_zero = lookup(self.tables(codes.device)["decode"], unpacked) == 0
+        return pack(torch.where(reads_zero, self.min_code, unpacked), self.bits)
 
     def tables(self, device: torch.device) -> dict:
         """Lookup tables on ``device`` (cached): ``decode`` plus whatever the encoder needs."""
@@ -161,20 +206,26 @@ class BlockFormat(StorageFormat):
 
 
 class CodebookFormat(BlockFormat):
-    """Block absmax scaling into a sorted codebook (dynamic-tree or linear map); code = index in the codebook."""
+    """Block absmax scaling into a sorted codebook (dynamic-tree or linear map); code = index in the codebook.
+
+    Unsigned formats (``signed=False``: for non-negative states) are ``zero_free``: a value below the smallest
+    positive codebook value, 0 included, is stored as it (``min_code``; 1 for the unsigned ``int8``, ``int8_linear``
+    and ``int4_linear`` maps, whose code 0 reads 0; 0 for unsigned ``int4``, whose linear map has no zero).
+    """
 
     def __init__(
         self, name: str, codebook: torch.Tensor, block_size: int, signed: bool, nonfinite: NonFinitePolicy = "raise", scale_dtype: ScaleDtype | None = None
     ) -> None:
         bits = max(1, (codebook.numel() - 1).bit_length())
-        super().__init__(name, bits, block_size, signed, nonfinite, scale_dtype, nonnegative=not signed)
+        super().__init__(name, bits, block_size, signed, nonfinite, scale_dtype, nonnegative=not signed, zero_free=not signed)
         self.codebook = codebook
         self.index = CodebookIndex.build(codebook)
+        self.min_code = int((codebook <= 0).sum()) if self.zero_free else 0  # the index of the smallest positive value
 
     @functools.cached_property
     def nearest_index(self) -> NearestCodeIndex | None:
-        """The C++ CPU kernel's encoder (CPU tensors), built on first use; ``None`` where no bucket table fits."""
-        return NearestCodeIndex.build(self.codebook)
+        """The C++ CPU kernel's encoder (CPU tensors, ``min_code`` built in), built on first use; ``None`` where no bucket table fits."""
+        return NearestCodeIndex.build(self.codebook, self.min_code)
 
     def decode_values(self) -> torch.Tensor:
         return self.codebook.to(torch.float32)
@@ -183,7 +234,7 @@ class CodebookFormat(BlockFormat):
         return {"decode": self.decode_values(), "index": self.index}
 
     def encode(self, normalized: torch.Tensor, rounding: Rounding, uniform: torch.Tensor | None) -> torch.Tensor:
-        return encode_codebook(normalized, self.tables(normalized.device)["index"], rounding, uniform)
+        return encode_codebook(normalized, self.tables(normalized.device)["index"], rounding, uniform).clamp(min=self.min_code)
 
 
 class MinifloatFormat(BlockFormat):
@@ -194,24 +245,19 @@ class MinifloatFormat(BlockFormat):
 
     ``zero_free`` formats (those ``get_format`` makes for non-negative states such as Adam's
     ``v``: unsigned ExMy, and FP8 with ``signed=False``, which keeps the OCP bit patterns) are
-    like torchao's 4-bit ``v`` map: magnitudes below the smallest positive value are stored
-    as it. A ``v`` flushed to 0 next to a nonzero ``m`` would make Adam's step ``m / eps``;
-    e2m2's smallest positive value is only 1/28 of the block's absmax, and SR sends tiny FP8
-    values to 0 often. A block whose absmax is 0 still reads back as zeros (its scale is 0).
+    like torchao's 4-bit ``v`` map: magnitudes below the smallest positive value, 0 included,
+    are stored as it (magnitude code ``min_code = 1``; see the module docstring). e2m2's smallest
+    positive value is only 1/28 of the block's absmax, and SR sends tiny FP8 values to 0 often.
     """
 
     def __init__(
         self, name: str, spec: MinifloatSpec, block_size: int, nonfinite: NonFinitePolicy = "raise", zero_free: bool = False, scale_dtype: ScaleDtype | None = None
     ) -> None:
-        super().__init__(name, spec.bits, block_size, spec.signed, nonfinite, scale_dtype, nonnegative=zero_free or not spec.signed)
+        nonnegative = zero_free or not spec.signed
+        super().__init__(name, spec.bits, block_size, spec.signed, nonfinite, scale_dtype, nonnegative=nonnegative, zero_free=zero_free)
         self.spec = spec
         self.max_value = spec.max_value
-        self.zero_free = zero_free
-
-    @property
-    def min_code(self) -> int:
-        """Smallest magnitude code the encoder writes: 1 when ``zero_free``, else 0."""
-        return int(self.zero_free)
+        self.min_code = int(zero_free)  # the magnitude code of the smallest subnormal
 
     @property
     def is_float(self) -> bool:

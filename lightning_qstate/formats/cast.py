@@ -25,12 +25,20 @@ class CastFormat(StorageFormat):
     Non-finite values round-trip as themselves (inf stays inf, NaN stays NaN).
     The bf16 SR cast adds 16 random bits to the fp32 pattern and clears the low
     16 bits; the fp16 SR cast uses the minifloat rounding of ``rounding.py``.
+
+    ``zero_free`` (``get_format(..., signed=False)``, for non-negative states such as Adam's ``v``): a positive value
+    that the cast would flush to 0 (RN or SR: below fp16's smallest subnormal ``2**-24 ≈ 6e-8``, bf16's ``2**-133``)
+    is stored as that smallest subnormal instead, as the block formats' ``min_code``. Exact zeros stay 0: a cast has
+    no block scale, so its smallest value is an absolute floor (fp16's ``6e-8`` is far above typical ``v``), and a
+    never-touched ``v`` must not start there.
     """
 
-    def __init__(self, name: str, dtype: torch.dtype) -> None:
+    def __init__(self, name: str, dtype: torch.dtype, zero_free: bool = False) -> None:
         self.name = name
         self.dtype = dtype
         self.bits = torch.finfo(dtype).bits
+        self.zero_free = zero_free
+        self.smallest_positive = torch.finfo(dtype).tiny * torch.finfo(dtype).eps  # the smallest subnormal
 
     @property
     def is_float(self) -> bool:
@@ -41,19 +49,25 @@ class CastFormat(StorageFormat):
 
     def quantize(self, x: torch.Tensor, rounding: Rounding = "nearest", generator: torch.Generator | None = None) -> QuantizedTensor:
         flat = self._check_input(x, rounding)
-        if rounding == "nearest" or self.dtype == torch.float32 or flat.dtype == self.dtype:
-            codes = flat.to(self.dtype, copy=True)
-        elif (backend := kernel_backend(flat.device)) is not None:
+        rounds = rounding == "stochastic" and self.dtype != torch.float32 and flat.dtype != self.dtype
+        if rounds and (backend := kernel_backend(flat.device)) is not None:
             codes = backend.stochastic_cast(self, flat, generator)
         else:
             codes, _ = self.quantize_reference(flat, rounding, generator)
         return QuantizedTensor(self, codes, None, x.shape, x.dtype)
 
     def quantize_reference(self, flat: torch.Tensor, rounding: Rounding, generator: torch.Generator | None) -> tuple[torch.Tensor, None]:
-        """Torch reference, same interface as the block formats': ``(n,)`` -> (values in ``dtype``, no scales)."""
-        if rounding == "nearest" or self.dtype == torch.float32:
-            return flat.to(self.dtype), None
+        """Torch reference, same interface as the block formats': ``(n,)`` -> (values in ``dtype``, a new tensor; no scales)."""
+        if rounding == "nearest" or self.dtype == torch.float32 or flat.dtype == self.dtype:
+            return self.lift_flushed(flat, flat.to(self.dtype, copy=True)), None
         return self.stochastic_reference(flat.float(), generator), None
+
+    def lift_flushed(self, flat: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+        """``codes`` (the cast of ``flat``) with every positive value of ``flat`` cast to 0 stored as the smallest subnormal
+        when ``zero_free``; unchanged otherwise."""
+        if not self.zero_free or codes.dtype == flat.dtype:  # an exact copy flushes nothing
+            return codes
+        return torch.where((flat > 0) & (codes == 0), self.smallest_positive, codes)
 
     def dequantize_reference(self, codes: torch.Tensor, scales: None, numel: int) -> torch.Tensor:
         """Torch reference: stored values -> ``(numel,)`` fp32."""
@@ -62,14 +76,14 @@ class CastFormat(StorageFormat):
     unit_values_reference = dequantize_reference  # no scales: a value is its own unit
 
     def stochastic_reference(self, flat: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-        """Torch reference of the SR cast of fp32 ``flat``."""
+        """Torch reference of the SR cast of fp32 ``flat`` (with :meth:`lift_flushed`)."""
         if self.dtype == torch.bfloat16:
             if generator is None:  # randint_like also traces under torch.compile with dynamic shapes
                 random_bits = torch.randint_like(flat, 0, 1 << 16, dtype=torch.int32)
             else:
                 random_bits = torch.randint(0, 1 << 16, flat.shape, generator=generator, device=flat.device, dtype=torch.int32)
-            return bf16_stochastic(flat, random_bits)
-        return fp16_stochastic(flat, uniform_like(flat, generator))
+            return self.lift_flushed(flat, bf16_stochastic(flat, random_bits))
+        return self.lift_flushed(flat, fp16_stochastic(flat, uniform_like(flat, generator)))
 
     def dequantize(self, q: QuantizedTensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         return q.codes.to(dtype or q.dtype, copy=True).view(q.shape)

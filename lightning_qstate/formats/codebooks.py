@@ -52,7 +52,7 @@ def linear_map(signed: bool, total_bits: int, zero_free: bool = False) -> torch.
     (one code unused, so that ``+1`` and ``-1`` are both exact). Unsigned:
     ``k / (2**bits - 1)``; with ``zero_free`` it is ``k / 2**bits`` for
     ``k = 1..2**bits`` (torchao's and lpmm's 4-bit second-moment map: a zero in
-    the ``v`` map makes ``1/sqrt(v)`` explode, see PEERS.md).
+    the ``v`` map makes ``1/sqrt(v)`` explode, see docs/algorithms.md, "Zero-free formats").
     """
     if signed:
         levels = 2 ** (total_bits - 1) - 1
@@ -192,7 +192,8 @@ class NearestCodeIndex:
     ``x`` in the bucket), ``inside`` (bit 8: a threshold lies in the bucket) and ``offset`` (bits 9+: that
     threshold's magnitude pattern minus ``key_base + (key << key_shift)``). Then
     ``code = first + (inside and (|x| >= |t| if x >= 0 else |x| <= |t|))``, which equals
-    ``encode_codebook(x, index, "nearest")`` for every fp32 ``x`` (tested exhaustively at the thresholds).
+    ``encode_codebook(x, index, "nearest")`` clamped up to ``min_code`` for every fp32 ``x`` (tested exhaustively at
+    the thresholds): the first ``min_code`` thresholds are taken as ``-inf``, so every bucket counts them.
     """
 
     decode: torch.Tensor  # (256,) fp32 codebook values, padded with 0
@@ -202,11 +203,13 @@ class NearestCodeIndex:
     half: int
 
     @staticmethod
-    def build(codebook: torch.Tensor) -> NearestCodeIndex | None:
-        """The index of a sorted codebook of at most 256 values, or ``None`` if its thresholds are too close together."""
+    def build(codebook: torch.Tensor, min_code: int = 0) -> NearestCodeIndex | None:
+        """The index of a sorted codebook of at most 256 values whose codes are clamped up to ``min_code`` (a zero-free
+        format's ``BlockFormat.min_code``), or ``None`` if its thresholds are too close together."""
         if codebook.numel() > 256:
             return None
         thresholds = nearest_thresholds(codebook)
+        thresholds[:min_code] = -torch.inf
         smallest = thresholds.abs()[thresholds != 0].min()
         exponent = max(int(torch.floor(torch.log2(smallest.double()))), -126)
         key_base = (exponent + 127) << 23  # fp32 pattern of the binade start at or below the smallest |threshold|

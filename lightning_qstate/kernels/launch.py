@@ -137,23 +137,10 @@ def triton_stochastic_cast(fmt: CastFormat, flat: torch.Tensor, seed: int | torc
 def adam_coefficients(hyper: dict[str, torch.Tensor], device: torch.device) -> torch.Tensor:
     """The fp32 coefficient vector of :func:`~.triton_adam.adam_step_kernel` on ``device`` (layout ``COEFFICIENTS``).
 
-    ``hyper`` as ``optim.fused.adam_math`` takes it (0-d tensors or numbers: ``lr``, ``weight_decay``, ``beta1``,
-    ``beta2``, ``eps``, ``step_size``, ``bias_correction2_sqrt``); the derived scalars are computed by the same
-    torch operations as ``adam_math``, so they round the same. No host synchronization.
+    ``hyper``: 0-d fp32 tensors by the names of ``COEFFICIENTS``, as ``optim.fused.adam_hyper`` makes them (the values
+    ``optim.fused.adam_math`` uses; numbers are rounded to fp32). No host synchronization.
     """
-    as_float = lambda value: torch.as_tensor(value, dtype=torch.float32)  # noqa: E731
-    lr, weight_decay, beta1, beta2 = (as_float(hyper[name]) for name in ("lr", "weight_decay", "beta1", "beta2"))
-    values = {
-        "decay": 1 - lr * weight_decay,
-        "weight_decay": weight_decay,
-        "lerp_weight": 1 - beta1,
-        "beta2": beta2,
-        "square_weight": 1 - beta2,
-        "eps": as_float(hyper["eps"]),
-        "step_size": as_float(hyper["step_size"]),
-        "bias_correction2_sqrt": as_float(hyper["bias_correction2_sqrt"]),
-    }
-    tensors = [values[name].reshape(()) for name in COEFFICIENTS]
+    tensors = [torch.as_tensor(hyper[name], dtype=torch.float32).reshape(()) for name in COEFFICIENTS]
     if all(tensor.device == device for tensor in tensors):
         return torch.stack(tensors)
     if all(tensor.device.type == "cpu" for tensor in tensors):

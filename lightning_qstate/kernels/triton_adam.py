@@ -6,8 +6,10 @@ back in place: decode (``decode[code] * scale``) -> torch's Adam(W) update ->
 per-block absmax -> encode (RN or SR) -> pack. Nothing else touches memory.
 
 It follows ``optim/fused.py``'s ``adam_step_quantized`` (the torch definition of the
-step) operation by operation, in the operation order of torch's kernels:
+step) operation by operation, bit for bit (``adam_math``'s rounding contract), in the
+operation order of torch's kernels:
 
+* L2 decay ``grad.add(param, alpha=weight_decay)`` is ``fma(param, weight_decay, grad)``;
 * ``exp_avg.lerp_(grad, w)`` is ``fma(w, grad - exp_avg, exp_avg)`` for ``|w| < 0.5``,
   else ``fma(w - 1, grad - exp_avg, grad)`` (torch's vectorized CPU and CUDA lerp);
 * ``exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)`` is
@@ -16,11 +18,11 @@ step) operation by operation, in the operation order of torch's kernels:
   operation rounds once. Launch with ``enable_fp_fusion=False`` (the launcher does,
   via the kernel variant) so the compiler adds no FMA contraction of its own.
 
-The hyperparameters come from a device vector (:data:`COEFFICIENTS`), so a new
-learning rate never recompiles and never synchronizes. The moments may have
-different formats and block sizes: a program covers ``BLOCK_SIZE`` values, the
-larger of the two block sizes, and the moment with the smaller block size is
-scaled per sub-block (``*_SUB_BLOCKS`` of them).
+The hyperparameters come from a device vector (:data:`COEFFICIENTS`, the fp32 values
+of ``optim.fused.adam_hyper``), so a new learning rate never recompiles and never
+synchronizes. The moments may have different formats and block sizes: a program
+covers ``BLOCK_SIZE`` values, the larger of the two block sizes, and the moment
+with the smaller block size is scaled per sub-block (``*_SUB_BLOCKS`` of them).
 
 SR draws ``tl.rand(seed_m, i)`` for ``exp_avg`` and ``tl.rand(seed_v, i)`` for
 ``exp_avg_sq`` (two seeds at ``seed_ptr``). With ``TRACK_STALLS``, each program
@@ -37,9 +39,11 @@ import triton.language as tl
 
 from .triton_formats import load_moment, stall_counts, store_moment, to_float32
 
-COEFFICIENTS = ("decay", "weight_decay", "lerp_weight", "beta2", "square_weight", "eps", "step_size", "bias_correction2_sqrt")
+COEFFICIENTS = ("decay", "weight_decay", "lerp_weight", "beta2", "square_weight", "eps", "step_size", "bias_correction2_sqrt", "moment_bound")
 """Layout of the fp32 coefficient vector: ``1 - lr * weight_decay``, ``weight_decay``, ``1 - beta1``, ``beta2``,
-``1 - beta2``, ``eps``, ``lr / (1 - beta1**t)``, ``sqrt(1 - beta2**t)``."""
+``1 - beta2``, ``eps``, ``lr / (1 - beta1**t)``, ``sqrt(1 - beta2**t)`` (at step ``t``), each computed as torch's
+AdamW does (in float64 for Python floats) and rounded to fp32 once, and the bound ``K`` that the decoded ``m`` is
+held to (``|m| <= K sqrt(v)``, ``kernels.bounds``): the keys of ``optim.fused.adam_hyper``."""
 
 STALL_SLOTS: tl.constexpr = tl.constexpr(32)
 
@@ -113,15 +117,17 @@ def adam_step_kernel(
     decay, weight_decay = tl.load(coefficients_ptr + 0), tl.load(coefficients_ptr + 1)
     lerp_weight, beta2, square_weight = tl.load(coefficients_ptr + 2), tl.load(coefficients_ptr + 3), tl.load(coefficients_ptr + 4)
     eps, step_size, bias_correction2_sqrt = tl.load(coefficients_ptr + 5), tl.load(coefficients_ptr + 6), tl.load(coefficients_ptr + 7)
+    limit = tl.math.sqrt_rn(exp_avg_sq) * tl.load(coefficients_ptr + 8)  # fused.hold_moment: |m| <= K sqrt(v)
+    held = tl.where(exp_avg > limit, limit, tl.where(exp_avg < -limit, -limit, exp_avg))
     if MAXIMIZE:
         grad = -grad
     if DECOUPLED:
         param = param * decay
     else:
-        grad = grad + param * weight_decay
+        grad = tl.fma(param, weight_decay, grad)
     small = tl.abs(lerp_weight) < 0.5  # torch's lerp: from the nearer end
     coefficient = tl.where(small, lerp_weight, lerp_weight - 1.0)
-    new_exp_avg = tl.fma(coefficient, grad - exp_avg, tl.where(small, exp_avg, grad))
+    new_exp_avg = tl.fma(coefficient, grad - held, tl.where(small, held, grad))
     new_exp_avg_sq = tl.fma(square_weight * grad, grad, exp_avg_sq * beta2)
     denom = tl.math.div_rn(tl.math.sqrt_rn(new_exp_avg_sq), bias_correction2_sqrt) + eps
     param = param - tl.math.div_rn(step_size * new_exp_avg, denom)

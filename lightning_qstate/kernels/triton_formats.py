@@ -173,7 +173,9 @@ def encode_block(
 
     Codebook formats use ``bucket_floor_ptr, values_ptr, key_shift, half, last``;
     minifloat formats use ``max_value`` (fp32, the format's largest finite value)
-    and the constexprs ``SIGNED, BITS, MANTISSA_BITS, BIAS, MAX_CODE, MIN_CODE`` (1: zero-free).
+    and the constexprs ``SIGNED, BITS, MANTISSA_BITS, BIAS, MAX_CODE``. Both clamp
+    the code (the magnitude code, for minifloats) up to ``MIN_CODE``, the format's
+    ``BlockFormat.min_code`` (nonzero: zero-free).
     """
     if IS_MINIFLOAT:
         if SIGNED:
@@ -184,7 +186,7 @@ def encode_block(
         if SIGNED:
             code = code | ((normalized < 0).to(tl.int32) << (BITS - 1))
     else:
-        code = encode_codebook(normalized, bucket_floor_ptr, values_ptr, key_shift, half, last, STOCHASTIC, uniform)
+        code = tl.maximum(encode_codebook(normalized, bucket_floor_ptr, values_ptr, key_shift, half, last, STOCHASTIC, uniform), MIN_CODE)
     return code
 
 
@@ -422,6 +424,14 @@ def bf16_stochastic(x, random_bits):
     high = tl.where(tl.abs(x) <= FLT_MAX, bits + random_bits, bits) >> 16
     high = tl.where(x != x, high | 0x40, high)  # NaN: keep it a (quiet) NaN
     return high.to(tl.int16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def lift_flushed(x, y):
+    """``CastFormat.lift_flushed`` of a zero-free cast: ``y`` (bf16 or fp16, the cast of fp32 ``x``) with every positive
+    ``x`` cast to 0 stored as the smallest subnormal (bit pattern 1)."""
+    bits = y.to(tl.int16, bitcast=True)
+    return tl.where((x > 0) & (bits == 0), bits + 1, bits).to(y.dtype, bitcast=True)
 
 
 @triton.jit

@@ -36,6 +36,7 @@ from .triton_formats import (
     encode_block,
     float32_to,
     fp16_stochastic,
+    lift_flushed,
     load_block_codes,
     normalize_block,
     store_block_codes,
@@ -105,8 +106,9 @@ def dequantize_blocks_kernel(codes_ptr, scales_ptr, decode_lut_ptr, out_ptr, num
 
 
 @triton.jit
-def stochastic_cast_kernel(x_ptr, out_ptr, seed_ptr, numel, TO_BF16: tl.constexpr, BLOCK_SIZE: tl.constexpr):
-    """SR cast of ``BLOCK_SIZE`` values to bf16 (``TO_BF16``) or fp16; element ``i`` draws from ``(seed, i)``."""
+def stochastic_cast_kernel(x_ptr, out_ptr, seed_ptr, numel, TO_BF16: tl.constexpr, ZERO_FREE: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """SR cast of ``BLOCK_SIZE`` values to bf16 (``TO_BF16``) or fp16; element ``i`` draws from ``(seed, i)``.
+    ``ZERO_FREE``: a positive value is never stored as 0 (``CastFormat.zero_free``)."""
     offsets = tl.program_id(0).to(tl.int64) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
     in_range = offsets < numel
     x = to_float32(tl.load(x_ptr + offsets, mask=in_range, other=0.0))
@@ -115,6 +117,8 @@ def stochastic_cast_kernel(x_ptr, out_ptr, seed_ptr, numel, TO_BF16: tl.constexp
         y = bf16_stochastic(x, (tl.randint(seed, offsets) & 0xFFFF).to(tl.int32))
     else:
         y = fp16_stochastic(x, tl.rand(seed, offsets))
+    if ZERO_FREE:
+        y = lift_flushed(x, y)
     tl.store(out_ptr + offsets, y, mask=in_range)
 
 
@@ -205,7 +209,7 @@ def encoder_constexprs(fmt: BlockFormat, prefix: str = "") -> dict[str, object]:
             "MIN_CODE": fmt.min_code,
         }
     elif isinstance(fmt, CodebookFormat):
-        minifloat = {"IS_MINIFLOAT": False, "SIGNED": fmt.signed, "MANTISSA_BITS": 0, "BIAS": 0, "MAX_CODE": 0, "MIN_CODE": 0}
+        minifloat = {"IS_MINIFLOAT": False, "SIGNED": fmt.signed, "MANTISSA_BITS": 0, "BIAS": 0, "MAX_CODE": 0, "MIN_CODE": fmt.min_code}
     else:
         raise TypeError(f"no Triton encoder for block format {fmt!r}")
     constexprs = {"BITS": fmt.bits, **minifloat, "SCALE_BF16": fmt.scale_dtype == torch.bfloat16}
@@ -256,9 +260,9 @@ def stochastic_cast_variant(fmt: CastFormat, input_dtype: torch.dtype) -> Kernel
     """The :func:`stochastic_cast_kernel` specialization for cast format ``fmt`` (bf16 or fp16) and ``input_dtype``."""
     if not isinstance(fmt, CastFormat) or fmt.dtype not in (torch.bfloat16, torch.float16):
         raise TypeError(f"stochastic_cast_kernel casts to bf16 or fp16, got {fmt!r}")
-    constexprs = {"TO_BF16": fmt.dtype == torch.bfloat16, "BLOCK_SIZE": CAST_BLOCK_SIZE}
+    constexprs = {"TO_BF16": fmt.dtype == torch.bfloat16, "ZERO_FREE": fmt.zero_free, "BLOCK_SIZE": CAST_BLOCK_SIZE}
     types = {"x_ptr": pointer_type(input_dtype), "out_ptr": pointer_type(fmt.dtype), "seed_ptr": "*i64", "numel": "i32"}
-    label = f"stochastic_cast[{fmt.name},{input_dtype}]"
+    label = f"stochastic_cast[{fmt.name}{',zero_free' if fmt.zero_free else ''},{input_dtype}]"
     return KernelVariant("stochastic_cast_kernel", _with_constexprs(types, constexprs), constexprs, CAST_NUM_WARPS, label)
 
 
@@ -332,6 +336,7 @@ def aot_variants() -> list[KernelVariant]:
     fp32, bf16, fp16 = torch.float32, torch.bfloat16, torch.float16
     formats: list[tuple[StorageFormat, Rounding, torch.dtype]] = [
         (get_format("int8"), "nearest", fp32),  # codebook, byte container
+        (get_format("int8", signed=False), "stochastic", fp32),  # zero-free codebook (MIN_CODE 1)
         (get_format("int8"), "stochastic", bf16),
         (get_format("int8", scale_dtype="fp32"), "nearest", fp32),  # fp32 scales (version-1 checkpoints)
         (get_format("int4", block_size=32), "nearest", fp32),  # codebook, nibbles, small block
@@ -348,10 +353,10 @@ def aot_variants() -> list[KernelVariant]:
         dequantize_blocks_variant(get_format("fp8_e4m3", scale_dtype="fp32"), fp32),
         dequantize_blocks_variant(get_format("e5m10", block_size=32), fp16),
     ]
-    variants += [stochastic_cast_variant(get_format("bf16"), fp32), stochastic_cast_variant(get_format("fp16"), bf16)]
+    variants += [stochastic_cast_variant(get_format("bf16"), fp32), stochastic_cast_variant(get_format("fp16", signed=False), bf16)]
     # Adam: (m format, v format, rounding, grad dtype, decoupled, maximize, track_stalls).
     adam: list[tuple[StorageFormat, StorageFormat, Rounding, torch.dtype, bool, bool, bool]] = [
-        (get_format("int8"), get_format("int8", signed=False), "nearest", fp32, True, False, False),  # the default states
+        (get_format("int8"), get_format("int8", signed=False), "nearest", fp32, True, False, False),  # the default states (zero-free v)
         (get_format("int8"), get_format("int8", signed=False), "stochastic", fp32, True, False, True),
         (get_format("int8", scale_dtype="fp32"), get_format("int8", signed=False), "nearest", fp32, True, False, True),  # mixed scales
         (get_format("int4"), get_format("int4", signed=False), "nearest", fp32, False, True, True),  # nibbles, 128 blocks

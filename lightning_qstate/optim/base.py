@@ -9,21 +9,90 @@ states of a single parameter.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any, Literal
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from ..formats import QuantizedTensor, StorageFormat, count_stalls
 from .policy import POLICY_DEFAULTS, StatesSpec, resolve_format, validate_policy
 from .serialization import FORMAT_SUFFIX, STATE_FORMAT_VERSION, VERSION_KEY, exact_values, export_state, format_from_marker, format_marker, import_state, is_exported
 
-NonFiniteGradPolicy = Literal["skip", "raise"]
+NonFiniteGradPolicy = Literal["skip", "skip_step", "raise"]
 CheckpointMode = Literal["packed", "fp32"]
-NONFINITE_GRAD_POLICIES: tuple[str, ...] = ("skip", "raise")
+NONFINITE_GRAD_POLICIES: tuple[str, ...] = ("skip", "skip_step", "raise")
 StateValue = torch.Tensor | QuantizedTensor
+# Parameter dtypes the quantized optimizers step (float64 states are quantized through fp32).
+PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+# Where the stochastic-rounding seed and step counter travel in a state dict (param group 0: it survives every
+# strategy's optimizer-state conversion, which may drop unknown top-level keys).
+ROUNDING_KEY = "qstate_rounding_seed"
+# Attributes the quantized optimizers add to torch's; kept by pickle and deepcopy.
+QSTATE_ATTRIBUTES = (
+    "track_stalls", "nonfinite", "generator", "nonfinite_skips", "skipped_steps", "state_overrides", "module_names", "full_numels", "checkpoint_mode",
+    "_stall_counts", "_step_supports_amp_scaling", "_rounding_seed", "_rounding_step", "_policy_ready",
+)  # fmt: skip
+MASK64 = (1 << 64) - 1
+
+
+def mix64(*values: int) -> int:
+    """A 63-bit seed from integers (splitmix64 chained): stable across processes, unlike ``hash``."""
+    state = 0x9E3779B97F4A7C15
+    for value in values:
+        state = (state ^ (value & MASK64)) * 0xBF58476D1CE4E5B9 & MASK64
+        state = (state ^ (state >> 31)) * 0x94D049BB133111EB & MASK64
+        state ^= state >> 29
+    return state >> 1
+
+
+def quantize_state(fmt: StorageFormat, value: torch.Tensor, rounding: str = "nearest", generator: torch.Generator | None = None) -> QuantizedTensor:
+    """``fmt.quantize(value)``; a float64 state is quantized through fp32 and reads back as float64."""
+    if value.dtype != torch.float64:
+        return fmt.quantize(value, rounding=rounding, generator=generator)
+    quantized = fmt.quantize(value.float(), rounding=rounding, generator=generator)
+    quantized.dtype = torch.float64
+    return quantized
+
+
+@contextlib.contextmanager
+def suspended_hooks(optimizer: torch.optim.Optimizer, *names: str) -> Iterator[None]:
+    """Hide ``optimizer``'s hook dicts ``names`` while torch's own (de)serialization runs, so that we run them around ours."""
+    saved = {name: getattr(optimizer, name) for name in names}
+    for name in names:
+        setattr(optimizer, name, type(saved[name])())
+    try:
+        yield
+    finally:
+        for name, hooks in saved.items():
+            setattr(optimizer, name, hooks)
+
+
+def merge_stringified_keys(state: dict) -> dict:
+    """``state`` with keys such as ``"0"`` merged into the int key ``0``, recursively, the string-keyed values winning.
+
+    ``torch.distributed.checkpoint.load`` into an optimizer state dict loads tensors in place under the int keys
+    but sets non-tensor values (format configs, shapes, checksums) under stringified keys.
+    """
+    merged = dict(state)
+    for key in [k for k in state if isinstance(k, str) and k.isdigit() and int(k) in state]:
+        merged[int(key)] = _deep_merge(merged[int(key)], merged.pop(key))
+    return merged
+
+
+def _listing(names: list[str], shown: int = 8) -> str:
+    """``"3 parameter(s): a, b, c"``, the first ``shown`` names."""
+    more = f", ... ({len(names) - shown} more)" if len(names) > shown else ""
+    return f"{len(names)} parameter(s): {', '.join(names[:shown])}{more}"
+
+
+def _deep_merge(base: Any, update: Any) -> Any:
+    if isinstance(base, dict) and isinstance(update, dict):
+        return {**base, **{k: _deep_merge(base[k], v) if k in base else v for k, v in update.items()}}
+    return update
 
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
@@ -101,27 +170,130 @@ class QuantizedStates:
         self.defaults.update({"states": states, "rounding": rounding, "block_size": block_size, "min_quant_size": min_quant_size})
         for group in self.param_groups:
             self._complete_group(group)
+        self._policy_ready = True
         self.track_stalls = bool(track_stalls)
         self.nonfinite = nonfinite
         self.generator = generator
         self.nonfinite_skips = 0
+        self.skipped_steps = 0
         self.state_overrides: dict[torch.Tensor, StatesSpec] = {}
+        self.module_names: dict[torch.Tensor, str] = {}  # parameter names from the module (QuantizationPolicy.apply)
         self.full_numels: dict[torch.Tensor, int] = {}  # full sizes of parameters that are local views (FSDP1), see resolve_format
         self.checkpoint_mode: CheckpointMode = "packed"
         self._stall_counts: dict[tuple[torch.Tensor, str], torch.Tensor] = {}
         self._step_supports_amp_scaling = False  # a GradScaler must unscale the grads before our step
+        # Stochastic rounding draws from generators seeded by (seed, step, parameter, state): reproducible from the seed
+        # alone, so a checkpoint that holds both resumes exactly (see ``rounding_generator``).
+        seed_source = torch.randint(2**62, (1,), generator=generator, device=generator.device if generator is not None else "cpu")
+        self._rounding_seed = int(seed_source)
+        self._rounding_step = 0
+
+    def __getstate__(self) -> dict[str, Any]:
+        """torch's pickled state plus the attributes this mixin adds (``copy.deepcopy`` and ``pickle`` keep them)."""
+        state = super().__getstate__()
+        state.update({name: self.__dict__[name] for name in QSTATE_ATTRIBUTES if name in self.__dict__})
+        return state
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """torch's ``add_param_group``, then the same checks and policy defaults as the constructor's groups."""
+        super().add_param_group(param_group)
+        if getattr(self, "_policy_ready", False):  # during torch's __init__ the policy defaults are not set yet
+            self._complete_group(self.param_groups[-1])
 
     def _complete_group(self, group: dict) -> None:
         for key, value in POLICY_DEFAULTS.items():
             group.setdefault(key, self.defaults.get(key, value))
         validate_policy(group, self.state_names or None, type(self).__name__)
+        owner = type(self).__name__
+        if group.get("differentiable"):
+            raise ValueError(f"{owner}: differentiable=True is not supported (quantized states are not differentiable); use the torch optimizer")
         for param in group["params"]:
             if torch.is_complex(param):
-                raise ValueError(f"{type(self).__name__}: complex parameters are not supported; give them to a separate torch optimizer")
+                raise ValueError(f"{owner}: complex parameters are not supported; give them to a separate torch optimizer")
+            if param.dtype not in PARAM_DTYPES:
+                raise TypeError(f"{owner}: parameters of dtype {param.dtype} are not supported; use one of {[str(d) for d in PARAM_DTYPES]}")
 
     # --- the step -------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One optimization step, parameter by parameter; ``closure`` re-evaluates the loss under grad mode."""
+        loss = self._evaluate(closure)
+        with self._nonfinite_policy():
+            self._step_params()
+        return loss
+
+    @staticmethod
+    def _evaluate(closure):
+        """Run the closure (if any) with gradients enabled, before any gradient is checked."""
+        if closure is None:
+            return None
+        with torch.enable_grad():
+            return closure()
+
+    @contextlib.contextmanager
+    def _nonfinite_policy(self) -> Iterator[None]:
+        """Apply the non-finite-gradient policy around one step, and advance the stochastic-rounding step counter.
+
+        ``"skip"``: a parameter whose gradient holds inf/NaN is not updated and its states are left unchanged;
+        ``"skip_step"``: no parameter is updated if any gradient holds inf/NaN (as ``GradScaler`` does);
+        ``"raise"``: ``FloatingPointError``. Skips are counted (``nonfinite_skips``: parameter updates,
+        ``skipped_steps``: whole steps) and reported in one warning per step that names the parameters. Where the
+        parameters are shards (FSDP1, FSDP2), every rank decides from gradients checked on all ranks, so a NaN in
+        one rank's shard skips that parameter everywhere.
+        """
+        self._skipped: list[torch.Tensor] = []
+        withheld = self._withheld_by_policy()
+        grads = {param: param.grad for param in withheld}
+        for param in withheld:
+            param.grad = None
+        try:
+            yield
+        finally:
+            for param, grad in grads.items():
+                param.grad = grad
+            self._rounding_step += 1
+            self._report_skips()
+
+    def _withheld_by_policy(self) -> list[torch.Tensor]:
+        """Parameters whose gradients the whole-step or cross-rank check withholds from this step (counted as skipped)."""
+        sharded = dist.is_available() and dist.is_initialized() and (bool(self.full_numels) or self._has_dtensors())
+        if self.nonfinite != "skip_step" and not sharded:
+            return []  # each path checks its own gradients
+        params = [p for group in self.param_groups for p in group["params"]]
+        finite = self._finite_flags(params)
+        if sharded:
+            dist.all_reduce(finite, op=dist.ReduceOp.MIN)
+        bad = [p for p, ok in zip(params, finite.tolist()) if not ok]
+        if not bad:
+            return []
+        if self.nonfinite == "raise":
+            self._raise_nonfinite(bad)
+        withheld = [p for p in params if p.grad is not None] if self.nonfinite == "skip_step" else bad
+        if self.nonfinite == "skip_step":
+            self.skipped_steps += 1
+        self._skipped += bad
+        self.nonfinite_skips += len(withheld)
+        return withheld
+
+    def _has_dtensors(self) -> bool:
+        return any(isinstance(p, DTensor) for group in self.param_groups for p in group["params"])
+
+    @staticmethod
+    def _finite_flags(params: list[torch.Tensor]) -> torch.Tensor:
+        """int32 ``(len(params),)``: 1 where the (local) gradient is finite or absent. One L1 norm per gradient, and the
+        exact element check only where a norm is not finite (finite values can overflow it)."""
+        with_grads = [(i, local_tensor(p.grad)) for i, p in enumerate(params) if p.grad is not None]
+        device = params[0].device if params else torch.device("cpu")
+        flags = torch.ones(len(params), dtype=torch.int32, device=local_tensor(params[0]).device if params else device)
+        if with_grads:
+            norms = torch._foreach_norm([grad for _, grad in with_grads], 1)
+            for (i, grad), norm in zip(with_grads, norms):
+                if not bool(torch.isfinite(norm)) and not bool(torch.isfinite(grad).all()):
+                    flags[i] = 0
+        return flags
+
     def _grad_is_finite(self, param: torch.Tensor, grad: torch.Tensor) -> bool:
-        """Apply the non-finite-gradient policy: ``skip`` (count and warn) or ``raise``.
+        """Apply the per-parameter non-finite-gradient policy to one parameter.
 
         One fp32-accumulated sum decides (inf and NaN propagate into it); only a non-finite sum, which an
         overflow of finite values can also give, pays for the exact element-wise check.
@@ -132,31 +304,46 @@ class QuantizedStates:
         return False
 
     def _skip_nonfinite_grad(self, param: torch.Tensor) -> None:
-        """Count and warn (``nonfinite="skip"``) or raise, for a parameter whose gradient holds inf/NaN."""
-        message = f"{type(self).__name__}: non-finite gradient for a parameter of shape {tuple(param.shape)}"
+        """Record a parameter whose gradient holds inf/NaN (reported once per step), or raise for ``nonfinite="raise"``."""
         if self.nonfinite == "raise":
-            raise FloatingPointError(message + " (nonfinite='raise')")
+            self._raise_nonfinite([param])
         self.nonfinite_skips += 1
-        warnings.warn(message + "; its update was skipped and its states left unchanged (nonfinite='skip')", RuntimeWarning, stacklevel=4)
+        self._skipped.append(param)
+
+    def _raise_nonfinite(self, params: list[torch.Tensor]) -> None:
+        names = self.param_names()
+        raise FloatingPointError(f"{type(self).__name__}: non-finite gradient in {_listing([names[p] for p in params])} (nonfinite='raise')")
+
+    def _report_skips(self) -> None:
+        if not self._skipped:
+            return
+        names = self.param_names()
+        what = "the whole step was skipped" if self.nonfinite == "skip_step" else "their updates were skipped and their states left unchanged"
+        warnings.warn(
+            f"{type(self).__name__}: non-finite gradient in {_listing([names[p] for p in self._skipped])}; {what} "
+            f"(nonfinite={self.nonfinite!r}; {self.nonfinite_skips} parameter updates skipped so far)",
+            RuntimeWarning,
+            stacklevel=4,
+        )
 
     def _check_grad(self, grad: torch.Tensor) -> None:
         if grad.is_sparse:
             raise RuntimeError(f"{type(self).__name__} does not support sparse gradients; use torch.optim.SparseAdam for sparse embeddings")
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        """One optimization step, parameter by parameter; ``closure`` re-evaluates the loss under grad mode."""
-        loss = self._evaluate(closure)
-        self._step_params()
-        return loss
+    def rounding_generator(self, key: torch.Tensor, name: str, device: torch.device) -> torch.Generator:
+        """The generator stochastic rounding of state ``name`` of parameter ``key`` draws from at this step.
 
-    @staticmethod
-    def _evaluate(closure):
-        """Run the closure (if any) with gradients enabled, before any gradient is checked."""
-        if closure is None:
-            return None
-        with torch.enable_grad():
-            return closure()
+        Seeded from (the optimizer's seed, its step count, the parameter's position, the state's name, the rank),
+        so runs reproduce from the seed (drawn from ``generator``, or torch's global generator, at construction)
+        and resume exactly from a checkpoint, which stores the seed and the step count.
+        """
+        positions = self.__dict__.get("_positions")
+        if positions is None or key not in positions:  # built once, and again after add_param_group
+            positions = self._positions = {p: i for i, p in enumerate(p for group in self.param_groups for p in group["params"])}
+        position = positions[key]
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        seed = mix64(self._rounding_seed, self._rounding_step, position, rank, *name.encode())
+        return torch.Generator(device=device).manual_seed(seed)
 
     def _step_params(self) -> None:
         for group in self.param_groups:
@@ -171,9 +358,13 @@ class QuantizedStates:
         return keys
 
     def _step_checked(self, group: dict, key: torch.Tensor) -> None:
-        """Step one parameter unless the non-finite-gradient policy skips it."""
+        """Step one parameter unless the non-finite-gradient policy skips it (a parameter that gets no state, such as
+        SGD's without momentum, gets no entry in ``state``, as in torch)."""
         if self._grad_is_finite(key, key.grad):
-            self._step_param(group, key, local_tensor(key), local_tensor(key.grad), self.state[key])
+            state = self.state[key]
+            self._step_param(group, key, local_tensor(key), local_tensor(key.grad), state)
+            if not state:
+                del self.state[key]
 
     def _step_param(self, group: dict, key: torch.Tensor, param: torch.Tensor, grad: torch.Tensor, state: dict) -> None:
         """Step one parameter. ``key`` is the parameter as the optimizer holds it (a DTensor under FSDP2: all
@@ -195,7 +386,9 @@ class QuantizedStates:
         fmt = self._format_for(group, key, name, value, old)
         if fmt is None:
             return value
-        return fmt.quantize(local_tensor(value), rounding=group["rounding"], generator=self.generator)
+        local = local_tensor(value)
+        generator = self.rounding_generator(key, name, local.device) if group["rounding"] == "stochastic" else None
+        return quantize_state(fmt, local, group["rounding"], generator)
 
     def _format_for(self, group: dict, key: torch.Tensor, name: str, value: torch.Tensor, old: StateValue | None) -> StorageFormat | None:
         """Format to store ``value`` in: a quantized state keeps its format, a plain one stays plain, a new one follows the policy."""
@@ -211,7 +404,7 @@ class QuantizedStates:
     def _initial(self, group: dict, key: torch.Tensor, name: str, value: torch.Tensor) -> StateValue:
         """Store a freshly created state of parameter ``key`` (``value``: local tensor) per the policy."""
         fmt = self._policy_format(group, key, name)
-        return local_tensor(value) if fmt is None else fmt.quantize(local_tensor(value), rounding="nearest")
+        return local_tensor(value) if fmt is None else quantize_state(fmt, local_tensor(value))
 
     # --- stall statistics -----------------------------------------------------------------------------
     def _count_stalls(self, param: torch.Tensor, name: str, old: QuantizedTensor, before: torch.Tensor, updated: torch.Tensor, stored: QuantizedTensor) -> None:
@@ -254,13 +447,15 @@ class QuantizedStates:
         }
 
     def param_names(self) -> dict[torch.Tensor, str]:
-        """Name of every parameter: from ``param_names`` in the groups when given, else ``"param{i}"``."""
+        """Name of every parameter: from ``param_names`` in the groups when given, else the module's name for it
+        (``module_names``, set by ``QuantizationPolicy.apply``), else ``"param{i}"``."""
         names: dict[torch.Tensor, str] = {}
         index = 0
+        module_names = getattr(self, "module_names", {})
         for group in self.param_groups:
             given = group.get("param_names")
             for position, param in enumerate(group["params"]):
-                names[param] = given[position] if given else f"param{index}"
+                names[param] = given[position] if given else module_names.get(param, f"param{index}")
                 index += 1
         return names
 
@@ -281,7 +476,7 @@ class QuantizedStates:
         if isinstance(fmt, str):
             fmt = resolve_format({**group, "states": fmt, "min_quant_size": 0}, name, param, self.full_numels.get(param))
         value = dequantized(state[name])
-        state[name] = value if fmt is None else fmt.quantize(value)
+        state[name] = value if fmt is None else quantize_state(fmt, value)
 
     def reset_states(self, param: torch.Tensor, names: Iterable[str], restart_step: bool = False) -> list[str]:
         """Zero the states ``names`` of ``param`` in place, each keeping its format; returns the names it zeroed.
@@ -295,7 +490,7 @@ class QuantizedStates:
         for name in names:
             value = state.get(name)
             if isinstance(value, QuantizedTensor):
-                state[name] = value.format.quantize(torch.zeros(value.shape, dtype=value.dtype, device=value.device))
+                state[name] = quantize_state(value.format, torch.zeros(value.shape, dtype=value.dtype, device=value.device))
             elif isinstance(value, torch.Tensor):
                 value.zero_()
             else:
@@ -315,17 +510,28 @@ class QuantizedStates:
     def state_dict(self) -> dict[str, Any]:
         """Torch's state dict with every quantized state in checkpoint form (see ``checkpoint_mode``).
 
-        ``"packed"`` (default): a versioned dict of codes and scales, bit-exact. ``"fp32"``: a tensor shaped
-        like the parameter (a DTensor under FSDP2, the flat shard under FSDP1) plus a ``"<name>.qstate_format"``
-        string, for strategies that reshard optimizer state; loading re-quantizes it into the same format, and
-        with the same block layout (same world size) into the same codes and scales (see ``exact_values``).
-        DTensor parameters always use ``"fp32"``: per-rank packed buffers would load on the wrong rank; for the
-        same reason their plain states, held as local shards, are exported as DTensors.
+        ``"packed"`` (default): a versioned dict of codes, scales and a checksum, bit-exact. ``"fp32"``: a tensor
+        shaped like the parameter (a DTensor under FSDP2, the flat shard under FSDP1) plus a
+        ``"<name>.qstate_format"`` string, for strategies that reshard optimizer state; loading re-quantizes it into
+        the same format, and with the same block layout (same world size) into the same codes and scales (see
+        ``exact_values``). DTensor parameters always use ``"fp32"``: per-rank packed buffers would load on the wrong
+        rank; for the same reason their plain states, held as local shards, are exported as DTensors. The
+        stochastic-rounding seed and step count ride in param group 0. Hooks registered with
+        ``register_state_dict_pre_hook``/``_post_hook`` see the optimizer before and the finished dict after.
         """
-        state_dict = super().state_dict()
+        for hook in self._optimizer_state_dict_pre_hooks.values():
+            hook(self)
+        with suspended_hooks(self, "_optimizer_state_dict_pre_hooks", "_optimizer_state_dict_post_hooks"):
+            state_dict = super().state_dict()
         params = [p for group in self.param_groups for p in group["params"]]
-        state_dict["state"] = {index: self._export_entries(params[index], entries) for index, entries in state_dict["state"].items()}
+        state_dict["state"] = {
+            index: self._export_entries(params[index], entries) if isinstance(index, int) else entries for index, entries in state_dict["state"].items()
+        }
         state_dict[VERSION_KEY] = STATE_FORMAT_VERSION
+        if state_dict["param_groups"]:
+            state_dict["param_groups"][0][ROUNDING_KEY] = [self._rounding_seed, self._rounding_step]
+        for hook in self._optimizer_state_dict_post_hooks.values():
+            state_dict = hook(self, state_dict) or state_dict
         return state_dict
 
     def _export_entries(self, key: torch.Tensor, entries: dict[str, Any]) -> dict[str, Any]:
@@ -344,16 +550,27 @@ class QuantizedStates:
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load our own state dict (either mode), or a plain torch one (its fp32 states are quantized per the policy).
 
-        Packed codes never pass through ``torch.optim.Optimizer.load_state_dict``, which would cast them; a
-        packed state whose shape or size does not fit its parameter raises. State keys are matched to parameters
-        as torch does, by position in the saved ``param_groups`` (ints, or FQNs from ``set_optimizer_state_dict``).
+        Packed codes never pass through ``torch.optim.Optimizer.load_state_dict``, which would cast them; a packed
+        state whose shape, size, checksum or scales do not fit its parameter raises. State keys are matched to
+        parameters as torch does, by position in the saved ``param_groups`` (ints, or FQNs from
+        ``set_optimizer_state_dict``). Hyperparameters come from the checkpoint, as in torch (a configured value
+        that differs is warned about). The storage policy (``states``, ``rounding``, ``block_size``,
+        ``min_quant_size``) stays as configured: where it differs from the checkpoint's, the states are re-encoded
+        into the configured formats, with a warning. Hooks registered with ``register_load_state_dict_pre_hook``
+        see the dict as given, ``_post_hook`` the optimizer once every state is loaded.
         """
+        for hook in self._optimizer_load_state_dict_pre_hooks.values():
+            state_dict = hook(self, state_dict) or state_dict
+        state_dict = {**state_dict, "state": merge_stringified_keys(state_dict["state"])}
+        configured = [dict(group) for group in self.param_groups]
         packed, markers, plain = {}, {}, {}
         for index, entries in state_dict["state"].items():
             packed[index] = {k: v for k, v in entries.items() if is_exported(v)}
             markers[index] = {k[: -len(FORMAT_SUFFIX)]: v for k, v in entries.items() if k.endswith(FORMAT_SUFFIX)}
             plain[index] = {k: v for k, v in entries.items() if not is_exported(v) and not k.endswith(FORMAT_SUFFIX)}
-        super().load_state_dict({**{k: v for k, v in state_dict.items() if k != VERSION_KEY}, "state": plain})
+        saved_groups = [{k: v for k, v in group.items() if k != ROUNDING_KEY} for group in state_dict["param_groups"]]
+        with suspended_hooks(self, "_optimizer_load_state_dict_pre_hooks", "_optimizer_load_state_dict_post_hooks"):
+            super().load_state_dict({**{k: v for k, v in state_dict.items() if k != VERSION_KEY}, "state": plain, "param_groups": saved_groups})
         saved_keys = [key for group in state_dict["param_groups"] for key in group["params"]]
         params = dict(zip(saved_keys, (p for group in self.param_groups for p in group["params"])))
         for index, entries in packed.items():
@@ -364,15 +581,67 @@ class QuantizedStates:
         for index, entries in markers.items():
             for name, marker in entries.items():
                 state = self.state[params[index]]
-                state[name] = format_from_marker(marker).quantize(local_tensor(state[name]))
-        for group in self.param_groups:
+                state[name] = quantize_state(format_from_marker(marker), local_tensor(state[name]))
+        changed = self._keep_configured_policy(configured)
+        reencoded = self._apply_policy_on_load(changed)
+        if reencoded:
+            warnings.warn(
+                f"{type(self).__name__}: the checkpoint's storage policy differs from the configured one ({reencoded}); "
+                "the states were re-encoded into the configured formats",
+                UserWarning,
+                stacklevel=2,
+            )
+        groups = state_dict["param_groups"]
+        if groups and ROUNDING_KEY in groups[0]:
+            self._rounding_seed, self._rounding_step = (int(v) for v in groups[0][ROUNDING_KEY])
+        for hook in self._optimizer_load_state_dict_post_hooks.values():
+            hook(self)
+
+    def _keep_configured_policy(self, configured: list[dict]) -> list[str]:
+        """Put the configured policy options back into the loaded groups; warn about other hyperparameters that the
+        checkpoint changed. Returns, per group, a description of the policy change (``""`` where none)."""
+        changes, hyper = [], []
+        for index, (group, before) in enumerate(zip(self.param_groups, configured)):
+            policy_changes = [f"{k}={group[k]!r} -> {before[k]!r}" for k in POLICY_DEFAULTS if k in group and k != "rounding" and group[k] != before[k]]
+            for key in POLICY_DEFAULTS:
+                group[key] = before[key]
             self._complete_group(group)
+            changes.append(", ".join(policy_changes))
+            lr_key = "initial_lr" if "initial_lr" in group and "initial_lr" in before else "lr"  # with a scheduler, lr moves by design
+            for key in (lr_key, "betas", "eps", "weight_decay", "momentum", "dampening"):
+                if key in group and key in before and not _same_value(group[key], before[key]):
+                    hyper.append(f"group {index} {key}: configured {before[key]!r}, checkpoint {group[key]!r}")
+        if hyper:
+            warnings.warn(
+                f"{type(self).__name__}: the checkpoint's hyperparameters are used, as torch does ({'; '.join(hyper)}); "
+                "set them on optimizer.param_groups after loading to override",
+                UserWarning,
+                stacklevel=3,
+            )
+        return changes
+
+    def _apply_policy_on_load(self, changes: list[str]) -> str:
+        """Quantize plain loaded states per the policy, and re-encode quantized ones of groups whose policy changed.
+        Returns a description of the re-encoding (``""`` if nothing was re-encoded)."""
+        reencoded = []
+        for group, change in zip(self.param_groups, changes):
+            count = 0
             for key in group["params"]:
                 state = self.state.get(key, {})
                 for name, value in state.items():
-                    if isinstance(value, torch.Tensor) and (name in self.state_names or not self.state_names):
+                    if name not in self.state_names and self.state_names:
+                        continue
+                    if isinstance(value, torch.Tensor):
                         fmt = self._format_for(group, key, name, local_tensor(value), None)
-                        state[name] = local_tensor(value) if fmt is None else fmt.quantize(local_tensor(value))
+                        state[name] = local_tensor(value) if fmt is None else quantize_state(fmt, local_tensor(value))
+                    elif isinstance(value, QuantizedTensor) and change:
+                        target = self._policy_format(group, key, name)
+                        if target is None or target.config != value.format.config:
+                            state[name] = value.dequantize() if target is None else quantize_state(target, value.dequantize())
+                            count += 1
+            if count:
+                reencoded.append(f"{change}: {count} states")
+        return "; ".join(reencoded)
 
     def fp32_state_dict(self) -> dict[str, Any]:
         """A plain torch state dict (quantized states decoded to their original dtype), loadable by the torch optimizer."""
@@ -380,3 +649,10 @@ class QuantizedStates:
         state_dict["state"] = {index: {k: dequantized(v) for k, v in entries.items()} for index, entries in state_dict["state"].items()}
         state_dict["param_groups"] = [{k: v for k, v in group.items() if k not in POLICY_DEFAULTS} for group in state_dict["param_groups"]]
         return state_dict
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    """Equality for hyperparameters that may be tensors (a tensor ``lr``) or tuples."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return bool(torch.equal(torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64)))
+    return a == b

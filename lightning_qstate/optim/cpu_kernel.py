@@ -4,17 +4,20 @@
 over all their blocks: first a check of every gradient (a parameter with an inf/NaN gradient is left
 untouched), then one pass per block (data prefetched a few blocks ahead): decode both moments (table lookup
 times the block scale), torch's Adam(W) update, per-block absmax, and round-to-nearest encoding with
-``formats.NearestCodeIndex`` (one table lookup and integer compares), writing param, codes and scales (bf16 or
+``formats.NearestCodeIndex`` (one table lookup and integer compares; the table of a zero-free ``v`` format also
+clamps codes up to its ``min_code``, so ``v`` is never stored as 0), writing param, codes and scales (bf16 or
 fp32, per state) in place.
 The group's parameters with fp32 moments (those ``min_quant_size`` keeps fp32) step in the same call, and the
 kernel increments every step counter, so a whole group costs one call and no per-parameter torch ops.
 
 The codes and scales are those of the torch reference ``fused.adam_step_quantized`` bit for bit: the
-moments use the float operations of torch's vectorized CPU kernels in the same order (explicit FMAs
-where torch's ``lerp_``/``addcmul_`` use them, no other contraction: ``-ffp-contract=off``), the division
-by the block's stored scale is correctly rounded (Markstein's reciprocal-and-remainder form), and the encoder
-reproduces ``encode_codebook`` exactly. The param update multiplies by reciprocals where the reference
-divides, so params are within a few ulps of the update of the reference's. With AVX-512 the body of each
+hyperparameters are rounded to fp32 from double as ``fused.adam_hyper`` (and torch's AdamW) round them, the
+moments use the float operations of torch's vectorized CPU kernels in the same order (explicit FMAs where
+torch's ``add(alpha=)``/``lerp_``/``addcmul_`` use them, no other contraction: ``-ffp-contract=off``), the
+division by the block's stored scale is correctly rounded (Markstein's reciprocal-and-remainder form), and the
+encoder reproduces the format's ``encode`` (``encode_codebook`` clamped up to ``min_code``) exactly. The param
+update multiplies by reciprocals where the reference divides, so params are within a few ulps of the update of
+the reference's. With AVX-512 the body of each
 block runs 16 lanes at a time (table lookups by register permutes, not gathers; with VBMI, 64 codes at a
 time from byte planes of the table); the scalar code runs the rest and is the whole kernel on other CPUs.
 
@@ -49,7 +52,7 @@ SOURCE = r"""
 
 namespace {
 
-// One state's formats.codebooks.NearestCodeIndex.
+// One state's formats.codebooks.NearestCodeIndex (the format's min_code built into its entries).
 struct Codebook {
   const float* decode;       // (256,) value of every code
   const int32_t* entries;    // bucket -> first | inside << 8 | offset << 9
@@ -65,17 +68,23 @@ Codebook codebook(const torch::Tensor& decode, const torch::Tensor& entries, con
 }
 
 // Adam(W) hyperparameters as fp32. The moments follow fused.adam_math as torch's vectorized CPU kernels compute them:
-// lerp_ is fma(coeff, end - self, base) (coeff = w, base = self if |w| < 0.5, else w - 1 and end), addcmul_ is
-// fma(value * t1, t2, self). The param update multiplies by reciprocals instead of dividing (by bias_correction2_sqrt,
-// and by the denominator: its reciprocal to about an ulp), so it is within a few ulps of the reference's update.
+// add(alpha=) is fma(other, alpha, self), lerp_ is fma(coeff, end - self, base) (coeff = w, base = self if |w| < 0.5,
+// else w - 1 and end), addcmul_ is fma(value * t1, t2, self). The param update multiplies by reciprocals instead of
+// dividing (by bias_correction2_sqrt, and by the denominator: its reciprocal to about an ulp), so it is within a few
+// ulps of the reference's update.
+// m_bound: the decoded m of a coded parameter is first held to |m| <= m_bound * sqrt(v) (fused.hold_moment; hold_m).
 struct Hyper {
-  float sign, l2, decay, lerp_coeff, b2, one_minus_b2, step, inv_bc2, eps;
-  bool lerp_from_end;
+  float sign, l2, decay, lerp_coeff, b2, one_minus_b2, step, inv_bc2, eps, m_bound;
+  bool lerp_from_end, hold_m;
 };
 
 // One value of the Adam(W) update: param p and moments m, v (decoded) in place.
 inline void adam_lane(float& p, float g, float& m, float& v, const Hyper& h) {
-  const float gi = h.sign * g + p * h.l2;
+  if (h.hold_m) {
+    const float limit = std::sqrt(v) * h.m_bound;
+    m = m > limit ? limit : (m < -limit ? -limit : m);
+  }
+  const float gi = std::fma(p, h.l2, h.sign * g);
   m = std::fma(h.lerp_coeff, gi - m, h.lerp_from_end ? gi : m);
   v = std::fma(h.one_minus_b2 * gi, gi, v * h.b2);
   const float denom = std::sqrt(v) * h.inv_bc2 + h.eps;
@@ -168,22 +177,29 @@ constexpr int64_t PREFETCH_AHEAD = 512;
 #ifdef QSTATE_AVX512
 // The AVX-512 form of adam_lane and the block's running absmaxes / non-finite flags, for 16 values.
 struct Update16 {
-  __m512 sign, l2, decay, lerp_coeff, b2, one_minus_b2, step, inv_bc2, eps;
-  bool lerp_from_end;
+  __m512 sign, l2, decay, lerp_coeff, b2, one_minus_b2, step, inv_bc2, eps, m_bound;
+  bool lerp_from_end, hold_m;
   __m512 m_top = _mm512_setzero_ps(), v_top = _mm512_setzero_ps();
   __mmask16 m_nonfinite = 0, v_nonfinite = 0;
 
   explicit Update16(const Hyper& h)
       : sign(_mm512_set1_ps(h.sign)), l2(_mm512_set1_ps(h.l2)), decay(_mm512_set1_ps(h.decay)), lerp_coeff(_mm512_set1_ps(h.lerp_coeff)),
         b2(_mm512_set1_ps(h.b2)), one_minus_b2(_mm512_set1_ps(h.one_minus_b2)), step(_mm512_set1_ps(h.step)),
-        inv_bc2(_mm512_set1_ps(h.inv_bc2)), eps(_mm512_set1_ps(h.eps)), lerp_from_end(h.lerp_from_end) {}
+        inv_bc2(_mm512_set1_ps(h.inv_bc2)), eps(_mm512_set1_ps(h.eps)), m_bound(_mm512_set1_ps(h.m_bound)), lerp_from_end(h.lerp_from_end),
+        hold_m(h.hold_m) {}
 
   // p[0:16] updated in place; the new moments (from decoded mi, vi) to m[0:16], v[0:16].
   inline void operator()(float* p, const float* g, __m512 mi, __m512 vi, float* m, float* v) {
     __builtin_prefetch(p + PREFETCH_AHEAD);
     __builtin_prefetch(g + PREFETCH_AHEAD);
+    if (hold_m) {  // adam_lane's hold: -limit by flipping the sign bit, as the scalar negation does (also for 0)
+      const __m512 limit = _mm512_mul_ps(_mm512_sqrt_ps(vi), m_bound);
+      const __m512 negative = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(limit), _mm512_set1_epi32(static_cast<int32_t>(0x80000000u))));
+      mi = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(mi, limit, _CMP_GT_OQ), mi, limit);
+      mi = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(mi, negative, _CMP_LT_OQ), mi, negative);
+    }
     const __m512 pi = _mm512_loadu_ps(p);
-    const __m512 gi = _mm512_add_ps(_mm512_mul_ps(sign, _mm512_loadu_ps(g)), _mm512_mul_ps(pi, l2));
+    const __m512 gi = _mm512_fmadd_ps(pi, l2, _mm512_mul_ps(sign, _mm512_loadu_ps(g)));
     mi = _mm512_fmadd_ps(lerp_coeff, _mm512_sub_ps(gi, mi), lerp_from_end ? gi : mi);
     vi = _mm512_fmadd_ps(_mm512_mul_ps(one_minus_b2, gi), gi, _mm512_mul_ps(vi, b2));
     const __m512 denom = _mm512_add_ps(_mm512_mul_ps(_mm512_sqrt_ps(vi), inv_bc2), eps);
@@ -362,27 +378,24 @@ struct Param {
 torch::Tensor adam_steps_u8(std::vector<torch::Tensor> params, std::vector<torch::Tensor> grads,
                             std::vector<torch::Tensor> m_codes, std::vector<torch::Tensor> m_scales,
                             std::vector<torch::Tensor> v_codes, std::vector<torch::Tensor> v_scales,
-                            std::vector<torch::Tensor> tables, torch::Tensor ints, std::vector<torch::Tensor> plain,
+                            std::vector<torch::Tensor> tables, torch::Tensor ints, torch::Tensor bounds, std::vector<torch::Tensor> plain,
                             std::vector<torch::Tensor> steps, double lr, double weight_decay, double beta1, double beta2, double eps,
                             bool decoupled, bool maximize, bool track) {
   const int64_t n = static_cast<int64_t>(params.size()), n_plain = static_cast<int64_t>(plain.size()) / 4;
-  // Coded parameters: the constants as fused.adam_math computes them from fp32 0-d tensors; fp32-state ones: as torch's
-  // per-parameter AdamW computes them, in double, rounded to fp32 where they meet a tensor.
-  auto constants = [&](bool from_double) {
-    const float f_lr = lr, f_wd = weight_decay, f_b1 = beta1, f_b2 = beta2;
-    Hyper h;
-    h.sign = maximize ? -1.0f : 1.0f;
-    h.decay = !decoupled ? 1.0f : from_double ? static_cast<float>(1.0 - lr * weight_decay) : 1.0f - f_lr * f_wd;
-    h.l2 = decoupled ? 0.0f : f_wd;
-    const float lerp_weight = from_double ? static_cast<float>(1.0 - beta1) : 1.0f - f_b1;
-    h.lerp_from_end = !(std::fabs(lerp_weight) < 0.5f);
-    h.lerp_coeff = h.lerp_from_end ? lerp_weight - 1.0f : lerp_weight;
-    h.b2 = f_b2, h.one_minus_b2 = from_double ? static_cast<float>(1.0 - beta2) : 1.0f - f_b2;
-    h.eps = static_cast<float>(eps);
-    return h;
-  };
-  const Hyper coded_constants = constants(false), plain_constants = constants(true);
+  // The constants as torch's AdamW computes them, and fused.adam_hyper for coded parameters: in double, rounded to fp32
+  // once, where they meet a tensor (1.0f - 0.999f would be ~110 ulps below fp32(1 - 0.999)).
+  Hyper constants;
+  constants.sign = maximize ? -1.0f : 1.0f;
+  constants.decay = decoupled ? static_cast<float>(1.0 - lr * weight_decay) : 1.0f;
+  constants.l2 = decoupled ? 0.0f : static_cast<float>(weight_decay);
+  const float lerp_weight = static_cast<float>(1.0 - beta1);
+  constants.lerp_from_end = !(std::fabs(lerp_weight) < 0.5f);
+  constants.lerp_coeff = constants.lerp_from_end ? lerp_weight - 1.0f : lerp_weight;
+  constants.b2 = static_cast<float>(beta2), constants.one_minus_b2 = static_cast<float>(1.0 - beta2);
+  constants.eps = static_cast<float>(eps);
   const auto ints_a = ints.accessor<int64_t, 2>();
+  TORCH_CHECK(bounds.scalar_type() == torch::kFloat && bounds.numel() == n, "bounds: one fp32 moment bound per coded parameter");
+  const auto bounds_a = bounds.accessor<float, 1>();
   TORCH_CHECK(static_cast<int64_t>(plain.size()) == 4 * n_plain && static_cast<int64_t>(steps.size()) == n + n_plain, "steps: one per parameter");
   for (const torch::Tensor& step : steps)
     TORCH_CHECK(step.numel() == 1 && step.device().is_cpu() && (step.scalar_type() == torch::kFloat || step.scalar_type() == torch::kDouble), "steps: 0-d fp32/fp64 CPU tensors");
@@ -391,12 +404,14 @@ torch::Tensor adam_steps_u8(std::vector<torch::Tensor> params, std::vector<torch
     return step.scalar_type() == torch::kFloat ? static_cast<double>(*step.data_ptr<float>()) : *step.data_ptr<double>();
   };
   // The hyperparameters of parameter ``row`` at its next step t: step size lr / (1 - beta1^t) and sqrt(1 - beta2^t)
-  // as fused.adam_hyper has them (fp32 tensors) for coded parameters, as torch's AdamW (double) for fp32-state ones.
+  // in double, rounded to fp32, as torch's AdamW and fused.adam_hyper have them.
   auto hyper = [&](int64_t row) {
-    const double t = step_count(row) + 1, bias1 = 1.0 - std::pow(beta1, t);
-    Hyper h = row < n ? coded_constants : plain_constants;
-    h.step = row < n ? static_cast<float>(lr) / static_cast<float>(bias1) : static_cast<float>(lr / bias1);
+    const double t = step_count(row) + 1;
+    Hyper h = constants;
+    h.step = static_cast<float>(lr / (1.0 - std::pow(beta1, t)));
     h.inv_bc2 = 1.0f / static_cast<float>(std::pow(1.0 - std::pow(beta2, t), 0.5));
+    h.hold_m = row < n;  // coded moments only: fp32 ones are exact
+    h.m_bound = h.hold_m ? bounds_a[row] : 0.0f;
     return h;
   };
   std::vector<Param> work(n);
@@ -519,7 +534,7 @@ def kernel():
         from torch.utils.cpp_extension import load_inline
 
         module = load_inline(
-            name="lightning_qstate_cpu_adam_v18",
+            name="lightning_qstate_cpu_adam_v20",
             cpp_sources=SOURCE,
             functions=["adam_steps_u8"],
             extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-fopenmp"],

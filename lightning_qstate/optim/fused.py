@@ -17,6 +17,16 @@ shapes are dynamic, so one compile serves every parameter of a model.
 The same function runs eagerly on the partial last block of a parameter, so
 the compiled and eager paths share one definition of the step.
 
+Rounding contract: ``adam_math`` rounds every operation once (IEEE fp32, round to
+nearest even), in the order of torch's vectorized CPU kernels: ``fma`` where
+they fuse (``add(alpha=)``, ``lerp_``, ``addcmul_``), a correctly rounded square
+root (``sqrt_rn``), true divisions. None of these depends on the CPU, on ATen's
+CPU capability or on inductor (whose ``ops.fma`` the compiled step uses), so the
+eager step, the compiled step and the Triton kernel (``tl.fma``, ``sqrt_rn``,
+``div_rn``) agree bit for bit. torch's eager CPU ``sqrt`` does not round once:
+it is MKL's ``v?Sqrt`` (a reciprocal-square-root estimate and Newton steps,
+within 1 ulp), whose code path and results depend on the CPU.
+
 CPU parameters whose moments are both byte-coded codebook formats (the int8
 family) under round-to-nearest skip all that: ``native_adam_steps`` steps every
 such parameter of a param group in one call of the C++ kernel in
@@ -26,12 +36,15 @@ such parameter of a param group in one call of the C++ kernel in
 from __future__ import annotations
 
 import functools
+import types
+from collections.abc import Callable
 import warnings
 
 import torch
 
 from ..formats import BlockFormat, CastFormat, CodebookFormat, QuantizedTensor, Rounding, StorageFormat, count_stalls
 from ..kernels import TRITON_AVAILABLE
+from ..kernels.bounds import moment_bound
 from . import cpu_kernel
 
 if TRITON_AVAILABLE:
@@ -45,6 +58,60 @@ TRITON_DEVICE_TYPES: tuple[str, ...] = ("cuda",)
 CAST_ROW = 256
 
 
+@torch.library.custom_op("lightning_qstate::fma", mutates_args=())
+def fma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """``a * b + c`` of fp32 tensors (broadcast) rounded once to fp32, as a hardware FMA, on any CPU.
+
+    Eager: the product is exact in float64 (24 + 24 bits); the sum is rounded to odd in float64 (rounded to nearest,
+    its exact error from TwoSum, then toward zero and the last bit set if inexact); rounding that to fp32 rounds the
+    exact ``a * b + c``, since 53 >= 24 + 2 (Boldo & Melquiond, IEEE Trans. Comput. 57(4), 2008). Compiled: inductor's
+    ``ops.fma`` (``std::fma``, ``at::vec::fmadd``), once ``compiled_adam_step`` has registered the lowering.
+    """
+    product, addend = a.double() * b.double(), c.double()
+    total = product + addend
+    virtual = total - product
+    error = (product - (total - virtual)) + (addend - virtual)
+    inexact = (error != 0) & error.isfinite()  # inf/NaN operands: nothing to adjust
+    rounded_up = inexact & ((error < 0) == (total > 0))  # |total| > |exact|
+    return ((total.view(torch.int64) - rounded_up.long()) | inexact.long()).view(torch.float64).float()
+
+
+@fma.register_fake
+def _(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    return c.new_empty(torch.broadcast_shapes(a.shape, b.shape, c.shape), dtype=torch.float32)
+
+
+def _lower_fma() -> None:
+    """Compile ``fma`` to inductor's ``ops.fma`` (fused into the loop nest) rather than calling its eager implementation
+    from the compiled code (same result, a few times slower). ``register_pointwise`` is inductor-internal: without it,
+    the call stays."""
+    try:
+        from torch._inductor.lowering import register_pointwise
+    except ImportError:
+        return
+    register_pointwise(torch.ops.lightning_qstate.fma.default, name="fma")
+
+
+def sqrt_rn(x: torch.Tensor) -> torch.Tensor:
+    """The square root of fp32 ``x`` rounded once to fp32 (torch's CPU ``sqrt`` is not: module docstring).
+
+    Scaled by a power of 4 to ``x`` in ``[1, 4)`` (``sqrt(x)`` in ``[1, 2)``, float64 ulp ``2**-52``): ``x * 2**48``
+    is an even integer and a rounding boundary ``m = (2k + 1) 2**-24`` has ``(2k + 1)**2`` odd, so
+    ``|sqrt(x) - m| = |x - m**2| / (sqrt(x) + m) >= 2**-48 / 4 = 2**-50``: 4 float64 ulps. The float64 root is
+    within 1 ulp (MKL's HA mode; correctly rounded elsewhere), so on the same side of every boundary: it rounds to
+    the fp32 value the exact root rounds to.
+    """
+    return torch.sqrt(x.double()).float()
+
+
+def hold_moment(exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, bound: torch.Tensor) -> torch.Tensor:
+    """The decoded ``exp_avg`` held to ``|m| <= bound * sqrt(v)`` (``kernels.bounds.moment_bound``), which exact Adam
+    never exceeds: values inside are kept as they are (signed zeros too), so every path that compares the same way
+    (the C++ and Triton kernels) gets the same bits."""
+    limit = sqrt_rn(exp_avg_sq) * bound
+    return torch.where(exp_avg > limit, limit, torch.where(exp_avg < -limit, -limit, exp_avg)).to(exp_avg.dtype)
+
+
 def adam_math(
     param: torch.Tensor,
     grad: torch.Tensor,
@@ -54,20 +121,26 @@ def adam_math(
     decoupled_weight_decay: bool,
     maximize: bool,
 ) -> torch.Tensor:
-    """torch's single-tensor Adam(W) update on flat fp32 tensors; returns the new ``param`` values.
+    """torch's single-tensor Adam(W) update on flat fp32 tensors, every operation rounded once (module docstring);
+    returns the new ``param`` values and updates ``exp_avg`` and ``exp_avg_sq`` in place.
 
-    ``hyper``: 0-d tensors ``lr``, ``weight_decay``, ``beta1``, ``beta2``, ``eps``, ``step_size``
-    (``lr / (1 - beta1**t)``) and ``bias_correction2_sqrt`` (``sqrt(1 - beta2**t)``).
+    ``hyper``: the 0-d fp32 tensors of ``adam_hyper``. ``exp_avg`` and ``exp_avg_sq`` come out bit for bit as
+    torch's AdamW computes them on CPUs where its kernels fuse ``a * b + c`` (ATen capability AVX2 or AVX512), the
+    parameter too where its ``sqrt`` is correctly rounded.
     """
     if maximize:
         grad = -grad
     if decoupled_weight_decay:
-        param = param * (1 - hyper["lr"] * hyper["weight_decay"])
+        param = param * hyper["decay"]
     else:
-        grad = grad + param * hyper["weight_decay"]
-    exp_avg.lerp_(grad, 1 - hyper["beta1"])
-    exp_avg_sq.mul_(hyper["beta2"]).addcmul_(grad, grad, value=1 - hyper["beta2"])
-    denom = exp_avg_sq.sqrt() / hyper["bias_correction2_sqrt"] + hyper["eps"]
+        grad = fma(param, hyper["weight_decay"], grad)  # grad.add(param, alpha=weight_decay)
+    stored = hold_moment(exp_avg, exp_avg_sq, hyper["moment_bound"])
+    weight = hyper["lerp_weight"]
+    small = weight.abs() < 0.5  # exp_avg.lerp_(grad, weight), from the nearer end
+    exp_avg.copy_(fma(torch.where(small, weight, weight - 1), grad - stored, torch.where(small, stored, grad)))
+    # exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    exp_avg_sq.copy_(fma(hyper["square_weight"] * grad, grad, exp_avg_sq * hyper["beta2"]))
+    denom = sqrt_rn(exp_avg_sq) / hyper["bias_correction2_sqrt"] + hyper["eps"]
     return param - hyper["step_size"] * exp_avg / denom
 
 
@@ -111,13 +184,21 @@ def adam_step_quantized(
 
 
 @functools.lru_cache(maxsize=None)
-def compiled_adam_step():
-    """``adam_step_quantized`` compiled; the block count is marked dynamic, formats and flags specialise it.
+def compiled_adam_step(options: tuple) -> Callable:
+    """``adam_step_quantized`` compiled for one ``options`` tuple (formats, rounding, flags); the block count is marked
+    dynamic. ``fma`` compiles to inductor's (``_lower_fma``), so the compiled step is the eager one bit for bit.
+
+    Each tuple compiles its own copy of the function (a distinct code object): dynamo keeps its cache, and its limit
+    of 8 recompilations, per code object, so one shared function would fail (``fullgraph``) once a process had
+    compiled 8 format pairs, and would check every pair's guards at every call.
 
     ``emulate_precision_casts``: inductor otherwise drops a cast to bf16 and back inside a fused kernel, and the
     bf16 block scales (``formats.block.round_up_to_bf16``) would normalize by the unrounded absmax.
     """
-    return torch.compile(adam_step_quantized, fullgraph=True, options={"emulate_precision_casts": True})
+    _lower_fma()
+    code = adam_step_quantized.__code__
+    copy = types.FunctionType(code.replace(), adam_step_quantized.__globals__, code.co_name, adam_step_quantized.__defaults__)
+    return torch.compile(copy, fullgraph=True, options={"emulate_precision_casts": True})
 
 
 def fused_layout(value: QuantizedTensor) -> int | None:
@@ -211,6 +292,7 @@ def native_adam_steps(params: list[torch.Tensor], grads: list[torch.Tensor], sta
         [params[k] for k in coded], [grads[k].contiguous() for k in coded],
         [m.codes for m, _ in moments], [m.scales for m, _ in moments], [v.codes for _, v in moments], [v.scales for _, v in moments],
         tables, torch.tensor(ints, dtype=torch.int64).view(-1, 7),
+        torch.tensor([moment_bound(float(beta1), float(beta2), float(states[k]["step"])) for k in coded], dtype=torch.float32),
         [t for k in plain for t in (params[k], grads[k].contiguous(), states[k]["exp_avg"], states[k]["exp_avg_sq"])],
         [states[k]["step"] for k in order],
         float(group["lr"]), float(group["weight_decay"]), float(beta1), float(beta2), float(group["eps"]),
@@ -246,17 +328,28 @@ _COMPILE_FAILED: set[tuple] = set()
 
 
 def adam_hyper(group: dict, step: float) -> dict[str, torch.Tensor]:
-    """The 0-d fp32 tensors ``adam_math`` takes, for ``group``'s options at step ``step`` (1 for the first step)."""
+    """The 0-d fp32 tensors ``adam_math`` takes (names and meaning: ``kernels.triton_adam.COEFFICIENTS``), for
+    ``group``'s options at step ``step`` (1 for the first step).
+
+    Each is computed as torch's AdamW computes it (``1 - lr * weight_decay``, ``1 - beta1``, ``1 - beta2``,
+    ``lr / (1 - beta1**step)``, ``(1 - beta2**step) ** 0.5``: in Python floats, in float64, or in a tensor
+    hyperparameter's dtype) and rounded to fp32 once, where torch's kernels round it; ``moment_bound`` is
+    ``kernels.bounds.moment_bound`` after ``step - 1`` updates, which the decoded ``m`` is held to.
+    """
+    lr, weight_decay = group["lr"], group["weight_decay"]
     beta1, beta2 = group["betas"]
-    return {
-        "lr": torch.as_tensor(group["lr"], dtype=torch.float32),
-        "weight_decay": torch.tensor(float(group["weight_decay"])),
-        "beta1": torch.tensor(float(beta1)),
-        "beta2": torch.tensor(float(beta2)),
-        "eps": torch.tensor(float(group["eps"])),
-        "step_size": torch.as_tensor(group["lr"], dtype=torch.float32) / (1 - float(beta1) ** step),
-        "bias_correction2_sqrt": torch.tensor((1 - float(beta2) ** step) ** 0.5),
+    values = {
+        "decay": 1 - lr * weight_decay,
+        "weight_decay": weight_decay,
+        "lerp_weight": 1 - beta1,
+        "beta2": beta2,
+        "square_weight": 1 - beta2,
+        "eps": group["eps"],
+        "step_size": lr / (1 - beta1**step),
+        "bias_correction2_sqrt": (1 - beta2**step) ** 0.5,
+        "moment_bound": moment_bound(float(beta1), float(beta2), step - 1),
     }
+    return {name: torch.as_tensor(value, dtype=torch.float32) for name, value in values.items()}
 
 
 def fused_adam_step(
@@ -297,7 +390,7 @@ def _compiled_cpu_step(
     if options not in _COMPILE_FAILED:
         try:
             head_param, head_grad = _dynamic_rows(flat_param[:whole].view(-1, block)), _dynamic_rows(flat_grad[:whole].view(-1, block))
-            counts = compiled_adam_step()(head_param, head_grad, *m_head, *v_head, hyper, *options)
+            counts = compiled_adam_step(options)(head_param, head_grad, *m_head, *v_head, hyper, *options)
         except Exception as error:  # no C++ compiler, an unsupported platform, ...: eager from now on, said once
             _COMPILE_FAILED.add(options)
             message = f"torch.compile of the quantized Adam step failed ({error!r}); using the eager step for these formats"

@@ -38,8 +38,9 @@ from torch.optim.optimizer import _get_scalar_dtype
 from torch.optim.sgd import sgd
 
 from ..formats import QuantizedTensor
+from ..kernels.bounds import moment_bound
 from .base import NonFiniteGradPolicy, QuantizedStates, local_tensor
-from .fused import can_fuse, fused_adam_step, native_adam_steps, native_eligible, native_plain_eligible
+from .fused import can_fuse, fused_adam_step, hold_moment, native_adam_steps, native_eligible, native_plain_eligible
 from .policy import StatesSpec
 
 from torch.optim._muon import muon
@@ -109,7 +110,12 @@ class _AdamStates(QuantizedStates):
         if not state:
             self._init_state(group, key, param, state)
         if (self.cpu_compile or param.device.type != "cpu") and can_fuse(param, group, state):
-            counts = fused_adam_step(param, grad, state, group, self.track_stalls, self.generator)
+            generator = self.rounding_generator(key, "moments", param.device) if group["rounding"] == "stochastic" else None
+            # the compiled CPU step draws from torch's global generator: seed it from this step's stream, then restore it
+            with torch.random.fork_rng(devices=[], enabled=generator is not None and param.device.type == "cpu"):
+                if generator is not None and param.device.type == "cpu":
+                    torch.manual_seed(int(torch.randint(2**62, (1,), generator=generator)))
+                counts = fused_adam_step(param, grad, state, group, self.track_stalls, generator)
             if self.track_stalls:
                 self._add_stall_counts(key, "exp_avg", counts[:2])
                 self._add_stall_counts(key, "exp_avg_sq", counts[2:])
@@ -124,6 +130,11 @@ class _AdamStates(QuantizedStates):
             state[name] = self._initial(group, key, name, torch.zeros_like(param, memory_format=torch.preserve_format))
 
     def _update(self, group: dict, param: torch.Tensor, grad: torch.Tensor, states: dict[str, torch.Tensor], state: dict) -> None:
+        """torch's Adam on the decoded moments; where a moment is stored quantized, the decoded ``m`` is first held to
+        ``|m| <= K sqrt(v)``, which exact Adam never exceeds (``kernels.bounds``): storage never makes a step larger."""
+        if any(isinstance(state[name], QuantizedTensor) for name in ("exp_avg", "exp_avg_sq")):
+            bound = torch.tensor(moment_bound(*(float(beta) for beta in group["betas"]), float(state["step"])))
+            states["exp_avg"] = hold_moment(states["exp_avg"], states["exp_avg_sq"], bound)
         self._adam(group, [param], [grad], [{**state, **states}], multi_tensor=False)
 
     @staticmethod

@@ -48,11 +48,14 @@ def validate_policy(group: Mapping[str, Any], state_names: tuple[str, ...] | Non
         try:
             get_format(name)
         except ValueError as error:  # name the option that holds the bad value
-            raise ValueError(f"{owner}: {error}") from None
+            raise ValueError(f"{owner}: states={states!r}: {error}") from None
     if group["rounding"] not in ROUNDINGS:
         raise ValueError(f"{owner}: rounding={group['rounding']!r} is not valid; use one of {ROUNDINGS}")
     if group["block_size"] is not None:
-        check_block_size(group["block_size"])
+        try:
+            check_block_size(group["block_size"])
+        except ValueError as error:
+            raise ValueError(f"{owner}: {error}") from None
     min_size = group["min_quant_size"]
     if not isinstance(min_size, int) or min_size < 0:
         raise ValueError(f"{owner}: min_quant_size={min_size!r} must be an int >= 0")

@@ -2,11 +2,17 @@
 
 A :class:`~lightning_qstate.formats.QuantizedTensor` is exported as::
 
-    {"qstate_version": 2, "format": {get_format kwargs}, "codes": uint8/int16/float tensor,
-     "scales": bf16/fp32 tensor or None, "shape": [..], "dtype": "float32"}
+    {"qstate_version": 3, "format": {get_format kwargs}, "codes": uint8/int16/float tensor,
+     "scales": bf16/fp32 tensor or None, "shape": [..], "dtype": "float32", "checksum": int}
 
-Version 1 (before block scales could be bf16) stored fp32 scales and no ``scale_dtype``; its states load
-as they were saved, in the same format with ``scale_dtype="fp32"``.
+``checksum`` is the CRC-32 of the codes' and the scales' bytes; loading recomputes it, so a damaged
+checkpoint raises instead of loading wrong values. Loading also refuses non-finite block scales (a state
+that held them would only surface as an overflow at the next step).
+
+Older versions load: version 1 (before block scales could be bf16) stored fp32 scales and no
+``scale_dtype``, so its states load in the same format with ``scale_dtype="fp32"``; versions 1 and 2 have no
+checksum, and their non-negative states may hold code 0 for positive values (the flushed ``v`` that
+version 3's zero-free encoders never write), which loading lifts to the smallest positive code.
 
 Only tensors, strings, numbers and containers appear, so ``torch.load(...,
 weights_only=True)`` needs no safe globals, and ``torch.optim.Optimizer``'s
@@ -16,13 +22,14 @@ loader never sees (and so never casts) the codes.
 from __future__ import annotations
 
 import json
+import zlib
 from typing import Any
 
 import torch
 
 from ..formats import BlockFormat, QuantizedTensor, StorageFormat, get_format
 
-STATE_FORMAT_VERSION = 2
+STATE_FORMAT_VERSION = 3
 VERSION_KEY = "qstate_version"
 FORMAT_SUFFIX = ".qstate_format"  # "<state>.qstate_format" holds the format of a state exported as fp32
 
@@ -38,7 +45,21 @@ def export_state(value: Any) -> Any:
         "scales": value.scales,
         "shape": list(value.shape),
         "dtype": str(value.dtype).removeprefix("torch."),
+        "checksum": checksum(value.codes, value.scales),
     }
+
+
+def checksum(*tensors: torch.Tensor | None) -> int:
+    """CRC-32 of the bytes of ``tensors`` (``None`` skipped), chained; read from the CPU in 64 MiB pieces."""
+    crc = 0
+    piece = 1 << 26
+    for tensor in tensors:
+        if tensor is None or tensor.numel() == 0:
+            continue
+        data = tensor.detach().reshape(-1).view(torch.uint8)
+        for start in range(0, data.numel(), piece):
+            crc = zlib.crc32(data[start : start + piece].cpu().numpy(), crc)
+    return crc
 
 
 def is_exported(value: Any) -> bool:
@@ -49,10 +70,12 @@ def import_state(entry: dict, param: torch.Tensor, where: str) -> QuantizedTenso
     """Rebuild a quantized state for ``param`` from its checkpoint form, on ``param``'s device, codes untouched.
 
     Raises:
-        ValueError: a newer checkpoint version, or a state whose shape or size does not fit ``param``
-            (a checkpoint of another rank's shard or another model never loads silently).
+        ValueError: a newer checkpoint version; a state whose shape or size does not fit ``param`` (a checkpoint
+            of another rank's shard or another model never loads silently); a checksum that does not match the
+            codes and scales, or non-finite scales (a damaged checkpoint).
     """
-    fmt = versioned_format(entry[VERSION_KEY], entry["format"], where)
+    version = entry[VERSION_KEY]
+    fmt = versioned_format(version, entry["format"], where)
     shape = torch.Size(entry["shape"])
     if shape != param.shape:
         raise ValueError(f"{where}: checkpoint state has shape {tuple(shape)} but the parameter has shape {tuple(param.shape)}")
@@ -60,8 +83,15 @@ def import_state(entry: dict, param: torch.Tensor, where: str) -> QuantizedTenso
     stored = codes.nbytes + (0 if scales is None else scales.nbytes)
     if stored != fmt.nbytes(shape.numel()):
         raise ValueError(f"{where}: checkpoint state holds {stored} bytes but format {fmt.name!r} needs {fmt.nbytes(shape.numel())} for shape {tuple(shape)}")
+    if version >= 3 and ("checksum" not in entry or checksum(codes, scales) != int(entry["checksum"])):
+        raise ValueError(f"{where}: the checkpoint is damaged: its codes and scales do not match their checksum")
+    if scales is not None and getattr(fmt, "nonfinite", "raise") == "raise" and not bool(torch.isfinite(scales).all()):
+        raise ValueError(f"{where}: the checkpoint is damaged: {int((~torch.isfinite(scales)).sum())} block scale(s) are inf or NaN")
     device = param.device
-    return QuantizedTensor(fmt, codes.to(device), None if scales is None else scales.to(device), shape, getattr(torch, entry["dtype"]))
+    codes = codes.to(device)
+    if version < 3 and isinstance(fmt, BlockFormat):
+        codes = fmt.lift_zero_codes(codes, shape.numel())
+    return QuantizedTensor(fmt, codes, None if scales is None else scales.to(device), shape, getattr(torch, entry["dtype"]))
 
 
 def exact_values(value: QuantizedTensor) -> torch.Tensor:

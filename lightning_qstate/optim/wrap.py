@@ -4,6 +4,8 @@
 into ``QAdam``/``QAdamW``/``QSGD``/``QMuon`` in place: the same object changes
 class, so its ``param_groups`` (the same dict objects), hyperparameters, hooks and
 any LR scheduler built on it keep working, and its existing state is quantized.
+The new class keeps the torch class's ``__name__`` (see ``InPlaceQAdamW``), so tools
+that name things after it (Lightning's ``LearningRateMonitor``: ``lr-AdamW``) see no change.
 
 Any other ``torch.optim.Optimizer`` (Lion, Adafactor, your own) gets
 :class:`QuantizedOptimizerWrapper`: between steps, every floating state tensor
@@ -16,8 +18,10 @@ import fnmatch
 import functools
 import warnings
 import weakref
-from collections.abc import Mapping
+from collections import Counter
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch.distributed.fsdp import FullyShardedDataParallel
@@ -27,7 +31,32 @@ from .base import NonFiniteGradPolicy, QuantizedStates, StateValue, dequantized,
 from .optimizers import QAdam, QAdamW, QMuon, QSGD
 from .policy import StatesSpec, validate_policy
 
-QUANTIZED_EQUIVALENTS: dict[type, type] = {torch.optim.Adam: QAdam, torch.optim.AdamW: QAdamW, torch.optim.SGD: QSGD, torch.optim.Muon: QMuon}
+
+def _in_place_class(quantized_class: type, torch_class: type) -> type:
+    """The subclass of ``quantized_class`` that ``quantize_optimizer`` gives a ``torch_class`` converted in place.
+
+    Its ``__name__`` is ``torch_class``'s, as tools that key logs on ``type(optimizer).__name__`` expect; its
+    ``__qualname__`` is the module attribute that holds it, so pickle finds it.
+    """
+    qualname = f"InPlace{quantized_class.__name__}"
+    doc = f"A ``{torch_class.__module__}.{torch_class.__name__}`` converted in place: "
+    doc += f"a :class:`{quantized_class.__name__}` named ``{torch_class.__name__}``."
+    return type(torch_class.__name__, (quantized_class,), {"__module__": __name__, "__qualname__": qualname, "__doc__": doc})
+
+
+InPlaceQAdam = _in_place_class(QAdam, torch.optim.Adam)
+InPlaceQAdamW = _in_place_class(QAdamW, torch.optim.AdamW)
+InPlaceQSGD = _in_place_class(QSGD, torch.optim.SGD)
+InPlaceQMuon = _in_place_class(QMuon, torch.optim.Muon)
+# The class quantize_optimizer converts each of these (exact) torch classes to, in place.
+QUANTIZED_EQUIVALENTS: dict[type, type] = {
+    torch.optim.Adam: InPlaceQAdam,
+    torch.optim.AdamW: InPlaceQAdamW,
+    torch.optim.SGD: InPlaceQSGD,
+    torch.optim.Muon: InPlaceQMuon,
+}
+# Step hooks the wrapper shares with its inner optimizer (the same dicts), like its param_groups and state.
+SHARED_HOOKS = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks")
 
 
 class QuantizedOptimizerWrapper(QuantizedStates, torch.optim.Optimizer):
@@ -38,6 +67,11 @@ class QuantizedOptimizerWrapper(QuantizedStates, torch.optim.Optimizer):
     for it; other states stay as they are. Unsigned maps are used for state names
     known to be non-negative (``exp_avg_sq``, ...); a state that turns out to hold
     negative values falls back to the signed variant, with a warning.
+
+    The wrapper and the inner optimizer share ``param_groups``, ``state``, ``defaults`` and the step hooks (the
+    same objects, also after ``load_state_dict``, ``copy.deepcopy`` and pickling), so LR schedulers built on
+    either keep working. Step hooks, global (``torch.optim.optimizer.register_optimizer_step_pre_hook``) or
+    registered on either optimizer, run once per step, with the wrapper as their ``optimizer`` argument.
 
     Transient memory: the inner optimizer updates all its parameters in one call,
     so during ``step()`` every quantized state is decoded to a full-precision tensor
@@ -67,8 +101,25 @@ class QuantizedOptimizerWrapper(QuantizedStates, torch.optim.Optimizer):
         self.param_groups = optimizer.param_groups  # the same list and dicts: schedulers of the inner optimizer keep working
         self.state = optimizer.state
         self.defaults = optimizer.defaults
+        for name in SHARED_HOOKS:
+            setattr(self, name, getattr(optimizer, name))
         self._setup_quantized_states(states, rounding, block_size, min_quant_size, track_stalls, nonfinite, generator)
         self._quantize_existing()
+
+    def __getstate__(self) -> dict[str, Any]:
+        """The mixin's pickled state plus the inner optimizer (``copy.deepcopy`` and ``pickle`` copy both together)."""
+        return {**super().__getstate__(), "optimizer": self.optimizer}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """torch's ``__setstate__``, then share ``state``, ``param_groups`` and the step hooks with the inner optimizer again.
+
+        Both unpickling and torch's ``load_state_dict`` come here: the latter sets new ``state`` and ``param_groups``
+        objects through ``__setstate__``, and the inner optimizer would go on stepping with its old ones.
+        """
+        super().__setstate__(state)
+        self.optimizer.__setstate__({"state": self.state, "param_groups": self.param_groups})  # also runs its class's own fix-ups
+        for name in SHARED_HOOKS:
+            setattr(self.optimizer, name, getattr(self, name))
 
     def _quantize_existing(self) -> None:
         for group in self.param_groups:
@@ -87,36 +138,72 @@ class QuantizedOptimizerWrapper(QuantizedStates, torch.optim.Optimizer):
         return fmt
 
     @torch.no_grad()
-    def step(self, closure=None):
-        """Decode the states, let the inner optimizer step (skipping parameters with non-finite grads), re-encode."""
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Evaluate ``closure``, decode the states, let the inner optimizer step, re-encode; returns what the inner step returns.
+
+        ``closure`` is evaluated under grad mode before the states are decoded (the forward and backward pass never
+        meet the decoded states), and the inner optimizer gets it too: its first call returns that evaluation, later
+        calls (LBFGS's line search) evaluate it again under grad mode. The non-finite-gradient policy applies to the
+        gradients of the first evaluation: a parameter it skips has no gradient during the inner step.
+        """
         loss = self._evaluate(closure)
-        held_back = {}
-        for group in self.param_groups:
-            for param in group["params"]:
-                if param.grad is not None:
-                    self._check_grad(param.grad)
-                    if not self._grad_is_finite(param, param.grad):
-                        held_back[param] = param.grad
-                        param.grad = None
-        stored = {param: dict(state) for param, state in self.state.items()}
-        for param, state in self.state.items():
-            for name, value in state.items():
-                state[name] = like_param(dequantized(value), param) if isinstance(value, QuantizedTensor) else value
-        before = {(p, n): v.dequantize(torch.float32).reshape(-1) for p, s in stored.items() for n, v in s.items() if self.track_stalls and isinstance(v, QuantizedTensor)}
-        try:
-            self.optimizer.step()
-        finally:
-            for param, grad in held_back.items():
-                param.grad = grad
-        for group in self.param_groups:
-            for param in group["params"]:
-                state = self.state.get(param, {})
+        with self._nonfinite_policy():
+            held_back = {}
+            for group in self.param_groups:
+                for param in group["params"]:
+                    if param.grad is not None:
+                        self._check_grad(param.grad)
+                        if not self._grad_is_finite(param, param.grad):
+                            held_back[param] = param.grad
+                            param.grad = None
+            stored = {param: dict(state) for param, state in self.state.items()}
+            for param, state in self.state.items():
                 for name, value in state.items():
-                    old = stored.get(param, {}).get(name)
-                    state[name] = self._store(group, param, name, value, old)
-                    if (param, name) in before:
-                        self._count_stalls(param, name, old, before[param, name], value, state[name])
-        return loss
+                    state[name] = like_param(dequantized(value), param) if isinstance(value, QuantizedTensor) else value
+            before = {
+                (p, n): v.dequantize(torch.float32).reshape(-1)
+                for p, s in stored.items()
+                for n, v in s.items()
+                if self.track_stalls and isinstance(v, QuantizedTensor)
+            }
+            try:
+                result = self._inner_step(None if closure is None else _replaying(closure, loss))
+            finally:
+                for param, grad in held_back.items():
+                    param.grad = grad
+            for group in self.param_groups:
+                for param in group["params"]:
+                    state = self.state.get(param, {})
+                    for name, value in state.items():
+                        old = stored.get(param, {}).get(name)
+                        state[name] = self._store(group, param, name, value, old)
+                        if (param, name) in before:
+                            self._count_stalls(param, name, old, before[param, name], value, state[name])
+        return result
+
+    def _inner_step(self, closure: Callable[[], Any] | None) -> Any:
+        """The inner optimizer's step function, without the step hooks torch puts around it: the wrapper's step runs
+        them, once. An LR scheduler built on the inner optimizer is told that it stepped, as its own wrapper would."""
+        step = type(self.optimizer).step
+        if getattr(step, "hooked", False):  # torch.optim.Optimizer.profile_hook_step
+            step = step.__wrapped__
+        if getattr(self.optimizer.__dict__.get("step"), "_wrapped_by_lr_sched", False):
+            self.optimizer._opt_called = True
+        return step(self.optimizer) if closure is None else step(self.optimizer, closure)
+
+
+def _replaying(closure: Callable[[], Any], loss: Any) -> Callable[[], Any]:
+    """``closure`` for an optimizer's step when it was just evaluated to ``loss``: the first call returns ``loss``
+    (the gradients are in place), later calls evaluate ``closure`` again under grad mode."""
+    pending = [loss]
+
+    def replay() -> Any:
+        if pending:
+            return pending.pop()
+        with torch.enable_grad():
+            return closure()
+
+    return replay
 
 
 def quantize_optimizer(
@@ -133,8 +220,9 @@ def quantize_optimizer(
     """The quantized equivalent of ``optimizer``, keeping its param groups, hyperparameters and (quantized) state.
 
     ``torch.optim.Adam``/``AdamW``/``SGD``/``Muon`` (exact classes) become ``QAdam``/``QAdamW``/``QSGD``/``QMuon``
-    in place, and the same object is returned; any other ``torch.optim.Optimizer`` is wrapped in
-    :class:`QuantizedOptimizerWrapper` (a new object sharing its param groups and state).
+    in place (subclasses that keep the torch class's ``__name__``: ``QUANTIZED_EQUIVALENTS``), and the same object
+    is returned; any other ``torch.optim.Optimizer`` is wrapped in :class:`QuantizedOptimizerWrapper` (a new object
+    sharing its param groups and state).
 
     Raises:
         TypeError: ``optimizer`` is not a ``torch.optim.Optimizer``, or is quantized already.
@@ -193,8 +281,9 @@ class QuantizationPolicy:
     Args:
         states, rounding, block_size, min_quant_size, track_stalls, nonfinite: as for :class:`~lightning_qstate.QAdamW`.
         overrides: ``{pattern: states}`` for parameters whose name (as in ``module.named_parameters()``,
-            wrapper prefixes removed) matches the ``fnmatch`` pattern, e.g. ``{"*embed*": "fp32", "*norm*": "fp32"}``.
-            The first matching pattern wins.
+            wrapper prefixes removed) matches the ``fnmatch`` pattern (case-sensitive), e.g. for a GPT-2
+            ``{"*.wte.*": "fp32", "*.ln_*": "fp32"}``. The first matching pattern wins. ``apply`` raises for a
+            pattern that matches no parameter of the module, and for a state name the optimizer does not have.
     """
 
     states: StatesSpec = "int8"
@@ -211,16 +300,34 @@ class QuantizationPolicy:
             None,
             "QuantizationPolicy",
         )
+        self._check_override_states(None)
+
+    def _check_override_states(self, state_names: tuple[str, ...] | None) -> None:
+        """Validate every override's ``states``: its format names, and its state names where ``state_names`` is given."""
         for pattern, states in dict(self.overrides).items():
-            validate_policy({"states": states, "rounding": self.rounding, "block_size": None, "min_quant_size": 0}, None, f"overrides[{pattern!r}]")
+            options = {"states": states, "rounding": self.rounding, "block_size": None, "min_quant_size": 0}
+            validate_policy(options, state_names, f"overrides[{pattern!r}]")
 
     def apply(self, optimizer: torch.optim.Optimizer, module: torch.nn.Module | None = None) -> torch.optim.Optimizer:
         """The quantized form of ``optimizer`` (converted in place where possible); an already quantized one is returned as is.
 
-        ``module`` supplies parameter names for ``overrides``.
+        ``module`` supplies parameter names for ``overrides`` (required with them).
+
+        Raises:
+            ValueError: ``overrides`` without ``module``, a pattern that matches no parameter of ``module``, or an
+                override naming a state the quantized optimizer does not have (checked before ``optimizer`` is converted).
         """
         if isinstance(optimizer, QuantizedStates):
             return optimizer
+        overrides: dict[torch.Tensor, StatesSpec] = {}
+        if self.overrides:
+            if module is None:
+                raise ValueError(
+                    "QuantizationPolicy: overrides= needs the module whose parameter names it matches; call apply(optimizer, module)"
+                )
+            quantized_class = QUANTIZED_EQUIVALENTS.get(type(optimizer), QuantizedOptimizerWrapper)
+            self._check_override_states(quantized_class.state_names or None)  # the wrapper has no fixed state names: any is accepted
+            overrides = self.overrides_for(module)
         quantized = quantize_optimizer(
             optimizer,
             states=self.states,
@@ -230,23 +337,55 @@ class QuantizationPolicy:
             track_stalls=self.track_stalls,
             nonfinite=self.nonfinite,
         )
-        if self.overrides and module is not None:
-            quantized.state_overrides = self.overrides_for(module)
+        quantized.state_overrides = overrides
+        if module is not None:
+            quantized.module_names = {param: clean_parameter_name(name) for name, param in module.named_parameters()}
         if module is not None and any(isinstance(m, FullyShardedDataParallel) for m in module.modules()):
             quantized.checkpoint_mode = "fp32"  # FSDP1 gathers and reshapes state tensors like its flat shards
             quantized.full_numels = fsdp_full_numels(module)  # its parameters are local 1-D views: decide from the full sizes
         return quantized
 
     def overrides_for(self, module: torch.nn.Module) -> dict[torch.Tensor, StatesSpec]:
-        """``{parameter: states}`` for every parameter of ``module`` that an override pattern matches."""
+        """``{parameter: states}`` for every parameter of ``module`` that an override pattern matches.
+
+        Raises:
+            ValueError: a pattern matches no parameter name of ``module`` (it would be silently ignored).
+        """
+        names = [(clean_parameter_name(name), param) for name, param in module.named_parameters()]
+        for pattern in self.overrides:
+            if not any(fnmatch.fnmatchcase(name, pattern) for name, _ in names):
+                raise ValueError(
+                    f"QuantizationPolicy: overrides pattern {pattern!r} matches no parameter of {type(module).__name__}; patterns are "
+                    f"matched with fnmatch (case-sensitive) against the parameter names: {_name_summary(names)}; "
+                    "fix the pattern or remove it"
+                )
         matched: dict[torch.Tensor, StatesSpec] = {}
-        for name, param in module.named_parameters():
-            clean = clean_parameter_name(name)
+        for name, param in names:
             for pattern, states in self.overrides.items():
-                if fnmatch.fnmatchcase(clean, pattern):
+                if fnmatch.fnmatchcase(name, pattern):
                     matched[param] = states
                     break
         return matched
+
+
+def _name_summary(named: list[tuple[str, torch.Tensor]], shown: int = 20) -> str:
+    """The distinct forms of the parameter names, the first ``shown`` of them: the index of a repeated block (a numeric
+    part under which the same names and shapes recur, such as a transformer's layers) written as ``*``."""
+    subtrees: dict[tuple[str, ...], set[tuple[str, tuple[int, ...]]]] = {}
+    for name, param in named:
+        parts = name.split(".")
+        for i, part in enumerate(parts):
+            if part.isdigit():
+                subtrees.setdefault(tuple(parts[: i + 1]), set()).add((".".join(parts[i + 1 :]), tuple(param.shape)))
+    kinds = Counter((key[:-1], frozenset(contents)) for key, contents in subtrees.items())
+    repeated = {key for key, contents in subtrees.items() if kinds[key[:-1], frozenset(contents)] > 1}
+    forms: dict[str, None] = {}
+    for name, _ in named:
+        parts = name.split(".")
+        forms[".".join("*" if tuple(parts[: i + 1]) in repeated else part for i, part in enumerate(parts))] = None
+    listed = list(forms)
+    more = f", ... ({len(listed) - shown} more)" if len(listed) > shown else ""
+    return ", ".join(listed[:shown]) + more if listed else "(none: the module has no parameters)"
 
 
 def fsdp_full_numels(module: torch.nn.Module) -> dict[torch.Tensor, int]:

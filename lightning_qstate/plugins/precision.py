@@ -9,7 +9,7 @@
 
 Example::
 
-    trainer = Trainer(plugins=[QStatePrecision("bf16-mixed", states="int8", overrides={"*embed*": "fp32"})])
+    trainer = Trainer(plugins=[QStatePrecision("bf16-mixed", states="int8", overrides={"*.wte.*": "fp32"})])
 
 The conversion happens in ``connect()``, after ``configure_optimizers`` and the strategy's model
 wrapping and before any checkpoint is loaded, so resumed runs load straight into the quantized
@@ -25,6 +25,7 @@ import torch
 from lightning.pytorch.plugins.precision import FSDPPrecision, HalfPrecision, MixedPrecision, Precision
 
 from ..optim import NonFiniteGradPolicy, QuantizationPolicy, StatesSpec, check_optimizer_parameters
+from ..optim.policy import validate_policy
 
 PrecisionName = Literal["32-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true"]
 
@@ -35,6 +36,7 @@ class QStatePolicyMixin:
     policy: QuantizationPolicy
 
     def _set_policy(self, **options: Any) -> None:
+        validate_policy(options, None, type(self).__name__)  # errors name this plugin, not the QuantizationPolicy it builds
         self.policy = QuantizationPolicy(**options)
 
     def connect(self, model: torch.nn.Module, optimizers: list[torch.optim.Optimizer], lr_schedulers: list[Any]):
@@ -50,9 +52,10 @@ _POLICY_DOC = """
         block_size: values per scale (power of two); ``None`` for each format's default.
         min_quant_size: parameters with fewer elements (full shape) keep fp32 states.
         overrides: ``{name_pattern: states}``, matched with ``fnmatch`` against parameter names,
-            e.g. ``{"*embed*": "fp32", "*norm*": "fp32"}``.
+            e.g. ``{"*.wte.*": "fp32", "*.ln_*": "fp32"}`` (a pattern that matches no parameter raises).
         track_stalls: count stalled state entries (read by ``StallMonitor``).
-        nonfinite: ``"skip"`` (default) or ``"raise"`` for parameters whose gradient holds inf/NaN.
+        nonfinite: for gradients holding inf/NaN: ``"skip"`` (default: those parameters are not updated, one warning per
+            step names them), ``"skip_step"`` (no parameter is updated, as ``GradScaler`` does) or ``"raise"``.
 """
 
 

@@ -2,7 +2,7 @@
 
 **A reconstruction.** The paper's claims are known (per-layer, per-state and per-step bit-widths at an
 average of 5.1 bits, statistics all-reduced so every rank agrees, O(N/K) overhead), its method text is not;
-``shared/docs/ALGORITHMS.md`` section 4 reconstructs it, as implemented here. Every choice
+``docs/algorithms.md`` ("Adaptive bit-widths") sets out the reconstruction implemented here. Every choice
 below is a policy parameter of :class:`~lightning_qstate.callbacks.AdaptiveBitWidth`:
 
 - statistics of a layer's gradient ``g``: ``N = RMS(g)`` and ``R = std(|g|) / mean(|g|)``, from sums

@@ -1,4 +1,4 @@
-"""Stall model of low-precision EMA states (arXiv 2603.16731; ``shared/docs/ALGORITHMS.md`` section 1).
+"""Stall model of low-precision EMA states (arXiv 2603.16731; see ``docs/algorithms.md``, "Stall model and resets").
 
 An EMA state ``s`` is updated in fp32 and rounded when it is written back. An entry *stalls* when the
 update moved it but its stored code stayed put (see :func:`lightning_qstate.formats.count_stalls`). With

@@ -1,0 +1,351 @@
+"""torch's optimizer contract, resumes that honour the configuration, non-finite gradients and damaged checkpoints."""
+
+from __future__ import annotations
+
+import copy
+import io
+import pickle
+import tempfile
+import warnings
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+import lightning_qstate as lq
+from lightning_qstate.formats import QuantizedTensor
+
+
+def roundtrip(obj):
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=True)
+
+
+def make_model(seed: int = 0, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 64)).to(dtype)
+
+
+def run(model: torch.nn.Module, optimizer: torch.optim.Optimizer, steps: int, start: int = 0) -> None:
+    """``steps`` steps on batches that depend on the step index only, so runs split by a checkpoint see the same data."""
+    dtype = next(model.parameters()).dtype
+    for step in range(start, start + steps):
+        x = torch.randn(32, 64, generator=torch.Generator().manual_seed(step)).to(dtype)
+        optimizer.zero_grad()
+        model(x).square().mean().backward()
+        optimizer.step()
+
+
+def states_equal(a: torch.optim.Optimizer, b: torch.optim.Optimizer) -> bool:
+    for pa, pb in zip((p for g in a.param_groups for p in g["params"]), (p for g in b.param_groups for p in g["params"])):
+        for name, value in a.state[pa].items():
+            other = b.state[pb][name]
+            if isinstance(value, QuantizedTensor):
+                if value.format.config != other.format.config or not torch.equal(value.codes, other.codes):
+                    return False
+            elif not torch.equal(torch.as_tensor(value), torch.as_tensor(other)):
+                return False
+    return True
+
+
+def params_equal(a: torch.nn.Module, b: torch.nn.Module) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
+
+
+# --- torch's optimizer contract -------------------------------------------------------------------------------
+@pytest.mark.parametrize("clone", [copy.deepcopy, lambda o: pickle.loads(pickle.dumps(o))], ids=["deepcopy", "pickle"])
+def test_copies_keep_the_quantization_and_step_alike(clone):
+    """deepcopy/pickle keep every added attribute (policy, stall counters, seed), so the copy steps exactly like the original."""
+    model = make_model()
+    optimizer = lq.QAdamW(model.parameters(), lr=1e-2, min_quant_size=0, rounding="stochastic", track_stalls=True)
+    run(model, optimizer, 2)
+    both = clone((model, optimizer))
+    run(model, optimizer, 2, start=2)
+    run(*both, 2, start=2)
+    assert params_equal(model, both[0]) and states_equal(optimizer, both[1])
+    assert both[1].stall_stats().keys() == optimizer.stall_stats().keys()
+
+
+def test_float64_parameters_step_with_quantized_states():
+    """float64 parameters: fp32 states follow torch bit for bit; quantized states are stored through fp32 and read back as float64."""
+    reference, ours, quantized = make_model(dtype=torch.float64), make_model(dtype=torch.float64), make_model(dtype=torch.float64)
+    run(reference, torch.optim.AdamW(reference.parameters(), lr=1e-2), 5)
+    run(ours, lq.QAdamW(ours.parameters(), lr=1e-2, states="fp32"), 5)
+    assert params_equal(reference, ours)
+    optimizer = lq.QAdamW(quantized.parameters(), lr=1e-2, states="int8", min_quant_size=0)
+    run(quantized, optimizer, 5)
+    state = optimizer.state[quantized[0].weight]["exp_avg"]
+    assert isinstance(state, QuantizedTensor) and state.dequantize().dtype == torch.float64
+    assert max(float((a - b).detach().abs().max()) for a, b in zip(reference.parameters(), quantized.parameters())) < 5e-2
+    resumed = lq.QAdamW(quantized.parameters(), lr=1e-2, states="int8", min_quant_size=0)
+    resumed.load_state_dict(roundtrip(optimizer.state_dict()))
+    assert resumed.state[quantized[0].weight]["exp_avg"].dtype == torch.float64
+
+
+def test_add_param_group_checks_like_the_constructor():
+    optimizer = lq.QAdamW(make_model().parameters(), states="int4")
+    with pytest.raises(ValueError, match="complex parameters"):
+        optimizer.add_param_group({"params": [torch.nn.Parameter(torch.randn(8, dtype=torch.complex64))]})
+    with pytest.raises(ValueError, match="states"):
+        optimizer.add_param_group({"params": [torch.nn.Parameter(torch.randn(8))], "states": "int9"})
+    optimizer.add_param_group({"params": [torch.nn.Parameter(torch.randn(8))]})
+    assert optimizer.param_groups[-1]["states"] == "int4"  # the optimizer's defaults, as the constructor's groups
+
+
+def test_differentiable_is_refused():
+    with pytest.raises(ValueError, match="differentiable=True is not supported"):
+        lq.QAdamW(make_model().parameters(), differentiable=True)
+
+
+def test_state_entries_under_non_parameter_keys_round_trip():
+    model = make_model()
+    optimizer = lq.QAdamW(model.parameters(), min_quant_size=0)
+    run(model, optimizer, 1)
+    optimizer.state["extra"] = {"count": torch.tensor(3.0)}
+    saved = roundtrip(optimizer.state_dict())
+    resumed = lq.QAdamW(model.parameters(), min_quant_size=0)
+    resumed.load_state_dict(saved)
+    assert torch.equal(resumed.state["extra"]["count"], torch.tensor(3.0)) and states_equal(optimizer, resumed)
+
+
+def test_hooks_see_packed_checkpoints_and_loaded_states():
+    """state_dict post-hooks see the packed form; load pre-hooks the dict as given; load post-hooks the loaded states."""
+    model = make_model()
+    optimizer = lq.QAdamW(model.parameters(), min_quant_size=0)
+    run(model, optimizer, 1)
+    seen = {}
+    optimizer.register_state_dict_post_hook(lambda opt, sd: seen.__setitem__("saved", type(sd["state"][0]["exp_avg"])))
+    saved = optimizer.state_dict()
+    resumed = lq.QAdamW(model.parameters(), min_quant_size=0)
+    resumed.register_load_state_dict_pre_hook(lambda opt, sd: seen.__setitem__("given", type(sd["state"][0]["exp_avg"])))
+    resumed.register_load_state_dict_post_hook(lambda opt: seen.__setitem__("loaded", type(opt.state[model[0].weight]["exp_avg"])))
+    resumed.load_state_dict(saved)
+    assert seen == {"saved": dict, "given": dict, "loaded": QuantizedTensor}
+
+
+def test_distributed_checkpoint_raw_pattern():
+    """``dcp.save(opt.state_dict())`` ... ``dcp.load(sd)``; ``opt.load_state_dict(sd)`` (DCP puts non-tensor values under
+    stringified keys) resumes exactly."""
+    model = make_model()
+    optimizer = lq.QAdamW(model.parameters(), lr=1e-2, min_quant_size=0)
+    run(model, optimizer, 2)
+    with tempfile.TemporaryDirectory() as directory:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # DCP's single-process warnings
+            dcp.save(optimizer.state_dict(), checkpoint_id=directory)
+            resumed_model = make_model(1)
+            resumed_model.load_state_dict(model.state_dict())
+            resumed = lq.QAdamW(resumed_model.parameters(), lr=1e-2, min_quant_size=0)
+            run(resumed_model, resumed, 1, start=50)  # a state to load into
+            resumed_model.load_state_dict(model.state_dict())
+            target = resumed.state_dict()
+            dcp.load(target, checkpoint_id=directory)
+    resumed.load_state_dict(target)
+    assert states_equal(optimizer, resumed)
+    run(model, optimizer, 2, start=2)
+    run(resumed_model, resumed, 2, start=2)
+    assert params_equal(model, resumed_model)
+
+
+def test_sgd_without_momentum_keeps_no_state():
+    model = make_model()
+    optimizer = lq.QSGD(model.parameters(), lr=0.1)
+    run(model, optimizer, 2)
+    assert len(optimizer.state) == 0 and optimizer.state_dict()["state"] == {}
+
+
+@pytest.mark.parametrize(
+    "make_optimizer,features",
+    [
+        (lambda params: lq.QAdamW(params, lr=1e-2, min_quant_size=0, rounding="stochastic"), 64),
+        (lambda params: lq.QAdamW(params, lr=1e-2, min_quant_size=0, rounding="stochastic", states="e4m3"), 1024),  # compiled path (a 65,536-value weight)
+        (lambda params: lq.QSGD(params, lr=1e-2, momentum=0.9, min_quant_size=0, rounding="stochastic", states="bf16"), 64),
+    ],
+    ids=["adamw-int8", "adamw-e4m3-compiled", "sgd-bf16"],
+)
+def test_stochastic_rounding_resumes_exactly(make_optimizer, features):
+    """The rounding's random stream is seeded from (seed, step, parameter, state) and the checkpoint holds seed and step:
+    a run split by a checkpoint, with torch's global generator in another state, equals the straight run."""
+
+    def fresh():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(64, features), torch.nn.Linear(features, 64))
+        return model, make_optimizer(model.parameters())
+
+    straight_model, straight = fresh()
+    run(straight_model, straight, 4)
+    model, optimizer = fresh()
+    run(model, optimizer, 2)
+    saved = roundtrip({"model": model.state_dict(), "optimizer": optimizer.state_dict()})
+    torch.manual_seed(1234)  # another global stream: nothing may depend on it
+    resumed_model, resumed = fresh()
+    torch.manual_seed(99)
+    resumed_model.load_state_dict(saved["model"])
+    resumed.load_state_dict(saved["optimizer"])
+    run(resumed_model, resumed, 2, start=2)
+    assert params_equal(straight_model, resumed_model) and states_equal(straight, resumed)
+
+
+# --- the configuration the user gave ----------------------------------------------------------------------------
+def test_resume_with_other_states_re_encodes_into_the_configured_formats():
+    model = make_model()
+    optimizer = lq.QAdamW(model.parameters(), lr=1e-2, states="int8", min_quant_size=0)
+    run(model, optimizer, 2)
+    saved = roundtrip(optimizer.state_dict())
+    resumed = lq.QAdamW(model.parameters(), lr=1e-2, states="int4", min_quant_size=0)
+    with pytest.warns(UserWarning, match=r"states='int8' -> 'int4'.*re-encoded"):
+        resumed.load_state_dict(saved)
+    assert all(resumed.state_format(p, "exp_avg").name == "int4" for p in model.parameters())
+    assert resumed.param_groups[0]["states"] == "int4"
+    same = lq.QAdamW(model.parameters(), lr=1e-2, states="int8", min_quant_size=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # an unchanged configuration loads silently and exactly
+        same.load_state_dict(saved)
+    assert states_equal(optimizer, same)
+
+
+def test_resume_with_another_lr_warns_and_keeps_torchs_semantics():
+    model = make_model()
+    optimizer = lq.QAdamW(model.parameters(), lr=1e-2)
+    run(model, optimizer, 1)
+    resumed = lq.QAdamW(model.parameters(), lr=3e-4)
+    with pytest.warns(UserWarning, match=r"lr: configured 0.0003, checkpoint 0.01"):
+        resumed.load_state_dict(roundtrip(optimizer.state_dict()))
+    assert resumed.param_groups[0]["lr"] == 1e-2
+
+
+# --- non-finite gradients -------------------------------------------------------------------------------------
+def named_model_and_optimizer(**options):
+    model = make_model()
+    optimizer = lq.QAdamW(model.named_parameters(), lr=1e-2, min_quant_size=0, **options)
+    run(model, optimizer, 1)
+    optimizer.zero_grad()
+    model(torch.randn(4, 64)).square().mean().backward()
+    model[0].weight.grad[0, 0] = float("inf")
+    model[2].bias.grad[1] = float("nan")
+    return model, optimizer
+
+
+def test_one_warning_per_step_names_the_skipped_parameters():
+    model, optimizer = named_model_and_optimizer()
+    before = [p.detach().clone() for p in model.parameters()]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        optimizer.step()
+    messages = [str(w.message) for w in caught if "non-finite" in str(w.message)]
+    assert len(messages) == 1 and "0.weight" in messages[0] and "2.bias" in messages[0]
+    assert optimizer.nonfinite_skips == 2 and optimizer.skipped_steps == 0
+    changed = [not torch.equal(a, b) for a, b in zip(before, model.parameters())]
+    assert changed == [False, True, True, False]
+
+
+def test_skip_step_skips_every_parameter():
+    model, optimizer = named_model_and_optimizer(nonfinite="skip_step")
+    before = [p.detach().clone() for p in model.parameters()]
+    codes = optimizer.state[model[0].bias]["exp_avg"].codes.clone()
+    steps = [float(optimizer.state[p]["step"]) for p in model.parameters()]
+    with pytest.warns(RuntimeWarning, match=r"2 parameter\(s\): 0.weight, 2.bias; the whole step was skipped"):
+        optimizer.step()
+    assert params_equal(torch.nn.ParameterList(before), torch.nn.ParameterList(list(model.parameters())))
+    assert torch.equal(codes, optimizer.state[model[0].bias]["exp_avg"].codes)
+    assert steps == [float(optimizer.state[p]["step"]) for p in model.parameters()]
+    assert optimizer.skipped_steps == 1 and optimizer.nonfinite_skips == 4
+    assert all(p.grad is not None for p in model.parameters())  # gradients are left to the user, as GradScaler does
+    run(model, optimizer, 1, start=5)
+    assert not torch.equal(before[1], model[0].bias)
+
+
+def test_raise_names_the_parameters():
+    _, optimizer = named_model_and_optimizer(nonfinite="raise")
+    with pytest.raises(FloatingPointError, match=r"0.weight"):
+        optimizer.step()
+    with pytest.raises(ValueError, match="nonfinite='skip_all' is not valid.*'skip_step'"):
+        lq.QAdamW(make_model().parameters(), nonfinite="skip_all")
+
+
+# --- damaged checkpoints ----------------------------------------------------------------------------------------
+def saved_checkpoint():
+    model = make_model()
+    optimizer = lq.QAdamW(model.parameters(), min_quant_size=0)
+    run(model, optimizer, 2)
+    return model, roundtrip(optimizer.state_dict())
+
+
+def test_flipped_bytes_in_packed_codes_are_detected():
+    model, saved = saved_checkpoint()
+    codes = saved["state"][0]["exp_avg"]["codes"]
+    where = torch.randperm(codes.numel(), generator=torch.Generator().manual_seed(0))[:2000]
+    codes.view(-1)[where] ^= 0x5A
+    with pytest.raises(ValueError, match=r"state 0 \('exp_avg'\): the checkpoint is damaged.*checksum"):
+        lq.QAdamW(model.parameters(), min_quant_size=0).load_state_dict(saved)
+
+
+def test_non_finite_scales_are_refused_at_load():
+    model, saved = saved_checkpoint()
+    entry = saved["state"][2]["exp_avg_sq"]
+    entry["scales"][3] = float("nan")
+    from lightning_qstate.optim.serialization import checksum
+
+    entry["checksum"] = checksum(entry["codes"], entry["scales"])  # consistent bytes, bad values
+    with pytest.raises(ValueError, match=r"damaged: 1 block scale\(s\) are inf or NaN"):
+        lq.QAdamW(model.parameters(), min_quant_size=0).load_state_dict(saved)
+
+
+@pytest.mark.skipif(not (torch.distributed.is_available() and torch.distributed.is_gloo_available()), reason="needs gloo")
+def test_a_nan_in_one_ranks_shard_skips_the_parameter_on_every_rank(tmp_path):
+    """FSDP1, 2 gloo ranks: ``0.bias`` is split between the ranks' flat shards; a NaN in rank 1's part skips it on both."""
+    import json
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    worker = Path(__file__).resolve().parent / "nonfinite_worker.py"
+    result = subprocess.run([sys.executable, str(worker), str(tmp_path), str(port)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
+    for rank in ranks:
+        assert rank["changed"]["0.bias"][1] is False and rank["skips"] == 1 and len(rank["warnings"]) == 1
+        assert "1 parameter(s): 0.bias;" in rank["warnings"][0]  # named as the module names it
+    assert ranks[0]["changed"]["0.bias"][0] > 0 and ranks[1]["changed"]["0.bias"][0] > 0  # both hold a part of it
+    assert ranks[0]["changed"]["0.weight"] == [8192, True] and ranks[1]["changed"]["1.weight"] == [8192, True]
+
+
+def test_version_2_checkpoints_with_flushed_v_load_lifted():
+    """Version 2 wrote code 0 for a positive ``v`` far below its block's absmax; loading lifts it to the smallest positive
+    code, so the next step after a zero gradient stays an Adam-sized step instead of ``m / eps``."""
+    weight = torch.nn.Parameter(torch.zeros(4096))
+    optimizer = lq.QAdamW([weight], lr=1e-3, weight_decay=0)
+    weight.grad = torch.zeros(4096)
+    weight.grad[0], weight.grad[1] = 1.0, 1e-4
+    optimizer.step()
+    saved = roundtrip(optimizer.state_dict())
+    entry = saved["state"][0]["exp_avg_sq"]
+    entry["codes"][1] = 0  # what version 2's encoder wrote for v[1] = 1e-11 next to v[0] = 1e-3
+    entry["qstate_version"] = saved["qstate_version"] = 2
+    del entry["checksum"]
+    resumed = lq.QAdamW([weight], lr=1e-3, weight_decay=0)
+    resumed.load_state_dict(saved)
+    assert int(resumed.state[weight]["exp_avg_sq"].codes[1]) == resumed.state_format(weight, "exp_avg_sq").min_code > 0
+    before = float(weight[1])
+    weight.grad = torch.zeros(4096)
+    resumed.step()
+    assert abs(float(weight[1]) - before) < 3e-3  # torch AdamW: 1.67e-3; a flushed v gave 4.21
+
+
+def test_each_compiled_format_pair_has_its_own_dynamo_cache():
+    """dynamo caches (and limits to 8 recompilations) per code object: one shared compiled function failed under
+    ``fullgraph`` once a process had compiled 8 format pairs. Each options tuple gets its own copy, once."""
+    from lightning_qstate.formats import get_format
+    from lightning_qstate.optim import fused
+
+    options = [(get_format(name), get_format(name, signed=False), "nearest", True, False, False) for name in ("int8", "int4", "fp8_e4m3")]
+    compiled = [fused.compiled_adam_step(option) for option in options]
+    codes = {id(function._torchdynamo_orig_callable.__code__) for function in compiled}
+    assert len(codes) == 3 and id(fused.adam_step_quantized.__code__) not in codes
+    assert fused.compiled_adam_step(options[0]) is compiled[0]
