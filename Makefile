@@ -1,10 +1,11 @@
-# `make demo` runs the main job, `make test` the test suite; each creates and fills its own venv first.
+# `make demo` runs the main job, `make test` the test suite, `make lint` ruff (check and format); each creates and fills its own venv first.
 VENV ?= .venv
 PYTHON ?= python3
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install --quiet --constraint requirements/ci.txt
 
-.PHONY: test demo bench clean
+.PHONY: test lint demo bench clean
+LINTED := lightning_qstate tests benchmarks examples
 
 $(VENV)/.installed: pyproject.toml requirements/ci.txt
 	$(PYTHON) -m venv $(VENV)
@@ -15,6 +16,11 @@ $(VENV)/.installed: pyproject.toml requirements/ci.txt
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q tests
+
+# C++ formatting (clang-format) joins this target when the kernel source moves from optim/cpu_kernel.py to csrc/.
+lint: $(VENV)/.installed
+	$(PY) -m ruff check $(LINTED)
+	$(PY) -m ruff format --check $(LINTED)
 
 demo: $(VENV)/.installed
 	$(PY) -m lightning_qstate.cli fit --config examples/configs/gpt_int8.yaml

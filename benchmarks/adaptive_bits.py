@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import logging
 import math
 import os
 import platform
@@ -52,6 +53,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # the examples package lives in the checkout
     sys.path.insert(0, str(ROOT))
 
+import lightning  # noqa: E402
 import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
 from lightning.pytorch.callbacks import Callback  # noqa: E402
@@ -71,7 +73,11 @@ PLUGIN_STATES = {
 }
 DEFAULT_CONFIGS = CONFIGS[:4]
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "adaptive_bits.md"
-PAPER_BITS, PAPER_SAVING, QUALITY_TOLERANCE = 5.1, 0.84, 0.01  # the issue's targets: average bits, saving vs fp32, final loss (accuracy) vs int8
+PAPER_BITS, PAPER_SAVING, QUALITY_TOLERANCE = (
+    5.1,
+    0.84,
+    0.01,
+)  # the issue's targets: average bits, saving vs fp32, final loss (accuracy) vs int8
 
 
 @dataclass(frozen=True)
@@ -94,20 +100,28 @@ def model_setups(args: argparse.Namespace) -> dict[str, ModelSetup]:
     if args.quick:
         return {
             "gpt": ModelSetup(
-                "gpt", "GPT-2 (tiny: 1 layer, width 32)", lambda seed: GPTModule(n_embd=32, n_layer=1, n_head=2, n_positions=32, warmup_steps=2, seed=seed),
-                lambda seed: ByteTextDataModule(seq_len=32, batch_size=4, val_windows=8, seed=seed), args.gpt_steps or 6, args.interval or 2,
+                "gpt", "GPT-2 (tiny: 1 layer, width 32)",
+                lambda seed: GPTModule(n_embd=32, n_layer=1, n_head=2, n_positions=32, warmup_steps=2, seed=seed),
+                lambda seed: ByteTextDataModule(seq_len=32, batch_size=4, val_windows=8, seed=seed),
+                args.gpt_steps or 6, args.interval or 2,
             ),
             "vit": ModelSetup(
-                "vit", "ViT (tiny: depth 1, width 32)", lambda seed: ViTModule(embed_dim=32, depth=1, num_heads=2, warmup_steps=2, seed=seed),
-                lambda seed: DigitsDataModule(image_size=32, batch_size=16, seed=seed), args.vit_steps or 6, args.interval or 2,
+                "vit", "ViT (tiny: depth 1, width 32)",
+                lambda seed: ViTModule(embed_dim=32, depth=1, num_heads=2, warmup_steps=2, seed=seed),
+                lambda seed: DigitsDataModule(image_size=32, batch_size=16, seed=seed),
+                args.vit_steps or 6, args.interval or 2,
             ),
         }  # fmt: skip
     gpt_steps, vit_steps = args.gpt_steps or 400, args.vit_steps or 330
     return {
         "gpt": ModelSetup(
             "gpt", "byte-level GPT-2 (n_embd 128, 4 layers, 0.84 M parameters), pydoc text, seq 128, batch 16",
-            lambda seed: GPTModule(n_embd=128, n_layer=4, n_head=4, n_positions=128, lr=0.003, weight_decay=0.1, betas=(0.9, 0.95), warmup_steps=50, seed=seed),
-            lambda seed: ByteTextDataModule(seq_len=128, batch_size=16, val_windows=128, seed=seed), gpt_steps, args.interval or max(gpt_steps // 30, 1),
+            lambda seed: GPTModule(
+                n_embd=128, n_layer=4, n_head=4, n_positions=128, lr=0.003, weight_decay=0.1, betas=(0.9, 0.95), warmup_steps=50, seed=seed
+            ),
+            lambda seed: ByteTextDataModule(seq_len=128, batch_size=16, val_windows=128, seed=seed),
+            gpt_steps,
+            args.interval or max(gpt_steps // 30, 1),
         ),
         "vit": ModelSetup(
             "vit", "timm ViT (width 96, depth 4, 0.31 M parameters), digits 32x32, batch 64",
@@ -247,7 +261,11 @@ def model_table(setup: ModelSetup, rows: list[Row]) -> list[str]:
     accuracy = any("val_acc" in row.metrics for row in rows)
     checks = f", checks every {setup.interval} steps" if "adaptive" in by_config else ""
     lines = [f"### {setup.name}: {setup.label}; {setup.steps} steps{checks}; seeds {', '.join(map(str, seeds))}", ""]
-    head = "| config | val loss | " + ("val acc | " if accuracy else "") + "Δ mean loss vs int8 | avg bits/value | state bytes | saved vs fp32 | median step ms | all steps s | callback overhead |"
+    head = (
+        "| config | val loss | "
+        + ("val acc | " if accuracy else "")
+        + "Δ mean loss vs int8 | avg bits/value | state bytes | saved vs fp32 | median step ms | all steps s | callback overhead |"
+    )
     lines += [head, "|---|" + "---:|" * (head.count("|") - 2)]
     for config, summary in by_config.items():
         loss = statistics.fmean(summary.metric("val_loss"))
@@ -277,9 +295,14 @@ def model_table(setup: ModelSetup, rows: list[Row]) -> list[str]:
         lines.append("| " + " | ".join(cells) + " |")
     for row in by_config["adaptive"].runs if "adaptive" in by_config else []:
         zones = ", ".join(f"{key.rsplit('_', 1)[-1]} {int(value)}" for key, value in row.adaptive.items() if "/zone_" in key)
-        per_state = "; ".join(f"{name}: " + ", ".join(f"{fmt} x{count}" for fmt, count in sorted(counts.items())) for name, counts in row.formats.items())
+        per_state = "; ".join(
+            f"{name}: " + ", ".join(f"{fmt} x{count}" for fmt, count in sorted(counts.items())) for name, counts in row.formats.items()
+        )
         transitions = int(row.adaptive["qstate/adaptive/transitions"])
-        lines += ["", f"adaptive, seed {row.seed}, at the end: zones {zones}; {transitions} transitions (states re-encoded); formats {per_state}"]
+        lines += [
+            "",
+            f"adaptive, seed {row.seed}, at the end: zones {zones}; {transitions} transitions (states re-encoded); formats {per_state}",
+        ]
     return lines + [""]
 
 
@@ -301,10 +324,21 @@ def verdicts(rows: list[Row]) -> list[str]:
             if int8 is None or key not in int8.runs[0].metrics:
                 continue
             ratio = relative(statistics.fmean(adaptive.metric(key)), statistics.fmean(int8.metric(key)))
-            deltas = [relative(a, b) for a, b in zip(adaptive.metric(key), int8.metric(key))]
+            deltas = [relative(a, b) for a, b in zip(adaptive.metric(key), int8.metric(key), strict=False)]
             paired = ", ".join(f"{100 * delta:+.1f} %" for delta in deltas)
-            spread = f"; per-seed Δ mean {100 * statistics.fmean(deltas):+.2f} % ± {100 * statistics.stdev(deltas) / math.sqrt(len(deltas)):.2f} % (standard error)" if len(deltas) > 1 else ""
-            checks.append((f"mean {label} within {100 * QUALITY_TOLERANCE:.0f} % of fixed int8", sign * ratio <= QUALITY_TOLERANCE, f"{100 * ratio:+.2f} %{spread}; per seed {paired}"))
+            spread = (
+                f"; per-seed Δ mean {100 * statistics.fmean(deltas):+.2f} % "
+                f"± {100 * statistics.stdev(deltas) / math.sqrt(len(deltas)):.2f} % (standard error)"
+                if len(deltas) > 1
+                else ""
+            )
+            checks.append(
+                (
+                    f"mean {label} within {100 * QUALITY_TOLERANCE:.0f} % of fixed int8",
+                    sign * ratio <= QUALITY_TOLERANCE,
+                    f"{100 * ratio:+.2f} %{spread}; per seed {paired}",
+                )
+            )
         for label, ok, value in checks:
             lines.append(f"- {model}: {label}: {'PASS' if ok else 'FAIL'} ({value})")
     return lines + [""]
@@ -316,24 +350,27 @@ def fmt_ms(seconds: list[float]) -> str:
 
 def report(args: argparse.Namespace, setups: dict[str, ModelSetup], rows: list[Row], seconds: float, argv: list[str]) -> str:
     command = "python benchmarks/adaptive_bits.py" + ("" if not argv else " " + shlex.join(argv))
-    import lightning
-
     lines = [
         "# Adaptive bit-widths (AdaptiveBitWidth, STQuant reconstruction) against fixed state formats",
         "",
         f"- command: `{command}`",
         f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; runtime {seconds:.0f} s",
         f"- versions: python {platform.python_version()}, torch {torch.__version__}, lightning {lightning.__version__}",
-        f"- machine: {platform.machine()}, {platform.system()}, CPUs {os.cpu_count()}, torch threads {torch.get_num_threads()}; shared machine, timings are noisy",
+        f"- machine: {platform.machine()}, {platform.system()}, CPUs {os.cpu_count()}, torch threads {torch.get_num_threads()}; "
+        "shared machine, timings are noisy",
         f"- training: AdamW, gradient clipping 1.0, one validation at the end, from each of the seeds {', '.join(map(str, args.seeds))} "
-        "(a seed sets the initialisation and the data order, for the digits also the train/val split); quantized states through `QStatePrecision`"
+        "(a seed sets the initialisation and the data order, for the digits also the train/val split); "
+        "quantized states through `QStatePrecision`"
         + (" (min_quant_size 0)" if args.quick else " (min_quant_size 4096: smaller parameters keep fp32 states, counted in every average)")
         + f", rounding {args.rounding}",
-        f"- adaptive: `QStatePrecision(states=\"int8\")` + `AdaptiveBitWidth(target_bits={args.target_bits}, interval=K, hysteresis={args.hysteresis})`, default zone formats",
+        '- adaptive: `QStatePrecision(states="int8")` + '
+        f"`AdaptiveBitWidth(target_bits={args.target_bits}, interval=K, hysteresis={args.hysteresis})`, default zone formats",
         "- val loss and val acc: mean ± sample standard deviation over the seeds; Δ mean loss: the mean against fixed int8's mean; "
         "avg bits/value, state bytes, saved and all steps s: means over the seeds; median step ms: over the steps of all seeds",
-        "- avg bits/value and state bytes: `state_summary` of the optimizer at the end (all m and v values, fp32 ones included, scales included)",
-        "- callback overhead: time in its hooks (statistics, all-reduce, decisions, re-encoding; no logger here) / total training-step time, all seeds together",
+        "- avg bits/value and state bytes: `state_summary` of the optimizer at the end "
+        "(all m and v values, fp32 ones included, scales included)",
+        "- callback overhead: time in its hooks (statistics, all-reduce, decisions, re-encoding; no logger here) "
+        "/ total training-step time, all seeds together",
         "",
     ]
     for name, setup in setups.items():
@@ -346,7 +383,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="tiny models, a few steps (a smoke test)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--models", default="gpt,vit", help="comma-separated: gpt, vit")
-    parser.add_argument("--configs", default=",".join(DEFAULT_CONFIGS), help=f"comma-separated: {', '.join(CONFIGS)} (default {','.join(DEFAULT_CONFIGS)})")
+    parser.add_argument(
+        "--configs", default=",".join(DEFAULT_CONFIGS), help=f"comma-separated: {', '.join(CONFIGS)} (default {','.join(DEFAULT_CONFIGS)})"
+    )
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="every configuration runs from each (default 0 1 2)")
     parser.add_argument("--gpt-steps", type=int, default=None, help="training steps of the GPT (default 400; quick 6)")
     parser.add_argument("--vit-steps", type=int, default=None, help="training steps of the ViT (default 330; quick 6)")
@@ -371,8 +410,6 @@ def main(argv: list[str] | None = None) -> str:
     args = parse_args(argv)
     warnings.filterwarnings("ignore", ".*does not have many workers.*")
     warnings.filterwarnings("ignore", ".*GPU available but not used.*")
-    import logging
-
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
     start = time.perf_counter()
     setups = {name: setup for name, setup in model_setups(args).items() if name in args.model_names}

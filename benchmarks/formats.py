@@ -30,9 +30,10 @@ import shlex
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Literal
+from typing import Any, Literal
 
 import torch
 
@@ -315,7 +316,9 @@ def roundtrip_error(x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
     return float(diff.norm() / x64.norm()), float(diff.abs().max() / x64.abs().max())
 
 
-def off_nearest_fraction(x: torch.Tensor, codes: torch.Tensor, table: torch.Tensor, block_size: int, scales: torch.Tensor | None = None) -> float:
+def off_nearest_fraction(
+    x: torch.Tensor, codes: torch.Tensor, table: torch.Tensor, block_size: int, scales: torch.Tensor | None = None
+) -> float:
     """Fraction of ``codes`` that differ from the nearest entry of ``table`` to ``x / block scale``, in float64
     (``scales``: the stored ``(num_blocks,)`` scales; ``None``: the block absmax)."""
     flat = x.double().reshape(-1)
@@ -390,8 +393,8 @@ def measure_throughput(measured: list[tuple[Row, Any]], x: torch.Tensor, repeats
             if row.failure is not None:
                 continue
             try:
-                times[id(row)][0].append(seconds(lambda: row.method.quantize(x)))
-                times[id(row)][1].append(seconds(lambda: row.method.dequantize(state)))
+                times[id(row)][0].append(seconds(lambda row=row: row.method.quantize(x)))
+                times[id(row)][1].append(seconds(lambda row=row, state=state: row.method.dequantize(state)))
             except Exception as error:  # noqa: BLE001
                 row.failure = _short_reason(error)
     for row, _ in working:

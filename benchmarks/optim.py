@@ -68,6 +68,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
+import hashlib
 import importlib.util
 import json
 import math
@@ -84,9 +85,10 @@ import sys
 import tempfile
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -558,8 +560,8 @@ def paired_ratio(row: Row, base: Row | None) -> float:
     """Median over rounds of ``row``'s step time over ``base``'s in the same round (NaN without both)."""
     if base is None or row.failure or base.failure:
         return math.nan
-    base_times = dict(zip(base.rounds, base.times_ms))
-    ratios = [t / base_times[r] for r, t in zip(row.rounds, row.times_ms) if r in base_times]
+    base_times = dict(zip(base.rounds, base.times_ms, strict=False))
+    ratios = [t / base_times[r] for r, t in zip(row.rounds, row.times_ms, strict=False) if r in base_times]
     return statistics.median(ratios) if ratios else math.nan
 
 
@@ -780,8 +782,6 @@ def render_profiles(rows: list[Row]) -> str | None:
 
 def source_digest() -> str:
     """Short SHA-1 of the ``lightning_qstate`` sources measured (the package changes between runs)."""
-    import hashlib
-
     root = Path(sys.modules["lightning_qstate"].__file__).resolve().parent
     digest = hashlib.sha1()
     for path in sorted(root.rglob("*.py")):

@@ -113,7 +113,16 @@ def train(spec: RunSpec) -> dict:
             self.times.append(time.perf_counter() - self.start)
 
     width, layers, heads, context = spec.model
-    model = GPTModule(n_embd=width, n_layer=layers, n_head=heads, n_positions=context, lr=3e-3, weight_decay=0.1, betas=(0.9, 0.999), warmup_steps=min(100, spec.steps // 10))
+    model = GPTModule(
+        n_embd=width,
+        n_layer=layers,
+        n_head=heads,
+        n_positions=context,
+        lr=3e-3,
+        weight_decay=0.1,
+        betas=(0.9, 0.999),
+        warmup_steps=min(100, spec.steps // 10),
+    )
     data = ByteTextDataModule(seq_len=context, batch_size=16, val_windows=128)
     records, times = Records(), StepTimes()
     interval = min(MONITOR_INTERVAL, max(1, spec.steps // 10))
@@ -121,7 +130,11 @@ def train(spec: RunSpec) -> dict:
     if spec.monitor and spec.states != "fp32":
         callbacks.append(StallMonitor(log_every_n_steps=interval, per_layer=False, histograms=False))
     if spec.resets:
-        callbacks.append(StateResetScheduler(period=FP32_RESET_PERIOD, include_fp32=True) if spec.states == "fp32" else StateResetScheduler(period="auto"))
+        callbacks.append(
+            StateResetScheduler(period=FP32_RESET_PERIOD, include_fp32=True)
+            if spec.states == "fp32"
+            else StateResetScheduler(period="auto")
+        )
     validate_every = max(1, spec.steps // 6)
     trainer = pl.Trainer(
         accelerator="cpu", devices=1, max_steps=spec.steps, val_check_interval=validate_every, check_val_every_n_epoch=None,
@@ -193,8 +206,10 @@ def render(results: dict, costs: list[dict], args: argparse.Namespace, argv: lis
     lines = [
         "# Stale optimizer states at CPU scale (GPT example)",
         "",
-        f"Generated {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC} by `python benchmarks/staleness.py {shlex.join(argv)}` "
-        f"(torch {torch.__version__}, {platform.machine()}, {os.cpu_count()} cores). Byte-level GPT-2, {any_run['params']:,} parameters, "
+        f"Generated {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC} "
+        f"by `python benchmarks/staleness.py {shlex.join(argv)}` "
+        f"(torch {torch.__version__}, {platform.machine()}, {os.cpu_count()} cores). "
+        f"Byte-level GPT-2, {any_run['params']:,} parameters, "
         f"{args.steps} steps, AdamW β = (0.9, 0.999); see the script's docstring for the set-up.",
         "",
         "Final validation loss (nats/byte), as the paper's table:",
@@ -207,21 +222,38 @@ def render(results: dict, costs: list[dict], args: argparse.Namespace, argv: lis
     fp32 = results.get(("fp32", "RN"))
     lines += [
         "",
-        "| states | variant | val loss | Δ vs fp32 RN | v stall measured | v stall predicted | m stall measured | resets | state bytes | saved vs fp32 | wall s |",
+        "| states | variant | val loss | Δ vs fp32 RN | v stall measured | v stall predicted | m stall measured "
+        "| resets | state bytes | saved vs fp32 | wall s |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+
+    def stall(run: dict, key: str) -> str:
+        return "–" if run[key] is None else f"{run[key]:.3f}"
+
     for (states, variant), run in results.items():
         delta = "–" if fp32 is None else f"{run['val_loss'] - fp32['val_loss']:+.4f}"
-        stall = lambda key: "–" if run[key] is None else f"{run[key]:.3f}"  # noqa: E731
         saved = 1 - run["state_bytes"] / run["fp32_bytes"]
         lines.append(
-            f"| {states} | {variant} | {run['val_loss']:.4f} | {delta} | {stall('stall_v')} | {stall('stall_v_predicted')} | {stall('stall_m')} | "
+            f"| {states} | {variant} | {run['val_loss']:.4f} | {delta} "
+            f"| {stall(run, 'stall_v')} | {stall(run, 'stall_v_predicted')} | {stall(run, 'stall_m')} | "
             f"{run['reset_events']} | {run['state_bytes']:,} | {100 * saved:.1f}% | {run['seconds']:.0f} |"
         )
-    lines += ["", "Stall rates: mean of StallMonitor's measurements (one step in 50) over the second half; with resets they include the build-up after each reset."]
+    lines += [
+        "",
+        "Stall rates: mean of StallMonitor's measurements (one step in 50) over the second half; "
+        "with resets they include the build-up after each reset.",
+    ]
     if costs:
-        lines += ["", f"## StallMonitor overhead (interval {MONITOR_INTERVAL})", "", "| states | mean step, without | with | overhead |", "|---|---|---|---|"]
-        lines += [f"| {c['states']} | {1000 * c['without']:.2f} ms | {1000 * c['with']:.2f} ms | {100 * c['overhead']:+.2f}% |" for c in costs]
+        lines += [
+            "",
+            f"## StallMonitor overhead (interval {MONITOR_INTERVAL})",
+            "",
+            "| states | mean step, without | with | overhead |",
+            "|---|---|---|---|",
+        ]
+        lines += [
+            f"| {c['states']} | {1000 * c['without']:.2f} ms | {1000 * c['with']:.2f} ms | {100 * c['overhead']:+.2f}% |" for c in costs
+        ]
     return "\n".join(lines) + "\n"
 
 

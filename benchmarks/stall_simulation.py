@@ -20,8 +20,9 @@ state with no downward moves ratchets up (bf16 at ``β = 0.999``), so its rate d
 steady-state model the longer one measures: the long-run column (five horizons, ``--quick`` skips it)
 shows how much. The prediction is ``theory.stall_probability`` (block formats with the block-scale drift
 term), from the format alone, and from the codes the state actually occupies (``values=``, at the end of
-the window; for floats this replaces the paper's mean-mantissa approximation by the exact gaps). A second table follows the build-up after a reset (state zeroed, ``theory.stall_probability(...,
-age=k)``) for bf16 and FP8 E4M3 at ``β = 0.999``.
+the window; for floats this replaces the paper's mean-mantissa approximation by the exact gaps). A second
+table follows the build-up after a reset (state zeroed, ``theory.stall_probability(..., age=k)``) for
+bf16 and FP8 E4M3 at ``β = 0.999``.
 """
 
 from __future__ import annotations
@@ -147,7 +148,7 @@ def buildup(fmt: str, rounding: str, entries: int, seed: int, beta: float = 0.99
     case = Case(fmt, beta, rounding, "gaussian", "second")
     windows = [(max(1, round(0.8 * age)), round(1.2 * age)) for age in BUILDUP_AGES]
     rates, _ = measure(case, entries, windows, "zero", seed)
-    return [(age, rate, stall_probability(fmt, beta, rounding, age=age)) for age, rate in zip(BUILDUP_AGES, rates)]
+    return [(age, rate, stall_probability(fmt, beta, rounding, age=age)) for age, rate in zip(BUILDUP_AGES, rates, strict=False)]
 
 
 def cases(quick: bool) -> list[Case]:
@@ -175,14 +176,27 @@ def render(results: list[Result], buildups: dict[tuple[str, str], list], args: a
     ]
     for r in results:
         c = r.case
-        row = f"| {'v' if c.moment == 'second' else 'm'} | {c.fmt} | {c.beta} | {c.rounding} | {c.inputs} | {r.measured:.3f} | {r.predicted:.3f} | {r.error:+.1f} | {r.from_codes:.3f} |"
+        row = (
+            f"| {'v' if c.moment == 'second' else 'm'} | {c.fmt} | {c.beta} | {c.rounding} | {c.inputs} "
+            f"| {r.measured:.3f} | {r.predicted:.3f} | {r.error:+.1f} | {r.from_codes:.3f} |"
+        )
         lines.append(row + (f" {r.long_run:.3f} |" if r.long_run is not None else ""))
     gaussian = [r for r in results if r.case.inputs == "gaussian" and r.case.moment == "second"]
     if gaussian:
         worst = max(gaussian, key=lambda r: abs(r.error))
-        lines += ["", f"Gaussian `v` cases: largest |measured − predicted| = {abs(worst.error):.1f} pp ({worst.case.fmt}, β={worst.case.beta}, {worst.case.rounding})."]
+        lines += [
+            "",
+            f"Gaussian `v` cases: largest |measured − predicted| = {abs(worst.error):.1f} pp "
+            f"({worst.case.fmt}, β={worst.case.beta}, {worst.case.rounding}).",
+        ]
     for (fmt, rounding), rows in buildups.items():
-        lines += ["", f"## Build-up after a reset: {fmt}, {rounding}, β2 = 0.999", "", "| age k | measured (ages 0.8k..1.2k) | predicted P(k) |", "|---|---|---|"]
+        lines += [
+            "",
+            f"## Build-up after a reset: {fmt}, {rounding}, β2 = 0.999",
+            "",
+            "| age k | measured (ages 0.8k..1.2k) | predicted P(k) |",
+            "|---|---|---|",
+        ]
         lines += [f"| {age} | {measured:.3f} | {predicted:.3f} |" for age, measured, predicted in rows]
     return "\n".join(lines) + "\n"
 

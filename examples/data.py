@@ -60,7 +60,9 @@ class ByteTextDataModule(pl.LightningDataModule):
 
     vocab_size = 256
 
-    def __init__(self, seq_len: int = 128, batch_size: int = 32, val_fraction: float = 0.1, val_windows: int | None = 256, seed: int = 0) -> None:
+    def __init__(
+        self, seq_len: int = 128, batch_size: int = 32, val_fraction: float = 0.1, val_windows: int | None = 256, seed: int = 0
+    ) -> None:
         super().__init__()
         if not 0 < val_fraction < 1:
             raise ValueError(f"ByteTextDataModule: val_fraction={val_fraction} must lie in (0, 1)")
@@ -138,11 +140,19 @@ class DigitsDataModule(pl.LightningDataModule):
 
     num_classes = 10
 
-    def __init__(self, image_size: int = 32, batch_size: int = 64, val_fraction: float = 0.2, cifar10_dir: str | None = None, seed: int = 0) -> None:
+    def __init__(
+        self, image_size: int = 32, batch_size: int = 64, val_fraction: float = 0.2, cifar10_dir: str | None = None, seed: int = 0
+    ) -> None:
         super().__init__()
         if not 0 < val_fraction < 1:
             raise ValueError(f"DigitsDataModule: val_fraction={val_fraction} must lie in (0, 1)")
-        self.image_size, self.batch_size, self.val_fraction, self.cifar10_dir, self.seed = image_size, batch_size, val_fraction, cifar10_dir, seed
+        self.image_size, self.batch_size, self.val_fraction, self.cifar10_dir, self.seed = (
+            image_size,
+            batch_size,
+            val_fraction,
+            cifar10_dir,
+            seed,
+        )
         self.train_set: TensorDataset | None = None
         self.val_set: TensorDataset | None = None
 

@@ -6,7 +6,7 @@ optimizers (this namespace) need only torch.
 
 from . import formats, kernels  # noqa: F401  (importing kernels registers the Triton backend for CUDA tensors)
 from .formats import get_format
-from .optim import QAdam, QAdamW, QMuon, QSGD, QuantizedOptimizerWrapper, quantize_optimizer, state_nbytes
+from .optim import QSGD, QAdam, QAdamW, QMuon, QuantizedOptimizerWrapper, quantize_optimizer, state_nbytes
 
 __version__ = "0.1.0.dev0"
 

@@ -49,18 +49,20 @@ for path in (str(HERE), str(HERE.parent)):  # runnable without PYTHONPATH too
 import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
+from lightning.pytorch.loggers import Logger  # noqa: E402
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy  # noqa: E402
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict  # noqa: E402
-
-from lightning_models import Regressor, regression_data, step_batch  # noqa: E402
-from lightning.pytorch.loggers import Logger  # noqa: E402
+from torch.distributed.tensor import DTensor  # noqa: E402
 
 import lightning_qstate.callbacks as qstate_callbacks  # noqa: E402
 from lightning_qstate.callbacks import QuantizedOptimizerStates  # noqa: E402
-from lightning_qstate.formats import BlockFormat, QuantizedTensor  # noqa: E402
+from lightning_qstate.formats import BlockFormat, QuantizedTensor, get_format  # noqa: E402
 from lightning_qstate.optim import QuantizedStates, clean_parameter_name  # noqa: E402
 from lightning_qstate.optim.base import local_tensor  # noqa: E402
+from lightning_qstate.optim.serialization import export_state  # noqa: E402
 from lightning_qstate.plugins import CPUFSDPStrategy, QStateFSDPPrecision, QStatePrecision  # noqa: E402
+
+from lightning_models import Regressor, regression_data, step_batch  # noqa: E402
 
 PHASES = ("straight", "first", "resume")
 TIMEOUT = datetime.timedelta(seconds=120)  # a rank whose peer died fails instead of hanging for 30 minutes
@@ -71,7 +73,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--strategy", choices=("ddp", "fsdp", "fsdp2"), required=True)
     parser.add_argument("--mode", required=True, help="a phase or comma-separated phases: straight, first, resume")
     parser.add_argument(
-        "--state-dict", default="full", help="checkpoint kind(s), comma-separated: full, sharded (FSDP: state_dict_type; FSDP2: save_distributed_checkpoint)"
+        "--state-dict",
+        default="full",
+        help="checkpoint kind(s), comma-separated: full, sharded (FSDP: state_dict_type; FSDP2: save_distributed_checkpoint)",
     )
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--ckpt", type=Path, default=None, help="checkpoint to resume from (default OUT/first-<kind>/ckpt.ckpt)")
@@ -83,7 +87,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--block-size", type=int, default=None)
     parser.add_argument("--min-quant-size", type=int, default=1024)
     parser.add_argument(
-        "--via", choices=("plugin", "callback", "none"), default="plugin", help="how the optimizer gets quantized (none: plain torch states, a control)"
+        "--via",
+        choices=("plugin", "callback", "none"),
+        default="plugin",
+        help="how the optimizer gets quantized (none: plain torch states, a control)",
     )
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument(
@@ -280,11 +287,6 @@ def load_full_packed_state_into_shard(optimizer: torch.optim.Optimizer, model: t
     Returns the error it raises (``None`` if it loaded: another rank's or the wrong amount of state). Run it only at
     the end of a phase: on failure the optimizer's state is left half-loaded.
     """
-    from torch.distributed.tensor import DTensor
-
-    from lightning_qstate.formats import get_format
-    from lightning_qstate.optim.serialization import export_state
-
     param = dict((clean_parameter_name(name), p) for name, p in model.named_parameters())["net.0.weight"]
     assert isinstance(param, DTensor), type(param)
     index = [p for group in optimizer.param_groups for p in group["params"]].index(param)

@@ -31,7 +31,9 @@ class Regressor(pl.LightningModule):
     def __init__(self, width: int = 24, hidden: int = 300, lr: float = 1e-2, scheduler: bool = True) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.net = torch.nn.Sequential(torch.nn.Linear(width, hidden), torch.nn.LayerNorm(hidden), torch.nn.GELU(), torch.nn.Linear(hidden, 8))
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(width, hidden), torch.nn.LayerNorm(hidden), torch.nn.GELU(), torch.nn.Linear(hidden, 8)
+        )
         self.lr = lr
         self.scheduler = scheduler
 

@@ -23,7 +23,9 @@ def worker(rank: int, out: str, port: int) -> None:
     model = FullyShardedDataParallel(
         torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Linear(128, 64)), device_id=torch.device("cpu"), use_orig_params=True
     )
-    optimizer = QuantizationPolicy(states="int8", min_quant_size=0, nonfinite="skip").apply(torch.optim.AdamW(model.parameters(), lr=1e-2), model)
+    optimizer = QuantizationPolicy(states="int8", min_quant_size=0, nonfinite="skip").apply(
+        torch.optim.AdamW(model.parameters(), lr=1e-2), model
+    )
     names = [name.split(".")[-2] + "." + name.split(".")[-1] for name, _ in model.named_parameters()]
     for step in range(2):
         optimizer.zero_grad()
@@ -35,7 +37,7 @@ def worker(rank: int, out: str, port: int) -> None:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             optimizer.step()
-    changed = {name: (p.numel(), not torch.equal(b, p.detach())) for name, b, p in zip(names, before, model.parameters())}
+    changed = {name: (p.numel(), not torch.equal(b, p.detach())) for name, b, p in zip(names, before, model.parameters(), strict=False)}
     messages = [str(w.message) for w in caught if "non-finite" in str(w.message)]
     with open(os.path.join(out, f"rank{rank}.json"), "w") as file:
         json.dump({"changed": changed, "skips": optimizer.nonfinite_skips, "warnings": messages}, file)

@@ -20,8 +20,8 @@ import torch
 from lightning_qstate import QAdam, QAdamW
 from lightning_qstate.formats import get_format
 from lightning_qstate.kernels import TRITON_AVAILABLE
-from lightning_qstate.optim import fused, optimizers
 from lightning_qstate.kernels.bounds import moment_bound
+from lightning_qstate.optim import fused, optimizers
 from lightning_qstate.optim.fused import adam_hyper, adam_math, fma, sqrt_rn
 
 FP32 = get_format("fp32")
@@ -60,7 +60,9 @@ def test_fma_rounds_once():
     generator = torch.Generator().manual_seed(0)
     binades = lambda: torch.exp2(torch.randint(-40, 40, (3000,), generator=generator).float())  # noqa: E731
     a, b, c = (torch.randn(3000, generator=generator) * binades() for _ in range(3))
-    exact = torch.tensor([float32_nearest(Fraction(x) * Fraction(y) + Fraction(z)) for x, y, z in zip(a.tolist(), b.tolist(), c.tolist())])
+    exact = torch.tensor(
+        [float32_nearest(Fraction(x) * Fraction(y) + Fraction(z)) for x, y, z in zip(a.tolist(), b.tolist(), c.tolist(), strict=False)]
+    )
     assert torch.equal(fma(a, b, c), exact)
     # The float64 shortcut rounds twice: (1 + 2**-23) + 2**-24 - 2**-70 is the tie 1 + 2**-23 + 2**-24 in float64,
     # which rounds to 1 + 2**-22 in fp32; rounded once it is 1 + 2**-23.
@@ -145,12 +147,12 @@ def test_fp32_states_are_torch_adamw(foreach):
     optimizer = QAdamW(weights, lr=1e-2, weight_decay=0.1, states="fp32", foreach=foreach)
     reference = torch.optim.AdamW(references, lr=1e-2, weight_decay=0.1, foreach=foreach)
     for _ in range(3):
-        for w, r in zip(weights, references):
+        for w, r in zip(weights, references, strict=False):
             w.grad = torch.randn(300, generator=generator) * 1e-2
             r.grad = w.grad.clone()
         optimizer.step()
         reference.step()
-        for w, r in zip(weights, references):
+        for w, r in zip(weights, references, strict=False):
             for name in ("exp_avg", "exp_avg_sq"):
                 assert torch.equal(optimizer.state[w][name], reference.state[r][name]), name
             assert torch.equal(w, r)

@@ -64,17 +64,20 @@ def test_gradient_statistics_from_sums_of_shards():
     assert rms == pytest.approx(float(grad.double().square().mean().sqrt()), rel=1e-12)
     assert dispersion == pytest.approx(float(grad.double().abs().std(unbiased=False) / grad.double().abs().mean()), rel=1e-9)
     parts = [sums(part) for part in grad.split([1, 600, 399])]  # uneven shards add up to the whole
-    assert gradient_statistics(*(sum(column) for column in zip(*parts))) == pytest.approx((rms, dispersion), rel=1e-12)
+    assert gradient_statistics(*(sum(column) for column in zip(*parts, strict=False))) == pytest.approx((rms, dispersion), rel=1e-12)
     assert gradient_statistics(0.0, 0.0, 0.0) == gradient_statistics(0.0, 0.0, 10.0) == (0.0, 0.0)
 
 
 def test_model_statistics_references():
-    layers = [torch.randn(300, generator=torch.Generator().manual_seed(1)), 10 * torch.randn(100, generator=torch.Generator().manual_seed(2))]
-    abs_sums, square_sums, counts = zip(*(sums(layer) for layer in layers))
+    layers = [
+        torch.randn(300, generator=torch.Generator().manual_seed(1)),
+        10 * torch.randn(100, generator=torch.Generator().manual_seed(2)),
+    ]
+    abs_sums, square_sums, counts = zip(*(sums(layer) for layer in layers), strict=False)
     pooled = gradient_statistics(*sums(torch.cat(layers)))
     assert model_statistics(abs_sums, square_sums, counts, "model") == pytest.approx(pooled, rel=1e-12)
     per_layer = [gradient_statistics(*sums(layer)) for layer in layers]
-    weighted = [(300 * a + 100 * b) / 400 for a, b in zip(*per_layer)]
+    weighted = [(300 * a + 100 * b) / 400 for a, b in zip(*per_layer, strict=False)]
     assert model_statistics(abs_sums, square_sums, counts, "layers") == pytest.approx(weighted, rel=1e-12)
     assert pooled[1] > max(r for _, r in per_layer)  # pooling mixes the scales: its dispersion exceeds every layer's
     with pytest.raises(ValueError, match="reference='median'.*'layers', 'model'"):
@@ -138,7 +141,9 @@ def test_zone_formats_are_checked():
 
 
 @pytest.mark.parametrize("numel", [1, 100, 4096, 5000, 70_000])
-@pytest.mark.parametrize("name,signed", [("int8", True), ("int4", False), ("int4_linear", True), ("e4m0", False), ("e3m3", False), ("bf16", True)])
+@pytest.mark.parametrize(
+    "name,signed", [("int8", True), ("int4", False), ("int4_linear", True), ("e4m0", False), ("e3m3", False), ("bf16", True)]
+)
 def test_priced_bytes_are_the_stored_bytes(numel, name, signed):
     """The budget prices a candidate at exactly the bytes a quantized state of that size holds (scales included)."""
     state = "exp_avg" if signed else "exp_avg_sq"
@@ -160,16 +165,24 @@ def test_zone_ladder_falls_to_the_floor():
     nbytes = stored_nbytes(10_000)
 
     ladder = zone_ladder(None, formats, nbytes)
-    assert [choice for choice, _ in ladder] == [("int8_linear", "int8"), ("int8_linear", "e4m0"), ("int4_linear", "e4m0")]  # structural saves nothing over magnitude
+    assert [choice for choice, _ in ladder] == [
+        ("int8_linear", "int8"),
+        ("int8_linear", "e4m0"),
+        ("int4_linear", "e4m0"),
+    ]  # structural saves nothing over magnitude
     assert [cost for _, cost in ladder] == sorted({cost for _, cost in ladder}, reverse=True)
     assert zone_ladder("structural", formats, nbytes)[0][0] == ("int8", "e4m0")
-    assert zone_ladder("redundant", formats, nbytes) == [(("int4_linear", "e4m0"), nbytes("exp_avg", "int4_linear") + nbytes("exp_avg_sq", "e4m0"))]
+    assert zone_ladder("redundant", formats, nbytes) == [
+        (("int4_linear", "e4m0"), nbytes("exp_avg", "int4_linear") + nbytes("exp_avg_sq", "e4m0"))
+    ]
     upside_down = {state: {**per_zone, "redundant": per_zone["critical"]} for state, per_zone in formats.items()}
     assert zone_ladder("redundant", upside_down, nbytes)[-1][0] == ("int8_linear", "e4m0")  # the floor: the cheapest candidates
 
 
 ladders_strategy = st.lists(
-    st.lists(st.integers(1, 10_000), min_size=1, max_size=4, unique=True).map(lambda costs: sorted(costs, reverse=True)), min_size=1, max_size=12
+    st.lists(st.integers(1, 10_000), min_size=1, max_size=4, unique=True).map(lambda costs: sorted(costs, reverse=True)),
+    min_size=1,
+    max_size=12,
 )
 
 
@@ -204,15 +217,15 @@ def test_budget_is_always_met_or_refused(ladders, fixed, target_bits, data):
             fit_budget(ladders, fixed, values, target_bits, order, start)
         return
     rungs = fit_budget(ladders, fixed, values, target_bits, order, start)
-    total = fixed + sum(ladder[rung] for ladder, rung in zip(ladders, rungs))
+    total = fixed + sum(ladder[rung] for ladder, rung in zip(ladders, rungs, strict=False))
     assert total <= cap
     # no layer left above rung 0 could take its next rung up within the cap: the slack is used
-    assert all(total + ladder[rung - 1] - ladder[rung] > cap for ladder, rung in zip(ladders, rungs) if rung > 0)
-    asked = fixed + sum(ladder[rung] for ladder, rung in zip(ladders, start))
+    assert all(total + ladder[rung - 1] - ladder[rung] > cap for ladder, rung in zip(ladders, rungs, strict=False) if rung > 0)
+    asked = fixed + sum(ladder[rung] for ladder, rung in zip(ladders, start, strict=False))
     if asked <= cap:  # nothing demoted: every layer at its zone's rung or promoted
-        assert all(rung <= first for rung, first in zip(rungs, start))
+        assert all(rung <= first for rung, first in zip(rungs, start, strict=False))
     else:  # some layer stays demoted below its zone's rung
-        assert any(rung > first for rung, first in zip(rungs, start))
+        assert any(rung > first for rung, first in zip(rungs, start, strict=False))
     assert fit_budget(ladders, fixed, values, None, order, start) == start
     assert fit_budget(ladders, fixed, values, None, order) == [0] * len(ladders)
     assert fit_budget(ladders, fixed, values, target_bits, order, start) == rungs  # deterministic
@@ -247,7 +260,7 @@ def test_the_room_goes_to_the_least_precise_layers_first():
     planned = [budget_ladder(zone, formats, nbytes) for zone in zones]
     costs = [[cost for _, cost in ladder] for ladder, _ in planned]
     starts = [start for _, start in planned]
-    asked = sum(ladder[start] for ladder, start in zip(costs, starts))
+    asked = sum(ladder[start] for ladder, start in zip(costs, starts, strict=False))
     v_step = nbytes("exp_avg_sq", "int8") - nbytes("exp_avg_sq", "e4m0")
     m_step = nbytes("exp_avg", "int8_linear") - nbytes("exp_avg", "int4")
     values = 2 * 3 * 10_000
@@ -260,7 +273,15 @@ def test_the_room_goes_to_the_least_precise_layers_first():
 
 # --- the callback on one device -------------------------------------------------------------------------
 def trainer(tmp_path, max_steps: int = 8, **kwargs) -> pl.Trainer:
-    defaults = dict(accelerator="cpu", devices=1, max_steps=max_steps, logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    defaults = dict(
+        accelerator="cpu",
+        devices=1,
+        max_steps=max_steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     return pl.Trainer(default_root_dir=tmp_path, **{**defaults, **kwargs})
 
 
@@ -328,7 +349,10 @@ def test_decisions_reencode_states_and_meet_the_budget(tmp_path, monkeypatch, ta
     assert set(decisions) == set(names.values()) and all(entry["zone"] in ZONES for entry in decisions.values())
     for param, state in optimizer.state.items():
         decided = decisions[names[param]]
-        assert optimizer.state_overrides[param] == {"exp_avg": decided["exp_avg"], "exp_avg_sq": decided["exp_avg_sq"]}  # new states follow too
+        assert optimizer.state_overrides[param] == {
+            "exp_avg": decided["exp_avg"],
+            "exp_avg_sq": decided["exp_avg_sq"],
+        }  # new states follow too
         for name in ("exp_avg", "exp_avg_sq"):
             if param.numel() >= 1024:
                 assert state[name].format.name == decided[name], (names[param], name)
@@ -377,7 +401,9 @@ def test_tighter_budget_demotes_more(tmp_path):
 
 def test_unreachable_budget_raises_at_the_start(tmp_path):
     callback = AdaptiveBitWidth(target_bits=8.0)
-    with pytest.raises(BudgetError, match=r"AdaptiveBitWidth: target_bits=8.0 cannot be met: the cheapest candidates give .* bits.*min_quant_size"):
+    with pytest.raises(
+        BudgetError, match=r"AdaptiveBitWidth: target_bits=8.0 cannot be met: the cheapest candidates give .* bits.*min_quant_size"
+    ):
         trainer(tmp_path, plugins=[plugin(min_quant_size=8000)], callbacks=[callback]).fit(Regressor(), regression_data())
 
 
@@ -402,7 +428,10 @@ def test_overridden_parameters_keep_their_formats_and_count(tmp_path):
     optimizer = fit.strategy.optimizers[0]
     assert "net.0.weight" not in callback.decisions()
     assert {optimizer.state_format(model.net[0].weight, name).name for name in ("exp_avg", "exp_avg_sq")} == {"bf16"}
-    assert callback.metrics()["qstate/adaptive/avg_bits"] == pytest.approx(average_bits(optimizer), rel=1e-12) and average_bits(optimizer) <= 13.0
+    assert (
+        callback.metrics()["qstate/adaptive/avg_bits"] == pytest.approx(average_bits(optimizer), rel=1e-12)
+        and average_bits(optimizer) <= 13.0
+    )
 
 
 def test_resume_continues_exactly(tmp_path):
@@ -414,7 +443,9 @@ def test_resume_continues_exactly(tmp_path):
 
     first_callback = AdaptiveBitWidth(target_bits=TARGET, fill_budget=False, **FAST)
     checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_epochs=1, save_top_k=-1)
-    trainer(tmp_path / "b", max_steps=4, enable_checkpointing=True, plugins=[plugin()], callbacks=[first_callback, checkpoint]).fit(Regressor(), regression_data())
+    trainer(tmp_path / "b", max_steps=4, enable_checkpointing=True, plugins=[plugin()], callbacks=[first_callback, checkpoint]).fit(
+        Regressor(), regression_data()
+    )
     path = next((tmp_path / "ckpt").glob("*.ckpt"))
     saved = torch.load(path, weights_only=True)
     assert any(key.startswith("AdaptiveBitWidth") for key in saved["callbacks"])  # decisions and EMAs are in the checkpoint
@@ -427,7 +458,7 @@ def test_resume_continues_exactly(tmp_path):
     assert torch.equal(flat_weights(straight_model), flat_weights(resumed_model))
     assert resumed_callback.state_dict() == straight_callback.state_dict()
     first, second = straight.strategy.optimizers[0], resumed.strategy.optimizers[0]
-    for a, b in zip(straight_model.parameters(), resumed_model.parameters()):
+    for a, b in zip(straight_model.parameters(), resumed_model.parameters(), strict=False):
         for name in ("exp_avg", "exp_avg_sq"):
             x, y = first.state[a][name], second.state[b][name]
             assert type(x) is type(y)
@@ -450,7 +481,14 @@ def test_a_checkpoint_of_other_layers_is_refused(tmp_path):
 
 def test_metrics_and_heatmap_are_logged(tmp_path):
     logger = TensorBoardLogger(tmp_path, name="tb")
-    fit = trainer(tmp_path, max_steps=6, logger=logger, log_every_n_steps=2, plugins=[plugin()], callbacks=[AdaptiveBitWidth(target_bits=TARGET, **{**FAST, "interval": 2})])
+    fit = trainer(
+        tmp_path,
+        max_steps=6,
+        logger=logger,
+        log_every_n_steps=2,
+        plugins=[plugin()],
+        callbacks=[AdaptiveBitWidth(target_bits=TARGET, **{**FAST, "interval": 2})],
+    )
     fit.fit(Regressor(), regression_data())
     logger.experiment.flush()
     events = EventAccumulator(logger.log_dir, size_guidance={"images": 0, "scalars": 0})
@@ -459,7 +497,9 @@ def test_metrics_and_heatmap_are_logged(tmp_path):
     expected = {"qstate/adaptive/avg_bits", "qstate/adaptive/bytes_saved", "qstate/adaptive/threshold", "qstate/adaptive/transitions"}
     assert expected | {f"qstate/adaptive/zone_{zone}" for zone in ZONES} <= scalars
     logged_steps = [event.step for event in events.Scalars("qstate/adaptive/avg_bits")]
-    assert len(logged_steps) == 3 and logged_steps == [event.step for event in events.Scalars("train_loss")]  # the Trainer's interval and steps
+    assert len(logged_steps) == 3 and logged_steps == [
+        event.step for event in events.Scalars("train_loss")
+    ]  # the Trainer's interval and steps
     assert all(event.value <= TARGET for event in events.Scalars("qstate/adaptive/avg_bits"))
     assert sum(events.Scalars(f"qstate/adaptive/zone_{zone}")[-1].value for zone in ZONES) == 6
     images = events.Images("qstate/adaptive/bit_widths")
@@ -501,7 +541,13 @@ def test_reencode_by_name_aligns_blocks_to_rows_of_a_dtensor_shard():
         optimizer.reencode_state(param, "exp_avg", "int4")
         optimizer.reencode_state(param, "exp_avg_sq", "e4m0")
         assert optimizer.state_format(param, "exp_avg").block_size == 32 != get_format("int4").block_size
-        assert optimizer.state_format(param, "exp_avg_sq").config == {"name": "e4m0", "block_size": 32, "signed": False, "nonfinite": "raise", "scale_dtype": "fp32"}
+        assert optimizer.state_format(param, "exp_avg_sq").config == {
+            "name": "e4m0",
+            "block_size": 32,
+            "signed": False,
+            "nonfinite": "raise",
+            "scale_dtype": "fp32",
+        }
         optimizer.step()  # and steps on from there
     finally:
         if created:

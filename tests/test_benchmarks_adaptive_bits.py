@@ -30,7 +30,10 @@ def table(lines: list[str]) -> dict[str, dict[str, str]]:
     """``{first cell: {column: cell}}`` of a markdown table's lines (header, rule, rows)."""
     header, _, *rows = lines
     columns = [cell.strip() for cell in header.strip("|").split("|")]
-    return {cells[0]: dict(zip(columns, cells)) for cells in ([cell.strip() for cell in line.strip("|").split("|")] for line in rows)}
+    return {
+        cells[0]: dict(zip(columns, cells, strict=False))
+        for cells in ([cell.strip() for cell in line.strip("|").split("|")] for line in rows)
+    }
 
 
 def test_quick_run(bench: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -40,7 +43,10 @@ def test_quick_run(bench: ModuleType, tmp_path: Path, monkeypatch: pytest.Monkey
         warnings.simplefilter("ignore")
         text = bench.main(["--quick", "--seeds", "0", "1", "--configs", ",".join(bench.CONFIGS), "--out", str(out)])
     assert out.read_text() == text
-    assert f"`python benchmarks/adaptive_bits.py --quick --seeds 0 1 --configs {','.join(bench.CONFIGS)} --out" in text and "## Targets" in text
+    assert (
+        f"`python benchmarks/adaptive_bits.py --quick --seeds 0 1 --configs {','.join(bench.CONFIGS)} --out" in text
+        and "## Targets" in text
+    )
     for model in ("gpt", "vit"):
         section = text.split(f"### {model}:")[1].split("###")[0]
         assert "; seeds 0, 1" in section.splitlines()[0]
@@ -55,7 +61,9 @@ def test_quick_run(bench: ModuleType, tmp_path: Path, monkeypatch: pytest.Monkey
         assert means["int8"]["Δ mean loss vs int8"] == "+0.00 %"
         loss, spread = (float(part) for part in means["adaptive"]["val loss"].split(" ± "))  # mean ± sd over the two seeds
         seed_losses = [float(per_seed["adaptive"][f"seed {seed}"].split()[0].rstrip(",")) for seed in (0, 1)]  # "loss (acc), Δ ..."
-        assert loss == pytest.approx(sum(seed_losses) / 2, abs=2e-4) and spread == pytest.approx(abs(seed_losses[0] - seed_losses[1]) / 2**0.5, abs=2e-4)
+        assert loss == pytest.approx(sum(seed_losses) / 2, abs=2e-4) and spread == pytest.approx(
+            abs(seed_losses[0] - seed_losses[1]) / 2**0.5, abs=2e-4
+        )
         assert "Δ" in per_seed["adaptive"]["seed 1"] and "Δ" not in per_seed["int8"]["seed 1"]
         assert section.count("adaptive, seed ") == 2 and "at the end: zones critical" in section
     assert text.count("PASS") + text.count("FAIL") == 9  # 4 targets per model, and the ViT's accuracy

@@ -65,8 +65,11 @@ REJECTED = {  # id: (trainer key, class path, init_args, the class and options t
     "plugin-block_size": ("plugins", PLUGIN, "{block_size: 100}", "QStatePrecision(block_size=100)", BLOCK_SIZES),
     "fsdp-overrides": ("plugins", FSDP_PLUGIN, "{overrides: {'*emb*': int9}}", "QStateFSDPPrecision(overrides={'*emb*': 'int9'})", FORMATS),
     "callback-states": (
-        "callbacks", CALLBACK, "{states: {exp_avg: int8, exp_avg_sq: int9}, log_stats: true}",
-        "QuantizedOptimizerStates(states={'exp_avg': 'int8', 'exp_avg_sq': 'int9'})", FORMATS,
+        "callbacks",
+        CALLBACK,
+        "{states: {exp_avg: int8, exp_avg_sq: int9}, log_stats: true}",
+        "QuantizedOptimizerStates(states={'exp_avg': 'int8', 'exp_avg_sq': 'int9'})",
+        FORMATS,
     ),
     "callback-rounding": ("callbacks", CALLBACK, "{rounding: up}", "QuantizedOptimizerStates(rounding='up')", ROUNDINGS),
 }

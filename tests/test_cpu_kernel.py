@@ -50,7 +50,8 @@ def hard_inputs(fmt: CodebookFormat) -> torch.Tensor:
     thresholds = nearest_thresholds(fmt.codebook)
     generator = torch.Generator().manual_seed(0)
     values = torch.cat([
-        thresholds, torch.nextafter(thresholds, torch.full_like(thresholds, -2.0)), torch.nextafter(thresholds, torch.full_like(thresholds, 2.0)),
+        thresholds,
+        torch.nextafter(thresholds, torch.full_like(thresholds, -2.0)), torch.nextafter(thresholds, torch.full_like(thresholds, 2.0)),
         fmt.codebook.float(), torch.tensor([0.0, -0.0, 1e-30, -1e-30, 1e-45, -1e-45]),
         torch.rand(20_000, generator=generator) * 2 - 1, (torch.rand(2_000, generator=generator) * 2 - 1) * 1e-6,
     ])  # fmt: skip
@@ -150,7 +151,10 @@ def test_kernel_step_matches_the_reference_step(options, threads):
         m, v = reference["exp_avg"], reference["exp_avg_sq"]
         reference_param = param.clone()
         hyper = adam_hyper(group, 4.0)
-        adam_step_quantized(reference_param, grad, m.codes, m.scales, v.codes, v.scales, hyper, m_format, v_format, "nearest", group["decoupled_weight_decay"], group["maximize"], False)  # fmt: skip
+        adam_step_quantized(
+            reference_param, grad, m.codes, m.scales, v.codes, v.scales, hyper, m_format, v_format, "nearest",
+            group["decoupled_weight_decay"], group["maximize"], False,
+        )  # fmt: skip
         params.append(param), grads.append(grad), states.append(state), expected.append((reference_param, m, v))
     saved_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -159,7 +163,7 @@ def test_kernel_step_matches_the_reference_step(options, threads):
     finally:
         torch.set_num_threads(saved_threads)
     assert all(row[:2] == [1, 1] for row in rows)
-    for param, state, (reference_param, m, v) in zip(params, states, expected):
+    for param, state, (reference_param, m, v) in zip(params, states, expected, strict=False):
         assert float(state["step"]) == 4.0
         for name, reference in (("exp_avg", m), ("exp_avg_sq", v)):
             assert torch.equal(state[name].codes, reference.codes), name
@@ -175,7 +179,9 @@ def test_a_nonfinite_gradient_skips_only_its_parameter():
         weight.grad = torch.randn_like(weight)
     optimizer.step()
     assert all(native_eligible(w, w.grad, optimizer.param_groups[0], optimizer.state[w]) for w in weights)
-    before = [(w.detach().clone(), optimizer.state[w]["exp_avg"].codes.clone(), optimizer.state[w]["exp_avg_sq"].scales.clone()) for w in weights]
+    before = [
+        (w.detach().clone(), optimizer.state[w]["exp_avg"].codes.clone(), optimizer.state[w]["exp_avg_sq"].scales.clone()) for w in weights
+    ]
     weights[0].grad[-3] = float("nan")  # in the partial last block
     with pytest.warns(RuntimeWarning, match="non-finite gradient"):
         optimizer.step()

@@ -56,8 +56,9 @@ class RunSpec:
 
     def args(self) -> list[str]:
         return [
-            "--strategy", self.strategy, "--state-dict", ",".join(self.kinds), "--hidden", str(self.hidden), "--min-quant-size", str(self.min_quant_size),
-            "--states", self.states, "--via", self.via, "--steps", str(STEPS), "--save-step", str(SAVE_STEP),
+            "--strategy", self.strategy, "--state-dict", ",".join(self.kinds), "--hidden", str(self.hidden),
+            "--min-quant-size", str(self.min_quant_size), "--states", self.states, "--via", self.via,
+            "--steps", str(STEPS), "--save-step", str(SAVE_STEP),
             "--callbacks", self.callbacks, "--log-every", str(self.log_every),
         ]  # fmt: skip
 
@@ -73,7 +74,13 @@ STALL_CALLBACKS_JSON = json.dumps(STALL_CALLBACKS)
 RUNS = {
     # Both big weights quantized; DDP saves the packed codes.
     "ddp": RunSpec(
-        "ddp", ("full",), hidden=300, min_quant_size=1024, quantized=("net.0.weight", "net.3.weight"), fresh_resume=False, callbacks=STALL_CALLBACKS_JSON
+        "ddp",
+        ("full",),
+        hidden=300,
+        min_quant_size=1024,
+        quantized=("net.0.weight", "net.3.weight"),
+        fresh_resume=False,
+        callbacks=STALL_CALLBACKS_JSON,
     ),
     # hidden=301: uneven flat shards. net.0.weight (19264 values) falls on rank 0 (11296 values) and rank 1 (7968):
     # min_quant_size=8192 lies between, so deciding from the local numel would quantize it on rank 0 only.
@@ -82,18 +89,26 @@ RUNS = {
     "fsdp2": RunSpec("fsdp2", ("full", "sharded"), hidden=301, min_quant_size=1024, callbacks=STALL_CALLBACKS_JSON),
     # int4 through the callback; net.3.weight lies wholly on rank 1 (rank 0 holds an empty view and no state).
     "fsdp-int4-callback": RunSpec(
-        "fsdp", ("full", "sharded"), hidden=301, min_quant_size=1024, states="int4", via="callback", fresh_resume=False, quantized=("net.0.weight", "net.3.weight")
+        "fsdp",
+        ("full", "sharded"),
+        hidden=301,
+        min_quant_size=1024,
+        states="int4",
+        via="callback",
+        fresh_resume=False,
+        quantized=("net.0.weight", "net.3.weight"),
     ),
 }
 
 
-# Runs with AdaptiveBitWidth under DDP, FSDP1 and FSDP2 (hidden=301: uneven shards). Formats change during these runs, so the fixed-format tests of
-# `run` leave them out; theirs are below. A check at every step and a threshold rising fast change decisions before and
-# after the checkpoint at step 3; the targets make the budget bind (FSDP2 keeps net.3.weight fp32: rows of 301). Without
+# Runs with AdaptiveBitWidth under DDP, FSDP1 and FSDP2 (hidden=301: uneven shards). Formats change during these runs, so the
+# fixed-format tests of `run` leave them out; theirs are below. A check at every step and a threshold rising fast change decisions
+# before and after the checkpoint at step 3; the targets make the budget bind (FSDP2 keeps net.3.weight fp32: rows of 301). Without
 # the budget's promotions (fill_budget=False): with them a binding cap plans these two quantized layers alike whatever
 # their zones, and nothing would change (the promotions are tested on one device).
 ADAPTIVE = {
-    "interval": 1, "hysteresis": 1, "threshold_start": 0.3, "threshold_end": 6.0, "anneal_steps": STEPS, "ema_decay": 0.5, "fill_budget": False,
+    "interval": 1, "hysteresis": 1, "threshold_start": 0.3, "threshold_end": 6.0, "anneal_steps": STEPS, "ema_decay": 0.5,
+    "fill_budget": False,
 }  # fmt: skip
 
 
@@ -102,11 +117,17 @@ def adaptive_callbacks(target_bits: float, fill_budget: bool = False) -> str:
 
 
 ADAPTIVE_RUNS = {
-    "ddp-adaptive": RunSpec("ddp", ("full",), hidden=301, min_quant_size=1024, callbacks=adaptive_callbacks(7.0), quantized=(), fresh_resume=False),
+    "ddp-adaptive": RunSpec(
+        "ddp", ("full",), hidden=301, min_quant_size=1024, callbacks=adaptive_callbacks(7.0), quantized=(), fresh_resume=False
+    ),
     "fsdp-adaptive": RunSpec("fsdp", ("full", "sharded"), hidden=301, min_quant_size=1024, callbacks=adaptive_callbacks(7.0), quantized=()),
-    "fsdp2-adaptive": RunSpec("fsdp2", ("full", "sharded"), hidden=301, min_quant_size=1024, callbacks=adaptive_callbacks(10.5), quantized=()),
+    "fsdp2-adaptive": RunSpec(
+        "fsdp2", ("full", "sharded"), hidden=301, min_quant_size=1024, callbacks=adaptive_callbacks(10.5), quantized=()
+    ),
     # the default, with the promotions: rank agreement and exact resume (the plan need not change during the run)
-    "fsdp-adaptive-fill": RunSpec("fsdp", ("full", "sharded"), hidden=301, min_quant_size=1024, callbacks=adaptive_callbacks(7.0, fill_budget=True), quantized=()),
+    "fsdp-adaptive-fill": RunSpec(
+        "fsdp", ("full", "sharded"), hidden=301, min_quant_size=1024, callbacks=adaptive_callbacks(7.0, fill_budget=True), quantized=()
+    ),
 }
 
 
@@ -116,7 +137,9 @@ def adaptive_options(run: Run) -> dict:
 
 
 STALL_RUNS = {
-    "fsdp-stalls": RunSpec("fsdp", ("full",), hidden=301, min_quant_size=1024, states="e2m2", fresh_resume=False, callbacks=STALL_CALLBACKS_JSON),
+    "fsdp-stalls": RunSpec(
+        "fsdp", ("full",), hidden=301, min_quant_size=1024, states="e2m2", fresh_resume=False, callbacks=STALL_CALLBACKS_JSON
+    ),
 }
 
 
@@ -138,7 +161,9 @@ def launch(out: Path, args: list[str], timeout: float = LAUNCH_TIMEOUT) -> float
     command = [sys.executable, str(WORKER), "--out", str(out), *args]
     start = time.perf_counter()
     # its own session: on failure or timeout the whole process group (rank 1 included) is killed
-    process = subprocess.Popen(command, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    process = subprocess.Popen(
+        command, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
     try:
         output, _ = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -351,7 +376,12 @@ def test_adaptive_bit_widths_are_identical_on_every_rank(adaptive_run):
         # transitions count re-encoded states; the plan changes during the run (the resumed half repeats the straight one)
         assert straight["transitions"] >= first["transitions"] > 0, "a decision re-encoded a state before the checkpoint"
         assert len({repr(entry["bits"]) for entry in straight["history"]}) > 1, "decisions change during the run"
-    formats = {state["format"]["name"] for entry in run.info("straight", 0)["params"].values() for state in entry["states"].values() if state["quantized"]}
+    formats = {
+        state["format"]["name"]
+        for entry in run.info("straight", 0)["params"].values()
+        for state in entry["states"].values()
+        if state["quantized"]
+    }
     assert formats and formats <= {"int8_linear", "int8", "int4", "e4m0"}
 
 
@@ -364,9 +394,13 @@ def test_adaptive_resume_continues_exactly(adaptive_run):
             assert torch.equal(resumed[name], value), f"{kind}: {name} differs by {(resumed[name] - value).abs().max().item()}"
         for rank in (0, 1):
             info, reference = run.info(f"resume-{kind}", rank), run.info("straight", rank)
-            assert adaptive_state(info) == adaptive_state(reference), f"{kind}: rank {rank}'s decisions or EMAs differ from the uninterrupted run"
+            assert adaptive_state(info) == adaptive_state(reference), (
+                f"{kind}: rank {rank}'s decisions or EMAs differ from the uninterrupted run"
+            )
             assert states_of(info) == states_of(reference), f"{kind}: rank {rank}'s states differ from the uninterrupted run"
-            assert states_of(info["loaded"]) == states_of(run.info(f"first-{kind}", rank)), f"{kind}: rank {rank} did not get back its own states"
+            assert states_of(info["loaded"]) == states_of(run.info(f"first-{kind}", rank)), (
+                f"{kind}: rank {rank} did not get back its own states"
+            )
 
 
 def average_bits_logged(run: Run) -> list[float]:

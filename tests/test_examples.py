@@ -3,6 +3,7 @@ steps with tiny models, quantized states and TensorBoard logs."""
 
 from __future__ import annotations
 
+import pickle
 import sys
 from pathlib import Path
 
@@ -12,6 +13,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("timm")
 pytest.importorskip("sklearn")
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
 
@@ -22,9 +24,26 @@ from lightning_qstate.optim import QAdamW  # noqa: E402
 
 CONFIGS = Path(__file__).resolve().parents[1] / "examples" / "configs"
 QSTATE_TAGS = {"qstate/state_bytes", "qstate/bits_per_value", "qstate/saving_vs_fp32", "qstate/nonfinite_skips"}
-TINY_GPT = ["--model.init_args.n_embd=32", "--model.init_args.n_layer=1", "--model.init_args.n_head=2", "--data.init_args.seq_len=32", "--data.init_args.batch_size=4"]
-TINY_VIT = ["--model.init_args.embed_dim=64", "--model.init_args.depth=1", "--model.init_args.num_heads=2", "--data.init_args.batch_size=16"]
-SHORT = ["--trainer.max_steps=3", "--trainer.log_every_n_steps=1", "--trainer.limit_val_batches=1", "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false"]
+TINY_GPT = [
+    "--model.init_args.n_embd=32",
+    "--model.init_args.n_layer=1",
+    "--model.init_args.n_head=2",
+    "--data.init_args.seq_len=32",
+    "--data.init_args.batch_size=4",
+]
+TINY_VIT = [
+    "--model.init_args.embed_dim=64",
+    "--model.init_args.depth=1",
+    "--model.init_args.num_heads=2",
+    "--data.init_args.batch_size=16",
+]
+SHORT = [
+    "--trainer.max_steps=3",
+    "--trainer.log_every_n_steps=1",
+    "--trainer.limit_val_batches=1",
+    "--trainer.enable_progress_bar=false",
+    "--trainer.enable_model_summary=false",
+]
 
 
 @pytest.fixture(autouse=True)
@@ -68,7 +87,10 @@ EXPECTED_FORMATS = {  # state formats each config gives the tiny models' quantiz
     "gpt_bf16_sr.yaml": {"exp_avg": {"bf16"}, "exp_avg_sq": {"bf16"}},
     "gpt_callbacks.yaml": {"exp_avg": {"int8"}, "exp_avg_sq": {"int4"}},
     "gpt_stale.yaml": {"exp_avg": {"bf16"}, "exp_avg_sq": {"bf16"}},
-    "gpt_adaptive.yaml": {"exp_avg": {"int4"}, "exp_avg_sq": {"e4m0", "int8"}},  # the tiny model's 5.1-bit cap: the room above the floor goes to v
+    "gpt_adaptive.yaml": {
+        "exp_avg": {"int4"},
+        "exp_avg_sq": {"e4m0", "int8"},
+    },  # the tiny model's 5.1-bit cap: the room above the floor goes to v
     "vit_fp32.yaml": None,
     "vit_int8.yaml": {"exp_avg": {"int8"}, "exp_avg_sq": {"int8"}},
 }
@@ -118,7 +140,11 @@ def test_gpt_callback_with_cli_optimizer(tmp_path):
 def test_gpt_stale_config_logs_stall_rates_to_tensorboard(tmp_path):
     cli = fit("gpt_stale.yaml", tmp_path, *TINY_GPT)  # the monitor follows the Trainer's log_every_n_steps (1 here)
     tags = scalar_tags(cli.trainer.log_dir)
-    assert {"qstate/stall/exp_avg_sq", "qstate/stall_predicted/exp_avg_sq", "qstate/stall/exp_avg_sq/model.transformer.h.0.attn.c_attn.weight"} <= tags
+    assert {
+        "qstate/stall/exp_avg_sq",
+        "qstate/stall_predicted/exp_avg_sq",
+        "qstate/stall/exp_avg_sq/model.transformer.h.0.attn.c_attn.weight",
+    } <= tags
     (scheduler,) = [callback for callback in cli.trainer.callbacks if isinstance(callback, StateResetScheduler)]
     assert set(scheduler.last_reset) and all(scheduler.layer_period(rows) == 1000 for rows in scheduler.layers(cli.trainer).values())
 
@@ -154,10 +180,6 @@ def test_byte_text_windows():
 
 
 def test_digits_and_local_cifar10(tmp_path):
-    import pickle
-
-    import numpy as np
-
     from examples.data import DigitsDataModule
 
     data = DigitsDataModule(image_size=32, batch_size=8)
@@ -183,7 +205,10 @@ def test_main_returns_none_for_console_scripts(tmp_path):
     """Console scripts call ``sys.exit(main())``: anything but None would become exit status 1."""
     from lightning_qstate.cli import main
 
-    assert main(["fit", "--config", str(CONFIGS / "vit_fp32.yaml"), f"--trainer.logger.init_args.save_dir={tmp_path}", *SHORT, *TINY_VIT]) is None
+    assert (
+        main(["fit", "--config", str(CONFIGS / "vit_fp32.yaml"), f"--trainer.logger.init_args.save_dir={tmp_path}", *SHORT, *TINY_VIT])
+        is None
+    )
 
 
 def test_example_script_entry(tmp_path):
@@ -192,7 +217,11 @@ def test_example_script_entry(tmp_path):
 
     script = CONFIGS.parent / "vit.py"
     result = subprocess.run(
-        [sys.executable, str(script), "fit", "--config", str(CONFIGS / "vit_int8.yaml"), "--print_config"], cwd=tmp_path, capture_output=True, text=True, timeout=120
+        [sys.executable, str(script), "fit", "--config", str(CONFIGS / "vit_int8.yaml"), "--print_config"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert result.returncode == 0, result.stderr[-2000:]
     assert "class_path: examples.vit.ViTModule" in result.stdout and "lightning_qstate.plugins.QStatePrecision" in result.stdout

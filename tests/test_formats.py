@@ -274,7 +274,18 @@ def test_bf16_scales_would_ratchet_a_second_moment():
 # --- byte accounting --------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name,options,limit", [("int8", {}, 1.02), ("int4", {}, 0.54), ("int4", {"signed": False}, 0.54), ("bf16", {}, 2.0), ("fp16", {}, 2.0), ("fp8_e4m3", {}, 1.02), ("e2m2", {"signed": False}, 0.54)])
+@pytest.mark.parametrize(
+    "name,options,limit",
+    [
+        ("int8", {}, 1.02),
+        ("int4", {}, 0.54),
+        ("int4", {"signed": False}, 0.54),
+        ("bf16", {}, 2.0),
+        ("fp16", {}, 2.0),
+        ("fp8_e4m3", {}, 1.02),
+        ("e2m2", {"signed": False}, 0.54),
+    ],
+)
 def test_bytes_per_value(name, options, limit):
     fmt = get_format(name, **options)
     q = fmt.quantize(torch.randn(1 << 16).abs())

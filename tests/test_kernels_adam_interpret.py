@@ -31,7 +31,6 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 if not INTERPRET:
     from cases import run_under_interpreter
 
-
     def test_interpreter_suite():
         """Run this file's interpreter cases in a subprocess with ``TRITON_INTERPRET=1``."""
         run_under_interpreter(__file__)
@@ -107,12 +106,24 @@ else:
         pytest.param(E4M3, E4M3, 2 * 256 + 1, True, True, group_options(betas=(0.3, 0.99)), torch.float32, id="fp8-large-lerp-weight"),
         pytest.param(S8, U4, 4 * 256 + 130, False, False, group_options(), torch.bfloat16, id="int8-int4-sub-blocks-bf16-grad"),
         pytest.param(
-            ("fp8_e4m3", {"block_size": 32}), ("int8", {"signed": False, "block_size": 128}), 3 * 128 + 45, True, False,
-            group_options(lr=3e-2), torch.float32, id="fp8-32-int8-128",
+            ("fp8_e4m3", {"block_size": 32}),
+            ("int8", {"signed": False, "block_size": 128}),
+            3 * 128 + 45,
+            True,
+            False,
+            group_options(lr=3e-2),
+            torch.float32,
+            id="fp8-32-int8-128",
         ),  # fmt: skip
         pytest.param(
-            ("int8", {"scale_dtype": "fp32"}), ("int4", {"signed": False, "scale_dtype": "bf16"}), 2 * 256 + 3, True, False,
-            group_options(), torch.float32, id="fp32-m-scales-bf16-v-sub-block-scales",
+            ("int8", {"scale_dtype": "fp32"}),
+            ("int4", {"signed": False, "scale_dtype": "bf16"}),
+            2 * 256 + 3,
+            True,
+            False,
+            group_options(),
+            torch.float32,
+            id="fp32-m-scales-bf16-v-sub-block-scales",
         ),  # fmt: skip
     ]
 

@@ -30,8 +30,11 @@ try:
 except ImportError as error:  # pragma: no cover - depends on the platform
     pytest.skip(f"no Triton NVIDIA backend: {error}", allow_module_level=True)
 
-from lightning_qstate.kernels import KERNELS, aot_variants  # noqa: E402
-from lightning_qstate.kernels import triton_kernels  # noqa: E402
+from lightning_qstate.kernels import (  # noqa: E402
+    KERNELS,
+    aot_variants,
+    triton_kernels,
+)
 
 BIN = os.path.join(os.path.dirname(triton.backends.nvidia.__file__), "bin")
 CUOBJDUMP = os.path.join(BIN, "cuobjdump")

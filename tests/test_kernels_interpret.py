@@ -32,7 +32,6 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 if not INTERPRET:
     from cases import run_under_interpreter
 
-
     def test_interpreter_suite():
         """Run this file's interpreter cases in a subprocess with ``TRITON_INTERPRET=1``."""
         run_under_interpreter(__file__)
@@ -57,10 +56,10 @@ else:
         KERNELS,
         TritonBackend,
         triton_dequantize_blocks,
+        triton_kernels,
         triton_quantize_blocks,
         triton_stochastic_cast,
     )
-    from lightning_qstate.kernels import triton_kernels
 
     # The interpreter runs casts in numpy, which warns when fp32 -> fp16 overflows to inf (as the tests ask it to).
     pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")
@@ -96,7 +95,7 @@ else:
         """``fmt.decode_values()`` on the CPU, from the format's table cache."""
         return fmt.tables(torch.device("cpu"))["decode"]
 
-    @functools.lru_cache(maxsize=None)
+    @functools.cache
     def tie_values(fmt: BlockFormat) -> torch.Tensor:
         """1.0 (so the block absmax is 1 and normalization is exact) then midpoints of adjacent decode values."""
         decoded = torch.unique(decode_table(fmt))  # sorted

@@ -10,7 +10,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 
-from lightning_qstate import QAdamW, QSGD
+from lightning_qstate import QSGD, QAdamW
 from lightning_qstate.callbacks import QuantizedOptimizerStates
 from lightning_qstate.formats import QuantizedTensor
 from lightning_qstate.optim import QuantizedOptimizerWrapper
@@ -23,7 +23,15 @@ warnings.filterwarnings("ignore", ".*GPU available but not used.*")
 
 
 def trainer(tmp_path, max_steps: int = 6, **kwargs) -> pl.Trainer:
-    defaults = dict(accelerator="cpu", devices=1, max_steps=max_steps, logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    defaults = dict(
+        accelerator="cpu",
+        devices=1,
+        max_steps=max_steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     return pl.Trainer(default_root_dir=tmp_path, **{**defaults, **kwargs})
 
 
@@ -36,7 +44,9 @@ def test_plugin_converts_and_matches_the_callback(tmp_path):
     for fitted in (first, second):
         optimizer = fitted.strategy.optimizers[0]
         assert isinstance(optimizer, QAdamW)
-        assert isinstance(optimizer.state[by_plugin.net[0].weight if fitted is first else by_callback.net[0].weight]["exp_avg"], QuantizedTensor)
+        assert isinstance(
+            optimizer.state[by_plugin.net[0].weight if fitted is first else by_callback.net[0].weight]["exp_avg"], QuantizedTensor
+        )
         assert fitted.lr_scheduler_configs[0].scheduler.optimizer is optimizer
     assert torch.equal(flat_weights(by_plugin), flat_weights(by_callback))
     assert first.lr_scheduler_configs[0].scheduler.get_last_lr()[0] == pytest.approx(1e-2 * 0.7**2)
@@ -65,7 +75,11 @@ def test_bf16_mixed_plugin_trains(tmp_path):
 
 def test_overrides_keep_matching_parameters_fp32(tmp_path):
     model = Regressor()
-    fit = trainer(tmp_path, max_steps=2, callbacks=[QuantizedOptimizerStates(min_quant_size=0, overrides={"net.1.*": "fp32", "net.0.bias": "bf16"}, log_stats=False)])
+    fit = trainer(
+        tmp_path,
+        max_steps=2,
+        callbacks=[QuantizedOptimizerStates(min_quant_size=0, overrides={"net.1.*": "fp32", "net.0.bias": "bf16"}, log_stats=False)],
+    )
     fit.fit(model, regression_data())
     optimizer = fit.strategy.optimizers[0]
     assert optimizer.state_format(model.net[1].weight, "exp_avg") is None
@@ -78,19 +92,25 @@ def test_resume_is_bit_exact_with_round_to_nearest(tmp_path):
     straight = Regressor()
     trainer(tmp_path / "a", max_steps=8, plugins=[plugin()]).fit(straight, regression_data())
     checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_epochs=1, save_top_k=-1)
-    trainer(tmp_path / "b", max_steps=4, enable_checkpointing=True, callbacks=[checkpoint], plugins=[plugin()]).fit(Regressor(), regression_data())
+    trainer(tmp_path / "b", max_steps=4, enable_checkpointing=True, callbacks=[checkpoint], plugins=[plugin()]).fit(
+        Regressor(), regression_data()
+    )
     saved = torch.load(next((tmp_path / "ckpt").glob("*.ckpt")), weights_only=True)
     packed = saved["optimizer_states"][0]["state"][0]["exp_avg"]
     assert packed["codes"].dtype == torch.uint8 and packed["format"]["name"] == "int8", "the checkpoint keeps the low-bit codes"
     resumed = Regressor(lr=0.5)  # hyperparameters and weights must come from the checkpoint
     resumed.lr = 1e-2
-    trainer(tmp_path / "c", max_steps=8, plugins=[plugin()]).fit(resumed, regression_data(), ckpt_path=str(next((tmp_path / "ckpt").glob("*.ckpt"))))
+    trainer(tmp_path / "c", max_steps=8, plugins=[plugin()]).fit(
+        resumed, regression_data(), ckpt_path=str(next((tmp_path / "ckpt").glob("*.ckpt")))
+    )
     assert torch.equal(flat_weights(straight), flat_weights(resumed))
 
 
 def test_memory_metrics_are_logged(tmp_path):
     logger = CSVLogger(tmp_path)
-    fit = trainer(tmp_path, max_steps=4, logger=logger, log_every_n_steps=2, callbacks=[QuantizedOptimizerStates(states="int8", min_quant_size=0)])
+    fit = trainer(
+        tmp_path, max_steps=4, logger=logger, log_every_n_steps=2, callbacks=[QuantizedOptimizerStates(states="int8", min_quant_size=0)]
+    )
     fit.fit(Regressor(), regression_data())
     logger.save()
     text = (tmp_path / "lightning_logs" / "version_0" / "metrics.csv").read_text()
@@ -98,7 +118,7 @@ def test_memory_metrics_are_logged(tmp_path):
     for name in ("qstate/state_bytes", "qstate/bits_per_value", "qstate/saving_vs_fp32", "qstate/nonfinite_skips"):
         assert name in header
     columns = header.split(",")
-    values = [dict(zip(columns, row.split(","))) for row in rows]
+    values = [dict(zip(columns, row.split(","), strict=False)) for row in rows]
     bits = [float(v["qstate/bits_per_value"]) for v in values if v.get("qstate/bits_per_value")]
     assert bits and all(8.0 < b < 8.5 for b in bits)
     saving = [float(v["qstate/saving_vs_fp32"]) for v in values if v.get("qstate/saving_vs_fp32")]
@@ -145,7 +165,14 @@ class Accumulating(Regressor):
 @pytest.mark.parametrize("clip", ["norm", "value"])
 def test_accumulation_clipping_and_generic_optimizers(tmp_path, clip):
     model = Accumulating()
-    fit = trainer(tmp_path, max_steps=3, accumulate_grad_batches=2, gradient_clip_val=0.5, gradient_clip_algorithm=clip, callbacks=[QuantizedOptimizerStates(min_quant_size=0, log_stats=False)])
+    fit = trainer(
+        tmp_path,
+        max_steps=3,
+        accumulate_grad_batches=2,
+        gradient_clip_val=0.5,
+        gradient_clip_algorithm=clip,
+        callbacks=[QuantizedOptimizerStates(min_quant_size=0, log_stats=False)],
+    )
     fit.fit(model, regression_data())
     optimizer = fit.strategy.optimizers[0]
     assert isinstance(optimizer, QuantizedOptimizerWrapper)

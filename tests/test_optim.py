@@ -87,7 +87,9 @@ def test_qmuon_fp32_follows_torch_muon(options):
 def test_low_bit_states_train_close_to_fp32(states, rounding):
     reference, ours = make_model(), make_model()
     loss_fp32 = train(reference, torch.optim.AdamW(reference.parameters(), lr=3e-3), 150)
-    optimizer = lq.QAdamW(ours.parameters(), lr=3e-3, states=states, rounding=rounding, min_quant_size=0, generator=torch.Generator().manual_seed(0))
+    optimizer = lq.QAdamW(
+        ours.parameters(), lr=3e-3, states=states, rounding=rounding, min_quant_size=0, generator=torch.Generator().manual_seed(0)
+    )
     loss = train(ours, optimizer, 150)
     if (states, rounding) == ("int4", "nearest"):
         # 4-bit RN moments stall on this small problem (the effect StallMonitor measures); it still learns
@@ -114,7 +116,10 @@ def test_per_group_overrides_and_min_quant_size():
     model = make_model()
     first, second = model[0], model[2]
     optimizer = lq.QAdamW(
-        [{"params": first.parameters(), "states": "fp32"}, {"params": second.parameters(), "states": {"exp_avg": "int4"}, "block_size": 64}],
+        [
+            {"params": first.parameters(), "states": "fp32"},
+            {"params": second.parameters(), "states": {"exp_avg": "int4"}, "block_size": 64},
+        ],
         states="int8",
         min_quant_size=100,
     )
@@ -154,7 +159,14 @@ def roundtrip(obj):
     return torch.load(buffer, weights_only=True)
 
 
-@pytest.mark.parametrize("quantized_class,options", [(lq.QAdamW, {"states": "int4", "rounding": "stochastic"}), (lq.QSGD, {"momentum": 0.9, "states": "e2m2"}), (lq.QAdam, {"states": {"exp_avg": "fp8_e4m3", "exp_avg_sq": "bf16"}, "amsgrad": True})])
+@pytest.mark.parametrize(
+    "quantized_class,options",
+    [
+        (lq.QAdamW, {"states": "int4", "rounding": "stochastic"}),
+        (lq.QSGD, {"momentum": 0.9, "states": "e2m2"}),
+        (lq.QAdam, {"states": {"exp_avg": "fp8_e4m3", "exp_avg_sq": "bf16"}, "amsgrad": True}),
+    ],
+)
 def test_checkpoint_resume_is_bit_exact(quantized_class, options):
     def fresh(model):
         return quantized_class(model.parameters(), lr=1e-2, min_quant_size=0, generator=torch.Generator().manual_seed(3), **options)
@@ -212,15 +224,20 @@ def test_version_1_checkpoints_load_as_saved_with_fp32_scales():
     resumed_layer, resumed = fresh(1)
     resumed_layer.load_state_dict(layer.state_dict())
     resumed.load_state_dict(saved)
-    for param, resumed_param in zip(layer.parameters(), resumed_layer.parameters()):
+    for param, resumed_param in zip(layer.parameters(), resumed_layer.parameters(), strict=False):
         for name in ("exp_avg", "exp_avg_sq"):
             before, after = optimizer.state[param][name], resumed.state[resumed_param][name]
             assert after.format.scale_dtype == after.scales.dtype == torch.float32
             assert torch.equal(after.codes, before.codes) and torch.equal(after.dequantize(), before.dequantize())
     steps(resumed_layer, resumed, 2)
-    assert all(resumed.state_format(p, name).scale_dtype == torch.float32 for p in resumed_layer.parameters() for name in ("exp_avg", "exp_avg_sq"))
+    assert all(
+        resumed.state_format(p, name).scale_dtype == torch.float32 for p in resumed_layer.parameters() for name in ("exp_avg", "exp_avg_sq")
+    )
     assert all(bool(torch.isfinite(p).all()) for p in resumed_layer.parameters())
-    assert format_from_marker('{"qstate_version": 1, "name": "int8", "block_size": null, "signed": true, "nonfinite": "raise"}').scale_dtype == torch.float32
+    assert (
+        format_from_marker('{"qstate_version": 1, "name": "int8", "block_size": null, "signed": true, "nonfinite": "raise"}').scale_dtype
+        == torch.float32
+    )
 
 
 def test_resume_matches_uninterrupted_run():
@@ -308,7 +325,10 @@ def test_reencode_changes_format_and_keeps_values():
 # --- wrapping ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("torch_class,options", [(torch.optim.AdamW, {"lr": 1e-2}), (torch.optim.Adam, {"lr": 1e-2}), (torch.optim.SGD, {"lr": 1e-2, "momentum": 0.9})])
+@pytest.mark.parametrize(
+    "torch_class,options",
+    [(torch.optim.AdamW, {"lr": 1e-2}), (torch.optim.Adam, {"lr": 1e-2}), (torch.optim.SGD, {"lr": 1e-2, "momentum": 0.9})],
+)
 def test_quantize_optimizer_keeps_groups_state_and_schedulers(torch_class, options):
     model = make_model()
     original = torch_class(model.parameters(), **options)
@@ -353,7 +373,9 @@ class Lion(torch.optim.Optimizer):
                 state["exp_avg"].mul_(beta2).add_(p.grad, alpha=1 - beta2)
 
 
-@pytest.mark.parametrize("inner", [lambda p: Lion(p, lr=1e-3), lambda p: torch.optim.RMSprop(p, lr=1e-3), lambda p: torch.optim.Adagrad(p, lr=1e-2)])
+@pytest.mark.parametrize(
+    "inner", [lambda p: Lion(p, lr=1e-3), lambda p: torch.optim.RMSprop(p, lr=1e-3), lambda p: torch.optim.Adagrad(p, lr=1e-2)]
+)
 def test_generic_wrapper(inner):
     reference, ours, exact = make_model(), make_model(), make_model()
     loss_reference = train(reference, inner(reference.parameters()), 100)
@@ -443,12 +465,13 @@ def test_nonfinite_gradients_skip_or_raise():
 def test_fp32_state_params_step_together_with_the_same_gradient_policy():
     """Params under min_quant_size step in one multi-tensor call: an empty shard is fine, a finite gradient whose L1
     norm overflows still steps, a non-finite one is skipped; the others match torch.optim.AdamW exactly."""
+
     def make():
         return [torch.nn.Parameter(torch.empty(0)), torch.nn.Parameter(torch.ones(10)), torch.nn.Parameter(torch.ones(10))]
 
     params, reference = make(), make()
     optimizer, torch_optimizer = lq.QAdamW(params, lr=0.1), torch.optim.AdamW(reference[:2], lr=0.1)
-    for p, q in zip(params, reference):
+    for p, q in zip(params, reference, strict=False):
         p.grad, q.grad = torch.full_like(p, 3e37), torch.full_like(q, 3e37)  # 10 of them overflow an fp32 L1 norm
     params[2].grad[3] = float("nan")
     with pytest.warns(RuntimeWarning, match="non-finite gradient"):
@@ -571,7 +594,9 @@ def test_fp32_state_remainder_of_a_quantized_group_steps_with_it():
         small.grad, large.grad, other.grad = torch.randn(100), torch.randn(8192), torch.randn(7)
         reference.grad = small.grad.clone()
         optimizer.step(), torch_optimizer.step()
-    assert isinstance(optimizer.state[large]["exp_avg"], QuantizedTensor) and not isinstance(optimizer.state[small]["exp_avg"], QuantizedTensor)
+    assert isinstance(optimizer.state[large]["exp_avg"], QuantizedTensor) and not isinstance(
+        optimizer.state[small]["exp_avg"], QuantizedTensor
+    )
     assert native_plain_eligible(small, small.grad, optimizer.param_groups[0], optimizer.state[small])
     for ours, theirs in ((small, reference), (optimizer.state[small]["exp_avg_sq"], torch_optimizer.state[reference]["exp_avg_sq"])):
         assert float((ours - theirs).abs().max() / theirs.abs().max()) <= 1e-6

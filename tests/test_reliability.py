@@ -39,7 +39,7 @@ def run(model: torch.nn.Module, optimizer: torch.optim.Optimizer, steps: int, st
 
 
 def states_equal(a: torch.optim.Optimizer, b: torch.optim.Optimizer) -> bool:
-    for pa, pb in zip((p for g in a.param_groups for p in g["params"]), (p for g in b.param_groups for p in g["params"])):
+    for pa, pb in zip((p for g in a.param_groups for p in g["params"]), (p for g in b.param_groups for p in g["params"]), strict=False):
         for name, value in a.state[pa].items():
             other = b.state[pb][name]
             if isinstance(value, QuantizedTensor):
@@ -51,7 +51,7 @@ def states_equal(a: torch.optim.Optimizer, b: torch.optim.Optimizer) -> bool:
 
 
 def params_equal(a: torch.nn.Module, b: torch.nn.Module) -> bool:
-    return all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
+    return all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters(), strict=False))
 
 
 # --- torch's optimizer contract -------------------------------------------------------------------------------
@@ -78,7 +78,7 @@ def test_float64_parameters_step_with_quantized_states():
     run(quantized, optimizer, 5)
     state = optimizer.state[quantized[0].weight]["exp_avg"]
     assert isinstance(state, QuantizedTensor) and state.dequantize().dtype == torch.float64
-    assert max(float((a - b).detach().abs().max()) for a, b in zip(reference.parameters(), quantized.parameters())) < 5e-2
+    assert max(float((a - b).detach().abs().max()) for a, b in zip(reference.parameters(), quantized.parameters(), strict=False)) < 5e-2
     resumed = lq.QAdamW(quantized.parameters(), lr=1e-2, states="int8", min_quant_size=0)
     resumed.load_state_dict(roundtrip(optimizer.state_dict()))
     assert resumed.state[quantized[0].weight]["exp_avg"].dtype == torch.float64
@@ -160,7 +160,10 @@ def test_sgd_without_momentum_keeps_no_state():
     "make_optimizer,features",
     [
         (lambda params: lq.QAdamW(params, lr=1e-2, min_quant_size=0, rounding="stochastic"), 64),
-        (lambda params: lq.QAdamW(params, lr=1e-2, min_quant_size=0, rounding="stochastic", states="e4m3"), 1024),  # compiled path (a 65,536-value weight)
+        (
+            lambda params: lq.QAdamW(params, lr=1e-2, min_quant_size=0, rounding="stochastic", states="e4m3"),
+            1024,
+        ),  # compiled path (a 65,536-value weight)
         (lambda params: lq.QSGD(params, lr=1e-2, momentum=0.9, min_quant_size=0, rounding="stochastic", states="bf16"), 64),
     ],
     ids=["adamw-int8", "adamw-e4m3-compiled", "sgd-bf16"],
@@ -237,7 +240,7 @@ def test_one_warning_per_step_names_the_skipped_parameters():
     messages = [str(w.message) for w in caught if "non-finite" in str(w.message)]
     assert len(messages) == 1 and "0.weight" in messages[0] and "2.bias" in messages[0]
     assert optimizer.nonfinite_skips == 2 and optimizer.skipped_steps == 0
-    changed = [not torch.equal(a, b) for a, b in zip(before, model.parameters())]
+    changed = [not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=False)]
     assert changed == [False, True, True, False]
 
 

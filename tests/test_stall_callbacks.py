@@ -11,7 +11,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import Logger, TensorBoardLogger
 
 from lightning_qstate.callbacks import QuantizedOptimizerStates, StallMonitor, StateResetScheduler
-from lightning_qstate.formats import QuantizedTensor, count_stalls
+from lightning_qstate.formats import count_stalls
 from lightning_qstate.plugins import QStatePrecision
 from lightning_qstate.theory import reset_period, stall_probability
 
@@ -96,7 +96,9 @@ def test_monitor_rates_equal_the_counts_of_the_step(tmp_path):
                 before = self.before.dequantize(torch.float32).reshape(-1)
                 updated = before * beta2 + (1 - beta2) * self.grad.reshape(-1) ** 2
                 new = opt.state[pl_module.net[0].weight]["exp_avg_sq"]
-                stalled, moved = count_stalls(before, updated, new.dequantize(torch.float32).reshape(-1), self.before.unit_values(), new.unit_values())
+                stalled, moved = count_stalls(
+                    before, updated, new.dequantize(torch.float32).reshape(-1), self.before.unit_values(), new.unit_values()
+                )
                 self.rate = float(stalled) / float(moved)
 
     recount = Recount()
@@ -116,7 +118,12 @@ def test_monitor_writes_tensorboard_histograms(tmp_path):
 
 
 def test_monitor_keeps_user_tracking_and_warns_without_quantized_states(tmp_path):
-    trainer = fit(tmp_path, max_steps=4, callbacks=[StallMonitor(log_every_n_steps=2)], plugins=[QStatePrecision(states="int8", min_quant_size=0, track_stalls=True)])
+    trainer = fit(
+        tmp_path,
+        max_steps=4,
+        callbacks=[StallMonitor(log_every_n_steps=2)],
+        plugins=[QStatePrecision(states="int8", min_quant_size=0, track_stalls=True)],
+    )
     assert trainer.strategy.optimizers[0].track_stalls
     with pytest.warns(UserWarning, match="no optimizer has quantized states"):
         fit(tmp_path, max_steps=2, callbacks=[StallMonitor()], plugins=[])
@@ -188,7 +195,7 @@ def test_threshold_trigger_resets_layers_that_measurably_stall(tmp_path):
     fit(tmp_path, max_steps=20, callbacks=[monitor, scheduler], logger=logger, plugins=[QStatePrecision(states="e2m2", min_quant_size=0)])
     rates = {step: metrics for step, metrics in logger.records if "qstate/stall/exp_avg_sq/net.0.weight" in metrics}
     assert scheduler.history, "e2m2 states at β2 = 0.999 stall above 0.5 within a few steps"
-    for step, layer in scheduler.history:
+    for step, _layer in scheduler.history:
         assert step % 5 == 0
     reset_at = sorted({step for step, layer in scheduler.history if layer == "net.0.weight"})
     logged = [metrics["qstate/stall/exp_avg_sq/net.0.weight"] for metrics in rates.values()]
@@ -209,7 +216,14 @@ def test_resume_continues_the_reset_schedule_exactly(tmp_path):
     straight_model, straight = Regressor(), StateResetScheduler(period=3, stagger=True)
     fit(tmp_path / "a", model=straight_model, max_steps=10, callbacks=[straight], plugins=[plugin()])
     checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=4, save_top_k=-1)
-    fit(tmp_path / "b", model=Regressor(), max_steps=4, callbacks=[StateResetScheduler(period=3, stagger=True), checkpoint], plugins=[plugin()], enable_checkpointing=True)
+    fit(
+        tmp_path / "b",
+        model=Regressor(),
+        max_steps=4,
+        callbacks=[StateResetScheduler(period=3, stagger=True), checkpoint],
+        plugins=[plugin()],
+        enable_checkpointing=True,
+    )
     resumed_model, resumed = Regressor(), StateResetScheduler(period=3, stagger=True)
     ckpt = str(next((tmp_path / "ckpt").glob("*.ckpt")))
     fit(tmp_path / "c", model=resumed_model, max_steps=10, callbacks=[resumed], plugins=[plugin()], ckpt_path=ckpt)
@@ -219,7 +233,9 @@ def test_resume_continues_the_reset_schedule_exactly(tmp_path):
 
 def test_scheduler_with_the_callback_and_bad_options(tmp_path):
     scheduler = StateResetScheduler(period=2, states=["exp_avg_sq"])
-    fit(tmp_path, max_steps=4, callbacks=[QuantizedOptimizerStates(states="int4", min_quant_size=0, log_stats=False), scheduler], plugins=[])
+    fit(
+        tmp_path, max_steps=4, callbacks=[QuantizedOptimizerStates(states="int4", min_quant_size=0, log_stats=False), scheduler], plugins=[]
+    )
     assert sorted({step for step, _ in scheduler.history}) == [2, 4]
     with pytest.raises(ValueError, match=r"unknown state name\(s\) \['momentum'\]"):
         fit(tmp_path, max_steps=1, callbacks=[StateResetScheduler(states=["momentum"])])
@@ -239,7 +255,9 @@ def test_monitor_and_resets_cover_sgd_momentum(tmp_path):
     logger, scheduler = MemoryLogger(), StateResetScheduler(period=3)
     fit(tmp_path, model=Momentum(scheduler=False), max_steps=6, callbacks=[StallMonitor(log_every_n_steps=2), scheduler], logger=logger,
         plugins=[QStatePrecision(states="e2m2", min_quant_size=0)])  # fmt: skip
-    assert logger.values("qstate/stall_predicted/momentum_buffer")[0] == pytest.approx(stall_probability("e2m2", 0.9, moment="first"), rel=0.01)
+    assert logger.values("qstate/stall_predicted/momentum_buffer")[0] == pytest.approx(
+        stall_probability("e2m2", 0.9, moment="first"), rel=0.01
+    )
     assert all(0.0 <= rate <= 1.0 for rate in logger.values("qstate/stall/momentum_buffer/net.0.weight"))
     assert sorted({step for step, _ in scheduler.history}) == [3, 6]
 

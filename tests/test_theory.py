@@ -34,7 +34,7 @@ def test_build_up_after_a_reset():
     ages = [1, 10, 100, 300, 1000, 3000, 10000]
     curve = [stall_probability("bf16", 0.999, age=k) for k in ages]
     assert curve[2:5] == pytest.approx([0.45, 0.67, 0.87], abs=0.01)
-    assert all(a <= b for a, b in zip(curve, curve[1:]))
+    assert all(a <= b for a, b in zip(curve, curve[1:], strict=False))
     assert curve[-1] == pytest.approx(stall_probability("bf16", 0.999), abs=1e-4)
     assert curve[0] < 0.05  # just after a reset the state is responsive
 
@@ -43,7 +43,10 @@ def sampled_stall(rho: float, center: float, rounding: str, moment: str, samples
     """Monte Carlo of the model's stall condition (the closed forms must equal it)."""
     gen = torch.Generator().manual_seed(0)
     if moment == "second":
-        noise, centers = torch.randn(samples, generator=gen, dtype=torch.float64).square(), torch.full((samples,), center, dtype=torch.float64)
+        noise, centers = (
+            torch.randn(samples, generator=gen, dtype=torch.float64).square(),
+            torch.full((samples,), center, dtype=torch.float64),
+        )
     else:
         noise = torch.randn(samples, generator=gen, dtype=torch.float64)
         centers = (center * torch.randn(samples, generator=gen, dtype=torch.float64)).abs()
@@ -97,7 +100,7 @@ def test_reset_periods_reproduce_the_paper_and_skip_formats_that_do_not_stall():
     assert [reset_period(f, 0.999, "stochastic") for f in ("bf16", "fp8_e4m3", "e2m2")] == [1000, 300, 200]
     assert reset_period("fp32", 0.999) is None and reset_period(None, 0.999) is None and reset_period("fp16", 0.999) is None
     unrounded = [reset_period(f, 0.999, round_period=False) for f in ("bf16", "fp8_e4m3", "e2m2")]
-    assert all(0.85 < got / paper < 1.15 for got, paper in zip(unrounded, (1000, 300, 200)))
+    assert all(0.85 < got / paper < 1.15 for got, paper in zip(unrounded, (1000, 300, 200), strict=False))
     assert half_staleness_age("bf16", 0.999) > half_staleness_age("fp8_e4m3", 0.999) > half_staleness_age("e2m2", 0.999)
     assert reset_period("e2m2", 0.99) < reset_period("e2m2", 0.999)  # a shorter EMA horizon resets sooner
 
@@ -136,13 +139,20 @@ def simulation():
 @pytest.mark.parametrize("beta", [0.99, 0.999])
 @pytest.mark.parametrize("fmt", ["bf16", "fp8_e4m3"])
 def test_simulated_stall_rate_is_within_3_points_of_the_prediction(simulation, fmt, beta, rounding):
-    result = simulation.run_case(simulation.Case(fmt, beta, rounding, "gaussian", "second"), entries=16384, horizons=1.0, long_run=False, seed=0)
+    result = simulation.run_case(
+        simulation.Case(fmt, beta, rounding, "gaussian", "second"), entries=16384, horizons=1.0, long_run=False, seed=0
+    )
     assert abs(result.measured - result.predicted) <= 0.03, (result.measured, result.predicted)
 
 
 @pytest.mark.parametrize(
     ("fmt", "beta", "rounding", "tolerance"),
-    [("fp8_e4m3", 0.99, "nearest", 0.035), ("fp8_e4m3", 0.99, "stochastic", 0.03), ("int8", 0.999, "nearest", 0.06), ("int8", 0.999, "stochastic", 0.06)],
+    [
+        ("fp8_e4m3", 0.99, "nearest", 0.035),
+        ("fp8_e4m3", 0.99, "stochastic", 0.03),
+        ("int8", 0.999, "nearest", 0.06),
+        ("int8", 0.999, "stochastic", 0.06),
+    ],
 )
 def test_bf16_scales_of_a_second_moment_follow_the_grid_drift_model(simulation, fmt, beta, rounding, tolerance):
     """Not the default for v (see formats.block), but a user may choose it: the prediction follows the bf16 scale's grid."""

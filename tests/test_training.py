@@ -7,6 +7,7 @@ AdamW's validation loss.
 from __future__ import annotations
 
 import pydoc_data.topics
+
 import torch
 
 import lightning_qstate as lq

@@ -15,10 +15,10 @@ import pytest
 import torch
 
 import lightning_qstate as lq
-from lightning_qstate.kernels.bounds import moment_bound
 from lightning_qstate.formats import BlockFormat, CastFormat, CodebookFormat, get_format
 from lightning_qstate.formats.packing import as_blocks, pack, unpack
 from lightning_qstate.formats.rounding import encode_codebook
+from lightning_qstate.kernels.bounds import moment_bound
 from lightning_qstate.optim import fused
 from lightning_qstate.optim.fused import can_fuse, native_eligible
 
@@ -236,8 +236,9 @@ def test_no_step_exceeds_a_few_learning_rates(path, states, rounding):
         assert can_fuse(w, group, state) and not native_eligible(w, w.grad, group, state)
     assert state["exp_avg_sq"].format.zero_free
     bound = adam_step_bound(len(grads)) * (1 + 2**-8) * (1 + 2**-20)  # the hold's margin, the param update's rounding
-    assert torch_worst <= bound and worst <= bound, f"largest step {worst:.4g} lr (torch's AdamW: {torch_worst:.4g} lr, Adam's bound {bound:.4g})"
-
+    assert torch_worst <= bound and worst <= bound, (
+        f"largest step {worst:.4g} lr (torch's AdamW: {torch_worst:.4g} lr, Adam's bound {bound:.4g})"
+    )
 
 
 @pytest.mark.parametrize("beta1,beta2", [(0.9, 0.999), (0.0, 0.99), (0.95, 0.9), (0.5, 0.5), (0.0, 0.0)])
@@ -248,8 +249,10 @@ def test_moment_bound_is_adams_own(beta1, beta2):
     assert moment_bound(0.9, 0.0, 2) == float("inf")  # v forgets at once while m remembers: no bound
     generator = torch.Generator().manual_seed(0)
     steps = 30
-    for trial in range(200):
-        grads = torch.randn(steps, dtype=torch.float64, generator=generator) * 10 ** (6 * torch.rand(steps, dtype=torch.float64, generator=generator))
+    for _trial in range(200):
+        grads = torch.randn(steps, dtype=torch.float64, generator=generator) * 10 ** (
+            6 * torch.rand(steps, dtype=torch.float64, generator=generator)
+        )
         m = v = torch.zeros((), dtype=torch.float64)
         for n, g in enumerate(grads, start=1):
             m, v = beta1 * m + (1 - beta1) * g, beta2 * v + (1 - beta2) * g * g
@@ -261,4 +264,3 @@ def test_moment_bound_is_adams_own(beta1, beta2):
     m = sum((1 - beta1) * beta1 ** (n - k) * g for k, g in enumerate(grads, start=1))
     v = sum((1 - beta2) * beta2 ** (n - k) * g * g for k, g in enumerate(grads, start=1))
     assert abs(m) == pytest.approx(moment_bound(beta1, beta2, n) / (1 + 2**-8) * v**0.5, rel=1e-6)
-

@@ -69,12 +69,12 @@ class Layer:
         """Bytes of each adapted state in its current format."""
         if self.pinned is not None:
             return [self.pinned[state] for state in ADAPTED_STATES]
-        return [self.nbytes[(state, name)] for state, name in zip(ADAPTED_STATES, self.choice)]
+        return [self.nbytes[(state, name)] for state, name in zip(ADAPTED_STATES, self.choice, strict=False)]
 
     def stored_formats(self, choice: Choice) -> list[StorageFormat | None]:
         """The format each adapted state is stored in under ``choice``, as the optimizer resolves it (``None``: fp32,
         e.g. below ``min_quant_size``); depends on the full parameter only, so it is the same on every rank."""
-        override = dict(zip(ADAPTED_STATES, choice))
+        override = dict(zip(ADAPTED_STATES, choice, strict=False))
         return [resolve_format({**self.group, "states": override}, state, self.param, self.numel) for state in ADAPTED_STATES]
 
 
@@ -174,7 +174,9 @@ class AdaptiveBitWidth(Callback):
         try:
             AnnealedThreshold(threshold_start, threshold_end)
         except ValueError:
-            raise ValueError(f"AdaptiveBitWidth: threshold_start={threshold_start!r} and threshold_end={threshold_end!r} must be > 0") from None
+            raise ValueError(
+                f"AdaptiveBitWidth: threshold_start={threshold_start!r} and threshold_end={threshold_end!r} must be > 0"
+            ) from None
         self.formats = {
             "exp_avg": check_zone_formats(DEFAULT_M_FORMATS if m_formats is None else m_formats, "AdaptiveBitWidth: m_formats"),
             "exp_avg_sq": check_zone_formats(DEFAULT_V_FORMATS if v_formats is None else v_formats, "AdaptiveBitWidth: v_formats"),
@@ -193,7 +195,9 @@ class AdaptiveBitWidth(Callback):
         self.last_check: int | None = None
         self.transitions = 0
         self.history: list[dict[str, Any]] = []  # per check: {"step": s, "bits": [[m bits per layer], [v bits per layer]]}
-        self.overhead_seconds = 0.0  # this fit's time in the callback's hooks: checks (statistics, collective, decisions, re-encoding), logging
+        self.overhead_seconds = (
+            0.0  # this fit's time in the callback's hooks: checks (statistics, collective, decisions, re-encoding), logging
+        )
         self._optimizer: QuantizedStates | None = None
         self._threshold: AnnealedThreshold | None = None
         self._restored: dict[str, Any] | None = None
@@ -243,7 +247,9 @@ class AdaptiveBitWidth(Callback):
                 layer = Layer(names.get(param, fallback[param]), param, group, numel, pinned)
                 if pinned is None:
                     layer.nbytes = {
-                        (state, name): resolved_nbytes({**group, "states": name}, state, param, numel) for state, per_zone in self.formats.items() for name in per_zone.values()
+                        (state, name): resolved_nbytes({**group, "states": name}, state, param, numel)
+                        for state, per_zone in self.formats.items()
+                        for name in per_zone.values()
                     }
                 layers.append(layer)
         return layers
@@ -291,12 +297,15 @@ class AdaptiveBitWidth(Callback):
     def _observe(self, sums: list[list[float]], step: int) -> None:
         """Update the EMAs from the all-reduced sums (float64, the same on every rank) and the layers' zones."""
         abs_sums, square_sums, counts = sums
-        for layer, abs_sum, square_sum, count in zip(self.layers, abs_sums, square_sums, counts):
+        for layer, abs_sum, square_sum, count in zip(self.layers, abs_sums, square_sums, counts, strict=False):
             if count > 0:
                 rms, dispersion = gradient_statistics(abs_sum, square_sum, count)
                 layer.rms, layer.dispersion = ema(layer.rms, rms, self.ema_decay), ema(layer.dispersion, dispersion, self.ema_decay)
         rms, dispersion = model_statistics(abs_sums, square_sums, counts, self.reference)
-        self.global_rms, self.global_dispersion = ema(self.global_rms, rms, self.ema_decay), ema(self.global_dispersion, dispersion, self.ema_decay)
+        self.global_rms, self.global_dispersion = (
+            ema(self.global_rms, rms, self.ema_decay),
+            ema(self.global_dispersion, dispersion, self.ema_decay),
+        )
         threshold = self._threshold(step)
         for layer in self.layers:
             if layer.pinned is None and layer.rms is not None:
@@ -312,7 +321,8 @@ class AdaptiveBitWidth(Callback):
         adapted = [layer for layer in self.layers if layer.pinned is None]
         zones = [layer.hysteresis.zone for layer in adapted]
         planned = [
-            budget_ladder(zone, self.formats, lambda state, name, layer=layer: layer.nbytes[(state, name)]) for zone, layer in zip(zones, adapted)
+            budget_ladder(zone, self.formats, lambda state, name, layer=layer: layer.nbytes[(state, name)])
+            for zone, layer in zip(zones, adapted, strict=False)
         ]
         ladders, starts = [ladder for ladder, _ in planned], [start for _, start in planned]
         fixed = sum(sum(layer.state_bytes()) for layer in self.layers if layer.pinned is not None)
@@ -323,11 +333,11 @@ class AdaptiveBitWidth(Callback):
             rungs = fit_budget(costs, fixed, values, self.target_bits, order, starts, self.fill_budget)
         except BudgetError as error:
             raise BudgetError(f"AdaptiveBitWidth: {error}; raise target_bits or lower the optimizer's min_quant_size") from None
-        for layer, ladder, rung in zip(adapted, ladders, rungs):
+        for layer, ladder, rung in zip(adapted, ladders, rungs, strict=False):
             choice = ladder[rung][0]
             if count_transitions and layer.choice is not None:
                 old, new = layer.stored_formats(layer.choice), layer.stored_formats(choice)
-                self.transitions += sum(format_config(a) != format_config(b) for a, b in zip(old, new))
+                self.transitions += sum(format_config(a) != format_config(b) for a, b in zip(old, new, strict=False))
             layer.choice = choice
 
     def _apply(self) -> None:
@@ -336,9 +346,9 @@ class AdaptiveBitWidth(Callback):
         for layer in self.layers:
             if layer.pinned is not None:
                 continue
-            optimizer.state_overrides[layer.param] = dict(zip(ADAPTED_STATES, layer.choice))
+            optimizer.state_overrides[layer.param] = dict(zip(ADAPTED_STATES, layer.choice, strict=False))
             state = optimizer.state.get(layer.param, {})
-            for name, target in zip(ADAPTED_STATES, layer.stored_formats(layer.choice)):
+            for name, target in zip(ADAPTED_STATES, layer.stored_formats(layer.choice), strict=False):
                 if name not in state:
                     continue
                 if format_config(target) != format_config(optimizer.state_format(layer.param, name)):
@@ -348,7 +358,7 @@ class AdaptiveBitWidth(Callback):
     def _bits(self) -> list[list[float]]:
         """Stored bits per value of each layer's m and v (scales included): ``[[m per layer], [v per layer]]``."""
         per_layer = [[8 * nbytes / layer.numel if layer.numel else 0.0 for nbytes in layer.state_bytes()] for layer in self.layers]
-        return [list(column) for column in zip(*per_layer)]
+        return [list(column) for column in zip(*per_layer, strict=False)]
 
     def metrics(self) -> dict[str, float]:
         """The logged numbers: average bits, bytes saved versus fp32, layers per zone, threshold, transitions."""
@@ -367,7 +377,11 @@ class AdaptiveBitWidth(Callback):
 
     def decisions(self) -> dict[str, dict[str, Any]]:
         """``{layer name: {"zone": ..., "exp_avg": format name, "exp_avg_sq": format name}}`` of the adapted layers."""
-        return {layer.name: {"zone": layer.hysteresis.zone, **dict(zip(ADAPTED_STATES, layer.choice))} for layer in self.layers if layer.pinned is None}
+        return {
+            layer.name: {"zone": layer.hysteresis.zone, **dict(zip(ADAPTED_STATES, layer.choice, strict=False))}
+            for layer in self.layers
+            if layer.pinned is None
+        }
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         if not self.layers or not trainer.is_global_zero or not trainer._logger_connector.should_update_logs:
@@ -400,7 +414,7 @@ class AdaptiveBitWidth(Callback):
                     "zone": layer.hysteresis.zone,
                     "pending": layer.hysteresis.pending,
                     "streak": layer.hysteresis.streak,
-                    "formats": None if layer.choice is None else dict(zip(ADAPTED_STATES, layer.choice)),
+                    "formats": None if layer.choice is None else dict(zip(ADAPTED_STATES, layer.choice, strict=False)),
                 }
                 for layer in self.layers
             },
@@ -419,14 +433,21 @@ class AdaptiveBitWidth(Callback):
 
     def _restore(self, saved: dict[str, Any]) -> None:
         entries = saved["layers"]
-        missing, unknown = sorted({layer.name for layer in self.layers} - set(entries)), sorted(set(entries) - {layer.name for layer in self.layers})
+        missing, unknown = (
+            sorted({layer.name for layer in self.layers} - set(entries)),
+            sorted(set(entries) - {layer.name for layer in self.layers}),
+        )
         if missing or unknown:
-            raise ValueError(f"AdaptiveBitWidth: the checkpoint's layers do not match the optimizer's (missing: {missing}, unknown: {unknown})")
+            raise ValueError(
+                f"AdaptiveBitWidth: the checkpoint's layers do not match the optimizer's (missing: {missing}, unknown: {unknown})"
+            )
         for layer in self.layers:
             entry = entries[layer.name]
             layer.rms, layer.dispersion = entry["rms"], entry["dispersion"]
             layer.hysteresis = ZoneHysteresis(entry["zone"], entry["pending"], entry["streak"])
-            layer.choice = None if entry["formats"] is None or layer.pinned is not None else tuple(entry["formats"][state] for state in ADAPTED_STATES)
+            layer.choice = (
+                None if entry["formats"] is None or layer.pinned is not None else tuple(entry["formats"][state] for state in ADAPTED_STATES)
+            )
         self.global_rms, self.global_dispersion = saved["global_rms"], saved["global_dispersion"]
         self.last_check, self.transitions = saved["last_check"], saved["transitions"]
         self.history = [dict(entry) for entry in saved["history"]]

@@ -48,7 +48,7 @@ class StallMeasurement:
 
     def rates(self) -> dict[tuple[str, str], float]:
         """``{(layer, state): stalled / moved}`` of the rows that moved."""
-        return {(row.layer, row.state): float(c[0] / c[1]) for row, c in zip(self.rows, self.counts) if c[1] > 0}
+        return {(row.layer, row.state): float(c[0] / c[1]) for row, c in zip(self.rows, self.counts, strict=False) if c[1] > 0}
 
 
 _CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # trainer -> last StallMeasurement
@@ -67,7 +67,7 @@ def state_rows(trainer: pl.Trainer) -> list[StateRow]:
     for the trainer's current optimizers: callbacks call this at every step)."""
     optimizers = quantized_optimizers(trainer)
     cached = _ROWS.get(trainer)  # compared by identity: an id() of a discarded optimizer can be reused by a new one
-    if cached is None or len(cached[0]) != len(optimizers) or any(a is not b for a, b in zip(cached[0], optimizers)):
+    if cached is None or len(cached[0]) != len(optimizers) or any(a is not b for a, b in zip(cached[0], optimizers, strict=False)):
         cached = _ROWS[trainer] = (optimizers, _build_state_rows(trainer))
     return cached[1]
 
@@ -112,7 +112,9 @@ def collect_stalls(trainer: pl.Trainer) -> StallMeasurement:
         return cached
     rows = state_rows(trainer)
     local = torch.zeros(len(rows), 2, dtype=torch.float64)
-    taken = {id(optimizer): optimizer.stall_counts(reset=True) if optimizer.track_stalls else {} for optimizer in quantized_optimizers(trainer)}
+    taken = {
+        id(optimizer): optimizer.stall_counts(reset=True) if optimizer.track_stalls else {} for optimizer in quantized_optimizers(trainer)
+    }
     for index, row in enumerate(rows):
         counts = taken[id(row.optimizer)].get(row.param, {}).get(row.state)
         if counts is not None:

@@ -49,7 +49,9 @@ class StallMonitor(Callback):
     """
 
     def __init__(self, log_every_n_steps: int | None = None, per_layer: bool = True, histograms: bool = True) -> None:
-        if log_every_n_steps is not None and (not isinstance(log_every_n_steps, int) or isinstance(log_every_n_steps, bool) or log_every_n_steps < 1):
+        if log_every_n_steps is not None and (
+            not isinstance(log_every_n_steps, int) or isinstance(log_every_n_steps, bool) or log_every_n_steps < 1
+        ):
             raise ValueError(f"StallMonitor: log_every_n_steps={log_every_n_steps!r} must be a positive int, or None for the Trainer's")
         self.log_every_n_steps = log_every_n_steps
         self.per_layer = per_layer
@@ -97,7 +99,7 @@ class StallMonitor(Callback):
         scalars: dict[str, float] = {}
         per_state: dict[str, list[float]] = {}
         totals: dict[str, list[float]] = {}  # state -> [stalled, moved, predicted * moved, moved with a prediction]
-        for row, (stalled, moved) in zip(measurement.rows, measurement.counts.tolist()):
+        for row, (stalled, moved) in zip(measurement.rows, measurement.counts.tolist(), strict=False):
             if moved == 0:
                 continue
             rate, prediction = stalled / moved, self.predicted(row)

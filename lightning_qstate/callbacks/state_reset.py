@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from functools import lru_cache
+from functools import cache
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -18,7 +18,7 @@ from .stall_counts import StateRow, collect_stalls, quantized_optimizers, reques
 STATE_VERSION = 1
 
 
-@lru_cache(maxsize=None)
+@cache
 def _theory_period(fmt: StorageFormat, beta: float, rounding: str, state: str) -> int | None:
     return reset_period(fmt, beta, rounding, moment=moment_of(state))
 
@@ -86,9 +86,14 @@ class StateResetScheduler(Callback):
         if not isinstance(check_every_n_steps, int) or check_every_n_steps < 1:
             raise ValueError(f"StateResetScheduler: check_every_n_steps={check_every_n_steps!r} must be a positive int")
         if states is not None and (isinstance(states, str) or not states or not all(isinstance(name, str) for name in states)):
-            raise ValueError(f"StateResetScheduler: states={states!r} must be a non-empty list of state names, e.g. ['exp_avg', 'exp_avg_sq']")
+            raise ValueError(
+                f"StateResetScheduler: states={states!r} must be a non-empty list of state names, e.g. ['exp_avg', 'exp_avg_sq']"
+            )
         if include_fp32:
-            rank_zero_warn("StateResetScheduler(include_fp32=True): resetting fp32 states slightly hurts training (arXiv 2603.16731); they do not stall")
+            rank_zero_warn(
+                "StateResetScheduler(include_fp32=True): resetting fp32 states slightly hurts training (arXiv 2603.16731); "
+                "they do not stall"
+            )
         self.period = period
         self.threshold = None if threshold is None else float(threshold)
         self.check_every_n_steps = check_every_n_steps
@@ -159,7 +164,11 @@ class StateResetScheduler(Callback):
                 due.append(layer)
         if self.threshold is not None and step % self.check_every_n_steps == 0:
             rates = collect_stalls(trainer).rates()
-            due += [layer for layer, rows in layers.items() if layer not in due and any(rates.get((layer, row.state), 0.0) >= self.threshold for row in rows)]
+            due += [
+                layer
+                for layer, rows in layers.items()
+                if layer not in due and any(rates.get((layer, row.state), 0.0) >= self.threshold for row in rows)
+            ]
         if due:
             self._reset(trainer, {layer: layers[layer] for layer in due}, step)
 

@@ -55,7 +55,11 @@ class RunSummary(Callback):
                         formats.setdefault(name, Counter())[PLAIN_NAMES.get(value.dtype, str(value.dtype).removeprefix("torch."))] += 1
         totals = trainer.strategy.reduce(torch.tensor(local, dtype=torch.float64, device=trainer.strategy.root_device), reduce_op="sum")
         stored, values, fp32_bytes = (float(t) for t in totals)
-        metrics = {key: float(value) for key, value in sorted(trainer.callback_metrics.items()) if isinstance(value, torch.Tensor) and value.numel() == 1}
+        metrics = {
+            key: float(value)
+            for key, value in sorted(trainer.callback_metrics.items())
+            if isinstance(value, torch.Tensor) and value.numel() == 1
+        }
         self.summary = {
             "seconds": time.perf_counter() - self._start if self._start is not None else None,
             "steps": trainer.global_step,
@@ -83,7 +87,10 @@ class RunSummary(Callback):
                 f"optimizer states: {stored / 1e6:.3f} MB vs {fp32 / 1e6:.3f} MB in fp32 ({100 * stored / fp32:.1f} %, "
                 f"{s['bits_per_value']:.2f} bits/value, {100 * (1 - stored / fp32):.1f} % saved) [{', '.join(s['optimizers'])}]"
             )
-            per_state = (f"{name}: " + ", ".join(f"{fmt} x{count}" for fmt, count in sorted(counts.items())) for name, counts in s["state_formats"].items())
+            per_state = (
+                f"{name}: " + ", ".join(f"{fmt} x{count}" for fmt, count in sorted(counts.items()))
+                for name, counts in s["state_formats"].items()
+            )
             lines.append("  state formats: " + " | ".join(per_state))
         else:
             lines.append(f"optimizer states: none held [{', '.join(s['optimizers']) or 'no optimizer'}]")

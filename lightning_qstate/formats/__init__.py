@@ -18,12 +18,31 @@ Example::
 from __future__ import annotations
 
 import re
-from functools import lru_cache
+from functools import cache
 
 import torch
 
-from .base import FLOAT_INPUT_DTYPES, KernelBackend, NonFiniteError, QuantizedTensor, StorageFormat, count_stalls, kernel_backend, register_kernel_backend
-from .block import NONFINITE_POLICIES, SCALE_DTYPE_NAMES, SCALE_DTYPES, BlockFormat, CodebookFormat, MinifloatFormat, NonFinitePolicy, ScaleDtype, check_block_size
+from .base import (
+    FLOAT_INPUT_DTYPES,
+    KernelBackend,
+    NonFiniteError,
+    QuantizedTensor,
+    StorageFormat,
+    count_stalls,
+    kernel_backend,
+    register_kernel_backend,
+)
+from .block import (
+    NONFINITE_POLICIES,
+    SCALE_DTYPE_NAMES,
+    SCALE_DTYPES,
+    BlockFormat,
+    CodebookFormat,
+    MinifloatFormat,
+    NonFinitePolicy,
+    ScaleDtype,
+    check_block_size,
+)
 from .cast import CastFormat
 from .codebooks import CodebookIndex, MinifloatSpec, dynamic_map, linear_map
 from .rounding import ROUNDINGS, Rounding
@@ -53,9 +72,14 @@ def minifloat_spec(exponent_bits: int, mantissa_bits: int, signed: bool) -> Mini
     return MinifloatSpec(exponent_bits, mantissa_bits, signed, max_code=2 ** (exponent_bits + mantissa_bits) - 1)
 
 
-@lru_cache(maxsize=None)
+@cache
 def get_format(
-    name: str, *, block_size: int | None = None, signed: bool = True, nonfinite: NonFinitePolicy = "raise", scale_dtype: ScaleDtype | None = None
+    name: str,
+    *,
+    block_size: int | None = None,
+    signed: bool = True,
+    nonfinite: NonFinitePolicy = "raise",
+    scale_dtype: ScaleDtype | None = None,
 ) -> StorageFormat:
     """The storage format called ``name``.
 
@@ -92,11 +116,15 @@ def get_format(
     return fmt
 
 
-def _build_format(name: str, block_size: int | None, signed: bool, nonfinite: NonFinitePolicy, scale_dtype: ScaleDtype | None) -> StorageFormat:
+def _build_format(
+    name: str, block_size: int | None, signed: bool, nonfinite: NonFinitePolicy, scale_dtype: ScaleDtype | None
+) -> StorageFormat:
     if name in _CAST_DTYPES:
         return CastFormat(name, _CAST_DTYPES[name], zero_free=not signed)
     if name in _FP8_SPECS:
-        return MinifloatFormat(name, _FP8_SPECS[name], 256 if block_size is None else block_size, nonfinite, zero_free=not signed, scale_dtype=scale_dtype)
+        return MinifloatFormat(
+            name, _FP8_SPECS[name], 256 if block_size is None else block_size, nonfinite, zero_free=not signed, scale_dtype=scale_dtype
+        )
     integer_maps = {
         "int8": lambda: dynamic_map(signed, 8),
         "int4": lambda: dynamic_map(True, 4) if signed else linear_map(False, 4, zero_free=True),
@@ -105,11 +133,20 @@ def _build_format(name: str, block_size: int | None, signed: bool, nonfinite: No
     }
     if name in integer_maps:
         bits = 8 if name.startswith("int8") else 4
-        return CodebookFormat(name, integer_maps[name](), default_block_size(bits) if block_size is None else block_size, signed, nonfinite, scale_dtype)
+        return CodebookFormat(
+            name, integer_maps[name](), default_block_size(bits) if block_size is None else block_size, signed, nonfinite, scale_dtype
+        )
     match = _MINIFLOAT.fullmatch(name)
     if match:
         spec = minifloat_spec(int(match.group(1)), int(match.group(2)), signed)
-        return MinifloatFormat(name, spec, default_block_size(spec.bits) if block_size is None else block_size, nonfinite, zero_free=not signed, scale_dtype=scale_dtype)
+        return MinifloatFormat(
+            name,
+            spec,
+            default_block_size(spec.bits) if block_size is None else block_size,
+            nonfinite,
+            zero_free=not signed,
+            scale_dtype=scale_dtype,
+        )
     raise ValueError(f"unknown format {name!r}; valid formats: {', '.join(FORMAT_NAMES)} (eXmY such as 'e2m2', 'e3m0', 'e4m3')")
 
 

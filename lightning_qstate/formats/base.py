@@ -28,7 +28,9 @@ class QuantizedTensor:
 
     __slots__ = ("format", "codes", "scales", "shape", "dtype")
 
-    def __init__(self, format: StorageFormat, codes: torch.Tensor, scales: torch.Tensor | None, shape: torch.Size, dtype: torch.dtype) -> None:
+    def __init__(
+        self, format: StorageFormat, codes: torch.Tensor, scales: torch.Tensor | None, shape: torch.Size, dtype: torch.dtype
+    ) -> None:
         self.format = format
         self.codes = codes
         self.scales = scales
@@ -90,7 +92,10 @@ class QuantizedTensor:
         return QuantizedTensor(self.format, self.codes.to(device, non_blocking=non_blocking, copy=copy), scales, self.shape, self.dtype)
 
     def __repr__(self) -> str:
-        return f"QuantizedTensor(format={self.format.name!r}, shape={tuple(self.shape)}, dtype={self.dtype}, bits_per_value={self.bits_per_value:.3f})"
+        return (
+            f"QuantizedTensor(format={self.format.name!r}, shape={tuple(self.shape)}, dtype={self.dtype}, "
+            f"bits_per_value={self.bits_per_value:.3f})"
+        )
 
 
 class StorageFormat(ABC):
@@ -125,11 +130,6 @@ class StorageFormat(ABC):
     def unit_values_reference(self, codes: torch.Tensor, scales: torch.Tensor | None, numel: int) -> torch.Tensor:
         """Torch reference of :meth:`QuantizedTensor.unit_values`: ``(numel,)`` fp32."""
 
-    @property
-    def is_float(self) -> bool:
-        """True for formats whose spacing is relative to the value (casts and minifloats)."""
-        return False
-
     def _check_input(self, x: torch.Tensor, rounding: str) -> torch.Tensor:
         """Validate and flatten ``x`` to a contiguous 1-D tensor."""
         if rounding not in ROUNDINGS:
@@ -142,7 +142,9 @@ class StorageFormat(ABC):
         return f"{type(self).__name__}({self.name!r})"
 
 
-def count_stalls(before: torch.Tensor, updated: torch.Tensor, stored: torch.Tensor, before_units: torch.Tensor, stored_units: torch.Tensor) -> torch.Tensor:
+def count_stalls(
+    before: torch.Tensor, updated: torch.Tensor, stored: torch.Tensor, before_units: torch.Tensor, stored_units: torch.Tensor
+) -> torch.Tensor:
     """int64 ``[stalled, moved]`` of one state write (flat fp32 tensors of equal size).
 
     ``before``: the stored values before the step; ``updated``: the fp32 update of them; ``stored``: what the
@@ -170,7 +172,9 @@ class KernelBackend(Protocol):
     same distribution for SR.
     """
 
-    def quantize_blocks(self, fmt: StorageFormat, flat: torch.Tensor, rounding: Rounding, generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def quantize_blocks(
+        self, fmt: StorageFormat, flat: torch.Tensor, rounding: Rounding, generator: torch.Generator | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """``flat`` ``(n,)`` -> (packed codes, ``(num_blocks,)`` scales in ``fmt.scale_dtype``, NaN for non-finite blocks)."""
 
     def dequantize_blocks(self, fmt: StorageFormat, q: QuantizedTensor, dtype: torch.dtype) -> torch.Tensor:

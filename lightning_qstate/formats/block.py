@@ -109,7 +109,9 @@ class BlockFormat(StorageFormat):
         if scale_dtype is None:
             scale_dtype = "fp32" if nonnegative else "bf16"  # see the module docstring
         if scale_dtype not in SCALE_DTYPES:
-            raise ValueError(f"scale_dtype={scale_dtype!r} is not a scale type; use one of {tuple(SCALE_DTYPES)} or None (bf16 if signed, else fp32)")
+            raise ValueError(
+                f"scale_dtype={scale_dtype!r} is not a scale type; use one of {tuple(SCALE_DTYPES)} or None (bf16 if signed, else fp32)"
+            )
         self.name = name
         self.bits = bits
         self.block_size = check_block_size(block_size)
@@ -173,7 +175,9 @@ class BlockFormat(StorageFormat):
             )
         return QuantizedTensor(self, codes, scales, x.shape, x.dtype)
 
-    def quantize_reference(self, flat: torch.Tensor, rounding: Rounding, generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def quantize_reference(
+        self, flat: torch.Tensor, rounding: Rounding, generator: torch.Generator | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Torch reference: ``(n,)`` -> (packed codes, ``(num_blocks,)`` scales in ``scale_dtype``, NaN for non-finite blocks)."""
         blocks = as_blocks(flat.float(), self.block_size)
         scale = self.stored_scale(blocks.abs()).amax(dim=1)  # = stored_scale(absmax): it is monotone
@@ -214,7 +218,13 @@ class CodebookFormat(BlockFormat):
     """
 
     def __init__(
-        self, name: str, codebook: torch.Tensor, block_size: int, signed: bool, nonfinite: NonFinitePolicy = "raise", scale_dtype: ScaleDtype | None = None
+        self,
+        name: str,
+        codebook: torch.Tensor,
+        block_size: int,
+        signed: bool,
+        nonfinite: NonFinitePolicy = "raise",
+        scale_dtype: ScaleDtype | None = None,
     ) -> None:
         bits = max(1, (codebook.numel() - 1).bit_length())
         super().__init__(name, bits, block_size, signed, nonfinite, scale_dtype, nonnegative=not signed, zero_free=not signed)
@@ -251,17 +261,19 @@ class MinifloatFormat(BlockFormat):
     """
 
     def __init__(
-        self, name: str, spec: MinifloatSpec, block_size: int, nonfinite: NonFinitePolicy = "raise", zero_free: bool = False, scale_dtype: ScaleDtype | None = None
+        self,
+        name: str,
+        spec: MinifloatSpec,
+        block_size: int,
+        nonfinite: NonFinitePolicy = "raise",
+        zero_free: bool = False,
+        scale_dtype: ScaleDtype | None = None,
     ) -> None:
         nonnegative = zero_free or not spec.signed
         super().__init__(name, spec.bits, block_size, spec.signed, nonfinite, scale_dtype, nonnegative=nonnegative, zero_free=zero_free)
         self.spec = spec
         self.max_value = spec.max_value
         self.min_code = int(zero_free)  # the magnitude code of the smallest subnormal
-
-    @property
-    def is_float(self) -> bool:
-        return True
 
     def decode_values(self) -> torch.Tensor:
         return (self.spec.values() / self.max_value).to(torch.float32)

@@ -40,10 +40,6 @@ class CastFormat(StorageFormat):
         self.zero_free = zero_free
         self.smallest_positive = torch.finfo(dtype).tiny * torch.finfo(dtype).eps  # the smallest subnormal
 
-    @property
-    def is_float(self) -> bool:
-        return True
-
     def nbytes(self, numel: int) -> int:
         return numel * self.bits // 8
 

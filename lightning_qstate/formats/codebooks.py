@@ -12,12 +12,12 @@ one step, so encoding costs a few gathers instead of a binary search.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 
 import torch
 
 
-@lru_cache(maxsize=None)
+@cache
 def dynamic_map(signed: bool, total_bits: int) -> torch.Tensor:
     """The dynamic-tree map of bitsandbytes and torchao, sorted, ``(2**total_bits,)`` float64.
 
@@ -44,7 +44,7 @@ def dynamic_map(signed: bool, total_bits: int) -> torch.Tensor:
     return table
 
 
-@lru_cache(maxsize=None)
+@cache
 def linear_map(signed: bool, total_bits: int, zero_free: bool = False) -> torch.Tensor:
     """A uniform map, sorted, float64.
 

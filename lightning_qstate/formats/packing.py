@@ -16,10 +16,6 @@ def container_dtype(bits: int) -> torch.dtype:
     return torch.uint8 if bits <= 8 else torch.int16
 
 
-def codes_per_byte(bits: int) -> int:
-    return 2 if bits <= 4 else 1
-
-
 def packed_numel(numel: int, bits: int) -> int:
     """Number of container elements holding ``numel`` codes."""
     return -(-numel // 2) if bits <= 4 else numel

@@ -41,7 +41,9 @@ def round_up_mask(lower_distance: torch.Tensor, gap: torch.Tensor, rounding: Rou
     return uniform * gap < lower_distance
 
 
-def encode_codebook(normalized: torch.Tensor, index: CodebookIndex, rounding: Rounding, uniform: torch.Tensor | None = None) -> torch.Tensor:
+def encode_codebook(
+    normalized: torch.Tensor, index: CodebookIndex, rounding: Rounding, uniform: torch.Tensor | None = None
+) -> torch.Tensor:
     """Nearest (RN) or stochastic (SR) codebook codes of ``normalized`` values in ``[-1, 1]``.
 
     Values outside the codebook's range clamp to its end codes. Returns int32 codes, same shape.

@@ -39,7 +39,17 @@ import triton.language as tl
 
 from .triton_formats import load_moment, stall_counts, store_moment, to_float32
 
-COEFFICIENTS = ("decay", "weight_decay", "lerp_weight", "beta2", "square_weight", "eps", "step_size", "bias_correction2_sqrt", "moment_bound")
+COEFFICIENTS = (
+    "decay",
+    "weight_decay",
+    "lerp_weight",
+    "beta2",
+    "square_weight",
+    "eps",
+    "step_size",
+    "bias_correction2_sqrt",
+    "moment_bound",
+)
 """Layout of the fp32 coefficient vector: ``1 - lr * weight_decay``, ``weight_decay``, ``1 - beta1``, ``beta2``,
 ``1 - beta2``, ``eps``, ``lr / (1 - beta1**t)``, ``sqrt(1 - beta2**t)`` (at step ``t``), each computed as torch's
 AdamW does (in float64 for Python floats) and rounded to fp32 once, and the bound ``K`` that the decoded ``m`` is
@@ -158,4 +168,6 @@ def adam_step_kernel(
     if TRACK_STALLS:
         row = counts_ptr + (block % STALL_SLOTS) * 2
         tl.atomic_add(row, stall_counts(new_exp_avg, exp_avg, stored_m, exp_avg_units, stored_m_units, in_range), sem="relaxed")
-        tl.atomic_add(row + 1, stall_counts(new_exp_avg_sq, exp_avg_sq, stored_v, exp_avg_sq_units, stored_v_units, in_range), sem="relaxed")
+        tl.atomic_add(
+            row + 1, stall_counts(new_exp_avg_sq, exp_avg_sq, stored_v, exp_avg_sq_units, stored_v_units, in_range), sem="relaxed"
+        )

@@ -20,7 +20,17 @@ from torch.distributed.tensor import DTensor
 
 from ..formats import QuantizedTensor, StorageFormat, count_stalls
 from .policy import POLICY_DEFAULTS, StatesSpec, resolve_format, validate_policy
-from .serialization import FORMAT_SUFFIX, STATE_FORMAT_VERSION, VERSION_KEY, exact_values, export_state, format_from_marker, format_marker, import_state, is_exported
+from .serialization import (
+    FORMAT_SUFFIX,
+    STATE_FORMAT_VERSION,
+    VERSION_KEY,
+    exact_values,
+    export_state,
+    format_from_marker,
+    format_marker,
+    import_state,
+    is_exported,
+)
 
 NonFiniteGradPolicy = Literal["skip", "skip_step", "raise"]
 CheckpointMode = Literal["packed", "fp32"]
@@ -33,8 +43,8 @@ PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 ROUNDING_KEY = "qstate_rounding_seed"
 # Attributes the quantized optimizers add to torch's; kept by pickle and deepcopy.
 QSTATE_ATTRIBUTES = (
-    "track_stalls", "nonfinite", "generator", "nonfinite_skips", "skipped_steps", "state_overrides", "module_names", "full_numels", "checkpoint_mode",
-    "_stall_counts", "_step_supports_amp_scaling", "_rounding_seed", "_rounding_step", "_policy_ready",
+    "track_stalls", "nonfinite", "generator", "nonfinite_skips", "skipped_steps", "state_overrides", "module_names", "full_numels",
+    "checkpoint_mode", "_stall_counts", "_step_supports_amp_scaling", "_rounding_seed", "_rounding_step", "_policy_ready",
 )  # fmt: skip
 MASK64 = (1 << 64) - 1
 
@@ -49,7 +59,9 @@ def mix64(*values: int) -> int:
     return state >> 1
 
 
-def quantize_state(fmt: StorageFormat, value: torch.Tensor, rounding: str = "nearest", generator: torch.Generator | None = None) -> QuantizedTensor:
+def quantize_state(
+    fmt: StorageFormat, value: torch.Tensor, rounding: str = "nearest", generator: torch.Generator | None = None
+) -> QuantizedTensor:
     """``fmt.quantize(value)``; a float64 state is quantized through fp32 and reads back as float64."""
     if value.dtype != torch.float64:
         return fmt.quantize(value, rounding=rounding, generator=generator)
@@ -206,12 +218,16 @@ class QuantizedStates:
         validate_policy(group, self.state_names or None, type(self).__name__)
         owner = type(self).__name__
         if group.get("differentiable"):
-            raise ValueError(f"{owner}: differentiable=True is not supported (quantized states are not differentiable); use the torch optimizer")
+            raise ValueError(
+                f"{owner}: differentiable=True is not supported (quantized states are not differentiable); use the torch optimizer"
+            )
         for param in group["params"]:
             if torch.is_complex(param):
                 raise ValueError(f"{owner}: complex parameters are not supported; give them to a separate torch optimizer")
             if param.dtype not in PARAM_DTYPES:
-                raise TypeError(f"{owner}: parameters of dtype {param.dtype} are not supported; use one of {[str(d) for d in PARAM_DTYPES]}")
+                raise TypeError(
+                    f"{owner}: parameters of dtype {param.dtype} are not supported; use one of {[str(d) for d in PARAM_DTYPES]}"
+                )
 
     # --- the step -------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -263,7 +279,7 @@ class QuantizedStates:
         finite = self._finite_flags(params)
         if sharded:
             dist.all_reduce(finite, op=dist.ReduceOp.MIN)
-        bad = [p for p, ok in zip(params, finite.tolist()) if not ok]
+        bad = [p for p, ok in zip(params, finite.tolist(), strict=False) if not ok]
         if not bad:
             return []
         if self.nonfinite == "raise":
@@ -287,7 +303,7 @@ class QuantizedStates:
         flags = torch.ones(len(params), dtype=torch.int32, device=local_tensor(params[0]).device if params else device)
         if with_grads:
             norms = torch._foreach_norm([grad for _, grad in with_grads], 1)
-            for (i, grad), norm in zip(with_grads, norms):
+            for (i, grad), norm in zip(with_grads, norms, strict=False):
                 if not bool(torch.isfinite(norm)) and not bool(torch.isfinite(grad).all()):
                     flags[i] = 0
         return flags
@@ -312,13 +328,17 @@ class QuantizedStates:
 
     def _raise_nonfinite(self, params: list[torch.Tensor]) -> None:
         names = self.param_names()
-        raise FloatingPointError(f"{type(self).__name__}: non-finite gradient in {_listing([names[p] for p in params])} (nonfinite='raise')")
+        raise FloatingPointError(
+            f"{type(self).__name__}: non-finite gradient in {_listing([names[p] for p in params])} (nonfinite='raise')"
+        )
 
     def _report_skips(self) -> None:
         if not self._skipped:
             return
         names = self.param_names()
-        what = "the whole step was skipped" if self.nonfinite == "skip_step" else "their updates were skipped and their states left unchanged"
+        what = (
+            "the whole step was skipped" if self.nonfinite == "skip_step" else "their updates were skipped and their states left unchanged"
+        )
         warnings.warn(
             f"{type(self).__name__}: non-finite gradient in {_listing([names[p] for p in self._skipped])}; {what} "
             f"(nonfinite={self.nonfinite!r}; {self.nonfinite_skips} parameter updates skipped so far)",
@@ -407,7 +427,9 @@ class QuantizedStates:
         return local_tensor(value) if fmt is None else quantize_state(fmt, local_tensor(value))
 
     # --- stall statistics -----------------------------------------------------------------------------
-    def _count_stalls(self, param: torch.Tensor, name: str, old: QuantizedTensor, before: torch.Tensor, updated: torch.Tensor, stored: QuantizedTensor) -> None:
+    def _count_stalls(
+        self, param: torch.Tensor, name: str, old: QuantizedTensor, before: torch.Tensor, updated: torch.Tensor, stored: QuantizedTensor
+    ) -> None:
         """Count the entries the fp32 update moved, and those of them that kept their code (see ``formats.count_stalls``)."""
         flat = (before.reshape(-1), local_tensor(updated).reshape(-1).float(), stored.dequantize(torch.float32).reshape(-1))
         self._add_stall_counts(param, name, count_stalls(*flat, old.unit_values(), stored.unit_values()))
@@ -525,7 +547,8 @@ class QuantizedStates:
             state_dict = super().state_dict()
         params = [p for group in self.param_groups for p in group["params"]]
         state_dict["state"] = {
-            index: self._export_entries(params[index], entries) if isinstance(index, int) else entries for index, entries in state_dict["state"].items()
+            index: self._export_entries(params[index], entries) if isinstance(index, int) else entries
+            for index, entries in state_dict["state"].items()
         }
         state_dict[VERSION_KEY] = STATE_FORMAT_VERSION
         if state_dict["param_groups"]:
@@ -570,9 +593,11 @@ class QuantizedStates:
             plain[index] = {k: v for k, v in entries.items() if not is_exported(v) and not k.endswith(FORMAT_SUFFIX)}
         saved_groups = [{k: v for k, v in group.items() if k != ROUNDING_KEY} for group in state_dict["param_groups"]]
         with suspended_hooks(self, "_optimizer_load_state_dict_pre_hooks", "_optimizer_load_state_dict_post_hooks"):
-            super().load_state_dict({**{k: v for k, v in state_dict.items() if k != VERSION_KEY}, "state": plain, "param_groups": saved_groups})
+            super().load_state_dict(
+                {**{k: v for k, v in state_dict.items() if k != VERSION_KEY}, "state": plain, "param_groups": saved_groups}
+            )
         saved_keys = [key for group in state_dict["param_groups"] for key in group["params"]]
-        params = dict(zip(saved_keys, (p for group in self.param_groups for p in group["params"])))
+        params = dict(zip(saved_keys, (p for group in self.param_groups for p in group["params"]), strict=False))
         for index, entries in packed.items():
             for name, entry in entries.items():
                 where = f"{type(self).__name__} state {index} ({name!r})"
@@ -601,8 +626,10 @@ class QuantizedStates:
         """Put the configured policy options back into the loaded groups; warn about other hyperparameters that the
         checkpoint changed. Returns, per group, a description of the policy change (``""`` where none)."""
         changes, hyper = [], []
-        for index, (group, before) in enumerate(zip(self.param_groups, configured)):
-            policy_changes = [f"{k}={group[k]!r} -> {before[k]!r}" for k in POLICY_DEFAULTS if k in group and k != "rounding" and group[k] != before[k]]
+        for index, (group, before) in enumerate(zip(self.param_groups, configured, strict=False)):
+            policy_changes = [
+                f"{k}={group[k]!r} -> {before[k]!r}" for k in POLICY_DEFAULTS if k in group and k != "rounding" and group[k] != before[k]
+            ]
             for key in POLICY_DEFAULTS:
                 group[key] = before[key]
             self._complete_group(group)
@@ -624,7 +651,7 @@ class QuantizedStates:
         """Quantize plain loaded states per the policy, and re-encode quantized ones of groups whose policy changed.
         Returns a description of the re-encoding (``""`` if nothing was re-encoded)."""
         reencoded = []
-        for group, change in zip(self.param_groups, changes):
+        for group, change in zip(self.param_groups, changes, strict=False):
             count = 0
             for key in group["params"]:
                 state = self.state.get(key, {})

@@ -31,8 +31,6 @@ from __future__ import annotations
 import functools
 import warnings
 
-import torch
-
 SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -524,10 +522,10 @@ torch::Tensor adam_steps_u8(std::vector<torch::Tensor> params, std::vector<torch
   }
   return result;
 }
-"""
+"""  # noqa: E501 - the C++ source: its long lines are compiled as they are (csrc formatting comes with the csrc move)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def kernel():
     """The compiled extension's ``adam_steps_u8``, or ``None`` when it cannot be built here (warns once)."""
     try:

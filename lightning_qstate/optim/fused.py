@@ -37,8 +37,8 @@ from __future__ import annotations
 
 import functools
 import types
-from collections.abc import Callable
 import warnings
+from collections.abc import Callable
 
 import torch
 
@@ -183,7 +183,7 @@ def adam_step_quantized(
     return torch.cat(counts) if track_stalls else torch.zeros(4, dtype=torch.int64)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def compiled_adam_step(options: tuple) -> Callable:
     """``adam_step_quantized`` compiled for one ``options`` tuple (formats, rounding, flags); the block count is marked
     dynamic. ``fma`` compiles to inductor's (``_lower_fma``), so the compiled step is the eager one bit for bit.
@@ -201,14 +201,13 @@ def compiled_adam_step(options: tuple) -> Callable:
     return torch.compile(copy, fullgraph=True, options={"emulate_precision_casts": True})
 
 
-def fused_layout(value: QuantizedTensor) -> int | None:
-    """Elements per block the fused path splits at (``None`` if the state's format has no blocks)."""
-    return value.format.block_size if isinstance(value.format, BlockFormat) else None
-
-
 def _plain_options(param: torch.Tensor, group: dict) -> bool:
     """A contiguous fp32 param and plain Adam options (no amsgrad, capturable, differentiable or fused)."""
-    return param.dtype == torch.float32 and param.is_contiguous() and not (group["amsgrad"] or group["capturable"] or group["differentiable"] or group["fused"])
+    return (
+        param.dtype == torch.float32
+        and param.is_contiguous()
+        and not (group["amsgrad"] or group["capturable"] or group["differentiable"] or group["fused"])
+    )
 
 
 def _plain_adam(param: torch.Tensor, group: dict, state: dict) -> bool:
@@ -233,7 +232,9 @@ def can_fuse(param: torch.Tensor, group: dict, state: dict) -> bool:
 def native_eligible(param: torch.Tensor, grad: torch.Tensor, group: dict, state: dict) -> bool:
     """Whether ``native_adam_steps`` covers this parameter: a ``_plain_adam`` CPU param with an fp32 grad, byte-coded
     codebook moments (the int8 family) of one block size, round-to-nearest, and a C++ kernel built here."""
-    if not (param.device.type == "cpu" and grad.dtype == torch.float32 and group["rounding"] == "nearest" and _plain_adam(param, group, state)):
+    if not (
+        param.device.type == "cpu" and grad.dtype == torch.float32 and group["rounding"] == "nearest" and _plain_adam(param, group, state)
+    ):
         return False
     formats = (state["exp_avg"].format, state["exp_avg_sq"].format)
     return (
@@ -251,12 +252,15 @@ def native_plain_eligible(param: torch.Tensor, grad: torch.Tensor, group: dict, 
         param.device.type == "cpu"
         and grad.dtype == torch.float32
         and _plain_options(param, group)
-        and all(isinstance(m, torch.Tensor) and not isinstance(m, QuantizedTensor) and m.dtype == torch.float32 and m.is_contiguous() for m in moments)
+        and all(
+            isinstance(m, torch.Tensor) and not isinstance(m, QuantizedTensor) and m.dtype == torch.float32 and m.is_contiguous()
+            for m in moments
+        )
         and cpu_kernel.kernel() is not None
     )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _native_layout(m_format: CodebookFormat, v_format: CodebookFormat) -> tuple[list[torch.Tensor], list[int]]:
     """The kernel's per-parameter tables ``[m_decode, m_entries, m_planes, v_decode, v_entries, v_planes]`` (planes:
     ``(4, 256)`` uint8, byte ``j`` of every decode value in row ``j``, for the VBMI decoder) and integers
@@ -267,10 +271,20 @@ def _native_layout(m_format: CodebookFormat, v_format: CodebookFormat) -> tuple[
         for index in (m_index, v_index)
         for table in (index.decode, index.bucket_entries, index.decode.view(torch.uint8).view(256, 4).t().contiguous())
     ]
-    return tables, [m_format.block_size, m_index.key_base, m_index.key_shift, m_index.half, v_index.key_base, v_index.key_shift, v_index.half]
+    return tables, [
+        m_format.block_size,
+        m_index.key_base,
+        m_index.key_shift,
+        m_index.half,
+        v_index.key_base,
+        v_index.key_shift,
+        v_index.half,
+    ]
 
 
-def native_adam_steps(params: list[torch.Tensor], grads: list[torch.Tensor], states: list[dict], group: dict, track_stalls: bool) -> list[list[int]]:
+def native_adam_steps(
+    params: list[torch.Tensor], grads: list[torch.Tensor], states: list[dict], group: dict, track_stalls: bool
+) -> list[list[int]]:
     """The Adam step of every parameter of ``group`` given (each ``native_eligible``, or ``native_plain_eligible``: fp32
     moments) in one C++ call (``cpu_kernel``), in place.
 
@@ -301,7 +315,7 @@ def native_adam_steps(params: list[torch.Tensor], grads: list[torch.Tensor], sta
     if not all(row[1] for row in rows if row[0]):
         raise FloatingPointError("an Adam moment overflowed to inf/NaN during the step; its packed codes were not trusted")
     by_param = [None] * len(states)
-    for k, row in zip(order, rows):
+    for k, row in zip(order, rows, strict=False):
         by_param[k] = row
     return by_param
 
@@ -382,7 +396,8 @@ def _compiled_cpu_step(
 ) -> torch.Tensor:
     """Compiled Adam step on the whole blocks of ``param``, eager on the partial last block; returns stall counts."""
     flat_param, flat_grad = param.view(-1), grad.reshape(-1)
-    block = max(fused_layout(m) or CAST_ROW, fused_layout(v) or CAST_ROW)
+    # Elements per block the fused path splits at: the format's block, CAST_ROW for cast formats (no blocks).
+    block = max(state.format.block_size if isinstance(state.format, BlockFormat) else CAST_ROW for state in (m, v))
     whole = flat_param.numel() // block * block
     (m_head, m_tail), (v_head, v_tail) = _split(m, whole, block), _split(v, whole, block)
     options = (m.format, v.format, group["rounding"], group["decoupled_weight_decay"], group["maximize"], track_stalls)

@@ -33,6 +33,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.optim._muon import muon
 from torch.optim.adam import adam
 from torch.optim.optimizer import _get_scalar_dtype
 from torch.optim.sgd import sgd
@@ -42,8 +43,6 @@ from ..kernels.bounds import moment_bound
 from .base import NonFiniteGradPolicy, QuantizedStates, local_tensor
 from .fused import can_fuse, fused_adam_step, hold_moment, native_adam_steps, native_eligible, native_plain_eligible
 from .policy import StatesSpec
-
-from torch.optim._muon import muon
 
 
 class _AdamStates(QuantizedStates):
@@ -72,7 +71,9 @@ class _AdamStates(QuantizedStates):
             if native:
                 joining, rest = [], []
                 for key in plain:
-                    (joining if native_plain_eligible(local_tensor(key), local_tensor(key.grad), group, self.state[key]) else rest).append(key)
+                    (joining if native_plain_eligible(local_tensor(key), local_tensor(key.grad), group, self.state[key]) else rest).append(
+                        key
+                    )
                 self._native_steps(group, native + joining)
                 plain = rest
             if plain:
@@ -84,10 +85,10 @@ class _AdamStates(QuantizedStates):
         and the exact check only where it is not finite (finite values can overflow it)."""
         grads = [local_tensor(key.grad) for key in keys]
         norms_finite = torch.isfinite(torch.stack([norm.float() for norm in torch._foreach_norm(grads, 1)])).tolist()
-        finite = [ok or bool(torch.isfinite(grad).all()) for ok, grad in zip(norms_finite, grads)]
-        for key in (key for key, ok in zip(keys, finite) if not ok):
+        finite = [ok or bool(torch.isfinite(grad).all()) for ok, grad in zip(norms_finite, grads, strict=False)]
+        for key in (key for key, ok in zip(keys, finite, strict=False) if not ok):
             self._skip_nonfinite_grad(key)
-        kept = [(key, grad) for key, grad, ok in zip(keys, grads, finite) if ok]
+        kept = [(key, grad) for key, grad, ok in zip(keys, grads, finite, strict=False) if ok]
         if kept:
             states = [self.state[key] for key, _ in kept]
             # torch's multi-tensor Adam takes neither autograd nor a tensor lr (unless capturable)
@@ -98,7 +99,7 @@ class _AdamStates(QuantizedStates):
     def _native_steps(self, group: dict, keys: list[torch.Tensor]) -> None:
         states = [self.state[key] for key in keys]
         params, grads = [local_tensor(key) for key in keys], [local_tensor(key.grad) for key in keys]
-        for key, state, row in zip(keys, states, native_adam_steps(params, grads, states, group, self.track_stalls)):
+        for key, state, row in zip(keys, states, native_adam_steps(params, grads, states, group, self.track_stalls), strict=False):
             if not row[0]:
                 self._skip_nonfinite_grad(key)
             elif self.track_stalls and isinstance(state["exp_avg"], QuantizedTensor):
@@ -314,7 +315,9 @@ class QMuon(QuantizedStates, torch.optim.Muon):
         self._setup_quantized_states(states, rounding, block_size, min_quant_size, track_stalls, nonfinite, generator)
 
     def _init_state(self, group: dict, key: torch.Tensor, param: torch.Tensor, state: dict) -> None:
-        state["momentum_buffer"] = self._initial(group, key, "momentum_buffer", torch.zeros_like(param, memory_format=torch.preserve_format))
+        state["momentum_buffer"] = self._initial(
+            group, key, "momentum_buffer", torch.zeros_like(param, memory_format=torch.preserve_format)
+        )
 
     def _update(self, group: dict, param: torch.Tensor, grad: torch.Tensor, states: dict[str, torch.Tensor], state: dict) -> None:
         muon(

@@ -10,7 +10,8 @@ from torch.distributed.tensor import DTensor, Shard
 
 from ..formats import ROUNDINGS, BlockFormat, StorageFormat, check_block_size, get_format
 
-StatesSpec = Union[str, Mapping[str, str]]
+# typing.Union, not `|`: the optimizers' signatures (read by the CLI's jsonargparse) keep the object they always had.
+StatesSpec = Union[str, Mapping[str, str]]  # noqa: UP007
 
 # States that are never negative get unsigned maps (no codes spent on the sign).
 NONNEGATIVE_STATES = frozenset({"exp_avg_sq", "max_exp_avg_sq", "exp_avg_sq_row", "exp_avg_sq_col", "sum", "square_avg", "acc_delta"})
@@ -67,11 +68,6 @@ def format_name_for(group: Mapping[str, Any], state_name: str) -> str:
     return states.get(state_name, "fp32") if isinstance(states, Mapping) else states
 
 
-def global_numel(param: torch.Tensor) -> int:
-    """Number of elements of the full parameter, also for a DTensor shard (decisions never depend on the local shard)."""
-    return param.numel()
-
-
 def resolve_format(group: Mapping[str, Any], state_name: str, param: torch.Tensor, numel: int | None = None) -> StorageFormat | None:
     """The format a state of ``param`` is stored in, or ``None`` for plain fp32 storage.
 
@@ -87,7 +83,8 @@ def resolve_format(group: Mapping[str, Any], state_name: str, param: torch.Tenso
     ``MIN_ALIGNED_BLOCK`` keeps fp32 states. All of this depends on the full shape only.
     """
     name = format_name_for(group, state_name)
-    if name == "fp32" or (global_numel(param) if numel is None else numel) < group["min_quant_size"]:
+    # A DTensor's numel() is the full parameter's: decisions never depend on the local shard.
+    if name == "fp32" or (param.numel() if numel is None else numel) < group["min_quant_size"]:
         return None
     signed = state_name not in NONNEGATIVE_STATES
     fmt = get_format(name, block_size=group["block_size"], signed=signed)

@@ -82,7 +82,10 @@ def import_state(entry: dict, param: torch.Tensor, where: str) -> QuantizedTenso
     codes, scales = entry["codes"], entry["scales"]
     stored = codes.nbytes + (0 if scales is None else scales.nbytes)
     if stored != fmt.nbytes(shape.numel()):
-        raise ValueError(f"{where}: checkpoint state holds {stored} bytes but format {fmt.name!r} needs {fmt.nbytes(shape.numel())} for shape {tuple(shape)}")
+        raise ValueError(
+            f"{where}: checkpoint state holds {stored} bytes but format {fmt.name!r} needs {fmt.nbytes(shape.numel())} "
+            f"for shape {tuple(shape)}"
+        )
     if version >= 3 and ("checksum" not in entry or checksum(codes, scales) != int(entry["checksum"])):
         raise ValueError(f"{where}: the checkpoint is damaged: its codes and scales do not match their checksum")
     if scales is not None and getattr(fmt, "nonfinite", "raise") == "raise" and not bool(torch.isfinite(scales).all()):
@@ -163,7 +166,9 @@ def format_from_marker(marker: str) -> StorageFormat:
 def versioned_format(version: int, config: dict, where: str) -> StorageFormat:
     """The format of a state saved at checkpoint ``version`` with ``get_format`` arguments ``config``."""
     if version > STATE_FORMAT_VERSION:
-        raise ValueError(f"{where}: checkpoint state version {version} is newer than this lightning_qstate ({STATE_FORMAT_VERSION}); upgrade to load it")
+        raise ValueError(
+            f"{where}: checkpoint state version {version} is newer than this lightning_qstate ({STATE_FORMAT_VERSION}); upgrade to load it"
+        )
     if version < 2:  # version 1 stored every block scale in fp32
         config = {**config, "scale_dtype": "fp32"}
     return get_format(**config)

@@ -28,7 +28,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel
 
 from ..formats import BlockFormat, QuantizedTensor, StorageFormat, get_format
 from .base import NonFiniteGradPolicy, QuantizedStates, StateValue, dequantized, like_param, local_tensor
-from .optimizers import QAdam, QAdamW, QMuon, QSGD
+from .optimizers import QSGD, QAdam, QAdamW, QMuon
 from .policy import StatesSpec, validate_policy
 
 
@@ -129,11 +129,15 @@ class QuantizedOptimizerWrapper(QuantizedStates, torch.optim.Optimizer):
                         self.state[param][name] = self._store(group, param, name, value, None)
 
     def _format_for(self, group: dict, key: torch.Tensor, name: str, value: torch.Tensor, old: StateValue | None) -> StorageFormat | None:
-        if old is None and (not isinstance(value, torch.Tensor) or not value.is_floating_point() or local_tensor(value).shape != local_tensor(key).shape):
+        if old is None and (
+            not isinstance(value, torch.Tensor) or not value.is_floating_point() or local_tensor(value).shape != local_tensor(key).shape
+        ):
             return None
         fmt = super()._format_for(group, key, name, value, old)
         if isinstance(fmt, BlockFormat) and not fmt.signed and bool((value < 0).any()):
-            warnings.warn(f"state {name!r} holds negative values; storing it with the signed {fmt.name!r} map", RuntimeWarning, stacklevel=2)
+            warnings.warn(
+                f"state {name!r} holds negative values; storing it with the signed {fmt.name!r} map", RuntimeWarning, stacklevel=2
+            )
             fmt = get_format(fmt.config["name"], block_size=fmt.config["block_size"], signed=True)
         return fmt
 
@@ -231,7 +235,15 @@ def quantize_optimizer(
         raise TypeError(f"{type(optimizer).__name__} already has quantized states; pass the original torch optimizer")
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"quantize_optimizer needs a torch.optim.Optimizer, got {type(optimizer).__name__}")
-    options = dict(states=states, rounding=rounding, block_size=block_size, min_quant_size=min_quant_size, track_stalls=track_stalls, nonfinite=nonfinite, generator=generator)
+    options = dict(
+        states=states,
+        rounding=rounding,
+        block_size=block_size,
+        min_quant_size=min_quant_size,
+        track_stalls=track_stalls,
+        nonfinite=nonfinite,
+        generator=generator,
+    )
     quantized_class = QUANTIZED_EQUIVALENTS.get(type(optimizer))
     if quantized_class is None:
         return QuantizedOptimizerWrapper(optimizer, **options)
@@ -401,7 +413,7 @@ def fsdp_full_numels(module: torch.nn.Module) -> dict[torch.Tensor, int]:
         if flat is None:
             continue
         numels[flat] = flat._unpadded_unsharded_size.numel()
-        for param, numel in zip(flat._params or [], flat._numels):
+        for param, numel in zip(flat._params or [], flat._numels, strict=False):
             numels[param] = numel
     return numels
 

@@ -66,7 +66,12 @@ class _PrecisionDispatch:
 
     def __new__(cls, precision: PrecisionName = "32-true", *args: Any, **kwargs: Any):
         if cls is QStatePrecision and precision != "32-true":
-            variants = {"16-mixed": QStateMixedPrecision, "bf16-mixed": QStateMixedPrecision, "16-true": QStateHalfPrecision, "bf16-true": QStateHalfPrecision}
+            variants = {
+                "16-mixed": QStateMixedPrecision,
+                "bf16-mixed": QStateMixedPrecision,
+                "16-true": QStateHalfPrecision,
+                "bf16-true": QStateHalfPrecision,
+            }
             if precision not in variants:
                 raise ValueError(f"QStatePrecision: precision={precision!r} is not supported; use one of {['32-true', *variants]}")
             cls = variants[precision]
@@ -89,7 +94,15 @@ class QStatePrecision(QStatePolicyMixin, _PrecisionDispatch, Precision):
         nonfinite: NonFiniteGradPolicy = "skip",
     ) -> None:
         Precision.__init__(self)
-        self._set_policy(states=states, rounding=rounding, block_size=block_size, min_quant_size=min_quant_size, overrides=dict(overrides or {}), track_stalls=track_stalls, nonfinite=nonfinite)
+        self._set_policy(
+            states=states,
+            rounding=rounding,
+            block_size=block_size,
+            min_quant_size=min_quant_size,
+            overrides=dict(overrides or {}),
+            track_stalls=track_stalls,
+            nonfinite=nonfinite,
+        )
 
 
 class QStateMixedPrecision(QStatePrecision, MixedPrecision):
@@ -110,7 +123,15 @@ class QStateMixedPrecision(QStatePrecision, MixedPrecision):
         nonfinite: NonFiniteGradPolicy = "skip",
     ) -> None:
         MixedPrecision.__init__(self, precision, device or ("cuda" if torch.cuda.is_available() else "cpu"), scaler)
-        self._set_policy(states=states, rounding=rounding, block_size=block_size, min_quant_size=min_quant_size, overrides=dict(overrides or {}), track_stalls=track_stalls, nonfinite=nonfinite)
+        self._set_policy(
+            states=states,
+            rounding=rounding,
+            block_size=block_size,
+            min_quant_size=min_quant_size,
+            overrides=dict(overrides or {}),
+            track_stalls=track_stalls,
+            nonfinite=nonfinite,
+        )
 
 
 class QStateHalfPrecision(QStatePrecision, HalfPrecision):
@@ -129,7 +150,15 @@ class QStateHalfPrecision(QStatePrecision, HalfPrecision):
         nonfinite: NonFiniteGradPolicy = "skip",
     ) -> None:
         HalfPrecision.__init__(self, precision)
-        self._set_policy(states=states, rounding=rounding, block_size=block_size, min_quant_size=min_quant_size, overrides=dict(overrides or {}), track_stalls=track_stalls, nonfinite=nonfinite)
+        self._set_policy(
+            states=states,
+            rounding=rounding,
+            block_size=block_size,
+            min_quant_size=min_quant_size,
+            overrides=dict(overrides or {}),
+            track_stalls=track_stalls,
+            nonfinite=nonfinite,
+        )
 
 
 class QStateFSDPPrecision(QStatePolicyMixin, FSDPPrecision):
@@ -152,5 +181,12 @@ class QStateFSDPPrecision(QStatePolicyMixin, FSDPPrecision):
         nonfinite: NonFiniteGradPolicy = "skip",
     ) -> None:
         FSDPPrecision.__init__(self, precision, scaler)
-        self._set_policy(states=states, rounding=rounding, block_size=block_size, min_quant_size=min_quant_size, overrides=dict(overrides or {}), track_stalls=track_stalls, nonfinite=nonfinite)
-
+        self._set_policy(
+            states=states,
+            rounding=rounding,
+            block_size=block_size,
+            min_quant_size=min_quant_size,
+            overrides=dict(overrides or {}),
+            track_stalls=track_stalls,
+            nonfinite=nonfinite,
+        )

@@ -54,7 +54,9 @@ def gradient_statistics(abs_sum: float, square_sum: float, count: float) -> tupl
 REFERENCES: tuple[str, ...] = ("layers", "model")
 
 
-def model_statistics(abs_sums: Sequence[float], square_sums: Sequence[float], counts: Sequence[float], reference: str = "layers") -> tuple[float, float]:
+def model_statistics(
+    abs_sums: Sequence[float], square_sums: Sequence[float], counts: Sequence[float], reference: str = "layers"
+) -> tuple[float, float]:
     """The whole model's ``(N, R)`` that layers are compared with, from per-layer sums (as in :func:`gradient_statistics`).
 
     ``reference="layers"``: the means of the layers' ``N`` and ``R`` weighted by their sizes (the typical value
@@ -68,8 +70,10 @@ def model_statistics(abs_sums: Sequence[float], square_sums: Sequence[float], co
     total = sum(counts)
     if total <= 0:
         return 0.0, 0.0
-    layer_stats = [gradient_statistics(a, s, n) for a, s, n in zip(abs_sums, square_sums, counts)]
-    return sum(n * rms for n, (rms, _) in zip(counts, layer_stats)) / total, sum(n * r for n, (_, r) in zip(counts, layer_stats)) / total
+    layer_stats = [gradient_statistics(a, s, n) for a, s, n in zip(abs_sums, square_sums, counts, strict=False)]
+    mean_rms = sum(n * rms for n, (rms, _) in zip(counts, layer_stats, strict=False)) / total
+    mean_r = sum(n * r for n, (_, r) in zip(counts, layer_stats, strict=False)) / total
+    return mean_rms, mean_r
 
 
 def ema(previous: float | None, value: float, decay: float) -> float:
@@ -177,10 +181,12 @@ def zone_ladder(zone: str | None, formats: Mapping[str, Mapping[str, str]], nbyt
     """
     start = ZONES.index(zone) if zone is not None else 0
     options = [tuple(per_zone[z] for per_zone in formats.values()) for z in ZONES[start:]]
-    options.append(tuple(min(dict.fromkeys(per_zone.values()), key=lambda name, s=state: nbytes(s, name)) for state, per_zone in formats.items()))
+    options.append(
+        tuple(min(dict.fromkeys(per_zone.values()), key=lambda name, s=state: nbytes(s, name)) for state, per_zone in formats.items())
+    )
     ladder: list[tuple[Choice, int]] = []
     for choice in options:
-        cost = sum(nbytes(state, name) for state, name in zip(formats, choice))
+        cost = sum(nbytes(state, name) for state, name in zip(formats, choice, strict=False))
         if not ladder or cost < ladder[-1][1]:
             ladder.append((choice, cost))
     return ladder
@@ -197,7 +203,7 @@ def budget_ladder(
     above: list[tuple[Choice, int]] = []
     for z in reversed(ZONES[: ZONES.index(zone) if zone is not None else 0]):
         choice = tuple(per_zone[z] for per_zone in formats.values())
-        cost = sum(nbytes(state, name) for state, name in zip(formats, choice))
+        cost = sum(nbytes(state, name) for state, name in zip(formats, choice, strict=False))
         if cost > (above[-1][1] if above else below[0][1]):
             above.append((choice, cost))
     return above[::-1] + below, len(above)
@@ -250,7 +256,7 @@ def fit_budget(
         BudgetError: even every layer at its floor exceeds ``target_bits``.
     """
     chosen = [0] * len(ladders) if start is None else list(start)
-    total = fixed_bytes + sum(ladder[rung] for ladder, rung in zip(ladders, chosen))
+    total = fixed_bytes + sum(ladder[rung] for ladder, rung in zip(ladders, chosen, strict=False))
     if target_bits is None:
         return chosen
     cap = target_bits * values / 8

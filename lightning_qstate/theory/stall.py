@@ -56,12 +56,11 @@ from typing import Literal
 
 import torch
 
-from ..formats import BlockFormat, CastFormat, CodebookFormat, MinifloatFormat, QuantizedTensor, Rounding, StorageFormat, get_format
+from ..formats import ROUNDINGS, BlockFormat, CastFormat, MinifloatFormat, QuantizedTensor, Rounding, StorageFormat, get_format
 from ..optim import NONNEGATIVE_STATES
 
 Moment = Literal["first", "second"]
 MOMENTS: tuple[str, ...] = ("first", "second")
-_ROUNDINGS = ("nearest", "stochastic")
 _HALF_NORMAL_POINTS = 4001  # quadrature over |m| for the first moment
 _HALF_NORMAL_RANGE = 9.0  # in standard deviations
 _CAST_FRACTION_BITS = {torch.float32: 23, torch.bfloat16: 7, torch.float16: 10}
@@ -111,7 +110,9 @@ def fraction_bits(fmt: StorageFormat) -> int | None:
     return None
 
 
-def relative_gaps(fmt: StorageFormat, values: torch.Tensor | QuantizedTensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def relative_gaps(
+    fmt: StorageFormat, values: torch.Tensor | QuantizedTensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(weights, gap_up, gap_down)`` float64 vectors: relative code gaps and how often each occurs (weights sum to 1).
 
     Float formats without ``values``: one entry, ``ε·ln2`` on both sides. Codebooks (and floats given
@@ -183,7 +184,9 @@ def _normal_partial_mean(x: torch.Tensor) -> torch.Tensor:
     return -torch.exp(-x * x / 2) / math.sqrt(2 * math.pi)
 
 
-def _window_stall(center: torch.Tensor, width_up: torch.Tensor, width_down: torch.Tensor, rounding: Rounding, cdf, partial_mean) -> torch.Tensor:
+def _window_stall(
+    center: torch.Tensor, width_up: torch.Tensor, width_down: torch.Tensor, rounding: Rounding, cdf, partial_mean
+) -> torch.Tensor:
     """Stall probability when the noise ``X`` (CDF ``cdf``) must land near ``center``: RN stalls for ``X`` in
     ``(center - width_down, center + width_up)``; SR stalls with probability ``1 - |X - center| / (2·width)``
     (``width`` on the side ``X`` falls)."""
@@ -207,8 +210,8 @@ def _half_normal_grid(spread: float) -> tuple[torch.Tensor, torch.Tensor]:
 def _check(beta: float, rounding: str, age: int | None) -> None:
     if not 0.0 < beta < 1.0:
         raise ValueError(f"beta={beta!r} must lie in (0, 1)")
-    if rounding not in _ROUNDINGS:
-        raise ValueError(f"rounding={rounding!r} is not valid; use one of {_ROUNDINGS}")
+    if rounding not in ROUNDINGS:
+        raise ValueError(f"rounding={rounding!r} is not valid; use one of {ROUNDINGS}")
     if age is not None and (not isinstance(age, int) or age < 1):
         raise ValueError(f"age={age!r} must be None (steady state) or an int >= 1 (steps since the state was zeroed)")
 
