@@ -115,13 +115,12 @@ ADAM_CASES = [
 ]
 
 
+@pytest.mark.skipif(not torch_rounds_once(), reason="torch's CPU kernels round a * b + c twice here (ATen capability DEFAULT, no FMA)")
 @pytest.mark.parametrize("foreach", [False, True], ids=["single-tensor", "multi-tensor"])
 @pytest.mark.parametrize(("torch_class", "options"), ADAM_CASES)
 def test_adam_math_matches_torch(torch_class, options, foreach, monkeypatch):
     """``adam_math`` with ``adam_hyper`` gives torch's moments bit for bit, and its parameter with a correctly rounded
     ``sqrt``, step after step (1000 values: vector bodies and tails)."""
-    if not torch_rounds_once():
-        pytest.skip("torch's CPU kernels round a * b + c twice here (ATen capability DEFAULT, no FMA)")
     correctly_rounded_torch_sqrt(monkeypatch)
     generator = torch.Generator().manual_seed(0)
     reference = torch.nn.Parameter(torch.randn(1000, generator=generator))

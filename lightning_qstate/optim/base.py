@@ -95,6 +95,15 @@ def merge_stringified_keys(state: dict) -> dict:
     return merged
 
 
+def finite_grads(grads: list[torch.Tensor]) -> list[bool]:
+    """Whether each gradient holds only finite values: one L1 norm per gradient (defined for empty shards) and one host
+    sync for all, then the exact element check only where a norm is not finite (finite values can overflow it)."""
+    if not grads:
+        return []
+    norms_finite = torch.isfinite(torch.stack([norm.float() for norm in torch._foreach_norm(grads, 1)])).tolist()
+    return [ok or bool(torch.isfinite(grad).all()) for ok, grad in zip(norms_finite, grads, strict=True)]
+
+
 def _listing(names: list[str], shown: int = 8) -> str:
     """``"3 parameter(s): a, b, c"``, the first ``shown`` names."""
     more = f", ... ({len(names) - shown} more)" if len(names) > shown else ""
@@ -296,16 +305,11 @@ class QuantizedStates:
 
     @staticmethod
     def _finite_flags(params: list[torch.Tensor]) -> torch.Tensor:
-        """int32 ``(len(params),)``: 1 where the (local) gradient is finite or absent. One L1 norm per gradient, and the
-        exact element check only where a norm is not finite (finite values can overflow it)."""
-        with_grads = [(i, local_tensor(p.grad)) for i, p in enumerate(params) if p.grad is not None]
-        device = params[0].device if params else torch.device("cpu")
-        flags = torch.ones(len(params), dtype=torch.int32, device=local_tensor(params[0]).device if params else device)
-        if with_grads:
-            norms = torch._foreach_norm([grad for _, grad in with_grads], 1)
-            for (i, grad), norm in zip(with_grads, norms, strict=False):
-                if not bool(torch.isfinite(norm)) and not bool(torch.isfinite(grad).all()):
-                    flags[i] = 0
+        """int32 ``(len(params),)``: 1 where the (local) gradient is finite or absent (``finite_grads``)."""
+        indices = [i for i, p in enumerate(params) if p.grad is not None]
+        flags = torch.ones(len(params), dtype=torch.int32, device=local_tensor(params[0]).device if params else "cpu")
+        for i, ok in zip(indices, finite_grads([local_tensor(params[i].grad) for i in indices]), strict=True):
+            flags[i] = int(ok)
         return flags
 
     def _grad_is_finite(self, param: torch.Tensor, grad: torch.Tensor) -> bool:

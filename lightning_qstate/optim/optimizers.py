@@ -40,7 +40,7 @@ from torch.optim.sgd import sgd
 
 from ..formats import QuantizedTensor
 from ..kernels.bounds import moment_bound
-from .base import NonFiniteGradPolicy, QuantizedStates, local_tensor
+from .base import NonFiniteGradPolicy, QuantizedStates, finite_grads, local_tensor
 from .fused import can_fuse, fused_adam_step, hold_moment, native_adam_steps, native_eligible, native_plain_eligible
 from .policy import StatesSpec
 
@@ -84,8 +84,7 @@ class _AdamStates(QuantizedStates):
         per-parameter loop), after one batched gradient check: an L1 norm per gradient (defined for empty shards),
         and the exact check only where it is not finite (finite values can overflow it)."""
         grads = [local_tensor(key.grad) for key in keys]
-        norms_finite = torch.isfinite(torch.stack([norm.float() for norm in torch._foreach_norm(grads, 1)])).tolist()
-        finite = [ok or bool(torch.isfinite(grad).all()) for ok, grad in zip(norms_finite, grads, strict=False)]
+        finite = finite_grads(grads)
         for key in (key for key, ok in zip(keys, finite, strict=False) if not ok):
             self._skip_nonfinite_grad(key)
         kept = [(key, grad) for key, grad, ok in zip(keys, grads, finite, strict=False) if ok]
