@@ -1,8 +1,8 @@
 """The torch definition of the quantized Adam(W) step (``optim.fused``) against exact arithmetic and torch's AdamW.
 
-``fused.adam_math`` rounds every operation once, in the order of torch's CPU kernels (its rounding contract, in the
-module docstring of ``optim/fused.py``), so that the eager step, the compiled step and the Triton kernel agree bit
-for bit on any CPU. Checked here: ``fused.fma`` and ``fused.sqrt_rn`` round once (against rational arithmetic and
+``kernels.adam_reference.adam_math`` rounds every operation once, in the order of torch's CPU kernels (its rounding contract, in the
+module docstring of ``kernels/adam_reference.py``), so that the eager step, the compiled step and the Triton kernel agree bit
+for bit on any CPU. Checked here: ``fma`` and ``sqrt_rn`` round once (against rational arithmetic and
 IEEE ``sqrt``); ``adam_hyper`` rounds torch's float64 coefficients to fp32 once; ``adam_math``, the compiled step
 and the per-parameter path give torch's AdamW moments bit for bit, and its parameter bit for bit once torch's
 ``sqrt`` is correctly rounded (on the CPU it is MKL's, within 1 ulp, CPU-dependent: the one operation that differs).
@@ -19,10 +19,10 @@ import torch
 
 from lightning_qstate import QAdam, QAdamW
 from lightning_qstate.formats import get_format
-from lightning_qstate.kernels import TRITON_AVAILABLE
+from lightning_qstate.kernels import TRITON_AVAILABLE, adam_reference, dispatch
+from lightning_qstate.kernels.adam_reference import adam_hyper, adam_math, fma, sqrt_rn
 from lightning_qstate.kernels.bounds import moment_bound
-from lightning_qstate.optim import fused, optimizers
-from lightning_qstate.optim.fused import adam_hyper, adam_math, fma, sqrt_rn
+from lightning_qstate.optim import optimizers
 
 FP32 = get_format("fp32")
 
@@ -178,7 +178,7 @@ def test_compiled_step_matches_eager_and_torch(ours, theirs, options, monkeypatc
     """The compiled step (``fused_adam_step``: whole 256-value rows compiled, the last 77 values eager) with lossless
     quantized moments: the eager reference ``adam_step_quantized`` bit for bit on any CPU, and torch's moments bit for
     bit, its parameter with a correctly rounded ``sqrt`` too, where torch rounds ``a * b + c`` once."""
-    numel = fused.FUSED_MIN_NUMEL + 77
+    numel = dispatch.FUSED_MIN_NUMEL + 77
     generator = torch.Generator().manual_seed(2)
     weight = torch.nn.Parameter(torch.randn(numel, generator=generator))
     optimizer = ours([weight], **options)
@@ -189,7 +189,7 @@ def test_compiled_step_matches_eager_and_torch(ours, theirs, options, monkeypatc
     eager_param, eager_m, eager_v = weight.detach().clone(), torch.zeros(numel), torch.zeros(numel)
     exact_torch = torch_rounds_once()
     calls = []
-    monkeypatch.setattr(optimizers, "fused_adam_step", lambda *args: calls.append(1) or fused.fused_adam_step(*args))
+    monkeypatch.setattr(optimizers, "fused_adam_step", lambda *args: calls.append(1) or dispatch.fused_adam_step(*args))
     for step in range(1, 4):
         weight.grad = noisy_gradient(numel, generator)
         reference.grad = weight.grad.clone()
@@ -198,7 +198,7 @@ def test_compiled_step_matches_eager_and_torch(ours, theirs, options, monkeypatc
             optimizer.step()
         flags = ("nearest", group["decoupled_weight_decay"], group["maximize"], False)  # rounding, ..., track_stalls
         hyper = adam_hyper(group, float(step))
-        fused.adam_step_quantized(eager_param, weight.grad, eager_m, None, eager_v, None, hyper, FP32, FP32, *flags)
+        adam_reference.adam_step_quantized(eager_param, weight.grad, eager_m, None, eager_v, None, hyper, FP32, FP32, *flags)
         state = optimizer.state[weight]
         assert torch.equal(weight.detach(), eager_param), f"step {step}: compiled and eager parameters differ"
         assert torch.equal(state["exp_avg"].dequantize(), eager_m) and torch.equal(state["exp_avg_sq"].dequantize(), eager_v)
@@ -215,7 +215,7 @@ def test_compiled_step_matches_eager_and_torch(ours, theirs, options, monkeypatc
 def test_per_parameter_path_keeps_torch_exp_avg_sq():
     """The per-parameter path (decode, torch's AdamW on the decoded moments, store) with lossless quantized moments gives
     torch's ``exp_avg_sq`` bit for bit (``exp_avg`` first passes the clamp of ``_AdamStates._update``)."""
-    numel = fused.FUSED_MIN_NUMEL + 77
+    numel = dispatch.FUSED_MIN_NUMEL + 77
     generator = torch.Generator().manual_seed(3)
     weight = torch.nn.Parameter(torch.randn(numel, generator=generator))
     optimizer = QAdamW([weight], lr=1e-2, weight_decay=0.1)

@@ -5,18 +5,18 @@ test, ``test_interpreter_suite``, which re-runs it in a subprocess with ``TRITON
 (``TRITON_INTERPRET=1 python -m pytest tests/test_kernels_adam_interpret.py`` runs the cases
 directly).
 
-The reference is ``optim.fused.adam_step_quantized`` (decode -> ``adam_math`` -> requantize), whose
+The reference is ``kernels.adam_reference.adam_step_quantized`` (decode -> ``adam_math`` -> requantize), whose
 rounding contract the kernel shares: every operation rounded once, explicit FMAs where torch's CPU
 kernels fuse, a correctly rounded ``sqrt``. The interpreter computes ``sqrt_rn``, ``div_rn`` and the
 arithmetic with numpy's IEEE fp32 operations (correctly rounded on every CPU); its ``tl.fma`` rounds
-twice, so the ``exact_fma`` fixture makes it round once, with the reference's ``fused.fma``, as the
+twice, so the ``exact_fma`` fixture makes it round once, with the reference's ``adam_reference.fma``, as the
 GPU's ``fma.rn``. So the kernel must match the reference bit for bit, on any CPU.
 
 Checked: round-to-nearest over several steps (int8 signed m / unsigned v, int4, fp8_e4m3, mixed
 block sizes, partial last blocks, decoupled and L2 weight decay, maximize, both lerp branches, a
 bf16 gradient): parameter, codes, scales and stall counts equal to the reference's; stochastic
 rounding: the parameter and scales of the RN step, every code one of the two neighbours of the
-exact moment, no mean error, reproducible from a seed; the optimizer dispatch of ``optim/fused.py``
+exact moment, no mean error, reproducible from a seed; the optimizer dispatch of ``kernels/dispatch.py``
 for a Triton device.
 """
 
@@ -43,16 +43,15 @@ else:
     from lightning_qstate import QAdamW
     from lightning_qstate.formats import BlockFormat, QuantizedTensor, get_format
     from lightning_qstate.formats.packing import as_blocks, unpack
-    from lightning_qstate.kernels import adam_step_supported, triton_adam_step
-    from lightning_qstate.optim import fused
-    from lightning_qstate.optim.fused import adam_hyper, adam_step_quantized
+    from lightning_qstate.kernels import adam_reference, adam_step_supported, dispatch, triton_adam_step
+    from lightning_qstate.kernels.adam_reference import adam_hyper, adam_step_quantized
 
     @pytest.fixture(autouse=True)
     def exact_fma(monkeypatch):
-        """``tl.fma`` rounding once, as the GPU's ``fma.rn``: ``fused.fma`` (``tests/test_adam_reference.py`` checks it)."""
+        """``tl.fma`` rounding once, as the GPU's ``fma.rn``: ``adam_reference.fma`` (``tests/test_adam_reference.py`` checks it)."""
 
         def create_fma(self, x, y, z):
-            exact = fused.fma(*(torch.from_numpy(np.asarray(h.data, dtype=np.float32)) for h in (x, y, z)))
+            exact = adam_reference.fma(*(torch.from_numpy(np.asarray(h.data, dtype=np.float32)) for h in (x, y, z)))
             return interpreter.TensorHandle(exact.numpy(), z.dtype.scalar)
 
         monkeypatch.setattr(interpreter.InterpreterBuilder, "create_fma", create_fma)
@@ -174,7 +173,7 @@ else:
         """The fp32 moments of the step before quantization (the reference's math on decoded moments)."""
         exp_avg = m.format.dequantize_reference(m.codes, m.scales, m.numel)
         exp_avg_sq = v.format.dequantize_reference(v.codes, v.scales, v.numel)
-        fused.adam_math(param.clone(), grad, exp_avg, exp_avg_sq, hyper, decoupled, False)
+        adam_reference.adam_math(param.clone(), grad, exp_avg, exp_avg_sq, hyper, decoupled, False)
         return exp_avg, exp_avg_sq
 
     def check_stochastic(name: str, fmt: BlockFormat, stored: QuantizedTensor, exact: torch.Tensor) -> None:
@@ -242,15 +241,15 @@ else:
 
     def test_optimizer_steps_triton_devices_with_the_kernel(monkeypatch):
         """With "cpu" taken for a Triton device, QAdamW's step runs triton_adam_step and matches the reference."""
-        monkeypatch.setattr(fused, "TRITON_DEVICE_TYPES", ("cuda", "cpu"))
+        monkeypatch.setattr(dispatch, "TRITON_DEVICE_TYPES", ("cuda", "cpu"))
         calls = []
-        launcher = fused.triton_adam_step
+        launcher = dispatch.triton_adam_step
 
         def spy(*args, **kwargs):
             calls.append(args[0].shape)
             return launcher(*args, **kwargs)
 
-        monkeypatch.setattr(fused, "triton_adam_step", spy)
+        monkeypatch.setattr(dispatch, "triton_adam_step", spy)
         gen = torch.Generator().manual_seed(0)
         weight = torch.nn.Parameter(torch.randn(40, 130, generator=gen))  # 5200 values: a partial last block
         opt = QAdamW([weight], lr=1e-2, states={"exp_avg": "int8", "exp_avg_sq": "int4"}, track_stalls=True)
@@ -275,7 +274,7 @@ else:
         assert set(next(iter(stats.values()))) == {"exp_avg", "exp_avg_sq"}
 
     def test_cast_format_moments_fall_back_to_the_eager_step(monkeypatch):
-        monkeypatch.setattr(fused, "TRITON_DEVICE_TYPES", ("cuda", "cpu"))
+        monkeypatch.setattr(dispatch, "TRITON_DEVICE_TYPES", ("cuda", "cpu"))
         assert adam_step_supported(get_format("int8"), get_format("fp8_e5m2"))
         assert not adam_step_supported(get_format("bf16"), get_format("int8"))
         weight = torch.nn.Parameter(torch.randn(80, 80))
@@ -283,5 +282,5 @@ else:
         weight.grad = torch.randn(80, 80)
         opt.step()
         state = opt.state[weight]
-        assert not fused.can_fuse(weight, opt.param_groups[0], state)
+        assert opt.step_paths() == {"param0": "reference"}
         assert state["exp_avg"].format.name == "bf16" and float(state["step"]) == 1.0

@@ -345,10 +345,10 @@ def test_each_compiled_format_pair_has_its_own_dynamo_cache():
     """dynamo caches (and limits to 8 recompilations) per code object: one shared compiled function failed under
     ``fullgraph`` once a process had compiled 8 format pairs. Each options tuple gets its own copy, once."""
     from lightning_qstate.formats import get_format
-    from lightning_qstate.optim import fused
+    from lightning_qstate.kernels import adam_reference, compiled
 
     options = [(get_format(name), get_format(name, signed=False), "nearest", True, False, False) for name in ("int8", "int4", "fp8_e4m3")]
-    compiled = [fused.compiled_adam_step(option) for option in options]
-    codes = {id(function._torchdynamo_orig_callable.__code__) for function in compiled}
-    assert len(codes) == 3 and id(fused.adam_step_quantized.__code__) not in codes
-    assert fused.compiled_adam_step(options[0]) is compiled[0]
+    functions = [compiled.compiled_adam_step(option) for option in options]
+    codes = {id(function._torchdynamo_orig_callable.__code__) for function in functions}
+    assert len(codes) == 3 and id(adam_reference.adam_step_quantized.__code__) not in codes
+    assert compiled.compiled_adam_step(options[0]) is functions[0]

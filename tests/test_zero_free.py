@@ -19,8 +19,7 @@ from lightning_qstate.formats import BlockFormat, CastFormat, CodebookFormat, ge
 from lightning_qstate.formats.packing import as_blocks, pack, unpack
 from lightning_qstate.formats.rounding import encode_codebook
 from lightning_qstate.kernels.bounds import moment_bound
-from lightning_qstate.optim import fused
-from lightning_qstate.optim.fused import can_fuse, native_eligible
+from lightning_qstate.kernels.native import native_kernel_available
 
 NONNEGATIVE_FORMATS = ["int8", "int4", "int8_linear", "int4_linear", "fp8_e4m3", "fp8_e5m2", "e2m2", "e3m0", "e4m3", "bf16", "fp16"]
 ROUNDINGS = ["nearest", "stochastic"]
@@ -160,7 +159,7 @@ def test_issue_reproductions_follow_torch(states, small_grad, cpu_compile):
     expected, _, _ = two_steps(None, small_grad)
     got, opt, w = two_steps(states, small_grad, cpu_compile)
     if cpu_compile:
-        assert native_eligible(w, w.grad, opt.param_groups[0], opt.state[w]) or fused.cpu_kernel.kernel() is None
+        assert set(opt.step_paths().values()) == {"native"} or not native_kernel_available()
     assert expected < 0 and expected / 3 >= got >= expected * 3, f"w[1] = {got}, torch's AdamW {expected}"
 
 
@@ -229,11 +228,12 @@ def test_no_step_exceeds_a_few_learning_rates(path, states, rounding):
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message="torch.compile of the quantized Adam step failed")
         worst = largest_step(opt, w, grads)
-    group, state = opt.param_groups[0], opt.state[w]
+    state = opt.state[w]
+    taken = set(opt.step_paths().values())
     if path == "cpp":
-        assert native_eligible(w, w.grad, group, state) or fused.cpu_kernel.kernel() is None
-    elif path == "compiled":
-        assert can_fuse(w, group, state) and not native_eligible(w, w.grad, group, state)
+        assert taken == {"native"} or not native_kernel_available()
+    else:
+        assert taken == {path if path == "compiled" else "reference"}
     assert state["exp_avg_sq"].format.zero_free
     bound = adam_step_bound(len(grads)) * (1 + 2**-8) * (1 + 2**-20)  # the hold's margin, the param update's rounding
     assert torch_worst <= bound and worst <= bound, (

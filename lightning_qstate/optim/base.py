@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Literal
 
 import torch
@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from ..formats import QuantizedTensor, StorageFormat, count_stalls
+from ..kernels.dispatch import PER_PARAMETER_PATHS, Candidate, StepPath, plan_group
 from .policy import POLICY_DEFAULTS, StatesSpec, resolve_format, validate_policy
 from .serialization import (
     FORMAT_SUFFIX,
@@ -174,6 +175,10 @@ class QuantizedStates:
     """
 
     state_names: tuple[str, ...] = ()
+    # The paths this optimizer's parameters can take (``kernels.dispatch``), and whether CPU parameters may take the
+    # compiled ones (C++, ``torch.compile``); ``optimizer.cpu_compile = False`` sends them to the torch paths.
+    step_path_table = PER_PARAMETER_PATHS
+    cpu_compile = True
 
     def _setup_quantized_states(
         self,
@@ -370,9 +375,41 @@ class QuantizedStates:
         return torch.Generator(device=device).manual_seed(seed)
 
     def _step_params(self) -> None:
+        """Step every parameter that has a gradient: each param group's parameters are planned onto their paths
+        (``kernels.dispatch.plan_group`` over ``step_path_table``) and each path runs once per group (``_run_path``)."""
+        taken: dict[torch.Tensor, StepPath] = {}
         for group in self.param_groups:
-            for key in self._params_with_grads(group):
-                self._step_checked(group, key)
+            keys = self._params_with_grads(group)
+            candidates = []
+            for key in keys:
+                param, state = local_tensor(key), self.state[key]
+                if not state:
+                    self._init_state(group, key, param, state)
+                candidates.append(Candidate(param, local_tensor(key.grad), group, state, self.cpu_compile))
+            by_path: dict[StepPath, list[torch.Tensor]] = {}
+            for key, path in zip(keys, plan_group(self.step_path_table, candidates), strict=True):
+                by_path.setdefault(path, []).append(key)
+                taken[key] = path
+            for path, members in by_path.items():
+                self._run_path(path, group, members)
+            for key in keys:  # a parameter that got no state (SGD without momentum) gets no entry, as in torch
+                if not self.state[key]:
+                    del self.state[key]
+        self._taken_paths = taken
+
+    def _run_path(self, path: StepPath, group: dict, keys: list[torch.Tensor]) -> None:
+        """Step ``keys`` (of ``group``) on ``path``; this base runs ``reference`` (subclasses add their fast paths)."""
+        if path is not StepPath.REFERENCE:
+            raise NotImplementedError(f"{type(self).__name__} has no {path} path")
+        for key in keys:
+            self._step_checked(group, key, self._step_param)
+
+    def step_paths(self) -> dict[str, str]:
+        """``{parameter name: path}`` of the last step: ``"native"``, ``"triton"``, ``"compiled"``, ``"multi_tensor"``
+        or ``"reference"`` (``kernels.dispatch``); parameters without a gradient at that step are absent. Names are
+        as ``param_names()`` gives them."""
+        names = self.param_names()
+        return {names[key]: str(path) for key, path in self.__dict__.get("_taken_paths", {}).items()}
 
     def _params_with_grads(self, group: dict) -> list[torch.Tensor]:
         """The params of ``group`` that have a gradient (checked: dense)."""
@@ -381,20 +418,14 @@ class QuantizedStates:
             self._check_grad(key.grad)
         return keys
 
-    def _step_checked(self, group: dict, key: torch.Tensor) -> None:
-        """Step one parameter unless the non-finite-gradient policy skips it (a parameter that gets no state, such as
-        SGD's without momentum, gets no entry in ``state``, as in torch)."""
+    def _step_checked(self, group: dict, key: torch.Tensor, step: Callable[..., None]) -> None:
+        """``step(group, key, param, grad, state)`` of one parameter unless the non-finite-gradient policy skips it."""
         if self._grad_is_finite(key, key.grad):
-            state = self.state[key]
-            self._step_param(group, key, local_tensor(key), local_tensor(key.grad), state)
-            if not state:
-                del self.state[key]
+            step(group, key, local_tensor(key), local_tensor(key.grad), self.state[key])
 
     def _step_param(self, group: dict, key: torch.Tensor, param: torch.Tensor, grad: torch.Tensor, state: dict) -> None:
         """Step one parameter. ``key`` is the parameter as the optimizer holds it (a DTensor under FSDP2: all
         decisions use its full shape); ``param`` and ``grad`` are the local tensors the math runs on."""
-        if not state:
-            self._init_state(group, key, param, state)
         states = {name: dequantized(state[name]) for name in self.state_names if state.get(name) is not None}
         before = {name: value.clone() for name, value in states.items() if self.track_stalls and isinstance(state[name], QuantizedTensor)}
         self._update(group, param, grad, states, state)

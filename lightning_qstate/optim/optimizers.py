@@ -39,55 +39,45 @@ from torch.optim.optimizer import _get_scalar_dtype
 from torch.optim.sgd import sgd
 
 from ..formats import QuantizedTensor
+from ..kernels.adam_reference import hold_moment
 from ..kernels.bounds import moment_bound
+from ..kernels.dispatch import ADAM_PATHS, StepPath, fused_adam_step
+from ..kernels.native import native_adam_steps
 from .base import NonFiniteGradPolicy, QuantizedStates, finite_grads, local_tensor
-from .fused import can_fuse, fused_adam_step, hold_moment, native_adam_steps, native_eligible, native_plain_eligible
 from .policy import StatesSpec
 
 
 class _AdamStates(QuantizedStates):
-    """Adam-family state handling shared by QAdam and QAdamW (the same functional ``adam``)."""
+    """Adam-family state handling shared by QAdam and QAdamW (the same functional ``adam``).
+
+    Each parameter takes a path of ``kernels.dispatch.ADAM_PATHS``; each path steps its parameters of a param group
+    in one go (``native``: one C++ call, gradient checks included; ``multi_tensor``: one torch call after one
+    batched gradient check) or one by one (``triton``, ``compiled``, ``reference``).
+    """
 
     state_names = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
-    cpu_compile = True
+    step_path_table = ADAM_PATHS
 
-    def _step_params(self) -> None:
-        """Batches per group: CPU params with int8-family moments in one C++ call (``fused.native_adam_steps``, gradient
-        checks included), params whose states are all plain tensors in one multi-tensor torch call; the rest one by one.
-        Where a group has params of the first kind, its fp32-state CPU params join their C++ call (one call for the
-        small params that ``min_quant_size`` keeps fp32, not a dozen torch ops; within a few ulps per step of torch's)."""
-        for group in self.param_groups:
-            native, plain = [], []
-            for key in self._params_with_grads(group):
-                param, grad, state = local_tensor(key), local_tensor(key.grad), self.state[key]
-                if not state:
-                    self._init_state(group, key, param, state)
-                if self.cpu_compile and native_eligible(param, grad, group, state):
-                    native.append(key)
-                elif not any(isinstance(value, QuantizedTensor) for value in state.values()):
-                    plain.append(key)
-                else:
-                    self._step_checked(group, key)
-            if native:
-                joining, rest = [], []
-                for key in plain:
-                    (joining if native_plain_eligible(local_tensor(key), local_tensor(key.grad), group, self.state[key]) else rest).append(
-                        key
-                    )
-                self._native_steps(group, native + joining)
-                plain = rest
-            if plain:
-                self._plain_steps(group, plain)
+    def _run_path(self, path: StepPath, group: dict, keys: list[torch.Tensor]) -> None:
+        if path is StepPath.NATIVE:
+            self._native_steps(group, keys)
+        elif path is StepPath.MULTI_TENSOR:
+            self._multi_tensor_steps(group, keys)
+        elif path in (StepPath.TRITON, StepPath.COMPILED):
+            for key in keys:
+                self._step_checked(group, key, self._fused_step)
+        else:
+            super()._run_path(path, group, keys)
 
-    def _plain_steps(self, group: dict, keys: list[torch.Tensor]) -> None:
+    def _multi_tensor_steps(self, group: dict, keys: list[torch.Tensor]) -> None:
         """torch's multi-tensor Adam(W) for params whose states are plain tensors (on the CPU bit-identical to its
         per-parameter loop), after one batched gradient check: an L1 norm per gradient (defined for empty shards),
         and the exact check only where it is not finite (finite values can overflow it)."""
         grads = [local_tensor(key.grad) for key in keys]
         finite = finite_grads(grads)
-        for key in (key for key, ok in zip(keys, finite, strict=False) if not ok):
+        for key in (key for key, ok in zip(keys, finite, strict=True) if not ok):
             self._skip_nonfinite_grad(key)
-        kept = [(key, grad) for key, grad, ok in zip(keys, grads, finite, strict=False) if ok]
+        kept = [(key, grad) for key, grad, ok in zip(keys, grads, finite, strict=True) if ok]
         if kept:
             states = [self.state[key] for key, _ in kept]
             # torch's multi-tensor Adam takes neither autograd nor a tensor lr (unless capturable)
@@ -98,29 +88,25 @@ class _AdamStates(QuantizedStates):
     def _native_steps(self, group: dict, keys: list[torch.Tensor]) -> None:
         states = [self.state[key] for key in keys]
         params, grads = [local_tensor(key) for key in keys], [local_tensor(key.grad) for key in keys]
-        for key, state, row in zip(keys, states, native_adam_steps(params, grads, states, group, self.track_stalls), strict=False):
+        for key, state, row in zip(keys, states, native_adam_steps(params, grads, states, group, self.track_stalls), strict=True):
             if not row[0]:
                 self._skip_nonfinite_grad(key)
             elif self.track_stalls and isinstance(state["exp_avg"], QuantizedTensor):
                 self._add_stall_counts(key, "exp_avg", torch.tensor(row[2:4]))
                 self._add_stall_counts(key, "exp_avg_sq", torch.tensor(row[4:6]))
 
-    def _step_param(self, group: dict, key: torch.Tensor, param: torch.Tensor, grad: torch.Tensor, state: dict) -> None:
-        """Large fp32 CPU parameters take the compiled one-pass step (see ``optim/fused.py``); others torch's math."""
-        if not state:
-            self._init_state(group, key, param, state)
-        if (self.cpu_compile or param.device.type != "cpu") and can_fuse(param, group, state):
-            generator = self.rounding_generator(key, "moments", param.device) if group["rounding"] == "stochastic" else None
-            # the compiled CPU step draws from torch's global generator: seed it from this step's stream, then restore it
-            with torch.random.fork_rng(devices=[], enabled=generator is not None and param.device.type == "cpu"):
-                if generator is not None and param.device.type == "cpu":
-                    torch.manual_seed(int(torch.randint(2**62, (1,), generator=generator)))
-                counts = fused_adam_step(param, grad, state, group, self.track_stalls, generator)
-            if self.track_stalls:
-                self._add_stall_counts(key, "exp_avg", counts[:2])
-                self._add_stall_counts(key, "exp_avg_sq", counts[2:])
-            return
-        super()._step_param(group, key, param, grad, state)
+    def _fused_step(self, group: dict, key: torch.Tensor, param: torch.Tensor, grad: torch.Tensor, state: dict) -> None:
+        """The ``triton`` or ``compiled`` path of one parameter (``kernels.dispatch.fused_adam_step``)."""
+        generator = self.rounding_generator(key, "moments", param.device) if group["rounding"] == "stochastic" else None
+        # the compiled CPU step draws from torch's global generator: seed it from this step's stream, then restore it
+        on_cpu = generator is not None and param.device.type == "cpu"
+        with torch.random.fork_rng(devices=[], enabled=on_cpu):
+            if on_cpu:
+                torch.manual_seed(int(torch.randint(2**62, (1,), generator=generator)))
+            counts = fused_adam_step(param, grad, state, group, self.track_stalls, generator)
+        if self.track_stalls:
+            self._add_stall_counts(key, "exp_avg", counts[:2])
+            self._add_stall_counts(key, "exp_avg_sq", counts[2:])
 
     def _init_state(self, group: dict, key: torch.Tensor, param: torch.Tensor, state: dict) -> None:
         on_device = group["capturable"] or group["fused"]

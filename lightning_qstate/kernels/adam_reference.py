@@ -1,0 +1,177 @@
+"""The Adam(W) step as plain torch: the reference every fast path (C++, Triton, compiled) matches bit for bit.
+
+``adam_math`` is torch's single-tensor Adam(W) update on flat fp32 tensors; ``adam_step_quantized`` wraps it in
+decode -> update -> requantize with the formats' torch references; ``adam_hyper`` makes the 0-d coefficients they take.
+
+Rounding contract: ``adam_math`` rounds every operation once (IEEE fp32, round to nearest even), in the order of
+torch's vectorized CPU kernels: ``fma`` where they fuse (``add(alpha=)``, ``lerp_``, ``addcmul_``), a correctly
+rounded square root (``sqrt_rn``), true divisions. None of these depends on the CPU, on ATen's CPU capability or on
+inductor (whose ``ops.fma`` the compiled step uses), so the eager step, the compiled step (``kernels/compiled.py``),
+the Triton kernel (``tl.fma``, ``sqrt_rn``, ``div_rn``; ``kernels/triton_adam.py``) and the C++ kernel's codes
+(``kernels/native.py``) agree bit for bit. torch's eager CPU ``sqrt`` does not round once: it is MKL's ``v?Sqrt`` (a
+reciprocal-square-root estimate and Newton steps, within 1 ulp), whose code path and results depend on the CPU.
+The derivations are in ``docs/algorithms.md`` (bit-exact reference; Adam's moment bound).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..formats import QuantizedTensor, Rounding, StorageFormat, count_stalls
+from .bounds import moment_bound
+
+
+@torch.library.custom_op("lightning_qstate::fma", mutates_args=())
+def fma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """``a * b + c`` of fp32 tensors (broadcast) rounded once to fp32, as a hardware FMA, on any CPU.
+
+    Eager: the product is exact in float64 (24 + 24 bits); the sum is rounded to odd in float64 (rounded to nearest,
+    its exact error from TwoSum, then toward zero and the last bit set if inexact); rounding that to fp32 rounds the
+    exact ``a * b + c``, since 53 >= 24 + 2 (Boldo & Melquiond, IEEE Trans. Comput. 57(4), 2008). Compiled: inductor's
+    ``ops.fma`` (``std::fma``, ``at::vec::fmadd``), once ``compiled_adam_step`` has registered the lowering.
+    """
+    product, addend = a.double() * b.double(), c.double()
+    total = product + addend
+    virtual = total - product
+    error = (product - (total - virtual)) + (addend - virtual)
+    inexact = (error != 0) & error.isfinite()  # inf/NaN operands: nothing to adjust
+    rounded_up = inexact & ((error < 0) == (total > 0))  # |total| > |exact|
+    return ((total.view(torch.int64) - rounded_up.long()) | inexact.long()).view(torch.float64).float()
+
+
+@fma.register_fake
+def _(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    return c.new_empty(torch.broadcast_shapes(a.shape, b.shape, c.shape), dtype=torch.float32)
+
+
+def _lower_fma() -> None:
+    """Compile ``fma`` to inductor's ``ops.fma`` (fused into the loop nest) rather than calling its eager implementation
+    from the compiled code (same result, a few times slower). ``register_pointwise`` is inductor-internal: without it,
+    the call stays."""
+    try:
+        from torch._inductor.lowering import register_pointwise
+    except ImportError:
+        return
+    register_pointwise(torch.ops.lightning_qstate.fma.default, name="fma")
+
+
+def sqrt_rn(x: torch.Tensor) -> torch.Tensor:
+    """The square root of fp32 ``x`` rounded once to fp32 (torch's CPU ``sqrt`` is not: module docstring).
+
+    Scaled by a power of 4 to ``x`` in ``[1, 4)`` (``sqrt(x)`` in ``[1, 2)``, float64 ulp ``2**-52``): ``x * 2**48``
+    is an even integer and a rounding boundary ``m = (2k + 1) 2**-24`` has ``(2k + 1)**2`` odd, so
+    ``|sqrt(x) - m| = |x - m**2| / (sqrt(x) + m) >= 2**-48 / 4 = 2**-50``: 4 float64 ulps. The float64 root is
+    within 1 ulp (MKL's HA mode; correctly rounded elsewhere), so on the same side of every boundary: it rounds to
+    the fp32 value the exact root rounds to.
+    """
+    return torch.sqrt(x.double()).float()
+
+
+def hold_moment(exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, bound: torch.Tensor) -> torch.Tensor:
+    """The decoded ``exp_avg`` held to ``|m| <= bound * sqrt(v)`` (``kernels.bounds.moment_bound``), which exact Adam
+    never exceeds: values inside are kept as they are (signed zeros too), so every path that compares the same way
+    (the C++ and Triton kernels) gets the same bits."""
+    limit = sqrt_rn(exp_avg_sq) * bound
+    return torch.where(exp_avg > limit, limit, torch.where(exp_avg < -limit, -limit, exp_avg)).to(exp_avg.dtype)
+
+
+def adam_hyper(group: dict, step: float) -> dict[str, torch.Tensor]:
+    """The 0-d fp32 tensors ``adam_math`` takes (names and meaning: ``kernels.triton_adam.COEFFICIENTS``), for
+    ``group``'s options at step ``step`` (1 for the first step).
+
+    Each is computed as torch's AdamW computes it (``1 - lr * weight_decay``, ``1 - beta1``, ``1 - beta2``,
+    ``lr / (1 - beta1**step)``, ``(1 - beta2**step) ** 0.5``: in Python floats, in float64, or in a tensor
+    hyperparameter's dtype) and rounded to fp32 once, where torch's kernels round it; ``moment_bound`` is
+    ``kernels.bounds.moment_bound`` after ``step - 1`` updates, which the decoded ``m`` is held to.
+    """
+    lr, weight_decay = group["lr"], group["weight_decay"]
+    beta1, beta2 = group["betas"]
+    values = {
+        "decay": 1 - lr * weight_decay,
+        "weight_decay": weight_decay,
+        "lerp_weight": 1 - beta1,
+        "beta2": beta2,
+        "square_weight": 1 - beta2,
+        "eps": group["eps"],
+        "step_size": lr / (1 - beta1**step),
+        "bias_correction2_sqrt": (1 - beta2**step) ** 0.5,
+        "moment_bound": moment_bound(float(beta1), float(beta2), step - 1),
+    }
+    return {name: torch.as_tensor(value, dtype=torch.float32) for name, value in values.items()}
+
+
+def adam_math(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    hyper: dict[str, torch.Tensor],
+    decoupled_weight_decay: bool,
+    maximize: bool,
+) -> torch.Tensor:
+    """torch's single-tensor Adam(W) update on flat fp32 tensors, every operation rounded once (module docstring);
+    returns the new ``param`` values and updates ``exp_avg`` and ``exp_avg_sq`` in place.
+
+    ``hyper``: the 0-d fp32 tensors of ``adam_hyper``. ``exp_avg`` and ``exp_avg_sq`` come out bit for bit as
+    torch's AdamW computes them on CPUs where its kernels fuse ``a * b + c`` (ATen capability AVX2 or AVX512), the
+    parameter too where its ``sqrt`` is correctly rounded.
+    """
+    if maximize:
+        grad = -grad
+    if decoupled_weight_decay:
+        param = param * hyper["decay"]
+    else:
+        grad = fma(param, hyper["weight_decay"], grad)  # grad.add(param, alpha=weight_decay)
+    stored = hold_moment(exp_avg, exp_avg_sq, hyper["moment_bound"])
+    weight = hyper["lerp_weight"]
+    small = weight.abs() < 0.5  # exp_avg.lerp_(grad, weight), from the nearer end
+    exp_avg.copy_(fma(torch.where(small, weight, weight - 1), grad - stored, torch.where(small, stored, grad)))
+    # exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    exp_avg_sq.copy_(fma(hyper["square_weight"] * grad, grad, exp_avg_sq * hyper["beta2"]))
+    denom = sqrt_rn(exp_avg_sq) / hyper["bias_correction2_sqrt"] + hyper["eps"]
+    return param - hyper["step_size"] * exp_avg / denom
+
+
+def adam_step_quantized(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    m_codes: torch.Tensor,
+    m_scales: torch.Tensor | None,
+    v_codes: torch.Tensor,
+    v_scales: torch.Tensor | None,
+    hyper: dict[str, torch.Tensor],
+    m_format: StorageFormat,
+    v_format: StorageFormat,
+    rounding: Rounding,
+    decoupled_weight_decay: bool,
+    maximize: bool,
+    track_stalls: bool,
+) -> torch.Tensor:
+    """Adam step of ``param`` (updated in place) whose moments are stored as codes/scales (updated in place).
+
+    Tensors may come as ``(blocks, block_size)`` views (the compiled path: a static block size, a dynamic
+    block count) or flat. Returns ``int64 [stalled_m, moved_m, stalled_v, moved_v]`` (zeros unless ``track_stalls``).
+    """
+    param, grad, m_codes, v_codes = param.view(-1), grad.reshape(-1), m_codes.view(-1), v_codes.view(-1)
+    numel = param.numel()
+    exp_avg = m_format.dequantize_reference(m_codes, m_scales, numel)
+    exp_avg_sq = v_format.dequantize_reference(v_codes, v_scales, numel)
+    old_m, old_v = (exp_avg.clone(), exp_avg_sq.clone()) if track_stalls else (exp_avg, exp_avg_sq)
+    param.copy_(adam_math(param, grad, exp_avg, exp_avg_sq, hyper, decoupled_weight_decay, maximize))
+    counts = []
+    for fmt, codes, scales, value, old in ((m_format, m_codes, m_scales, exp_avg, old_m), (v_format, v_codes, v_scales, exp_avg_sq, old_v)):
+        new_codes, new_scales = fmt.quantize_reference(value, rounding, None)
+        if track_stalls:
+            stored = fmt.dequantize_reference(new_codes, new_scales, numel)
+            units = (fmt.unit_values_reference(c, None, numel) for c in (codes, new_codes))
+            counts.append(count_stalls(old, value, stored, *units))
+        codes.copy_(new_codes)
+        if scales is not None:
+            scales.copy_(new_scales)
+    return torch.cat(counts) if track_stalls else torch.zeros(4, dtype=torch.int64)
+
+
+def quantized_moments(state: dict) -> bool:
+    """Whether ``state`` holds both Adam moments as fp32-valued ``QuantizedTensor``s."""
+    m, v = state.get("exp_avg"), state.get("exp_avg_sq")
+    return isinstance(m, QuantizedTensor) and isinstance(v, QuantizedTensor) and m.dtype == torch.float32

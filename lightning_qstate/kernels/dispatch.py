@@ -1,0 +1,215 @@
+"""Which path steps each parameter: one table of capabilities, one function that reads it.
+
+The paths, fastest first:
+
+============  ==================================================================  ==============================
+path          what runs                                                           where
+============  ==================================================================  ==============================
+native        the C++ kernel, every such parameter of a param group in one call   ``kernels/native.py``
+triton        one Triton pass per block (decode, update, requantize)              ``kernels/triton_adam.py``
+compiled      ``torch.compile`` of the reference step                             ``kernels/compiled.py``
+multi_tensor  torch's own multi-tensor (foreach) Adam(W) on fp32 states           ``torch.optim.adam``
+reference     torch's functional update on decoded states, one parameter a time   ``optim/base.py``
+============  ==================================================================  ==============================
+
+A parameter takes the first path of its optimizer's table (``ADAM_PATHS``, ``PER_PARAMETER_PATHS``) whose every
+requirement holds; ``reference`` has none. In a param group that has ``native`` parameters, the fp32-state ones that
+meet ``NATIVE_JOIN`` join that call too (one call for the small parameters ``min_quant_size`` keeps fp32). Round to
+nearest, ``native``, ``triton`` and ``compiled`` give the codes of ``kernels.adam_reference`` bit for bit. A change
+to the update (a new format, ECO's error feedback) is one requirement or one row here and one branch per path.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from ..formats import BlockFormat, CastFormat, QuantizedTensor
+from . import TRITON_AVAILABLE
+from .adam_reference import adam_hyper, quantized_moments
+from .compiled import compiled_cpu_step
+from .native import native_formats, native_kernel_available
+
+if TRITON_AVAILABLE:
+    from . import adam_step_supported, draw_seed, triton_adam_step
+
+# Parameters smaller than this take the reference path on the CPU (compiling would not pay off).
+FUSED_MIN_NUMEL = 1 << 16
+# Device types whose parameters step with the Triton kernel (tests add "cpu" under TRITON_INTERPRET=1).
+TRITON_DEVICE_TYPES: tuple[str, ...] = ("cuda",)
+
+
+class StepPath(str, enum.Enum):
+    """The ways a parameter can be stepped (module docstring); the value is the name ``step_paths()`` reports."""
+
+    NATIVE = "native"
+    TRITON = "triton"
+    COMPILED = "compiled"
+    MULTI_TENSOR = "multi_tensor"
+    REFERENCE = "reference"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One parameter at one step, as the requirements see it: local ``param``/``grad`` tensors (a shard's, under FSDP),
+    its param ``group``, its ``state`` (initialized) and whether the optimizer allows compiled CPU paths."""
+
+    param: torch.Tensor
+    grad: torch.Tensor
+    group: dict
+    state: dict
+    compile_cpu: bool
+
+
+Requirement = Callable[[Candidate], bool]
+
+
+def on_cpu(c: Candidate) -> bool:
+    return c.param.device.type == "cpu"
+
+
+def compile_allowed(c: Candidate) -> bool:
+    """``optimizer.cpu_compile`` (default ``True``); ``False`` sends CPU parameters to the torch paths."""
+    return c.compile_cpu
+
+
+def fp32_grad(c: Candidate) -> bool:
+    return c.grad.dtype == torch.float32
+
+
+def nearest_rounding(c: Candidate) -> bool:
+    return c.group["rounding"] == "nearest"
+
+
+def plain_adam_options(c: Candidate) -> bool:
+    """A contiguous fp32 parameter and no amsgrad, capturable, differentiable or fused."""
+    group = c.group
+    return (
+        c.param.dtype == torch.float32
+        and c.param.is_contiguous()
+        and not (group["amsgrad"] or group["capturable"] or group["differentiable"] or group["fused"])
+    )
+
+
+def both_moments_quantized(c: Candidate) -> bool:
+    return quantized_moments(c.state)
+
+
+def fp32_moments(c: Candidate) -> bool:
+    """Both moments plain contiguous fp32 tensors (``min_quant_size`` or a ``"fp32"`` policy kept them so)."""
+    moments = (c.state.get("exp_avg"), c.state.get("exp_avg_sq"))
+    return all(
+        isinstance(m, torch.Tensor) and not isinstance(m, QuantizedTensor) and m.dtype == torch.float32 and m.is_contiguous()
+        for m in moments
+    )
+
+
+def no_quantized_state(c: Candidate) -> bool:
+    """Every state a plain tensor: torch's own multi-tensor update applies as is."""
+    return not any(isinstance(value, QuantizedTensor) for value in c.state.values())
+
+
+def byte_codebook_moments(c: Candidate) -> bool:
+    return native_formats(c.state["exp_avg"].format, c.state["exp_avg_sq"].format)
+
+
+def native_built(c: Candidate) -> bool:
+    return native_kernel_available()
+
+
+def on_triton_device(c: Candidate) -> bool:
+    return c.param.device.type in TRITON_DEVICE_TYPES and TRITON_AVAILABLE
+
+
+def triton_formats(c: Candidate) -> bool:
+    return adam_step_supported(c.state["exp_avg"].format, c.state["exp_avg_sq"].format)
+
+
+def block_or_cast_moments(c: Candidate) -> bool:
+    return all(isinstance(c.state[name].format, (BlockFormat, CastFormat)) for name in ("exp_avg", "exp_avg_sq"))
+
+
+def large_param(c: Candidate) -> bool:
+    return c.param.numel() >= FUSED_MIN_NUMEL
+
+
+# The capability tables: (path, requirements), in order of preference. Requirements are checked left to right, so
+# cheap checks come first (``native_built`` builds the C++ kernel on its first call).
+ADAM_PATHS: tuple[tuple[StepPath, tuple[Requirement, ...]], ...] = (
+    (
+        StepPath.NATIVE,
+        (
+            on_cpu,
+            compile_allowed,
+            fp32_grad,
+            nearest_rounding,
+            plain_adam_options,
+            both_moments_quantized,
+            byte_codebook_moments,
+            native_built,
+        ),
+    ),  # fmt: skip
+    (StepPath.TRITON, (on_triton_device, plain_adam_options, both_moments_quantized, block_or_cast_moments, triton_formats)),
+    (StepPath.COMPILED, (on_cpu, compile_allowed, plain_adam_options, both_moments_quantized, block_or_cast_moments, large_param)),
+    (StepPath.MULTI_TENSOR, (no_quantized_state,)),
+    (StepPath.REFERENCE, ()),
+)
+# SGD, Muon and the generic wrapper: torch's functional update, one parameter at a time.
+PER_PARAMETER_PATHS: tuple[tuple[StepPath, tuple[Requirement, ...]], ...] = ((StepPath.REFERENCE, ()),)
+# fp32-state parameters that join a group's native call (as a rule, the small ones ``min_quant_size`` keeps fp32).
+NATIVE_JOIN: tuple[Requirement, ...] = (on_cpu, fp32_grad, plain_adam_options, fp32_moments, native_built)
+
+
+def choose_path(table: tuple[tuple[StepPath, tuple[Requirement, ...]], ...], candidate: Candidate) -> StepPath:
+    """The first path of ``table`` whose requirements ``candidate`` meets."""
+    for path, requirements in table:
+        if all(requirement(candidate) for requirement in requirements):
+            return path
+    raise ValueError(f"no step path of {[str(path) for path, _ in table]} applies; a table must end with one without requirements")
+
+
+def plan_group(table: tuple[tuple[StepPath, tuple[Requirement, ...]], ...], candidates: list[Candidate]) -> list[StepPath]:
+    """The path of each candidate of one param group (``choose_path``), with ``NATIVE_JOIN``: where some take the
+    native path, the ``multi_tensor`` ones that meet ``NATIVE_JOIN`` join their call."""
+    paths = [choose_path(table, candidate) for candidate in candidates]
+    if StepPath.NATIVE in paths:
+        paths = [
+            StepPath.NATIVE if path is StepPath.MULTI_TENSOR and all(requirement(c) for requirement in NATIVE_JOIN) else path
+            for path, c in zip(paths, candidates, strict=True)
+        ]
+    return paths
+
+
+def fused_adam_step(
+    param: torch.Tensor, grad: torch.Tensor, state: dict, group: dict, track_stalls: bool, generator: torch.Generator | None = None
+) -> torch.Tensor:
+    """The ``triton`` or ``compiled`` path: one Adam step of ``param`` and its quantized moments in ``state`` (in
+    place; ``step`` goes up by one); returns ``int64 [stalled_m, moved_m, stalled_v, moved_v]``.
+
+    Triton devices: one kernel pass (SR seeds drawn from ``generator``, default: the device's). CPU: compiled
+    step on the whole blocks of ``param``, eager on the partial last block.
+
+    Raises:
+        FloatingPointError: a moment overflowed to inf/NaN (its block scale is not finite).
+    """
+    m, v = state["exp_avg"], state["exp_avg_sq"]
+    state["step"] += 1
+    hyper = adam_hyper(group, float(state["step"]))
+    if param.device.type in TRITON_DEVICE_TYPES:
+        seed = None
+        if group["rounding"] == "stochastic":  # two seeds (m, v), drawn where the generator lives
+            seed = draw_seed(generator, generator.device if generator is not None else param.device, 2).to(param.device, non_blocking=True)
+        options = (group["rounding"], group["decoupled_weight_decay"], group["maximize"], track_stalls, seed)
+        counts = triton_adam_step(param, grad, m, v, hyper, *options)
+    else:
+        counts = compiled_cpu_step(param, grad, m, v, hyper, group, track_stalls)
+    scales = [q.scales for q in (m, v) if q.scales is not None]
+    if scales and not bool(torch.stack([torch.isfinite(s).all() for s in scales]).all()):  # one host sync
+        raise FloatingPointError("an Adam moment overflowed to inf/NaN during the step; its packed codes were not trusted")
+    return counts
