@@ -6,8 +6,18 @@ optimizers (this namespace) need only torch.
 
 from . import formats, kernels  # noqa: F401  (importing kernels registers the Triton backend for CUDA tensors)
 from .formats import get_format
-from .optim import QSGD, QAdam, QAdamW, QMuon, QuantizedOptimizerWrapper, quantize_optimizer, state_nbytes
+from .optim import QSGD, QAdam, QAdamW, QMuon, QuantizationPolicy, QuantizedOptimizerWrapper, quantize_optimizer, state_nbytes
 
 __version__ = "0.1.0.dev0"
 
-__all__ = ["QAdam", "QAdamW", "QMuon", "QSGD", "QuantizedOptimizerWrapper", "get_format", "quantize_optimizer", "state_nbytes"]
+__all__ = [
+    "QAdam",
+    "QAdamW",
+    "QMuon",
+    "QSGD",
+    "QuantizationPolicy",
+    "QuantizedOptimizerWrapper",
+    "get_format",
+    "quantize_optimizer",
+    "state_nbytes",
+]

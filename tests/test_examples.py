@@ -124,6 +124,9 @@ def test_gpt_int8_plugin_trains_and_logs(tmp_path, capsys):
     assert 0 < summary.summary["state_bytes"] < summary.summary["fp32_state_bytes"]
     printed = capsys.readouterr().out
     assert "run summary" in printed and "in fp32" in printed and f"tensorboard --logdir {tmp_path}" in printed
+    paths = optimizer.step_paths()  # which path stepped each parameter, as the summary counts them
+    assert set(paths) == {name for name, p in cli.model.named_parameters() if p.requires_grad} and summary.summary["step_paths"]
+    assert sum(summary.summary["step_paths"].values()) == len(paths) and "step paths: " in printed
 
 
 def test_gpt_callback_with_cli_optimizer(tmp_path):

@@ -10,7 +10,6 @@ import torch
 from lightning.pytorch.callbacks import Callback
 
 from ..optim import NonFiniteGradPolicy, QuantizationPolicy, QuantizedStates, StatesSpec, check_optimizer_parameters, state_summary
-from ..optim.policy import validate_policy
 
 
 class QuantizedOptimizerStates(Callback):
@@ -33,7 +32,7 @@ class QuantizedOptimizerStates(Callback):
                                                               overrides={"*.wte.*": "fp32"})])
 
     Args:
-        states, rounding, block_size, min_quant_size, overrides, track_stalls, nonfinite:
+        states, rounding, block_size, min_quant_size, overrides, track_stalls, nonfinite, policy:
             as for :class:`~lightning_qstate.plugins.QStatePrecision`.
         log_stats: log the memory statistics above.
     """
@@ -47,11 +46,10 @@ class QuantizedOptimizerStates(Callback):
         overrides: Mapping[str, StatesSpec] | None = None,
         track_stalls: bool = False,
         nonfinite: NonFiniteGradPolicy = "skip",
+        policy: QuantizationPolicy | None = None,
         log_stats: bool = True,
     ) -> None:
-        options = {"states": states, "rounding": rounding, "block_size": block_size, "min_quant_size": min_quant_size}
-        validate_policy(options, None, type(self).__name__)  # errors name this callback, not the QuantizationPolicy it builds
-        self.policy = QuantizationPolicy(states, rounding, block_size, min_quant_size, dict(overrides or {}), track_stalls, nonfinite)
+        self.policy = QuantizationPolicy.from_arguments(type(self).__name__, policy, locals())
         self.log_stats = log_stats
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -12,7 +12,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import TensorBoardLogger
 
 from ..formats import QuantizedTensor
-from ..optim import state_summary
+from ..optim import QuantizedStates, state_summary
 
 PLAIN_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}  # plain (unquantized) state tensors
 
@@ -24,12 +24,14 @@ class RunSummary(Callback):
         metrics: train_loss=1.532  val_loss=1.498
         optimizer states: 0.85 MB vs 3.37 MB in fp32 (25.3 %, 8.09 bits/value, 74.7 % saved) [QAdamW]
           state formats: exp_avg: fp32 x34, int8 x18 | exp_avg_sq: fp32 x34, int8 x18
+          step paths: native x52 (rank 0, last step)
         TensorBoard logs: runs/gpt_int8/version_0  ->  tensorboard --logdir runs
 
     Metrics are the scalars in ``trainer.callback_metrics`` (the last logged values). State memory is
     :func:`~lightning_qstate.optim.state_summary` over ``trainer.strategy.optimizers``, summed over ranks
     (per-element states only; scalars such as Adam's ``step`` are left out). The summary is also kept in
-    ``self.summary`` (a dict) for scripts and tests.
+    ``self.summary`` (a dict) for scripts and tests. Step paths are the quantized optimizers' ``step_paths()``
+    (``kernels.dispatch``) on rank 0: how many parameters took each path at the last step.
     """
 
     def __init__(self) -> None:
@@ -42,7 +44,10 @@ class RunSummary(Callback):
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         local = [0, 0, 0]
         formats: dict[str, Counter] = {}
+        paths: Counter = Counter()
         for optimizer in trainer.strategy.optimizers:
+            if isinstance(optimizer, QuantizedStates):
+                paths.update(optimizer.step_paths().values())
             summary = state_summary(optimizer)
             local[0] += summary["bytes"]
             local[1] += summary["values"]
@@ -69,6 +74,7 @@ class RunSummary(Callback):
             "fp32_state_bytes": fp32_bytes,
             "bits_per_value": 8 * stored / values if values else 0.0,
             "state_formats": {name: dict(counts) for name, counts in formats.items()},
+            "step_paths": dict(paths),
             "log_dir": trainer.log_dir,
             "tensorboard_dir": next((logger.save_dir for logger in trainer.loggers if isinstance(logger, TensorBoardLogger)), None),
         }
@@ -92,6 +98,9 @@ class RunSummary(Callback):
                 for name, counts in s["state_formats"].items()
             )
             lines.append("  state formats: " + " | ".join(per_state))
+            if s["step_paths"]:
+                taken = ", ".join(f"{path} x{count}" for path, count in sorted(s["step_paths"].items()))
+                lines.append(f"  step paths: {taken} (rank 0, last step)")
         else:
             lines.append(f"optimizer states: none held [{', '.join(s['optimizers']) or 'no optimizer'}]")
         if s["tensorboard_dir"] is not None:

@@ -1,15 +1,23 @@
 """Quantized optimizers, the wrapper for arbitrary optimizers, and state_dict I/O (no Lightning imports)."""
 
-from .base import NONFINITE_GRAD_POLICIES, NonFiniteGradPolicy, QuantizedStates, dequantized, state_nbytes, state_summary
+from .base import QuantizedStates, dequantized, state_nbytes, state_summary
 from .optimizers import QSGD, QAdam, QAdamW, QMuon
-from .policy import NONNEGATIVE_STATES, POLICY_DEFAULTS, StatesSpec, resolve_format
+from .policy import (
+    NONFINITE_GRAD_POLICIES,
+    NONNEGATIVE_STATES,
+    POLICY_DEFAULTS,
+    POLICY_FIELDS,
+    NonFiniteGradPolicy,
+    QuantizationPolicy,
+    StatesSpec,
+    clean_parameter_name,
+    resolve_format,
+)
 from .serialization import STATE_FORMAT_VERSION
 from .wrap import (
     QUANTIZED_EQUIVALENTS,
-    QuantizationPolicy,
     QuantizedOptimizerWrapper,
     check_optimizer_parameters,
-    clean_parameter_name,
     quantize_optimizer,
 )
 
@@ -17,6 +25,7 @@ __all__ = [
     "NONFINITE_GRAD_POLICIES",
     "NONNEGATIVE_STATES",
     "POLICY_DEFAULTS",
+    "POLICY_FIELDS",
     "QUANTIZED_EQUIVALENTS",
     "STATE_FORMAT_VERSION",
     "NonFiniteGradPolicy",

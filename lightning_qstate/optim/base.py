@@ -20,7 +20,14 @@ from torch.distributed.tensor import DTensor
 
 from ..formats import QuantizedTensor, StorageFormat, count_stalls
 from ..kernels.dispatch import PER_PARAMETER_PATHS, Candidate, StepPath, plan_group
-from .policy import POLICY_DEFAULTS, StatesSpec, resolve_format, validate_policy
+from .policy import (
+    GROUP_OPTIONS,
+    POLICY_DEFAULTS,
+    QuantizationPolicy,
+    StatesSpec,
+    resolve_format,
+    validate_policy,
+)
 from .serialization import (
     FORMAT_SUFFIX,
     STATE_FORMAT_VERSION,
@@ -33,9 +40,7 @@ from .serialization import (
     is_exported,
 )
 
-NonFiniteGradPolicy = Literal["skip", "skip_step", "raise"]
 CheckpointMode = Literal["packed", "fp32"]
-NONFINITE_GRAD_POLICIES: tuple[str, ...] = ("skip", "skip_step", "raise")
 StateValue = torch.Tensor | QuantizedTensor
 # Parameter dtypes the quantized optimizers step (float64 states are quantized through fp32).
 PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -180,25 +185,14 @@ class QuantizedStates:
     step_path_table = PER_PARAMETER_PATHS
     cpu_compile = True
 
-    def _setup_quantized_states(
-        self,
-        states: StatesSpec,
-        rounding: str,
-        block_size: int | None,
-        min_quant_size: int,
-        track_stalls: bool,
-        nonfinite: NonFiniteGradPolicy,
-        generator: torch.Generator | None,
-    ) -> None:
-        """Add the policy options to the defaults and every group (validated), and the step options."""
-        if nonfinite not in NONFINITE_GRAD_POLICIES:
-            raise ValueError(f"{type(self).__name__}: nonfinite={nonfinite!r} is not valid; use one of {NONFINITE_GRAD_POLICIES}")
-        self.defaults.update({"states": states, "rounding": rounding, "block_size": block_size, "min_quant_size": min_quant_size})
+    def _setup_quantized_states(self, policy: QuantizationPolicy, generator: torch.Generator | None) -> None:
+        """Add ``policy``'s group options to the defaults and every group (validated), and its step options."""
+        self.defaults.update(policy.group_options())
         for group in self.param_groups:
             self._complete_group(group)
         self._policy_ready = True
-        self.track_stalls = bool(track_stalls)
-        self.nonfinite = nonfinite
+        self.track_stalls = bool(policy.track_stalls)
+        self.nonfinite = policy.nonfinite
         self.generator = generator
         self.nonfinite_skips = 0
         self.skipped_steps = 0
@@ -213,6 +207,7 @@ class QuantizedStates:
         seed_source = torch.randint(2**62, (1,), generator=generator, device=generator.device if generator is not None else "cpu")
         self._rounding_seed = int(seed_source)
         self._rounding_step = 0
+        policy.attach_overrides(self)
 
     def __getstate__(self) -> dict[str, Any]:
         """torch's pickled state plus the attributes this mixin adds (``copy.deepcopy`` and ``pickle`` keep them)."""
@@ -227,8 +222,8 @@ class QuantizedStates:
             self._complete_group(self.param_groups[-1])
 
     def _complete_group(self, group: dict) -> None:
-        for key, value in POLICY_DEFAULTS.items():
-            group.setdefault(key, self.defaults.get(key, value))
+        for key in GROUP_OPTIONS:
+            group.setdefault(key, self.defaults.get(key, POLICY_DEFAULTS[key]))
         validate_policy(group, self.state_names or None, type(self).__name__)
         owner = type(self).__name__
         if group.get("differentiable"):
@@ -663,9 +658,9 @@ class QuantizedStates:
         changes, hyper = [], []
         for index, (group, before) in enumerate(zip(self.param_groups, configured, strict=False)):
             policy_changes = [
-                f"{k}={group[k]!r} -> {before[k]!r}" for k in POLICY_DEFAULTS if k in group and k != "rounding" and group[k] != before[k]
+                f"{k}={group[k]!r} -> {before[k]!r}" for k in GROUP_OPTIONS if k in group and k != "rounding" and group[k] != before[k]
             ]
-            for key in POLICY_DEFAULTS:
+            for key in GROUP_OPTIONS:
                 group[key] = before[key]
             self._complete_group(group)
             changes.append(", ".join(policy_changes))
@@ -709,7 +704,7 @@ class QuantizedStates:
         """A plain torch state dict (quantized states decoded to their original dtype), loadable by the torch optimizer."""
         state_dict = super().state_dict()
         state_dict["state"] = {index: {k: dequantized(v) for k, v in entries.items()} for index, entries in state_dict["state"].items()}
-        state_dict["param_groups"] = [{k: v for k, v in group.items() if k not in POLICY_DEFAULTS} for group in state_dict["param_groups"]]
+        state_dict["param_groups"] = [{k: v for k, v in group.items() if k not in GROUP_OPTIONS} for group in state_dict["param_groups"]]
         return state_dict
 
 

@@ -1,24 +1,27 @@
 """QAdam, QAdamW, QSGD, QMuon: the torch optimizers with low-bit states.
 
-Each class takes exactly its torch counterpart's arguments and defaults, and runs
-torch's own functional update on fp32 copies of one parameter's states at a time,
-so its semantics (weight decay, amsgrad, nesterov, maximize, tensor LR, ...) are
-torch's. The added keyword arguments, each overridable per param group:
+Each class takes exactly its torch counterpart's arguments and defaults, and its
+semantics (weight decay, amsgrad, nesterov, maximize, tensor LR, ...) are torch's:
+the reference path runs torch's own functional update on fp32 copies of one
+parameter's states at a time. The added keyword arguments are the fields of
+:class:`~lightning_qstate.optim.policy.QuantizationPolicy` (or ``policy=`` one):
 
 - ``states``: one format name for every state, or ``{state_name: format}``
   (unnamed states stay fp32), e.g. ``{"exp_avg": "int8", "exp_avg_sq": "e4m3"}``;
 - ``rounding``: ``"nearest"`` or ``"stochastic"``;
 - ``block_size``: values per scale (power of two; default per format);
-- ``min_quant_size``: parameters with fewer elements keep fp32 states (default 4096).
+- ``min_quant_size``: parameters with fewer elements keep fp32 states (default 4096);
 
-QAdam and QAdamW step large fp32 CPU parameters with a ``torch.compile``d
-one-pass kernel (``optim/fused.py``; set ``optimizer.cpu_compile = False`` to
-use the plain path, which gives the same result up to float rounding).
+these four may be overridden per param group. For the whole optimizer: ``track_stalls``
+(count stalled entries, see ``stall_stats``), ``nonfinite`` (``"skip"``: skip a parameter
+whose gradient holds inf/NaN, count it in ``nonfinite_skips`` and warn; ``"skip_step"``;
+``"raise"``) and ``generator`` (the random source of stochastic rounding).
 
-And, for the whole optimizer: ``track_stalls`` (count stalled entries, see
-``stall_stats``), ``nonfinite`` (``"skip"``: skip a parameter whose gradient holds
-inf/NaN, count it in ``nonfinite_skips`` and warn; ``"raise"``) and ``generator``
-(the random source of stochastic rounding).
+Each parameter of QAdam/QAdamW takes the fastest path that applies to it (``kernels/dispatch.py``:
+the C++ kernel, Triton, ``torch.compile``, torch's multi-tensor Adam, or the reference);
+``optimizer.step_paths()`` tells which one each took at the last step. Round to nearest, the
+fast paths give the reference's codes bit for bit. ``optimizer.cpu_compile = False`` keeps CPU
+parameters on the torch paths.
 
 Example::
 
@@ -43,8 +46,8 @@ from ..kernels.adam_reference import hold_moment
 from ..kernels.bounds import moment_bound
 from ..kernels.dispatch import ADAM_PATHS, StepPath, fused_adam_step
 from ..kernels.native import native_adam_steps
-from .base import NonFiniteGradPolicy, QuantizedStates, finite_grads, local_tensor
-from .policy import StatesSpec
+from .base import QuantizedStates, finite_grads, local_tensor
+from .policy import NonFiniteGradPolicy, QuantizationPolicy, StatesSpec
 
 
 class _AdamStates(QuantizedStates):
@@ -174,16 +177,18 @@ class QAdam(_AdamStates, torch.optim.Adam):
         track_stalls: bool = False,
         nonfinite: NonFiniteGradPolicy = "skip",
         generator: torch.Generator | None = None,
+        policy: QuantizationPolicy | None = None,
     ) -> None:
         torch.optim.Adam.__init__(
             self, params, lr, betas, eps, weight_decay, amsgrad, foreach=foreach, maximize=maximize, capturable=capturable,
             differentiable=differentiable, fused=fused, decoupled_weight_decay=decoupled_weight_decay,
         )  # fmt: skip
-        self._setup_quantized_states(states, rounding, block_size, min_quant_size, track_stalls, nonfinite, generator)
+        self._setup_quantized_states(QuantizationPolicy.from_arguments(type(self).__name__, policy, locals()), generator)
 
 
-class QAdamW(_AdamStates, torch.optim.AdamW):
-    """``torch.optim.AdamW`` with quantized ``exp_avg``/``exp_avg_sq``/``max_exp_avg_sq`` (see module docs)."""
+class QAdamW(QAdam, torch.optim.AdamW):
+    """``torch.optim.AdamW`` with quantized ``exp_avg``/``exp_avg_sq``/``max_exp_avg_sq`` (see module docs): ``QAdam``
+    with decoupled weight decay, as torch's ``AdamW`` is ``Adam``'s."""
 
     def __init__(
         self,
@@ -206,12 +211,13 @@ class QAdamW(_AdamStates, torch.optim.AdamW):
         track_stalls: bool = False,
         nonfinite: NonFiniteGradPolicy = "skip",
         generator: torch.Generator | None = None,
+        policy: QuantizationPolicy | None = None,
     ) -> None:
-        torch.optim.AdamW.__init__(
-            self, params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize, foreach=foreach, capturable=capturable,
-            differentiable=differentiable, fused=fused,
+        QAdam.__init__(
+            self, params, lr, betas, eps, weight_decay, amsgrad, foreach=foreach, maximize=maximize, capturable=capturable,
+            differentiable=differentiable, fused=fused, decoupled_weight_decay=True, generator=generator,
+            policy=QuantizationPolicy.from_arguments(type(self).__name__, policy, locals()),
         )  # fmt: skip
-        self._setup_quantized_states(states, rounding, block_size, min_quant_size, track_stalls, nonfinite, generator)
 
 
 class QSGD(QuantizedStates, torch.optim.SGD):
@@ -242,12 +248,13 @@ class QSGD(QuantizedStates, torch.optim.SGD):
         track_stalls: bool = False,
         nonfinite: NonFiniteGradPolicy = "skip",
         generator: torch.Generator | None = None,
+        policy: QuantizationPolicy | None = None,
     ) -> None:
         torch.optim.SGD.__init__(
             self, params, lr, momentum, dampening, weight_decay, nesterov, maximize=maximize, foreach=foreach,
             differentiable=differentiable, fused=fused,
         )  # fmt: skip
-        self._setup_quantized_states(states, rounding, block_size, min_quant_size, track_stalls, nonfinite, generator)
+        self._setup_quantized_states(QuantizationPolicy.from_arguments(type(self).__name__, policy, locals()), generator)
 
     def _init_state(self, group: dict, key: torch.Tensor, param: torch.Tensor, state: dict) -> None:
         """No state until the first step with momentum (torch clones the first gradient into the buffer)."""
@@ -295,9 +302,10 @@ class QMuon(QuantizedStates, torch.optim.Muon):
         track_stalls: bool = False,
         nonfinite: NonFiniteGradPolicy = "skip",
         generator: torch.Generator | None = None,
+        policy: QuantizationPolicy | None = None,
     ) -> None:
         torch.optim.Muon.__init__(self, params, lr, weight_decay, momentum, nesterov, ns_coefficients, eps, ns_steps, adjust_lr_fn)
-        self._setup_quantized_states(states, rounding, block_size, min_quant_size, track_stalls, nonfinite, generator)
+        self._setup_quantized_states(QuantizationPolicy.from_arguments(type(self).__name__, policy, locals()), generator)
 
     def _init_state(self, group: dict, key: torch.Tensor, param: torch.Tensor, state: dict) -> None:
         state["momentum_buffer"] = self._initial(

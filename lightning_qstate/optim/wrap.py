@@ -14,22 +14,19 @@ shaped like its parameter is stored in the chosen format.
 
 from __future__ import annotations
 
-import fnmatch
 import functools
 import warnings
 import weakref
-from collections import Counter
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch.distributed.fsdp import FullyShardedDataParallel
 
 from ..formats import BlockFormat, QuantizedTensor, StorageFormat, get_format
-from .base import NonFiniteGradPolicy, QuantizedStates, StateValue, dequantized, like_param, local_tensor
+from .base import QuantizedStates, StateValue, dequantized, like_param, local_tensor
 from .optimizers import QSGD, QAdam, QAdamW, QMuon
-from .policy import StatesSpec, validate_policy
+from .policy import NonFiniteGradPolicy, QuantizationPolicy, StatesSpec
 
 
 def _in_place_class(quantized_class: type, torch_class: type) -> type:
@@ -80,7 +77,7 @@ class QuantizedOptimizerWrapper(QuantizedStates, torch.optim.Optimizer):
 
     Args:
         optimizer: the optimizer to wrap; it keeps doing the math.
-        states, rounding, block_size, min_quant_size, track_stalls, nonfinite, generator:
+        states, rounding, block_size, min_quant_size, track_stalls, nonfinite, generator, policy:
             as for :class:`~lightning_qstate.QAdamW`; ``states`` may name any state key.
     """
 
@@ -95,6 +92,7 @@ class QuantizedOptimizerWrapper(QuantizedStates, torch.optim.Optimizer):
         track_stalls: bool = False,
         nonfinite: NonFiniteGradPolicy = "skip",
         generator: torch.Generator | None = None,
+        policy: QuantizationPolicy | None = None,
     ) -> None:
         torch.optim.Optimizer.__init__(self, optimizer.param_groups, optimizer.defaults)
         self.optimizer = optimizer
@@ -103,7 +101,7 @@ class QuantizedOptimizerWrapper(QuantizedStates, torch.optim.Optimizer):
         self.defaults = optimizer.defaults
         for name in SHARED_HOOKS:
             setattr(self, name, getattr(optimizer, name))
-        self._setup_quantized_states(states, rounding, block_size, min_quant_size, track_stalls, nonfinite, generator)
+        self._setup_quantized_states(QuantizationPolicy.from_arguments(type(self).__name__, policy, locals()), generator)
         self._quantize_existing()
 
     def __getstate__(self) -> dict[str, Any]:
@@ -220,8 +218,11 @@ def quantize_optimizer(
     track_stalls: bool = False,
     nonfinite: NonFiniteGradPolicy = "skip",
     generator: torch.Generator | None = None,
+    policy: QuantizationPolicy | None = None,
 ) -> torch.optim.Optimizer:
     """The quantized equivalent of ``optimizer``, keeping its param groups, hyperparameters and (quantized) state.
+
+    The options are those of :class:`~lightning_qstate.QAdamW` (or ``policy=``).
 
     ``torch.optim.Adam``/``AdamW``/``SGD``/``Muon`` (exact classes) become ``QAdam``/``QAdamW``/``QSGD``/``QMuon``
     in place (subclasses that keep the torch class's ``__name__``: ``QUANTIZED_EQUIVALENTS``), and the same object
@@ -235,24 +236,16 @@ def quantize_optimizer(
         raise TypeError(f"{type(optimizer).__name__} already has quantized states; pass the original torch optimizer")
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"quantize_optimizer needs a torch.optim.Optimizer, got {type(optimizer).__name__}")
-    options = dict(
-        states=states,
-        rounding=rounding,
-        block_size=block_size,
-        min_quant_size=min_quant_size,
-        track_stalls=track_stalls,
-        nonfinite=nonfinite,
-        generator=generator,
-    )
+    resolved = QuantizationPolicy.from_arguments("quantize_optimizer", policy, locals())
     quantized_class = QUANTIZED_EQUIVALENTS.get(type(optimizer))
     if quantized_class is None:
-        return QuantizedOptimizerWrapper(optimizer, **options)
+        return QuantizedOptimizerWrapper(optimizer, generator=generator, policy=resolved)
     scheduler_wrapped = getattr(optimizer.__dict__.pop("step", None), "_wrapped_by_lr_sched", False)
     optimizer.__class__ = quantized_class
     optimizer._patch_step_function()
     if scheduler_wrapped:
         _track_step_for_schedulers(optimizer)
-    optimizer._setup_quantized_states(states, rounding, block_size, min_quant_size, track_stalls, nonfinite, generator)
+    optimizer._setup_quantized_states(resolved, generator)
     for group in optimizer.param_groups:
         for param in group["params"]:
             state = optimizer.state.get(param, {})
@@ -275,129 +268,6 @@ def _track_step_for_schedulers(optimizer: torch.optim.Optimizer) -> None:
 
     tracked_step._wrapped_by_lr_sched = True
     optimizer.step = tracked_step
-
-
-# Prefixes that DDP, FSDP, activation checkpointing and Lightning's wrappers add to parameter names.
-WRAPPER_PREFIXES = ("module.", "_forward_module.", "_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
-
-
-def clean_parameter_name(name: str) -> str:
-    """A parameter's name as the user's module knows it, without wrapper prefixes."""
-    return ".".join(part for part in name.split(".") if part + "." not in WRAPPER_PREFIXES)
-
-
-@dataclass
-class QuantizationPolicy:
-    """Everything that decides how an optimizer's states are stored; applied to any optimizer and module.
-
-    Args:
-        states, rounding, block_size, min_quant_size, track_stalls, nonfinite: as for :class:`~lightning_qstate.QAdamW`.
-        overrides: ``{pattern: states}`` for parameters whose name (as in ``module.named_parameters()``,
-            wrapper prefixes removed) matches the ``fnmatch`` pattern (case-sensitive), e.g. for a GPT-2
-            ``{"*.wte.*": "fp32", "*.ln_*": "fp32"}``. The first matching pattern wins. ``apply`` raises for a
-            pattern that matches no parameter of the module, and for a state name the optimizer does not have.
-    """
-
-    states: StatesSpec = "int8"
-    rounding: str = "nearest"
-    block_size: int | None = None
-    min_quant_size: int = 4096
-    overrides: Mapping[str, StatesSpec] = field(default_factory=dict)
-    track_stalls: bool = False
-    nonfinite: NonFiniteGradPolicy = "skip"
-
-    def __post_init__(self) -> None:
-        validate_policy(
-            {"states": self.states, "rounding": self.rounding, "block_size": self.block_size, "min_quant_size": self.min_quant_size},
-            None,
-            "QuantizationPolicy",
-        )
-        self._check_override_states(None)
-
-    def _check_override_states(self, state_names: tuple[str, ...] | None) -> None:
-        """Validate every override's ``states``: its format names, and its state names where ``state_names`` is given."""
-        for pattern, states in dict(self.overrides).items():
-            options = {"states": states, "rounding": self.rounding, "block_size": None, "min_quant_size": 0}
-            validate_policy(options, state_names, f"overrides[{pattern!r}]")
-
-    def apply(self, optimizer: torch.optim.Optimizer, module: torch.nn.Module | None = None) -> torch.optim.Optimizer:
-        """The quantized form of ``optimizer`` (converted in place where possible); an already quantized one is returned as is.
-
-        ``module`` supplies parameter names for ``overrides`` (required with them).
-
-        Raises:
-            ValueError: ``overrides`` without ``module``, a pattern that matches no parameter of ``module``, or an
-                override naming a state the quantized optimizer does not have (checked before ``optimizer`` is converted).
-        """
-        if isinstance(optimizer, QuantizedStates):
-            return optimizer
-        overrides: dict[torch.Tensor, StatesSpec] = {}
-        if self.overrides:
-            if module is None:
-                raise ValueError(
-                    "QuantizationPolicy: overrides= needs the module whose parameter names it matches; call apply(optimizer, module)"
-                )
-            quantized_class = QUANTIZED_EQUIVALENTS.get(type(optimizer), QuantizedOptimizerWrapper)
-            self._check_override_states(quantized_class.state_names or None)  # the wrapper has no fixed state names: any is accepted
-            overrides = self.overrides_for(module)
-        quantized = quantize_optimizer(
-            optimizer,
-            states=self.states,
-            rounding=self.rounding,
-            block_size=self.block_size,
-            min_quant_size=self.min_quant_size,
-            track_stalls=self.track_stalls,
-            nonfinite=self.nonfinite,
-        )
-        quantized.state_overrides = overrides
-        if module is not None:
-            quantized.module_names = {param: clean_parameter_name(name) for name, param in module.named_parameters()}
-        if module is not None and any(isinstance(m, FullyShardedDataParallel) for m in module.modules()):
-            quantized.checkpoint_mode = "fp32"  # FSDP1 gathers and reshapes state tensors like its flat shards
-            quantized.full_numels = fsdp_full_numels(module)  # its parameters are local 1-D views: decide from the full sizes
-        return quantized
-
-    def overrides_for(self, module: torch.nn.Module) -> dict[torch.Tensor, StatesSpec]:
-        """``{parameter: states}`` for every parameter of ``module`` that an override pattern matches.
-
-        Raises:
-            ValueError: a pattern matches no parameter name of ``module`` (it would be silently ignored).
-        """
-        names = [(clean_parameter_name(name), param) for name, param in module.named_parameters()]
-        for pattern in self.overrides:
-            if not any(fnmatch.fnmatchcase(name, pattern) for name, _ in names):
-                raise ValueError(
-                    f"QuantizationPolicy: overrides pattern {pattern!r} matches no parameter of {type(module).__name__}; patterns are "
-                    f"matched with fnmatch (case-sensitive) against the parameter names: {_name_summary(names)}; "
-                    "fix the pattern or remove it"
-                )
-        matched: dict[torch.Tensor, StatesSpec] = {}
-        for name, param in names:
-            for pattern, states in self.overrides.items():
-                if fnmatch.fnmatchcase(name, pattern):
-                    matched[param] = states
-                    break
-        return matched
-
-
-def _name_summary(named: list[tuple[str, torch.Tensor]], shown: int = 20) -> str:
-    """The distinct forms of the parameter names, the first ``shown`` of them: the index of a repeated block (a numeric
-    part under which the same names and shapes recur, such as a transformer's layers) written as ``*``."""
-    subtrees: dict[tuple[str, ...], set[tuple[str, tuple[int, ...]]]] = {}
-    for name, param in named:
-        parts = name.split(".")
-        for i, part in enumerate(parts):
-            if part.isdigit():
-                subtrees.setdefault(tuple(parts[: i + 1]), set()).add((".".join(parts[i + 1 :]), tuple(param.shape)))
-    kinds = Counter((key[:-1], frozenset(contents)) for key, contents in subtrees.items())
-    repeated = {key for key, contents in subtrees.items() if kinds[key[:-1], frozenset(contents)] > 1}
-    forms: dict[str, None] = {}
-    for name, _ in named:
-        parts = name.split(".")
-        forms[".".join("*" if tuple(parts[: i + 1]) in repeated else part for i, part in enumerate(parts))] = None
-    listed = list(forms)
-    more = f", ... ({len(listed) - shown} more)" if len(listed) > shown else ""
-    return ", ".join(listed[:shown]) + more if listed else "(none: the module has no parameters)"
 
 
 def fsdp_full_numels(module: torch.nn.Module) -> dict[torch.Tensor, int]:

@@ -25,7 +25,6 @@ import torch
 from lightning.pytorch.plugins.precision import FSDPPrecision, HalfPrecision, MixedPrecision, Precision
 
 from ..optim import NonFiniteGradPolicy, QuantizationPolicy, StatesSpec, check_optimizer_parameters
-from ..optim.policy import validate_policy
 
 PrecisionName = Literal["32-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true"]
 
@@ -35,9 +34,9 @@ class QStatePolicyMixin:
 
     policy: QuantizationPolicy
 
-    def _set_policy(self, **options: Any) -> None:
-        validate_policy(options, None, type(self).__name__)  # errors name this plugin, not the QuantizationPolicy it builds
-        self.policy = QuantizationPolicy(**options)
+    def _set_policy(self, policy: QuantizationPolicy | None, arguments: dict[str, Any]) -> None:
+        """``policy``, or one built from the policy keywords among ``arguments`` (the constructor's ``locals()``)."""
+        self.policy = QuantizationPolicy.from_arguments(type(self).__name__, policy, arguments)
 
     def connect(self, model: torch.nn.Module, optimizers: list[torch.optim.Optimizer], lr_schedulers: list[Any]):
         model, optimizers, lr_schedulers = super().connect(model, optimizers, lr_schedulers)
@@ -56,6 +55,7 @@ _POLICY_DOC = """
         track_stalls: count stalled state entries (read by ``StallMonitor``).
         nonfinite: for gradients holding inf/NaN: ``"skip"`` (default: those parameters are not updated, one warning per
             step names them), ``"skip_step"`` (no parameter is updated, as ``GradScaler`` does) or ``"raise"``.
+        policy: a :class:`~lightning_qstate.QuantizationPolicy` instead of the keywords above.
 """
 
 
@@ -92,17 +92,10 @@ class QStatePrecision(QStatePolicyMixin, _PrecisionDispatch, Precision):
         overrides: Mapping[str, StatesSpec] | None = None,
         track_stalls: bool = False,
         nonfinite: NonFiniteGradPolicy = "skip",
+        policy: QuantizationPolicy | None = None,
     ) -> None:
         Precision.__init__(self)
-        self._set_policy(
-            states=states,
-            rounding=rounding,
-            block_size=block_size,
-            min_quant_size=min_quant_size,
-            overrides=dict(overrides or {}),
-            track_stalls=track_stalls,
-            nonfinite=nonfinite,
-        )
+        self._set_policy(policy, locals())
 
 
 class QStateMixedPrecision(QStatePrecision, MixedPrecision):
@@ -121,17 +114,10 @@ class QStateMixedPrecision(QStatePrecision, MixedPrecision):
         overrides: Mapping[str, StatesSpec] | None = None,
         track_stalls: bool = False,
         nonfinite: NonFiniteGradPolicy = "skip",
+        policy: QuantizationPolicy | None = None,
     ) -> None:
         MixedPrecision.__init__(self, precision, device or ("cuda" if torch.cuda.is_available() else "cpu"), scaler)
-        self._set_policy(
-            states=states,
-            rounding=rounding,
-            block_size=block_size,
-            min_quant_size=min_quant_size,
-            overrides=dict(overrides or {}),
-            track_stalls=track_stalls,
-            nonfinite=nonfinite,
-        )
+        self._set_policy(policy, locals())
 
 
 class QStateHalfPrecision(QStatePrecision, HalfPrecision):
@@ -148,17 +134,10 @@ class QStateHalfPrecision(QStatePrecision, HalfPrecision):
         overrides: Mapping[str, StatesSpec] | None = None,
         track_stalls: bool = False,
         nonfinite: NonFiniteGradPolicy = "skip",
+        policy: QuantizationPolicy | None = None,
     ) -> None:
         HalfPrecision.__init__(self, precision)
-        self._set_policy(
-            states=states,
-            rounding=rounding,
-            block_size=block_size,
-            min_quant_size=min_quant_size,
-            overrides=dict(overrides or {}),
-            track_stalls=track_stalls,
-            nonfinite=nonfinite,
-        )
+        self._set_policy(policy, locals())
 
 
 class QStateFSDPPrecision(QStatePolicyMixin, FSDPPrecision):
@@ -179,14 +158,7 @@ class QStateFSDPPrecision(QStatePolicyMixin, FSDPPrecision):
         overrides: Mapping[str, StatesSpec] | None = None,
         track_stalls: bool = False,
         nonfinite: NonFiniteGradPolicy = "skip",
+        policy: QuantizationPolicy | None = None,
     ) -> None:
         FSDPPrecision.__init__(self, precision, scaler)
-        self._set_policy(
-            states=states,
-            rounding=rounding,
-            block_size=block_size,
-            min_quant_size=min_quant_size,
-            overrides=dict(overrides or {}),
-            track_stalls=track_stalls,
-            nonfinite=nonfinite,
-        )
+        self._set_policy(policy, locals())

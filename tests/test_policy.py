@@ -1,0 +1,174 @@
+"""One policy object (``QuantizationPolicy``) and one dispatcher (``kernels.dispatch``).
+
+Every entry point takes the policy's keywords with its defaults, or ``policy=``; each parameter's step path comes from
+one capability table and is reported by ``optimizer.step_paths()``.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+
+import lightning_qstate as lq
+from lightning_qstate.kernels import dispatch
+from lightning_qstate.kernels.native import native_kernel_available
+from lightning_qstate.optim import POLICY_DEFAULTS, POLICY_FIELDS, QuantizationPolicy, QuantizedOptimizerWrapper
+
+OPTIMIZER_ENTRY_POINTS = [lq.QAdam, lq.QAdamW, lq.QSGD, lq.QMuon, QuantizedOptimizerWrapper, lq.quantize_optimizer]
+
+
+def lightning_entry_points() -> list:
+    pytest.importorskip("lightning")
+    from lightning_qstate.callbacks import QuantizedOptimizerStates
+    from lightning_qstate.plugins import QStateFSDPPrecision, QStateHalfPrecision, QStateMixedPrecision, QStatePrecision
+
+    return [QStatePrecision, QStateMixedPrecision, QStateHalfPrecision, QStateFSDPPrecision, QuantizedOptimizerStates]
+
+
+def policy_parameters(entry) -> dict[str, object]:
+    signature = inspect.signature(entry)
+    return {name: p.default for name, p in signature.parameters.items() if name in POLICY_FIELDS}
+
+
+@pytest.mark.parametrize("entry", OPTIMIZER_ENTRY_POINTS, ids=lambda e: e.__name__)
+def test_optimizer_keywords_are_the_policy_fields(entry):
+    """The optimizers spell out the policy's fields (``overrides`` needs names: ``policy=``) with its defaults."""
+    parameters = inspect.signature(entry).parameters
+    expected = {name: POLICY_DEFAULTS[name] for name in POLICY_FIELDS if name != "overrides"}
+    assert policy_parameters(entry) == expected
+    assert parameters["policy"].default is None and parameters["policy"].kind is inspect.Parameter.KEYWORD_ONLY
+
+
+def test_lightning_keywords_are_the_policy_fields():
+    for entry in lightning_entry_points():
+        defaults = policy_parameters(entry)
+        defaults["overrides"] = defaults["overrides"] or {}  # None in the signatures (a mutable default would be shared)
+        assert defaults == POLICY_DEFAULTS, entry.__name__
+        assert inspect.signature(entry).parameters["policy"].default is None
+
+
+def model() -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.LayerNorm(64))
+
+
+def test_policy_object_configures_an_optimizer():
+    net = model()
+    policy = QuantizationPolicy(states="int4", min_quant_size=0, track_stalls=True, nonfinite="skip_step")
+    optimizer = lq.QAdamW(net.parameters(), policy=policy)
+    assert optimizer.param_groups[0]["states"] == "int4" and optimizer.track_stalls and optimizer.nonfinite == "skip_step"
+    keywords = lq.QAdamW(model().parameters(), states="int4", min_quant_size=0, track_stalls=True, nonfinite="skip_step")
+    assert keywords.param_groups[0]["states"] == optimizer.param_groups[0]["states"]
+    with pytest.raises(ValueError, match=r"QAdamW: give either policy= or the keywords \['states'\], not both"):
+        lq.QAdamW(net.parameters(), states="int8_linear", policy=policy)
+    with pytest.raises(TypeError, match="QSGD: policy= must be a QuantizationPolicy"):
+        lq.QSGD(net.parameters(), policy={"states": "int4"})
+
+
+def test_policy_overrides_match_named_parameters():
+    """``overrides`` need names: from ``model.named_parameters()`` given to the optimizer, or a module given to ``apply``."""
+    net = model()
+    policy = QuantizationPolicy(states="int8", min_quant_size=0, overrides={"1.*": "fp32"})
+    optimizer = lq.QAdamW(net.named_parameters(), policy=policy)
+    for p in net.parameters():
+        p.grad = torch.ones_like(p)
+    optimizer.step()
+    assert isinstance(optimizer.state[net[0].weight]["exp_avg"], lq.formats.QuantizedTensor)
+    assert not isinstance(optimizer.state[net[1].weight]["exp_avg"], lq.formats.QuantizedTensor)
+    applied = policy.apply(torch.optim.AdamW(net.parameters()), net)
+    assert applied.state_overrides == {net[1].weight: "fp32", net[1].bias: "fp32"}
+    with pytest.raises(ValueError, match="named_parameters"):
+        lq.QAdamW(net.parameters(), policy=policy)
+    with pytest.raises(ValueError, match="'2.\\*' matches no parameter"):
+        lq.QAdamW(net.named_parameters(), policy=QuantizationPolicy(overrides={"2.*": "fp32"}))
+
+
+def test_errors_name_the_entry_point_and_the_option():
+    with pytest.raises(ValueError, match="QuantizationPolicy: rounding='up'"):
+        QuantizationPolicy(rounding="up")
+    with pytest.raises(ValueError, match="QAdam: nonfinite='ignore' is not valid"):
+        lq.QAdam(model().parameters(), nonfinite="ignore")
+    with pytest.raises(ValueError, match="quantize_optimizer: states='int9'"):
+        lq.quantize_optimizer(torch.optim.SGD(model().parameters(), momentum=0.9), states="int9")
+    for entry in lightning_entry_points():
+        with pytest.raises(ValueError, match=f"^{entry.__name__}: min_quant_size=-1"):
+            entry(min_quant_size=-1)
+
+
+def test_qadamw_is_qadam_with_decoupled_weight_decay():
+    torch.manual_seed(0)
+    start = torch.randn(5000)
+    weights = [torch.nn.Parameter(start.clone()) for _ in range(2)]
+    adamw = lq.QAdamW([weights[0]], lr=1e-2, weight_decay=0.1, min_quant_size=0)
+    adam = lq.QAdam([weights[1]], lr=1e-2, weight_decay=0.1, decoupled_weight_decay=True, min_quant_size=0)
+    assert isinstance(adamw, lq.QAdam) and isinstance(adamw, torch.optim.AdamW) and adamw.param_groups[0]["decoupled_weight_decay"]
+    for _ in range(3):
+        grad = torch.randn(5000)
+        weights[0].grad, weights[1].grad = grad.clone(), grad.clone()
+        adamw.step(), adam.step()
+    assert torch.equal(weights[0], weights[1])
+    adamw.load_state_dict(adamw.state_dict())
+    assert adamw.param_groups[0]["decoupled_weight_decay"]
+
+
+def adam_with(states: dict, cpu_compile: bool = True) -> tuple[lq.QAdamW, dict[str, torch.nn.Parameter]]:
+    """One QAdamW over parameters named after the path each should take; ``states``: {name: (numel, dtype, states)}."""
+    params = {name: torch.nn.Parameter(torch.randn(numel, dtype=dtype)) for name, (numel, dtype, _) in states.items()}
+    groups = [{"params": [p], "param_names": [name], "states": states[name][2]} for name, p in params.items()]
+    optimizer = lq.QAdamW(groups, min_quant_size=4096)
+    optimizer.cpu_compile = cpu_compile
+    for p in params.values():
+        p.grad = torch.randn_like(p)
+    optimizer.step()
+    return optimizer, params
+
+
+def test_each_parameter_takes_the_first_path_that_applies():
+    native = "native" if native_kernel_available() else "compiled"
+    optimizer, _ = adam_with(
+        {
+            "int8": (dispatch.FUSED_MIN_NUMEL, torch.float32, "int8"),  # int8 family, RN: the C++ kernel
+            "int4_large": (dispatch.FUSED_MIN_NUMEL, torch.float32, "int4"),  # torch.compile
+            "int4_small": (8192, torch.float32, "int4"),  # too small to compile: torch's math on decoded states
+            "bf16_param": (8192, torch.bfloat16, "int8"),  # no fast path for bf16 parameters
+            "fp32_states": (100, torch.float32, "int8"),  # min_quant_size keeps fp32: torch's multi-tensor Adam
+        }
+    )
+    assert optimizer.step_paths() == {
+        "int8": native,
+        "int4_large": "compiled",
+        "int4_small": "reference",
+        "bf16_param": "reference",
+        "fp32_states": "multi_tensor",
+    }
+    plain, _ = adam_with({"int8": (8192, torch.float32, "int8"), "fp32_states": (100, torch.float32, "int8")}, cpu_compile=False)
+    assert plain.step_paths() == {"int8": "reference", "fp32_states": "multi_tensor"}
+
+
+@pytest.mark.skipif(not native_kernel_available(), reason="no C++ compiler here")
+def test_fp32_state_parameters_join_their_group_native_call():
+    params = [torch.nn.Parameter(torch.randn(n)) for n in (8192, 100)]
+    optimizer = lq.QAdamW([{"params": params, "param_names": ["large", "small"]}])
+    for p in params:
+        p.grad = torch.randn_like(p)
+    optimizer.step()
+    assert optimizer.step_paths() == {"large": "native", "small": "native"}
+
+
+def test_sgd_and_muon_take_the_reference_path():
+    weight = torch.nn.Parameter(torch.randn(64, 64))
+    for optimizer in (lq.QSGD([weight], momentum=0.9, min_quant_size=0), lq.QMuon([weight], min_quant_size=0)):
+        weight.grad = torch.randn_like(weight)
+        optimizer.step()
+        assert optimizer.step_paths() == {"param0": "reference"}
+    skipped = lq.QSGD([weight, torch.nn.Parameter(torch.randn(3))], momentum=0.9)
+    skipped.step()
+    assert skipped.step_paths() == {"param0": "reference"}  # a parameter without a gradient takes no path
+
+
+def test_choose_path_needs_a_final_path_without_requirements():
+    candidate = dispatch.Candidate(torch.zeros(4), torch.zeros(4), {}, {}, compile_cpu=True)
+    assert dispatch.choose_path(dispatch.PER_PARAMETER_PATHS, candidate) is dispatch.StepPath.REFERENCE
+    with pytest.raises(ValueError, match="must end with one without requirements"):
+        dispatch.choose_path(((dispatch.StepPath.COMPILED, (lambda c: False,)),), candidate)
