@@ -1,4 +1,4 @@
-# `make demo` runs the main job, `make test` the test suite, `make lint` ruff (check and format); each creates and fills its own venv first.
+# `make demo` runs the main job, `make test` the test suite, `make lint` ruff (check and format) and clang-format (C++); each creates and fills its own venv first.
 VENV ?= .venv
 PYTHON ?= python3
 PY := $(VENV)/bin/python
@@ -17,10 +17,10 @@ $(VENV)/.installed: pyproject.toml requirements/ci.txt
 test: $(VENV)/.installed
 	$(PY) -m pytest -q tests
 
-# C++ formatting (clang-format) joins this target when the kernel source moves from optim/cpu_kernel.py to csrc/.
 lint: $(VENV)/.installed
 	$(PY) -m ruff check $(LINTED)
 	$(PY) -m ruff format --check $(LINTED)
+	$(VENV)/bin/clang-format --dry-run --Werror lightning_qstate/kernels/csrc/*
 
 demo: $(VENV)/.installed
 	$(PY) -m lightning_qstate.cli fit --config examples/configs/gpt_int8.yaml

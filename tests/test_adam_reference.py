@@ -1,4 +1,4 @@
-"""The torch definition of the quantized Adam(W) step (``optim.fused``) against exact arithmetic and torch's AdamW.
+"""The torch definition of the quantized Adam(W) step (``kernels.adam_reference``) against exact arithmetic and torch's AdamW.
 
 ``kernels.adam_reference.adam_math`` rounds every operation once, in the order of torch's CPU kernels (its rounding contract, in the
 module docstring of ``kernels/adam_reference.py``), so that the eager step, the compiled step and the Triton kernel agree bit

@@ -1,26 +1,31 @@
-"""The C++ CPU Adam kernel (``kernels/cpu_kernel.py``) against the torch references it must match.
+"""The C++ CPU Adam kernel (``kernels/csrc/``, called by ``kernels/native.py``) against the torch references it must match.
 
-Its encoder (``formats.NearestCodeIndex``: one table lookup and integer compares) must give the codes of
+Its encoder (``kernels.code_index.NearestCodeIndex``: one table lookup and integer compares) must give the codes of
 ``formats.rounding.encode_codebook`` for every fp32 input, and its step the codes and scales of
-``kernels.adam_reference.adam_step_quantized``, on the AVX-512 body and on the scalar tail of every block.
+``kernels.adam_reference.adam_step_quantized``, on the AVX-512 body and on the scalar tail of every block. Its build is
+said on stderr only when the extension is not cached yet.
 """
 
 from __future__ import annotations
 
+import re
+import types
 import warnings
 
 import pytest
 import torch
+from torch.utils import cpp_extension
 
 import lightning_qstate as lq
 from lightning_qstate.formats import CodebookFormat, get_format
-from lightning_qstate.formats.codebooks import NearestCodeIndex, nearest_thresholds
+from lightning_qstate.formats.codebooks import nearest_thresholds
 from lightning_qstate.formats.rounding import encode_codebook
-from lightning_qstate.kernels import cpu_kernel
+from lightning_qstate.kernels import native
 from lightning_qstate.kernels.adam_reference import adam_hyper, adam_step_quantized
+from lightning_qstate.kernels.code_index import NearestCodeIndex, nearest_index
 from lightning_qstate.kernels.native import native_adam_steps
 
-pytestmark = pytest.mark.skipif(cpu_kernel.kernel() is None, reason="no C++ compiler here: the optimizer uses the compiled torch path")
+needs_kernel = pytest.mark.skipif(not native.native_kernel_available(), reason="no C++ compiler here: the optimizer uses another path")
 
 BYTE_FORMATS = {
     "int8": get_format("int8"),
@@ -63,7 +68,7 @@ def hard_inputs(fmt: CodebookFormat) -> torch.Tensor:
 def test_nearest_code_index_gives_the_reference_codes(name):
     """The codes of ``fmt.encode``: ``encode_codebook`` clamped up to ``min_code`` (zero-free unsigned formats)."""
     fmt = BYTE_FORMATS[name]
-    index = fmt.nearest_index
+    index = nearest_index(fmt)
     assert index is not None
     x = hard_inputs(fmt)
     magnitude = x.abs().view(torch.int32).to(torch.int64)
@@ -78,6 +83,7 @@ def test_nearest_code_index_gives_the_reference_codes(name):
         assert bool((encode_codebook(x, fmt.index, "nearest") < fmt.min_code).any())  # the clamp is exercised
 
 
+@needs_kernel
 @pytest.mark.parametrize("name", ["int8", "int8_linear"])
 def test_kernel_never_stores_v_as_zero(name):
     """Zero-free ``v``: with betas (0, 0) the new ``v`` is ``grad * grad`` exactly, so the kernel's ``v`` codes and scales
@@ -95,6 +101,7 @@ def test_kernel_never_stores_v_as_zero(name):
     assert int(codes.min()) == 1 and bool((grad * grad == 0).any())
 
 
+@needs_kernel
 @pytest.mark.parametrize("scale_dtype", ["bf16", "fp32"])
 @pytest.mark.parametrize("absmax", [1.0, 0.3, 1.7e-3, 12345.678])
 @pytest.mark.parametrize("name", list(BYTE_FORMATS))
@@ -119,6 +126,7 @@ def test_kernel_encodes_like_the_reference(name, absmax, scale_dtype):
     assert torch.equal(state["exp_avg"].scales, scales)
 
 
+@needs_kernel
 @pytest.mark.parametrize(
     "options",
     [
@@ -172,6 +180,7 @@ def test_kernel_step_matches_the_reference_step(options, threads):
         torch.testing.assert_close(param, reference_param, rtol=3e-7, atol=2e-9)
 
 
+@needs_kernel
 def test_a_nonfinite_gradient_skips_only_its_parameter():
     torch.manual_seed(0)
     weights = [torch.nn.Parameter(torch.randn(5000)) for _ in range(2)]
@@ -197,3 +206,38 @@ def test_a_nonfinite_gradient_skips_only_its_parameter():
     with warnings.catch_warnings(), pytest.raises(FloatingPointError, match="nonfinite='raise'"):
         warnings.simplefilter("error")
         strict.step()
+
+
+def test_the_build_is_said_on_stderr_only_when_not_cached(monkeypatch, tmp_path, capsys):
+    """``build_extension`` prints its one line before a build, not when the extension's library is already in torch's
+    extension directory (``load`` faked: no compiler runs)."""
+    calls = []
+    monkeypatch.setattr(cpp_extension, "_get_build_directory", lambda name, verbose: str(tmp_path))
+    monkeypatch.setattr(cpp_extension, "load", lambda **kwargs: calls.append(kwargs) or types.SimpleNamespace(adam_steps_u8=None))
+    name = native.extension_name()
+    native.build_extension()
+    said = capsys.readouterr().err
+    assert "building the C++ CPU Adam kernel once for this machine" in said and str(tmp_path) in said
+    (tmp_path / (name + cpp_extension.LIB_EXT)).touch()
+    native.build_extension()
+    assert capsys.readouterr().err == ""
+    assert [call["name"] for call in calls] == [name, name] and calls[0]["build_directory"] == str(tmp_path)
+    assert calls[0]["extra_include_paths"] == [str(native.CSRC)] and calls[0]["extra_cflags"] == native.CFLAGS
+
+
+def test_the_extension_name_hashes_sources_and_flags(monkeypatch):
+    name = native.extension_name()
+    assert re.fullmatch(r"lightning_qstate_cpu_adam_[0-9a-f]{12}", name)
+    assert {path.name for path in native.SOURCES} == {path.name for path in native.CSRC.iterdir()}  # every file in csrc/
+    monkeypatch.setattr(native, "CFLAGS", [*native.CFLAGS, "-DQSTATE_TEST"])
+    assert native.extension_name() != name
+
+
+def test_a_failed_build_warns_and_leaves_no_kernel(monkeypatch, tmp_path):
+    def fail(**kwargs):
+        raise RuntimeError("no compiler")
+
+    monkeypatch.setattr(cpp_extension, "_get_build_directory", lambda name, verbose: str(tmp_path))
+    monkeypatch.setattr(cpp_extension, "load", fail)
+    with pytest.warns(RuntimeWarning, match="building the C\\+\\+ CPU Adam kernel failed"):
+        assert native._kernel.__wrapped__() is None

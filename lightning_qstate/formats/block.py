@@ -41,14 +41,13 @@ dequantizes to NaN: a non-finite value never becomes a finite code.
 
 from __future__ import annotations
 
-import functools
 from abc import abstractmethod
 from typing import Literal
 
 import torch
 
 from .base import NonFiniteError, QuantizedTensor, StorageFormat, kernel_backend, uniform_like
-from .codebooks import CodebookIndex, MinifloatSpec, NearestCodeIndex
+from .codebooks import CodebookIndex, MinifloatSpec
 from .packing import as_blocks, num_blocks, pack, packed_numel, unpack
 from .rounding import Rounding, encode_codebook, encode_minifloat, lookup
 
@@ -66,7 +65,7 @@ def round_up_to_bf16(magnitude: torch.Tensor) -> torch.Tensor:
     The same as adding ``0xFFFF`` to the fp32 bit pattern and clearing the low 16 bits (what the kernels do), in
     float operations that ``torch.compile`` vectorizes: round to nearest bf16, and where that fell below, step up
     one bf16 spacing (``2^-8 + 2^-10`` of the value rounds to exactly one; a fixed ``2^-133`` among subnormals).
-    Compiled, it needs inductor's ``emulate_precision_casts`` (see ``optim.fused.compiled_adam_step``).
+    Compiled, it needs inductor's ``emulate_precision_casts`` (see ``kernels.compiled.compiled_adam_step``).
     """
     nearest = magnitude.to(torch.bfloat16).float()
     step = torch.where(nearest < 2.0**-126, 2.0**-133, nearest * (2.0**-8 + 2.0**-10))
@@ -231,11 +230,6 @@ class CodebookFormat(BlockFormat):
         self.codebook = codebook
         self.index = CodebookIndex.build(codebook)
         self.min_code = int((codebook <= 0).sum()) if self.zero_free else 0  # the index of the smallest positive value
-
-    @functools.cached_property
-    def nearest_index(self) -> NearestCodeIndex | None:
-        """The C++ CPU kernel's encoder (CPU tensors, ``min_code`` built in), built on first use; ``None`` where no bucket table fits."""
-        return NearestCodeIndex.build(self.codebook, self.min_code)
 
     def decode_values(self) -> torch.Tensor:
         return self.codebook.to(torch.float32)

@@ -137,8 +137,8 @@ def triton_stochastic_cast(fmt: CastFormat, flat: torch.Tensor, seed: int | torc
 def adam_coefficients(hyper: dict[str, torch.Tensor], device: torch.device) -> torch.Tensor:
     """The fp32 coefficient vector of :func:`~.triton_adam.adam_step_kernel` on ``device`` (layout ``COEFFICIENTS``).
 
-    ``hyper``: 0-d fp32 tensors by the names of ``COEFFICIENTS``, as ``optim.fused.adam_hyper`` makes them (the values
-    ``optim.fused.adam_math`` uses; numbers are rounded to fp32). No host synchronization.
+    ``hyper``: 0-d fp32 tensors by the names of ``COEFFICIENTS``, as ``kernels.adam_reference.adam_hyper`` makes them (the values
+    ``kernels.adam_reference.adam_math`` uses; numbers are rounded to fp32). No host synchronization.
     """
     tensors = [torch.as_tensor(hyper[name], dtype=torch.float32).reshape(()) for name in COEFFICIENTS]
     if all(tensor.device == device for tensor in tensors):
@@ -189,7 +189,7 @@ def triton_adam_step(
     """One Adam(W) step of ``param`` (fp32, contiguous) with moments ``m`` (``exp_avg``) and ``v`` (``exp_avg_sq``).
 
     Updates ``param`` and the codes and scales of ``m`` and ``v`` in place, in one kernel pass: the step of
-    ``optim.fused.adam_step_quantized`` (``hyper`` as there). SR draws from ``seed``: two seeds (``m``, ``v``)
+    ``kernels.adam_reference.adam_step_quantized`` (``hyper`` as there). SR draws from ``seed``: two seeds (``m``, ``v``)
     as a tensor, or one (an int or a one-element tensor) from which the second is derived; ``None`` draws them
     from the device's default generator. Returns int64 ``[stalled_m, moved_m, stalled_v, moved_v]`` on
     ``param``'s device (zeros unless ``track_stalls``).

@@ -1,14 +1,89 @@
-"""The C++ CPU Adam(W) step (``kernels/cpu_kernel.py``) over a whole param group: per-format tables and the call."""
+"""The C++ CPU Adam(W) step over a whole param group (``kernels/csrc/``): per-format tables, the build and the call.
+
+The kernel (``adam_steps_u8`` in ``csrc/adam_cpu.cpp``) is Adam(W) for 8-bit codebook states on the CPU
+(round-to-nearest), with optional stall counts. It steps every parameter of a param group in one call, threaded with
+``at::parallel_for`` over all their blocks: first a check of every gradient (a parameter with an inf/NaN gradient is
+left untouched), then one pass per block (data prefetched a few blocks ahead): decode both moments (table lookup
+times the block scale), torch's Adam(W) update, per-block absmax, and round-to-nearest encoding with
+``code_index.NearestCodeIndex`` (one table lookup and integer compares; the table of a zero-free ``v`` format also
+clamps codes up to its ``min_code``, so ``v`` is never stored as 0), writing param, codes and scales (bf16 or fp32,
+per state) in place. The group's parameters with fp32 moments (those ``min_quant_size`` keeps fp32) step in the same
+call, and the kernel increments every step counter, so a whole group costs one call and no per-parameter torch ops.
+
+The codes and scales are those of the torch reference ``adam_reference.adam_step_quantized`` bit for bit: the
+hyperparameters are rounded to fp32 from double as ``adam_reference.adam_hyper`` (and torch's AdamW) round them, the
+moments use the float operations of torch's vectorized CPU kernels in the same order (explicit FMAs where torch's
+``add(alpha=)``/``lerp_``/``addcmul_`` use them, no other contraction: ``-ffp-contract=off``), the division by the
+block's stored scale is correctly rounded (Markstein's reciprocal-and-remainder form), and the encoder reproduces the
+format's ``encode`` (``encode_codebook`` clamped up to ``min_code``) exactly. The param update multiplies by
+reciprocals where the reference divides, so params are within a few ulps of the update of the reference's. With
+AVX-512 the body of each block runs 16 lanes at a time (table lookups by register permutes, not gathers; with VBMI,
+64 codes at a time from byte planes of the table); the scalar code runs the rest and is the whole kernel on other CPUs.
+
+It is built on first use with ``torch.utils.cpp_extension.load`` (needs a C++ compiler and ninja; about 40 s, said
+on stderr) under a name that hashes the sources and flags, and cached in torch's extension directory; where the build
+fails, ``native_kernel_available()`` is ``False`` and the optimizer takes another path.
+"""
 
 from __future__ import annotations
 
 import functools
+import hashlib
+import os
+import sys
+import warnings
+from pathlib import Path
 
 import torch
 
 from ..formats import CodebookFormat, QuantizedTensor
-from . import cpu_kernel
 from .bounds import moment_bound
+from .code_index import nearest_index
+
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = (CSRC / "adam_cpu.cpp", CSRC / "adam_cpu.h")  # the compiled file first, then the headers it includes
+CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-fopenmp"]
+LDFLAGS = ["-fopenmp"]
+
+
+def extension_name() -> str:
+    """``lightning_qstate_cpu_adam_<12 hex>``: a sha256 of ``SOURCES`` and the compiler flags, so an edit
+    to either builds a new extension."""
+    digest = hashlib.sha256()
+    for path in SOURCES:
+        digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    digest.update(" ".join(CFLAGS + ["--"] + LDFLAGS).encode())
+    return f"lightning_qstate_cpu_adam_{digest.hexdigest()[:12]}"
+
+
+def build_extension():
+    """The compiled extension module, built first where torch's extension directory has no copy (said on stderr)."""
+    from torch.utils import cpp_extension
+
+    name = extension_name()
+    build_directory = cpp_extension._get_build_directory(name, verbose=False)
+    if not os.path.exists(os.path.join(build_directory, name + cpp_extension.LIB_EXT)):
+        message = f"lightning_qstate: building the C++ CPU Adam kernel once for this machine (~40 s; cached in {build_directory})"
+        print(message, file=sys.stderr, flush=True)
+    return cpp_extension.load(
+        name=name,
+        sources=[str(SOURCES[0])],
+        extra_cflags=CFLAGS,
+        extra_ldflags=LDFLAGS,
+        extra_include_paths=[str(CSRC)],
+        build_directory=build_directory,
+        verbose=False,
+    )
+
+
+@functools.cache
+def _kernel():
+    """The extension's ``adam_steps_u8``, or ``None`` when it cannot be built here (warns once)."""
+    try:
+        return build_extension().adam_steps_u8
+    except Exception as error:  # no compiler or ninja: another path takes over
+        warnings.warn(f"building the C++ CPU Adam kernel failed ({error!r}); using the torch.compile path", RuntimeWarning, stacklevel=2)
+        return None
 
 
 @functools.cache
@@ -16,7 +91,7 @@ def _native_layout(m_format: CodebookFormat, v_format: CodebookFormat) -> tuple[
     """The kernel's per-parameter tables ``[m_decode, m_entries, m_planes, v_decode, v_entries, v_planes]`` (planes:
     ``(4, 256)`` uint8, byte ``j`` of every decode value in row ``j``, for the VBMI decoder) and integers
     ``[block, m_base, m_shift, m_half, v_base, v_shift, v_half]`` for a pair of moment formats."""
-    m_index, v_index = m_format.nearest_index, v_format.nearest_index
+    m_index, v_index = nearest_index(m_format), nearest_index(v_format)
     tables = [
         table
         for index in (m_index, v_index)
@@ -37,7 +112,7 @@ def native_adam_steps(
     params: list[torch.Tensor], grads: list[torch.Tensor], states: list[dict], group: dict, track_stalls: bool
 ) -> list[list[int]]:
     """The Adam step of every parameter of ``group`` given (each ``native_eligible``, or ``native_plain_eligible``: fp32
-    moments) in one C++ call (``cpu_kernel``), in place.
+    moments) in one C++ call, in place.
 
     Each ``step`` counter goes up by one, in the kernel, which also derives the step's bias corrections from it (as
     ``adam_hyper`` does for coded params, as torch's AdamW for fp32 ones); parameters whose gradient holds inf/NaN
@@ -53,16 +128,27 @@ def native_adam_steps(
         layout = _native_layout(m.format, v.format)
         tables += layout[0]
         ints.append(layout[1])
-    rows = cpu_kernel.kernel()(
-        [params[k] for k in coded], [grads[k].contiguous() for k in coded],
-        [m.codes for m, _ in moments], [m.scales for m, _ in moments], [v.codes for _, v in moments], [v.scales for _, v in moments],
-        tables, torch.tensor(ints, dtype=torch.int64).view(-1, 7),
-        torch.tensor([moment_bound(float(beta1), float(beta2), float(states[k]["step"])) for k in coded], dtype=torch.float32),
-        [t for k in plain for t in (params[k], grads[k].contiguous(), states[k]["exp_avg"], states[k]["exp_avg_sq"])],
-        [states[k]["step"] for k in order],
-        float(group["lr"]), float(group["weight_decay"]), float(beta1), float(beta2), float(group["eps"]),
-        group["decoupled_weight_decay"], group["maximize"], track_stalls,
-    ).tolist()  # fmt: skip
+    rows = _kernel()(
+        params=[params[k] for k in coded],
+        grads=[grads[k].contiguous() for k in coded],
+        m_codes=[m.codes for m, _ in moments],
+        m_scales=[m.scales for m, _ in moments],
+        v_codes=[v.codes for _, v in moments],
+        v_scales=[v.scales for _, v in moments],
+        tables=tables,
+        ints=torch.tensor(ints, dtype=torch.int64).view(-1, 7),
+        bounds=torch.tensor([moment_bound(float(beta1), float(beta2), float(states[k]["step"])) for k in coded], dtype=torch.float32),
+        plain=[t for k in plain for t in (params[k], grads[k].contiguous(), states[k]["exp_avg"], states[k]["exp_avg_sq"])],
+        steps=[states[k]["step"] for k in order],
+        lr=float(group["lr"]),
+        weight_decay=float(group["weight_decay"]),
+        beta1=float(beta1),
+        beta2=float(beta2),
+        eps=float(group["eps"]),
+        decoupled=group["decoupled_weight_decay"],
+        maximize=group["maximize"],
+        track=track_stalls,
+    ).tolist()
     if not all(row[1] for row in rows if row[0]):
         raise FloatingPointError("an Adam moment overflowed to inf/NaN during the step; its packed codes were not trusted")
     by_param = [None] * len(states)
@@ -73,7 +159,7 @@ def native_adam_steps(
 
 def native_kernel_available() -> bool:
     """Whether the C++ kernel is built here (built on first call; ``False`` without a C++ compiler)."""
-    return cpu_kernel.kernel() is not None
+    return _kernel() is not None
 
 
 def native_formats(m_format: CodebookFormat, v_format: CodebookFormat) -> bool:
@@ -81,6 +167,6 @@ def native_formats(m_format: CodebookFormat, v_format: CodebookFormat) -> bool:
     round-to-nearest encoder has a ``NearestCodeIndex``."""
     formats = (m_format, v_format)
     return (
-        all(isinstance(f, CodebookFormat) and 4 < f.bits <= 8 and f.nearest_index is not None for f in formats)
+        all(isinstance(f, CodebookFormat) and 4 < f.bits <= 8 and nearest_index(f) is not None for f in formats)
         and m_format.block_size == v_format.block_size
     )

@@ -5,7 +5,7 @@ packed codes + scales of both moments, and writes the parameter, codes and scale
 back in place: decode (``decode[code] * scale``) -> torch's Adam(W) update ->
 per-block absmax -> encode (RN or SR) -> pack. Nothing else touches memory.
 
-It follows ``optim/fused.py``'s ``adam_step_quantized`` (the torch definition of the
+It follows ``kernels/adam_reference.py``'s ``adam_step_quantized`` (the torch definition of the
 step) operation by operation, bit for bit (``adam_math``'s rounding contract), in the
 operation order of torch's kernels:
 
@@ -19,7 +19,7 @@ operation order of torch's kernels:
   via the kernel variant) so the compiler adds no FMA contraction of its own.
 
 The hyperparameters come from a device vector (:data:`COEFFICIENTS`, the fp32 values
-of ``optim.fused.adam_hyper``), so a new learning rate never recompiles and never
+of ``kernels.adam_reference.adam_hyper``), so a new learning rate never recompiles and never
 synchronizes. The moments may have different formats and block sizes: a program
 covers ``BLOCK_SIZE`` values, the larger of the two block sizes, and the moment
 with the smaller block size is scaled per sub-block (``*_SUB_BLOCKS`` of them).
@@ -53,7 +53,7 @@ COEFFICIENTS = (
 """Layout of the fp32 coefficient vector: ``1 - lr * weight_decay``, ``weight_decay``, ``1 - beta1``, ``beta2``,
 ``1 - beta2``, ``eps``, ``lr / (1 - beta1**t)``, ``sqrt(1 - beta2**t)`` (at step ``t``), each computed as torch's
 AdamW does (in float64 for Python floats) and rounded to fp32 once, and the bound ``K`` that the decoded ``m`` is
-held to (``|m| <= K sqrt(v)``, ``kernels.bounds``): the keys of ``optim.fused.adam_hyper``."""
+held to (``|m| <= K sqrt(v)``, ``kernels.bounds``): the keys of ``kernels.adam_reference.adam_hyper``."""
 
 STALL_SLOTS: tl.constexpr = tl.constexpr(32)
 
@@ -123,11 +123,11 @@ def adam_step_kernel(
     exp_avg, exp_avg_units = load_moment(m_codes_ptr, m_scales_ptr, m_decode_ptr, block, numel, M_BITS, M_SUB_BLOCKS, BLOCK_SIZE)
     exp_avg_sq, exp_avg_sq_units = load_moment(v_codes_ptr, v_scales_ptr, v_decode_ptr, block, numel, V_BITS, V_SUB_BLOCKS, BLOCK_SIZE)
 
-    # optim/fused.py adam_math, in torch's rounding order; coefficients in the order of COEFFICIENTS.
+    # adam_reference.adam_math, in torch's rounding order; coefficients in the order of COEFFICIENTS.
     decay, weight_decay = tl.load(coefficients_ptr + 0), tl.load(coefficients_ptr + 1)
     lerp_weight, beta2, square_weight = tl.load(coefficients_ptr + 2), tl.load(coefficients_ptr + 3), tl.load(coefficients_ptr + 4)
     eps, step_size, bias_correction2_sqrt = tl.load(coefficients_ptr + 5), tl.load(coefficients_ptr + 6), tl.load(coefficients_ptr + 7)
-    limit = tl.math.sqrt_rn(exp_avg_sq) * tl.load(coefficients_ptr + 8)  # fused.hold_moment: |m| <= K sqrt(v)
+    limit = tl.math.sqrt_rn(exp_avg_sq) * tl.load(coefficients_ptr + 8)  # adam_reference.hold_moment: |m| <= K sqrt(v)
     held = tl.where(exp_avg > limit, limit, tl.where(exp_avg < -limit, -limit, exp_avg))
     if MAXIMIZE:
         grad = -grad

@@ -1,0 +1,226 @@
+// The value-level pieces of the C++ CPU Adam(W) kernel (adam_cpu.cpp): a state's codebook and its round-to-nearest
+// encoder, Adam's update of one value, stored block scales, and the AVX-512 forms of these. Plain C++ on raw pointers.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define QSTATE_AVX512 1
+#if defined(__AVX512VBMI__)
+#define QSTATE_VBMI 1
+#endif
+#endif
+
+namespace lightning_qstate {
+
+// One state's kernels.code_index.NearestCodeIndex (the format's min_code built into its entries).
+struct Codebook {
+  const float* decode;     // (256,) value of every code
+  const int32_t* entries;  // bucket -> first | inside << 8 | offset << 9
+  int32_t key_base, key_shift, half;
+  const uint8_t* planes;  // (4, 256): byte j of decode[c] at [j][c] (the VBMI decoder's tables)
+};
+
+// Adam(W) hyperparameters as fp32. The moments follow adam_reference.adam_math as torch's vectorized CPU kernels compute
+// them: add(alpha=) is fma(other, alpha, self), lerp_ is fma(coeff, end - self, base) (coeff = w, base = self if
+// |w| < 0.5, else w - 1 and end), addcmul_ is fma(value * t1, t2, self). The param update multiplies by reciprocals
+// instead of dividing (by bias_correction2_sqrt, and by the denominator: its reciprocal to about an ulp), so it is within
+// a few ulps of the reference's update.
+// m_bound: the decoded m of a coded parameter is first held to |m| <= m_bound * sqrt(v) (adam_reference.hold_moment; when hold_m).
+struct Hyper {
+  float sign, l2, decay, lerp_coeff, b2, one_minus_b2, step, inv_bc2, eps, m_bound;
+  bool lerp_from_end, hold_m;
+};
+
+// One value of the Adam(W) update: param p and moments m, v (decoded) in place.
+inline void adam_lane(float& p, float g, float& m, float& v, const Hyper& h) {
+  if (h.hold_m) {
+    const float limit = std::sqrt(v) * h.m_bound;
+    m = m > limit ? limit : (m < -limit ? -limit : m);
+  }
+  const float gi = std::fma(p, h.l2, h.sign * g);
+  m = std::fma(h.lerp_coeff, gi - m, h.lerp_from_end ? gi : m);
+  v = std::fma(h.one_minus_b2 * gi, gi, v * h.b2);
+  const float denom = std::sqrt(v) * h.inv_bc2 + h.eps;
+  p = p * h.decay - (h.step * m) * (1.0f / denom);
+}
+
+// The code of a normalized value: its bucket's entry and at most one threshold compare.
+inline uint8_t encode_lane(float value, const Codebook& cb) {
+  const float magnitude = std::fabs(value);
+  int32_t bits;
+  std::memcpy(&bits, &magnitude, 4);
+  int32_t key = (bits - cb.key_base) >> cb.key_shift;
+  key = key < 0 ? 0 : (key > cb.half - 1 ? cb.half - 1 : key);
+  const bool negative = value < 0.0f;
+  const int32_t entry = cb.entries[negative ? cb.half - 1 - key : cb.half + key];
+  const int32_t threshold = cb.key_base + (key << cb.key_shift) + (entry >> 9);
+  const bool up = (entry & 0x100) && (negative ? bits <= threshold : bits >= threshold);
+  return static_cast<uint8_t>((entry & 0xFF) + (up ? 1 : 0));
+}
+
+// A block scale as stored: fp32, or bf16 (the upper half of an fp32 pattern), as formats.block has it.
+struct Scales {
+  void* data;
+  bool bf16;
+
+  float load(int64_t i) const {
+    if (!bf16) return static_cast<const float*>(data)[i];
+    const uint32_t pattern = static_cast<uint32_t>(static_cast<const uint16_t*>(data)[i]) << 16;
+    float value;
+    std::memcpy(&value, &pattern, 4);
+    return value;
+  }
+  // formats.block.BlockFormat.stored_scale of a finite absmax >= 0: itself, or rounded up to bf16 (saturating).
+  float representable(float absmax) const {
+    if (!bf16) return absmax;
+    uint32_t pattern;
+    std::memcpy(&pattern, &absmax, 4);
+    pattern = (pattern + 0xFFFFu) & 0xFFFF0000u;
+    float rounded;
+    std::memcpy(&rounded, &pattern, 4);
+    return std::min(rounded, 3.38953139e38f);  // bf16's largest finite value
+  }
+  // Store a value that is representable (or NaN): the bf16 pattern is its upper half.
+  void store(int64_t i, float value) const {
+    if (!bf16) {
+      static_cast<float*>(data)[i] = value;
+      return;
+    }
+    uint32_t pattern;
+    std::memcpy(&pattern, &value, 4);
+    static_cast<uint16_t*>(data)[i] = static_cast<uint16_t>(pattern >> 16);
+  }
+};
+
+// How far ahead (in values) the vector loops prefetch param, gradient and codes: a cold step waits on memory otherwise.
+constexpr int64_t PREFETCH_AHEAD = 512;
+
+#ifdef QSTATE_AVX512
+// table[index] for a 256-entry fp32 table and 16 indices in [0, 256): eight two-register permutes and a blend tree
+// (no gathers, which are slow on recent Intel cores).
+inline __m512 lookup256(const float* table, __m512i index) {
+  __m512 part[8];
+  for (int k = 0; k < 8; ++k)
+    part[k] = _mm512_permutex2var_ps(_mm512_loadu_ps(table + 32 * k), index, _mm512_loadu_ps(table + 32 * k + 16));
+  const __mmask16 bit5 = _mm512_test_epi32_mask(index, _mm512_set1_epi32(32));
+  const __mmask16 bit6 = _mm512_test_epi32_mask(index, _mm512_set1_epi32(64));
+  const __mmask16 bit7 = _mm512_test_epi32_mask(index, _mm512_set1_epi32(128));
+  for (int k = 0; k < 4; ++k) part[k] = _mm512_mask_blend_ps(bit5, part[2 * k], part[2 * k + 1]);
+  for (int k = 0; k < 2; ++k) part[k] = _mm512_mask_blend_ps(bit6, part[2 * k], part[2 * k + 1]);
+  return _mm512_mask_blend_ps(bit7, part[0], part[1]);
+}
+
+// 16 codes decoded and times the block scale.
+inline __m512 decode16(const uint8_t* codes, const float* decode, float scale) {
+  const __m512i index = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes)));
+  return _mm512_mul_ps(lookup256(decode, index), _mm512_set1_ps(scale));
+}
+
+#ifdef QSTATE_VBMI
+// decode16 of 64 codes: out[r] holds values 16r .. 16r + 15. Each byte plane of the table is looked up with two
+// 128-entry byte permutes (bit 7 of the code picks one), then bytes are interleaved into fp32 lanes. The interleave
+// leaves value 16L + 4r + t in lane 4L + t of out[r] (L: 128-bit lane); the codes are permuted first so that this is
+// value 16r + 4L + t.
+inline void decode64(const uint8_t* codes, const uint8_t* planes, float scale, __m512 out[4]) {
+  // clang-format off: one row per 128-bit lane
+  alignas(64) static const uint8_t order[64] = {
+      0, 1, 2, 3, 16, 17, 18, 19, 32, 33, 34, 35, 48, 49, 50, 51,
+      4, 5, 6, 7, 20, 21, 22, 23, 36, 37, 38, 39, 52, 53, 54, 55,
+      8, 9, 10, 11, 24, 25, 26, 27, 40, 41, 42, 43, 56, 57, 58, 59,
+      12, 13, 14, 15, 28, 29, 30, 31, 44, 45, 46, 47, 60, 61, 62, 63};
+  // clang-format on
+  const __m512i index = _mm512_permutexvar_epi8(_mm512_load_si512(order), _mm512_loadu_si512(codes));
+  const __mmask64 high = _mm512_movepi8_mask(index);
+  __m512i byte[4];
+  for (int j = 0; j < 4; ++j) {
+    const uint8_t* plane = planes + 256 * j;
+    const __m512i low_half = _mm512_permutex2var_epi8(_mm512_loadu_si512(plane), index, _mm512_loadu_si512(plane + 64));
+    const __m512i high_half = _mm512_permutex2var_epi8(_mm512_loadu_si512(plane + 128), index, _mm512_loadu_si512(plane + 192));
+    byte[j] = _mm512_mask_blend_epi8(high, low_half, high_half);
+  }
+  const __m512i low01 = _mm512_unpacklo_epi8(byte[0], byte[1]), high01 = _mm512_unpackhi_epi8(byte[0], byte[1]);
+  const __m512i low23 = _mm512_unpacklo_epi8(byte[2], byte[3]), high23 = _mm512_unpackhi_epi8(byte[2], byte[3]);
+  const __m512 factor = _mm512_set1_ps(scale);
+  out[0] = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpacklo_epi16(low01, low23)), factor);
+  out[1] = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(low01, low23)), factor);
+  out[2] = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpacklo_epi16(high01, high23)), factor);
+  out[3] = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(high01, high23)), factor);
+}
+#endif
+
+// encode_lane on 16 values; ``value`` already normalized (``Nonnegative``: no value is < 0, as for Adam's v). Magnitude
+// patterns and thresholds are compared relative to key_base.
+template <bool Nonnegative>
+inline void encode16(__m512 value, const Codebook& cb, uint8_t* out) {
+  const __m512i shift = _mm512_set1_epi32(cb.key_shift);
+  const __m512i bits = _mm512_sub_epi32(_mm512_castps_si512(_mm512_abs_ps(value)), _mm512_set1_epi32(cb.key_base));
+  __m512i key = _mm512_srav_epi32(bits, shift);
+  key = _mm512_min_epi32(_mm512_max_epi32(key, _mm512_setzero_si512()), _mm512_set1_epi32(cb.half - 1));
+  const __mmask16 negative = Nonnegative ? 0 : _mm512_cmp_ps_mask(value, _mm512_setzero_ps(), _CMP_LT_OQ);
+  const __m512i bucket =
+      _mm512_mask_sub_epi32(_mm512_add_epi32(_mm512_set1_epi32(cb.half), key), negative, _mm512_set1_epi32(cb.half - 1), key);
+  const __m512i entry = _mm512_i32gather_epi32(bucket, cb.entries, 4);
+  const __m512i threshold = _mm512_add_epi32(_mm512_sllv_epi32(key, shift), _mm512_srai_epi32(entry, 9));
+  const __mmask16 inside = _mm512_test_epi32_mask(entry, _mm512_set1_epi32(0x100));
+  const __mmask16 up =
+      inside & ((negative & _mm512_cmple_epi32_mask(bits, threshold)) | (~negative & _mm512_cmpge_epi32_mask(bits, threshold)));
+  const __m512i first = _mm512_and_si512(entry, _mm512_set1_epi32(0xFF));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm512_cvtepi32_epi8(_mm512_mask_add_epi32(first, up, first, _mm512_set1_epi32(1))));
+}
+
+// The AVX-512 form of adam_lane and the block's running absmaxes / non-finite flags, for 16 values.
+struct Update16 {
+  __m512 sign, l2, decay, lerp_coeff, b2, one_minus_b2, step, inv_bc2, eps, m_bound;
+  bool lerp_from_end, hold_m;
+  __m512 m_top = _mm512_setzero_ps(), v_top = _mm512_setzero_ps();
+  __mmask16 m_nonfinite = 0, v_nonfinite = 0;
+
+  explicit Update16(const Hyper& h)
+      : sign(_mm512_set1_ps(h.sign)),
+        l2(_mm512_set1_ps(h.l2)),
+        decay(_mm512_set1_ps(h.decay)),
+        lerp_coeff(_mm512_set1_ps(h.lerp_coeff)),
+        b2(_mm512_set1_ps(h.b2)),
+        one_minus_b2(_mm512_set1_ps(h.one_minus_b2)),
+        step(_mm512_set1_ps(h.step)),
+        inv_bc2(_mm512_set1_ps(h.inv_bc2)),
+        eps(_mm512_set1_ps(h.eps)),
+        m_bound(_mm512_set1_ps(h.m_bound)),
+        lerp_from_end(h.lerp_from_end),
+        hold_m(h.hold_m) {}
+
+  // p[0:16] updated in place; the new moments (from decoded mi, vi) to m[0:16], v[0:16].
+  inline void operator()(float* p, const float* g, __m512 mi, __m512 vi, float* m, float* v) {
+    __builtin_prefetch(p + PREFETCH_AHEAD);
+    __builtin_prefetch(g + PREFETCH_AHEAD);
+    if (hold_m) {  // adam_lane's hold: -limit by flipping the sign bit, as the scalar negation does (also for 0)
+      const __m512 limit = _mm512_mul_ps(_mm512_sqrt_ps(vi), m_bound);
+      const __m512 negative =
+          _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(limit), _mm512_set1_epi32(static_cast<int32_t>(0x80000000u))));
+      mi = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(mi, limit, _CMP_GT_OQ), mi, limit);
+      mi = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(mi, negative, _CMP_LT_OQ), mi, negative);
+    }
+    const __m512 pi = _mm512_loadu_ps(p);
+    const __m512 gi = _mm512_fmadd_ps(pi, l2, _mm512_mul_ps(sign, _mm512_loadu_ps(g)));
+    mi = _mm512_fmadd_ps(lerp_coeff, _mm512_sub_ps(gi, mi), lerp_from_end ? gi : mi);
+    vi = _mm512_fmadd_ps(_mm512_mul_ps(one_minus_b2, gi), gi, _mm512_mul_ps(vi, b2));
+    const __m512 denom = _mm512_add_ps(_mm512_mul_ps(_mm512_sqrt_ps(vi), inv_bc2), eps);
+    const __m512 estimate = _mm512_rcp14_ps(denom);  // one Newton step: about an ulp
+    const __m512 reciprocal = _mm512_fmadd_ps(estimate, _mm512_fnmadd_ps(denom, estimate, _mm512_set1_ps(1.0f)), estimate);
+    _mm512_storeu_ps(p, _mm512_sub_ps(_mm512_mul_ps(pi, decay), _mm512_mul_ps(_mm512_mul_ps(step, mi), reciprocal)));
+    _mm512_storeu_ps(m, mi);
+    _mm512_storeu_ps(v, vi);
+    m_top = _mm512_max_ps(_mm512_abs_ps(mi), m_top);  // a NaN lane keeps the running max, as the scalar compare does
+    v_top = _mm512_max_ps(_mm512_abs_ps(vi), v_top);
+    m_nonfinite |= _mm512_cmp_ps_mask(_mm512_sub_ps(mi, mi), _mm512_setzero_ps(), _CMP_UNORD_Q);
+    v_nonfinite |= _mm512_cmp_ps_mask(_mm512_sub_ps(vi, vi), _mm512_setzero_ps(), _CMP_UNORD_Q);
+  }
+};
+#endif
+
+}  // namespace lightning_qstate
