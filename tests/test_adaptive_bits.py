@@ -1,7 +1,7 @@
-"""Adaptive per-layer bit-widths: the policy pieces (``theory/bits.py``) and the ``AdaptiveBitWidth`` callback on one device.
+"""Adaptive per-layer bit-widths: the policy pieces (``lightning_qstate.adaptive``) and the ``AdaptiveBitWidth`` callback on one device.
 
 The multi-process runs (DDP-style decisions on every rank, FSDP1/FSDP2 with uneven shards, resume) are in
-``test_distributed.py``.
+``test_distributed.py``; ``BitWidthPlanner`` driven by a plain torch loop is in ``test_adaptive_planner.py``.
 """
 
 from __future__ import annotations
@@ -19,12 +19,9 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from lightning_qstate import QAdamW
-from lightning_qstate.callbacks import AdaptiveBitWidth, QuantizedOptimizerStates
-from lightning_qstate.callbacks.adaptive_bits import DEFAULT_M_FORMATS, DEFAULT_V_FORMATS, HEATMAP_PALETTE, bit_width_heatmap
-from lightning_qstate.formats import QuantizedTensor, get_format
-from lightning_qstate.optim import state_summary
-from lightning_qstate.plugins import QStatePrecision
-from lightning_qstate.theory import (
+from lightning_qstate.adaptive import (
+    DEFAULT_M_FORMATS,
+    DEFAULT_V_FORMATS,
     ZONES,
     AnnealedThreshold,
     BudgetError,
@@ -41,6 +38,11 @@ from lightning_qstate.theory import (
     resolved_nbytes,
     zone_ladder,
 )
+from lightning_qstate.callbacks import AdaptiveBitWidth, QuantizedOptimizerStates
+from lightning_qstate.callbacks.adaptive_bits import HEATMAP_PALETTE, bit_width_heatmap
+from lightning_qstate.formats import QuantizedTensor, get_format
+from lightning_qstate.optim import state_summary
+from lightning_qstate.plugins import QStatePrecision
 
 from lightning_models import Regressor, flat_weights, regression_data
 
@@ -334,11 +336,11 @@ def test_decisions_reencode_states_and_meet_the_budget(tmp_path, monkeypatch, ta
     fit.fit(model, regression_data())
     optimizer = fit.strategy.optimizers[0]
 
-    assert callback.last_check == 7 and len(callback.history) == 8
+    assert callback.planner.last_check == 7 and len(callback.planner.history) == 8
     if target_bits is None:
         assert reencoded, "a decision changed a state's format"
     # a transition is a re-encoded state: not a changed decision for a state kept fp32, nor the plan of the first check (no states yet)
-    assert callback.transitions == len(reencoded)
+    assert callback.planner.transitions == len(reencoded)
     for before, after, fmt in reencoded:  # re-encoding loses nothing beyond the new format's precision: RN from the decoded values
         assert isinstance(after, QuantizedTensor) and after.format is fmt and before.format.config != fmt.config
         direct = fmt.quantize(before.dequantize())
@@ -366,7 +368,7 @@ def test_decisions_reencode_states_and_meet_the_budget(tmp_path, monkeypatch, ta
     if target_bits is not None:
         assert metrics["qstate/adaptive/avg_bits"] <= TARGET
         numels = torch.tensor([float(param.numel()) for param in model.parameters()])
-        for entry in callback.history:  # the cap held at every check
+        for entry in callback.planner.history:  # the cap held at every check
             bits = torch.tensor(entry["bits"])
             assert float((bits * numels).sum() / (2 * numels.sum())) <= TARGET
 
@@ -376,12 +378,14 @@ def test_the_plan_spends_the_room_under_the_cap(tmp_path):
     callback = AdaptiveBitWidth(target_bits=TARGET, **FAST)
     fit = trainer(tmp_path, plugins=[plugin()], callbacks=[callback])
     fit.fit(Regressor(), regression_data())
-    values = 2 * sum(layer.numel for layer in callback.layers)
-    total = sum(sum(layer.state_bytes()) for layer in callback.layers)
+    values = 2 * sum(layer.numel for layer in callback.planner.layers)
+    total = sum(sum(layer.state_bytes()) for layer in callback.planner.layers)
     assert 8 * total / values <= TARGET
     promoted = 0
-    for layer in callback.layers:
-        ladder, start = budget_ladder(layer.hysteresis.zone, callback.formats, lambda state, name, layer=layer: layer.nbytes[(state, name)])
+    for layer in callback.planner.layers:
+        ladder, start = budget_ladder(
+            layer.hysteresis.zone, callback.planner.formats, lambda state, name, layer=layer: layer.nbytes[(state, name)]
+        )
         rung = [choice for choice, _ in ladder].index(layer.choice)
         promoted += rung < start
         if rung > 0:
@@ -402,13 +406,13 @@ def test_tighter_budget_demotes_more(tmp_path):
 def test_unreachable_budget_raises_at_the_start(tmp_path):
     callback = AdaptiveBitWidth(target_bits=8.0)
     with pytest.raises(
-        BudgetError, match=r"AdaptiveBitWidth: target_bits=8.0 cannot be met: the cheapest candidates give .* bits.*min_quant_size"
+        BudgetError, match=r"BitWidthPlanner: target_bits=8.0 cannot be met: the cheapest candidates give .* bits.*min_quant_size"
     ):
         trainer(tmp_path, plugins=[plugin(min_quant_size=8000)], callbacks=[callback]).fit(Regressor(), regression_data())
 
 
 def test_unsupported_optimizers_are_refused(tmp_path):
-    with pytest.raises(TypeError, match="AdaptiveBitWidth needs a QAdam/QAdamW optimizer.*got AdamW"):
+    with pytest.raises(TypeError, match="BitWidthPlanner needs a QAdam/QAdamW optimizer.*got AdamW"):
         trainer(tmp_path, callbacks=[AdaptiveBitWidth()]).fit(Regressor(), regression_data())
 
     class AMSGrad(Regressor):
@@ -449,7 +453,7 @@ def test_resume_continues_exactly(tmp_path):
     path = next((tmp_path / "ckpt").glob("*.ckpt"))
     saved = torch.load(path, weights_only=True)
     assert any(key.startswith("AdaptiveBitWidth") for key in saved["callbacks"])  # decisions and EMAs are in the checkpoint
-    assert first_callback.transitions < straight_callback.transitions, "decisions changed after the checkpoint"
+    assert first_callback.planner.transitions < straight_callback.planner.transitions, "decisions changed after the checkpoint"
 
     resumed_model, resumed_callback = Regressor(), AdaptiveBitWidth(target_bits=TARGET, fill_budget=False, **FAST)
     resumed = trainer(tmp_path / "c", plugins=[plugin()], callbacks=[resumed_callback])

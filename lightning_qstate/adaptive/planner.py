@@ -1,0 +1,439 @@
+"""``BitWidthPlanner``: per-layer, per-state bit-widths for Adam's m and v that adapt during training under a memory cap
+(STQuant, a reconstruction); it drives any ``QAdam``/``QAdamW`` from a plain torch loop or from the Lightning callback."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..formats import StorageFormat
+from ..optim import QuantizedStates, clean_parameter_name, resolve_format
+from ..optim.base import local_tensor
+from .budget import BudgetError, Choice, budget_ladder, budget_order, fit_budget, resolved_nbytes
+from .zones import (
+    REFERENCES,
+    ZONES,
+    AnnealedThreshold,
+    ZoneHysteresis,
+    check_zone_formats,
+    classify_zone,
+    ema,
+    gradient_statistics,
+    model_statistics,
+)
+
+ADAPTED_STATES = ("exp_avg", "exp_avg_sq")  # Adam's m and v
+# Formats of 5 to 8 bits all store one byte per value, so each state has two real widths: 8 bits and 4 bits (with
+# scales: 8.0625 and 4.125 for m, 8.125 and 4.25 for v). The maps give v the 8 bits first (a reconstruction choice):
+# every zone with high N or R stores v as int8, m takes 8 bits (the linear int8_linear) only in the critical zone, and
+# redundant layers store m as the dynamic int4 map and v as the logarithmic e4m0. (On the GPT benchmark a 4-bit v cost
+# more than a 4-bit m: over 10 seeds fixed m int4 + v int8 came within 0.07 % of int8, m int8 + v int4 1.70 % above.)
+# At 4 bits m takes the dynamic int4 map, not int4_linear: a 4-bit linear map stores every m under 1/14 of its block's
+# absmax as 0. (The ViT benchmark cannot tell the two apart: their seed-to-seed spread is larger than the difference.)
+# Pass m_formats with "int4_linear" for the paper's all-linear m. Whatever the maps, the budget spends the cap's slack
+# on promotions (see fit_budget), the least precise layers first, so a plan under the cap usually ends close to
+# target_bits.
+DEFAULT_M_FORMATS = {"critical": "int8_linear", "magnitude": "int4", "structural": "int4", "redundant": "int4"}
+DEFAULT_V_FORMATS = {"critical": "int8", "magnitude": "int8", "structural": "int8", "redundant": "e4m0"}
+STATE_DICT_VERSION = 1
+
+
+def check_options(
+    owner: str,
+    *,
+    target_bits: float | None,
+    interval: int,
+    ema_decay: float,
+    hysteresis: int,
+    threshold_start: float,
+    threshold_end: float,
+    reference: str,
+    m_formats: Mapping[str, str] | None,
+    v_formats: Mapping[str, str] | None,
+    max_history: int,
+) -> dict[str, dict[str, str]]:
+    """Check the planner's options (errors start with ``owner``); returns ``{state: {zone: format name}}`` for m and v,
+    the defaults filled in."""
+    if target_bits is not None and not (isinstance(target_bits, (int, float)) and target_bits > 0):
+        raise ValueError(f"{owner}: target_bits={target_bits!r} must be a number > 0 (average bits per state value) or None")
+    for option, value in (("interval", interval), ("hysteresis", hysteresis), ("max_history", max_history)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{owner}: {option}={value!r} must be an int >= 1")
+    if not (isinstance(ema_decay, (int, float)) and 0 <= ema_decay < 1):
+        raise ValueError(f"{owner}: ema_decay={ema_decay!r} must be in [0, 1)")
+    if reference not in REFERENCES:
+        raise ValueError(f"{owner}: reference={reference!r} is not valid; use one of {REFERENCES}")
+    try:
+        AnnealedThreshold(threshold_start, threshold_end)
+    except ValueError:
+        raise ValueError(f"{owner}: threshold_start={threshold_start!r} and threshold_end={threshold_end!r} must be > 0") from None
+    return {
+        "exp_avg": check_zone_formats(DEFAULT_M_FORMATS if m_formats is None else m_formats, f"{owner}: m_formats"),
+        "exp_avg_sq": check_zone_formats(DEFAULT_V_FORMATS if v_formats is None else v_formats, f"{owner}: v_formats"),
+    }
+
+
+def format_config(fmt: StorageFormat | None) -> dict | None:
+    """What identifies a format (``get_format``'s arguments), ``None`` for plain fp32."""
+    return None if fmt is None else fmt.config
+
+
+@dataclass
+class Layer:
+    """One parameter the planner tracks (``param``: the optimizer's key; ``numel``: the full parameter's size)."""
+
+    name: str
+    param: torch.Tensor
+    group: dict
+    numel: int
+    pinned: dict[str, int] | None  # bytes per state of a parameter a user override fixes; None: adapted
+    nbytes: dict[tuple[str, str], int] = field(default_factory=dict)  # (state, candidate format) -> bytes
+    rms: float | None = None
+    dispersion: float | None = None
+    hysteresis: ZoneHysteresis = field(default_factory=ZoneHysteresis)
+    choice: Choice | None = None
+
+    def state_bytes(self) -> list[int]:
+        """Bytes of each adapted state in its current format."""
+        if self.pinned is not None:
+            return [self.pinned[state] for state in ADAPTED_STATES]
+        return [self.nbytes[(state, name)] for state, name in zip(ADAPTED_STATES, self.choice, strict=False)]
+
+    def stored_formats(self, choice: Choice) -> list[StorageFormat | None]:
+        """The format each adapted state is stored in under ``choice``, as the optimizer resolves it (``None``: fp32,
+        e.g. below ``min_quant_size``); depends on the full parameter only, so it is the same on every rank."""
+        override = dict(zip(ADAPTED_STATES, choice, strict=False))
+        return [resolve_format({**self.group, "states": override}, state, self.param, self.numel) for state in ADAPTED_STATES]
+
+
+class BitWidthPlanner:
+    """Per-layer, per-state bit-widths for Adam's ``exp_avg`` (m) and ``exp_avg_sq`` (v) that adapt during training
+    under a hard memory cap: STQuant (arXiv 2604.06836) as reconstructed in ``docs/algorithms.md`` ("Adaptive
+    bit-widths"). The statistics, zones, annealing, hysteresis, format maps and budget rule are that reconstruction,
+    each an option here. Pure torch: a plain loop drives it with :meth:`update`; the Lightning callback
+    :class:`~lightning_qstate.callbacks.AdaptiveBitWidth` all-reduces the statistics over ranks first.
+
+    A check (:meth:`update` at ``step % interval == 0``, before the optimizer step; ``step``: optimizer steps taken):
+
+    1. :meth:`observe`: per parameter ("layer"), the gradient's ``N = RMS(g)`` and ``R = std(|g|)/mean(|g|)`` from
+       three sums (:meth:`gradient_sums`; summed over ranks, every rank decides alike), and EMAs (``ema_decay``) of
+       both, per layer and for the whole model (``reference``); each layer's zone: N and R above ``threshold`` times
+       the model's count as high (critical: both, magnitude: N only, structural: R only, redundant: neither); the
+       threshold rises linearly from ``threshold_start`` to ``threshold_end`` over ``anneal_steps``; a new zone is
+       adopted once seen at ``hysteresis`` consecutive checks (the first observation at once);
+    2. :meth:`plan`: zone -> formats (``m_formats``, ``v_formats``), then the budget over the average of **all** m and
+       v values (those kept fp32 by ``min_quant_size`` or FSDP2 row alignment included, at their real stored bytes,
+       scales included): above ``target_bits``, layers are demoted (lowest-priority zone first, then the largest,
+       then by name) down their ladder of cheaper zones' formats until it fits; then (``fill_budget``) in rounds,
+       layers in the same order move one rung up while the average stays within the cap
+       (:func:`~lightning_qstate.adaptive.fit_budget`);
+    3. :meth:`apply`: changed states are re-encoded through ``optimizer.reencode_state`` (round-to-nearest from the
+       decoded values), and ``optimizer.state_overrides`` is set so that states created later use the decided formats.
+
+    Construction plans every layer as ``critical``, capped by the budget (:class:`~lightning_qstate.adaptive.BudgetError`
+    if even the cheapest candidates miss ``target_bits``); the optimizer is untouched until :meth:`apply`. With
+    ``target_bits=None`` every layer keeps its zone's formats. Parameters with a user override
+    (``optimizer.state_overrides`` when the planner is built) keep it and count in the average.
+
+    Example (a plain torch loop; step 0 is a check, so the first plan is applied before the first optimizer step)::
+
+        model = torch.nn.Sequential(torch.nn.Linear(32, 128), torch.nn.ReLU(), torch.nn.Linear(128, 1))
+        optimizer = lightning_qstate.QAdamW(model.parameters(), lr=1e-3, min_quant_size=0)
+        planner = BitWidthPlanner(optimizer, model, target_bits=5.1, interval=10, hysteresis=2, anneal_steps=100)
+        for step in range(100):
+            x = torch.randn(64, 32)
+            loss = (model(x) - x.sum(1, keepdim=True)).square().mean()
+            optimizer.zero_grad()
+            loss.backward()
+            planner.update(step)  # every 10 steps: statistics, zones, plan, re-encoding
+            optimizer.step()
+        planner.decisions()  # {"0.weight": {"zone": "redundant", "exp_avg": "int4", "exp_avg_sq": "e4m0"}, ...}
+        planner.metrics()["qstate/adaptive/avg_bits"]  # <= 5.1
+
+    Args:
+        optimizer: a ``QAdam``/``QAdamW`` (or a quantized wrapper with their states) without ``amsgrad``.
+        module: names the layers (``module.named_parameters()``); ``None``: the optimizer's ``param_names()``.
+        target_bits: cap on the average stored bits per m/v value, scales included; ``None``: no cap.
+        interval: optimizer steps between checks (K).
+        ema_decay: EMA factor of the statistics, in ``[0, 1)``.
+        hysteresis: consecutive checks a new zone must persist before a layer moves (H >= 1).
+        threshold_start, threshold_end: zone threshold (times the model's N and R) at step 0 and at ``anneal_steps``.
+        anneal_steps: optimizer steps of the annealing (the run's length, typically).
+        reference: the model's N and R that layers are compared with: ``"layers"``, the size-weighted mean of the
+            layers' values, or ``"model"``, all gradients pooled (:func:`~lightning_qstate.adaptive.model_statistics`).
+        m_formats, v_formats: ``{zone: format name}`` for the four zones (defaults: ``DEFAULT_M_FORMATS``, ``DEFAULT_V_FORMATS``).
+        max_history: checks kept in ``history``.
+        fill_budget: spend the room left under ``target_bits`` on promotions; ``False``: the zones' formats, demoted
+            only where the cap needs it.
+
+    Attributes:
+        layers: every parameter of the optimizer with its statistics, zone and chosen formats.
+        transitions: states whose stored format a check changed, once the optimizer has states (``step > 0``).
+        history: per check, ``{"step": s, "bits": [[m bits per layer], [v bits per layer]]}`` (the last ``max_history``).
+        last_check: the step of the last check, ``None`` before the first.
+    """
+
+    def __init__(
+        self,
+        optimizer: QuantizedStates,
+        module: torch.nn.Module | None = None,
+        *,
+        target_bits: float | None = 5.1,
+        interval: int = 50,
+        ema_decay: float = 0.9,
+        hysteresis: int = 3,
+        threshold_start: float = 1.0,
+        threshold_end: float = 1.5,
+        anneal_steps: int = 1000,
+        reference: str = "layers",
+        m_formats: Mapping[str, str] | None = None,
+        v_formats: Mapping[str, str] | None = None,
+        max_history: int = 256,
+        fill_budget: bool = True,
+    ) -> None:
+        self.formats = check_options(
+            "BitWidthPlanner",
+            target_bits=target_bits,
+            interval=interval,
+            ema_decay=ema_decay,
+            hysteresis=hysteresis,
+            threshold_start=threshold_start,
+            threshold_end=threshold_end,
+            reference=reference,
+            m_formats=m_formats,
+            v_formats=v_formats,
+            max_history=max_history,
+        )
+        if not isinstance(anneal_steps, int) or isinstance(anneal_steps, bool) or anneal_steps < 1:
+            raise ValueError(f"BitWidthPlanner: anneal_steps={anneal_steps!r} must be an int >= 1")
+        if not isinstance(optimizer, QuantizedStates) or not set(ADAPTED_STATES) <= set(optimizer.state_names):
+            raise TypeError(
+                f"BitWidthPlanner needs a QAdam/QAdamW optimizer (states {list(ADAPTED_STATES)}), got {type(optimizer).__name__}; "
+                "use lightning_qstate.QAdamW or quantize_optimizer (with Lightning: QStatePrecision or QuantizedOptimizerStates)"
+            )
+        if any(group.get("amsgrad") for group in optimizer.param_groups):
+            raise ValueError("BitWidthPlanner does not support amsgrad=True (its max_exp_avg_sq state is not adapted)")
+        self.optimizer = optimizer
+        self.target_bits = target_bits
+        self.interval = interval
+        self.ema_decay = float(ema_decay)
+        self.hysteresis = hysteresis
+        self.threshold = AnnealedThreshold(float(threshold_start), float(threshold_end), anneal_steps)
+        self.reference = reference
+        self.max_history = max_history
+        self.fill_budget = bool(fill_budget)
+        self.layers = self._collect_layers(module)
+        self.global_rms: float | None = None
+        self.global_dispersion: float | None = None
+        self.last_check: int | None = None
+        self.transitions = 0
+        self.history: list[dict[str, Any]] = []
+        self._solve(count_transitions=False)  # raises here if even every layer's cheapest formats miss target_bits
+
+    def _collect_layers(self, module: torch.nn.Module | None) -> list[Layer]:
+        """Every parameter of the optimizer, named as ``module`` names it, with its candidates priced."""
+        optimizer = self.optimizer
+        names = {} if module is None else {param: clean_parameter_name(name) for name, param in module.named_parameters()}
+        fallback = optimizer.param_names()
+        layers = []
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                numel = optimizer.full_numels.get(param, param.numel())
+                override = optimizer.state_overrides.get(param)
+                pinned = None
+                if override is not None:
+                    pinned = {state: resolved_nbytes({**group, "states": override}, state, param, numel) for state in ADAPTED_STATES}
+                layer = Layer(names.get(param, fallback[param]), param, group, numel, pinned)
+                if pinned is None:
+                    layer.nbytes = {
+                        (state, name): resolved_nbytes({**group, "states": name}, state, param, numel)
+                        for state, per_zone in self.formats.items()
+                        for name in per_zone.values()
+                    }
+                layers.append(layer)
+        return layers
+
+    # --- checks ------------------------------------------------------------------------------------------
+    def should_replan(self, step: int) -> bool:
+        """Whether ``step`` (optimizer steps taken) is a check: a multiple of ``interval`` not checked yet."""
+        return step % self.interval == 0 and step != self.last_check
+
+    def update(self, step: int, sums: torch.Tensor | Sequence[Sequence[float]] | None = None) -> bool:
+        """At a check (:meth:`should_replan`), before the optimizer step: :meth:`observe`, :meth:`plan`, :meth:`apply`.
+        ``sums``: as :meth:`observe` takes them. Returns whether ``step`` was a check."""
+        if not self.should_replan(step):
+            return False
+        self.observe(step, sums)
+        self.plan(step)
+        self.apply()
+        return True
+
+    def gradient_sums(self, device: torch.device | None = None) -> torch.Tensor:
+        """``(3, layers)`` float64 on ``device`` (default: the first parameter's): ``sum |g|``, ``sum g^2`` and the
+        number of values of each layer's local gradient (zeros without one). Two foreach norms (L1, L2) over all
+        gradients; sums over shards and ranks add up, so they can be all-reduced before :meth:`observe`."""
+        grads, where = [], []
+        for index, layer in enumerate(self.layers):
+            grad = layer.param.grad
+            if grad is not None and local_tensor(grad).numel():
+                grads.append(local_tensor(grad))
+                where.append(index)
+        sums = torch.zeros(3, len(self.layers), dtype=torch.float64, device=self.layers[0].param.device if device is None else device)
+        if grads:
+            index = torch.tensor(where, device=sums.device)
+            sums[0, index] = torch.stack(torch._foreach_norm(grads, 1, dtype=torch.float32)).to(sums)
+            sums[1, index] = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).to(sums).square()
+            sums[2, index] = torch.tensor([float(g.numel()) for g in grads], dtype=torch.float64, device=sums.device)
+        return sums
+
+    def observe(self, step: int, sums: torch.Tensor | Sequence[Sequence[float]] | None = None) -> None:
+        """Update the EMAs and the layers' zones (with hysteresis) at ``step``.
+
+        ``sums``: :meth:`gradient_sums`, all-reduced over ranks where there are several (a tensor is read back to the
+        host: the one sync of a check); ``None``: this process's gradients.
+        """
+        if sums is None:
+            sums = self.gradient_sums()
+        abs_sums, square_sums, counts = sums.tolist() if isinstance(sums, torch.Tensor) else sums
+        for layer, abs_sum, square_sum, count in zip(self.layers, abs_sums, square_sums, counts, strict=False):
+            if count > 0:
+                rms, dispersion = gradient_statistics(abs_sum, square_sum, count)
+                layer.rms, layer.dispersion = ema(layer.rms, rms, self.ema_decay), ema(layer.dispersion, dispersion, self.ema_decay)
+        rms, dispersion = model_statistics(abs_sums, square_sums, counts, self.reference)
+        self.global_rms, self.global_dispersion = (
+            ema(self.global_rms, rms, self.ema_decay),
+            ema(self.global_dispersion, dispersion, self.ema_decay),
+        )
+        threshold = self.threshold(step)
+        for layer in self.layers:
+            if layer.pinned is None and layer.rms is not None:
+                zone = classify_zone(layer.rms, layer.dispersion, self.global_rms, self.global_dispersion, threshold)
+                layer.hysteresis.observe(zone, self.hysteresis)
+
+    def plan(self, step: int) -> None:
+        """Choose every adapted layer's formats from the zones observed so far and the budget, and record the check at
+        ``step`` (``history``, ``last_check``; ``transitions`` once the optimizer has states, ``step > 0``)."""
+        self._solve(count_transitions=step > 0)
+        self.history.append({"step": step, "bits": self.bits()})
+        del self.history[: -self.max_history]
+        self.last_check = step
+
+    def _solve(self, count_transitions: bool) -> None:
+        """Choose each adapted layer's formats: its zone's (``critical`` before the first check), demoted where the budget
+        needs it, promoted where the room left under the cap allows it.
+
+        With ``count_transitions``, every state whose stored format changes adds one to ``transitions``.
+        """
+        adapted = [layer for layer in self.layers if layer.pinned is None]
+        zones = [layer.hysteresis.zone for layer in adapted]
+        planned = [
+            budget_ladder(zone, self.formats, lambda state, name, layer=layer: layer.nbytes[(state, name)])
+            for zone, layer in zip(zones, adapted, strict=False)
+        ]
+        ladders, starts = [ladder for ladder, _ in planned], [start for _, start in planned]
+        fixed = sum(sum(layer.state_bytes()) for layer in self.layers if layer.pinned is not None)
+        values = len(ADAPTED_STATES) * sum(layer.numel for layer in self.layers)
+        order = budget_order(zones, [layer.numel for layer in adapted], [layer.name for layer in adapted])
+        try:
+            costs = [[cost for _, cost in ladder] for ladder in ladders]
+            rungs = fit_budget(costs, fixed, values, self.target_bits, order, starts, self.fill_budget)
+        except BudgetError as error:
+            raise BudgetError(f"BitWidthPlanner: {error}; raise target_bits or lower the optimizer's min_quant_size") from None
+        for layer, ladder, rung in zip(adapted, ladders, rungs, strict=False):
+            choice = ladder[rung][0]
+            if count_transitions and layer.choice is not None:
+                old, new = layer.stored_formats(layer.choice), layer.stored_formats(choice)
+                self.transitions += sum(format_config(a) != format_config(b) for a, b in zip(old, new, strict=False))
+            layer.choice = choice
+
+    def apply(self) -> None:
+        """Make the optimizer store every adapted state as planned: overrides for new states, re-encoding for existing ones."""
+        optimizer = self.optimizer
+        for layer in self.layers:
+            if layer.pinned is not None:
+                continue
+            optimizer.state_overrides[layer.param] = dict(zip(ADAPTED_STATES, layer.choice, strict=False))
+            state = optimizer.state.get(layer.param, {})
+            for name, target in zip(ADAPTED_STATES, layer.stored_formats(layer.choice), strict=False):
+                if name not in state:
+                    continue
+                if format_config(target) != format_config(optimizer.state_format(layer.param, name)):
+                    optimizer.reencode_state(layer.param, name, "fp32" if target is None else target)
+
+    # --- reporting ---------------------------------------------------------------------------------------
+    def bits(self) -> list[list[float]]:
+        """Stored bits per value of each layer's m and v (scales included): ``[[m per layer], [v per layer]]``."""
+        per_layer = [[8 * nbytes / layer.numel if layer.numel else 0.0 for nbytes in layer.state_bytes()] for layer in self.layers]
+        return [list(column) for column in zip(*per_layer, strict=False)]
+
+    def metrics(self) -> dict[str, float]:
+        """``qstate/adaptive/*``: ``avg_bits`` (stored bits per m/v value), ``bytes_saved`` (versus fp32 m and v),
+        ``threshold`` (at the last check), ``transitions`` and ``zone_<zone>`` (layers per zone)."""
+        stored = sum(sum(layer.state_bytes()) for layer in self.layers)
+        values = len(ADAPTED_STATES) * sum(layer.numel for layer in self.layers)
+        metrics = {
+            "qstate/adaptive/avg_bits": 8 * stored / values if values else 0.0,
+            "qstate/adaptive/bytes_saved": float(4 * values - stored),
+            "qstate/adaptive/threshold": self.threshold(self.last_check if self.last_check is not None else 0),
+            "qstate/adaptive/transitions": float(self.transitions),
+        }
+        for zone in ZONES:
+            metrics[f"qstate/adaptive/zone_{zone}"] = float(sum(layer.hysteresis.zone == zone for layer in self.layers))
+        return metrics
+
+    def decisions(self) -> dict[str, dict[str, Any]]:
+        """``{layer name: {"zone": ..., "exp_avg": format name, "exp_avg_sq": format name}}`` of the adapted layers."""
+        return {
+            layer.name: {"zone": layer.hysteresis.zone, **dict(zip(ADAPTED_STATES, layer.choice, strict=False))}
+            for layer in self.layers
+            if layer.pinned is None
+        }
+
+    # --- checkpoints -------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Decisions, EMAs, hysteresis counters and history, as plain Python values (JSON-serialisable)."""
+        return {
+            "version": STATE_DICT_VERSION,
+            "layers": {
+                layer.name: {
+                    "rms": layer.rms,
+                    "dispersion": layer.dispersion,
+                    "zone": layer.hysteresis.zone,
+                    "pending": layer.hysteresis.pending,
+                    "streak": layer.hysteresis.streak,
+                    "formats": None if layer.choice is None else dict(zip(ADAPTED_STATES, layer.choice, strict=False)),
+                }
+                for layer in self.layers
+            },
+            "global_rms": self.global_rms,
+            "global_dispersion": self.global_dispersion,
+            "last_check": self.last_check,
+            "transitions": self.transitions,
+            "history": self.history,
+        }
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Continue from :meth:`state_dict` (layers matched by name) and plan from it; :meth:`apply` puts the plan in effect."""
+        if state_dict.get("version") != STATE_DICT_VERSION:
+            raise ValueError(f"BitWidthPlanner: checkpoint state version {state_dict.get('version')!r}, expected {STATE_DICT_VERSION}")
+        entries = state_dict["layers"]
+        names = {layer.name for layer in self.layers}
+        missing, unknown = sorted(names - set(entries)), sorted(set(entries) - names)
+        if missing or unknown:
+            raise ValueError(
+                f"BitWidthPlanner: the checkpoint's layers do not match the optimizer's (missing: {missing}, unknown: {unknown})"
+            )
+        for layer in self.layers:
+            entry = entries[layer.name]
+            layer.rms, layer.dispersion = entry["rms"], entry["dispersion"]
+            layer.hysteresis = ZoneHysteresis(entry["zone"], entry["pending"], entry["streak"])
+            layer.choice = (
+                None if entry["formats"] is None or layer.pinned is not None else tuple(entry["formats"][state] for state in ADAPTED_STATES)
+            )
+        self.global_rms, self.global_dispersion = state_dict["global_rms"], state_dict["global_dispersion"]
+        self.last_check, self.transitions = state_dict["last_check"], state_dict["transitions"]
+        self.history = [dict(entry) for entry in state_dict["history"]]
+        self._solve(count_transitions=False)

@@ -1,0 +1,176 @@
+"""``BitWidthPlanner`` without Lightning: a plain torch loop drives it (the example of its docstring), its plan is what the
+optimizer stores, it resumes from its ``state_dict``, and importing ``lightning_qstate.adaptive`` never imports Lightning.
+
+The pieces (statistics, zones, budget) and the Lightning callback over the planner are tested in ``test_adaptive_bits.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+import lightning_qstate
+from lightning_qstate.adaptive import ZONES, BitWidthPlanner
+from lightning_qstate.formats import QuantizedTensor
+from lightning_qstate.optim import state_summary
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+# Checks every 10 steps; a layer moves after 2 checks in a new zone; on this model one layer's zone, and so its v's
+# format, changes within 30 steps.
+OPTIONS = dict(interval=10, hysteresis=2, anneal_steps=100)
+
+
+def mlp_and_optimizer(seed: int = 0) -> tuple[torch.nn.Module, lightning_qstate.QAdamW]:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 128), torch.nn.ReLU(), torch.nn.Linear(128, 1))
+    return model, lightning_qstate.QAdamW(model.parameters(), lr=1e-3, min_quant_size=0)
+
+
+def train(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    planner: BitWidthPlanner,
+    steps: range,
+    on_check: Callable[[int], None] | None = None,
+    external_sums: bool = False,
+) -> None:
+    """The docstring's loop: ``planner.update`` after the backward pass, before the optimizer step (batch ``step``: seed ``step``).
+    ``external_sums``: pass the planner its own ``gradient_sums()``, as the callback passes them once all-reduced."""
+    for step in steps:
+        x = torch.randn(64, 32, generator=torch.Generator().manual_seed(step))
+        loss = (model(x) - x.sum(1, keepdim=True)).square().mean()
+        optimizer.zero_grad()
+        loss.backward()
+        if planner.update(step, planner.gradient_sums().tolist() if external_sums else None) and on_check is not None:
+            on_check(step)
+        optimizer.step()
+
+
+def stored_formats(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, dict[str, str]]:
+    """``{parameter name: {state: stored format name}}`` of the states that exist."""
+    return {
+        name: {state: optimizer.state_format(param, state).name for state in ("exp_avg", "exp_avg_sq")}
+        for name, param in model.named_parameters()
+        if param in optimizer.state
+    }
+
+
+def test_a_plain_torch_loop_drives_the_planner():
+    """Without a cap the zones decide; after every check each state is stored as planned, and a zone change re-encodes."""
+    model, optimizer = mlp_and_optimizer()
+    planner = BitWidthPlanner(optimizer, model, target_bits=None, **OPTIONS)
+    assert not optimizer.state_overrides and planner.last_check is None  # planned, not applied yet
+    seen, checks = [], []
+
+    def check(step: int) -> None:
+        checks.append(step)
+        decisions = planner.decisions()
+        assert set(decisions) == {name for name, _ in model.named_parameters()}
+        assert all(entry["zone"] in ZONES for entry in decisions.values())
+        planned = {name: {state: entry[state] for state in ("exp_avg", "exp_avg_sq")} for name, entry in decisions.items()}
+        if step > 0:  # the optimizer's states exist from its first step on, in the planned formats
+            assert stored_formats(model, optimizer) == planned
+        assert {name: optimizer.state_overrides[param] for name, param in model.named_parameters()} == planned  # new states follow
+        seen.append(planned)
+
+    train(model, optimizer, planner, range(60), check)
+    assert checks == [0, 10, 20, 30, 40, 50] and planner.last_check == 50 and [entry["step"] for entry in planner.history] == checks
+    changes = sum(a[name][state] != b[name][state] for a, b in zip(seen, seen[1:], strict=False) for name in a for state in a[name])
+    assert changes > 0, "a zone change re-encoded a state during the run"
+    assert planner.transitions == changes  # step 0's plan comes before any state exists: not a transition
+    assert planner.metrics()["qstate/adaptive/transitions"] == changes
+
+
+def test_the_cap_holds_at_every_check():
+    model, optimizer = mlp_and_optimizer()
+    planner = BitWidthPlanner(optimizer, model, target_bits=5.1, **OPTIONS)
+    averages = []
+
+    def check(step: int) -> None:
+        if step > 0:
+            summary = state_summary(optimizer)
+            averages.append(8 * summary["bytes"] / summary["values"])
+            assert planner.metrics()["qstate/adaptive/avg_bits"] == pytest.approx(averages[-1], rel=1e-12)  # the plan is the stored bytes
+            assert all(isinstance(state[name], QuantizedTensor) for state in optimizer.state.values() for name in ("exp_avg", "exp_avg_sq"))
+
+    train(model, optimizer, planner, range(41), check)
+    assert len(averages) == 4 and max(averages) <= 5.1
+
+
+def test_summed_statistics_can_come_from_outside():
+    """``update(step, sums)`` with the planner's own ``gradient_sums()`` (as the callback passes them, all-reduced) decides alike."""
+    model, optimizer = mlp_and_optimizer()
+    sums = BitWidthPlanner(optimizer, model).gradient_sums()
+    assert sums.shape == (3, 4) and sums.dtype == torch.float64 and not sums.any()  # no gradients yet: zeros
+    planners = []
+    for external in (False, True):
+        model, optimizer = mlp_and_optimizer()
+        planner = BitWidthPlanner(optimizer, model, target_bits=5.1, **OPTIONS)
+        train(model, optimizer, planner, range(30), external_sums=external)
+        planners.append(planner)
+    assert planners[0].state_dict() == planners[1].state_dict()
+    param = next(iter(model.parameters()))
+    grad = param.grad.double()
+    assert planners[1].gradient_sums()[:, 0].tolist() == pytest.approx(
+        [float(grad.abs().sum()), float(grad.square().sum()), grad.numel()], rel=1e-5
+    )
+
+
+def test_resume_from_the_state_dict_continues_exactly():
+    """40 steps straight == 20 steps, then 20 more with a new model, optimizer and planner loaded from their state dicts
+    (the planner's through JSON)."""
+    straight_model, straight_optimizer = mlp_and_optimizer()
+    straight = BitWidthPlanner(straight_optimizer, straight_model, target_bits=None, **OPTIONS)
+    train(straight_model, straight_optimizer, straight, range(40))
+
+    model, optimizer = mlp_and_optimizer()
+    first = BitWidthPlanner(optimizer, model, target_bits=None, **OPTIONS)
+    train(model, optimizer, first, range(20))
+    saved = json.loads(json.dumps(first.state_dict()))
+
+    resumed_model, resumed_optimizer = mlp_and_optimizer(seed=1)
+    resumed_model.load_state_dict(model.state_dict())
+    resumed_optimizer.load_state_dict(optimizer.state_dict())
+    resumed = BitWidthPlanner(resumed_optimizer, resumed_model, target_bits=None, **OPTIONS)
+    resumed.load_state_dict(saved)
+    resumed.apply()
+    assert stored_formats(resumed_model, resumed_optimizer) == stored_formats(model, optimizer)
+    train(resumed_model, resumed_optimizer, resumed, range(20, 40))
+
+    assert resumed.state_dict() == straight.state_dict()
+    assert straight.transitions > first.transitions, "decisions changed after the state dict was saved"
+    for a, b in zip(straight_model.parameters(), resumed_model.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_bad_optimizers_and_options_are_refused():
+    model = torch.nn.Linear(4, 4)
+    with pytest.raises(TypeError, match=r"BitWidthPlanner needs a QAdam/QAdamW optimizer.*got AdamW"):
+        BitWidthPlanner(torch.optim.AdamW(model.parameters()))
+    with pytest.raises(TypeError, match=r"BitWidthPlanner needs a QAdam/QAdamW optimizer.*got QSGD"):
+        BitWidthPlanner(lightning_qstate.QSGD(model.parameters(), lr=0.1, momentum=0.9))
+    with pytest.raises(ValueError, match=r"BitWidthPlanner does not support amsgrad=True"):
+        BitWidthPlanner(lightning_qstate.QAdamW(model.parameters(), amsgrad=True))
+    optimizer = lightning_qstate.QAdamW(model.parameters(), min_quant_size=0)
+    with pytest.raises(ValueError, match=r"BitWidthPlanner: anneal_steps=0 must be an int >= 1"):
+        BitWidthPlanner(optimizer, anneal_steps=0)
+    with pytest.raises(ValueError, match=r"BitWidthPlanner: interval=0 must be an int >= 1"):
+        BitWidthPlanner(optimizer, interval=0)
+    with pytest.raises(ValueError, match=r"BitWidthPlanner: target_bits=1.0 cannot be met.*min_quant_size"):
+        BitWidthPlanner(optimizer, target_bits=1.0)
+    planner = BitWidthPlanner(optimizer, target_bits=None)
+    assert set(planner.decisions()) == {"param0", "param1"}  # without a module: the optimizer's names
+    with pytest.raises(ValueError, match=r"BitWidthPlanner: checkpoint state version 2, expected 1"):
+        planner.load_state_dict({**planner.state_dict(), "version": 2})
+
+
+def test_importing_the_planner_does_not_import_lightning():
+    code = "import sys, lightning_qstate.adaptive; assert 'lightning' not in sys.modules and 'lightning.pytorch' not in sys.modules"
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
