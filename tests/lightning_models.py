@@ -7,6 +7,20 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 
+def quiet_trainer(tmp_path, max_steps: int, **kwargs) -> pl.Trainer:
+    """A CPU Trainer for ``max_steps`` steps without logger, checkpoints, progress bar or model summary (``kwargs`` win)."""
+    defaults = dict(
+        accelerator="cpu",
+        devices=1,
+        max_steps=max_steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    return pl.Trainer(default_root_dir=tmp_path, **{**defaults, **kwargs})
+
+
 def step_batch(step: int, rank: int = 0, width: int = 24) -> tuple[torch.Tensor, torch.Tensor]:
     """The batch of a training step, a function of the step (and rank) alone.
 

@@ -44,7 +44,7 @@ from lightning_qstate.formats import QuantizedTensor, get_format
 from lightning_qstate.optim import state_summary
 from lightning_qstate.plugins import QStatePrecision
 
-from lightning_models import Regressor, flat_weights, regression_data
+from lightning_models import Regressor, flat_weights, quiet_trainer, regression_data
 
 warnings.filterwarnings("ignore", ".*does not have many workers.*")
 warnings.filterwarnings("ignore", ".*GPU available but not used.*")
@@ -275,16 +275,7 @@ def test_the_room_goes_to_the_least_precise_layers_first():
 
 # --- the callback on one device -------------------------------------------------------------------------
 def trainer(tmp_path, max_steps: int = 8, **kwargs) -> pl.Trainer:
-    defaults = dict(
-        accelerator="cpu",
-        devices=1,
-        max_steps=max_steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
-    return pl.Trainer(default_root_dir=tmp_path, **{**defaults, **kwargs})
+    return quiet_trainer(tmp_path, max_steps, **kwargs)
 
 
 def plugin(min_quant_size: int = 1024) -> QStatePrecision:

@@ -16,23 +16,14 @@ from lightning_qstate.formats import QuantizedTensor
 from lightning_qstate.optim import QuantizedOptimizerWrapper
 from lightning_qstate.plugins import QStateFSDPPrecision, QStateHalfPrecision, QStateMixedPrecision, QStatePrecision
 
-from lightning_models import Regressor, flat_weights, regression_data, step_batch
+from lightning_models import Regressor, flat_weights, quiet_trainer, regression_data, step_batch
 
 warnings.filterwarnings("ignore", ".*does not have many workers.*")
 warnings.filterwarnings("ignore", ".*GPU available but not used.*")
 
 
 def trainer(tmp_path, max_steps: int = 6, **kwargs) -> pl.Trainer:
-    defaults = dict(
-        accelerator="cpu",
-        devices=1,
-        max_steps=max_steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
-    return pl.Trainer(default_root_dir=tmp_path, **{**defaults, **kwargs})
+    return quiet_trainer(tmp_path, max_steps, **kwargs)
 
 
 def test_plugin_converts_and_matches_the_callback(tmp_path):

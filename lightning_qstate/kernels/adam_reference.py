@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from ..formats import QuantizedTensor, Rounding, StorageFormat, count_stalls
+from ..formats import Rounding, StorageFormat, count_stalls
 from .bounds import moment_bound
 
 
@@ -169,9 +169,3 @@ def adam_step_quantized(
         if scales is not None:
             scales.copy_(new_scales)
     return torch.cat(counts) if track_stalls else torch.zeros(4, dtype=torch.int64)
-
-
-def quantized_moments(state: dict) -> bool:
-    """Whether ``state`` holds both Adam moments as fp32-valued ``QuantizedTensor``s."""
-    m, v = state.get("exp_avg"), state.get("exp_avg_sq")
-    return isinstance(m, QuantizedTensor) and isinstance(v, QuantizedTensor) and m.dtype == torch.float32

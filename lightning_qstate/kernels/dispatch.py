@@ -29,7 +29,7 @@ import torch
 
 from ..formats import BlockFormat, CastFormat, QuantizedTensor
 from . import TRITON_AVAILABLE
-from .adam_reference import adam_hyper, quantized_moments
+from .adam_reference import adam_hyper
 from .compiled import compiled_cpu_step
 from .native import native_formats, native_kernel_available
 
@@ -98,7 +98,9 @@ def plain_adam_options(c: Candidate) -> bool:
 
 
 def both_moments_quantized(c: Candidate) -> bool:
-    return quantized_moments(c.state)
+    """Both Adam moments fp32-valued ``QuantizedTensor``s."""
+    m, v = c.state.get("exp_avg"), c.state.get("exp_avg_sq")
+    return isinstance(m, QuantizedTensor) and isinstance(v, QuantizedTensor) and m.dtype == torch.float32
 
 
 def fp32_moments(c: Candidate) -> bool:

@@ -111,8 +111,8 @@ def _native_layout(m_format: CodebookFormat, v_format: CodebookFormat) -> tuple[
 def native_adam_steps(
     params: list[torch.Tensor], grads: list[torch.Tensor], states: list[dict], group: dict, track_stalls: bool
 ) -> list[list[int]]:
-    """The Adam step of every parameter of ``group`` given (each ``native_eligible``, or ``native_plain_eligible``: fp32
-    moments) in one C++ call, in place.
+    """The Adam step of every parameter of ``group`` given (those ``kernels.dispatch`` put on the ``native`` path:
+    byte-coded moments, or fp32 ones that join the call) in one C++ call, in place.
 
     Each ``step`` counter goes up by one, in the kernel, which also derives the step's bias corrections from it (as
     ``adam_hyper`` does for coded params, as torch's AdamW for fp32 ones); parameters whose gradient holds inf/NaN

@@ -12,7 +12,7 @@ import dataclasses
 import fnmatch
 from collections import Counter
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Union
 
 import torch
@@ -135,6 +135,7 @@ class QuantizationPolicy:
         track_stalls: count stalled state entries (``optimizer.stall_stats()``, read by ``StallMonitor``).
         nonfinite: for gradients holding inf/NaN: ``"skip"`` (those parameters are not updated, one warning per step
             names them), ``"skip_step"`` (no parameter is updated, as ``GradScaler`` does) or ``"raise"``.
+        owner: the name errors start with (the entry points pass theirs); not stored.
 
     Raises:
         ValueError, TypeError: an option with an invalid value (the message names it and the valid values).
@@ -155,10 +156,11 @@ class QuantizationPolicy:
     overrides: Mapping[str, StatesSpec] = field(default_factory=dict)
     track_stalls: bool = False
     nonfinite: NonFiniteGradPolicy = "skip"
+    owner: InitVar[str] = "QuantizationPolicy"  # the name errors start with: the entry point the user called
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, owner: str) -> None:
         self.overrides = dict(self.overrides or {})
-        self.validate("QuantizationPolicy")
+        self.validate(owner)
 
     def validate(self, owner: str, state_names: tuple[str, ...] | None = None) -> None:
         """Check every option; errors name ``owner`` and the option. ``state_names``: the optimizer's (``None``: any)."""
@@ -193,10 +195,7 @@ class QuantizationPolicy:
                 raise ValueError(f"{owner}: give either policy= or the keywords {given}, not both")
             policy.validate(owner)
             return policy
-        unchecked = cls.__new__(cls)  # validated with the owner's name first, so errors name what the user called
-        unchecked.__dict__.update({**POLICY_DEFAULTS, **options})
-        unchecked.validate(owner)
-        return cls(**{**POLICY_DEFAULTS, **options})
+        return cls(**options, owner=owner)
 
     def apply(self, optimizer: torch.optim.Optimizer, module: torch.nn.Module | None = None) -> torch.optim.Optimizer:
         """The quantized form of ``optimizer`` (converted in place where possible); an already quantized one is returned as is.
