@@ -265,13 +265,15 @@ def describe_optimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Module)
 
 
 class RecordLoaded(Callback):
-    """Records the optimizer right after a checkpoint was restored, before the first resumed step."""
+    """Records the optimizer (``describe(optimizer, model)``) right after a checkpoint was restored, before the first
+    resumed step."""
 
-    def __init__(self) -> None:
+    def __init__(self, describe=None) -> None:
+        self.describe = describe or describe_optimizer
         self.loaded: dict | None = None
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.loaded = describe_optimizer(trainer.strategy.optimizers[0], trainer.strategy.model)
+        self.loaded = self.describe(trainer.strategy.optimizers[0], trainer.strategy.model)
         self.loaded["global_step"] = trainer.global_step
 
 

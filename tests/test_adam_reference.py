@@ -88,13 +88,14 @@ def test_sqrt_rn_is_correctly_rounded():
 def test_adam_hyper_rounds_torch_double_values_once(betas):
     """torch's AdamW computes ``1 - beta2`` (``addcmul_``'s value), ``1 - beta1`` (``lerp_``'s weight) and the rest in
     Python floats and rounds them to fp32 in the op; ``1 - fp32(0.999)`` would be ~110 ulps off."""
-    group = {"lr": 3e-3, "betas": betas, "weight_decay": 0.1, "eps": 1e-8}
+    group = {"lr": 3e-3, "betas": betas, "weight_decay": 0.1, "eps": 1e-8, "decoupled_weight_decay": True}
     beta1, beta2 = betas
     hyper = adam_hyper(group, 7.0)
     expected = {
         "decay": 1 - 3e-3 * 0.1, "weight_decay": 0.1, "lerp_weight": 1 - beta1, "beta2": beta2, "square_weight": 1 - beta2,
         "eps": 1e-8, "step_size": 3e-3 / (1 - beta1**7.0), "bias_correction2_sqrt": (1 - beta2**7.0) ** 0.5,
         "moment_bound": moment_bound(beta1, beta2, 6),  # after the 6 updates before step 7 (an fp32 value already)
+        "eco_coefficient": (1 - beta1**7.0) / 3e-3 * (1 - 1 / beta1) * (1 - 3e-3 * 0.1),  # ECO's, with (1 - lr * wd)
     }  # fmt: skip
     assert {name: float(value) for name, value in hyper.items()} == {name: float(np.float32(value)) for name, value in expected.items()}
     assert all(value.dtype == torch.float32 and value.dim() == 0 for value in hyper.values())

@@ -8,6 +8,7 @@ said on stderr only when the extension is not cached yet.
 
 from __future__ import annotations
 
+import copy
 import re
 import types
 import warnings
@@ -20,10 +21,11 @@ import lightning_qstate as lq
 from lightning_qstate.formats import CodebookFormat, get_format
 from lightning_qstate.formats.codebooks import nearest_thresholds
 from lightning_qstate.formats.rounding import encode_codebook
+from lightning_qstate.formats.weights import get_weight_grid
 from lightning_qstate.kernels import native
 from lightning_qstate.kernels.adam_reference import adam_hyper, adam_step_quantized
 from lightning_qstate.kernels.code_index import NearestCodeIndex, nearest_index
-from lightning_qstate.kernels.native import native_adam_steps
+from lightning_qstate.kernels.native import native_adam_steps, native_round_to_grid
 
 needs_kernel = pytest.mark.skipif(not native.native_kernel_available(), reason="no C++ compiler here: the optimizer uses another path")
 
@@ -241,3 +243,279 @@ def test_a_failed_build_warns_and_leaves_no_kernel(monkeypatch, tmp_path):
     monkeypatch.setattr(cpp_extension, "load", fail)
     with pytest.warns(RuntimeWarning, match="building the C\\+\\+ CPU Adam kernel failed"):
         assert native._kernel.__wrapped__() is None
+
+
+# ---- Parameters on a weight grid (no fp32 master weights: optim/weights.py), with ECO's feedback ----
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def grid_group(eco: bool, weight_rounding: str = "nearest", **options) -> dict:
+    return {**adam_group(**options), "weight_rounding": weight_rounding, "error_feedback": "eco" if eco else None}
+
+
+def reference_grid_step(param, grad, state, group, grid, weight_rounding="nearest", eco=False, track=False) -> list[int]:
+    """``adam_step_quantized`` with the weight grid, in place on ``param`` and ``state`` (``step`` counted); returns its
+    stall counts ``[stalled_m, moved_m, stalled_v, moved_v]`` (zeros unless ``track``)."""
+    m, v = state["exp_avg"], state["exp_avg_sq"]
+    state["step"] += 1
+    hyper = adam_hyper(group, float(state["step"]))
+    return adam_step_quantized(
+        param, grad, m.codes, m.scales, v.codes, v.scales, hyper, m.format, v.format, "nearest", group["decoupled_weight_decay"],
+        group["maximize"], track, weight_format=grid.format, weight_rounding=weight_rounding, eco=eco,
+    ).tolist()  # fmt: skip
+
+
+def grid_param(numel: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Values around 1 (updates of lr = 1e-2 are a few ulps of bf16 there), small ones, fp16 subnormals and signed zeros."""
+    generator = torch.Generator().manual_seed(seed)
+    values = torch.randn(numel, generator=generator)
+    values[::7] *= 1e-3
+    values[3::11] = torch.randn(values[3::11].shape, generator=generator) * 1e-6
+    values[5::13] = 0.0
+    values[6::17] = -0.0
+    return values.to(dtype)
+
+
+def grid_layouts(m_name: str) -> list:
+    """Two coded parameters: a partial last block (and a short one, all of it the scalar loop)."""
+    return [
+        (get_format(m_name), get_format("int8", signed=False), (1 << 12) + 77),
+        (get_format(m_name), get_format("int8", signed=False), 13),
+    ]
+
+
+@needs_kernel
+@pytest.mark.parametrize("options", [{}, {"decoupled": False}, {"maximize": True}], ids=["decoupled", "l2", "maximize"])
+@pytest.mark.parametrize("eco", [False, True], ids=["plain", "eco"])
+@pytest.mark.parametrize("grid_name", list(DTYPES))
+@pytest.mark.parametrize("param_name", list(DTYPES))
+@pytest.mark.parametrize("m_name", ["int8", "int8_linear"])
+def test_kernel_weight_grid_step_is_the_reference_bit_for_bit(m_name, param_name, grid_name, eco, options):
+    """Round to nearest on a cast-format weight grid: over 3 steps the kernel's params (in their dtype), ``m`` (with
+    ECO's feedback) and ``v`` codes and scales equal ``adam_step_quantized``'s bit for bit, and without ECO its stall
+    counts too (the dispatcher sends ECO with ``track_stalls`` to the reference path)."""
+    group, grid, dtype = grid_group(eco, **options), get_weight_grid(grid_name), DTYPES[param_name]
+    params, states, references = [], [], []
+    for seed, (m_format, v_format, numel) in enumerate(grid_layouts(m_name)):
+        params.append(grid_param(numel, dtype, seed))
+        states.append(adam_state(m_format, v_format, numel, seed))
+        references.append((params[-1].clone(), adam_state(m_format, v_format, numel, seed)))
+    for step in range(3):
+        grads = [
+            (torch.randn(p.numel(), generator=torch.Generator().manual_seed(10 * step + k)) * 0.1).to(dtype) for k, p in enumerate(params)
+        ]
+        rows = native_adam_steps(params, grads, states, group, track_stalls=not eco, weights=[grid] * len(params))
+        assert all(row[:2] == [1, 1] for row in rows)
+        for row, (reference_param, reference_state), grad in zip(rows, references, grads, strict=True):
+            assert row[2:] == reference_grid_step(reference_param, grad, reference_state, group, grid, eco=eco, track=not eco)
+        for k, (param, state, (reference_param, reference_state)) in enumerate(zip(params, states, references, strict=True)):
+            assert param.dtype == dtype and torch.equal(
+                param.view(-1, 1).view(torch.uint8), reference_param.view(-1, 1).view(torch.uint8)
+            ), (step, k)
+            assert float(state["step"]) == float(reference_state["step"]) == 4.0 + step
+            for name in ("exp_avg", "exp_avg_sq"):
+                assert torch.equal(state[name].codes, reference_state[name].codes), (step, k, name)
+                assert torch.equal(state[name].scales, reference_state[name].scales), (step, k, name)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_kernel_skips_a_nonfinite_16_bit_gradient(dtype):
+    """A bf16/fp16 gradient with an inf (in the partial last block) leaves its parameter, moments and step untouched;
+    the other parameter of the call steps."""
+    grid = get_weight_grid("bf16" if dtype == torch.bfloat16 else "fp16")
+    numel = (1 << 12) + 77
+    params = [grid_param(numel, dtype, seed) for seed in range(2)]
+    states = [adam_state(get_format("int8"), get_format("int8", signed=False), numel, seed) for seed in range(2)]
+    before = [(p.clone(), s["exp_avg"].codes.clone(), s["exp_avg_sq"].scales.clone()) for p, s in zip(params, states, strict=True)]
+    grads = [torch.randn(numel, generator=torch.Generator().manual_seed(k)).to(dtype) for k in range(2)]
+    grads[0][-5] = float("inf")
+    rows = native_adam_steps(params, grads, states, grid_group(True), track_stalls=False, weights=[grid, grid])
+    assert rows[0][0] == 0 and rows[1][:2] == [1, 1]
+    assert torch.equal(params[0], before[0][0]) and float(states[0]["step"]) == 3.0
+    assert torch.equal(states[0]["exp_avg"].codes, before[0][1]) and torch.equal(states[0]["exp_avg_sq"].scales, before[0][2])
+    assert not torch.equal(params[1], before[1][0]) and float(states[1]["step"]) == 4.0
+
+
+@needs_kernel
+def test_kernel_eco_changes_m_and_the_grid_holds_the_params():
+    """The ECO runs of the test above are not vacuous: with bf16 weights the feedback changes ``m``'s codes, and every
+    param is a bf16 value (also in an fp32 parameter)."""
+    results = {}
+    for eco in (False, True):
+        state = adam_state(get_format("int8"), get_format("int8", signed=False), 5000, seed=0)
+        param = grid_param(5000, torch.float32, seed=0)
+        grad = torch.randn(5000, generator=torch.Generator().manual_seed(1)) * 0.1
+        native_adam_steps([param], [grad], [state], grid_group(eco), track_stalls=False, weights=[get_weight_grid("bf16")])
+        assert torch.equal(param, param.bfloat16().float())
+        results[eco] = (param, state["exp_avg"].codes)
+    assert torch.equal(results[False][0], results[True][0])
+    assert (results[False][1] != results[True][1]).sum() > 100
+
+
+def fp16_hard_inputs() -> torch.Tensor:
+    """Every finite fp16 value, the midpoints between neighbours and their fp32 neighbours, the overflow edge, fp32
+    subnormals, infinities, and random fp32 patterns of every exponent."""
+    values = torch.arange(0, 0x7C00, dtype=torch.int32).to(torch.int16).view(torch.float16).float()
+    midpoints = (values[:-1] + values[1:]) / 2  # exact in fp32
+    edge = torch.tensor([65504.0, 65519.996, 65520.0, 65536.0, 1e6, 2.0**-24, 2.0**-25, 2.0**-26, 3 * 2.0**-26, 1e-45, 1e-40])
+    near = torch.cat([midpoints, edge])
+    patterns = torch.randint(0, 1 << 31, (200_000,), generator=torch.Generator().manual_seed(0), dtype=torch.int64).to(torch.int32)
+    positive = torch.cat(
+        [values, near, torch.nextafter(near, torch.zeros_like(near)), torch.nextafter(near, near * 2 + 1), patterns.view(torch.float32)]
+    )
+    positive = positive[torch.isfinite(positive)]
+    return torch.cat([positive, -positive, torch.tensor([float("inf"), float("-inf")])])
+
+
+@needs_kernel
+def test_kernel_rounds_to_nearest_as_torch_casts():
+    """The kernel's RN to fp16 (subnormals, ties to even, overflow to inf) and bf16 give ``.to(dtype)``'s bits; fp32
+    keeps every value; NaN stays NaN."""
+    x = fp16_hard_inputs()
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        rounded = native_round_to_grid(x, dtype, "nearest")
+        assert rounded.dtype == dtype and torch.equal(rounded.view(torch.uint8), x.to(dtype).view(torch.uint8)), dtype
+        assert bool(native_round_to_grid(torch.tensor([float("nan"), -float("nan")]), dtype, "nearest").isnan().all())
+
+
+def sr_inputs() -> dict[str, tuple[torch.dtype, float]]:
+    """Values between two grid neighbours (normal, fp16-subnormal, negative, near a binade end) for each SR grid."""
+    return {
+        "bf16 normal": (torch.bfloat16, 1.0 + 0.3 * 2.0**-7),
+        "bf16 negative": (torch.bfloat16, -(3.0 + 0.85 * 2.0**-6)),
+        "bf16 tiny": (torch.bfloat16, 1.7e-30),
+        "fp16 normal": (torch.float16, 1.0 + 0.3 * 2.0**-10),
+        "fp16 negative": (torch.float16, -(1000.0 + 0.1 * 0.5)),
+        "fp16 subnormal": (torch.float16, 3.3 * 2.0**-24),
+        "fp16 below the smallest": (torch.float16, 0.2 * 2.0**-24),
+        "fp16 top": (torch.float16, 65500.0),
+    }
+
+
+def grid_neighbours(value: float, dtype: torch.dtype) -> tuple[float, float]:
+    """The two values of ``dtype`` around ``value`` (not one of them), smaller first."""
+    nearest = torch.tensor([value]).to(dtype)
+    other = torch.nextafter(nearest, torch.tensor([float("inf") if float(nearest) < value else float("-inf")], dtype=dtype))
+    low, high = sorted((float(nearest), float(other)))
+    assert low < value < high
+    return low, high
+
+
+@needs_kernel
+@pytest.mark.parametrize("case", list(sr_inputs()))
+def test_kernel_stochastic_rounding_is_unbiased(case):
+    """Many SR draws of one value: each is one of its two grid neighbours, their mean is the value within 4 standard
+    errors, the same seed gives the same draws (on 1 or 2 threads), another seed others."""
+    dtype, value = sr_inputs()[case]
+    n = 1 << 16
+    x = torch.full((n,), value)
+    saved = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        draws = native_round_to_grid(x, dtype, "stochastic", seed=1234)
+        torch.set_num_threads(1)
+        assert torch.equal(native_round_to_grid(x, dtype, "stochastic", seed=1234).view(torch.int16), draws.view(torch.int16))
+    finally:
+        torch.set_num_threads(saved)
+    low, high = grid_neighbours(value, dtype)
+    values = draws.double()
+    assert bool(((values == low) | (values == high)).all())
+    fraction = (value - low) / (high - low)
+    spread = (high - low) * (fraction * (1 - fraction) / n) ** 0.5
+    assert abs(float(values.mean()) - value) < 4 * spread, (float(values.mean()), value, spread)
+    assert not torch.equal(native_round_to_grid(x, dtype, "stochastic", seed=1235).view(torch.int16), draws.view(torch.int16))
+
+
+@needs_kernel
+@pytest.mark.parametrize("grid_name", ["bf16", "fp16"])
+def test_kernel_stochastic_weights_step(grid_name):
+    """SR of the weights in the step: each new param is one of the two grid neighbours of the reference's fp32 update
+    (``m`` and ``v`` are the reference's, no ECO), reproducible from the seed on 1 or 2 threads."""
+    group, grid, dtype = grid_group(False, "stochastic"), get_weight_grid(grid_name), DTYPES[grid_name]
+    m_format, v_format, numel = get_format("int8"), get_format("int8", signed=False), 50_000
+    start, grad = grid_param(numel, dtype, seed=0), (torch.randn(numel, generator=torch.Generator().manual_seed(1)) * 0.1).to(dtype)
+    updated, reference_state = start.float(), adam_state(m_format, v_format, numel, seed=0)
+    reference_grid_step(updated, grad, reference_state, group, get_weight_grid("fp32"))  # the fp32 update itself
+    runs = []
+    saved = torch.get_num_threads()
+    try:
+        for threads, seed in ((2, 77), (1, 77), (2, 78)):
+            torch.set_num_threads(threads)
+            param, state = start.clone(), adam_state(m_format, v_format, numel, seed=0)
+            native_adam_steps([param], [grad], [state], group, track_stalls=False, weights=[grid], seeds=[seed])
+            runs.append(param)
+            assert torch.equal(state["exp_avg"].codes, reference_state["exp_avg"].codes)
+            assert torch.equal(state["exp_avg_sq"].codes, reference_state["exp_avg_sq"].codes)
+    finally:
+        torch.set_num_threads(saved)
+    assert torch.equal(runs[0].view(torch.int16), runs[1].view(torch.int16))
+    assert not torch.equal(runs[0].view(torch.int16), runs[2].view(torch.int16))
+    nearest = updated.to(dtype)
+    toward = torch.nextafter(nearest, torch.where(nearest.float() < updated, torch.inf, -torch.inf).to(dtype))
+    param = runs[0]
+    assert bool(((param == nearest) | ((param == toward) & (nearest.float() != updated))).all())
+    assert 0.05 < float((param != nearest).float().mean()) < 0.5  # SR rounds away from the nearest value sometimes
+
+
+@needs_kernel
+def test_optimizer_takes_the_native_path_with_eco():
+    """``QAdamW(weights="bf16", weight_rounding="nearest", error_feedback="eco")`` on bf16 params of 65536+ elements
+    steps on the native path, and its step is the reference's bit for bit; SR weights reproduce from the optimizer's
+    generator (their seed drawn from ``rounding_generator``), on 1 or 2 threads."""
+    torch.manual_seed(0)
+    param = torch.nn.Parameter(torch.randn(256, 260).bfloat16())
+    optimizer = lq.QAdamW([param], lr=1e-3, weights="bf16", weight_rounding="nearest", error_feedback="eco")
+    param.grad = torch.randn_like(param)
+    optimizer.step()
+    assert optimizer.step_paths() == {"param0": "native"}
+    group, state = optimizer.param_groups[0], optimizer.state[param]
+    expected_param, expected_state = param.detach().clone().view(-1), copy.deepcopy(state)
+    param.grad = torch.randn_like(param)
+    optimizer.step()
+    reference_grid_step(expected_param, param.grad.view(-1), expected_state, group, get_weight_grid("bf16"), eco=True)
+    assert torch.equal(param.detach().view(-1).view(torch.int16), expected_param.view(torch.int16))
+    for name in ("exp_avg", "exp_avg_sq"):
+        assert torch.equal(state[name].codes, expected_state[name].codes) and torch.equal(state[name].scales, expected_state[name].scales)
+
+    def stochastic_run(threads: int) -> torch.Tensor:
+        weight = torch.nn.Parameter(torch.randn(70_000, generator=torch.Generator().manual_seed(3)).bfloat16())
+        generator = torch.Generator().manual_seed(5)
+        sr = lq.QAdamW([weight], lr=1e-3, weights="bf16", error_feedback="eco", generator=generator)
+        saved = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            for step in range(3):
+                weight.grad = torch.randn(70_000, generator=torch.Generator().manual_seed(step)).bfloat16()
+                sr.step()
+        finally:
+            torch.set_num_threads(saved)
+        assert sr.step_paths() == {"param0": "native"}
+        return weight.detach().clone()
+
+    assert torch.equal(stochastic_run(1).view(torch.int16), stochastic_run(2).view(torch.int16))
+
+
+@needs_kernel
+@pytest.mark.parametrize(
+    ("options", "dtype", "expected"),
+    [
+        ({"weights": "bf16", "error_feedback": "eco"}, torch.bfloat16, "native"),
+        ({"weights": "fp16", "weight_rounding": "stochastic"}, torch.float16, "native"),
+        ({"weights": "bf16"}, torch.float32, "native"),
+        ({"error_feedback": "eco"}, torch.bfloat16, "native"),  # the parameter's dtype is its grid
+        ({"weights": "bf16", "error_feedback": "eco", "track_stalls": True}, torch.bfloat16, "reference"),  # ECO's stall counts
+        ({"weights": "bf16", "error_feedback": "eco_exact"}, torch.bfloat16, "reference"),
+        ({"weights": "fp8_e4m3"}, torch.float32, "reference"),  # a block-scaled grid
+        ({}, torch.bfloat16, "reference"),  # without a grid the kernel takes fp32 parameters only
+    ],
+)
+def test_the_native_path_takes_what_the_kernel_supports(options, dtype, expected):
+    """``dispatch.native_values`` and ``fused_weight_update``: which weight options a coded parameter steps with on the
+    native path (a small one: the compiled path would not take it either)."""
+    param = torch.nn.Parameter(torch.randn(5000).to(dtype))
+    optimizer = lq.QAdamW([param], min_quant_size=0, **options)
+    param.grad = torch.randn_like(param)
+    optimizer.step()
+    assert optimizer.step_paths() == {"param0": expected}

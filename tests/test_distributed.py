@@ -153,12 +153,12 @@ def kill_group(pgid: int) -> None:
         pass
 
 
-def launch(out: Path, args: list[str], timeout: float = LAUNCH_TIMEOUT) -> float:
-    """Run the worker (it starts the second rank itself) in its own session; fail with its output on error."""
+def launch(out: Path, args: list[str], timeout: float = LAUNCH_TIMEOUT, worker: Path = WORKER) -> float:
+    """Run ``worker`` (it starts the second rank itself) in its own session; fail with its output on error."""
     env = {key: value for key, value in os.environ.items() if key not in LAUNCHER_VARIABLES}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(TESTS), *filter(None, [os.environ.get("PYTHONPATH")])])
     env.setdefault("OMP_NUM_THREADS", "1")
-    command = [sys.executable, str(WORKER), "--out", str(out), *args]
+    command = [sys.executable, str(worker), "--out", str(out), *args]
     start = time.perf_counter()
     # its own session: on failure or timeout the whole process group (rank 1 included) is killed
     process = subprocess.Popen(

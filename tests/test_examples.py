@@ -85,6 +85,7 @@ EXPECTED_FORMATS = {  # state formats each config gives the tiny models' quantiz
     "gpt_int8.yaml": {"exp_avg": {"int8"}, "exp_avg_sq": {"int8"}},
     "gpt_int4.yaml": {"exp_avg": {"int4", "int8"}, "exp_avg_sq": {"int4", "int8"}},  # int8: the tied embedding (override)
     "gpt_bf16_sr.yaml": {"exp_avg": {"bf16"}, "exp_avg_sq": {"bf16"}},
+    "gpt_eco.yaml": {"exp_avg": {"int8"}, "exp_avg_sq": {"int8"}},
     "gpt_callbacks.yaml": {"exp_avg": {"int8"}, "exp_avg_sq": {"int4"}},
     "gpt_stale.yaml": {"exp_avg": {"bf16"}, "exp_avg_sq": {"bf16"}},
     "gpt_adaptive.yaml": {
@@ -127,6 +128,25 @@ def test_gpt_int8_plugin_trains_and_logs(tmp_path, capsys):
     paths = optimizer.step_paths()  # which path stepped each parameter, as the summary counts them
     assert set(paths) == {name for name, p in cli.model.named_parameters() if p.requires_grad} and summary.summary["step_paths"]
     assert sum(summary.summary["step_paths"].values()) == len(paths) and "step paths: " in printed
+
+
+def test_gpt_eco_trains_without_master_weights(tmp_path, capsys):
+    """gpt_eco.yaml: bf16 parameters; the blocks' linear weights take the fp32 update, SR and ECO's feedback, the others
+    (embeddings, norms, biases, tied head) torch's bf16 update; the run summary reports the weights."""
+    cli = fit("gpt_eco.yaml", tmp_path, *TINY_GPT, "--trainer.enable_checkpointing=false")
+    (optimizer,) = cli.trainer.strategy.optimizers
+    assert isinstance(optimizer, QAdamW) and cli.trainer.global_step == 3
+    assert torch.isfinite(cli.trainer.callback_metrics["train_loss"])
+    names = {param: name for name, param in cli.model.named_parameters()}
+    grids = {names[param]: optimizer.weight_grid(group, param) for group in optimizer.param_groups for param in group["params"]}
+    in_blocks = {name for name, grid in grids.items() if grid is not None}
+    assert in_blocks == {f"model.transformer.h.0.{layer}.weight" for layer in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")}
+    assert all(grids[name].name == "bf16" for name in in_blocks)
+    assert all(p.dtype == torch.bfloat16 for p in cli.model.parameters())
+    assert {group["error_feedback"] for group in optimizer.param_groups} == {"eco"}
+    (summary,) = [callback for callback in cli.trainer.callbacks if isinstance(callback, RunSummary)]
+    assert summary.summary["weight_formats"]["bf16"]["params"] == 4 and summary.summary["error_feedback"] == ["eco"]
+    assert "weights without master copy: bf16 x4" in capsys.readouterr().out
 
 
 def test_gpt_callback_with_cli_optimizer(tmp_path):

@@ -18,6 +18,13 @@ bf16 gradient): parameter, codes, scales and stall counts equal to the reference
 rounding: the parameter and scales of the RN step, every code one of the two neighbours of the
 exact moment, no mean error, reproducible from a seed; the optimizer dispatch of ``kernels/dispatch.py``
 for a Triton device.
+
+Without master weights (a weight grid, ECO's error feedback into ``m``): round-to-nearest on bf16, fp16 and fp32
+parameters and grids, with and without ECO, both weight decays, 4-bit and fp8 moments, partial last blocks:
+parameter, codes, scales and stall counts equal to ``adam_step_quantized``'s; SR of the weights: reproducible from
+its seed, every value one of the two grid neighbours of the fp32 update, unbiased over many draws, ECO fed with
+the error of the drawn value; ``QAdamW(weights="bf16", error_feedback="eco")`` on a Triton device takes the
+``triton`` path and equals the reference path bit for bit.
 """
 
 from __future__ import annotations
@@ -38,10 +45,11 @@ if not INTERPRET:
 else:
     import numpy as np
     import torch
+    from test_adam_reference import correctly_rounded_torch_sqrt, torch_rounds_once
     from triton.runtime import interpreter
 
     from lightning_qstate import QAdamW
-    from lightning_qstate.formats import BlockFormat, QuantizedTensor, get_format
+    from lightning_qstate.formats import BlockFormat, CastFormat, QuantizedTensor, get_format
     from lightning_qstate.formats.packing import as_blocks, unpack
     from lightning_qstate.kernels import adam_reference, adam_step_supported, dispatch, triton_adam_step
     from lightning_qstate.kernels.adam_reference import adam_hyper, adam_step_quantized
@@ -60,8 +68,9 @@ else:
         name, options = spec
         return get_format(name, **options)
 
-    def group_options(lr=1e-3, betas=(0.9, 0.999), weight_decay=1e-2, eps=1e-8) -> dict:
-        return {"lr": lr, "betas": betas, "weight_decay": weight_decay, "eps": eps}
+    def group_options(lr=1e-3, betas=(0.9, 0.999), weight_decay=1e-2, eps=1e-8, decoupled_weight_decay=True) -> dict:
+        """The options ``adam_hyper`` reads (``decoupled_weight_decay`` only for ``eco_coefficient``)."""
+        return {"lr": lr, "betas": betas, "weight_decay": weight_decay, "eps": eps, "decoupled_weight_decay": decoupled_weight_decay}
 
     def quiet(numel: int) -> torch.Tensor:
         """Every fourth entry: parameter and moments start at 0 and gradients are tiny there, so that updates
@@ -284,3 +293,215 @@ else:
         state = opt.state[weight]
         assert opt.step_paths() == {"param0": "reference"}
         assert state["exp_avg"].format.name == "bf16" and float(state["step"]) == 1.0
+
+    # ----------------------------------------------------------------------------------- without master weights (ECO)
+
+    F8, F8_32, E5M2 = ("fp8_e4m3", {}), ("fp8_e4m3", {"block_size": 32}), ("fp8_e5m2", {})
+    WEIGHT_CASES = [
+        # (m format, v format, numel, decoupled, group options, parameter (and gradient) dtype, grid, eco)
+        pytest.param(S8, U8, 3 * 256 + 77, True, group_options(), torch.bfloat16, "bf16", True, id="int8-bf16-eco"),
+        pytest.param(S4, U4, 5 * 128 + 33, False, group_options(weight_decay=0.1), torch.float16, "fp16", True, id="int4-fp16-l2-eco"),
+        pytest.param(F8, E5M2, 2 * 256 + 1, True, group_options(betas=(0.3, 0.99)), torch.float32, "bf16", True, id="fp8-fp32-param-eco"),
+        pytest.param(S8, U4, 4 * 256 + 130, False, group_options(), torch.bfloat16, "bf16", False, id="int8-int4-bf16-no-feedback"),
+        pytest.param(F8_32, U8, 3 * 256 + 45, True, group_options(lr=3e-2), torch.float16, "bf16", True, id="fp8-32-fp16-param-bf16-eco"),
+        pytest.param(S8, U8, 2 * 256 + 3, False, group_options(), torch.float32, "fp16", False, id="int8-fp32-param-fp16-grid"),
+        pytest.param(S4, U4, 2 * 128 + 7, True, group_options(), torch.float16, "fp32", True, id="int4-fp16-param-fp32-grid-eco"),
+        pytest.param(S8, U8, 256 + 9, True, group_options(), torch.bfloat16, None, False, id="int8-bf16-param-no-grid"),
+    ]
+
+    @pytest.mark.parametrize(("m_spec", "v_spec", "numel", "decoupled", "options", "dtype", "grid", "eco"), WEIGHT_CASES)
+    def test_weight_grid_round_to_nearest_matches_reference(m_spec, v_spec, numel, decoupled, options, dtype, grid, eco):
+        """Param (in its dtype), codes, scales and stall counts of three steps equal ``adam_step_quantized``'s; the
+        parameter stays on the grid; ECO changes the stored ``m`` (against the reference without it)."""
+        m_format, v_format = moment_format(m_spec), moment_format(v_spec)
+        weight_format = get_format(grid) if grid is not None else None
+        options = {**options, "decoupled_weight_decay": decoupled}  # eco_coefficient reads it
+        fp32_param, m, v = initial_state(m_format, v_format, numel, seed=numel)
+        param = (weight_format.quantize_reference(fp32_param, "nearest", None)[0] if grid else fp32_param).to(dtype)
+        initial, ref_param, ref_m, ref_v = param.clone(), param.clone(), clone(m), clone(v)
+        plain_param, plain_m, plain_v = param.clone(), clone(m), clone(v)  # the reference without ECO
+        for step in range(1, 4):
+            grad = gradient(numel, seed=100 * step + numel).to(dtype)
+            hyper = adam_hyper(options, float(step))
+            weights = (weight_format, "nearest", eco)
+            counts = triton_adam_step(param, grad, m, v, hyper, "nearest", decoupled, False, True, None, *weights)
+            ref_counts = adam_step_quantized(
+                ref_param, grad, ref_m.codes, ref_m.scales, ref_v.codes, ref_v.scales, hyper,
+                m_format, v_format, "nearest", decoupled, False, True, *weights,
+            )  # fmt: skip
+            adam_step_quantized(
+                plain_param, grad, plain_m.codes, plain_m.scales, plain_v.codes, plain_v.scales, hyper,
+                m_format, v_format, "nearest", decoupled, False, False, weight_format, "nearest", False,
+            )  # fmt: skip
+            where = f"step {step}"
+            assert param.dtype == dtype and torch.equal(param, ref_param), f"{where}: parameters differ"
+            assert code_agreement(m, ref_m) == (1.0, 0) and code_agreement(v, ref_v) == (1.0, 0), f"{where}: codes differ"
+            assert torch.equal(m.scales, ref_m.scales) and torch.equal(v.scales, ref_v.scales), f"{where}: scales differ"
+            assert torch.equal(counts, ref_counts), f"{where}: stall counts {counts.tolist()} vs {ref_counts.tolist()}"
+            if grid is not None and dtype in (torch.float32, weight_format.dtype):  # a parameter that holds every grid value
+                on_grid = weight_format.quantize_reference(param.float(), "nearest", None)[0].float()
+                assert torch.equal(on_grid, param.float()), f"{where}: off the grid"
+        assert not torch.equal(param, initial) and int(counts[1]) > 0
+        if eco and grid != "fp32":
+            assert code_agreement(m, plain_m)[1] > 0, "ECO's feedback should change some codes of m"
+        else:  # no feedback, or the error of the fp32 grid: 0
+            assert code_agreement(m, plain_m) == (1.0, 0) and torch.equal(param, plain_param)
+
+    def test_eco_coefficient_is_read_from_the_vector():
+        """ECO reads its coefficient from the coefficient vector: 0 gives the step without feedback."""
+        m_format, v_format = moment_format(S8), moment_format(U8)
+        fp32_param, m, v = initial_state(m_format, v_format, 700, seed=4)
+        param, grad = fp32_param.bfloat16(), gradient(700, seed=5).bfloat16()
+        hyper = adam_hyper(group_options(), 1.0)
+        bf16 = get_format("bf16")
+        results = []
+        for coefficient in (hyper["eco_coefficient"], torch.tensor(0.0)):
+            p, mm, vv = param.clone(), clone(m), clone(v)
+            options = ("nearest", True, False, False, None, bf16, "nearest", True)  # ..., weight grid, its rounding, eco
+            triton_adam_step(p, grad, mm, vv, {**hyper, "eco_coefficient": coefficient}, *options)
+            results.append((p, mm))
+        p, mm, vv = param.clone(), clone(m), clone(v)
+        triton_adam_step(p, grad, mm, vv, hyper, "nearest", True, False, False, None, bf16, "nearest", False)
+        assert torch.equal(results[1][0], p) and code_agreement(results[1][1], mm) == (1.0, 0)
+        assert torch.equal(results[0][0], p) and code_agreement(results[0][1], mm)[1] > 0
+
+    def test_weight_grid_arguments_are_checked():
+        m_format, v_format = moment_format(S8), moment_format(U8)
+        param, m, v = initial_state(m_format, v_format, 300, seed=1)
+        hyper = adam_hyper(group_options(), 1.0)
+        with pytest.raises(ValueError, match="only with a grid"):
+            triton_adam_step(param, gradient(300, 2), m, v, hyper, "nearest", True, False, False, None, None, "nearest", True)
+        with pytest.raises(TypeError, match="cast format"):
+            triton_adam_step(param, gradient(300, 2), m, v, hyper, "nearest", True, False, False, None, get_format("int8"))
+        with pytest.raises(TypeError, match="zero-free"):
+            triton_adam_step(param, gradient(300, 2), m, v, hyper, "nearest", True, False, False, None, get_format("bf16", signed=False))
+        with pytest.raises(TypeError, match="float32, bfloat16 or float16"):
+            triton_adam_step(param.double(), gradient(300, 2), m, v, hyper)
+
+    # ----------------------------------------------------------------------------------- SR of the weights
+
+    def grid_neighbours(fmt: CastFormat, exact: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The grid values just below and just above fp32 ``exact`` (equal where it is on the grid), as fp32: the SR cast
+        with a draw that never / always rounds the magnitude up."""
+        if fmt.dtype == torch.bfloat16:
+            from lightning_qstate.formats.rounding import bf16_stochastic
+
+            down, up = (bf16_stochastic(exact, torch.full_like(exact, bits, dtype=torch.int32)).float() for bits in (0, 0xFFFF))
+        else:
+            from lightning_qstate.formats.cast import fp16_stochastic
+
+            down, up = (fp16_stochastic(exact, torch.full_like(exact, uniform)).float() for uniform in (1.0 - 2.0**-24, 0.0))
+        return torch.minimum(down, up), torch.maximum(down, up)
+
+    @pytest.mark.parametrize("grid", ["bf16", "fp16"])
+    def test_weight_stochastic_rounding(grid):
+        """32 copies of one block: every stored value one of the two grid neighbours of the fp32 update, the average
+        over the copies unbiased (chi-square per value near 1), reproducible from the seeds, ``m`` fed with the error
+        of the value drawn, and the moments' RN codes otherwise those of the reference."""
+        fmt = get_format(grid)
+        m_format, v_format = moment_format(S8), moment_format(U8)
+        copies, block = 32, 256
+        base_param, base_m, base_v = initial_state(m_format, v_format, block, seed=21)
+        dtype = fmt.dtype
+        param = (base_param * 1e-2).to(dtype).repeat(copies)  # small values: wide relative steps, fp16 subnormals too
+        m = m_format.quantize(m_format.dequantize(base_m).repeat(copies))
+        v = v_format.quantize(v_format.dequantize(base_v).repeat(copies))
+        grad = gradient(block, seed=22).repeat(copies).to(dtype)
+        hyper = adam_hyper(group_options(lr=1e-2), 2.0)
+        exact_m = m_format.dequantize_reference(m.codes, m.scales, m.numel)
+        exact_v = v_format.dequantize_reference(v.codes, v.scales, v.numel)
+        exact = adam_reference.adam_math(param.float(), grad.float(), exact_m, exact_v, hyper, True, False)
+
+        seeds = torch.tensor([0, 0, 12345])
+        runs = []
+        for seed in (seeds, seeds, torch.tensor([0, 0, 777])):
+            p, mm, vv = param.clone(), clone(m), clone(v)
+            triton_adam_step(p, grad, mm, vv, hyper, "nearest", True, False, False, seed, fmt, "stochastic", True)
+            runs.append((p, mm, vv))
+        (stored, sm, sv), again, other = runs
+        assert torch.equal(again[0], stored) and torch.equal(again[1].codes, sm.codes), "not reproducible from the seed"
+        assert not torch.equal(other[0], stored), "another weight seed should draw other values"
+
+        values = stored.float()
+        low, high = grid_neighbours(fmt, exact)
+        assert bool(((values == low) | (values == high)).all()), "a stored weight is not a grid neighbour of the update"
+        moving = (high != low).view(copies, block)[0]
+        assert int(moving.sum()) > block // 2
+        gap = (high - low).view(copies, block)[0]
+        p_up = ((exact - low).view(copies, block)[0] / torch.where(gap > 0, gap, 1.0)).double()
+        frequency = (values == high).view(copies, block).double().mean(dim=0)
+        middle = moving & (p_up > 0.05) & (p_up < 0.95)
+        assert int(middle.sum()) > block // 4
+        chi2 = ((frequency - p_up) ** 2 * copies / (p_up * (1 - p_up)))[middle].mean()
+        assert float(chi2) < 1.6, f"SR of the weights is biased: chi-square per value {float(chi2):.2f}"
+        assert float(chi2) > 0.4, f"SR draws look correlated across copies: chi-square per value {float(chi2):.2f}"
+
+        # m: the RN codes of the updated m plus ECO's feedback of the error of the drawn values; v: untouched by it.
+        expected_m = adam_reference.eco_feedback(exact_m, adam_reference.adam_denominator(exact_v, hyper), exact - values, hyper)
+        codes, scales = m_format.quantize_reference(expected_m, "nearest", None)
+        assert torch.equal(sm.codes, codes) and torch.equal(sm.scales, scales)
+        codes, scales = v_format.quantize_reference(exact_v, "nearest", None)
+        assert torch.equal(sv.codes, codes) and torch.equal(sv.scales, scales)
+
+    # ----------------------------------------------------------------------------------- dispatch without master weights
+
+    def test_eco_optimizer_takes_the_kernel_and_equals_the_reference_path(monkeypatch):
+        """``QAdamW(weights="bf16", error_feedback="eco")`` on a bf16 parameter: the ``triton`` path on a Triton device,
+        bit for bit the reference path's parameter and moments (``cpu_compile=False`` on the CPU; torch's ``sqrt``
+        made correctly rounded, as ``adam_math`` is)."""
+        if not torch_rounds_once():
+            pytest.skip("torch's CPU kernels round a * b + c twice here: the reference path is not adam_math")
+        gen = torch.Generator().manual_seed(0)
+        weight = torch.nn.Parameter(torch.randn(40, 130, generator=gen).bfloat16())  # 5200 values: a partial last block
+        twin = torch.nn.Parameter(weight.detach().clone())
+        options = {"lr": 1e-2, "states": {"exp_avg": "int8", "exp_avg_sq": "int8"}, "weights": "bf16", "error_feedback": "eco"}
+        opt = QAdamW([weight], weight_rounding="nearest", **options)
+        reference = QAdamW([twin], weight_rounding="nearest", **options)
+        opt.cpu_compile = reference.cpu_compile = False  # no native (C++) path for "cpu" parameters
+        calls = []
+        launcher = dispatch.triton_adam_step
+        monkeypatch.setattr(dispatch, "triton_adam_step", lambda *args, **kwargs: calls.append(args[-1]) or launcher(*args, **kwargs))
+        for step in range(1, 4):
+            weight.grad = (torch.randn(40, 130, generator=gen) * 1e-2).bfloat16()
+            twin.grad = weight.grad.clone()
+            with monkeypatch.context() as patch:
+                patch.setattr(dispatch, "TRITON_DEVICE_TYPES", ("cuda", "cpu"))
+                opt.step()
+            with monkeypatch.context() as patch:
+                correctly_rounded_torch_sqrt(patch)
+                reference.step()
+            assert opt.step_paths() == {"param0": "triton"} and reference.step_paths() == {"param0": "reference"}
+            assert weight.dtype == torch.bfloat16 and torch.equal(weight, twin), f"step {step}: parameters differ"
+            for name in ("exp_avg", "exp_avg_sq"):
+                ours, theirs = opt.state[weight][name], reference.state[twin][name]
+                assert code_agreement(ours, theirs) == (1.0, 0) and torch.equal(ours.scales, theirs.scales), f"step {step}: {name} differs"
+        assert calls == [True] * 3, "the kernel ran with ECO"
+
+    def test_weight_grid_dispatch(monkeypatch):
+        """The ``triton`` row takes cast-format grids with ``error_feedback`` None or "eco" (not "eco" with stall
+        counts); block-scaled grids and "eco_exact" take the reference path; weight SR draws reproducible seeds."""
+        monkeypatch.setattr(dispatch, "TRITON_DEVICE_TYPES", ("cuda", "cpu"))
+        cases = [
+            ({"weights": "bf16", "error_feedback": "eco", "track_stalls": True}, "reference"),
+            ({"weights": "fp8_e4m3", "error_feedback": "eco"}, "reference"),
+            ({"weights": "bf16", "error_feedback": "eco_exact"}, "reference"),
+            ({"weights": "bf16", "track_stalls": True}, "triton"),
+            ({"weights": "fp16"}, "reference"),  # an fp16 grid is not held exactly by a bf16 parameter
+        ]
+        for options, path in cases:
+            weight = torch.nn.Parameter(torch.randn(64, 80, generator=torch.Generator().manual_seed(1)).bfloat16())
+            opt = QAdamW([weight], lr=1e-2, **options)
+            opt.cpu_compile = False  # no native (C++) path for "cpu" parameters
+            weight.grad = torch.full_like(weight, 1e-3)
+            opt.step()
+            assert opt.step_paths() == {"param0": path}, options
+        results = []
+        for _ in range(2):  # weight SR (the default weight_rounding): the same seeds from the optimizer's generator
+            weight = torch.nn.Parameter(torch.randn(64, 80, generator=torch.Generator().manual_seed(1)).bfloat16())
+            opt = QAdamW([weight], lr=1e-2, weights="bf16", error_feedback="eco", generator=torch.Generator().manual_seed(5))
+            opt.cpu_compile = False
+            weight.grad = torch.full_like(weight, 1e-3)
+            opt.step()
+            assert opt.step_paths() == {"param0": "triton"}
+            results.append((weight.detach().clone(), opt.state[weight]["exp_avg"].codes.clone()))
+        assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])

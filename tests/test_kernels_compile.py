@@ -2,7 +2,8 @@
 
 ``lightning_qstate.kernels.aot_variants()`` lists the specializations (codebook and
 minifloat encoders, RN and SR, nibble / byte / int16 containers, several block
-sizes, every kernel of ``KERNELS``), built by the same functions the launchers use.
+sizes, every kernel of ``KERNELS``, the Adam kernel's weight grids and ECO feedback),
+built by the same functions the launchers use.
 Each is compiled with ``triton.compile`` for a CUDA target; the cubin must exist and
 the bundled ``cuobjdump -res-usage`` must report no stack or local memory, and the
 bundled ``ptxas -v`` no spill stores or loads. Skipped where Triton or its NVIDIA
@@ -64,6 +65,19 @@ def test_zero_free_encoders_are_compiled():
     assert any(not c["IS_MINIFLOAT"] and c["MIN_CODE"] == 1 for c in by_kernel["quantize_blocks_kernel"])
     assert any(not c["V_IS_MINIFLOAT"] and c["V_MIN_CODE"] == 1 for c in by_kernel["adam_step_kernel"])
     assert any(c["ZERO_FREE"] for c in by_kernel["stochastic_cast_kernel"])
+
+
+def test_weight_grid_variants_are_compiled():
+    """The Adam kernel without master weights is compiled in every mode it has: bf16 and fp16 parameters, each weight
+    grid (none, fp32, bf16, fp16), SR of the weights on the bf16 and the fp16 grid, ECO on and off."""
+    adam = [variant for variant in VARIANTS if variant.kernel == "adam_step_kernel"]
+    assert {variant.signature["param_ptr"] for variant in adam} == {"*fp32", "*bf16", "*fp16"}
+    grids = {triton_kernels.NO_GRID.value, triton_kernels.FP32_GRID.value, triton_kernels.BF16_GRID.value, triton_kernels.FP16_GRID.value}
+    assert {variant.constexprs["WEIGHT_GRID"] for variant in adam} == grids
+    stochastic = {variant.constexprs["WEIGHT_GRID"] for variant in adam if variant.constexprs["WEIGHT_STOCHASTIC"]}
+    assert stochastic == {triton_kernels.BF16_GRID.value, triton_kernels.FP16_GRID.value}
+    with_grid = [variant for variant in adam if variant.constexprs["WEIGHT_GRID"] != triton_kernels.NO_GRID.value]
+    assert {variant.constexprs["ECO"] for variant in with_grid} == {True, False}
 
 
 @pytest.mark.parametrize("capability", sorted(TARGETS))

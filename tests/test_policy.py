@@ -15,6 +15,7 @@ import lightning_qstate as lq
 from lightning_qstate.kernels import dispatch
 from lightning_qstate.kernels.native import native_kernel_available
 from lightning_qstate.optim import POLICY_DEFAULTS, POLICY_FIELDS, QuantizationPolicy, QuantizedOptimizerWrapper
+from lightning_qstate.optim.policy import NAME_PATTERN_FIELDS
 
 OPTIMIZER_ENTRY_POINTS = [lq.QAdam, lq.QAdamW, lq.QSGD, lq.QMuon, QuantizedOptimizerWrapper, lq.quantize_optimizer]
 
@@ -34,9 +35,9 @@ def policy_parameters(entry) -> dict[str, object]:
 
 @pytest.mark.parametrize("entry", OPTIMIZER_ENTRY_POINTS, ids=lambda e: e.__name__)
 def test_optimizer_keywords_are_the_policy_fields(entry):
-    """The optimizers spell out the policy's fields (``overrides`` needs names: ``policy=``) with its defaults."""
+    """The optimizers spell out the policy's fields (``overrides``, ``weight_overrides`` need names: ``policy=``) with its defaults."""
     parameters = inspect.signature(entry).parameters
-    expected = {name: POLICY_DEFAULTS[name] for name in POLICY_FIELDS if name != "overrides"}
+    expected = {name: POLICY_DEFAULTS[name] for name in POLICY_FIELDS if name not in NAME_PATTERN_FIELDS}
     assert policy_parameters(entry) == expected
     assert parameters["policy"].default is None and parameters["policy"].kind is inspect.Parameter.KEYWORD_ONLY
 
@@ -44,7 +45,8 @@ def test_optimizer_keywords_are_the_policy_fields(entry):
 def test_lightning_keywords_are_the_policy_fields():
     for entry in lightning_entry_points():
         defaults = policy_parameters(entry)
-        defaults["overrides"] = defaults["overrides"] or {}  # None in the signatures (a mutable default would be shared)
+        for name in NAME_PATTERN_FIELDS:  # None in the signatures (a mutable default would be shared)
+            defaults[name] = defaults[name] or {}
         assert defaults == POLICY_DEFAULTS, entry.__name__
         assert inspect.signature(entry).parameters["policy"].default is None
 

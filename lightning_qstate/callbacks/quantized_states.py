@@ -9,7 +9,16 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from ..optim import NonFiniteGradPolicy, QuantizationPolicy, QuantizedStates, StatesSpec, check_optimizer_parameters, state_summary
+from ..formats.weights import WeightBlock
+from ..optim import (
+    ErrorFeedback,
+    NonFiniteGradPolicy,
+    QuantizationPolicy,
+    QuantizedStates,
+    StatesSpec,
+    check_optimizer_parameters,
+    state_summary,
+)
 
 
 class QuantizedOptimizerStates(Callback):
@@ -19,7 +28,9 @@ class QuantizedOptimizerStates(Callback):
     ``trainer.strategy`` are converted (in place for Adam/AdamW/SGD/Muon, wrapped otherwise), before
     any checkpoint is restored, so resuming loads straight into the quantized optimizers. Optimizers a
     :class:`~lightning_qstate.plugins.QStatePrecision` already converted are left as they are; the
-    callback then only logs.
+    callback then only logs. With ``weights=`` (training without fp32 master weights, ECO), the parameters of the
+    optimizers it converts are rounded onto their weight grid there too (round to nearest), before a checkpoint's
+    weights (on the grid already) are restored.
 
     At the Trainer's logging interval (``log_every_n_steps``) it logs, summed over ranks:
     ``qstate/state_bytes``, ``qstate/bits_per_value`` (average, scales included),
@@ -30,9 +41,12 @@ class QuantizedOptimizerStates(Callback):
 
         trainer = Trainer(callbacks=[QuantizedOptimizerStates(states={"exp_avg": "int8", "exp_avg_sq": "int4"},
                                                               overrides={"*.wte.*": "fp32"})])
+        # fp8 (E4M3, one scale per row) weights in the blocks' linear layers, ECO error feedback:
+        trainer = Trainer(callbacks=[QuantizedOptimizerStates(weights="fp8_e4m3", error_feedback="eco")])
 
     Args:
-        states, rounding, block_size, min_quant_size, overrides, track_stalls, nonfinite, policy:
+        states, rounding, block_size, min_quant_size, overrides, weights, weight_rounding, weight_block,
+            error_feedback, weight_overrides, track_stalls, nonfinite, policy:
             as for :class:`~lightning_qstate.plugins.QStatePrecision`.
         log_stats: log the memory statistics above.
     """
@@ -44,6 +58,11 @@ class QuantizedOptimizerStates(Callback):
         block_size: int | None = None,
         min_quant_size: int = 4096,
         overrides: Mapping[str, StatesSpec] | None = None,
+        weights: str | None = None,
+        weight_rounding: str = "stochastic",
+        weight_block: WeightBlock = "row",
+        error_feedback: ErrorFeedback | None = None,
+        weight_overrides: Mapping[str, str | None] | None = None,
         track_stalls: bool = False,
         nonfinite: NonFiniteGradPolicy = "skip",
         policy: QuantizationPolicy | None = None,
@@ -55,7 +74,11 @@ class QuantizedOptimizerStates(Callback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         model = trainer.strategy.model if trainer.strategy.model is not None else pl_module
         check_optimizer_parameters(model, trainer.strategy.optimizers)
+        converted = [not isinstance(optimizer, QuantizedStates) for optimizer in trainer.strategy.optimizers]  # (in place too)
         trainer.strategy.optimizers = [self.policy.apply(optimizer, model) for optimizer in trainer.strategy.optimizers]
+        for optimizer, new in zip(trainer.strategy.optimizers, converted, strict=True):
+            if new and isinstance(optimizer, QuantizedStates):  # a plugin's optimizers got theirs in its connect()
+                optimizer.quantize_weights()  # weights=: onto the grid, round to nearest (a checkpoint's weights come later)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         if not self.log_stats or not trainer._logger_connector.should_update_logs:

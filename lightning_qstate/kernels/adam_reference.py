@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from ..formats import Rounding, StorageFormat, count_stalls
+from ..formats import CastFormat, Rounding, StorageFormat, count_stalls
 from .bounds import moment_bound
 
 
@@ -75,6 +75,29 @@ def hold_moment(exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, bound: torch.Te
     return torch.where(exp_avg > limit, limit, torch.where(exp_avg < -limit, -limit, exp_avg)).to(exp_avg.dtype)
 
 
+def eco_coefficient(group: dict, step: float) -> float:
+    """ECO's coefficient of ``denom * e`` in Adam's ``m`` at step ``step`` (``optim/weights.py``):
+    ``((1 - beta1**step) / lr) * (1 - 1 / beta1)``, times ``1 - lr * weight_decay`` with decoupled weight decay (the
+    published extension); 0 where ``beta1`` is 0 (no momentum to feed: ``error_feedback="eco"`` refuses it) or the
+    learning rate is 0 (no step to correct; FSDP2's resume takes such a step before loading)."""
+    lr, beta1 = float(group["lr"]), float(group["betas"][0])
+    if beta1 == 0 or lr == 0:
+        return 0.0
+    coefficient = (1 - beta1**step) / lr * (1 - 1 / beta1)
+    return coefficient * (1 - lr * group["weight_decay"]) if group["decoupled_weight_decay"] else coefficient
+
+
+def eco_feedback(exp_avg: torch.Tensor, denom: torch.Tensor, error: torch.Tensor, hyper: dict[str, torch.Tensor]) -> torch.Tensor:
+    """``exp_avg + eco_coefficient * denom * error`` as every path rounds it: the product of the two coefficients once,
+    then one ``fma``. ``denom``: Adam's ``sqrt(v) / sqrt(1 - beta2**t) + eps`` of this step; ``error``: ``θ̃ - θ̂``."""
+    return fma(hyper["eco_coefficient"] * denom, error, exp_avg)
+
+
+def adam_denominator(exp_avg_sq: torch.Tensor, hyper: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Adam's ``sqrt(v) / sqrt(1 - beta2**t) + eps``, each operation rounded once."""
+    return sqrt_rn(exp_avg_sq) / hyper["bias_correction2_sqrt"] + hyper["eps"]
+
+
 def adam_hyper(group: dict, step: float) -> dict[str, torch.Tensor]:
     """The 0-d fp32 tensors ``adam_math`` takes (names and meaning: ``kernels.triton_adam.COEFFICIENTS``), for
     ``group``'s options at step ``step`` (1 for the first step).
@@ -96,6 +119,7 @@ def adam_hyper(group: dict, step: float) -> dict[str, torch.Tensor]:
         "step_size": lr / (1 - beta1**step),
         "bias_correction2_sqrt": (1 - beta2**step) ** 0.5,
         "moment_bound": moment_bound(float(beta1), float(beta2), step - 1),
+        "eco_coefficient": eco_coefficient(group, step),
     }
     return {name: torch.as_tensor(value, dtype=torch.float32) for name, value in values.items()}
 
@@ -128,7 +152,7 @@ def adam_math(
     exp_avg.copy_(fma(torch.where(small, weight, weight - 1), grad - stored, torch.where(small, stored, grad)))
     # exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
     exp_avg_sq.copy_(fma(hyper["square_weight"] * grad, grad, exp_avg_sq * hyper["beta2"]))
-    denom = sqrt_rn(exp_avg_sq) / hyper["bias_correction2_sqrt"] + hyper["eps"]
+    denom = adam_denominator(exp_avg_sq, hyper)
     return param - hyper["step_size"] * exp_avg / denom
 
 
@@ -146,18 +170,32 @@ def adam_step_quantized(
     decoupled_weight_decay: bool,
     maximize: bool,
     track_stalls: bool,
+    weight_format: CastFormat | None = None,
+    weight_rounding: Rounding = "nearest",
+    eco: bool = False,
 ) -> torch.Tensor:
     """Adam step of ``param`` (updated in place) whose moments are stored as codes/scales (updated in place).
 
     Tensors may come as ``(blocks, block_size)`` views (the compiled path: a static block size, a dynamic
     block count) or flat. Returns ``int64 [stalled_m, moved_m, stalled_v, moved_v]`` (zeros unless ``track_stalls``).
+
+    Without master weights (``optim/weights.py``): ``weight_format`` (a cast format: the grid of bf16, fp16 or fp32
+    values) is what the new parameter values are rounded to, with ``weight_rounding``; ``param`` may then be of any
+    float dtype (the math runs in fp32). ``eco``: the rounding error is fed into ``m`` (``eco_feedback``) before ``m``
+    is stored.
     """
-    param, grad, m_codes, v_codes = param.view(-1), grad.reshape(-1), m_codes.view(-1), v_codes.view(-1)
+    param, grad, m_codes, v_codes = param.view(-1), grad.reshape(-1).float(), m_codes.view(-1), v_codes.view(-1)
     numel = param.numel()
     exp_avg = m_format.dequantize_reference(m_codes, m_scales, numel)
     exp_avg_sq = v_format.dequantize_reference(v_codes, v_scales, numel)
     old_m, old_v = (exp_avg.clone(), exp_avg_sq.clone()) if track_stalls else (exp_avg, exp_avg_sq)
-    param.copy_(adam_math(param, grad, exp_avg, exp_avg_sq, hyper, decoupled_weight_decay, maximize))
+    updated = adam_math(param.float(), grad, exp_avg, exp_avg_sq, hyper, decoupled_weight_decay, maximize)
+    if weight_format is not None:
+        stored = weight_format.quantize_reference(updated, weight_rounding, None)[0].float()
+        if eco:
+            exp_avg.copy_(eco_feedback(exp_avg, adam_denominator(exp_avg_sq, hyper), updated - stored, hyper))
+        updated = stored
+    param.copy_(updated)
     counts = []
     for fmt, codes, scales, value, old in ((m_format, m_codes, m_scales, exp_avg, old_m), (v_format, v_codes, v_scales, exp_avg_sq, old_v)):
         new_codes, new_scales = fmt.quantize_reference(value, rounding, None)

@@ -18,6 +18,7 @@ from collections.abc import Callable
 import torch
 
 from ..formats import BlockFormat, CastFormat, QuantizedTensor
+from ..formats.weights import WeightGrid
 from .adam_reference import _lower_fma, adam_step_quantized
 
 # Row length of the 2-D view of cast-format (unblocked) states on the compiled path.
@@ -64,15 +65,25 @@ _COMPILE_FAILED: set[tuple] = set()
 
 
 def compiled_cpu_step(
-    param: torch.Tensor, grad: torch.Tensor, m: QuantizedTensor, v: QuantizedTensor, hyper: dict, group: dict, track_stalls: bool
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    m: QuantizedTensor,
+    v: QuantizedTensor,
+    hyper: dict,
+    group: dict,
+    track_stalls: bool,
+    weights: WeightGrid | None = None,
 ) -> torch.Tensor:
-    """Compiled Adam step on the whole blocks of ``param``, eager on the partial last block; returns stall counts."""
+    """Compiled Adam step on the whole blocks of ``param``, eager on the partial last block; returns stall counts.
+    ``weights``: the cast-format grid ``param`` is kept on without master weights (``optim/weights.py``), or ``None``."""
     flat_param, flat_grad = param.view(-1), grad.reshape(-1)
     # Elements per block the fused path splits at: the format's block, CAST_ROW for cast formats (no blocks).
     block = max(state.format.block_size if isinstance(state.format, BlockFormat) else CAST_ROW for state in (m, v))
     whole = flat_param.numel() // block * block
     (m_head, m_tail), (v_head, v_tail) = _split(m, whole, block), _split(v, whole, block)
     options = (m.format, v.format, group["rounding"], group["decoupled_weight_decay"], group["maximize"], track_stalls)
+    if weights is not None:
+        options += (weights.format, group["weight_rounding"], group["error_feedback"] == "eco")
     counts = None
     if options not in _COMPILE_FAILED:
         try:

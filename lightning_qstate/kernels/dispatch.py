@@ -27,11 +27,12 @@ from dataclasses import dataclass
 
 import torch
 
-from ..formats import BlockFormat, CastFormat, QuantizedTensor
+from ..formats import FLOAT_INPUT_DTYPES, BlockFormat, CastFormat, QuantizedTensor
+from ..formats.weights import WeightGrid
 from . import TRITON_AVAILABLE
 from .adam_reference import adam_hyper
 from .compiled import compiled_cpu_step
-from .native import native_formats, native_kernel_available
+from .native import VALUE_DTYPES, native_formats, native_kernel_available
 
 if TRITON_AVAILABLE:
     from . import adam_step_supported, draw_seed, triton_adam_step
@@ -58,13 +59,17 @@ class StepPath(str, enum.Enum):
 @dataclass(frozen=True)
 class Candidate:
     """One parameter at one step, as the requirements see it: local ``param``/``grad`` tensors (a shard's, under FSDP),
-    its param ``group``, its ``state`` (initialized) and whether the optimizer allows compiled CPU paths."""
+    its param ``group``, its ``state`` (initialized), whether the optimizer allows compiled CPU paths, the grid its
+    values are kept on without master weights (``None``: torch's behaviour; ``optim/weights.py``) and whether the
+    optimizer counts stalls."""
 
     param: torch.Tensor
     grad: torch.Tensor
     group: dict
     state: dict
     compile_cpu: bool
+    weights: WeightGrid | None = None
+    track_stalls: bool = False
 
 
 Requirement = Callable[[Candidate], bool]
@@ -88,19 +93,37 @@ def nearest_rounding(c: Candidate) -> bool:
 
 
 def plain_adam_options(c: Candidate) -> bool:
-    """A contiguous fp32 parameter and no amsgrad, capturable, differentiable or fused."""
+    """A contiguous parameter, fp32 (any float dtype with a weight grid: the math runs in fp32), and no amsgrad,
+    capturable, differentiable or fused."""
     group = c.group
     return (
-        c.param.dtype == torch.float32
+        (c.param.dtype == torch.float32 or c.weights is not None)
         and c.param.is_contiguous()
         and not (group["amsgrad"] or group["capturable"] or group["differentiable"] or group["fused"])
     )
 
 
+def no_weight_grid(c: Candidate) -> bool:
+    """torch's behaviour for the parameter's values (no ``weights``, no ``error_feedback``)."""
+    return c.weights is None
+
+
+def fused_weight_update(c: Candidate) -> bool:
+    """No weight grid, or one the fused steps (C++, Triton, compiled) round to: a cast format's (elementwise) that the
+    parameter's dtype holds exactly (its own dtype's, or any on an fp32 parameter), with ``error_feedback`` ``None`` or
+    ``"eco"``, and not ``"eco"`` with ``track_stalls``. Block-scaled grids, ``"eco_exact"``'s buffer and the counts of
+    ECO's corrections are the reference path's."""
+    if c.weights is None:
+        return True
+    feedback = c.group["error_feedback"]
+    held = c.weights.cast_dtype is not None and c.param.dtype in (c.weights.cast_dtype, torch.float32)
+    return held and feedback in (None, "eco") and not (feedback == "eco" and c.track_stalls)
+
+
 def both_moments_quantized(c: Candidate) -> bool:
-    """Both Adam moments fp32-valued ``QuantizedTensor``s."""
+    """Both Adam moments ``QuantizedTensor``s, fp32-valued (any float dtype with a weight grid: the math runs in fp32)."""
     m, v = c.state.get("exp_avg"), c.state.get("exp_avg_sq")
-    return isinstance(m, QuantizedTensor) and isinstance(v, QuantizedTensor) and m.dtype == torch.float32
+    return isinstance(m, QuantizedTensor) and isinstance(v, QuantizedTensor) and (m.dtype == torch.float32 or c.weights is not None)
 
 
 def fp32_moments(c: Candidate) -> bool:
@@ -125,12 +148,24 @@ def native_built(c: Candidate) -> bool:
     return native_kernel_available()
 
 
+def native_values(c: Candidate) -> bool:
+    """What the C++ kernel reads values in: an fp32 parameter, or with a weight grid one of fp32, bf16 or fp16, and a
+    gradient of the parameter's dtype."""
+    dtypes = VALUE_DTYPES if c.weights is not None else (torch.float32,)
+    return c.param.dtype in dtypes and c.grad.dtype == c.param.dtype
+
+
 def on_triton_device(c: Candidate) -> bool:
     return c.param.device.type in TRITON_DEVICE_TYPES and TRITON_AVAILABLE
 
 
 def triton_formats(c: Candidate) -> bool:
     return adam_step_supported(c.state["exp_avg"].format, c.state["exp_avg_sq"].format)
+
+
+def half_or_fp32_values(c: Candidate) -> bool:
+    """An fp32, bf16 or fp16 parameter and gradient (what the Triton kernel loads)."""
+    return c.param.dtype in FLOAT_INPUT_DTYPES and c.grad.dtype in FLOAT_INPUT_DTYPES
 
 
 def block_or_cast_moments(c: Candidate) -> bool:
@@ -149,23 +184,40 @@ ADAM_PATHS: tuple[tuple[StepPath, tuple[Requirement, ...]], ...] = (
         (
             on_cpu,
             compile_allowed,
-            fp32_grad,
             nearest_rounding,
+            fused_weight_update,
+            native_values,
             plain_adam_options,
             both_moments_quantized,
             byte_codebook_moments,
             native_built,
         ),
     ),  # fmt: skip
-    (StepPath.TRITON, (on_triton_device, plain_adam_options, both_moments_quantized, block_or_cast_moments, triton_formats)),
-    (StepPath.COMPILED, (on_cpu, compile_allowed, plain_adam_options, both_moments_quantized, block_or_cast_moments, large_param)),
-    (StepPath.MULTI_TENSOR, (no_quantized_state,)),
+    (
+        StepPath.TRITON,
+        (
+            on_triton_device,
+            fused_weight_update,
+            half_or_fp32_values,
+            plain_adam_options,
+            both_moments_quantized,
+            block_or_cast_moments,
+            triton_formats,
+        ),
+    ),
+    (
+        StepPath.COMPILED,
+        (on_cpu, compile_allowed, fused_weight_update, plain_adam_options, both_moments_quantized, block_or_cast_moments, large_param),
+    ),
+    (StepPath.MULTI_TENSOR, (no_weight_grid, no_quantized_state)),
     (StepPath.REFERENCE, ()),
 )
 # SGD, Muon and the generic wrapper: torch's functional update, one parameter at a time.
 PER_PARAMETER_PATHS: tuple[tuple[StepPath, tuple[Requirement, ...]], ...] = ((StepPath.REFERENCE, ()),)
-# fp32-state parameters that join a group's native call (as a rule, the small ones ``min_quant_size`` keeps fp32).
-NATIVE_JOIN: tuple[Requirement, ...] = (on_cpu, fp32_grad, plain_adam_options, fp32_moments, native_built)
+# fp32-state parameters that join a group's native call (as a rule, the small ones ``min_quant_size`` keeps fp32). Left
+# out: any with a weight grid (``weights=`` or ``error_feedback=``): the kernel's fp32-state loop has neither grid
+# rounding nor ECO (only coded parameters do), so these take the reference path; and non-fp32 params or gradients.
+NATIVE_JOIN: tuple[Requirement, ...] = (on_cpu, fp32_grad, no_weight_grid, plain_adam_options, fp32_moments, native_built)
 
 
 def choose_path(table: tuple[tuple[StepPath, tuple[Requirement, ...]], ...], candidate: Candidate) -> StepPath:
@@ -189,13 +241,20 @@ def plan_group(table: tuple[tuple[StepPath, tuple[Requirement, ...]], ...], cand
 
 
 def fused_adam_step(
-    param: torch.Tensor, grad: torch.Tensor, state: dict, group: dict, track_stalls: bool, generator: torch.Generator | None = None
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    state: dict,
+    group: dict,
+    track_stalls: bool,
+    generator: torch.Generator | None = None,
+    weights: WeightGrid | None = None,
 ) -> torch.Tensor:
     """The ``triton`` or ``compiled`` path: one Adam step of ``param`` and its quantized moments in ``state`` (in
     place; ``step`` goes up by one); returns ``int64 [stalled_m, moved_m, stalled_v, moved_v]``.
 
     Triton devices: one kernel pass (SR seeds drawn from ``generator``, default: the device's). CPU: compiled
-    step on the whole blocks of ``param``, eager on the partial last block.
+    step on the whole blocks of ``param``, eager on the partial last block. Both with the weight grid ``weights`` (a
+    cast format's, ``fused_weight_update``) and ECO's feedback where the group asks for them.
 
     Raises:
         FloatingPointError: a moment overflowed to inf/NaN (its block scale is not finite).
@@ -205,12 +264,16 @@ def fused_adam_step(
     hyper = adam_hyper(group, float(state["step"]))
     if param.device.type in TRITON_DEVICE_TYPES:
         seed = None
-        if group["rounding"] == "stochastic":  # two seeds (m, v), drawn where the generator lives
-            seed = draw_seed(generator, generator.device if generator is not None else param.device, 2).to(param.device, non_blocking=True)
+        weight_stochastic = weights is not None and group["weight_rounding"] == "stochastic"
+        if group["rounding"] == "stochastic" or weight_stochastic:  # seeds (m, v[, weights]), drawn where the generator lives
+            where = generator.device if generator is not None else param.device
+            seed = draw_seed(generator, where, 3 if weight_stochastic else 2).to(param.device, non_blocking=True)
         options = (group["rounding"], group["decoupled_weight_decay"], group["maximize"], track_stalls, seed)
+        if weights is not None:
+            options += (weights.format, group["weight_rounding"], group["error_feedback"] == "eco")
         counts = triton_adam_step(param, grad, m, v, hyper, *options)
     else:
-        counts = compiled_cpu_step(param, grad, m, v, hyper, group, track_stalls)
+        counts = compiled_cpu_step(param, grad, m, v, hyper, group, track_stalls, weights)
     scales = [q.scales for q in (m, v) if q.scales is not None]
     if scales and not bool(torch.stack([torch.isfinite(s).all() for s in scales]).all()):  # one host sync
         raise FloatingPointError("an Adam moment overflowed to inf/NaN during the step; its packed codes were not trusted")

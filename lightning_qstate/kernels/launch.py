@@ -5,7 +5,9 @@ They take any device Triton can run on: CUDA tensors, or CPU tensors under
 SR takes ``seed``: an int, or a one-element integer tensor on the input's device
 (what :func:`draw_seed` returns; it is read by the kernel, so drawing it needs no
 host synchronization). :func:`triton_adam_step` runs the fused Adam(W) step of
-:mod:`.triton_adam` on a parameter and its two quantized moments, in place.
+:mod:`.triton_adam` on a parameter and its two quantized moments, in place, with
+the parameter kept on a weight grid and ECO's error feedback when asked to
+(training without master weights, ``optim/weights.py``).
 """
 
 from __future__ import annotations
@@ -148,14 +150,31 @@ def adam_coefficients(hyper: dict[str, torch.Tensor], device: torch.device) -> t
     return torch.stack([tensor.to(device, non_blocking=True) for tensor in tensors])
 
 
-def _seed_pair(seed: int | torch.Tensor | None, device: torch.device) -> torch.Tensor:
-    """``(2,)`` int64 seeds (``exp_avg``, ``exp_avg_sq``): drawn, the first two of a tensor, or derived from one seed."""
+ADAM_SEEDS = 3  # exp_avg, exp_avg_sq, weights
+
+
+def _adam_seeds(seed: int | torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    """``(3,)`` int64 seeds (``exp_avg``, ``exp_avg_sq``, weights): drawn, the first three of a tensor, or those a
+    tensor has and the rest derived from its first (seed ``k`` is ``first + k * (2**31 - 1)``: streams that never
+    share a seed drawn in ``[0, 2**31 - 1)``)."""
     if seed is None:
-        return draw_seed(None, device, 2)
-    first = _seed_tensor(seed, device) if not isinstance(seed, torch.Tensor) or seed.numel() < 2 else None
-    if first is None:
-        return seed.reshape(-1)[:2].to(device=device, dtype=torch.int64)
-    return torch.cat([first, first + SEED_HIGH])  # two streams that never share a seed in [0, 2**31 - 1)
+        return draw_seed(None, device, ADAM_SEEDS)
+    if isinstance(seed, torch.Tensor):
+        given = seed.reshape(-1)[:ADAM_SEEDS].to(device=device, dtype=torch.int64)
+    else:
+        given = _seed_tensor(seed, device)
+    if given.numel() == 0:
+        raise ValueError("triton_adam_step: an empty seed tensor")
+    derived = [given[:1] + k * SEED_HIGH for k in range(given.numel(), ADAM_SEEDS)]
+    return torch.cat([given, *derived])
+
+
+def _weight_grid_dtype(weight_format: CastFormat | None) -> torch.dtype | None:
+    if weight_format is None:
+        return None
+    if not isinstance(weight_format, CastFormat) or weight_format.zero_free or weight_format.dtype not in FLOAT_INPUT_DTYPES:
+        raise TypeError(f"triton_adam_step rounds parameters to a fp32, bf16 or fp16 cast format (not zero-free), got {weight_format!r}")
+    return weight_format.dtype
 
 
 def _check_moment(name: str, q: QuantizedTensor, numel: int, device: torch.device) -> None:
@@ -185,30 +204,42 @@ def triton_adam_step(
     maximize: bool = False,
     track_stalls: bool = False,
     seed: int | torch.Tensor | None = None,
+    weight_format: CastFormat | None = None,
+    weight_rounding: Rounding = "nearest",
+    eco: bool = False,
 ) -> torch.Tensor:
-    """One Adam(W) step of ``param`` (fp32, contiguous) with moments ``m`` (``exp_avg``) and ``v`` (``exp_avg_sq``).
+    """One Adam(W) step of ``param`` (contiguous) with moments ``m`` (``exp_avg``) and ``v`` (``exp_avg_sq``).
 
     Updates ``param`` and the codes and scales of ``m`` and ``v`` in place, in one kernel pass: the step of
-    ``kernels.adam_reference.adam_step_quantized`` (``hyper`` as there). SR draws from ``seed``: two seeds (``m``, ``v``)
-    as a tensor, or one (an int or a one-element tensor) from which the second is derived; ``None`` draws them
-    from the device's default generator. Returns int64 ``[stalled_m, moved_m, stalled_v, moved_v]`` on
+    ``kernels.adam_reference.adam_step_quantized`` (``hyper``, ``weight_format``, ``weight_rounding`` and ``eco`` as
+    there). ``param``: fp32, or bf16/fp16 too (the update runs in fp32 and its result is stored rounded to nearest;
+    exactly with a weight grid of ``param``'s dtype). ``weight_format``: the cast format (fp32, bf16 or fp16) of the
+    weight grid, or ``None``; ``eco`` needs one.
+
+    SR (of the moments, ``rounding``, or of the weights, ``weight_rounding``) draws from ``seed``: up to three seeds
+    (``m``, ``v``, weights) as a tensor, the missing ones derived from the first, or one (an int); ``None`` draws
+    them from the device's default generator. Returns int64 ``[stalled_m, moved_m, stalled_v, moved_v]`` on
     ``param``'s device (zeros unless ``track_stalls``).
     """
     device, numel = param.device, param.numel()
-    if param.dtype != torch.float32 or not param.is_contiguous():
-        raise TypeError(f"triton_adam_step updates contiguous float32 parameters, got {param.dtype} (contiguous={param.is_contiguous()})")
+    if param.dtype not in FLOAT_INPUT_DTYPES or not param.is_contiguous():
+        contiguous = param.is_contiguous()
+        raise TypeError(f"triton_adam_step updates contiguous float32, bfloat16 or float16 parameters, got {param.dtype} ({contiguous=})")
     if grad.numel() != numel or grad.dtype not in FLOAT_INPUT_DTYPES or grad.device != device:
         raise ValueError(f"triton_adam_step: the gradient ({grad.numel()} {grad.dtype} on {grad.device}) does not match the parameter")
     _check_moment("exp_avg", m, numel, device)
     _check_moment("exp_avg_sq", v, numel, device)
     if track_stalls and numel >= 2**32:
         raise ValueError("triton_adam_step counts stalls of parameters with fewer than 2**32 elements")
-    variant = adam_step_variant(m.format, v.format, rounding, grad.dtype, decoupled_weight_decay, maximize, track_stalls)
+    weight_dtype = _weight_grid_dtype(weight_format)
+    flags = (decoupled_weight_decay, maximize, track_stalls)
+    variant = adam_step_variant(m.format, v.format, rounding, grad.dtype, *flags, param.dtype, weight_dtype, weight_rounding, eco)
     if numel == 0:
         return torch.zeros(4, dtype=torch.int64, device=device)
     _, int64_placeholder = _placeholders(device)
     counts = torch.zeros(int(STALL_SLOTS), 2, dtype=torch.int64, device=device) if track_stalls else int64_placeholder
-    seeds = _seed_pair(seed, device) if rounding == "stochastic" else int64_placeholder
+    stochastic = variant.constexprs["STOCHASTIC"] or variant.constexprs["WEIGHT_STOCHASTIC"]
+    seeds = _adam_seeds(seed, device) if stochastic else int64_placeholder
     coefficients = adam_coefficients(hyper, device)
     m_format, v_format = m.format, v.format
     blocks = -(-numel // variant.constexprs["BLOCK_SIZE"])

@@ -10,13 +10,30 @@ clamps codes up to its ``min_code``, so ``v`` is never stored as 0), writing par
 per state) in place. The group's parameters with fp32 moments (those ``min_quant_size`` keeps fp32) step in the same
 call, and the kernel increments every step counter, so a whole group costs one call and no per-parameter torch ops.
 
+Without master weights (``optim/weights.py``) a coded parameter may be kept on a weight grid (a cast format's:
+fp32, bf16 or fp16 values); the parameter and its gradient are then fp32, bf16 or fp16 (read as fp32, the math is
+fp32). Its new values are computed as ``adam_reference.adam_math`` computes them, operation for operation (true
+divisions), rounded to the grid (round to nearest even, as torch's casts: fp16 with its subnormals and overflow to
+inf; or stochastic: bf16 as ``formats.rounding.bf16_stochastic``, 16 random bits added to the fp32 pattern; fp16
+unbiased, as ``formats.cast.fp16_stochastic``) and written in the parameter's dtype (round to nearest, as ``copy_``);
+with ``error_feedback="eco"`` the rounding error goes into ``m`` before ``m`` is encoded
+(``adam_reference.eco_feedback``: ``fma(eco_coefficient * denom, updated - rounded, m)``). The random bits of
+element ``i`` are splitmix64's output ``i + 1`` from a per-parameter seed that Python draws for each step from
+``optimizer.rounding_generator(param, "weights", cpu)``: counter-based, so they do not depend on the thread count.
+For these parameters the moments are decoded by scalar table lookups, then one loop per block does the update, the
+rounding and the feedback: written without branches (selects, ``-fno-math-errno``) and compiled once per parameter
+dtype, rounding and feedback, so that the compiler vectorizes it for the CPU it builds for (AVX2 or AVX-512; each
+lane's IEEE operations are the scalar code's, so the bits do not depend on it). The AVX-512 intrinsics body below is
+for fp32 parameters without a grid only.
+
 The codes and scales are those of the torch reference ``adam_reference.adam_step_quantized`` bit for bit: the
 hyperparameters are rounded to fp32 from double as ``adam_reference.adam_hyper`` (and torch's AdamW) round them, the
 moments use the float operations of torch's vectorized CPU kernels in the same order (explicit FMAs where torch's
 ``add(alpha=)``/``lerp_``/``addcmul_`` use them, no other contraction: ``-ffp-contract=off``), the division by the
 block's stored scale is correctly rounded (Markstein's reciprocal-and-remainder form), and the encoder reproduces the
-format's ``encode`` (``encode_codebook`` clamped up to ``min_code``) exactly. The param update multiplies by
-reciprocals where the reference divides, so params are within a few ulps of the update of the reference's. With
+format's ``encode`` (``encode_codebook`` clamped up to ``min_code``) exactly. Without a weight grid the param update
+multiplies by reciprocals where the reference divides, so params are within a few ulps of the update of the
+reference's; on a weight grid (round to nearest) params and codes are the reference's bit for bit, ECO's too. With
 AVX-512 the body of each block runs 16 lanes at a time (table lookups by register permutes, not gathers; with VBMI,
 64 codes at a time from byte planes of the table); the scalar code runs the rest and is the whole kernel on other CPUs.
 
@@ -37,13 +54,19 @@ from pathlib import Path
 import torch
 
 from ..formats import CodebookFormat, QuantizedTensor
+from ..formats.weights import WeightGrid
+from .adam_reference import eco_coefficient
 from .bounds import moment_bound
 from .code_index import nearest_index
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = (CSRC / "adam_cpu.cpp", CSRC / "adam_cpu.h")  # the compiled file first, then the headers it includes
-CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-fopenmp"]
+# -fno-math-errno: sqrt without a branch to set errno (never read), so that loops over it vectorize; results unchanged
+CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-fno-math-errno", "-fopenmp"]
 LDFLAGS = ["-fopenmp"]
+# The kernel's codes of a weight grid's dtype (index; 0: no grid) and the dtypes it reads parameters and gradients in.
+GRID_DTYPES = (None, torch.float32, torch.bfloat16, torch.float16)
+VALUE_DTYPES = GRID_DTYPES[1:]
 
 
 def extension_name() -> str:
@@ -68,8 +91,8 @@ def build_extension():
     return cpp_extension.load(
         name=name,
         sources=[str(SOURCES[0])],
-        extra_cflags=CFLAGS,
-        extra_ldflags=LDFLAGS,
+        extra_cflags=list(CFLAGS),  # copies: load appends torch's libraries to the list it is given
+        extra_ldflags=list(LDFLAGS),
         extra_include_paths=[str(CSRC)],
         build_directory=build_directory,
         verbose=False,
@@ -109,7 +132,13 @@ def _native_layout(m_format: CodebookFormat, v_format: CodebookFormat) -> tuple[
 
 
 def native_adam_steps(
-    params: list[torch.Tensor], grads: list[torch.Tensor], states: list[dict], group: dict, track_stalls: bool
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    states: list[dict],
+    group: dict,
+    track_stalls: bool,
+    weights: list[WeightGrid | None] | None = None,
+    seeds: list[int] | None = None,
 ) -> list[list[int]]:
     """The Adam step of every parameter of ``group`` given (those ``kernels.dispatch`` put on the ``native`` path:
     byte-coded moments, or fp32 ones that join the call) in one C++ call, in place.
@@ -118,11 +147,23 @@ def native_adam_steps(
     ``adam_hyper`` does for coded params, as torch's AdamW for fp32 ones); parameters whose gradient holds inf/NaN
     are left untouched (their ``step`` too). Returns per parameter, in order,
     ``[grad_finite, moments_finite, stalled_m, moved_m, stalled_v, moved_v]`` (stalls 0 unless tracked or fp32).
+
+    ``weights``: per parameter its weight grid (a cast format's; only coded parameters may have one) or ``None``,
+    rounded to with ``group["weight_rounding"]`` and with ECO's feedback where ``group["error_feedback"]`` is
+    ``"eco"`` (module docstring); ``seeds``: per parameter the seed of its stochastic rounding (used only there).
     """
+    weights = weights or [None] * len(states)
+    seeds = seeds or [0] * len(states)
     coded = [k for k, state in enumerate(states) if isinstance(state["exp_avg"], QuantizedTensor)]
     plain = [k for k, state in enumerate(states) if not isinstance(state["exp_avg"], QuantizedTensor)]
+    if any(weights[k] is not None for k in plain):
+        raise ValueError("the C++ kernel keeps only parameters with coded moments on a weight grid")
     order = coded + plain  # the kernel's parameter order
     beta1, beta2 = group["betas"]
+    stochastic = group.get("weight_rounding") == "stochastic"
+    eco = group.get("error_feedback") == "eco"
+    grids = [(GRID_DTYPES.index(weights[k].cast_dtype), stochastic, eco) if weights[k] is not None else (0, 0, 0) for k in coded]
+    eco_coefficients = [eco_coefficient(group, float(states[k]["step"]) + 1) if eco and weights[k] is not None else 0.0 for k in coded]
     tables, ints, moments = [], [], [(states[k]["exp_avg"], states[k]["exp_avg_sq"]) for k in coded]
     for m, v in moments:
         layout = _native_layout(m.format, v.format)
@@ -138,6 +179,9 @@ def native_adam_steps(
         tables=tables,
         ints=torch.tensor(ints, dtype=torch.int64).view(-1, 7),
         bounds=torch.tensor([moment_bound(float(beta1), float(beta2), float(states[k]["step"])) for k in coded], dtype=torch.float32),
+        grids=torch.tensor(grids, dtype=torch.int64).view(-1, 3),
+        seeds=torch.tensor([seeds[k] for k in coded], dtype=torch.int64),
+        eco=torch.tensor(eco_coefficients, dtype=torch.float32),
         plain=[t for k in plain for t in (params[k], grads[k].contiguous(), states[k]["exp_avg"], states[k]["exp_avg_sq"])],
         steps=[states[k]["step"] for k in order],
         lr=float(group["lr"]),
@@ -155,6 +199,23 @@ def native_adam_steps(
     for k, row in zip(order, rows, strict=False):
         by_param[k] = row
     return by_param
+
+
+def native_round_to_grid(values: torch.Tensor, dtype: torch.dtype, rounding: str, seed: int = 0) -> torch.Tensor:
+    """The kernel's rounding of new parameter values on its own: fp32 ``values`` rounded to the grid of ``dtype``
+    (fp32, bf16 or fp16) with ``rounding`` (``"stochastic"``: element ``i`` takes random draw ``i`` of ``seed``), in
+    ``dtype``, same shape."""
+    flat = values.detach().float().contiguous()
+    rounded = _round_to_grid()(values=flat, grid=GRID_DTYPES.index(dtype), stochastic=rounding == "stochastic", seed=seed)
+    return rounded.view(values.shape)
+
+
+@functools.cache
+def _round_to_grid():
+    """The extension's ``round_to_grid`` (the build ``_kernel`` made)."""
+    if _kernel() is None:
+        raise RuntimeError("the C++ CPU Adam kernel is not built here")
+    return build_extension().round_to_grid
 
 
 def native_kernel_available() -> bool:

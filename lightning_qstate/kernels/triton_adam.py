@@ -1,9 +1,10 @@
 """The fused Adam(W) step over block-quantized moments: one Triton program per block, one pass over memory.
 
-:func:`adam_step_kernel` reads a block of the fp32 parameter, its gradient and the
+:func:`adam_step_kernel` reads a block of the parameter (fp32, bf16 or fp16), its gradient and the
 packed codes + scales of both moments, and writes the parameter, codes and scales
-back in place: decode (``decode[code] * scale``) -> torch's Adam(W) update ->
-per-block absmax -> encode (RN or SR) -> pack. Nothing else touches memory.
+back in place: decode (``decode[code] * scale``) -> torch's Adam(W) update (in fp32) ->
+weight grid and ECO feedback (optional) -> per-block absmax -> encode (RN or SR) -> pack.
+Nothing else touches memory.
 
 It follows ``kernels/adam_reference.py``'s ``adam_step_quantized`` (the torch definition of the
 step) operation by operation, bit for bit (``adam_math``'s rounding contract), in the
@@ -24,8 +25,18 @@ synchronizes. The moments may have different formats and block sizes: a program
 covers ``BLOCK_SIZE`` values, the larger of the two block sizes, and the moment
 with the smaller block size is scaled per sub-block (``*_SUB_BLOCKS`` of them).
 
+Without master weights (``optim/weights.py``), the constexpr ``WEIGHT_GRID`` (``NO_GRID``, ``FP32_GRID``,
+``BF16_GRID`` or ``FP16_GRID`` of :mod:`.triton_formats`: the grid of a cast format) is what the updated fp32
+values ``θ̃`` are rounded to, ``θ̂`` (RN, or SR with ``WEIGHT_STOCHASTIC``), as ``CastFormat.quantize_reference``
+(:func:`~.triton_formats.round_to_weight_grid`); ``θ̂`` is stored in the parameter's dtype (RN; exact when the
+grid is that dtype's). ``NO_GRID`` and ``FP32_GRID`` keep ``θ̃``. With ``ECO``, the rounding error is fed into
+``m`` before ``m`` is requantized, as ``adam_reference.eco_feedback``: ``m = fma(eco_coefficient * denom, θ̃ - θ̂, m)``
+(``denom`` the update's, the product rounded once), so RN matches ``adam_step_quantized`` bit for bit here too.
+
 SR draws ``tl.rand(seed_m, i)`` for ``exp_avg`` and ``tl.rand(seed_v, i)`` for
-``exp_avg_sq`` (two seeds at ``seed_ptr``). With ``TRACK_STALLS``, each program
+``exp_avg_sq``, and for the weights ``tl.randint(seed_w, i) & 0xFFFF`` (bf16: 16 random bits, as
+``rounding.bf16_stochastic``) or ``tl.rand(seed_w, i)`` (fp16: ``cast.fp16_stochastic``'s unbiased
+minifloat rounding); three seeds (``m``, ``v``, weights) at ``seed_ptr``. With ``TRACK_STALLS``, each program
 atomically adds its block's ``stalled + (moved << 32)`` of ``exp_avg`` and of
 ``exp_avg_sq`` into row ``block % STALL_SLOTS`` of an int64 ``(STALL_SLOTS, 2)``
 buffer (rows spread the atomics; the launcher sums and unpacks them into
@@ -37,7 +48,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .triton_formats import load_moment, stall_counts, store_moment, to_float32
+from .triton_formats import float32_to, load_moment, round_to_weight_grid, stall_counts, store_moment, to_float32
 
 COEFFICIENTS = (
     "decay",
@@ -49,11 +60,14 @@ COEFFICIENTS = (
     "step_size",
     "bias_correction2_sqrt",
     "moment_bound",
+    "eco_coefficient",
 )
 """Layout of the fp32 coefficient vector: ``1 - lr * weight_decay``, ``weight_decay``, ``1 - beta1``, ``beta2``,
 ``1 - beta2``, ``eps``, ``lr / (1 - beta1**t)``, ``sqrt(1 - beta2**t)`` (at step ``t``), each computed as torch's
-AdamW does (in float64 for Python floats) and rounded to fp32 once, and the bound ``K`` that the decoded ``m`` is
-held to (``|m| <= K sqrt(v)``, ``kernels.bounds``): the keys of ``kernels.adam_reference.adam_hyper``."""
+AdamW does (in float64 for Python floats) and rounded to fp32 once, the bound ``K`` that the decoded ``m`` is
+held to (``|m| <= K sqrt(v)``, ``kernels.bounds``), and ECO's coefficient of ``denom * (θ̃ - θ̂)`` in ``m``
+(``kernels.adam_reference.eco_coefficient``, read only with ``ECO``): the keys of
+``kernels.adam_reference.adam_hyper``."""
 
 STALL_SLOTS: tl.constexpr = tl.constexpr(32)
 
@@ -107,18 +121,24 @@ def adam_step_kernel(
     DECOUPLED: tl.constexpr,
     MAXIMIZE: tl.constexpr,
     TRACK_STALLS: tl.constexpr,
+    WEIGHT_GRID: tl.constexpr,
+    WEIGHT_STOCHASTIC: tl.constexpr,
+    ECO: tl.constexpr,
 ):
     """One Adam(W) step of block ``program_id(0)`` (``BLOCK_SIZE`` values) of a parameter with quantized moments.
 
+    ``param_ptr``: fp32, bf16 or fp16 values (the update runs in fp32); ``grad_ptr``: fp32, bf16 or fp16.
     ``m_*`` / ``v_*``: codes, scales (fp32, or bf16 when ``*_SCALE_BF16``) and decode table of ``exp_avg`` /
     ``exp_avg_sq``, then the encoder arguments of :func:`~.triton_formats.encode_block`. ``coefficients_ptr``: fp32 vector laid out as
-    :data:`COEFFICIENTS`. ``seed_ptr``: two int64 seeds (``m``, ``v``), read only when ``STOCHASTIC``.
-    ``counts_ptr``: int64 ``(STALL_SLOTS, 2)`` packed counts, written only when ``TRACK_STALLS``.
+    :data:`COEFFICIENTS`. ``seed_ptr``: three int64 seeds (``m``, ``v``, weights), the first two read only when
+    ``STOCHASTIC``, the third only when ``WEIGHT_STOCHASTIC``. ``counts_ptr``: int64 ``(STALL_SLOTS, 2)`` packed
+    counts, written only when ``TRACK_STALLS``. ``WEIGHT_GRID``, ``WEIGHT_STOCHASTIC``, ``ECO``: the weight grid and
+    ECO's feedback (module docstring); ``ECO`` needs a grid.
     """
     block = tl.program_id(0)
     offsets = block.to(tl.int64) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
     in_range = offsets < numel
-    param = tl.load(param_ptr + offsets, mask=in_range, other=0.0)
+    param = to_float32(tl.load(param_ptr + offsets, mask=in_range, other=0.0))
     grad = to_float32(tl.load(grad_ptr + offsets, mask=in_range, other=0.0))
     exp_avg, exp_avg_units = load_moment(m_codes_ptr, m_scales_ptr, m_decode_ptr, block, numel, M_BITS, M_SUB_BLOCKS, BLOCK_SIZE)
     exp_avg_sq, exp_avg_sq_units = load_moment(v_codes_ptr, v_scales_ptr, v_decode_ptr, block, numel, V_BITS, V_SUB_BLOCKS, BLOCK_SIZE)
@@ -141,7 +161,11 @@ def adam_step_kernel(
     new_exp_avg_sq = tl.fma(square_weight * grad, grad, exp_avg_sq * beta2)
     denom = tl.math.div_rn(tl.math.sqrt_rn(new_exp_avg_sq), bias_correction2_sqrt) + eps
     param = param - tl.math.div_rn(step_size * new_exp_avg, denom)
-    tl.store(param_ptr + offsets, param, mask=in_range)
+    # adam_reference.adam_step_quantized: θ̂ = q(θ̃) on the weight grid, ECO's feedback of θ̃ - θ̂ into m.
+    stored_param = round_to_weight_grid(param, seed_ptr + 2, offsets, WEIGHT_GRID, WEIGHT_STOCHASTIC)
+    if ECO:
+        new_exp_avg = tl.fma(tl.load(coefficients_ptr + 9) * denom, param - stored_param, new_exp_avg)
+    tl.store(param_ptr + offsets, float32_to(stored_param, param_ptr.dtype.element_ty), mask=in_range)
 
     # Requantize; values past numel are 0 so that they do not enter the block absmax.
     new_exp_avg = tl.where(in_range, new_exp_avg, 0.0)

@@ -4,7 +4,9 @@ Every function here is an ``@triton.jit`` helper meant to be inlined into a
 kernel: the block kernels of :mod:`.triton_kernels` and the fused optimizer
 kernel of :mod:`.triton_adam` (dequantize -> update -> requantize, one pass per
 block; :func:`load_moment` / :func:`store_moment` handle a state whose block size
-divides the program's block as several sub-blocks). Each one
+divides the program's block as several sub-blocks; :func:`round_to_weight_grid` rounds
+updated parameter values to a cast format's grid, for training without master
+weights). Each one
 follows its torch twin in ``formats/rounding.py``, ``formats/block.py`` or
 ``formats/cast.py`` operation by operation, so that round-to-nearest (RN) gives
 the reference's codes bit for bit:
@@ -446,3 +448,31 @@ def fp16_stochastic(x, uniform):
     sign = (x.to(tl.int32, bitcast=True) < 0).to(tl.int32) << 15
     pattern = (code | sign).to(tl.int16).to(tl.float16, bitcast=True)
     return tl.where(in_range, pattern, x.to(tl.float16))
+
+
+# The grids a fused optimizer kernel may round updated parameter values to (``WEIGHT_GRID`` of ``triton_adam``).
+NO_GRID: tl.constexpr = tl.constexpr(0)
+FP32_GRID: tl.constexpr = tl.constexpr(1)
+BF16_GRID: tl.constexpr = tl.constexpr(2)
+FP16_GRID: tl.constexpr = tl.constexpr(3)
+
+
+@triton.jit
+def round_to_weight_grid(x, seed_ptr, offsets, WEIGHT_GRID: tl.constexpr, WEIGHT_STOCHASTIC: tl.constexpr):
+    """fp32 ``x`` rounded to a weight grid, as fp32 values (``CastFormat.quantize_reference`` of a bf16, fp16 or fp32
+    cast format, then ``.float()``): RN, or SR (``WEIGHT_STOCHASTIC``) drawing from the int64 seed at ``seed_ptr`` (read
+    only then), element ``offsets[i]`` from ``(seed, offsets[i])``: 16 random bits for bf16 (:func:`bf16_stochastic`),
+    a uniform for fp16 (:func:`fp16_stochastic`)."""
+    if WEIGHT_GRID == BF16_GRID:
+        if WEIGHT_STOCHASTIC:
+            grid = to_float32(bf16_stochastic(x, (tl.randint(tl.load(seed_ptr), offsets) & 0xFFFF).to(tl.int32)))
+        else:
+            grid = to_float32(float32_to(x, tl.bfloat16))
+    elif WEIGHT_GRID == FP16_GRID:
+        if WEIGHT_STOCHASTIC:
+            grid = fp16_stochastic(x, tl.rand(tl.load(seed_ptr), offsets)).to(tl.float32)
+        else:
+            grid = x.to(tl.float16).to(tl.float32)
+    else:  # NO_GRID, FP32_GRID: every fp32 value
+        grid = x
+    return grid

@@ -31,6 +31,10 @@ from ..formats import BlockFormat, CastFormat, CodebookFormat, MinifloatFormat, 
 from ..formats.packing import container_dtype
 from .triton_adam import adam_step_kernel
 from .triton_formats import (
+    BF16_GRID,
+    FP16_GRID,
+    FP32_GRID,
+    NO_GRID,
     bf16_stochastic,
     decode_block,
     encode_block,
@@ -266,6 +270,10 @@ def stochastic_cast_variant(fmt: CastFormat, input_dtype: torch.dtype) -> Kernel
     return KernelVariant("stochastic_cast_kernel", _with_constexprs(types, constexprs), constexprs, CAST_NUM_WARPS, label)
 
 
+# adam_step_kernel's WEIGHT_GRID constexpr by the dtype of the weight grid (None: no grid).
+_WEIGHT_GRIDS = {None: NO_GRID.value, torch.float32: FP32_GRID.value, torch.bfloat16: BF16_GRID.value, torch.float16: FP16_GRID.value}
+
+
 def adam_step_supported(m_format: StorageFormat, v_format: StorageFormat) -> bool:
     """Whether :func:`adam_step_kernel` stores these moment formats: both block formats with a Triton encoder."""
     return all(isinstance(fmt, (CodebookFormat, MinifloatFormat)) for fmt in (m_format, v_format))
@@ -279,14 +287,27 @@ def adam_step_variant(
     decoupled_weight_decay: bool,
     maximize: bool,
     track_stalls: bool,
+    param_dtype: torch.dtype = torch.float32,
+    weight_dtype: torch.dtype | None = None,
+    weight_rounding: Rounding = "nearest",
+    eco: bool = False,
 ) -> KernelVariant:
     """The :func:`adam_step_kernel` specialization for the moment formats, rounding, gradient dtype and Adam flags.
 
     The program block is the larger of the two block sizes; the other moment is scaled per sub-block. The launch
     disables FMA contraction (``enable_fp_fusion=False``) so that the update rounds as torch's kernels do.
+
+    Without master weights: ``param_dtype`` (fp32, bf16 or fp16), ``weight_dtype`` (the dtype of the cast-format
+    weight grid, or ``None``: no grid), ``weight_rounding`` (ignored for an fp32 grid: every value is on it) and
+    ``eco`` (ECO's feedback into ``m``; needs a grid).
     """
     if not adam_step_supported(m_format, v_format):
         raise TypeError(f"adam_step_kernel stores block-format moments, got {m_format!r} and {v_format!r}")
+    if param_dtype not in (torch.float32, torch.bfloat16, torch.float16) or weight_dtype not in _WEIGHT_GRIDS:
+        raise TypeError(f"adam_step_kernel updates fp32/bf16/fp16 parameters on an fp32/bf16/fp16 grid, not {param_dtype}, {weight_dtype}")
+    if eco and weight_dtype is None:
+        raise ValueError("adam_step_kernel feeds back the rounding error of a weight grid (eco) only with a grid")
+    weight_stochastic = weight_rounding == "stochastic" and weight_dtype in (torch.bfloat16, torch.float16)
     block_size = max(m_format.block_size, v_format.block_size)
     constexprs = {
         "BLOCK_SIZE": block_size,
@@ -298,8 +319,11 @@ def adam_step_variant(
         "DECOUPLED": bool(decoupled_weight_decay),
         "MAXIMIZE": bool(maximize),
         "TRACK_STALLS": bool(track_stalls),
+        "WEIGHT_GRID": _WEIGHT_GRIDS[weight_dtype],
+        "WEIGHT_STOCHASTIC": weight_stochastic,
+        "ECO": bool(eco),
     }
-    types = {"param_ptr": "*fp32", "grad_ptr": pointer_type(grad_dtype)}
+    types = {"param_ptr": pointer_type(param_dtype), "grad_ptr": pointer_type(grad_dtype)}
     for prefix, fmt in (("m_", m_format), ("v_", v_format)):
         types.update(
             {
@@ -315,11 +339,14 @@ def adam_step_variant(
             }
         )
     types.update({"coefficients_ptr": "*fp32", "seed_ptr": "*i64", "counts_ptr": "*i64", "numel": "i32"})
-    flags = ",".join(name for name, on in (("decoupled", decoupled_weight_decay), ("maximize", maximize), ("stalls", track_stalls)) if on)
+    flags = [name for name, on in (("decoupled", decoupled_weight_decay), ("maximize", maximize), ("stalls", track_stalls)) if on]
+    if param_dtype != torch.float32 or weight_dtype is not None:
+        grid = "none" if weight_dtype is None else f"{weight_dtype}/{'stochastic' if weight_stochastic else 'nearest'}"
+        flags += [f"param={param_dtype}", f"grid={grid}"] + (["eco"] if eco else [])
     label = (
         f"adam_step[m={m_format.name}/{m_format.bits}b/{m_format.block_size}/{m_format.scale_dtype},"
         f"v={v_format.name}/{v_format.bits}b/{v_format.block_size}/{v_format.scale_dtype},"
-        f"{rounding},{grad_dtype},{flags}]"
+        f"{rounding},{grad_dtype},{','.join(flags)}]"
     )
     return KernelVariant(
         "adam_step_kernel",
@@ -332,7 +359,8 @@ def adam_step_variant(
 
 
 def aot_variants() -> list[KernelVariant]:
-    """Specializations to compile ahead of time: every kernel, encoder, rounding and container, a few block sizes."""
+    """Specializations to compile ahead of time: every kernel, encoder, rounding and container, a few block sizes, and
+    every weight-grid mode of the Adam kernel (parameter dtypes, grids, SR of the weights, ECO)."""
     fp32, bf16, fp16 = torch.float32, torch.bfloat16, torch.float16
     formats: list[tuple[StorageFormat, Rounding, torch.dtype]] = [
         (get_format("int8"), "nearest", fp32),  # codebook, byte container
@@ -368,4 +396,18 @@ def aot_variants() -> list[KernelVariant]:
         (get_format("int8", block_size=2048), get_format("e5m10", block_size=2048), "nearest", fp16, True, False, True),  # large block
     ]
     variants += [adam_step_variant(*case) for case in adam]
+    # Without master weights: (m, v, rounding, decoupled, track_stalls, param dtype (= grad dtype), grid dtype, weight
+    # rounding, eco).
+    weights: list[tuple[StorageFormat, StorageFormat, Rounding, bool, bool, torch.dtype, torch.dtype | None, Rounding, bool]] = [
+        (get_format("int8"), get_format("int8", signed=False), "nearest", True, False, bf16, bf16, "nearest", True),  # ECO's case
+        (get_format("int8"), get_format("int8", signed=False), "stochastic", False, False, bf16, bf16, "stochastic", True),
+        (get_format("int4"), get_format("int4", signed=False), "nearest", True, True, fp16, fp16, "stochastic", True),  # nibbles
+        (get_format("fp8_e4m3"), get_format("fp8_e5m2"), "stochastic", True, False, fp32, fp16, "nearest", False),  # naive
+        (get_format("fp8_e4m3", block_size=32), get_format("int8", signed=False), "nearest", True, False, fp32, bf16, "stochastic", False),
+        (get_format("int8"), get_format("int4", signed=False), "nearest", False, False, fp16, fp32, "nearest", True),  # fp32 grid
+    ]
+    variants += [
+        adam_step_variant(m, v, rounding, dtype, decoupled, False, stalls, dtype, grid, weight_rounding, eco)
+        for m, v, rounding, decoupled, stalls, dtype, grid, weight_rounding, eco in weights
+    ]
     return variants

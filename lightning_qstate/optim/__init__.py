@@ -3,10 +3,12 @@
 from .base import QuantizedStates, dequantized, state_nbytes, state_summary
 from .optimizers import QSGD, QAdam, QAdamW, QMuon
 from .policy import (
+    ERROR_FEEDBACKS,
     NONFINITE_GRAD_POLICIES,
     NONNEGATIVE_STATES,
     POLICY_DEFAULTS,
     POLICY_FIELDS,
+    ErrorFeedback,
     NonFiniteGradPolicy,
     QuantizationPolicy,
     StatesSpec,
@@ -14,6 +16,7 @@ from .policy import (
     resolve_format,
 )
 from .serialization import STATE_FORMAT_VERSION
+from .weights import ERROR_STATE, block_linear_weight_names
 from .wrap import (
     QUANTIZED_EQUIVALENTS,
     QuantizedOptimizerWrapper,
@@ -22,12 +25,15 @@ from .wrap import (
 )
 
 __all__ = [
+    "ERROR_FEEDBACKS",
+    "ERROR_STATE",
     "NONFINITE_GRAD_POLICIES",
     "NONNEGATIVE_STATES",
     "POLICY_DEFAULTS",
     "POLICY_FIELDS",
     "QUANTIZED_EQUIVALENTS",
     "STATE_FORMAT_VERSION",
+    "ErrorFeedback",
     "NonFiniteGradPolicy",
     "QAdam",
     "QAdamW",
@@ -37,6 +43,7 @@ __all__ = [
     "QuantizedOptimizerWrapper",
     "QuantizedStates",
     "StatesSpec",
+    "block_linear_weight_names",
     "check_optimizer_parameters",
     "clean_parameter_name",
     "dequantized",

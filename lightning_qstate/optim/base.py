@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from ..formats import QuantizedTensor, StorageFormat, count_stalls
+from ..formats.weights import WeightGrid
 from ..kernels.dispatch import PER_PARAMETER_PATHS, Candidate, StepPath, plan_group
 from .policy import (
     GROUP_OPTIONS,
@@ -39,6 +40,7 @@ from .serialization import (
     import_state,
     is_exported,
 )
+from .weights import ERROR_STATE, weight_grid
 
 CheckpointMode = Literal["packed", "fp32"]
 StateValue = torch.Tensor | QuantizedTensor
@@ -50,9 +52,12 @@ ROUNDING_KEY = "qstate_rounding_seed"
 # Attributes the quantized optimizers add to torch's; kept by pickle and deepcopy.
 QSTATE_ATTRIBUTES = (
     "track_stalls", "nonfinite", "generator", "nonfinite_skips", "skipped_steps", "state_overrides", "module_names", "full_numels",
-    "checkpoint_mode", "_stall_counts", "_step_supports_amp_scaling", "_rounding_seed", "_rounding_step", "_policy_ready",
+    "checkpoint_mode", "weight_overrides", "_stall_counts", "_step_supports_amp_scaling", "_rounding_seed", "_rounding_step",
+    "_policy_ready",
 )  # fmt: skip
 MASK64 = (1 << 64) - 1
+# The stall counts of ECO's momentum corrections (``error_feedback="eco"``, ``track_stalls=True``).
+FEEDBACK_STALLS = "eco_correction"
 
 
 def mix64(*values: int) -> int:
@@ -144,6 +149,13 @@ def dequantized(value: StateValue) -> torch.Tensor:
     return value.dequantize() if isinstance(value, QuantizedTensor) else value
 
 
+def _decoded(value: StateValue, dtype: torch.dtype | None) -> torch.Tensor:
+    """``dequantized(value)``, as ``dtype`` (a new tensor) where given."""
+    if dtype is None:
+        return dequantized(value)
+    return value.dequantize(dtype) if isinstance(value, QuantizedTensor) else value.to(dtype, copy=True)
+
+
 def state_nbytes(optimizer: torch.optim.Optimizer) -> int:
     """Bytes held by ``optimizer.state``: every tensor, and every quantized state's codes and scales.
 
@@ -180,6 +192,9 @@ class QuantizedStates:
     """
 
     state_names: tuple[str, ...] = ()
+    # The ``error_feedback`` values this optimizer's update supports (``optim/weights.py``), and whether it takes ``weights``.
+    error_feedbacks: tuple[str | None, ...] = (None, "eco", "eco_exact")
+    weights_supported = True
     # The paths this optimizer's parameters can take (``kernels.dispatch``), and whether CPU parameters may take the
     # compiled ones (C++, ``torch.compile``); ``optimizer.cpu_compile = False`` sends them to the torch paths.
     step_path_table = PER_PARAMETER_PATHS
@@ -197,6 +212,7 @@ class QuantizedStates:
         self.nonfinite_skips = 0
         self.skipped_steps = 0
         self.state_overrides: dict[torch.Tensor, StatesSpec] = {}
+        self.weight_overrides: dict[torch.Tensor, str | None] = {}  # per-parameter ``weights`` (QuantizationPolicy.weight_overrides)
         self.module_names: dict[torch.Tensor, str] = {}  # parameter names from the module (QuantizationPolicy.apply)
         self.full_numels: dict[torch.Tensor, int] = {}  # full sizes of parameters that are local views (FSDP1), see resolve_format
         self.checkpoint_mode: CheckpointMode = "packed"
@@ -230,6 +246,7 @@ class QuantizedStates:
             raise ValueError(
                 f"{owner}: differentiable=True is not supported (quantized states are not differentiable); use the torch optimizer"
             )
+        self._check_weight_options(group, owner)
         for param in group["params"]:
             if torch.is_complex(param):
                 raise ValueError(f"{owner}: complex parameters are not supported; give them to a separate torch optimizer")
@@ -237,6 +254,19 @@ class QuantizedStates:
                 raise TypeError(
                     f"{owner}: parameters of dtype {param.dtype} are not supported; use one of {[str(d) for d in PARAM_DTYPES]}"
                 )
+
+    def _check_weight_options(self, group: dict, owner: str) -> None:
+        """Refuse ``weights``/``error_feedback`` values this optimizer's update cannot honour (subclasses add their rules)."""
+        if not self.weights_supported and (group["weights"] is not None or group["error_feedback"] is not None):
+            raise ValueError(
+                f"{owner}: weights= and error_feedback= need the update math of QAdam, QAdamW, QSGD or QMuon; the wrapped "
+                "optimizer updates its parameters itself. Use one of those, or leave both None"
+            )
+        if group["error_feedback"] not in self.error_feedbacks:
+            raise ValueError(
+                f"{owner}: error_feedback={group['error_feedback']!r} is not supported here (supported: {self.error_feedbacks}); "
+                "'eco' needs an update linear in a momentum state (QSGD, QAdam, QAdamW); 'eco_exact' works for any"
+            )
 
     # --- the step -------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -357,17 +387,32 @@ class QuantizedStates:
     def rounding_generator(self, key: torch.Tensor, name: str, device: torch.device) -> torch.Generator:
         """The generator stochastic rounding of state ``name`` of parameter ``key`` draws from at this step.
 
-        Seeded from (the optimizer's seed, its step count, the parameter's position, the state's name, the rank),
-        so runs reproduce from the seed (drawn from ``generator``, or torch's global generator, at construction)
-        and resume exactly from a checkpoint, which stores the seed and the step count.
+        Seeded from (the optimizer's seed, its step count, the parameter's position, the state's name, and which shard
+        this rank holds: ``_shard_index``), so runs reproduce from the seed (drawn
+        from ``generator``, or torch's global generator, at construction) and resume exactly from a checkpoint, which
+        stores the seed and the step count. Replicated parameters (DDP) draw the same stream on every rank, so their
+        replicas round alike and stay identical.
         """
         positions = self.__dict__.get("_positions")
         if positions is None or key not in positions:  # built once, and again after add_param_group
             positions = self._positions = {p: i for i, p in enumerate(p for group in self.param_groups for p in group["params"])}
-        position = positions[key]
-        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-        seed = mix64(self._rounding_seed, self._rounding_step, position, rank, *name.encode())
+        seed = mix64(self._rounding_seed, self._rounding_step, positions[key], self._shard_index(key), *name.encode())
         return torch.Generator(device=device).manual_seed(seed)
+
+    def _shard_index(self, key: torch.Tensor) -> int:
+        """Which shard of ``key`` this rank holds: 0 for a replicated parameter (DDP, a DTensor's ``Replicate`` mesh
+        dimensions), the mesh coordinates of a DTensor's ``Shard`` dimensions (FSDP2; the rank on a 1-D mesh), the
+        rank for FSDP1's views. Replicas draw alike and stay identical; shards draw independently."""
+        if isinstance(key, DTensor):
+            coordinate = key.device_mesh.get_coordinate() or []
+            index = 0
+            for position, placement in enumerate(key.placements):
+                if placement.is_shard() and position < len(coordinate):
+                    index = index * key.device_mesh.size(position) + coordinate[position]
+            return index
+        if key in self.full_numels and dist.is_available() and dist.is_initialized():
+            return dist.get_rank()
+        return 0
 
     def _step_params(self) -> None:
         """Step every parameter that has a gradient: each param group's parameters are planned onto their paths
@@ -380,7 +425,8 @@ class QuantizedStates:
                 param, state = local_tensor(key), self.state[key]
                 if not state:
                     self._init_state(group, key, param, state)
-                candidates.append(Candidate(param, local_tensor(key.grad), group, state, self.cpu_compile))
+                weights = self.weight_grid(group, key, param)
+                candidates.append(Candidate(param, local_tensor(key.grad), group, state, self.cpu_compile, weights, self.track_stalls))
             by_path: dict[StepPath, list[torch.Tensor]] = {}
             for key, path in zip(keys, plan_group(self.step_path_table, candidates), strict=True):
                 by_path.setdefault(path, []).append(key)
@@ -421,24 +467,93 @@ class QuantizedStates:
     def _step_param(self, group: dict, key: torch.Tensor, param: torch.Tensor, grad: torch.Tensor, state: dict) -> None:
         """Step one parameter. ``key`` is the parameter as the optimizer holds it (a DTensor under FSDP2: all
         decisions use its full shape); ``param`` and ``grad`` are the local tensors the math runs on."""
-        states = {name: dequantized(state[name]) for name in self.state_names if state.get(name) is not None}
+        grid = self.weight_grid(group, key, param)
+        decode_as = torch.float32 if grid is not None else None  # the update runs in fp32 (module ``optim.weights``)
+        states = {name: _decoded(state[name], decode_as) for name in self.state_names if state.get(name) is not None}
         before = {name: value.clone() for name, value in states.items() if self.track_stalls and isinstance(state[name], QuantizedTensor)}
-        self._update(group, param, grad, states, state)
+        if grid is None:
+            self._update(group, param, grad, states, state)
+        else:
+            self._update_weights(group, key, param, grad, states, state, grid)
         for name, value in states.items():
             old = state.get(name)
-            stored = self._store(group, key, name, value, old)
+            stored = self._store(group, key, name, value, old, decode_as)
             if name in before:
                 self._count_stalls(key, name, old, before[name], value, stored)
             state[name] = stored
 
-    def _store(self, group: dict, key: torch.Tensor, name: str, value: torch.Tensor, old: StateValue | None) -> StateValue:
-        """Write an updated fp32 state back in its format: the old state's format, or the policy's for a new state."""
+    def weight_grid(self, group: dict, key: torch.Tensor, param: torch.Tensor | None = None) -> WeightGrid | None:
+        """The grid parameter ``key`` (of ``group``) is kept on after a step (``optim.weights``); ``None``: torch's behaviour."""
+        overrides = self.__dict__.get("weight_overrides", {})
+        if key in overrides and overrides[key] is None:
+            return None
+        return weight_grid(overrides.get(key, group["weights"]), group, local_tensor(key) if param is None else param)
+
+    def _update_weights(
+        self, group: dict, key: torch.Tensor, param: torch.Tensor, grad: torch.Tensor, states: dict, state: dict, grid: WeightGrid
+    ) -> None:
+        """The update without master weights: ``θ̃`` in fp32 from the stored ``θ̂`` (plus ``eco_exact``'s error), then
+        ``θ̂ = q(θ̃)`` written into ``param`` and the error ``e = θ̃ − θ̂`` fed back as ``error_feedback`` says."""
+        feedback = group["error_feedback"]
+        master = param.float() if param.dtype != torch.float32 else param.clone()
+        if feedback == "eco_exact" and ERROR_STATE in state:
+            master += local_tensor(state[ERROR_STATE])
+        self._update(group, master, grad.float(), states, state)
+        generator = self.rounding_generator(key, "weights", param.device) if group["weight_rounding"] == "stochastic" else None
+        stored = grid.round(master, group["weight_rounding"], generator).to(param.dtype)
+        error = master.sub_(stored)  # exact where the grid is a dtype's: a value minus its rounding
+        param.copy_(stored)
+        if feedback == "eco_exact":
+            state[ERROR_STATE] = error
+        elif feedback == "eco":
+            self._feed_back_error(group, key, error, states, state)
+
+    def _feed_back_error(self, group: dict, key: torch.Tensor, error: torch.Tensor, states: dict, state: dict) -> None:
+        """Add ECO's correction for the rounding ``error`` to the fp32 momentum in ``states`` (subclasses)."""
+        raise NotImplementedError(f"{type(self).__name__} has no error feedback")
+
+    def _count_feedback_stalls(self, key: torch.Tensor, old: StateValue | None, before: torch.Tensor, corrected: torch.Tensor) -> None:
+        """With ``track_stalls`` and a quantized momentum ``old``: count ECO corrections (``corrected != before``) and
+        those that round-to-nearest storage of the momentum loses (the same stored value with and without it), as
+        stall counts of the pseudo-state ``"eco_correction"`` (``stall_stats()``, ``StallMonitor``)."""
+        if not (self.track_stalls and isinstance(old, QuantizedTensor)):
+            return
+        with_it, without = (quantize_state(old.format, local_tensor(v).float()).dequantize(torch.float32) for v in (corrected, before))
+        injected = corrected != before
+        self._add_stall_counts(key, FEEDBACK_STALLS, torch.stack([(injected & (with_it == without)).sum(), injected.sum()]))
+
+    def quantize_weights(self) -> int:
+        """Round every parameter that has a weight grid onto it (round to nearest), as a run without master weights
+        starts; returns how many parameters changed. ``QStatePrecision`` calls it at fit start."""
+        changed = 0
+        with torch.no_grad():
+            for group in self.param_groups:
+                for key in group["params"]:
+                    param = local_tensor(key)
+                    grid = self.weight_grid(group, key, param)
+                    if grid is None:
+                        continue
+                    stored = grid.round(param.float(), "nearest").to(param.dtype)
+                    changed += int(not torch.equal(stored, param))
+                    param.copy_(stored)
+        return changed
+
+    def _store(
+        self, group: dict, key: torch.Tensor, name: str, value: torch.Tensor, old: StateValue | None, dtype: torch.dtype | None = None
+    ) -> StateValue:
+        """Write an updated state back in its format (the old state's, or the policy's for a new state). A quantized state
+        decodes to ``dtype`` (default: the old state's, the parameter's for a new one; fp32 under a weight grid, whose
+        update runs in fp32, so that fp32 checkpoints re-quantize it exactly); a plain state is ``value`` itself: in
+        the parameter's dtype as torch keeps it, or fp32 under a weight grid."""
         fmt = self._format_for(group, key, name, value, old)
         if fmt is None:
             return value
+        dtype = dtype or (old.dtype if old is not None else local_tensor(key).dtype)
         local = local_tensor(value)
         generator = self.rounding_generator(key, name, local.device) if group["rounding"] == "stochastic" else None
-        return quantize_state(fmt, local, group["rounding"], generator)
+        stored = quantize_state(fmt, local, group["rounding"], generator)
+        stored.dtype = dtype  # what it decodes to (quantized from fp32 values of a bf16 parameter's state)
+        return stored
 
     def _format_for(self, group: dict, key: torch.Tensor, name: str, value: torch.Tensor, old: StateValue | None) -> StorageFormat | None:
         """Format to store ``value`` in: a quantized state keeps its format, a plain one stays plain, a new one follows the policy."""
@@ -628,15 +743,20 @@ class QuantizedStates:
             )
         saved_keys = [key for group in state_dict["param_groups"] for key in group["params"]]
         params = dict(zip(saved_keys, (p for group in self.param_groups for p in group["params"]), strict=False))
+        groups_by_param = {p: group for group, current in zip(configured, self.param_groups, strict=False) for p in current["params"]}
+        self._restore_fp32_states(plain, markers, params, configured)
         for index, entries in packed.items():
             for name, entry in entries.items():
                 where = f"{type(self).__name__} state {index} ({name!r})"
                 # checked against the local shard: a full-shape packed state (a DDP checkpoint) never loads into a DTensor shard
                 self.state[params[index]][name] = import_state(entry, local_tensor(params[index]), where)
-        for index, entries in markers.items():
+        for index, entries in ((i, e) for i, e in markers.items() if e):
+            key = params[index]
+            grid = self.weight_grid(groups_by_param[key], key) if key in groups_by_param else None
             for name, marker in entries.items():
-                state = self.state[params[index]]
+                state = self.state[key]
                 state[name] = quantize_state(format_from_marker(marker), local_tensor(state[name]))
+                state[name].dtype = torch.float32 if grid is not None else local_tensor(key).dtype  # as ``_store`` labels it
         changed = self._keep_configured_policy(configured)
         reencoded = self._apply_policy_on_load(changed)
         if reencoded:
@@ -651,6 +771,26 @@ class QuantizedStates:
             self._rounding_seed, self._rounding_step = (int(v) for v in groups[0][ROUNDING_KEY])
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)
+
+    def _restore_fp32_states(self, plain: dict, markers: dict, params: dict, configured: list[dict]) -> None:
+        """Undo torch's cast of loaded floating states to the parameter's dtype where a state is fp32 by design: the
+        fp32 values of ``checkpoint_mode="fp32"`` (re-quantized next, exactly), and under a weight grid of the
+        ``configured`` groups plain states and ``eco_exact``'s error buffer (always held as a local tensor)."""
+        groups = {p: group for group, current in zip(configured, self.param_groups, strict=False) for p in current["params"]}
+        for index, entries in plain.items():
+            key = params.get(index)
+            if key is None or key not in groups:
+                continue
+            gridded = self.weight_grid(groups[key], key) is not None
+            state = self.state[key]
+            for name, value in entries.items():
+                loaded = state.get(name)
+                fp32_by_design = name in markers.get(index, {}) or gridded
+                if fp32_by_design and isinstance(value, torch.Tensor) and isinstance(loaded, torch.Tensor) and value.dtype != loaded.dtype:
+                    restored = value.detach().to(device=loaded.device, copy=True)
+                    state[name] = restored if isinstance(loaded, DTensor) and name != ERROR_STATE else local_tensor(restored)
+            if isinstance(state.get(ERROR_STATE), DTensor):
+                state[ERROR_STATE] = local_tensor(state[ERROR_STATE])
 
     def _keep_configured_policy(self, configured: list[dict]) -> list[str]:
         """Put the configured policy options back into the loaded groups; warn about other hyperparameters that the

@@ -12,8 +12,9 @@ parameter's states at a time. The added keyword arguments are the fields of
 - ``block_size``: values per scale (power of two; default per format);
 - ``min_quant_size``: parameters with fewer elements keep fp32 states (default 4096);
 
-these four may be overridden per param group. For the whole optimizer: ``track_stalls``
-(count stalled entries, see ``stall_stats``), ``nonfinite`` (``"skip"``: skip a parameter
+these four may be overridden per param group, as may ``weights``, ``weight_rounding``, ``weight_block`` and
+``error_feedback`` (training without fp32 master weights, ECO: ``optim/weights.py``). For the whole optimizer:
+``track_stalls`` (count stalled entries, see ``stall_stats``), ``nonfinite`` (``"skip"``: skip a parameter
 whose gradient holds inf/NaN, count it in ``nonfinite_skips`` and warn; ``"skip_step"``;
 ``"raise"``) and ``generator`` (the random source of stochastic rounding).
 
@@ -42,12 +43,14 @@ from torch.optim.optimizer import _get_scalar_dtype
 from torch.optim.sgd import sgd
 
 from ..formats import QuantizedTensor
-from ..kernels.adam_reference import hold_moment
+from ..formats.weights import WeightBlock
+from ..kernels.adam_reference import adam_denominator, adam_hyper, eco_feedback, hold_moment
 from ..kernels.bounds import moment_bound
 from ..kernels.dispatch import ADAM_PATHS, StepPath, fused_adam_step
 from ..kernels.native import native_adam_steps
 from .base import QuantizedStates, finite_grads, local_tensor
-from .policy import NonFiniteGradPolicy, QuantizationPolicy, StatesSpec
+from .policy import ErrorFeedback, NonFiniteGradPolicy, QuantizationPolicy, StatesSpec
+from .weights import sgd_feedback_coefficient
 
 
 class _AdamStates(QuantizedStates):
@@ -89,9 +92,20 @@ class _AdamStates(QuantizedStates):
             self._adam(group, [local_tensor(key) for key, _ in kept], [grad for _, grad in kept], states, multi_tensor)
 
     def _native_steps(self, group: dict, keys: list[torch.Tensor]) -> None:
+        """The ``native`` path: one C++ call for ``keys`` (``kernels.native``), with each parameter's weight grid and,
+        for stochastic weight rounding, a seed per parameter drawn from its ``rounding_generator(key, "weights")``."""
         states = [self.state[key] for key in keys]
         params, grads = [local_tensor(key) for key in keys], [local_tensor(key.grad) for key in keys]
-        for key, state, row in zip(keys, states, native_adam_steps(params, grads, states, group, self.track_stalls), strict=True):
+        weights = [self.weight_grid(group, key, param) for key, param in zip(keys, params, strict=True)]
+        stochastic = group["weight_rounding"] == "stochastic"
+        seeds = [
+            int(torch.randint(2**62, (1,), generator=self.rounding_generator(key, "weights", torch.device("cpu"))))
+            if grid is not None and stochastic
+            else 0
+            for key, grid in zip(keys, weights, strict=True)
+        ]
+        rows = native_adam_steps(params, grads, states, group, self.track_stalls, weights, seeds)
+        for key, state, row in zip(keys, states, rows, strict=True):
             if not row[0]:
                 self._skip_nonfinite_grad(key)
             elif self.track_stalls and isinstance(state["exp_avg"], QuantizedTensor):
@@ -100,13 +114,15 @@ class _AdamStates(QuantizedStates):
 
     def _fused_step(self, group: dict, key: torch.Tensor, param: torch.Tensor, grad: torch.Tensor, state: dict) -> None:
         """The ``triton`` or ``compiled`` path of one parameter (``kernels.dispatch.fused_adam_step``)."""
-        generator = self.rounding_generator(key, "moments", param.device) if group["rounding"] == "stochastic" else None
+        weights = self.weight_grid(group, key, param)
+        stochastic = group["rounding"] == "stochastic" or (weights is not None and group["weight_rounding"] == "stochastic")
+        generator = self.rounding_generator(key, "moments", param.device) if stochastic else None
         # the compiled CPU step draws from torch's global generator: seed it from this step's stream, then restore it
         on_cpu = generator is not None and param.device.type == "cpu"
         with torch.random.fork_rng(devices=[], enabled=on_cpu):
             if on_cpu:
                 torch.manual_seed(int(torch.randint(2**62, (1,), generator=generator)))
-            counts = fused_adam_step(param, grad, state, group, self.track_stalls, generator)
+            counts = fused_adam_step(param, grad, state, group, self.track_stalls, generator, weights)
         if self.track_stalls:
             self._add_stall_counts(key, "exp_avg", counts[:2])
             self._add_stall_counts(key, "exp_avg_sq", counts[2:])
@@ -125,6 +141,21 @@ class _AdamStates(QuantizedStates):
             bound = torch.tensor(moment_bound(*(float(beta) for beta in group["betas"]), float(state["step"])))
             states["exp_avg"] = hold_moment(states["exp_avg"], states["exp_avg_sq"], bound)
         self._adam(group, [param], [grad], [{**state, **states}], multi_tensor=False)
+
+    def _check_weight_options(self, group: dict, owner: str) -> None:
+        super()._check_weight_options(group, owner)
+        if group["error_feedback"] == "eco" and float(group["betas"][0]) == 0:
+            raise ValueError(
+                f"{owner}: error_feedback='eco' feeds the rounding error into m, which betas[0]=0 does not keep; use 'eco_exact'"
+            )
+
+    def _feed_back_error(self, group: dict, key: torch.Tensor, error: torch.Tensor, states: dict, state: dict) -> None:
+        """ECO's Adam rule (``optim.weights``) with this step's ``v``, learning rate and bias corrections."""
+        hyper = adam_hyper(group, float(state["step"]))
+        v = states["max_exp_avg_sq" if group["amsgrad"] else "exp_avg_sq"]
+        corrected = eco_feedback(states["exp_avg"], adam_denominator(v, hyper), error, hyper)
+        self._count_feedback_stalls(key, state.get("exp_avg"), states["exp_avg"], corrected)
+        states["exp_avg"] = corrected
 
     @staticmethod
     def _adam(group: dict, params: list[torch.Tensor], grads: list[torch.Tensor], states: list[dict], multi_tensor: bool) -> None:
@@ -174,6 +205,10 @@ class QAdam(_AdamStates, torch.optim.Adam):
         rounding: str = "nearest",
         block_size: int | None = None,
         min_quant_size: int = 4096,
+        weights: str | None = None,
+        weight_rounding: str = "stochastic",
+        weight_block: WeightBlock = "row",
+        error_feedback: ErrorFeedback | None = None,
         track_stalls: bool = False,
         nonfinite: NonFiniteGradPolicy = "skip",
         generator: torch.Generator | None = None,
@@ -208,6 +243,10 @@ class QAdamW(QAdam, torch.optim.AdamW):
         rounding: str = "nearest",
         block_size: int | None = None,
         min_quant_size: int = 4096,
+        weights: str | None = None,
+        weight_rounding: str = "stochastic",
+        weight_block: WeightBlock = "row",
+        error_feedback: ErrorFeedback | None = None,
         track_stalls: bool = False,
         nonfinite: NonFiniteGradPolicy = "skip",
         generator: torch.Generator | None = None,
@@ -245,6 +284,10 @@ class QSGD(QuantizedStates, torch.optim.SGD):
         rounding: str = "nearest",
         block_size: int | None = None,
         min_quant_size: int = 4096,
+        weights: str | None = None,
+        weight_rounding: str = "stochastic",
+        weight_block: WeightBlock = "row",
+        error_feedback: ErrorFeedback | None = None,
         track_stalls: bool = False,
         nonfinite: NonFiniteGradPolicy = "skip",
         generator: torch.Generator | None = None,
@@ -277,11 +320,26 @@ class QSGD(QuantizedStates, torch.optim.SGD):
         if group["momentum"] != 0:
             states["momentum_buffer"] = buffers[0]
 
+    def _check_weight_options(self, group: dict, owner: str) -> None:
+        super()._check_weight_options(group, owner)
+        if group["error_feedback"] == "eco" and group["momentum"] == 0:
+            raise ValueError(
+                f"{owner}: error_feedback='eco' feeds the rounding error into the momentum buffer; set momentum > 0, or use 'eco_exact'"
+            )
+
+    def _feed_back_error(self, group: dict, key: torch.Tensor, error: torch.Tensor, states: dict, state: dict) -> None:
+        """ECO's SGD-momentum rule (``optim.weights``) with this step's learning rate."""
+        buffer = states["momentum_buffer"]
+        corrected = buffer + sgd_feedback_coefficient(group) * error
+        self._count_feedback_stalls(key, state.get("momentum_buffer"), buffer, corrected)
+        states["momentum_buffer"] = corrected
+
 
 class QMuon(QuantizedStates, torch.optim.Muon):
     """``torch.optim.Muon`` (2-D parameters) with a quantized ``momentum_buffer`` (see module docs)."""
 
     state_names = ("momentum_buffer",)
+    error_feedbacks = (None, "eco_exact")  # the orthogonalized update is not linear in the momentum: no "eco"
 
     def __init__(
         self,
@@ -299,6 +357,10 @@ class QMuon(QuantizedStates, torch.optim.Muon):
         rounding: str = "nearest",
         block_size: int | None = None,
         min_quant_size: int = 4096,
+        weights: str | None = None,
+        weight_rounding: str = "stochastic",
+        weight_block: WeightBlock = "row",
+        error_feedback: ErrorFeedback | None = None,
         track_stalls: bool = False,
         nonfinite: NonFiniteGradPolicy = "skip",
         generator: torch.Generator | None = None,

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from .base import QuantizedStates
 
 from ..formats import ROUNDINGS, BlockFormat, StorageFormat, check_block_size, get_format
+from ..formats.weights import WeightBlock, get_weight_grid
 
 # typing.Union, not `|`: the optimizers' signatures (read by the CLI's jsonargparse) keep the object they always had.
 StatesSpec = Union[str, Mapping[str, str]]  # noqa: UP007
@@ -34,6 +35,10 @@ MIN_ALIGNED_BLOCK = 32
 
 NonFiniteGradPolicy = Literal["skip", "skip_step", "raise"]
 NONFINITE_GRAD_POLICIES: tuple[str, ...] = ("skip", "skip_step", "raise")
+
+# How the rounding error of a parameter kept without master weights (``weights=``) is fed back (``optim/weights.py``).
+ErrorFeedback = Literal["eco", "eco_exact"]
+ERROR_FEEDBACKS: tuple[str | None, ...] = (None, "eco", "eco_exact")
 
 
 def validate_policy(group: Mapping[str, Any], state_names: tuple[str, ...] | None, owner: str) -> None:
@@ -68,6 +73,21 @@ def validate_policy(group: Mapping[str, Any], state_names: tuple[str, ...] | Non
     min_size = group["min_quant_size"]
     if not isinstance(min_size, int) or min_size < 0:
         raise ValueError(f"{owner}: min_quant_size={min_size!r} must be an int >= 0")
+    validate_weight_options(group, owner)
+
+
+def validate_weight_options(group: Mapping[str, Any], owner: str) -> None:
+    """Check ``weights``, ``weight_block``, ``weight_rounding`` and ``error_feedback`` (a param group's or a policy's)."""
+    if group["weight_rounding"] not in ROUNDINGS:
+        raise ValueError(f"{owner}: weight_rounding={group['weight_rounding']!r} is not valid; use one of {ROUNDINGS}")
+    if group["error_feedback"] not in ERROR_FEEDBACKS:
+        raise ValueError(f"{owner}: error_feedback={group['error_feedback']!r} is not valid; use one of {ERROR_FEEDBACKS}")
+    if group["weights"] is not None and not isinstance(group["weights"], str):
+        raise TypeError(f"{owner}: weights= must be a format name or None, got {type(group['weights']).__name__}")
+    try:
+        get_weight_grid(group["weights"] or "bf16", group["weight_block"])
+    except ValueError as error:
+        raise ValueError(f"{owner}: weights={group['weights']!r}: {error}") from None
 
 
 def format_name_for(group: Mapping[str, Any], state_name: str) -> str:
@@ -132,6 +152,20 @@ class QuantizationPolicy:
             ``{"*.wte.*": "fp32", "*.ln_*": "fp32"}``. The first matching pattern wins; a pattern that matches no
             parameter raises. Names come from the module given to ``apply``, or from ``param_names`` in the groups
             (an optimizer built from ``model.named_parameters()``).
+        weights: the format parameter values are kept in after each step, without an fp32 master copy (ECO,
+            ``optim/weights.py``): ``None`` (default: torch's behaviour in the parameter's own dtype), ``"bf16"``,
+            ``"fp16"``, ``"fp8_e4m3"``, ``"fp8_e5m2"``, ``"int8"``, ``"int4"`` or any ``eXmY``. Formats that are not
+            a torch dtype are kept as grid values in the parameter's dtype (``formats.weights``).
+        weight_rounding: ``"stochastic"`` (default) or ``"nearest"``, for writing the weights.
+        weight_block: scale groups of block-scaled ``weights``: ``"row"`` (default, one per row as the ECO paper),
+            ``"tensor"`` or a power of two.
+        error_feedback: ``None`` (the rounding error is dropped: naive master-weight removal), ``"eco"`` (fed into
+            the momentum, ECO's rule) or ``"eco_exact"`` (kept in one fp32 buffer: the master-weight iterates).
+            Without ``weights``, the parameter's own dtype is the grid.
+        weight_overrides: ``{pattern: weights}`` (``None`` keeps the parameter's dtype), matched as ``overrides``.
+            ``apply(optimizer, module)`` with ``weights`` set gives the weights of linear layers inside repeated
+            blocks the format and keeps the others (embeddings, norms, the head: the paper's choice) unless a pattern
+            matches; an optimizer built with the policy applies ``weights`` to every parameter of its groups.
         track_stalls: count stalled state entries (``optimizer.stall_stats()``, read by ``StallMonitor``).
         nonfinite: for gradients holding inf/NaN: ``"skip"`` (those parameters are not updated, one warning per step
             names them), ``"skip_step"`` (no parameter is updated, as ``GradScaler`` does) or ``"raise"``.
@@ -154,12 +188,18 @@ class QuantizationPolicy:
     block_size: int | None = None
     min_quant_size: int = 4096
     overrides: Mapping[str, StatesSpec] = field(default_factory=dict)
+    weights: str | None = None
+    weight_rounding: str = "stochastic"
+    weight_block: WeightBlock = "row"
+    error_feedback: ErrorFeedback | None = None
+    weight_overrides: Mapping[str, str | None] = field(default_factory=dict)
     track_stalls: bool = False
     nonfinite: NonFiniteGradPolicy = "skip"
     owner: InitVar[str] = "QuantizationPolicy"  # the name errors start with: the entry point the user called
 
     def __post_init__(self, owner: str) -> None:
         self.overrides = dict(self.overrides or {})
+        self.weight_overrides = dict(self.weight_overrides or {})
         self.validate(owner)
 
     def validate(self, owner: str, state_names: tuple[str, ...] | None = None) -> None:
@@ -170,8 +210,14 @@ class QuantizationPolicy:
         if not isinstance(self.overrides, Mapping):
             raise TypeError(f"{owner}: overrides= must be a mapping of name pattern -> states, got {type(self.overrides).__name__}")
         for pattern, states in self.overrides.items():
-            options = {"states": states, "rounding": self.rounding, "block_size": None, "min_quant_size": 0}
+            options = {**self.group_options(), "states": states, "block_size": None, "min_quant_size": 0}
             validate_policy(options, state_names, f"{owner}: overrides[{pattern!r}]")
+        if not isinstance(self.weight_overrides, Mapping):
+            raise TypeError(
+                f"{owner}: weight_overrides= must be a mapping of name pattern -> weights, got {type(self.weight_overrides).__name__}"
+            )
+        for pattern, weights in self.weight_overrides.items():
+            validate_weight_options({**self.group_options(), "weights": weights}, f"{owner}: weight_overrides[{pattern!r}]")
 
     def group_options(self) -> dict[str, Any]:
         """The options every param group carries (``GROUP_OPTIONS``; each may be overridden per group)."""
@@ -186,7 +232,8 @@ class QuantizationPolicy:
             ValueError: both ``policy`` and a keyword that differs from its default.
         """
         options = {name: arguments[name] for name in POLICY_FIELDS if name in arguments}
-        options["overrides"] = dict(options.get("overrides") or {})
+        for name in NAME_PATTERN_FIELDS:
+            options[name] = dict(options.get(name) or {})
         if policy is not None:
             if not isinstance(policy, QuantizationPolicy):
                 raise TypeError(f"{owner}: policy= must be a QuantizationPolicy, got {type(policy).__name__}")
@@ -201,6 +248,8 @@ class QuantizationPolicy:
         """The quantized form of ``optimizer`` (converted in place where possible); an already quantized one is returned as is.
 
         ``module`` supplies parameter names for ``overrides`` (else the groups' ``param_names``, where every group has them).
+        Under ``torch.distributed`` every rank must call it (the Lightning plugins and callback do): rank 0's
+        stochastic-rounding seed is broadcast, so replicated parameters and states round alike on every rank.
 
         Raises:
             ValueError: ``overrides`` without names, a pattern that matches no parameter, or an override naming a
@@ -212,24 +261,30 @@ class QuantizationPolicy:
         from .wrap import QUANTIZED_EQUIVALENTS, QuantizedOptimizerWrapper, fsdp_full_numels, quantize_optimizer
 
         if isinstance(optimizer, QuantizedStates):
+            _share_rounding_seed(optimizer)
             return optimizer
         names = None if module is None else [(clean_parameter_name(name), param) for name, param in module.named_parameters()]
         if names is None and all(group.get("param_names") for group in optimizer.param_groups):
             names = [
                 (name, param) for group in optimizer.param_groups for name, param in zip(group["param_names"], group["params"], strict=True)
             ]
+        owner = type(module).__name__ if module is not None else type(optimizer).__name__
+        given = [name for name in NAME_PATTERN_FIELDS if getattr(self, name)]
+        if given and names is None:
+            raise ValueError(
+                f"QuantizationPolicy: {given[0]}= needs the parameter names it matches; call apply(optimizer, module), "
+                "or build the optimizer from model.named_parameters()"
+            )
         overrides = None
-        if self.overrides:
-            if names is None:
-                raise ValueError(
-                    "QuantizationPolicy: overrides= needs the parameter names it matches; call apply(optimizer, module), "
-                    "or build the optimizer from model.named_parameters()"
-                )  # the wrapper has no fixed state names: any is accepted
+        if self.overrides:  # the wrapper has no fixed state names: any is accepted
             self.validate("QuantizationPolicy", QUANTIZED_EQUIVALENTS.get(type(optimizer), QuantizedOptimizerWrapper).state_names or None)
-            overrides = self.overrides_for(names, type(module).__name__ if module is not None else type(optimizer).__name__)
-        quantized = quantize_optimizer(optimizer, policy=dataclasses.replace(self, overrides={}))
+            overrides = self.overrides_for(names, owner)
+        weight_overrides = self.weight_overrides_for(names, owner, module) if names is not None else {}
+        quantized = quantize_optimizer(optimizer, policy=dataclasses.replace(self, overrides={}, weight_overrides={}))
         if overrides is not None:
             quantized.state_overrides = overrides
+        quantized.weight_overrides = weight_overrides
+        _share_rounding_seed(quantized)
         if module is not None:
             quantized.module_names = {param: name for name, param in names}
         if module is not None and any(isinstance(m, FullyShardedDataParallel) for m in module.modules()):
@@ -238,13 +293,14 @@ class QuantizationPolicy:
         return quantized
 
     def attach_overrides(self, optimizer: QuantizedStates) -> None:
-        """Set ``optimizer.state_overrides`` from the names in its groups (``param_names``), for an optimizer built with
-        this policy; raises where ``overrides`` is set and the groups carry no names."""
-        if not self.overrides:
+        """Set ``optimizer.state_overrides`` and ``weight_overrides`` from the names in its groups (``param_names``), for
+        an optimizer built with this policy; raises where a pattern option is set and the groups carry no names."""
+        given = [name for name in NAME_PATTERN_FIELDS if getattr(self, name)]
+        if not given:
             return
         if not all(group.get("param_names") for group in optimizer.param_groups):
             raise ValueError(
-                f"{type(optimizer).__name__}: policy.overrides match parameter names; build the optimizer from "
+                f"{type(optimizer).__name__}: policy.{given[0]} match parameter names; build the optimizer from "
                 "model.named_parameters(), or use policy.apply(torch_optimizer, model)"
             )
         self.validate(type(optimizer).__name__, optimizer.state_names or None)
@@ -252,36 +308,69 @@ class QuantizationPolicy:
             (name, param) for group in optimizer.param_groups for name, param in zip(group["param_names"], group["params"], strict=True)
         ]
         optimizer.state_overrides = self.overrides_for(named, type(optimizer).__name__)
+        optimizer.weight_overrides = self.weight_overrides_for(named, type(optimizer).__name__)
 
-    def overrides_for(self, named: list[tuple[str, torch.Tensor]], owner: str) -> dict[torch.Tensor, StatesSpec]:
-        """``{parameter: states}`` for every ``(name, parameter)`` of ``named`` that an override pattern matches.
+    def weight_overrides_for(
+        self, named: list[tuple[str, torch.Tensor]], owner: str, module: torch.nn.Module | None = None
+    ) -> dict[torch.Tensor, str | None]:
+        """``{parameter: weights}`` for the parameters whose ``weights`` differ from their group's: those a
+        ``weight_overrides`` pattern matches, and, given a ``module`` and ``weights``, every parameter that is not the
+        weight of a linear layer inside a repeated block (``optim.weights.block_linear_weight_names``: ``None``, its dtype).
+
+        Raises:
+            ValueError: a pattern matches no name of ``named``.
+        """
+        from .weights import block_linear_weight_names
+
+        matched = self.overrides_for(named, owner, "weight_overrides")
+        if module is not None and self.weights is not None:
+            in_blocks = {clean_parameter_name(name) for name in block_linear_weight_names(module)}
+            matched.update({param: None for name, param in named if param not in matched and name not in in_blocks})
+        return matched
+
+    def overrides_for(self, named: list[tuple[str, torch.Tensor]], owner: str, option: str = "overrides") -> dict[torch.Tensor, Any]:
+        """``{parameter: value}`` for every ``(name, parameter)`` of ``named`` that a pattern of ``option`` (``overrides``:
+        states, or ``weight_overrides``: weights) matches.
 
         Raises:
             ValueError: a pattern matches no name of ``named`` (it would be silently ignored).
         """
-        for pattern in self.overrides:
+        patterns = getattr(self, option)
+        for pattern in patterns:
             if not any(fnmatch.fnmatchcase(name, pattern) for name, _ in named):
                 raise ValueError(
-                    f"QuantizationPolicy: overrides pattern {pattern!r} matches no parameter of {owner}; patterns are "
+                    f"QuantizationPolicy: {option} pattern {pattern!r} matches no parameter of {owner}; patterns are "
                     f"matched with fnmatch (case-sensitive) against the parameter names: {_name_summary(named)}; "
                     "fix the pattern or remove it"
                 )
-        matched: dict[torch.Tensor, StatesSpec] = {}
+        matched: dict[torch.Tensor, Any] = {}
         for name, param in named:
-            for pattern, states in self.overrides.items():
+            for pattern, value in patterns.items():
                 if fnmatch.fnmatchcase(name, pattern):
-                    matched[param] = states
+                    matched[param] = value
                     break
         return matched
 
 
-# The options of a policy, in signature order; the first four are carried by every param group.
+# The options of a policy, in signature order; those of GROUP_OPTIONS are carried by every param group.
 POLICY_FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(QuantizationPolicy))
-GROUP_OPTIONS: tuple[str, ...] = ("states", "rounding", "block_size", "min_quant_size")
+GROUP_OPTIONS: tuple[str, ...] = (
+    "states", "rounding", "block_size", "min_quant_size", "weights", "weight_rounding", "weight_block", "error_feedback",
+)  # fmt: skip
+# The options that match parameter names: they need ``policy=`` (or a module given to ``apply``), not the optimizers' keywords.
+NAME_PATTERN_FIELDS: tuple[str, ...] = ("overrides", "weight_overrides")
 POLICY_DEFAULTS: dict[str, Any] = {
     f.name: f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
     for f in dataclasses.fields(QuantizationPolicy)
 }
+
+
+def _share_rounding_seed(optimizer: QuantizedStates) -> None:
+    """Under ``torch.distributed`` (every rank calls ``apply``), rank 0's stochastic-rounding seed for all ranks."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        seed = [optimizer._rounding_seed]
+        torch.distributed.broadcast_object_list(seed, src=0)
+        optimizer._rounding_seed = seed[0]
 
 
 def _name_summary(named: list[tuple[str, torch.Tensor]], shown: int = 20) -> str:

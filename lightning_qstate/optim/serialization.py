@@ -98,7 +98,8 @@ def import_state(entry: dict, param: torch.Tensor, where: str) -> QuantizedTenso
 
 
 def exact_values(value: QuantizedTensor) -> torch.Tensor:
-    """The values of ``value`` as a tensor that re-quantizes (round-to-nearest) to the very same codes and scales.
+    """The values of ``value`` as an fp32 tensor (whatever dtype it decodes to: a bf16 parameter's states are quantized
+    from fp32 values) that re-quantizes (round-to-nearest) to the very same codes and scales.
 
     This is what the ``"fp32"`` checkpoint mode exports. ``dequantize()`` alone does not round-trip where a
     block's largest stored value is below its scale, for re-quantizing would rescale the block and move codes:
@@ -109,7 +110,7 @@ def exact_values(value: QuantizedTensor) -> torch.Tensor:
     value) and whose code is that one, found by bisection over its fp32 bit pattern. Every other value is
     exactly its dequantized value.
     """
-    values = value.dequantize()
+    values = value.dequantize(torch.float32)
     fmt = value.format
     if not isinstance(fmt, BlockFormat) or value.scales is None or value.numel == 0:
         return values
@@ -128,7 +129,7 @@ def exact_values(value: QuantizedTensor) -> torch.Tensor:
         found = ~torch.isnan(pinned)
         flat[rows[found], columns[found]] = pinned[found]
         short[rows[found]] = False
-    return flat.view(-1)[: value.numel].to(values.dtype).view(values.shape)
+    return flat.view(-1)[: value.numel].view(values.shape)
 
 
 def _same_code_value(fmt: BlockFormat, stored: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

@@ -24,9 +24,10 @@ import torch
 from torch.distributed.fsdp import FullyShardedDataParallel
 
 from ..formats import BlockFormat, QuantizedTensor, StorageFormat, get_format
+from ..formats.weights import WeightBlock
 from .base import QuantizedStates, StateValue, dequantized, like_param, local_tensor
 from .optimizers import QSGD, QAdam, QAdamW, QMuon
-from .policy import NonFiniteGradPolicy, QuantizationPolicy, StatesSpec
+from .policy import ErrorFeedback, NonFiniteGradPolicy, QuantizationPolicy, StatesSpec
 
 
 def _in_place_class(quantized_class: type, torch_class: type) -> type:
@@ -79,7 +80,12 @@ class QuantizedOptimizerWrapper(QuantizedStates, torch.optim.Optimizer):
         optimizer: the optimizer to wrap; it keeps doing the math.
         states, rounding, block_size, min_quant_size, track_stalls, nonfinite, generator, policy:
             as for :class:`~lightning_qstate.QAdamW`; ``states`` may name any state key.
+        weights, weight_rounding, weight_block, error_feedback: must stay at their defaults (the inner optimizer
+            updates the parameters itself, so there is no fp32 update to round: ``optim/weights.py``).
     """
+
+    weights_supported = False
+    error_feedbacks = (None,)
 
     def __init__(
         self,
@@ -89,6 +95,10 @@ class QuantizedOptimizerWrapper(QuantizedStates, torch.optim.Optimizer):
         rounding: str = "nearest",
         block_size: int | None = None,
         min_quant_size: int = 4096,
+        weights: str | None = None,
+        weight_rounding: str = "stochastic",
+        weight_block: WeightBlock = "row",
+        error_feedback: ErrorFeedback | None = None,
         track_stalls: bool = False,
         nonfinite: NonFiniteGradPolicy = "skip",
         generator: torch.Generator | None = None,
@@ -215,6 +225,10 @@ def quantize_optimizer(
     rounding: str = "nearest",
     block_size: int | None = None,
     min_quant_size: int = 4096,
+    weights: str | None = None,
+    weight_rounding: str = "stochastic",
+    weight_block: WeightBlock = "row",
+    error_feedback: ErrorFeedback | None = None,
     track_stalls: bool = False,
     nonfinite: NonFiniteGradPolicy = "skip",
     generator: torch.Generator | None = None,

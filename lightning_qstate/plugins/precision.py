@@ -10,10 +10,15 @@
 Example::
 
     trainer = Trainer(plugins=[QStatePrecision("bf16-mixed", states="int8", overrides={"*.wte.*": "fp32"})])
+    # bf16 weights without fp32 master weights (ECO), int8 states:
+    trainer = Trainer(plugins=[QStatePrecision("bf16-true", states="int8", weights="bf16", error_feedback="eco")])
 
 The conversion happens in ``connect()``, after ``configure_optimizers`` and the strategy's model
 wrapping and before any checkpoint is loaded, so resumed runs load straight into the quantized
 optimizer. The configuration comes from the constructor only (restored plugin state arrives too late).
+With ``weights=`` (or ``error_feedback=``), ``connect()`` also rounds those parameters onto their grid; a resumed run
+then loads the checkpoint's weights, which are on the grid already (the optimizer's rounding seed and step ride in
+its state dict, so stochastic rounding of the weights resumes exactly).
 """
 
 from __future__ import annotations
@@ -24,7 +29,8 @@ from typing import Any, Literal
 import torch
 from lightning.pytorch.plugins.precision import FSDPPrecision, HalfPrecision, MixedPrecision, Precision
 
-from ..optim import NonFiniteGradPolicy, QuantizationPolicy, StatesSpec, check_optimizer_parameters
+from ..formats.weights import WeightBlock
+from ..optim import ErrorFeedback, NonFiniteGradPolicy, QuantizationPolicy, QuantizedStates, StatesSpec, check_optimizer_parameters
 
 PrecisionName = Literal["32-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true"]
 
@@ -41,7 +47,18 @@ class QStatePolicyMixin:
     def connect(self, model: torch.nn.Module, optimizers: list[torch.optim.Optimizer], lr_schedulers: list[Any]):
         model, optimizers, lr_schedulers = super().connect(model, optimizers, lr_schedulers)
         check_optimizer_parameters(model, optimizers)
-        return model, [self.policy.apply(optimizer, model) for optimizer in optimizers], lr_schedulers
+        quantized = [self.policy.apply(optimizer, model) for optimizer in optimizers]
+        put_weights_on_grid(quantized)
+        return model, quantized, lr_schedulers
+
+
+def put_weights_on_grid(optimizers: list[torch.optim.Optimizer]) -> None:
+    """Round the parameters that have a weight grid (``weights=``, ``error_feedback=``) onto it, as a run without master
+    weights starts (``QuantizedStates.quantize_weights``, round to nearest: no random draw). At fit start only: a
+    resumed run loads the checkpoint's weights afterwards, which a run with the same policy saved on the grid."""
+    for optimizer in optimizers:
+        if isinstance(optimizer, QuantizedStates):
+            optimizer.quantize_weights()
 
 
 _POLICY_DOC = """
@@ -52,6 +69,19 @@ _POLICY_DOC = """
         min_quant_size: parameters with fewer elements (full shape) keep fp32 states.
         overrides: ``{name_pattern: states}``, matched with ``fnmatch`` against parameter names,
             e.g. ``{"*.wte.*": "fp32", "*.ln_*": "fp32"}`` (a pattern that matches no parameter raises).
+        weights: the format parameters are kept in after each step, without fp32 master weights (ECO,
+            ``optim/weights.py``): ``None`` (default: the parameter's dtype, torch's update), ``"bf16"``, ``"fp16"``,
+            ``"fp8_e4m3"``, ``"fp8_e5m2"``, ``"int8"``, ``"int4"`` or any ``eXmY``. It goes to the weights of the linear
+            layers inside repeated blocks (``transformer.h.3.mlp.c_fc.weight``); embeddings, norms, biases and the head
+            keep their dtype unless ``weight_overrides`` says otherwise. Formats that are not a dtype are held as grid
+            values in the parameter's dtype (``"32-true"`` with ``weights="bf16"``: fp32 parameters holding bf16 values).
+            The parameters are rounded onto their grid (round to nearest) when the plugin converts the optimizer.
+        weight_rounding: ``"stochastic"`` (default) or ``"nearest"``, for writing the weights.
+        weight_block: scale groups of block-scaled ``weights``: ``"row"`` (default), ``"tensor"`` or a power of two.
+        error_feedback: what happens to the rounding error of the weights: ``None`` (dropped), ``"eco"`` (fed into the
+            momentum, ECO's rule) or ``"eco_exact"`` (kept in an fp32 state ``"weight_error"``).
+        weight_overrides: ``{name_pattern: weights}`` (``None``: the parameter's dtype), matched as ``overrides``,
+            e.g. ``{"*.lm_head.*": "bf16", "*.h.0.*": None}``.
         track_stalls: count stalled state entries (read by ``StallMonitor``).
         nonfinite: for gradients holding inf/NaN: ``"skip"`` (default: those parameters are not updated, one warning per
             step names them), ``"skip_step"`` (no parameter is updated, as ``GradScaler`` does) or ``"raise"``.
@@ -90,6 +120,11 @@ class QStatePrecision(QStatePolicyMixin, _PrecisionDispatch, Precision):
         block_size: int | None = None,
         min_quant_size: int = 4096,
         overrides: Mapping[str, StatesSpec] | None = None,
+        weights: str | None = None,
+        weight_rounding: str = "stochastic",
+        weight_block: WeightBlock = "row",
+        error_feedback: ErrorFeedback | None = None,
+        weight_overrides: Mapping[str, str | None] | None = None,
         track_stalls: bool = False,
         nonfinite: NonFiniteGradPolicy = "skip",
         policy: QuantizationPolicy | None = None,
@@ -112,6 +147,11 @@ class QStateMixedPrecision(QStatePrecision, MixedPrecision):
         block_size: int | None = None,
         min_quant_size: int = 4096,
         overrides: Mapping[str, StatesSpec] | None = None,
+        weights: str | None = None,
+        weight_rounding: str = "stochastic",
+        weight_block: WeightBlock = "row",
+        error_feedback: ErrorFeedback | None = None,
+        weight_overrides: Mapping[str, str | None] | None = None,
         track_stalls: bool = False,
         nonfinite: NonFiniteGradPolicy = "skip",
         policy: QuantizationPolicy | None = None,
@@ -132,6 +172,11 @@ class QStateHalfPrecision(QStatePrecision, HalfPrecision):
         block_size: int | None = None,
         min_quant_size: int = 4096,
         overrides: Mapping[str, StatesSpec] | None = None,
+        weights: str | None = None,
+        weight_rounding: str = "stochastic",
+        weight_block: WeightBlock = "row",
+        error_feedback: ErrorFeedback | None = None,
+        weight_overrides: Mapping[str, str | None] | None = None,
         track_stalls: bool = False,
         nonfinite: NonFiniteGradPolicy = "skip",
         policy: QuantizationPolicy | None = None,
@@ -156,6 +201,11 @@ class QStateFSDPPrecision(QStatePolicyMixin, FSDPPrecision):
         block_size: int | None = None,
         min_quant_size: int = 4096,
         overrides: Mapping[str, StatesSpec] | None = None,
+        weights: str | None = None,
+        weight_rounding: str = "stochastic",
+        weight_block: WeightBlock = "row",
+        error_feedback: ErrorFeedback | None = None,
+        weight_overrides: Mapping[str, str | None] | None = None,
         track_stalls: bool = False,
         nonfinite: NonFiniteGradPolicy = "skip",
         policy: QuantizationPolicy | None = None,

@@ -1,7 +1,8 @@
-// The C++ CPU Adam(W) kernel for 8-bit codebook states (round-to-nearest), with optional stall counts: adam_steps_u8
+// The C++ CPU Adam(W) kernel for 8-bit codebook states (round-to-nearest), with optional stall counts, and parameters
+// kept on a weight grid without master weights (fp32/bf16/fp16 values, RN or SR, ECO's feedback into m): adam_steps_u8
 // steps every parameter of a param group in one call. What it computes and how it matches the torch reference
 // (kernels/adam_reference.py) bit for bit: kernels/native.py. The value-level pieces (codebooks, Adam's update of one
-// value, block scales, their AVX-512 forms): adam_cpu.h.
+// value, block scales, parameter dtypes and weight grids, the AVX-512 forms): adam_cpu.h.
 #include "adam_cpu.h"
 
 #include <ATen/Parallel.h>
@@ -52,6 +53,39 @@ void update_block(float* __restrict__ p, const float* __restrict__ g, const uint
     v_max = av > v_max ? av : v_max;
     m_bad |= std::isnan(mi - mi);
     v_bad |= std::isnan(vi - vi);
+  }
+  m_ok = !m_bad, v_ok = !v_bad;
+}
+
+// Adam on values [0, n) of a block of a parameter on a weight grid, param and gradient of type T (read as fp32), moments
+// decoded in m, v (updated in place), as adam_reference.adam_step_quantized: adam_lane_exact's new value rounded to the
+// grid with Rounding (element ``first + i`` of the parameter: its SR draw) and stored in T (round to nearest, as torch's
+// copy_), and with Eco m = fma(eco * denom, updated - rounded, m) (the product rounded first, as eco_feedback). No
+// branches: the compiler vectorizes the loop (-fno-math-errno: sqrt without its errno check) for the CPU it is built
+// for (AVX2 included); with AVX-512 too, rather than an intrinsics body as update_block's (fp32 without a grid only).
+template <typename T, typename Rounding, bool Eco>
+QSTATE_FLATTEN void grid_lanes(T* __restrict__ p, const T* __restrict__ g, int64_t first, const Hyper h, uint64_t seed, int64_t n,
+                               float* __restrict__ m, float* __restrict__ v) {
+  for (int64_t i = 0; i < n; ++i) {
+    float mi = m[i], vi = v[i], denom;
+    const float updated = adam_lane_exact(to_float(p[i]), to_float(g[i]), mi, vi, h, denom);
+    const float rounded = Rounding::round(updated, seed, first + i);
+    if constexpr (Eco) mi = std::fma(h.eco * denom, updated - rounded, mi);
+    p[i] = from_float<T>(rounded);
+    m[i] = mi, v[i] = vi;
+  }
+}
+
+// The absmaxes of m[0:n], v[0:n] (a NaN value is passed over, as update_block's compare does) and whether all are finite.
+void block_stats(const float* __restrict__ m, const float* __restrict__ v, int64_t n, float& m_max, float& v_max, bool& m_ok, bool& v_ok) {
+  m_max = 0.0f, v_max = 0.0f;
+  bool m_bad = false, v_bad = false;
+  for (int64_t i = 0; i < n; ++i) {
+    const float am = std::fabs(m[i]), av = std::fabs(v[i]);
+    m_max = am > m_max ? am : m_max;
+    v_max = av > v_max ? av : v_max;
+    m_bad |= std::isnan(m[i] - m[i]);
+    v_bad |= std::isnan(v[i] - v[i]);
   }
   m_ok = !m_bad, v_ok = !v_bad;
 }
@@ -116,11 +150,18 @@ bool all_finite(const float* __restrict__ x, int64_t n) {
   return !bad;
 }
 
+// all_finite of bf16 or fp16 patterns: no exponent field (``exponent``: its mask) all ones.
+bool all_finite16(const uint16_t* __restrict__ x, int64_t n, uint16_t exponent) {
+  bool bad = false;
+  for (int64_t i = 0; i < n; ++i) bad |= (x[i] & exponent) == exponent;
+  return !bad;
+}
+
 // ---- The group's hyperparameters and step counters ----
 
 // The group's hyperparameters: those of every step, and what the per-step ones (at) are computed from.
 struct Schedule {
-  Hyper constants;  // every field but step, inv_bc2, m_bound and hold_m
+  Hyper constants;  // every field but step, inv_bc2, bc2, m_bound, hold_m and eco
   double lr, beta1, beta2;
 
   // The hyperparameters of a parameter at its next step t = steps_done + 1: step size lr / (1 - beta1^t) and
@@ -130,7 +171,8 @@ struct Schedule {
     const double t = steps_done + 1;
     Hyper h = constants;
     h.step = static_cast<float>(lr / (1.0 - std::pow(beta1, t)));
-    h.inv_bc2 = 1.0f / static_cast<float>(std::pow(1.0 - std::pow(beta2, t), 0.5));
+    h.bc2 = static_cast<float>(std::pow(1.0 - std::pow(beta2, t), 0.5));
+    h.inv_bc2 = 1.0f / h.bc2;
     h.hold_m = hold_m;
     h.m_bound = hold_m ? m_bound : 0.0f;
     return h;
@@ -142,6 +184,7 @@ struct Schedule {
 Schedule schedule(double lr, double weight_decay, double beta1, double beta2, double eps, bool decoupled, bool maximize) {
   Hyper c{};
   c.sign = maximize ? -1.0f : 1.0f;
+  c.decoupled = decoupled;
   c.decay = decoupled ? static_cast<float>(1.0 - lr * weight_decay) : 1.0f;
   c.l2 = decoupled ? 0.0f : static_cast<float>(weight_decay);
   const float lerp_weight = static_cast<float>(1.0 - beta1);
@@ -166,10 +209,12 @@ void count_step(const torch::Tensor& step) {
 
 // ---- The coded parameters ----
 
-// One coded parameter of the multi-tensor step.
+// One coded parameter of the multi-tensor step. p, g: fp32 values, or (on a weight grid) of ``dtype``.
 struct Param {
-  float* p;
-  const float* g;
+  void* p;
+  const void* g;
+  Dtype dtype;
+  Grid grid;
   uint8_t *mc, *vc;
   Scales ms, vs;
   Codebook mcb, vcb;
@@ -196,11 +241,33 @@ Scales scales_of(const torch::Tensor& t, int64_t k) {
   return Scales{t.data_ptr(), t.scalar_type() == torch::kBFloat16};
 }
 
+// The Dtype of an fp32, bf16 or fp16 tensor (kNone for any other).
+Dtype dtype_of(const torch::Tensor& t) {
+  switch (t.scalar_type()) {
+    case torch::kFloat:
+      return Dtype::kFloat32;
+    case torch::kBFloat16:
+      return Dtype::kBFloat16;
+    case torch::kHalf:
+      return Dtype::kFloat16;
+    default:
+      return Dtype::kNone;
+  }
+}
+
+// A parameter's weight grid from its row of ``grids`` [dtype code, stochastic, eco] and its SR seed (k: its index).
+Grid grid_of(int64_t code, int64_t stochastic, int64_t eco, int64_t seed, int64_t k) {
+  TORCH_CHECK(code >= 0 && code <= 3, "parameter ", k, ": grid dtype code ", code, " (0 none, 1 fp32, 2 bf16, 3 fp16)");
+  TORCH_CHECK(code != 0 || (stochastic == 0 && eco == 0), "parameter ", k, ": stochastic rounding and ECO need a weight grid");
+  return Grid{static_cast<Dtype>(code), stochastic != 0, eco != 0, static_cast<uint64_t>(seed)};
+}
+
 // The coded parameters' pointers, codebooks and hyperparameters, their sizes checked (arguments as adam_steps_u8's).
 std::vector<Param> coded_params(const std::vector<torch::Tensor>& params, const std::vector<torch::Tensor>& grads,
                                 const std::vector<torch::Tensor>& m_codes, const std::vector<torch::Tensor>& m_scales,
                                 const std::vector<torch::Tensor>& v_codes, const std::vector<torch::Tensor>& v_scales,
                                 const std::vector<torch::Tensor>& tables, const torch::Tensor& ints, const torch::Tensor& bounds,
+                                const torch::Tensor& grids, const torch::Tensor& seeds, const torch::Tensor& eco,
                                 const std::vector<torch::Tensor>& steps, const Schedule& group) {
   const int64_t n = static_cast<int64_t>(params.size());
   TORCH_CHECK(grads.size() == params.size() && m_codes.size() == params.size() && m_scales.size() == params.size() &&
@@ -209,17 +276,28 @@ std::vector<Param> coded_params(const std::vector<torch::Tensor>& params, const 
   TORCH_CHECK(static_cast<int64_t>(tables.size()) == 6 * n, "tables: six per coded parameter");
   TORCH_CHECK(ints.dim() == 2 && ints.size(0) == n && ints.size(1) == 7, "ints: (n, 7) int64");
   TORCH_CHECK(bounds.scalar_type() == torch::kFloat && bounds.numel() == n, "bounds: one fp32 moment bound per coded parameter");
-  const auto ints_a = ints.accessor<int64_t, 2>();
-  const auto bounds_a = bounds.accessor<float, 1>();
+  TORCH_CHECK(grids.scalar_type() == torch::kLong && grids.dim() == 2 && grids.size(0) == n && grids.size(1) == 3,
+              "grids: (n, 3) int64 [grid dtype code, stochastic, eco]");
+  TORCH_CHECK(seeds.scalar_type() == torch::kLong && seeds.numel() == n, "seeds: one int64 per coded parameter");
+  TORCH_CHECK(eco.scalar_type() == torch::kFloat && eco.numel() == n, "eco: one fp32 ECO coefficient per coded parameter");
+  const auto ints_a = ints.accessor<int64_t, 2>(), grids_a = grids.accessor<int64_t, 2>();
+  const auto bounds_a = bounds.accessor<float, 1>(), eco_a = eco.accessor<float, 1>();
+  const auto seeds_a = seeds.accessor<int64_t, 1>();
   std::vector<Param> work(n);
   for (int64_t k = 0; k < n; ++k) {
     Param& w = work[k];
-    w.p = params[k].data_ptr<float>(), w.g = grads[k].data_ptr<float>();
+    w.grid = grid_of(grids_a[k][0], grids_a[k][1], grids_a[k][2], seeds_a[k], k);
+    w.dtype = dtype_of(params[k]);
+    TORCH_CHECK(w.dtype == Dtype::kFloat32 || (w.dtype != Dtype::kNone && w.grid.active()), "parameter ", k,
+                ": fp32, or fp32/bf16/fp16 on a weight grid");
+    TORCH_CHECK(grads[k].scalar_type() == params[k].scalar_type(), "parameter ", k, ": the gradient must have the parameter's dtype");
+    w.p = params[k].data_ptr(), w.g = grads[k].data_ptr();
     w.mc = m_codes[k].data_ptr<uint8_t>(), w.vc = v_codes[k].data_ptr<uint8_t>();
     w.ms = scales_of(m_scales[k], k), w.vs = scales_of(v_scales[k], k);
     w.mcb = codebook(tables[6 * k], tables[6 * k + 1], tables[6 * k + 2], ints_a[k][1], ints_a[k][2], ints_a[k][3]);
     w.vcb = codebook(tables[6 * k + 3], tables[6 * k + 4], tables[6 * k + 5], ints_a[k][4], ints_a[k][5], ints_a[k][6]);
     w.h = group.at(steps_done(steps[k]), true, bounds_a[k]);
+    w.h.eco = eco_a[k];
     w.numel = params[k].numel(), w.block = ints_a[k][0];
     const int64_t blocks = w.blocks = (w.numel + w.block - 1) / w.block;
     TORCH_CHECK(grads[k].numel() == w.numel && m_codes[k].numel() == w.numel && v_codes[k].numel() == w.numel &&
@@ -254,6 +332,18 @@ struct BlockOrder {
   }
 };
 
+// Whether values [first, first + n) of a coded parameter's gradient are finite.
+bool grad_finite(const Param& w, int64_t first, int64_t n) {
+  switch (w.dtype) {
+    case Dtype::kBFloat16:
+      return all_finite16(static_cast<const uint16_t*>(w.g) + first, n, 0x7F80u);
+    case Dtype::kFloat16:
+      return all_finite16(static_cast<const uint16_t*>(w.g) + first, n, 0x7C00u);
+    default:
+      return all_finite(static_cast<const float*>(w.g) + first, n);
+  }
+}
+
 // The gradient check pass: flags each coded parameter whose gradient holds inf/NaN (it is left untouched).
 void check_gradients(const std::vector<Param>& work, const BlockOrder& order, std::vector<Outcome>& outcomes) {
   const int64_t n = order.params();
@@ -262,7 +352,7 @@ void check_gradients(const std::vector<Param>& work, const BlockOrder& order, st
       const Param& w = work[k];
       const int64_t first = std::max<int64_t>(begin - order.first[k], 0) * w.block;
       const int64_t last = std::min((end - order.first[k]) * w.block, w.numel);
-      if (first < last && !all_finite(w.g + first, last - first)) outcomes[k].grad_bad.store(1, std::memory_order_relaxed);
+      if (first < last && !grad_finite(w, first, last - first)) outcomes[k].grad_bad.store(1, std::memory_order_relaxed);
     }
   });
 }
@@ -272,6 +362,30 @@ struct Scratch {
   std::vector<float> m, v;
   std::vector<uint8_t> old_m, old_v;
 };
+
+// Values [base, base + size) of parameter w updated in place, the new moments to m / v (update_block; on a weight grid:
+// both moments decoded, grid_lanes for w's element type, rounding and feedback, block_stats).
+void update_param_block(const Param& w, int64_t base, int64_t size, float m_scale, float v_scale, float* m, float* v, float& m_max,
+                        float& v_max, bool& m_ok, bool& v_ok) {
+  const uint8_t *mc = w.mc + base, *vc = w.vc + base;
+  if (!w.grid.active()) {  // fp32 values
+    update_block(static_cast<float*>(w.p) + base, static_cast<const float*>(w.g) + base, mc, m_scale, vc, v_scale, w.mcb, w.vcb, w.h, size,
+                 m, v, m_max, v_max, m_ok, v_ok);
+    return;
+  }
+  for (int64_t i = 0; i < size; ++i) m[i] = w.mcb.decode[mc[i]] * m_scale, v[i] = w.vcb.decode[vc[i]] * v_scale;
+  with_element(w.dtype, [&]<typename T>(T) {
+    T* p = static_cast<T*>(w.p) + base;
+    const T* g = static_cast<const T*>(w.g) + base;
+    with_rounding(w.grid, [&]<typename Rounding>(Rounding) {
+      if (w.grid.eco)
+        grid_lanes<T, Rounding, true>(p, g, base, w.h, w.grid.seed, size, m, v);
+      else
+        grid_lanes<T, Rounding, false>(p, g, base, w.h, w.grid.seed, size, m, v);
+    });
+  });
+  block_stats(m, v, size, m_max, v_max, m_ok, v_ok);
+}
 
 // The per-block step: block ``index`` of parameter w decoded, updated and encoded in place (and its stall counts).
 void step_block(const Param& w, int64_t index, bool track, Scratch& scratch, Outcome& outcome) {
@@ -284,8 +398,7 @@ void step_block(const Param& w, int64_t index, bool track, Scratch& scratch, Out
   }
   float m_max, v_max;
   bool m_ok, v_ok;
-  update_block(w.p + base, w.g + base, w.mc + base, m_scale, w.vc + base, v_scale, w.mcb, w.vcb, w.h, size, scratch.m.data(),
-               scratch.v.data(), m_max, v_max, m_ok, v_ok);
+  update_param_block(w, base, size, m_scale, v_scale, scratch.m.data(), scratch.v.data(), m_max, v_max, m_ok, v_ok);
   const float m_new = m_ok ? w.ms.representable(m_max) : NAN, v_new = v_ok ? w.vs.representable(v_max) : NAN;
   encode_block<false>(scratch.m.data(), (m_ok && m_new > 0.0f) ? m_new : 1.0f, m_ok, w.mcb, w.mc + base, size);
   encode_block<true>(scratch.v.data(), (v_ok && v_new > 0.0f) ? v_new : 1.0f, v_ok, w.vcb, w.vc + base, size);
@@ -339,6 +452,9 @@ bool step_plain(const torch::Tensor& param, const torch::Tensor& grad, const tor
 // Adam(W) step of every parameter of one param group: n with 8-bit codebook moments, then ``plain`` ones with fp32
 // moments. ``tables``: per coded parameter [m_decode, m_entries, m_planes, v_decode, v_entries, v_planes]; ``ints``:
 // (n, 7) int64 [block, m_base, m_shift, m_half, v_base, v_shift, v_half]; ``bounds``: (n,) fp32 moment bounds;
+// ``grids``: (n, 3) int64 [grid dtype code (0 none, 1 fp32, 2 bf16, 3 fp16), stochastic, eco] (a coded parameter and
+// its gradient are fp32, or of one of fp32/bf16/fp16 with a grid), ``seeds``: (n,) int64 SR seeds of the weights,
+// ``eco``: (n,) fp32 ECO coefficients (adam_reference.eco_coefficient of the step; used where eco);
 // ``plain``: per fp32-state parameter [param, grad, exp_avg, exp_avg_sq]; ``steps``: per parameter (coded first) its
 // 0-d fp32/fp64 step count, incremented here unless its gradient holds inf/NaN (then the parameter is left untouched).
 // Returns (n + plain, 6) int64 [grad_finite, moments_finite, stalled_m, moved_m, stalled_v, moved_v] (stall columns 0
@@ -347,6 +463,7 @@ torch::Tensor adam_steps_u8(const std::vector<torch::Tensor>& params, const std:
                             const std::vector<torch::Tensor>& m_codes, const std::vector<torch::Tensor>& m_scales,
                             const std::vector<torch::Tensor>& v_codes, const std::vector<torch::Tensor>& v_scales,
                             const std::vector<torch::Tensor>& tables, const torch::Tensor& ints, const torch::Tensor& bounds,
+                            const torch::Tensor& grids, const torch::Tensor& seeds, const torch::Tensor& eco,
                             const std::vector<torch::Tensor>& plain, const std::vector<torch::Tensor>& steps, double lr,
                             double weight_decay, double beta1, double beta2, double eps, bool decoupled, bool maximize, bool track) {
   const int64_t n = static_cast<int64_t>(params.size()), n_plain = static_cast<int64_t>(plain.size()) / 4;
@@ -362,7 +479,8 @@ torch::Tensor adam_steps_u8(const std::vector<torch::Tensor>& params, const std:
                       plain[4 * j + c].numel() == plain[4 * j].numel(),
                   "fp32-state parameter ", j, ": param, grad and moments must be contiguous fp32 tensors of one size");
   const Schedule group = schedule(lr, weight_decay, beta1, beta2, eps, decoupled, maximize);
-  const std::vector<Param> work = coded_params(params, grads, m_codes, m_scales, v_codes, v_scales, tables, ints, bounds, steps, group);
+  const std::vector<Param> work =
+      coded_params(params, grads, m_codes, m_scales, v_codes, v_scales, tables, ints, bounds, grids, seeds, eco, steps, group);
 
   // Coded parameters: first every gradient is checked, then every block of the finite ones is stepped.
   const BlockOrder order(work);
@@ -390,13 +508,37 @@ torch::Tensor adam_steps_u8(const std::vector<torch::Tensor>& params, const std:
   return result;
 }
 
+// fp32 ``values`` rounded to a weight grid (code 1 fp32, 2 bf16, 3 fp16; under SR element i takes draw i of ``seed``) and
+// stored in its dtype: the kernel's rounding of new parameter values on its own (the Rounding types and from_float
+// grid_lanes uses), threaded as the step is (tests).
+torch::Tensor round_to_grid(const torch::Tensor& values, int64_t grid, bool stochastic, int64_t seed) {
+  TORCH_CHECK(values.scalar_type() == torch::kFloat && values.is_contiguous() && values.device().is_cpu(),
+              "values: a contiguous fp32 CPU tensor");
+  const Grid g = grid_of(grid, stochastic, 0, seed, 0);
+  TORCH_CHECK(g.active(), "grid: 1 fp32, 2 bf16 or 3 fp16");
+  const auto dtype = g.dtype == Dtype::kFloat32 ? torch::kFloat : (g.dtype == Dtype::kBFloat16 ? torch::kBFloat16 : torch::kHalf);
+  torch::Tensor out = torch::empty(values.sizes(), values.options().dtype(dtype));
+  const float* x = values.data_ptr<float>();
+  with_element(g.dtype, [&]<typename T>(T) {
+    T* y = static_cast<T*>(out.data_ptr());
+    with_rounding(g, [&]<typename Rounding>(Rounding) {
+      at::parallel_for(0, values.numel(), 1 << 14, [&](int64_t begin, int64_t end) {
+        for (int64_t i = begin; i < end; ++i) y[i] = from_float<T>(Rounding::round(x[i], g.seed, i));
+      });
+    });
+  });
+  return out;
+}
+
 }  // namespace lightning_qstate
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   namespace py = pybind11;
   module.def("adam_steps_u8", &lightning_qstate::adam_steps_u8, "Adam(W) step of one param group (8-bit codebook and fp32 moments)",
              py::kw_only(), py::arg("params"), py::arg("grads"), py::arg("m_codes"), py::arg("m_scales"), py::arg("v_codes"),
-             py::arg("v_scales"), py::arg("tables"), py::arg("ints"), py::arg("bounds"), py::arg("plain"), py::arg("steps"), py::arg("lr"),
-             py::arg("weight_decay"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("decoupled"), py::arg("maximize"),
-             py::arg("track"));
+             py::arg("v_scales"), py::arg("tables"), py::arg("ints"), py::arg("bounds"), py::arg("grids"), py::arg("seeds"), py::arg("eco"),
+             py::arg("plain"), py::arg("steps"), py::arg("lr"), py::arg("weight_decay"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),
+             py::arg("decoupled"), py::arg("maximize"), py::arg("track"));
+  module.def("round_to_grid", &lightning_qstate::round_to_grid, "The kernel's rounding of fp32 values to a weight grid", py::kw_only(),
+             py::arg("values"), py::arg("grid"), py::arg("stochastic"), py::arg("seed"));
 }

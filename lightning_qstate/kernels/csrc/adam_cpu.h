@@ -1,5 +1,7 @@
 // The value-level pieces of the C++ CPU Adam(W) kernel (adam_cpu.cpp): a state's codebook and its round-to-nearest
-// encoder, Adam's update of one value, stored block scales, and the AVX-512 forms of these. Plain C++ on raw pointers.
+// encoder, Adam's update of one value, stored block scales, parameter values in fp32/bf16/fp16 and the weight grids
+// they are rounded to without master weights (RN and counter-based SR), and the AVX-512 forms of the fp32 update.
+// Plain C++ on raw pointers.
 #pragma once
 
 #include <algorithm>
@@ -15,6 +17,14 @@
 #endif
 #endif
 
+// Every call inside the function inlined (where the compiler would call some): a call in a loop keeps it from
+// vectorizing (adam_cpu.cpp: grid_lanes).
+#if defined(__GNUC__)
+#define QSTATE_FLATTEN __attribute__((flatten))
+#else
+#define QSTATE_FLATTEN
+#endif
+
 namespace lightning_qstate {
 
 // One state's kernels.code_index.NearestCodeIndex (the format's min_code built into its entries).
@@ -27,13 +37,14 @@ struct Codebook {
 
 // Adam(W) hyperparameters as fp32. The moments follow adam_reference.adam_math as torch's vectorized CPU kernels compute
 // them: add(alpha=) is fma(other, alpha, self), lerp_ is fma(coeff, end - self, base) (coeff = w, base = self if
-// |w| < 0.5, else w - 1 and end), addcmul_ is fma(value * t1, t2, self). The param update multiplies by reciprocals
-// instead of dividing (by bias_correction2_sqrt, and by the denominator: its reciprocal to about an ulp), so it is within
-// a few ulps of the reference's update.
+// |w| < 0.5, else w - 1 and end), addcmul_ is fma(value * t1, t2, self). adam_lane's param update multiplies by
+// reciprocals instead of dividing (by bias_correction2_sqrt, and by the denominator: its reciprocal to about an ulp), so
+// it is within a few ulps of the reference's update; adam_lane_exact divides, as the reference (parameters on a grid).
 // m_bound: the decoded m of a coded parameter is first held to |m| <= m_bound * sqrt(v) (adam_reference.hold_moment; when hold_m).
+// bc2: bias_correction2_sqrt itself; eco: adam_reference.eco_coefficient of the step (parameters with ECO's feedback).
 struct Hyper {
-  float sign, l2, decay, lerp_coeff, b2, one_minus_b2, step, inv_bc2, eps, m_bound;
-  bool lerp_from_end, hold_m;
+  float sign, l2, decay, lerp_coeff, b2, one_minus_b2, step, inv_bc2, eps, m_bound, bc2, eco;
+  bool lerp_from_end, hold_m, decoupled;
 };
 
 // One value of the Adam(W) update: param p and moments m, v (decoded) in place.
@@ -47,6 +58,42 @@ inline void adam_lane(float& p, float g, float& m, float& v, const Hyper& h) {
   v = std::fma(h.one_minus_b2 * gi, gi, v * h.b2);
   const float denom = std::sqrt(v) * h.inv_bc2 + h.eps;
   p = p * h.decay - (h.step * m) * (1.0f / denom);
+}
+
+inline uint32_t bits_of(float value) {
+  uint32_t bits;
+  std::memcpy(&bits, &value, 4);
+  return bits;
+}
+
+inline float float_of(uint32_t bits) {
+  float value;
+  std::memcpy(&value, &bits, 4);
+  return value;
+}
+
+// a where ``mask`` is all ones, b where it is 0 (mask_of a condition): selects that GCC's vectorizer takes, where it
+// takes no ``flag ? a : b`` of a loop-invariant bool and not every ``c ? a : b`` of computed values.
+inline uint32_t mask_of(bool flag) { return 0u - static_cast<uint32_t>(flag); }
+inline uint32_t pick(uint32_t mask, uint32_t a, uint32_t b) { return (a & mask) | (b & ~mask); }
+inline float select(uint32_t mask, float a, float b) { return float_of(pick(mask, bits_of(a), bits_of(b))); }
+
+// adam_lane as adam_reference.adam_math rounds it, operation for operation (the stored values of a parameter on a weight
+// grid must be the reference's bit for bit): the weight decay only in its own form (the decoupled decay multiplies the
+// param, the L2 term is added to the gradient), true divisions by bias_correction2_sqrt and by the denominator. Moments
+// m, v in place; returns the new param value (before any grid) and sets Adam's denominator sqrt(v) / bc2 + eps.
+// Both sides of each choice computed, then selected, no branches: a loop over it vectorizes (grid_lanes).
+inline float adam_lane_exact(float p, float g, float& m, float& v, const Hyper& h, float& denom) {
+  const uint32_t hold = mask_of(h.hold_m), decoupled = mask_of(h.decoupled), from_end = mask_of(h.lerp_from_end);
+  const float limit = std::sqrt(v) * h.m_bound;
+  m = select(hold, m > limit ? limit : (m < -limit ? -limit : m), m);
+  const float signed_g = h.sign * g;
+  const float gi = select(decoupled, signed_g, std::fma(p, h.l2, signed_g));
+  const float decayed = select(decoupled, p * h.decay, p);
+  m = std::fma(h.lerp_coeff, gi - m, select(from_end, gi, m));
+  v = std::fma(h.one_minus_b2 * gi, gi, v * h.b2);
+  denom = std::sqrt(v) / h.bc2 + h.eps;
+  return decayed - (h.step * m) / denom;
 }
 
 // The code of a normalized value: its bucket's entry and at most one threshold compare.
@@ -96,6 +143,165 @@ struct Scales {
     static_cast<uint16_t*>(data)[i] = static_cast<uint16_t>(pattern >> 16);
   }
 };
+
+// ---- Parameter values and weight grids (training without fp32 master weights: optim/weights.py) ----
+// Every function here is branch-free (selects), so that the loops over them (adam_cpu.cpp: grid_lanes) vectorize: each
+// lane computes what the scalar code computes, IEEE operations rounded once, so vector and scalar give the same bits.
+
+// 2^k as an fp32 value, for -126 <= k <= 127.
+inline float pow2(int32_t k) { return float_of(static_cast<uint32_t>(k + 127) << 23); }
+
+// The dtype of a parameter (and its gradient), or of the grid it is rounded to: the codes kernels/native.py passes
+// (GRID_DTYPES); kNone: no grid.
+enum class Dtype : int32_t { kNone = 0, kFloat32 = 1, kBFloat16 = 2, kFloat16 = 3 };
+
+// A bf16 / fp16 element: its 16-bit pattern.
+struct BFloat16 {
+  uint16_t bits;
+};
+struct Float16 {
+  uint16_t bits;
+};
+
+inline float to_float(float x) { return x; }
+inline float to_float(BFloat16 x) { return float_of(static_cast<uint32_t>(x.bits) << 16); }
+inline float to_float(Float16 x) {
+  const uint32_t sign = (x.bits & 0x8000u) << 16, exponent = (x.bits >> 10) & 0x1Fu, mantissa = x.bits & 0x3FFu;
+  const float subnormal = static_cast<float>(static_cast<int32_t>(mantissa)) * 0x1p-24f;  // zero too
+  const uint32_t wide = pick(mask_of(exponent == 0x1Fu), 0xFFu, exponent + 112);          // inf, NaN (payload kept)
+  return float_of(sign | pick(mask_of(exponent == 0), bits_of(subnormal), (wide << 23) | (mantissa << 13)));
+}
+
+// fp32 -> bf16 round to nearest even on the bit pattern, as torch's cast (overflow to inf); a NaN stays a (quiet) NaN.
+inline uint16_t bf16_nearest(float x) {
+  const uint32_t bits = bits_of(x);
+  const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+  return static_cast<uint16_t>(std::isnan(x) ? (bits >> 16) | 0x40u : rounded);
+}
+
+// The fp16 value nearest x (ties to even), as fp32: torch's x.to(torch.float16), subnormals included; |x| >= 65520
+// (halfway past fp16's largest 65504) is inf; NaN stays NaN. x's binade (at least fp16's subnormal one, 2^-14) scaled to
+// [0, 2048): fp16's values there are the integers, so the scaled value (exact: a power of two) is rounded to an integer
+// (adding and subtracting 2^23: ties to even) and scaled back (exact).
+inline float fp16_nearest(float x) {
+  const float magnitude = std::fabs(x);
+  const int32_t exponent = std::max(static_cast<int32_t>((bits_of(x) >> 23) & 0xFFu) - 127, -14);
+  const float steps = (magnitude * pow2(10 - exponent) + 0x1p23f) - 0x1p23f;
+  const float rounded = std::copysign(steps * pow2(exponent - 10), x);
+  return select(mask_of(magnitude < 65520.0f), rounded, std::isnan(x) ? x : std::copysign(INFINITY, x));
+}
+
+// The fp16 pattern of x, a value fp16 represents (fp16_nearest's results: also inf, and NaN as a quiet NaN).
+inline uint16_t fp16_bits(float x) {
+  const uint32_t bits = bits_of(x);
+  const float magnitude = std::fabs(x);
+  const uint32_t small = mask_of(magnitude < 0x1p-14f);
+  const uint32_t subnormal = static_cast<uint32_t>(static_cast<int32_t>(select(small, magnitude, 0.0f) * 0x1p24f));  // of 2^-24
+  const uint32_t normal = ((((bits >> 23) & 0xFFu) - 112) << 10) | ((bits >> 13) & 0x3FFu);
+  const uint32_t large = pick(mask_of(magnitude < INFINITY), normal, pick(mask_of(std::isnan(x)), 0x7E00u, 0x7C00u));
+  return static_cast<uint16_t>(((bits >> 16) & 0x8000u) | pick(small, subnormal, large));
+}
+
+// An fp32 value stored in a tensor of dtype T: torch's copy_ (round to nearest even).
+template <typename T>
+inline T from_float(float x);
+template <>
+inline float from_float<float>(float x) {
+  return x;
+}
+template <>
+inline BFloat16 from_float<BFloat16>(float x) {
+  return BFloat16{bf16_nearest(x)};
+}
+template <>
+inline Float16 from_float<Float16>(float x) {
+  return Float16{fp16_bits(fp16_nearest(x))};
+}
+
+// The counter-based random source of stochastic rounding: 32 random bits for element ``index`` of the parameter whose
+// step has seed ``seed`` (drawn in Python from optimizer.rounding_generator): splitmix64's output number index + 1 from
+// state ``seed``, so a draw depends on (seed, index) only, not on which thread steps the element.
+inline uint32_t random_bits(uint64_t seed, int64_t index) {
+  uint64_t z = seed + (static_cast<uint64_t>(index) + 1) * 0x9E3779B97F4A7C15ull;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return static_cast<uint32_t>((z ^ (z >> 31)) >> 32);
+}
+
+// Stochastic rounding to bf16 as formats.rounding.bf16_stochastic: the upper 16 random bits added to the fp32 pattern,
+// the low 16 cleared (rounds up with probability equal to the dropped fraction of an ulp: unbiased); inf/NaN pass.
+inline float bf16_stochastic(float x, uint32_t random) {
+  const float rounded = float_of((bits_of(x) + (random >> 16)) & 0xFFFF0000u);
+  return select(mask_of(std::fabs(x) < INFINITY), rounded, x);
+}
+
+// Stochastic rounding to fp16 as formats.cast.fp16_stochastic (subnormals included): x's binade scaled to [0, 2048)
+// as in fp16_nearest, rounded up where a uniform draw (the upper 24 random bits, as the reference's fp32 uniform) is
+// below its fraction: unbiased to within 2^-24 of an ulp. |x| > 65504 and inf/NaN: fp16_nearest, as there.
+inline float fp16_stochastic(float x, uint32_t random) {
+  const float magnitude = std::fabs(x);
+  const int32_t exponent = std::max(static_cast<int32_t>((bits_of(x) >> 23) & 0xFFu) - 127, -14);
+  const float scaled = magnitude * pow2(10 - exponent), nearest = (scaled + 0x1p23f) - 0x1p23f;  // as fp16_nearest
+  const float low = nearest - select(mask_of(nearest > scaled), 1.0f, 0.0f);                     // floor (finite scaled < 2048)
+  const float uniform = static_cast<float>(static_cast<int32_t>(random >> 8)) * 0x1p-24f;
+  const float stepped = std::copysign((low + select(mask_of(uniform < scaled - low), 1.0f, 0.0f)) * pow2(exponent - 10), x);
+  return select(mask_of(magnitude <= 65504.0f), stepped, fp16_nearest(x));
+}
+
+// The grid a parameter's new values are rounded to (formats.weights.WeightGrid of a cast format): fp32, bf16 or fp16
+// values, round to nearest even (CastFormat.quantize_reference) or stochastic (drawing with ``seed``); ``eco``: the
+// rounding error is fed into m (adam_reference.eco_feedback).
+struct Grid {
+  Dtype dtype;
+  bool stochastic, eco;
+  uint64_t seed;
+
+  bool active() const { return dtype != Dtype::kNone; }
+};
+
+// The roundings of a grid, as types (Rounding::round(x, seed, index): x on the grid, as fp32; ``index``: the element's
+// position in its parameter, its random draw), so that a loop is compiled once per rounding.
+struct KeepFp32 {
+  static float round(float x, uint64_t, int64_t) { return x; }
+};
+struct Bf16Nearest {
+  static float round(float x, uint64_t, int64_t) { return to_float(BFloat16{bf16_nearest(x)}); }
+};
+struct Bf16Stochastic {
+  static float round(float x, uint64_t seed, int64_t index) { return bf16_stochastic(x, random_bits(seed, index)); }
+};
+struct Fp16Nearest {
+  static float round(float x, uint64_t, int64_t) { return fp16_nearest(x); }
+};
+struct Fp16Stochastic {
+  static float round(float x, uint64_t seed, int64_t index) { return fp16_stochastic(x, random_bits(seed, index)); }
+};
+
+// visit(Rounding{}) with the rounding of an active grid.
+template <typename Visit>
+inline void with_rounding(const Grid& grid, Visit&& visit) {
+  switch (grid.dtype) {
+    case Dtype::kBFloat16:
+      return grid.stochastic ? visit(Bf16Stochastic{}) : visit(Bf16Nearest{});
+    case Dtype::kFloat16:
+      return grid.stochastic ? visit(Fp16Stochastic{}) : visit(Fp16Nearest{});
+    default:  // fp32: every value is on the grid
+      return visit(KeepFp32{});
+  }
+}
+
+// visit(T{}) with the element type of fp32, bf16 or fp16 values.
+template <typename Visit>
+inline void with_element(Dtype dtype, Visit&& visit) {
+  switch (dtype) {
+    case Dtype::kBFloat16:
+      return visit(BFloat16{});
+    case Dtype::kFloat16:
+      return visit(Float16{});
+    default:
+      return visit(float{});
+  }
+}
 
 // How far ahead (in values) the vector loops prefetch param, gradient and codes: a cold step waits on memory otherwise.
 constexpr int64_t PREFETCH_AHEAD = 512;

@@ -1,0 +1,76 @@
+"""Training without fp32 master weights (ECO, arXiv 2601.22101): the weight update and its error feedback.
+
+With ``weights=`` set (or ``error_feedback=`` on low-precision parameters), each step computes the new parameter
+values ``θ̃`` in fp32 from the stored ones, writes ``θ̂ = q(θ̃)`` (the weight grid, ``formats.weights``, with
+``weight_rounding``) and handles the rounding error ``e = θ̃ − θ̂`` as ``error_feedback`` says:
+
+- ``None``: dropped (naive master-weight removal; its error floor grows like ``1/η`` as the LR decays).
+- ``"eco"``: fed into the momentum at once, and forgotten. SGD with momentum (torch's ``buf = μ·buf + (1−τ)·g``,
+  ``θ −= η·buf``): ``buf += (1/η)(1 − 1/μ)·e``; with Nesterov ``θ −= η(g + μ·buf)``, ``buf += (1/(ημ))(1 − 1/μ)·e``
+  (the same derivation: the injected term, decaying by ``μ`` a step, moves ``θ`` by ``+e`` in all). Adam(W):
+  ``m += ((1−β1^t)/η)(1 − 1/β1)·(sqrt(v/(1−β2^t)) + eps)·e``, the SGD rule with Adam's element-wise step size
+  (``v``: ``max_exp_avg_sq`` with amsgrad; ``kernels.adam_reference.eco_coefficient``); ``v`` untouched; ``η`` and
+  ``t`` the current step's. Decoupled weight
+  decay multiplies the coefficient by ``(1 − ηλ)``: the published extension (the paper has no weight decay),
+  since the master weight would have decayed the lost error too.
+- ``"eco_exact"``: kept in one fp32 buffer (state ``"weight_error"``) and added back to the stored weights before
+  the next update, so the update runs on the master weight ``θ̂ + e`` itself: the iterates of master-weight
+  training, exactly but for float rounding, for any optimizer and LR schedule. For SGD-momentum at a fixed LR this
+  is the paper's exact variant (inject ``(1/η)·e_t − (1/(ημ))·e_{t+1}`` into the momentum): both keep
+  ``θ̃_t = x_t``, the master iterate (``docs/algorithms.md``).
+
+Nothing of fp32 size is kept between steps except ``eco_exact``'s buffer; the fp32 copy of one parameter lives
+for its update. ``"eco"`` needs an update linear in a momentum state: QMuon (orthogonalized momentum) and the
+generic wrapper refuse it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..formats.weights import WeightGrid, get_weight_grid
+
+# The optimizer state that ``eco_exact`` keeps the rounding error in (fp32, the parameter's shape).
+ERROR_STATE = "weight_error"
+
+
+def weight_grid(weights: str | None, group: dict, param: torch.Tensor) -> WeightGrid | None:
+    """The grid ``param`` is kept on after a step (format ``weights``: its group's, or its ``weight_overrides`` entry),
+    or ``None`` for torch's behaviour (no ``weights`` and no ``error_feedback``). A parameter with ``error_feedback``
+    and no ``weights`` uses its own dtype as the grid."""
+    if weights is None and group["error_feedback"] is None:
+        return None
+    return get_weight_grid(weights or _dtype_format(param.dtype), group["weight_block"])
+
+
+def _dtype_format(dtype: torch.dtype) -> str:
+    names = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+    if dtype not in names:
+        raise TypeError(f"error_feedback needs parameters of dtype {list(names)} (or weights=), got {dtype}")
+    return names[dtype]
+
+
+def sgd_feedback_coefficient(group: dict) -> float:
+    """ECO's coefficient of ``e`` in SGD's momentum buffer (module docstring): ``(1/η)(1 − 1/μ)``, ``/μ`` with Nesterov;
+    0 at ``η = 0``."""
+    lr, momentum = float(group["lr"]), group["momentum"]
+    if lr == 0:  # no step to correct (FSDP2's resume takes such a step before loading)
+        return 0.0
+    coefficient = (1 - 1 / momentum) / lr
+    return coefficient / momentum if group["nesterov"] else coefficient
+
+
+def block_linear_weight_names(module: torch.nn.Module) -> list[str]:
+    """Names (as ``module.named_parameters()``) of the weights that ECO's paper keeps in low precision: the 2-D weight of
+    every linear layer (``nn.Linear``, or transformers' ``Conv1D``) inside a repeated block, i.e. under a numbered
+    child (``transformer.h.3.attn.c_attn.weight``, not ``lm_head.weight``, nor ``0.weight`` of a bare
+    ``nn.Sequential``). Embeddings, norms, biases and the head keep their dtype."""
+    names = []
+    for name, child in module.named_modules():
+        parts = name.split(".")
+        inside_block = any(part.isdigit() for part in parts[:-1])
+        linear = isinstance(child, torch.nn.Linear) or type(child).__name__ == "Conv1D"
+        weight = getattr(child, "weight", None)
+        if inside_block and linear and isinstance(weight, torch.Tensor) and weight.ndim == 2:
+            names.append(f"{name}.weight")
+    return names

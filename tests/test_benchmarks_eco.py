@@ -1,0 +1,107 @@
+"""Smoke test of ``benchmarks/eco.py``: a ``--quick`` run (tiny GPT, a few steps, two seeds, a few configurations and one
+peer), the report's structure and numbers; and the verdicts' statistics on made-up runs."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import sys
+import warnings
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("optimi")
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "eco.py"
+QUICK_CONFIGS = ["master_fp32", "master_int8", "bf16_naive_sr_int8", "bf16_eco_sr_int8", "fp8_eco_sr_fp32", "optimi_kahan"]
+
+
+@pytest.fixture(scope="module")
+def bench() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("benchmarks_eco", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    return module
+
+
+def table(lines: list[str]) -> dict[str, dict[str, str]]:
+    """``{first cell: {column: cell}}`` of a markdown table's lines (header, rule, rows)."""
+    header, _, *rows = lines
+    columns = [cell.strip() for cell in header.strip("|").split("|")]
+    return {
+        cells[0]: dict(zip(columns, cells, strict=False))
+        for cells in ([cell.strip() for cell in line.strip("|").split("|")] for line in rows)
+    }
+
+
+def numbers(cell: str) -> list[float]:
+    """The numbers of a cell such as ``4.9564 ± 0.0372``, ``2.000 + 2.029 = 4.029`` or ``0.52×``."""
+    return [float(part) for part in cell.replace("×", "").replace("±", " ").replace("+ ", " ").replace("=", " ").split()]
+
+
+def test_quick_run(bench: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sys, "argv", ["eco.py"])
+    out = tmp_path / "results" / "eco.md"
+    argv = ["--quick", "--seeds", "0", "1", "--configs", ",".join(QUICK_CONFIGS), "--out", str(out)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        text = bench.main(argv)
+    assert out.read_text() == text
+    assert f"`python benchmarks/eco.py --quick --seeds 0 1 --configs {','.join(QUICK_CONFIGS)} --out" in text
+    assert "LR at the end / peak: 0.1)" in text, "every run ends its cosine at 0.1x the peak"
+    assert "optimi 0.3" in text and "- machine:" in text and "- date:" in text
+    section = text.split("### gpt:")[1].split("## Targets")[0]
+    assert "; seeds 0, 1" in section.splitlines()[0]
+    tables = [[line for line in block.splitlines() if line.startswith("|")] for block in section.split("\n\n")]
+    means, per_seed = (table(lines) for lines in tables if lines)
+    assert list(means) == list(per_seed) == QUICK_CONFIGS
+    for config, row in means.items():
+        loss = numbers(row["val loss"])
+        assert len(loss) == 2 and all(math.isfinite(value) for value in loss) and 3 < loss[0] < 6, (config, row)
+        weights, states, total = numbers(row["bytes/param: weights + states"])
+        assert total == pytest.approx(weights + states, abs=2e-3) and float(row["packed"]) <= total + 1e-9
+        assert numbers(row["step time vs master_fp32"])[0] > 0 and float(row["median step ms"]) >= 0
+        if config.startswith("master"):
+            assert row["Δ vs master (same states)"] == "–"
+        else:
+            assert all(math.isfinite(value) for value in numbers(row["Δ vs master (same states)"])), row
+        seed_losses = [float(per_seed[config][f"seed {seed}"].split(",")[0]) for seed in (0, 1)]
+        assert loss[0] == pytest.approx(sum(seed_losses) / 2, abs=2e-4)
+        assert loss[1] == pytest.approx(abs(seed_losses[0] - seed_losses[1]) / 2**0.5, abs=2e-4)
+    bytes_of = {config: numbers(row["bytes/param: weights + states"]) for config, row in means.items()}
+    assert bytes_of["master_fp32"][:2] == pytest.approx([4.0, 8.0], abs=0.01)  # fp32 weights, two fp32 states (and the step)
+    assert bytes_of["master_int8"][0] == 4.0 and 2.0 < bytes_of["master_int8"][1] < 2.1  # every state int8 (min_quant_size 0)
+    assert bytes_of["bf16_eco_sr_int8"][0] == 2.0 and bytes_of["bf16_eco_sr_int8"][1] == bytes_of["master_int8"][1]
+    assert bytes_of["fp8_eco_sr_fp32"][0] == 2.0 and float(means["fp8_eco_sr_fp32"]["packed"]) < bytes_of["fp8_eco_sr_fp32"][2]
+    assert bytes_of["optimi_kahan"][:2] == pytest.approx([2.0, 6.0], abs=0.01)  # bf16 m, v and Kahan buffer
+    assert "Δ" in per_seed["bf16_eco_sr_int8"]["seed 1"] and "Δ" not in per_seed["master_int8"]["seed 1"]
+    targets = text.split("## Targets")[1]
+    verdicts = [line for line in targets.splitlines() if line.startswith("- ")]
+    assert len(verdicts) == 6  # ECO+SR quality x2, orderings x2, bytes, ECO's step time
+    assert all(any(f"**{word}**" in line for word in ("PASS", "FAIL", "NOT RESOLVED")) for line in verdicts)
+    assert "ordering master_int8 ≤ bf16_eco_sr_int8 < bf16_naive_sr_int8 (the configurations run)" in targets
+    assert "bf16 weights + int8 states + ECO (eco_sr) at <= 4.1 bytes/param: **PASS**" in targets
+
+
+def test_verdicts_on_made_up_differences(bench: ModuleType) -> None:
+    interval = bench.Paired([0.010, 0.012, 0.008, 0.011, 0.009]).interval()
+    assert interval == pytest.approx((0.010 - 2.776 * 0.000707, 0.010 + 2.776 * 0.000707), abs=1e-5)  # t(4) = 2.776
+    assert bench.at_most(bench.Paired([0.001, 0.002, 0.0, 0.001]), 0.01)[0] == "PASS"
+    assert bench.at_most(bench.Paired([0.03, 0.02, 0.025]), 0.01)[0] == "FAIL"
+    assert bench.at_most(bench.Paired([0.0, 0.02, 0.01]), 0.01)[0] == "NOT RESOLVED"
+    assert bench.at_most(bench.Paired([0.001]), 0.01)[0] == "NOT RESOLVED"  # one seed: no interval
+    # a diverged run (an infinite difference): judged on the per-seed range
+    assert bench.Paired([0.1, math.inf]).interval() == (0.1, math.inf) and "diverged" in bench.Paired([0.1, math.inf]).text()
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--configs", "fp8_eco"])
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--seeds", "0", "0"])
+    args = bench.parse_args([])
+    assert args.seeds == [0, 1, 2, 3, 4] and args.config_names == list(bench.CONFIGS) and len(args.config_names) == 20
+    assert bench.parse_args(["--configs", "peers,master"]).config_names == ["master_fp32", "master_int8", "torchao_bf16_sr", "optimi_kahan"]
+    assert bench.CONFIGS["fp8_eco_rn_int8"].precision_for("fp32") == "32-true"
+    assert bench.CONFIGS["optimi_kahan"].precision_for("fp32") == "bf16-true"

@@ -1,0 +1,303 @@
+"""Training without master weights (``weights=``, ``error_feedback=``; ``optim/weights.py``, ECO arXiv 2601.22101).
+
+The closed forms of ``docs/algorithms.md`` (f(x) = (L/2) x², the quantizer as additive noise), ``eco_exact`` against
+master-weight SGD-momentum bit for bit, the paper's exact injection, ECO's Adam rule on one step, a regression where
+ECO closes naive removal's gap, the options' validation and the checkpoint round trip.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import lightning_qstate as lq
+from lightning_qstate.formats import get_format
+from lightning_qstate.formats.weights import WeightGrid, get_weight_grid
+from lightning_qstate.kernels import dispatch
+from lightning_qstate.optim import ERROR_STATE, QuantizationPolicy, block_linear_weight_names
+
+L, BETA, LR, SIGMA = 1.0, 0.9, 0.05, 0.01
+
+
+class NoiseGrid(WeightGrid):
+    """The closed forms' quantizer: ``x + σ·N(0, 1)`` (zero-mean, variance σ²), drawn from the optimizer's stream."""
+
+    def round(self, values, rounding, generator=None):
+        return values + SIGMA * torch.randn(values.shape, generator=generator)
+
+
+def stationary_square(feedback: str | None, master: bool = False, numel: int = 50_000, steps: int = 1500) -> float:
+    """E[x̂²] of SGD-momentum in EMA form (``dampening = momentum``) on f = (L/2) x², averaged over the last half."""
+    torch.manual_seed(0)
+    param = torch.nn.Parameter(torch.zeros(numel))
+    options = {"lr": LR, "momentum": BETA, "dampening": BETA}
+    if master:
+        optimizer = torch.optim.SGD([param], **options)
+    else:
+        optimizer = lq.QSGD(
+            [param], **options, states="fp32", error_feedback=feedback, weights="fp32", generator=torch.Generator().manual_seed(1)
+        )
+        optimizer.weight_grid = lambda group, key, p=None: NoiseGrid(get_format("fp32"))
+    total, count = 0.0, 0
+    for step in range(steps):
+        stored = param.detach() + SIGMA * torch.randn(numel) if master else param.detach()
+        param.grad = L * stored
+        optimizer.step()
+        if step >= steps // 2:
+            total, count = total + float(stored.square().mean()), count + 1
+    return total / count
+
+
+def test_closed_forms_of_the_quadratic():
+    """Master weights, naive removal and ECO against their stationary E[x̂²] (1.0250e-4, 1.4756e-3, 5.2701e-4)."""
+    u = L * LR * SIGMA**2 * (1 + BETA) / (2 * (1 + BETA) - L * LR * (1 - BETA))
+    expected = {
+        "master": u + SIGMA**2,
+        "naive": SIGMA**2 * ((1 - BETA**2) + 2 * BETA * L * LR) / (L * LR * (2 * (1 - BETA**2) - L * LR * (1 - BETA) ** 2)),
+        "eco": 2 * SIGMA**2 / (2 * (1 - BETA**2) - L * LR * (1 - BETA) ** 2),
+    }
+    assert [float(f"{expected[k]:.4e}") for k in ("master", "naive", "eco")] == [1.0250e-4, 1.4756e-3, 5.2701e-4]
+    measured = {"master": stationary_square(None, master=True), "naive": stationary_square(None), "eco": stationary_square("eco")}
+    for name, value in measured.items():
+        assert value == pytest.approx(expected[name], rel=0.03), (name, value, expected[name])
+
+
+def regression(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    inputs = torch.randn(256, 64, generator=generator)
+    return inputs, inputs @ torch.randn(64, 8, generator=generator)
+
+
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_eco_exact_is_master_weight_sgd_momentum(rounding):
+    """``eco_exact`` on bf16 weights gives, at every step, the bf16 rounding of master-weight SGD-momentum's fp32 iterate
+    whose gradients are taken at that rounding (the same random draws for SR): bit for bit."""
+    inputs, targets = regression(0)
+    start = (torch.randn(64, 8, generator=torch.Generator().manual_seed(1)) * 0.1).bfloat16()
+    master = torch.nn.Parameter(start.float())
+    stored = torch.nn.Parameter(start.clone())
+    reference = torch.optim.SGD([master], lr=0.02, momentum=0.9)
+    options = {"states": "fp32", "weights": "bf16", "weight_rounding": rounding, "error_feedback": "eco_exact"}
+    optimizer = lq.QSGD([stored], lr=0.02, momentum=0.9, **options)
+    bf16 = get_format("bf16")
+    forward = master.detach().bfloat16()  # the initial weights are on the bf16 grid in both runs
+    for _ in range(30):
+        assert torch.equal(stored.detach(), forward)
+        generator = optimizer.rounding_generator(stored, "weights", torch.device("cpu")) if rounding == "stochastic" else None
+        grad = (inputs.T @ (inputs @ stored.detach().float() - targets) / len(inputs)).bfloat16()  # at the common weights
+        master.grad, stored.grad = grad.float(), grad
+        reference.step()
+        optimizer.step()
+        forward = bf16.quantize_reference(master.detach().reshape(-1), rounding, generator)[0].view(master.shape)
+    assert torch.equal(stored.detach(), forward)
+    assert optimizer.state[stored][ERROR_STATE].dtype == torch.float32
+
+
+def test_eco_exact_matches_the_papers_injection_at_a_fixed_lr():
+    """The paper's exact variant (inject ``(1/η) e_t − (1/(ηβ)) e_{t+1}`` into the momentum) gives the same weights as
+    ``eco_exact`` (error added back to the weight), but for float rounding."""
+    inputs, targets = regression(2)
+    start = (torch.randn(64, 8, generator=torch.Generator().manual_seed(3)) * 0.1).bfloat16()
+    ours = torch.nn.Parameter(start.clone())
+    optimizer = lq.QSGD([ours], lr=0.02, momentum=0.9, states="fp32", weights="bf16", weight_rounding="nearest", error_feedback="eco_exact")
+    weights, momentum, previous_error = start.float(), torch.zeros(64, 8), torch.zeros(64, 8)
+    for _ in range(40):
+        ours.grad = (inputs.T @ (inputs @ ours.detach().float() - targets) / len(inputs)).bfloat16()
+        optimizer.step()
+        grad = inputs.T @ (inputs @ weights - targets) / len(inputs)
+        momentum = 0.9 * momentum + grad.bfloat16().float()
+        updated = weights - 0.02 * momentum
+        weights = updated.bfloat16().float()
+        error = updated - weights
+        momentum = momentum + previous_error / 0.02 - error / (0.02 * 0.9)
+        previous_error = error
+    differs = ours.detach().float() != weights
+    assert differs.float().mean() < 0.02
+    assert torch.allclose(ours.detach().float(), weights, rtol=2**-7, atol=0)
+
+
+@pytest.mark.parametrize("decoupled", [True, False])
+def test_eco_adam_rule_on_one_step(decoupled):
+    """ECO's Adam(W) rule: ``m = m̃ + ((1−β1^t)/η)(1 − 1/β1)(sqrt(v̂) + eps)(1 − ηλ if decoupled)·e``, ``v`` untouched."""
+    torch.manual_seed(0)
+    start = torch.randn(4096).bfloat16()
+    grad = torch.randn(4096).bfloat16()
+    eco = torch.nn.Parameter(start.clone())
+    twin = torch.nn.Parameter(start.float())
+    options = {"lr": 0.01, "betas": (0.8, 0.99), "eps": 1e-6, "weight_decay": 0.1, "decoupled_weight_decay": decoupled, "states": "fp32"}
+    optimizer = lq.QAdam([eco], **options, weights="bf16", weight_rounding="nearest", error_feedback="eco")
+    optimizer.cpu_compile = False
+    reference = torch.optim.Adam([twin], **{k: v for k, v in options.items() if k != "states"})
+    eco.grad, twin.grad = grad, grad.float()
+    optimizer.step()
+    reference.step()
+    updated = twin.detach()
+    assert torch.equal(eco.detach(), updated.bfloat16())
+    error = updated - updated.bfloat16().float()
+    m, v = reference.state[twin]["exp_avg"], reference.state[twin]["exp_avg_sq"]
+    coefficient = (1 - 0.8) / 0.01 * (1 - 1 / 0.8) * ((1 - 0.01 * 0.1) if decoupled else 1)
+    expected = m + coefficient * (v.sqrt() / math.sqrt(1 - 0.99) + 1e-6) * error
+    state = optimizer.state[eco]  # plain states under a weight grid are fp32
+    assert torch.allclose(state["exp_avg"], expected, rtol=1e-5, atol=1e-9) and not torch.equal(state["exp_avg"], m)
+    assert torch.equal(state["exp_avg_sq"], v)
+
+
+def final_loss(feedback: str | None, seed: int, master: bool = False) -> float:
+    """A least-squares fit with FP8 E4M3 row-wise weights (round to nearest), SGD-momentum, 300 steps at a small LR."""
+    inputs, targets = regression(seed)
+    param = torch.nn.Parameter(torch.randn(64, 8, generator=torch.Generator().manual_seed(seed + 100)) * 0.1)
+    options = {"lr": 0.003, "momentum": 0.9}
+    if master:
+        optimizer = torch.optim.SGD([param], **options)
+    else:
+        optimizer = lq.QSGD([param], **options, states="fp32", weights="fp8_e4m3", weight_rounding="nearest", error_feedback=feedback)
+    grid = get_weight_grid("fp8_e4m3")
+    for _ in range(300):
+        weights = grid.round(param.detach(), "nearest") if master else param.detach()
+        param.grad = inputs.T @ (inputs @ weights - targets) / len(inputs)
+        optimizer.step()
+    weights = grid.round(param.detach(), "nearest")
+    return float(((inputs @ weights - targets) ** 2).mean())
+
+
+def test_eco_closes_most_of_naive_removals_gap():
+    """Master weights < ECO << naive removal on a regression with FP8 weights (3 seeds, means)."""
+    losses = {name: sum(final_loss(fb, seed, master) for seed in range(3)) / 3 for name, fb, master in [
+        ("master", None, True), ("naive", None, False), ("eco", "eco", False)]}  # fmt: skip
+    gap = losses["naive"] - losses["master"]
+    assert gap > 0.1 * losses["master"], losses
+    assert losses["naive"] - losses["eco"] > 0.75 * gap, losses
+
+
+def test_weights_stay_on_their_grid_and_nothing_fp32_is_kept():
+    """Row-wise FP8 weights on fp32 parameters: grid values after each step; ``eco`` keeps no fp32 buffer, ``eco_exact`` one."""
+    torch.manual_seed(0)
+    for feedback, extra in (("eco", set()), ("eco_exact", {ERROR_STATE}), (None, set())):
+        param = torch.nn.Parameter(torch.randn(32, 48))
+        optimizer = lq.QAdamW([param], weights="fp8_e4m3", error_feedback=feedback, min_quant_size=0)
+        grid = optimizer.weight_grid(optimizer.param_groups[0], param)
+        for _ in range(3):
+            param.grad = torch.randn_like(param)
+            optimizer.step()
+            assert torch.equal(grid.round(param.detach(), "nearest"), param.detach())
+        assert set(optimizer.state[param]) == {"step", "exp_avg", "exp_avg_sq"} | extra
+        rows = param.detach().abs().amax(dim=1)
+        assert torch.equal(((param.detach() / rows[:, None]) * 448).abs().amax(dim=1), torch.full((32,), 448.0))
+
+
+def test_feedback_stalls_are_counted():
+    """With int8 ``m`` and round to nearest, ECO's small corrections are often lost: counted as ``eco_correction``."""
+    torch.manual_seed(0)
+    param = torch.nn.Parameter(torch.randn(8192).bfloat16())
+    optimizer = lq.QAdamW([param], lr=1e-4, weights="bf16", weight_rounding="nearest", error_feedback="eco", track_stalls=True)
+    for _ in range(5):
+        param.grad = torch.randn_like(param)
+        optimizer.step()
+    assert optimizer.step_paths() == {"param0": "reference"}
+    stats = optimizer.stall_stats()["param0"]
+    assert 0.0 < stats["eco_correction"] <= 1.0 and set(stats) == {"exp_avg", "exp_avg_sq", "eco_correction"}
+
+
+def test_compiled_path_is_the_reference_bit_for_bit(monkeypatch):
+    """The compiled CPU step with bf16 weights and ECO (round to nearest; int4 moments, which the C++ kernel does not
+    take) gives the reference path's bits."""
+    monkeypatch.setattr(dispatch, "FUSED_MIN_NUMEL", 1024)
+    results = []
+    for compile_cpu in (True, False):
+        torch.manual_seed(0)
+        param = torch.nn.Parameter(torch.randn(40, 77).bfloat16())
+        optimizer = lq.QAdamW([param], weights="bf16", weight_rounding="nearest", error_feedback="eco", min_quant_size=0, states="int4")
+        optimizer.cpu_compile = compile_cpu
+        for _ in range(3):
+            param.grad = torch.randn_like(param)
+            optimizer.step()
+        expected_path = "compiled" if compile_cpu else "reference"
+        assert optimizer.step_paths() == {"param0": expected_path}
+        results.append([param.detach().clone(), *(optimizer.state[param][n].codes.clone() for n in ("exp_avg", "exp_avg_sq"))])
+    for a, b in zip(*results, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("feedback", ["eco", "eco_exact"])
+def test_resume_is_exact(feedback):
+    """Four steps straight equal two, a state-dict round trip into a new optimizer, and two more (SR weights)."""
+
+    def run(split: bool) -> tuple[torch.Tensor, dict]:
+        torch.manual_seed(0)
+        param = torch.nn.Parameter(torch.randn(64, 96).bfloat16())
+        grads = [torch.randn(64, 96).bfloat16() for _ in range(4)]
+        options = {"weights": "bf16", "error_feedback": feedback, "min_quant_size": 0, "generator": torch.Generator().manual_seed(5)}
+        optimizer = lq.QAdamW([param], **options)
+        for step, grad in enumerate(grads):
+            if split and step == 2:
+                saved = optimizer.state_dict()
+                optimizer = lq.QAdamW([param], **{**options, "generator": torch.Generator().manual_seed(9)})
+                optimizer.load_state_dict(saved)
+            param.grad = grad
+            optimizer.step()
+        return param.detach().clone(), optimizer.state_dict()["state"][0]
+
+    (straight, state), (resumed, resumed_state) = run(False), run(True)
+    assert torch.equal(straight, resumed)
+    if feedback == "eco_exact":
+        assert torch.equal(state[ERROR_STATE], resumed_state[ERROR_STATE])
+
+
+def test_muon_takes_eco_exact():
+    torch.manual_seed(0)
+    param = torch.nn.Parameter(torch.randn(64, 64).bfloat16())
+    optimizer = lq.QMuon([param], weights="bf16", error_feedback="eco_exact", min_quant_size=0)
+    param.grad = torch.randn_like(param)
+    optimizer.step()
+    assert optimizer.state[param][ERROR_STATE].shape == param.shape
+
+
+def test_wrong_weight_options_raise():
+    param = torch.nn.Parameter(torch.randn(8, 8))
+    cases = [
+        (lambda: lq.QAdamW([param], weights="fp7"), ValueError, r"QAdamW: weights='fp7': unknown format"),
+        (lambda: lq.QAdamW([param], weights="int8", weight_block=100), ValueError, r"weight_block: block_size=100 must be a power of two"),
+        (lambda: lq.QAdamW([param], weights="int8", weight_block="rows"), ValueError, r"weight_block='rows' is not valid"),
+        (lambda: lq.QAdamW([param], weight_rounding="up"), ValueError, r"weight_rounding='up' is not valid"),
+        (lambda: lq.QAdamW([param], error_feedback="kahan"), ValueError, r"error_feedback='kahan' is not valid"),
+        (lambda: lq.QAdam([param], betas=(0.0, 0.9), error_feedback="eco"), ValueError, r"betas\[0\]=0"),
+        (lambda: lq.QSGD([param], error_feedback="eco"), ValueError, r"set momentum > 0"),
+        (lambda: lq.QMuon([param], error_feedback="eco"), ValueError, r"QMuon: error_feedback='eco' is not supported here"),
+        (lambda: lq.quantize_optimizer(torch.optim.RMSprop([param]), weights="bf16"), ValueError, r"weights= and error_feedback= need"),
+        (lambda: QuantizationPolicy(weight_overrides={"*": "fp9"}), ValueError, r"weight_overrides\['\*'\]: weights='fp9'"),
+    ]
+    for build, error, message in cases:
+        with pytest.raises(error, match=message):
+            build()
+
+
+def test_apply_keeps_the_papers_selection():
+    """``policy.apply(optimizer, module)`` with ``weights``: linear layers inside repeated blocks get it; the embedding,
+    norms, biases and head keep their dtype; a ``weight_overrides`` pattern wins; one that matches nothing raises."""
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm, self.fc = torch.nn.LayerNorm(16), torch.nn.Linear(16, 16)
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed, self.blocks, self.head = (
+                torch.nn.Embedding(10, 16),
+                torch.nn.ModuleList([Block(), Block()]),
+                torch.nn.Linear(16, 10),
+            )
+
+    net = Net()
+    assert block_linear_weight_names(net) == ["blocks.0.fc.weight", "blocks.1.fc.weight"]
+    policy = QuantizationPolicy(weights="fp8_e4m3", error_feedback="eco", weight_overrides={"head.weight": "bf16"})
+    optimizer = policy.apply(torch.optim.AdamW(net.parameters()), net)
+    group = optimizer.param_groups[0]
+    grids = {name: optimizer.weight_grid(group, p) for name, p in net.named_parameters()}
+    assert {name for name, grid in grids.items() if grid is not None} == {"blocks.0.fc.weight", "blocks.1.fc.weight", "head.weight"}
+    assert grids["head.weight"].name == "bf16" and grids["blocks.1.fc.weight"].name == "fp8_e4m3"
+    with pytest.raises(ValueError, match=r"weight_overrides pattern '\*lm_head\*' matches no parameter"):
+        QuantizationPolicy(weights="bf16", weight_overrides={"*lm_head*": None}).apply(torch.optim.AdamW(Net().parameters()), Net())
