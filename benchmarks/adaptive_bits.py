@@ -48,6 +48,7 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # the examples package lives in the checkout
@@ -170,6 +171,25 @@ class Row:
         return 1 - self.state_bytes / self.fp32_bytes if self.fp32_bytes else 0.0
 
 
+def benchmark_trainer(steps: int, **options: Any) -> pl.Trainer:
+    """The benchmarks' CPU Trainer: ``steps`` steps, gradient clipping 1.0, one validation at the end, nothing logged,
+    saved or printed; ``options`` (plugins, callbacks, precision) go to ``pl.Trainer``."""
+    return pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=steps,
+        val_check_interval=steps,  # one validation, at the end
+        check_val_every_n_epoch=None,
+        num_sanity_val_steps=0,
+        gradient_clip_val=1.0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **options,
+    )
+
+
 def run_config(setup: ModelSetup, config: str, seed: int, args: argparse.Namespace) -> Row:
     """Train ``setup`` with ``config`` from ``seed`` and measure it."""
     pl.seed_everything(seed, verbose=False)
@@ -183,21 +203,7 @@ def run_config(setup: ModelSetup, config: str, seed: int, args: argparse.Namespa
     if config == "adaptive":
         adaptive = AdaptiveBitWidth(target_bits=args.target_bits, interval=setup.interval, hysteresis=args.hysteresis)
         callbacks.append(adaptive)
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_steps=setup.steps,
-        val_check_interval=setup.steps,  # one validation, at the end
-        check_val_every_n_epoch=None,
-        num_sanity_val_steps=0,
-        gradient_clip_val=1.0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        plugins=plugins,
-        callbacks=callbacks,
-    )
+    trainer = benchmark_trainer(setup.steps, plugins=plugins, callbacks=callbacks)
     trainer.fit(setup.make_module(seed), setup.make_data(seed))
     summary = summary_callback.summary
     return Row(

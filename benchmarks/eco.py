@@ -96,7 +96,7 @@ def _sibling(stem: str) -> ModuleType:
 
 
 _adaptive, _optim = _sibling("adaptive_bits"), _sibling("optim")
-Summary, summaries, fmt_ms = _adaptive.Summary, _adaptive.summaries, _adaptive.fmt_ms
+Summary, summaries, fmt_ms, benchmark_trainer = _adaptive.Summary, _adaptive.summaries, _adaptive.fmt_ms, _adaptive.benchmark_trainer
 source_digest, _version = _optim.source_digest, _optim._version
 
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "eco.md"
@@ -327,20 +327,8 @@ def run_config(setup: Setup, config: Config, seed: int, args: argparse.Namespace
     module = PeerGPT(**setup.model, seed=seed, peer=config.peer) if config.peer else GPTModule(**setup.model, seed=seed)
     plugin = plugin_for(config, module, args, setup)
     timer = OptimizerStepTimer()
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_steps=setup.steps,
-        val_check_interval=setup.steps,  # one validation, at the end
-        check_val_every_n_epoch=None,
-        num_sanity_val_steps=0,
-        gradient_clip_val=1.0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        **({"precision": plugin} if isinstance(plugin, str) else {"plugins": [plugin]}),
-        callbacks=[timer],
+    trainer = benchmark_trainer(
+        setup.steps, callbacks=[timer], **({"precision": plugin} if isinstance(plugin, str) else {"plugins": [plugin]})
     )
     start = time.perf_counter()
     trainer.fit(module, ByteTextDataModule(**setup.data, seed=seed))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 import warnings
 from pathlib import Path
@@ -10,30 +9,16 @@ from types import ModuleType
 
 import pytest
 
+from benchmark_scripts import load_benchmark, markdown_table
+
 pytest.importorskip("transformers")
 pytest.importorskip("timm")
 pytest.importorskip("sklearn")
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "adaptive_bits.py"
-
 
 @pytest.fixture(scope="module")
 def bench() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("benchmarks_adaptive_bits", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    return module
-
-
-def table(lines: list[str]) -> dict[str, dict[str, str]]:
-    """``{first cell: {column: cell}}`` of a markdown table's lines (header, rule, rows)."""
-    header, _, *rows = lines
-    columns = [cell.strip() for cell in header.strip("|").split("|")]
-    return {
-        cells[0]: dict(zip(columns, cells, strict=False))
-        for cells in ([cell.strip() for cell in line.strip("|").split("|")] for line in rows)
-    }
+    return load_benchmark("adaptive_bits")
 
 
 def test_quick_run(bench: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -51,7 +36,7 @@ def test_quick_run(bench: ModuleType, tmp_path: Path, monkeypatch: pytest.Monkey
         section = text.split(f"### {model}:")[1].split("###")[0]
         assert "; seeds 0, 1" in section.splitlines()[0]
         tables = [[line for line in block.splitlines() if line.startswith("|")] for block in section.split("\n\n")]
-        means, per_seed = (table(lines) for lines in tables if lines)
+        means, per_seed = (markdown_table(lines) for lines in tables if lines)
         assert set(means) == set(per_seed) == set(bench.CONFIGS)
         bits = {config: float(row["avg bits/value"]) for config, row in means.items()}
         assert bits["fp32"] == 32.0 and 8.0 < bits["int8"] < 8.5 and 4.0 < bits["int4"] < 4.5

@@ -3,7 +3,6 @@ peer), the report's structure and numbers; and the verdicts' statistics on made-
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import sys
 import warnings
@@ -12,30 +11,17 @@ from types import ModuleType
 
 import pytest
 
+from benchmark_scripts import load_benchmark, markdown_table
+
 pytest.importorskip("transformers")
 pytest.importorskip("optimi")
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "eco.py"
 QUICK_CONFIGS = ["master_fp32", "master_int8", "bf16_naive_sr_int8", "bf16_eco_sr_int8", "fp8_eco_sr_fp32", "optimi_kahan"]
 
 
 @pytest.fixture(scope="module")
 def bench() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("benchmarks_eco", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    return module
-
-
-def table(lines: list[str]) -> dict[str, dict[str, str]]:
-    """``{first cell: {column: cell}}`` of a markdown table's lines (header, rule, rows)."""
-    header, _, *rows = lines
-    columns = [cell.strip() for cell in header.strip("|").split("|")]
-    return {
-        cells[0]: dict(zip(columns, cells, strict=False))
-        for cells in ([cell.strip() for cell in line.strip("|").split("|")] for line in rows)
-    }
+    return load_benchmark("eco")
 
 
 def numbers(cell: str) -> list[float]:
@@ -57,7 +43,7 @@ def test_quick_run(bench: ModuleType, tmp_path: Path, monkeypatch: pytest.Monkey
     section = text.split("### gpt:")[1].split("## Targets")[0]
     assert "; seeds 0, 1" in section.splitlines()[0]
     tables = [[line for line in block.splitlines() if line.startswith("|")] for block in section.split("\n\n")]
-    means, per_seed = (table(lines) for lines in tables if lines)
+    means, per_seed = (markdown_table(lines) for lines in tables if lines)
     assert list(means) == list(per_seed) == QUICK_CONFIGS
     for config, row in means.items():
         loss = numbers(row["val loss"])

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import sys
 from pathlib import Path
@@ -10,7 +9,8 @@ from types import ModuleType
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "formats.py"
+from benchmark_scripts import load_benchmark
+
 PEER_MODULES = (
     "torchao",
     "torchao.optim",
@@ -25,11 +25,7 @@ PEER_MODULES = (
 
 @pytest.fixture(scope="module")
 def bench() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("benchmarks_formats", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("formats")
 
 
 def expected_labels(bench: ModuleType) -> list[str]:

@@ -13,17 +13,14 @@ from types import ModuleType
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "optim.py"
+from benchmark_scripts import load_benchmark
+
 PEERS = {"torchao-adamw8bit": "torchao", "bnb-adamw8bit": "bitsandbytes"}
 
 
 @pytest.fixture(scope="module")
 def bench() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("benchmarks_optim", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("optim")
 
 
 def installed(module: str) -> bool:
