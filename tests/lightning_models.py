@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.loggers import Logger
 from torch.utils.data import DataLoader, TensorDataset
 
 
@@ -19,6 +20,29 @@ def quiet_trainer(tmp_path, max_steps: int, **kwargs) -> pl.Trainer:
         enable_model_summary=False,
     )
     return pl.Trainer(default_root_dir=tmp_path, **{**defaults, **kwargs})
+
+
+class MemoryLogger(Logger):
+    """Keeps every ``log_metrics`` call."""
+
+    name = "memory"
+    version = 0
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[tuple[int, dict[str, float]]] = []
+
+    def log_metrics(self, metrics, step=None) -> None:
+        self.records.append((step, dict(metrics)))
+
+    def log_hyperparams(self, *args, **kwargs) -> None:
+        pass
+
+    def values(self, key: str) -> list[float]:
+        return [metrics[key] for _, metrics in self.records if key in metrics]
+
+    def keys(self) -> set[str]:
+        return {key for _, metrics in self.records for key in metrics}
 
 
 def step_batch(step: int, rank: int = 0, width: int = 24) -> tuple[torch.Tensor, torch.Tensor]:

@@ -8,37 +8,17 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
-from lightning.pytorch.loggers import Logger, TensorBoardLogger
+from lightning.pytorch.loggers import TensorBoardLogger
 
 from lightning_qstate.callbacks import QuantizedOptimizerStates, StallMonitor, StateResetScheduler
 from lightning_qstate.formats import count_stalls
 from lightning_qstate.plugins import QStatePrecision
 from lightning_qstate.theory import reset_period, stall_probability
 
-from lightning_models import Regressor, flat_weights, regression_data
+from lightning_models import MemoryLogger, Regressor, flat_weights, regression_data
 
 warnings.filterwarnings("ignore", ".*does not have many workers.*")
 warnings.filterwarnings("ignore", ".*GPU available but not used.*")
-
-
-class MemoryLogger(Logger):
-    """Keeps every ``log_metrics`` call."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.records: list[tuple[int, dict[str, float]]] = []
-
-    name = "memory"
-    version = 0
-
-    def log_metrics(self, metrics, step=None) -> None:
-        self.records.append((step, dict(metrics)))
-
-    def log_hyperparams(self, *args, **kwargs) -> None:
-        pass
-
-    def values(self, key: str) -> list[float]:
-        return [metrics[key] for _, metrics in self.records if key in metrics]
 
 
 class TrackingSpy(Callback):

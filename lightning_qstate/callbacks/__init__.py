@@ -1,4 +1,5 @@
-"""Lightning callbacks: quantizing optimizer states, measuring and resetting stale states, adaptive bit-widths; a run summary."""
+"""Lightning callbacks: quantizing optimizer states, measuring and resetting stale states, adaptive bit-widths, precision
+advice for a planned run; a run summary."""
 
 try:
     import lightning.pytorch  # noqa: F401
@@ -6,9 +7,18 @@ except ModuleNotFoundError as error:
     raise ImportError(f"{__name__} needs Lightning: pip install 'lightning-qstate[lightning]'") from error
 
 from .adaptive_bits import AdaptiveBitWidth
+from .precision_advisor import PrecisionAdvisor
 from .quantized_states import QuantizedOptimizerStates, memory_metrics
 from .stall_monitor import StallMonitor
 from .state_reset import StateResetScheduler
 from .summary import RunSummary
 
-__all__ = ["AdaptiveBitWidth", "QuantizedOptimizerStates", "RunSummary", "StallMonitor", "StateResetScheduler", "memory_metrics"]
+__all__ = [
+    "AdaptiveBitWidth",
+    "PrecisionAdvisor",
+    "QuantizedOptimizerStates",
+    "RunSummary",
+    "StallMonitor",
+    "StateResetScheduler",
+    "memory_metrics",
+]

@@ -46,7 +46,7 @@ class QuantizedOptimizerStates(Callback):
 
     Args:
         states, rounding, block_size, min_quant_size, overrides, weights, weight_rounding, weight_block,
-            error_feedback, weight_overrides, track_stalls, nonfinite, policy:
+            error_feedback, weight_overrides, track_stalls, nonfinite, grads, policy:
             as for :class:`~lightning_qstate.plugins.QStatePrecision`.
         log_stats: log the memory statistics above.
     """
@@ -65,6 +65,7 @@ class QuantizedOptimizerStates(Callback):
         weight_overrides: Mapping[str, str | None] | None = None,
         track_stalls: bool = False,
         nonfinite: NonFiniteGradPolicy = "skip",
+        grads: str | None = None,
         policy: QuantizationPolicy | None = None,
         log_stats: bool = True,
     ) -> None:

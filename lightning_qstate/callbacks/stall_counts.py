@@ -6,6 +6,11 @@ step itself (``track_stalls``; no copies of the states are kept between steps), 
 ``(layer, state)`` are summed over ranks in one all-reduce. The result is cached per global step, so
 :class:`StallMonitor` and :class:`StateResetScheduler` read the same numbers, and tracking is switched back
 to what the user configured.
+
+Besides the states, every parameter of an optimizer that counts them (``QuantizedStates.counts_weight_stalls``: QAdam,
+QAdamW, QSGD, QMuon, not the generic wrapper) has a row for the pseudo-state ``"weights"``
+(:data:`~lightning_qstate.optim.WEIGHT_STALLS`): its entries whose update was lost to rounding. It is not a state:
+its row has no ``format``, and the callbacks that act on states (resets, bit-widths) leave it alone.
 """
 
 from __future__ import annotations
@@ -17,12 +22,13 @@ import lightning.pytorch as pl
 import torch
 
 from ..formats import QuantizedTensor, StorageFormat
-from ..optim import QuantizedStates, clean_parameter_name
+from ..optim import WEIGHT_STALLS, QuantizedStates, clean_parameter_name
 
 
 @dataclass(frozen=True)
 class StateRow:
-    """One state of one parameter: ``layer`` is the parameter's clean name, ``state`` the state's name."""
+    """One state of one parameter: ``layer`` is the parameter's clean name, ``state`` the state's name (or
+    ``WEIGHT_STALLS``, the parameter's own values: ``is_state`` is ``False``)."""
 
     layer: str
     state: str
@@ -31,8 +37,16 @@ class StateRow:
     param: torch.Tensor
 
     @property
+    def is_state(self) -> bool:
+        """Whether the row is an optimizer state (``False`` for the parameter's own values, ``WEIGHT_STALLS``)."""
+        return self.state != WEIGHT_STALLS
+
+    @property
     def format(self) -> StorageFormat | None:
-        """The state's format here, or the policy's where this rank holds none of it (an empty shard)."""
+        """The state's format here, or the policy's where this rank holds none of it (an empty shard); ``None`` for a
+        plain state and for the weights' row."""
+        if not self.is_state:
+            return None
         if self.state in self.optimizer.state.get(self.param, {}):
             return self.optimizer.state_format(self.param, self.state)
         return self.optimizer._policy_format(self.group, self.param, self.state)
@@ -63,8 +77,9 @@ _ROWS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # trainer -> (op
 
 
 def state_rows(trainer: pl.Trainer) -> list[StateRow]:
-    """Every ``(parameter, state name)`` of the quantized optimizers, in the same order on every rank (built once
-    for the trainer's current optimizers: callbacks call this at every step)."""
+    """Every ``(parameter, state name)`` of the quantized optimizers, then ``(parameter, WEIGHT_STALLS)`` where the
+    optimizer counts the weights' stalls, in the same order on every rank (built once for the trainer's current
+    optimizers: callbacks call this at every step)."""
     optimizers = quantized_optimizers(trainer)
     cached = _ROWS.get(trainer)  # compared by identity: an id() of a discarded optimizer can be reused by a new one
     if cached is None or len(cached[0]) != len(optimizers) or any(a is not b for a, b in zip(cached[0], optimizers, strict=False)):
@@ -79,6 +94,8 @@ def _build_state_rows(trainer: pl.Trainer) -> list[StateRow]:
     for optimizer in quantized_optimizers(trainer):
         fallback = optimizer.param_names()
         state_names = optimizer.state_names or _wrapped_state_names(optimizer)
+        if optimizer.counts_weight_stalls:
+            state_names = (*state_names, WEIGHT_STALLS)
         for group in optimizer.param_groups:
             for param in group["params"]:
                 rows += [StateRow(names.get(param, fallback[param]), name, optimizer, group, param) for name in state_names]

@@ -29,6 +29,11 @@ class StallMonitor(Callback):
       stalled over all moved entries; the prediction weighted alike);
     - a TensorBoard histogram ``qstate/stall/<state>/layers`` of the per-layer rates (``histograms``).
 
+    Where an optimizer's ``track_weight_stalls`` is on (``PrecisionAdvisor`` turns it on for the fit), the parameters
+    themselves are measured too, as the pseudo-state ``weights``
+    (:data:`~lightning_qstate.optim.WEIGHT_STALLS`): ``qstate/stall/weights/<layer>`` and ``qstate/stall/weights`` are
+    the fractions of entries whose update (in float64; fp32 on a weight grid) moved them but whose stored value did
+    not change, lost to rounding into the parameter's dtype or weight grid (``weights=``). They have no prediction.
     Plain (fp32) states are not measured. The optimizers must have quantized states: use this callback with
     :class:`~lightning_qstate.plugins.QStatePrecision` or after
     :class:`~lightning_qstate.callbacks.QuantizedOptimizerStates`.
@@ -85,7 +90,8 @@ class StallMonitor(Callback):
             self._log(trainer, measurement)
 
     def predicted(self, row: StateRow) -> float | None:
-        """The steady-state prediction for ``row``'s format, decay and rounding (``None`` for plain states or unknown decays)."""
+        """The steady-state prediction for ``row``'s format, decay and rounding (``None`` for plain states, unknown decays
+        and the weights' row)."""
         fmt, beta = row.format, state_decay(row.group, row.state)
         if fmt is None or beta is None:
             return None

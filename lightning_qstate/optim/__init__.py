@@ -1,6 +1,6 @@
 """Quantized optimizers, the wrapper for arbitrary optimizers, and state_dict I/O (no Lightning imports)."""
 
-from .base import QuantizedStates, dequantized, state_nbytes, state_summary
+from .base import FEEDBACK_STALLS, WEIGHT_STALLS, QuantizedStates, dequantized, state_nbytes, state_summary
 from .optimizers import QSGD, QAdam, QAdamW, QMuon
 from .policy import (
     ERROR_FEEDBACKS,
@@ -27,12 +27,14 @@ from .wrap import (
 __all__ = [
     "ERROR_FEEDBACKS",
     "ERROR_STATE",
+    "FEEDBACK_STALLS",
     "NONFINITE_GRAD_POLICIES",
     "NONNEGATIVE_STATES",
     "POLICY_DEFAULTS",
     "POLICY_FIELDS",
     "QUANTIZED_EQUIVALENTS",
     "STATE_FORMAT_VERSION",
+    "WEIGHT_STALLS",
     "ErrorFeedback",
     "NonFiniteGradPolicy",
     "QAdam",

@@ -26,6 +26,7 @@ from .policy import (
     POLICY_DEFAULTS,
     QuantizationPolicy,
     StatesSpec,
+    gradient_format,
     resolve_format,
     validate_policy,
 )
@@ -40,7 +41,7 @@ from .serialization import (
     import_state,
     is_exported,
 )
-from .weights import ERROR_STATE, weight_grid
+from .weights import ERROR_STATE, grid_units, weight_grid
 
 CheckpointMode = Literal["packed", "fp32"]
 StateValue = torch.Tensor | QuantizedTensor
@@ -58,6 +59,10 @@ QSTATE_ATTRIBUTES = (
 MASK64 = (1 << 64) - 1
 # The stall counts of ECO's momentum corrections (``error_feedback="eco"``, ``track_stalls=True``).
 FEEDBACK_STALLS = "eco_correction"
+# The stall counts of the parameters themselves (``track_stalls=True``): entries whose update was lost to rounding.
+WEIGHT_STALLS = "weights"
+# The name of the stochastic-rounding stream of the gradients (``grads=``), next to the states' names.
+GRADIENT_STREAM = "grads"
 
 
 def mix64(*values: int) -> int:
@@ -195,6 +200,11 @@ class QuantizedStates:
     # The ``error_feedback`` values this optimizer's update supports (``optim/weights.py``), and whether it takes ``weights``.
     error_feedbacks: tuple[str | None, ...] = (None, "eco", "eco_exact")
     weights_supported = True
+    # Whether ``track_stalls`` can also count the parameters' own stalls (``WEIGHT_STALLS``): needs the update math here.
+    counts_weight_stalls = True
+    # Whether tracked steps (``track_stalls``) count them: they run the update once more, on copies, so this is off unless
+    # asked for (``PrecisionAdvisor`` turns it on for the fit; set it on the optimizer from plain PyTorch).
+    track_weight_stalls = False
     # The paths this optimizer's parameters can take (``kernels.dispatch``), and whether CPU parameters may take the
     # compiled ones (C++, ``torch.compile``); ``optimizer.cpu_compile = False`` sends them to the torch paths.
     step_path_table = PER_PARAMETER_PATHS
@@ -287,7 +297,8 @@ class QuantizedStates:
 
     @contextlib.contextmanager
     def _nonfinite_policy(self) -> Iterator[None]:
-        """Apply the non-finite-gradient policy around one step, and advance the stochastic-rounding step counter.
+        """Round the gradients to their groups' ``grads`` formats (``_round_grads``), apply the non-finite-gradient
+        policy around one step, and advance the stochastic-rounding step counter.
 
         ``"skip"``: a parameter whose gradient holds inf/NaN is not updated and its states are left unchanged;
         ``"skip_step"``: no parameter is updated if any gradient holds inf/NaN (as ``GradScaler`` does);
@@ -297,6 +308,7 @@ class QuantizedStates:
         one rank's shard skips that parameter everywhere.
         """
         self._skipped: list[torch.Tensor] = []
+        self._round_grads()
         withheld = self._withheld_by_policy()
         grads = {param: param.grad for param in withheld}
         for param in withheld:
@@ -308,6 +320,14 @@ class QuantizedStates:
                 param.grad = grad
             self._rounding_step += 1
             self._report_skips()
+
+    def _round_grads(self) -> None:
+        """``grads=``: every group's gradients rounded to its format (``_quantize_grads``) before the non-finite policy
+        checks them, so that one the rounding overflows (fp16 above 65504) meets the policy as any non-finite gradient
+        does: ``"skip_step"`` and the cross-rank check of sharded parameters included."""
+        for group in self.param_groups:
+            if group["grads"] is not None:
+                self._quantize_grads(group, self._params_with_grads(group))
 
     def _withheld_by_policy(self) -> list[torch.Tensor]:
         """Parameters whose gradients the whole-step or cross-rank check withholds from this step (counted as skipped)."""
@@ -438,6 +458,26 @@ class QuantizedStates:
                     del self.state[key]
         self._taken_paths = taken
 
+    def _quantize_grads(self, group: dict, keys: list[torch.Tensor]) -> None:
+        """``grads=``: replace each finite gradient of ``keys`` (of ``group``) in place by its rounding to the group's
+        gradient format (``policy.gradient_format``), with the group's ``rounding``, before any check or step path.
+
+        Stochastic rounding draws from the ``"grads"`` stream of ``rounding_generator``, so a resumed run rounds alike.
+        A gradient holding inf/NaN is left as it is for the non-finite policy (a finite one that overflows the format, as
+        an fp16 gradient above 65504 does, becomes inf and meets that policy too). Block-scaled formats cut their blocks
+        from the local tensor (this rank's shard under FSDP). One finiteness check (a norm per gradient, one host sync)
+        per group that has a format; groups without one pay nothing.
+        """
+        fmt = gradient_format(group)
+        if fmt is None or not keys:
+            return
+        grads = [local_tensor(key.grad) for key in keys]
+        stochastic = group["rounding"] == "stochastic"
+        for key, grad, finite in zip(keys, grads, finite_grads(grads), strict=True):
+            if finite:
+                generator = self.rounding_generator(key, GRADIENT_STREAM, grad.device) if stochastic else None
+                grad.copy_(quantize_state(fmt, grad, group["rounding"], generator).dequantize(grad.dtype))
+
     def _run_path(self, path: StepPath, group: dict, keys: list[torch.Tensor]) -> None:
         """Step ``keys`` (of ``group``) on ``path``; this base runs ``reference`` (subclasses add their fast paths)."""
         if path is not StepPath.REFERENCE:
@@ -472,8 +512,10 @@ class QuantizedStates:
         states = {name: _decoded(state[name], decode_as) for name in self.state_names if state.get(name) is not None}
         before = {name: value.clone() for name, value in states.items() if self.track_stalls and isinstance(state[name], QuantizedTensor)}
         if grid is None:
+            targets = self._weight_targets(group, [key])
             self._update(group, param, grad, states, state)
-        else:
+            self._count_weight_stalls(targets)
+        else:  # counts its weights' stalls from its own fp32 θ̃
             self._update_weights(group, key, param, grad, states, state, grid)
         for name, value in states.items():
             old = state.get(name)
@@ -493,7 +535,9 @@ class QuantizedStates:
         self, group: dict, key: torch.Tensor, param: torch.Tensor, grad: torch.Tensor, states: dict, state: dict, grid: WeightGrid
     ) -> None:
         """The update without master weights: ``θ̃`` in fp32 from the stored ``θ̂`` (plus ``eco_exact``'s error), then
-        ``θ̂ = q(θ̃)`` written into ``param`` and the error ``e = θ̃ − θ̂`` fed back as ``error_feedback`` says."""
+        ``θ̂ = q(θ̃)`` written into ``param`` and the error ``e = θ̃ − θ̂`` fed back as ``error_feedback`` says. With
+        ``track_stalls``, the entries ``θ̃`` moves away from the stored ``θ̂`` and those of them that keep their value (a
+        block-scaled grid: their code, ``grid_units``) are counted as ``WEIGHT_STALLS``."""
         feedback = group["error_feedback"]
         master = param.float() if param.dtype != torch.float32 else param.clone()
         if feedback == "eco_exact" and ERROR_STATE in state:
@@ -501,6 +545,9 @@ class QuantizedStates:
         self._update(group, master, grad.float(), states, state)
         generator = self.rounding_generator(key, "weights", param.device) if group["weight_rounding"] == "stochastic" else None
         stored = grid.round(master, group["weight_rounding"], generator).to(param.dtype)
+        if self.track_stalls and self.track_weight_stalls:  # param still holds the old θ̂; a grid's entries stall when they keep their code
+            flat = (param.reshape(-1).float(), master.reshape(-1), stored.reshape(-1).float())
+            self._add_stall_counts(key, WEIGHT_STALLS, count_stalls(*flat, grid_units(grid, param), grid_units(grid, stored)))
         error = master.sub_(stored)  # exact where the grid is a dtype's: a value minus its rounding
         param.copy_(stored)
         if feedback == "eco_exact":
@@ -572,6 +619,51 @@ class QuantizedStates:
         return local_tensor(value) if fmt is None else quantize_state(fmt, local_tensor(value))
 
     # --- stall statistics -----------------------------------------------------------------------------
+    def _weight_targets(self, group: dict, keys: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """With ``track_stalls`` and ``track_weight_stalls``, before the parameters ``keys`` (of ``group``) are stepped: per
+        parameter, ``(key, a copy of its local values, bool mask of the entries this step's update moves)``, for
+        ``_count_weight_stalls`` once they are stepped; ``[]`` otherwise (untracked steps pay nothing).
+
+        The update is run once more, on copies (``_intended_weights``), so every step path counts alike without changing
+        what it computes; tracked steps pay that second update and, on the paths that step a whole group in one call
+        (``native``, ``multi_tensor``), the copies of that group's parameters at once.
+        """
+        if not (self.track_stalls and self.track_weight_stalls and self.counts_weight_stalls):
+            return []
+        targets = []
+        for key in keys:
+            param = local_tensor(key)
+            intended = self._intended_weights(group, key, param, local_tensor(key.grad), self.state[key])
+            targets.append((key, param.clone(), intended != param))
+        return targets
+
+    def _intended_weights(self, group: dict, key: torch.Tensor, param: torch.Tensor, grad: torch.Tensor, state: dict) -> torch.Tensor:
+        """The values this step's update gives ``param`` before they are stored, computed on copies (nothing changes):
+        in fp32 for a parameter kept on a weight grid (``θ̃`` of ``_update_weights``, from the stored ``θ̂`` plus
+        ``eco_exact``'s error: its update runs in fp32 by design), else in float64, so that an update too small for the
+        parameter's dtype (a bf16 one's, or one below half an fp32 ulp of an fp32 one) still counts as moved."""
+        grid = self.weight_grid(group, key, param)
+        wide = torch.float32 if grid is not None else torch.float64
+        master = param.to(wide, copy=True)
+        if grid is not None and group["error_feedback"] == "eco_exact" and ERROR_STATE in state:
+            master += local_tensor(state[ERROR_STATE]).to(wide)
+        states = {name: _decoded(state[name], wide) for name in self.state_names if state.get(name) is not None}
+        copies = {name: value.clone() if isinstance(value, torch.Tensor) and value.ndim == 0 else value for name, value in state.items()}
+        self._update(group, master, grad.to(wide), states, copies)  # copies: the scalar ``step`` moves on its own copy
+        return master
+
+    def _count_weight_stalls(self, targets: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
+        """Count, per stepped parameter of ``targets`` (``_weight_targets``), the entries its update moved and those of
+        them whose stored value stayed put, as ``[stalled, moved]`` of the pseudo-state ``WEIGHT_STALLS``; parameters the
+        non-finite policy skipped this step are left out."""
+        if not targets:
+            return
+        skipped = {id(param) for param in self.__dict__.get("_skipped", [])}
+        for key, before, moved in targets:
+            if id(key) not in skipped:
+                stalled = moved & (local_tensor(key) == before)
+                self._add_stall_counts(key, WEIGHT_STALLS, torch.stack([stalled.sum(), moved.sum()]))
+
     def _count_stalls(
         self, param: torch.Tensor, name: str, old: QuantizedTensor, before: torch.Tensor, updated: torch.Tensor, stored: QuantizedTensor
     ) -> None:
@@ -590,7 +682,12 @@ class QuantizedStates:
     def stall_counts(self, reset: bool = True) -> dict[torch.Tensor, dict[str, torch.Tensor]]:
         """Raw counters since the last reset: ``{param: {state_name: tensor([stalled, moved])}}`` (int64, on the param's device).
 
-        Needs ``track_stalls=True``. Counts are sums, so they can be all-reduced across ranks.
+        Needs ``track_stalls=True``. Counts are sums, so they can be all-reduced across ranks. Besides the quantized
+        states, two pseudo-states: ``"weights"`` (``WEIGHT_STALLS``: entries of the parameter its update moved, and those
+        of them whose stored value did not change, i.e. whose update was lost to rounding into the parameter's dtype or
+        weight grid; every parameter stepped by QAdam/QAdamW/QSGD/QMuon, fp32 ones against their float64 update; not the
+        generic wrapper, whose inner optimizer updates the parameters itself) and ``"eco_correction"``
+        (``FEEDBACK_STALLS``: ECO's momentum corrections lost to the momentum's rounding).
         """
         out: dict[torch.Tensor, dict[str, torch.Tensor]] = {}
         for (param, name), counts in self._stall_counts.items():

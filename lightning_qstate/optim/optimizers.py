@@ -11,10 +11,12 @@ parameter's states at a time. The added keyword arguments are the fields of
 - ``rounding``: ``"nearest"`` or ``"stochastic"``;
 - ``block_size``: values per scale (power of two; default per format);
 - ``min_quant_size``: parameters with fewer elements keep fp32 states (default 4096);
+- ``grads``: a format the gradients are rounded to before each step (``None``: left as they are), with ``rounding``;
 
-these four may be overridden per param group, as may ``weights``, ``weight_rounding``, ``weight_block`` and
+these five may be overridden per param group, as may ``weights``, ``weight_rounding``, ``weight_block`` and
 ``error_feedback`` (training without fp32 master weights, ECO: ``optim/weights.py``). For the whole optimizer:
-``track_stalls`` (count stalled entries, see ``stall_stats``), ``nonfinite`` (``"skip"``: skip a parameter
+``track_stalls`` (count stalled state entries and weight entries whose update was lost to rounding, see
+``stall_stats``), ``nonfinite`` (``"skip"``: skip a parameter
 whose gradient holds inf/NaN, count it in ``nonfinite_skips`` and warn; ``"skip_step"``;
 ``"raise"``) and ``generator`` (the random source of stochastic rounding).
 
@@ -85,11 +87,13 @@ class _AdamStates(QuantizedStates):
             self._skip_nonfinite_grad(key)
         kept = [(key, grad) for key, grad, ok in zip(keys, grads, finite, strict=True) if ok]
         if kept:
+            targets = self._weight_targets(group, [key for key, _ in kept])
             states = [self.state[key] for key, _ in kept]
             # torch's multi-tensor Adam takes neither autograd nor a tensor lr (unless capturable)
             tensor_lr = isinstance(group["lr"], torch.Tensor) and not group["capturable"]
             multi_tensor = group["foreach"] is not False and not (group["fused"] or group["differentiable"] or tensor_lr)
             self._adam(group, [local_tensor(key) for key, _ in kept], [grad for _, grad in kept], states, multi_tensor)
+            self._count_weight_stalls(targets)
 
     def _native_steps(self, group: dict, keys: list[torch.Tensor]) -> None:
         """The ``native`` path: one C++ call for ``keys`` (``kernels.native``), with each parameter's weight grid and,
@@ -104,6 +108,7 @@ class _AdamStates(QuantizedStates):
             else 0
             for key, grid in zip(keys, weights, strict=True)
         ]
+        targets = self._weight_targets(group, keys)
         rows = native_adam_steps(params, grads, states, group, self.track_stalls, weights, seeds)
         for key, state, row in zip(keys, states, rows, strict=True):
             if not row[0]:
@@ -111,6 +116,7 @@ class _AdamStates(QuantizedStates):
             elif self.track_stalls and isinstance(state["exp_avg"], QuantizedTensor):
                 self._add_stall_counts(key, "exp_avg", torch.tensor(row[2:4]))
                 self._add_stall_counts(key, "exp_avg_sq", torch.tensor(row[4:6]))
+        self._count_weight_stalls(targets)  # after the skips are known
 
     def _fused_step(self, group: dict, key: torch.Tensor, param: torch.Tensor, grad: torch.Tensor, state: dict) -> None:
         """The ``triton`` or ``compiled`` path of one parameter (``kernels.dispatch.fused_adam_step``)."""
@@ -119,6 +125,7 @@ class _AdamStates(QuantizedStates):
         generator = self.rounding_generator(key, "moments", param.device) if stochastic else None
         # the compiled CPU step draws from torch's global generator: seed it from this step's stream, then restore it
         on_cpu = generator is not None and param.device.type == "cpu"
+        targets = self._weight_targets(group, [key])
         with torch.random.fork_rng(devices=[], enabled=on_cpu):
             if on_cpu:
                 torch.manual_seed(int(torch.randint(2**62, (1,), generator=generator)))
@@ -126,6 +133,7 @@ class _AdamStates(QuantizedStates):
         if self.track_stalls:
             self._add_stall_counts(key, "exp_avg", counts[:2])
             self._add_stall_counts(key, "exp_avg_sq", counts[2:])
+        self._count_weight_stalls(targets)
 
     def _init_state(self, group: dict, key: torch.Tensor, param: torch.Tensor, state: dict) -> None:
         on_device = group["capturable"] or group["fused"]
@@ -209,6 +217,7 @@ class QAdam(_AdamStates, torch.optim.Adam):
         weight_rounding: str = "stochastic",
         weight_block: WeightBlock = "row",
         error_feedback: ErrorFeedback | None = None,
+        grads: str | None = None,
         track_stalls: bool = False,
         nonfinite: NonFiniteGradPolicy = "skip",
         generator: torch.Generator | None = None,
@@ -247,6 +256,7 @@ class QAdamW(QAdam, torch.optim.AdamW):
         weight_rounding: str = "stochastic",
         weight_block: WeightBlock = "row",
         error_feedback: ErrorFeedback | None = None,
+        grads: str | None = None,
         track_stalls: bool = False,
         nonfinite: NonFiniteGradPolicy = "skip",
         generator: torch.Generator | None = None,
@@ -288,6 +298,7 @@ class QSGD(QuantizedStates, torch.optim.SGD):
         weight_rounding: str = "stochastic",
         weight_block: WeightBlock = "row",
         error_feedback: ErrorFeedback | None = None,
+        grads: str | None = None,
         track_stalls: bool = False,
         nonfinite: NonFiniteGradPolicy = "skip",
         generator: torch.Generator | None = None,
@@ -361,6 +372,7 @@ class QMuon(QuantizedStates, torch.optim.Muon):
         weight_rounding: str = "stochastic",
         weight_block: WeightBlock = "row",
         error_feedback: ErrorFeedback | None = None,
+        grads: str | None = None,
         track_stalls: bool = False,
         nonfinite: NonFiniteGradPolicy = "skip",
         generator: torch.Generator | None = None,

@@ -74,6 +74,30 @@ def validate_policy(group: Mapping[str, Any], state_names: tuple[str, ...] | Non
     if not isinstance(min_size, int) or min_size < 0:
         raise ValueError(f"{owner}: min_quant_size={min_size!r} must be an int >= 0")
     validate_weight_options(group, owner)
+    validate_grads_option(group, owner)
+
+
+def validate_grads_option(group: Mapping[str, Any], owner: str) -> None:
+    """Check ``grads`` (a param group's or a policy's): ``None`` or a format name ``get_format`` accepts."""
+    grads = group["grads"]
+    if grads is None:
+        return
+    if not isinstance(grads, str):
+        raise TypeError(
+            f"{owner}: grads= must be a format name (e.g. 'bf16', 'fp8_e4m3', 'e5m3', 'int8') or None, got {type(grads).__name__}"
+        )
+    try:
+        gradient_format(group)
+    except ValueError as error:
+        raise ValueError(f"{owner}: grads={grads!r}: {error}") from None
+
+
+def gradient_format(group: Mapping[str, Any]) -> StorageFormat | None:
+    """The format a param group's gradients are rounded to before the step (``grads``, signed, the group's ``block_size``),
+    or ``None`` where they are left as they are (``grads=None`` or ``"fp32"``)."""
+    if group["grads"] is None or group["grads"] == "fp32":
+        return None
+    return get_format(group["grads"], block_size=group["block_size"], signed=True)
 
 
 def validate_weight_options(group: Mapping[str, Any], owner: str) -> None:
@@ -166,9 +190,19 @@ class QuantizationPolicy:
             ``apply(optimizer, module)`` with ``weights`` set gives the weights of linear layers inside repeated
             blocks the format and keeps the others (embeddings, norms, the head: the paper's choice) unless a pattern
             matches; an optimizer built with the policy applies ``weights`` to every parameter of its groups.
-        track_stalls: count stalled state entries (``optimizer.stall_stats()``, read by ``StallMonitor``).
+        track_stalls: count stalled state entries in ``optimizer.stall_stats()``, read by ``StallMonitor``; with the
+            optimizer's ``track_weight_stalls = True`` (set by ``PrecisionAdvisor``; it costs a second update computation
+            per tracked step) also the weight entries whose update was lost to rounding (the pseudo-state ``"weights"``,
+            ``WEIGHT_STALLS``).
         nonfinite: for gradients holding inf/NaN: ``"skip"`` (those parameters are not updated, one warning per step
             names them), ``"skip_step"`` (no parameter is updated, as ``GradScaler`` does) or ``"raise"``.
+        grads: a format the gradients are rounded to before each step, to test a gradient precision: ``None`` (default:
+            left as they are) or any format name (``"bf16"``, ``"fp16"``, ``"fp8_e4m3"``, ``"e5m3"``, ``"int8"``, ...), with
+            the group's ``rounding`` and ``block_size``, for every parameter of the group whatever its size (``min_quant_size``
+            is for states). Each finite gradient is replaced in place (``param.grad`` holds the rounded values after the
+            step, in its own dtype) before the non-finite check and the choice of step path, so every path sees it;
+            non-finite ones are left to ``nonfinite``, as are those the rounding overflows (fp16 above 65504). Stochastic
+            rounding draws from the optimizer's rounding streams (exact resume).
         owner: the name errors start with (the entry points pass theirs); not stored.
 
     Raises:
@@ -195,6 +229,7 @@ class QuantizationPolicy:
     weight_overrides: Mapping[str, str | None] = field(default_factory=dict)
     track_stalls: bool = False
     nonfinite: NonFiniteGradPolicy = "skip"
+    grads: str | None = None
     owner: InitVar[str] = "QuantizationPolicy"  # the name errors start with: the entry point the user called
 
     def __post_init__(self, owner: str) -> None:
@@ -355,7 +390,7 @@ class QuantizationPolicy:
 # The options of a policy, in signature order; those of GROUP_OPTIONS are carried by every param group.
 POLICY_FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(QuantizationPolicy))
 GROUP_OPTIONS: tuple[str, ...] = (
-    "states", "rounding", "block_size", "min_quant_size", "weights", "weight_rounding", "weight_block", "error_feedback",
+    "states", "rounding", "block_size", "min_quant_size", "weights", "weight_rounding", "weight_block", "error_feedback", "grads",
 )  # fmt: skip
 # The options that match parameter names: they need ``policy=`` (or a module given to ``apply``), not the optimizers' keywords.
 NAME_PATTERN_FIELDS: tuple[str, ...] = ("overrides", "weight_overrides")

@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import torch
 
+from ..formats.packing import as_blocks
+from ..formats.rounding import lookup
 from ..formats.weights import WeightGrid, get_weight_grid
 
 # The optimizer state that ``eco_exact`` keeps the rounding error in (fp32, the parameter's shape).
@@ -41,6 +43,33 @@ def weight_grid(weights: str | None, group: dict, param: torch.Tensor) -> Weight
     if weights is None and group["error_feedback"] is None:
         return None
     return get_weight_grid(weights or _dtype_format(param.dtype), group["weight_block"])
+
+
+def grid_units(grid: WeightGrid, values: torch.Tensor) -> torch.Tensor:
+    """Flat fp32 ``(numel,)``: ``values`` (a parameter's, on ``grid``) in units of their scale group's scale, i.e. the
+    value of each one's code, as ``QuantizedTensor.unit_values`` gives a state's. Two writes of a parameter kept an
+    entry's code exactly where these agree (``formats.count_stalls``); a block-scaled grid's values also move with their
+    group's scale while their codes stay. A cast grid's values are their own units.
+
+    The scale is recomputed from the stored values as ``WeightGrid.round`` sets it (the group's extremes sit on the code
+    table's ends, stored exactly) and the codes are recovered by rounding to nearest, which also absorbs the second
+    rounding of grid values kept in a narrower dtype (a bf16 parameter).
+    """
+    flat = values.detach().reshape(-1).float()
+    if grid.cast_dtype is not None:
+        return flat
+    if grid.block == "tensor":
+        groups = flat.view(1, -1)
+    elif grid.block == "row":
+        groups = flat.view(-1, values.shape[-1] if values.ndim else 1)
+    else:
+        groups = as_blocks(flat, grid.block)
+    decode = grid.format.tables(flat.device)["decode"]
+    scale = torch.maximum(
+        groups.amax(dim=1, keepdim=True).clamp(min=0) / decode.max(), groups.amin(dim=1, keepdim=True).clamp(max=0) / decode.min()
+    )
+    codes = grid.format.encode(groups / torch.where(scale > 0, scale, 1.0), "nearest", None)
+    return lookup(decode, codes).reshape(-1)[: flat.numel()]
 
 
 def _dtype_format(dtype: torch.dtype) -> str:

@@ -78,14 +78,18 @@ class QuantizedOptimizerWrapper(QuantizedStates, torch.optim.Optimizer):
 
     Args:
         optimizer: the optimizer to wrap; it keeps doing the math.
-        states, rounding, block_size, min_quant_size, track_stalls, nonfinite, generator, policy:
-            as for :class:`~lightning_qstate.QAdamW`; ``states`` may name any state key.
+        states, rounding, block_size, min_quant_size, grads, track_stalls, nonfinite, generator, policy:
+            as for :class:`~lightning_qstate.QAdamW`; ``states`` may name any state key. ``grads`` rounds the gradients
+            of the first evaluation of a closure (those the non-finite policy checks), not those of later evaluations
+            inside the inner step (LBFGS's line search). ``track_stalls`` counts the states' stalls only: the inner
+            optimizer writes the parameters, so there is no update of the wrapper's to count the weights' stalls against.
         weights, weight_rounding, weight_block, error_feedback: must stay at their defaults (the inner optimizer
             updates the parameters itself, so there is no fp32 update to round: ``optim/weights.py``).
     """
 
     weights_supported = False
     error_feedbacks = (None,)
+    counts_weight_stalls = False  # the inner optimizer writes the parameters: there is no update of ours to compare with
 
     def __init__(
         self,
@@ -99,6 +103,7 @@ class QuantizedOptimizerWrapper(QuantizedStates, torch.optim.Optimizer):
         weight_rounding: str = "stochastic",
         weight_block: WeightBlock = "row",
         error_feedback: ErrorFeedback | None = None,
+        grads: str | None = None,
         track_stalls: bool = False,
         nonfinite: NonFiniteGradPolicy = "skip",
         generator: torch.Generator | None = None,
@@ -156,7 +161,8 @@ class QuantizedOptimizerWrapper(QuantizedStates, torch.optim.Optimizer):
         ``closure`` is evaluated under grad mode before the states are decoded (the forward and backward pass never
         meet the decoded states), and the inner optimizer gets it too: its first call returns that evaluation, later
         calls (LBFGS's line search) evaluate it again under grad mode. The non-finite-gradient policy applies to the
-        gradients of the first evaluation: a parameter it skips has no gradient during the inner step.
+        gradients of the first evaluation: a parameter it skips has no gradient during the inner step. A group's ``grads``
+        format rounds the gradients of that first evaluation, before the check.
         """
         loss = self._evaluate(closure)
         with self._nonfinite_policy():
@@ -229,6 +235,7 @@ def quantize_optimizer(
     weight_rounding: str = "stochastic",
     weight_block: WeightBlock = "row",
     error_feedback: ErrorFeedback | None = None,
+    grads: str | None = None,
     track_stalls: bool = False,
     nonfinite: NonFiniteGradPolicy = "skip",
     generator: torch.Generator | None = None,

@@ -82,9 +82,13 @@ _POLICY_DOC = """
             momentum, ECO's rule) or ``"eco_exact"`` (kept in an fp32 state ``"weight_error"``).
         weight_overrides: ``{name_pattern: weights}`` (``None``: the parameter's dtype), matched as ``overrides``,
             e.g. ``{"*.lm_head.*": "bf16", "*.h.0.*": None}``.
-        track_stalls: count stalled state entries (read by ``StallMonitor``).
+        track_stalls: count stalled state entries, and weight entries whose update was lost to rounding (the pseudo-state
+            ``"weights"``), read by ``StallMonitor``.
         nonfinite: for gradients holding inf/NaN: ``"skip"`` (default: those parameters are not updated, one warning per
             step names them), ``"skip_step"`` (no parameter is updated, as ``GradScaler`` does) or ``"raise"``.
+        grads: a format the gradients are rounded to before each optimizer step (with ``rounding``), to test a gradient
+            precision: ``None`` (default: left as they are), ``"bf16"``, ``"fp16"``, ``"fp8_e4m3"``, ``"e5m3"``, ``"int8"``,
+            ... (any format name); every parameter of the optimizers, whatever its size. Param groups may set their own.
         policy: a :class:`~lightning_qstate.QuantizationPolicy` instead of the keywords above.
 """
 
@@ -127,6 +131,7 @@ class QStatePrecision(QStatePolicyMixin, _PrecisionDispatch, Precision):
         weight_overrides: Mapping[str, str | None] | None = None,
         track_stalls: bool = False,
         nonfinite: NonFiniteGradPolicy = "skip",
+        grads: str | None = None,
         policy: QuantizationPolicy | None = None,
     ) -> None:
         Precision.__init__(self)
@@ -154,6 +159,7 @@ class QStateMixedPrecision(QStatePrecision, MixedPrecision):
         weight_overrides: Mapping[str, str | None] | None = None,
         track_stalls: bool = False,
         nonfinite: NonFiniteGradPolicy = "skip",
+        grads: str | None = None,
         policy: QuantizationPolicy | None = None,
     ) -> None:
         MixedPrecision.__init__(self, precision, device or ("cuda" if torch.cuda.is_available() else "cpu"), scaler)
@@ -179,6 +185,7 @@ class QStateHalfPrecision(QStatePrecision, HalfPrecision):
         weight_overrides: Mapping[str, str | None] | None = None,
         track_stalls: bool = False,
         nonfinite: NonFiniteGradPolicy = "skip",
+        grads: str | None = None,
         policy: QuantizationPolicy | None = None,
     ) -> None:
         HalfPrecision.__init__(self, precision)
@@ -208,6 +215,7 @@ class QStateFSDPPrecision(QStatePolicyMixin, FSDPPrecision):
         weight_overrides: Mapping[str, str | None] | None = None,
         track_stalls: bool = False,
         nonfinite: NonFiniteGradPolicy = "skip",
+        grads: str | None = None,
         policy: QuantizationPolicy | None = None,
     ) -> None:
         FSDPPrecision.__init__(self, precision, scaler)

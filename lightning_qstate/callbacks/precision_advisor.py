@@ -1,0 +1,276 @@
+"""Advise, before training starts, how many mantissa bits each component of the planned run needs, and log the weights'
+own stall rate while it trains (arXiv 2510.21314; ``docs/algorithms.md``, section 2)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.plugins.precision import FSDPPrecision, Precision
+from lightning.pytorch.utilities import rank_zero_warn
+from typing_extensions import override
+
+from ..formats import ROUNDINGS
+from ..optim import WEIGHT_STALLS, QuantizedStates, clean_parameter_name
+from ..theory.precision import COMPONENTS, DEFAULT_CONSTANTS, OPTIMIZERS, AdviceRow, PrecisionReport, advise
+from .stall_counts import StallMeasurement, collect_stalls, quantized_optimizers, request_stall_tracking
+
+ADVICE_TAG = "qstate/precision_advice"  # TensorBoard text tag of the report ("/<optimizer index>" appended with several optimizers)
+WEIGHT_STALL_TAG = "qstate/weight_stall"  # model-wide rate; "/<layer>" per layer
+
+# Gradient dtype of Lightning's precision settings where it differs from the parameters' (None: the parameter's dtype).
+_HALF_GRADIENTS = {"16-true": "fp16", "bf16-true": "bf16"}
+_FSDP_GRADIENTS = {"16-true": "fp16", "16-mixed": "fp16", "bf16-true": "bf16", "bf16-mixed": "bf16"}  # FSDP's reduce_dtype
+
+
+class PrecisionAdvisor(Callback):
+    """Check, before the first training step, whether each optimizer component has the mantissa bits the run needs.
+
+    At the start of training the planned number of optimizer steps ``T`` (``steps``, else the Trainer's
+    ``estimated_stepping_batches``: ``max_steps`` or ``max_epochs`` epochs, whichever ends the run first) goes with
+    each of the Trainer's optimizers, their state and weight formats and the run's gradient format to
+    :func:`lightning_qstate.theory.precision.advise`: per param group and component (gradients, weights, ``m``, ``v``)
+    the bits it has, the bits the T-scaling rule asks for, the stall ratchet of states written round-to-nearest, and a
+    learning rate too small to move the stored weights. The report is
+
+    - printed on global rank 0 (``verbose``) and kept in :attr:`reports` (one per advised optimizer);
+    - logged as markdown text ``qstate/precision_advice`` to every TensorBoard logger;
+    - one warning per component at risk (verdict ``"marginal"`` or ``"insufficient"``), with its reasons and remedies;
+    - with ``strict=True``, a ``ValueError`` listing the components at risk, raised on every rank before any step.
+
+    The check runs in ``on_train_start``: after :class:`~lightning_qstate.callbacks.QuantizedOptimizerStates` converted
+    the optimizers (in ``on_fit_start``) and after a checkpoint was restored, so the formats are those that train.
+    Optimizers with no precision rule (other than Adam/AdamW/NAdam/RAdam, SGD, Muon and their quantized forms) are
+    skipped with a warning.
+
+    **Gradient format.** ``"16-true"``/``"bf16-true"`` give fp16/bf16 gradients; under ``FSDPPrecision`` the mixed
+    settings too (FSDP reduces them in that dtype); otherwise (``"32-true"``, ``"16-mixed"``, ``"bf16-mixed"``) the
+    gradients have the parameters' dtype. A param group with its own ``grads=`` format (gradients quantized before
+    the step) is advised on that format.
+
+    **Weight stall rates** (``log_weight_stalls``). Every ``log_every_n_steps`` optimizer steps the quantized
+    optimizers count (their ``track_weight_stalls`` is on for the fit), in the step that completes the interval, the
+    weight entries whose fp32 update was lost to rounding (the pseudo-state :data:`~lightning_qstate.optim.WEIGHT_STALLS`,
+    through the same machinery as :class:`~lightning_qstate.callbacks.StallMonitor`, summed over ranks). Logged from rank 0:
+    ``qstate/weight_stall/<layer>`` per parameter (``per_layer``) and ``qstate/weight_stall`` for the whole model
+    (all stalled over all moved entries). Only QAdam, QAdamW, QSGD and QMuon count them (also as made by
+    ``QStatePrecision`` and ``QuantizedOptimizerStates`` from torch's Adam, AdamW, SGD and Muon), not plain torch
+    optimizers nor the generic ``QuantizedOptimizerWrapper``: for those the callback warns once and logs none.
+
+    Example::
+
+        trainer = Trainer(max_steps=3000, plugins=[QStatePrecision("bf16-true", states="bf16")],
+                          callbacks=[PrecisionAdvisor(strict=True)], logger=TensorBoardLogger("runs"))
+        # raises before training: bf16 v written round-to-nearest can never decrease at β2 = 0.999 (stall ratchet)
+
+    Args:
+        steps: the run's planned optimizer steps ``T``; default the Trainer's ``estimated_stepping_batches`` (``max_steps``,
+            or ``max_epochs`` times the optimizer steps per epoch where that ends the run first).
+        strict: raise before training when any component is at risk, instead of only warning.
+        log_weight_stalls: log the weights' stall rates during training.
+        log_every_n_steps: optimizer steps between weight stall measurements; default the Trainer's ``log_every_n_steps``.
+        per_layer: log a weight stall rate per parameter (else only the model-wide one).
+        constants: ``{(optimizer, component, rounding): c}`` replacing entries of
+            :data:`~lightning_qstate.theory.precision.DEFAULT_CONSTANTS` in the rule ``M = slope·log2(T) + c``,
+            e.g. ``{("adam", "exp_avg_sq", "nearest"): -13.0}``.
+        verbose: print the report on global rank 0.
+
+    Raises:
+        ValueError: for invalid arguments; at the start of training, for a run of unknown length (no ``steps``,
+            ``max_steps`` or ``max_epochs``) or, with ``strict=True``, components at risk.
+    """
+
+    def __init__(
+        self,
+        steps: int | None = None,
+        strict: bool = False,
+        log_weight_stalls: bool = True,
+        log_every_n_steps: int | None = None,
+        per_layer: bool = True,
+        constants: Mapping[tuple[str, str, str], float] | None = None,
+        verbose: bool = True,
+    ) -> None:
+        if steps is not None and not _is_positive_int(steps):
+            raise ValueError(
+                f"PrecisionAdvisor: steps={steps!r} must be a positive int (the run's optimizer steps), or None for the Trainer's"
+            )
+        if not _is_positive_int(log_every_n_steps) and log_every_n_steps is not None:
+            raise ValueError(f"PrecisionAdvisor: log_every_n_steps={log_every_n_steps!r} must be a positive int, or None for the Trainer's")
+        for name, value in (("strict", strict), ("log_weight_stalls", log_weight_stalls), ("per_layer", per_layer), ("verbose", verbose)):
+            if not isinstance(value, bool):
+                raise ValueError(f"PrecisionAdvisor: {name}={value!r} must be True or False")
+        self.steps = steps
+        self.strict = strict
+        self.log_weight_stalls = log_weight_stalls
+        self.log_every_n_steps = log_every_n_steps
+        self.per_layer = per_layer
+        self.constants = _checked_constants(constants)
+        self.verbose = verbose
+        self.reports: list[PrecisionReport] = []  # this fit's reports, one per advised optimizer (rank-local)
+        self._measuring = False
+        self._counting: dict[QuantizedStates, bool] = {}  # optimizer -> its track_weight_stalls before the fit
+        self._last_logged = -1
+
+    def interval(self, trainer: pl.Trainer) -> int:
+        """Optimizer steps between weight stall measurements."""
+        return self.log_every_n_steps or max(1, trainer.log_every_n_steps)
+
+    def planned_steps(self, trainer: pl.Trainer) -> int:
+        """The run's length ``T`` in optimizer steps: ``steps``, else the Trainer's ``estimated_stepping_batches`` (``max_steps``
+        or ``max_epochs`` times the optimizer steps per epoch, whichever ends the run first)."""
+        if self.steps is not None:
+            return self.steps
+        estimated = trainer.estimated_stepping_batches
+        if not math.isfinite(estimated) or estimated < 1:  # infinite training, or an iterable dataset without max_steps
+            raise ValueError(
+                "PrecisionAdvisor: the run's length is unknown (no max_steps, and max_epochs=-1 or a dataset without a length): "
+                "set Trainer(max_steps=...) or Trainer(max_epochs=...), or pass PrecisionAdvisor(steps=...)"
+            )
+        return int(estimated)
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        steps = self.planned_steps(trainer)
+        model = trainer.strategy.model if trainer.strategy.model is not None else pl_module
+        names = {param: clean_parameter_name(name) for name, param in model.named_parameters()}
+        optimizers = [_unwrapped(optimizer) for optimizer in trainer.strategy.optimizers]
+        self.reports, self._last_logged = [], -1
+        risky: list[tuple[str, AdviceRow]] = []
+        for index, optimizer in enumerate(optimizers):
+            label = type(optimizer).__name__ if len(optimizers) == 1 else f"optimizer {index} ({type(optimizer).__name__})"
+            try:
+                grads = gradient_format(trainer.precision_plugin, optimizer)
+                known = {**optimizer.param_names(), **names} if isinstance(optimizer, QuantizedStates) else names
+                report = advise(optimizer, steps, grads=grads, names=known, constants=self.constants)
+            except TypeError as error:
+                rank_zero_warn(f"PrecisionAdvisor: {label} is not advised: {error}")
+                continue
+            self.reports.append(report)
+            risky += [(label, row) for row in report.risky]
+            if trainer.is_global_zero:
+                self._publish(trainer, report, label, index if len(optimizers) > 1 else None)
+        for label, row in risky:
+            rank_zero_warn(f"PrecisionAdvisor: {_describe(label, row, steps)}: " + " | ".join(row.reasons))
+        if self.strict and trainer.strategy.reduce_boolean_decision(bool(risky), all=False):
+            listed = "\n".join(f"  - {_describe(label, row, steps)}" for label, row in risky) or "  (on another rank)"
+            raise ValueError(
+                f"PrecisionAdvisor(strict=True): {len(risky)} component(s) lack the precision a {steps}-step run needs:\n{listed}\n"
+                "Change them as the printed report's notes say (more mantissa bits, rounding='stochastic', state resets, "
+                "error_feedback for the weights), plan fewer steps, or pass strict=False to train anyway."
+            )
+        counting = [optimizer for optimizer in quantized_optimizers(trainer) if optimizer.counts_weight_stalls]
+        self._measuring = self.log_weight_stalls and bool(counting)
+        if self._measuring:  # the optimizers' tracked steps count the weights too (a second update on copies)
+            self._counting = {optimizer: optimizer.track_weight_stalls for optimizer in counting}
+            for optimizer in counting:
+                optimizer.track_weight_stalls = True
+        if self.log_weight_stalls and len(counting) < len(optimizers):
+            others = ", ".join(type(optimizer).__name__ for optimizer in optimizers if optimizer not in counting)
+            rank_zero_warn(
+                f"PrecisionAdvisor: weight stall rates need a lightning_qstate optimizer that updates the weights itself (QAdam, "
+                f"QAdamW, QSGD, QMuon), and {others} does not count them: no qstate/weight_stall for its parameters. Add "
+                "QStatePrecision to the Trainer's plugins or QuantizedOptimizerStates to its callbacks (they convert torch's "
+                "Adam, AdamW, SGD and Muon), return a QAdamW... from configure_optimizers, or pass log_weight_stalls=False."
+            )
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        for optimizer, counted in self._counting.items():
+            optimizer.track_weight_stalls = counted
+        self._counting = {}
+
+    @override
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer) -> None:
+        if self._measuring and (trainer.global_step + 1) % self.interval(trainer) == 0:
+            request_stall_tracking(trainer)
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        step = trainer.global_step
+        if not self._measuring or step == 0 or step % self.interval(trainer):
+            return
+        if self._last_logged == step:  # no optimizer step in this batch (gradient accumulation)
+            return
+        self._last_logged = step
+        measurement = collect_stalls(trainer)  # a collective: every rank
+        if trainer.is_global_zero:
+            scalars = self.metrics(measurement)
+            if scalars:
+                for logger in trainer.loggers:
+                    logger.log_metrics(scalars, step=trainer.fit_loop.epoch_loop._batches_that_stepped)
+
+    def metrics(self, measurement: StallMeasurement) -> dict[str, float]:
+        """The weights' stall rates of one measurement: ``qstate/weight_stall/<layer>`` (``per_layer``) and
+        ``qstate/weight_stall`` (stalled over moved entries of the whole model); parameters that did not move are left out."""
+        scalars: dict[str, float] = {}
+        stalled_total = moved_total = 0.0
+        for row, (stalled, moved) in zip(measurement.rows, measurement.counts.tolist(), strict=True):
+            if row.state != WEIGHT_STALLS or moved == 0:
+                continue
+            stalled_total += stalled
+            moved_total += moved
+            if self.per_layer:
+                scalars[f"{WEIGHT_STALL_TAG}/{row.layer}"] = stalled / moved
+        if moved_total:
+            scalars[WEIGHT_STALL_TAG] = stalled_total / moved_total
+        return scalars
+
+    def _publish(self, trainer: pl.Trainer, report: PrecisionReport, label: str, index: int | None) -> None:
+        """Print ``report`` (``verbose``) and add it as text to the TensorBoard loggers (global rank 0 only)."""
+        if self.verbose:
+            print(f"== PrecisionAdvisor: {label} ==\n{report}", flush=True)
+        tag = ADVICE_TAG if index is None else f"{ADVICE_TAG}/{index}"
+        for logger in trainer.loggers:
+            if isinstance(logger, TensorBoardLogger):
+                logger.experiment.add_text(tag, report.to_markdown(), global_step=trainer.global_step)
+
+
+def gradient_format(plugin: Precision, optimizer: torch.optim.Optimizer) -> str | None:
+    """The format the gradients reach ``optimizer`` in under the precision ``plugin``, for
+    :func:`~lightning_qstate.theory.precision.advise`: ``"bf16"``/``"fp16"`` for the true half settings (and FSDP's
+    mixed ones, reduced in that dtype), ``None`` otherwise, and ``None`` too where a param group has its own ``grads``
+    format, so that ``advise`` reads the group's (and the parameters' dtype for the other groups)."""
+    if any(group.get("grads") is not None for group in optimizer.param_groups):
+        return None
+    table = _FSDP_GRADIENTS if isinstance(plugin, FSDPPrecision) else _HALF_GRADIENTS
+    return table.get(str(plugin.precision))
+
+
+def _unwrapped(optimizer: torch.optim.Optimizer | LightningOptimizer) -> torch.optim.Optimizer:
+    return optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+
+
+def _describe(label: str, row: AdviceRow, steps: int) -> str:
+    return (
+        f"{label} group {row.group} {row.component} in {row.format} (M = {row.mantissa_bits:.1f}, needs {row.required_bits:.1f} "
+        f"over {steps} steps) is {row.verdict}"
+    )
+
+
+def _is_positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def _checked_constants(constants: Mapping[tuple[str, str, str], float] | None) -> dict[tuple[str, str, str], float] | None:
+    """``constants`` as a dict, each key an ``(optimizer, component, rounding)`` triple and each value a finite number."""
+    if constants is None:
+        return None
+    if not isinstance(constants, Mapping):
+        raise ValueError(f"PrecisionAdvisor: constants={constants!r} must be a dict {{(optimizer, component, rounding): c}}, or None")
+    checked = {}
+    for key, value in constants.items():
+        if key not in DEFAULT_CONSTANTS:
+            raise ValueError(
+                f"PrecisionAdvisor: constants key {key!r} is not valid; use (optimizer, component, rounding) with optimizer in "
+                f"{OPTIMIZERS}, component in {COMPONENTS} (no 'exp_avg_sq' for muon and sgd) and rounding in {ROUNDINGS}"
+            )
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+            raise ValueError(f"PrecisionAdvisor: constants[{key!r}]={value!r} must be a finite number (bits)")
+        checked[key] = float(value)
+    return checked
