@@ -81,13 +81,14 @@ def test_batched_muon_equals_torch_muon(bench: ModuleType) -> None:
     size = sum(a * b for a, b in shapes)
     start = torch.randn(rows, size, generator=torch.Generator().manual_seed(0))
     batched = {dtype: start.clone() for dtype in (torch.bfloat16, torch.float32)}
-    optimizers = {dtype: bench.BatchedMuon([param], shapes, lr=0.02, ns_dtype=dtype) for dtype, param in batched.items()}
+    generator, steps, lr = torch.Generator().manual_seed(1), 6, 0.02
+    optimizers = {dtype: bench.BatchedMuon([param], shapes, lr=lr, ns_dtype=dtype) for dtype, param in batched.items()}
     references = [
         [start[row, a:b].reshape(shape).clone() for (a, b), shape in zip(_spans(shapes), shapes, strict=True)] for row in range(rows)
     ]
-    torch_muons = [torch.optim.Muon(params, lr=0.02, weight_decay=0.0) for params in references]
-    for _ in range(6):
-        grad = torch.randn(rows, size)
+    torch_muons = [torch.optim.Muon(params, lr=lr, weight_decay=0.0) for params in references]
+    for _ in range(steps):
+        grad = torch.randn(rows, size, generator=generator)
         for param, optimizer in zip(batched.values(), optimizers.values(), strict=True):
             param.grad = grad.clone()
             optimizer.step()
@@ -96,9 +97,11 @@ def test_batched_muon_equals_torch_muon(bench: ModuleType) -> None:
                 param.grad = grad[row, a:b].reshape(param.shape).clone()
             muon.step()
     expected = torch.stack([torch.cat([p.flatten() for p in params]) for params in references])
-    assert torch.equal(batched[torch.bfloat16], expected), "bf16 Newton-Schulz: torch's arithmetic, bit for bit"
-    torch.testing.assert_close(batched[torch.float32], expected, atol=0.02, rtol=0)  # fp32 iteration: bf16's rounding only
-    assert not torch.equal(batched[torch.float32], expected)
+    # bf16 Newton-Schulz: torch's arithmetic; batched and single matrix products may round differently (up to ~2e-4 seen
+    # over 40 random inputs), so within one bf16 rounding of the update (2^-7 relative) per step
+    bf16_gap, fp32_gap = ((batched[dtype] - expected).abs().max().item() for dtype in (torch.bfloat16, torch.float32))
+    assert bf16_gap <= steps * lr * 2**-7
+    assert 0 < fp32_gap <= 0.02 and bf16_gap < fp32_gap  # the fp32 iteration drops bf16's rounding: further from torch's
     with pytest.raises(ValueError, match=r"\[K, 74\]"):
         bench.BatchedMuon([torch.zeros(3, 10)], shapes)
 
@@ -162,7 +165,7 @@ def test_thresholds_calibration_and_predictions(bench: ModuleType) -> None:
     found = {(t.optimizer, t.component, t.horizon): t for t in thresholds}
     assert found["adam", "exp_avg_sq", 1000].mantissa == 6 and found["adam", "grads", 1000].mantissa == 3
     assert found["muon", "weights", 1000].text() == "≤1" and found["muon", "weights", 4000].text() == ">10"
-    calibrations = {(c.optimizer, c.component): c for c in bench.calibrate(thresholds, "digits", 1000)}
+    calibrations = {(c.optimizer, c.component): c for c in bench.calibrate(thresholds, ["digits"], 1000)}
     assert calibrations["adam", "exp_avg_sq"].constant == pytest.approx(6 - 2 * math.log2(1000), abs=0.01)
     assert calibrations["adam", "grads"].constant == pytest.approx(3 - math.log2(1000), abs=0.01)
     assert calibrations["muon", "weights"].censored == "upper bound"
@@ -173,6 +176,34 @@ def test_thresholds_calibration_and_predictions(bench: ModuleType) -> None:
     assert verdicts["muon", "weights", 4000].verdict == "NOT RESOLVED"  # a FAIL from an upper-bound constant decides nothing
     assert bench.log_t_slope(thresholds, "digits", "adam", "exp_avg_sq", "stochastic") == pytest.approx(1.0)
     assert bench.log_t_slope(thresholds, "digits", "muon", "weights", "stochastic") is None
+
+
+def test_tolerance_judges_the_paired_excess_with_a_t_margin() -> None:
+    bench = load_benchmark("mantissa_sweep")
+    tolerance, fp32 = bench.Tolerance(0.01, 0.0), [1.00, 1.10, 0.90]
+    assert tolerance.within([1.005, 1.105, 0.905], fp32)  # +0.5 % every seed
+    assert not tolerance.within([1.02, 1.12, 0.92], fp32)  # +2 % every seed: shown above 1 %
+    # +2 % on average but +-4 % per seed: t(2) = 2.92 times the standard error 2.3 % leaves it unresolved, so within
+    assert tolerance.within([1.06, 1.08, 0.92], fp32)
+    assert not tolerance.within([1.0, math.inf, 0.9], fp32)  # a diverged seed fails
+    assert bench.Tolerance(0.0, 1e-3).within([2e-3], [1.5e-3]) and not bench.Tolerance(0.0, 1e-3).within([3e-3], [1e-3])  # one seed
+    with pytest.raises(ValueError, match="pair them by seed"):
+        tolerance.within([1.0], fp32)
+
+
+def test_conservative_calibration_takes_the_largest_threshold(bench: ModuleType) -> None:
+    thresholds = [
+        bench.Threshold("digits", "adam", 1000, "weights", "nearest", 7, 1, 10),
+        bench.Threshold("rosenbrock", "adam", 1000, "weights", "nearest", 9, 1, 10),
+        bench.Threshold("rosenbrock", "adam", 1000, "grads", "nearest", None, 1, 10),
+        bench.Threshold("digits", "adam", 1000, "grads", "nearest", 1, 1, 10),
+        bench.Threshold("digits", "adam", 300, "weights", "nearest", 10, 1, 10),  # another horizon: ignored
+    ]
+    own = {c.component: c for c in bench.calibrate(thresholds, ["digits"], 1000)}
+    both = {c.component: c for c in bench.calibrate(thresholds, ["digits", "rosenbrock"], 1000)}
+    assert own["weights"].constant == pytest.approx(7 - 2 * math.log2(1000), abs=0.01) and own["grads"].censored == "upper bound"
+    assert both["weights"].constant == pytest.approx(9 - 2 * math.log2(1000), abs=0.01)
+    assert both["grads"].constant is None and both["grads"].censored == "lower bound"  # above the sweep on Rosenbrock
 
 
 def test_options_are_validated(bench: ModuleType, capsys: pytest.CaptureFixture[str]) -> None:
@@ -218,7 +249,10 @@ def test_quick_run(bench: ModuleType, tmp_path: Path, monkeypatch: pytest.Monkey
     table = [line for line in text.split("## Thresholds")[1].splitlines() if line.startswith("|")]
     rows = markdown_table(table[:2] + [line for line in table[2:] if line.startswith("| adam | exp_avg_sq | SR")])
     assert rows["adam"]["digits T=20"] not in ("", "–") and "fit" in rows["adam"]["advisor (digits-calibrated)"]
-    literal = text.split("```python\n")[1].split("```")[0]
-    constants = ast.literal_eval(literal.split("=", 1)[1])
-    assert set(constants) == {(o, c, r) for o, c in bench.SLOPES if o in ("adam", "muon") for r in ("nearest", "stochastic")}
-    assert all(value is None or isinstance(value, float) for value in constants.values())
+    blocks = [block.split("```")[0] for block in text.split("```python\n")[1:]]
+    assert [block.split(" = ")[0] for block in blocks] == ["DEFAULT_CONSTANTS", "CONSERVATIVE_CONSTANTS"]
+    for block in blocks:
+        constants = ast.literal_eval(block.split("=", 1)[1])
+        assert set(constants) == {(o, c, r) for o, c in bench.SLOPES if o in ("adam", "muon") for r in ("nearest", "stochastic")}
+        assert all(value is None or isinstance(value, float) for value in constants.values())
+    assert len(data["calibration"]) == len(data["conservative_calibration"]) == 14
