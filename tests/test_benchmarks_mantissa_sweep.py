@@ -178,17 +178,27 @@ def test_thresholds_calibration_and_predictions(bench: ModuleType) -> None:
     assert bench.log_t_slope(thresholds, "digits", "muon", "weights", "stochastic") is None
 
 
-def test_tolerance_judges_the_paired_excess_with_a_t_margin() -> None:
-    bench = load_benchmark("mantissa_sweep")
+def test_tolerance_and_noise_floor(bench: ModuleType) -> None:
     tolerance, fp32 = bench.Tolerance(0.01, 0.0), [1.00, 1.10, 0.90]
     assert tolerance.within([1.005, 1.105, 0.905], fp32)  # +0.5 % every seed
-    assert not tolerance.within([1.02, 1.12, 0.92], fp32)  # +2 % every seed: shown above 1 %
-    # +2 % on average but +-4 % per seed: t(2) = 2.92 times the standard error 2.3 % leaves it unresolved, so within
-    assert tolerance.within([1.06, 1.08, 0.92], fp32)
-    assert not tolerance.within([1.0, math.inf, 0.9], fp32)  # a diverged seed fails
-    assert bench.Tolerance(0.0, 1e-3).within([2e-3], [1.5e-3]) and not bench.Tolerance(0.0, 1e-3).within([3e-3], [1e-3])  # one seed
+    assert not tolerance.within([1.02, 1.12, 0.92], fp32)  # +2 %
+    assert tolerance.within([1.02, 1.12, 0.92], fp32, noise=0.006)  # 1 % + 2 x 0.6 % of noise
+    assert tolerance.limit(fp32, noise=0.006) == pytest.approx(0.022)
+    assert not tolerance.within([1.0, math.inf, 0.9], fp32, noise=1.0)  # a diverged seed fails whatever the noise
+    assert bench.Tolerance(0.0, 1e-3).within([2e-3], [1.5e-3]) and not bench.Tolerance(0.0, 1e-3).within([3e-3], [1e-3])
     with pytest.raises(ValueError, match="pair them by seed"):
         tolerance.within([1.0], fp32)
+    # noise: per-seed excess at the largest M swept (10), variance pooled over the components, over sqrt(seeds)
+    results = [
+        bench.Result("digits", "muon", 300, "fp32", None, None, [1.0, 1.0, 1.0]),
+        bench.Result("digits", "muon", 300, "grads", "nearest", 10, [1.1, 0.9, 1.0]),  # variance 0.01
+        bench.Result("digits", "muon", 300, "weights", "nearest", 10, [1.3, 1.1, 1.2]),  # variance 0.01 (its +0.2 bias excluded)
+        bench.Result("digits", "muon", 300, "weights", "nearest", 1, [9.0, 1.0, 1.0]),  # not the largest M: ignored
+        bench.Result("gpt", "adam", 300, "fp32", None, None, [2.5]),
+        bench.Result("gpt", "adam", 300, "all", "stochastic", 10, [2.6]),
+    ]
+    floors = bench.noise_floors(results)
+    assert floors["digits", "muon", 300] == pytest.approx(math.sqrt(0.01 / 3)) and floors["gpt", "adam", 300] == 0.0
 
 
 def test_conservative_calibration_takes_the_largest_threshold(bench: ModuleType) -> None:
