@@ -46,14 +46,22 @@ against 0.1 s in fp32. Estimated on 2 idle cores: the default run (20 configurat
 28 h; ``--compute fp32`` about 5 h, of which 3 h are the two peers (still bf16); ``--compute fp32 --configs
 master,bf16,fp8`` about 2 h.
 
+``--rows FILE`` keeps every finished run as one JSON line in ``FILE``; a later call with the same file and the same
+settings (model, steps, compute, state rounding, lightning_qstate sources) reuses the runs it finds there instead of
+training them again. It makes a long run resumable and splits one across processes: e.g. two processes at one thread
+each (``OMP_NUM_THREADS=1``), with disjoint ``--seeds`` and the same ``--rows``, then one call with all the seeds, which
+only writes the report.
+
 ``--quick`` trains a tiny GPT for a few steps (every state quantized), to test the script.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import importlib.util
+import json
 import logging
 import math
 import os
@@ -294,6 +302,7 @@ class Row:
     step_seconds: list[float]
     train_seconds: float
     lr_ratio: float
+    threads: int  # torch's intra-op threads of the process that trained it
 
     @property
     def bytes_per_param(self) -> float:
@@ -336,8 +345,39 @@ def run_config(setup: Setup, config: Config, seed: int, args: argparse.Namespace
     sizes = timer.sizes
     return Row(
         "gpt", config.name, seed, metrics, sizes["params"], sizes["weight_bytes"], sizes["packed_weight_bytes"], sizes["state_bytes"],
-        timer.seconds, time.perf_counter() - start, sizes["lr_ratio"],
+        timer.seconds, time.perf_counter() - start, sizes["lr_ratio"], torch.get_num_threads(),
     )  # fmt: skip
+
+
+def settings_key(setup: Setup, args: argparse.Namespace, digest: str) -> dict:
+    """What must match for a saved run to stand in for a new one (``--rows``): the settings and the library's sources."""
+    return {"setup": dataclasses.asdict(setup), "compute": args.compute, "state_rounding": args.state_rounding, "source": digest}
+
+
+def load_rows(path: Path | None, key: dict) -> dict[tuple[str, int], Row]:
+    """``{(config, seed): Row}`` of the runs saved in ``path`` with these settings (later lines win); others are skipped."""
+    if path is None or not path.exists():
+        return {}
+    rows = {}
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as error:  # a line cut short by a killed process: rerun that configuration
+            print(f"--rows {path}: line {number} unreadable ({error}); its run is trained again", file=sys.stderr)
+            continue
+        if record.pop("settings") == json.loads(json.dumps(key)):
+            row = Row(**record)
+            rows[row.config, row.seed] = row
+    return rows
+
+
+def save_row(path: Path | None, key: dict, row: Row) -> None:
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("a") as file:  # one write per line: processes sharing the file do not interleave lines
+            file.write(json.dumps({"settings": key, **dataclasses.asdict(row)}) + "\n")
 
 
 # --- statistics ---------------------------------------------------------------------------------------------------
@@ -562,15 +602,19 @@ def report(args: argparse.Namespace, setup: Setup, rows: list[Row], seconds: flo
     by_config = summaries(rows, "gpt")
     seeds = sorted({row.seed for row in rows})
     lr_ratios = sorted({round(row.lr_ratio, 4) for row in rows})
+    threads = sorted({row.threads for row in rows})
+    trained = sum(row.train_seconds for row in rows)
     params = sorted({row.params for row in rows})
     lines = [
         "# Training without fp32 master weights (ECO): master weights vs naive removal vs ECO, bf16 and FP8 weights",
         "",
         f"- command: `{command}`",
-        f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; runtime {seconds:.0f} s",
+        f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; runtime {seconds:.0f} s "
+        f"(training time of the runs, summed: {trained:.0f} s)",
         f"- versions: python {platform.python_version()}, torch {torch.__version__}, lightning {lightning.__version__}, "
         f"torchao {_version('torchao')}, optimi {_version('optimi')}, lightning_qstate source digest {digest}",
-        f"- machine: {platform.machine()}, {platform.system()}, CPUs {os.cpu_count()}, torch threads {torch.get_num_threads()}; "
+        f"- machine: {platform.machine()}, {platform.system()}, CPUs {os.cpu_count()}, "
+        f"torch threads per run {', '.join(map(str, threads))}; "
         "shared machine, timings are noisy",
         f"- model: {setup.label}; {setup.steps} steps, AdamW, warmup {setup.model['warmup_steps']} then cosine to 0.1× peak "
         f"(LR at the end / peak: {', '.join(f'{ratio:g}' for ratio in lr_ratios)}), gradient clipping 1.0, one validation at "
@@ -625,6 +669,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--compute", choices=("bf16", "fp32"), default="bf16", help="bf16: the precisions above (default); fp32: 32-true but for the peers"
     )
     parser.add_argument("--min-quant-size", type=int, default=None, help="smaller parameters keep fp32 states (default 4096; quick 0)")
+    parser.add_argument("--rows", type=Path, default=None, help="JSON lines of finished runs: saved as they end, reused when found")
     args = parser.parse_args(argv)
     names: list[str] = []
     for item in (item.strip() for item in args.configs.split(",")):
@@ -656,10 +701,15 @@ def main(argv: list[str] | None = None) -> str:
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
     start, digest = time.perf_counter(), source_digest()
     setup = make_setup(args)
-    rows = []
+    key = settings_key(setup, args, digest)
+    saved, rows = load_rows(args.rows, key), []
     for seed in args.seeds:
         for name in args.config_names:
+            if (name, seed) in saved:
+                rows.append(saved[name, seed])
+                continue
             row = run_config(setup, CONFIGS[name], seed, args)
+            save_row(args.rows, key, row)
             print(
                 f"{name} seed {seed}: val_loss {row.metrics.get('val_loss', math.nan):.4f}, {row.bytes_per_param:.3f} bytes/param, "
                 f"step {fmt_ms(row.step_seconds)} ms, train {row.train_seconds:.0f} s",

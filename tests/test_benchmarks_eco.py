@@ -91,3 +91,27 @@ def test_verdicts_on_made_up_differences(bench: ModuleType) -> None:
     assert bench.parse_args(["--configs", "peers,master"]).config_names == ["master_fp32", "master_int8", "torchao_bf16_sr", "optimi_kahan"]
     assert bench.CONFIGS["fp8_eco_rn_int8"].precision_for("fp32") == "32-true"
     assert bench.CONFIGS["optimi_kahan"].precision_for("fp32") == "bf16-true"
+
+
+def test_rows_file_resumes_and_merges(bench: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Runs saved with ``--rows`` by two calls (disjoint seeds) make the report of a third call, which trains nothing."""
+    rows, configs = tmp_path / "rows.jsonl", "master_fp32,bf16_eco_sr_int8"
+    common = ["--quick", "--steps", "2", "--configs", configs, "--rows", str(rows)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for seed in ("0", "1"):
+            bench.main([*common, "--seeds", seed, "--out", str(tmp_path / f"seed{seed}.md")])
+    assert len(rows.read_text().splitlines()) == 4
+    rows.write_text(rows.read_text() + '{"settings": {"cut sh')  # a line a killed process left unfinished
+    monkeypatch.setattr(bench, "run_config", lambda *args: pytest.fail("a saved run was trained again"))
+    text = bench.main([*common, "--seeds", "0", "1", "--out", str(tmp_path / "all.md")])
+    assert "; seeds 0, 1" in text and "torch threads per run" in text
+    per_seed = text.split("val loss per seed")[1]
+    for seed in ("0", "1"):
+        single = (tmp_path / f"seed{seed}.md").read_text().split("val loss per seed")[1]
+        line = next(line for line in single.splitlines() if line.startswith("| bf16_eco_sr_int8"))
+        assert line.split("|")[2].strip() in per_seed  # the same seed's number, taken from the file
+    # other settings (here the step count) do not match the saved runs: they are trained
+    monkeypatch.setattr(bench, "run_config", lambda *args: (_ for _ in ()).throw(RuntimeError("trained")))
+    with pytest.raises(RuntimeError, match="trained"):
+        bench.main(["--quick", "--steps", "3", "--configs", configs, "--rows", str(rows), "--seeds", "0"])
