@@ -42,7 +42,10 @@ class PrecisionAdvisor(Callback):
     - printed on global rank 0 (``verbose``) and kept in :attr:`reports` (one per advised optimizer);
     - logged as markdown text ``qstate/precision_advice`` to every TensorBoard logger;
     - one warning per component at risk (verdict ``"marginal"`` or ``"insufficient"``), with its reasons and remedies;
-    - with ``strict=True``, a ``ValueError`` listing the components at risk, raised on every rank before any step.
+    - with ``strict=True``, a ``ValueError`` listing the ``"insufficient"`` components, raised on every rank before any
+      step. ``"marginal"`` ones (short of the rule by at most one bit, its accuracy near the calibrated horizon; or a
+      block-scaled state that follows its block's scale down) only warn: the library's default int8 states are marginal
+      where ``v`` written RN has a ratchet, and train well.
 
     The check runs in ``on_train_start``: after :class:`~lightning_qstate.callbacks.QuantizedOptimizerStates` converted
     the optimizers (in ``on_fit_start``) and after a checkpoint was restored, so the formats are those that train.
@@ -72,7 +75,7 @@ class PrecisionAdvisor(Callback):
     Args:
         steps: the run's planned optimizer steps ``T``; default the Trainer's ``estimated_stepping_batches`` (``max_steps``,
             or ``max_epochs`` times the optimizer steps per epoch where that ends the run first).
-        strict: raise before training when any component is at risk, instead of only warning.
+        strict: raise before training when any component is ``"insufficient"``, instead of only warning.
         log_weight_stalls: log the weights' stall rates during training.
         log_every_n_steps: optimizer steps between weight stall measurements; default the Trainer's ``log_every_n_steps``.
         per_layer: log a weight stall rate per parameter (else only the model-wide one).
@@ -83,7 +86,7 @@ class PrecisionAdvisor(Callback):
 
     Raises:
         ValueError: for invalid arguments; at the start of training, for a run of unknown length (no ``steps``,
-            ``max_steps`` or ``max_epochs``) or, with ``strict=True``, components at risk.
+            ``max_steps`` or ``max_epochs``) or, with ``strict=True``, ``"insufficient"`` components.
     """
 
     def __init__(
@@ -157,10 +160,11 @@ class PrecisionAdvisor(Callback):
                 self._publish(trainer, report, label, index if len(optimizers) > 1 else None)
         for label, row in risky:
             rank_zero_warn(f"PrecisionAdvisor: {_describe(label, row, steps)}: " + " | ".join(row.reasons))
-        if self.strict and trainer.strategy.reduce_boolean_decision(bool(risky), all=False):
-            listed = "\n".join(f"  - {_describe(label, row, steps)}" for label, row in risky) or "  (on another rank)"
+        failing = [(label, row) for label, row in risky if row.verdict == "insufficient"]
+        if self.strict and trainer.strategy.reduce_boolean_decision(bool(failing), all=False):
+            listed = "\n".join(f"  - {_describe(label, row, steps)}" for label, row in failing) or "  (on another rank)"
             raise ValueError(
-                f"PrecisionAdvisor(strict=True): {len(risky)} component(s) lack the precision a {steps}-step run needs:\n{listed}\n"
+                f"PrecisionAdvisor(strict=True): {len(failing)} component(s) lack the precision a {steps}-step run needs:\n{listed}\n"
                 "Change them as the printed report's notes say (more mantissa bits, rounding='stochastic', state resets, "
                 "error_feedback for the weights), plan fewer steps, or pass strict=False to train anyway."
             )
