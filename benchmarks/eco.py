@@ -37,14 +37,14 @@ Configurations (``CONFIGS``; ``--configs`` also takes the families ``master``, `
 Int8 states use ``--state-rounding`` (default nearest, the library's and the ``master_int8`` run's); parameters with fewer
 than ``--min-quant-size`` values (default 4096) keep fp32 states, counted in every figure.
 
-``--compute fp32`` runs every configuration but the peers under ``32-true`` instead: the same weight grids, held as
-values in fp32 parameters (their actual bytes are 4 per value; the packed column gives the stored format's), with fp32
-matmuls; the comparison of the weight formats is the same, the compute precision is not the one users of
-``bf16-true`` get. It exists for time: on a CPU without bf16 arithmetic (this project's 2-core AVX2 machines) torch
-2.14's bf16 matmuls run on one thread at about 1 GFLOP/s, so a bf16 training step of the GPT takes about 2.5 s
-against 0.1 s in fp32. Estimated on 2 idle cores: the default run (20 configurations x 5 seeds x 400 steps) about
-28 h; ``--compute fp32`` about 5 h, of which 3 h are the two peers (still bf16); ``--compute fp32 --configs
-master,bf16,fp8`` about 2 h.
+``--compute fp32`` runs every configuration under ``32-true`` instead: the library's weight grids held as values in fp32
+parameters (their actual bytes are 4 per value; the packed column gives the stored format's), the peers' parameters
+kept bf16 with each forward run on fp32 copies (``PeerGPT``); all with fp32 matmuls. The comparison of the weight
+formats is the same, the compute precision is not the one users of ``bf16-true`` get. It exists for time: on a CPU
+without bf16 arithmetic (this project's 2-core AVX2 machines) torch 2.14's bf16 matmuls run on one thread at about
+1 GFLOP/s, so a bf16 training step of the GPT takes about 2.5 s against 0.1 s in fp32. Estimated on 2 idle cores: the
+default run (20 configurations x 5 seeds x 400 steps) about 28 h; ``--compute fp32`` about 3 h (1.5 h in two
+one-thread processes sharing ``--rows``).
 
 ``--rows FILE`` keeps every finished run as one JSON line in ``FILE``; a later call with the same file and the same
 settings (model, steps, compute, state rounding, lightning_qstate sources) reuses the runs it finds there instead of
@@ -143,16 +143,17 @@ class Config:
         return "eco" if self.method.startswith("eco") else None
 
     def precision_for(self, compute: str) -> str:
-        """Lightning's precision: as specified (``--compute bf16``), or ``32-true`` for all but the peers (``--compute fp32``)."""
-        return "32-true" if compute == "fp32" and self.peer is None else self.precision
+        """Lightning's precision: as specified (``--compute bf16``), or ``32-true`` (``--compute fp32``)."""
+        return "32-true" if compute == "fp32" else self.precision
 
     def label(self, compute: str) -> str:
         """What the report's legend says about it under ``--compute``."""
         precision = self.precision_for(compute)
+        upcast = ", fp32 matmuls on upcast copies" if precision == "32-true" else ""
         if self.peer == "torchao":
-            return f"torchao `_AdamW(bf16_stochastic_round=True)`, {precision} (bf16 weights and states)"
+            return f"torchao `_AdamW(bf16_stochastic_round=True)`, {precision} (bf16 weights and states{upcast})"
         if self.peer == "optimi":
-            return f"optimi `AdamW(kahan_sum=True)`, {precision} (bf16 weights, states and Kahan buffer)"
+            return f"optimi `AdamW(kahan_sum=True)`, {precision} (bf16 weights, states and Kahan buffer{upcast})"
         if self.family == "master":
             optimizer = "torch AdamW" if self.states == "fp32" else f'`QStatePrecision("{precision}", states="int8")`'
             return f"{precision} (fp32 master weights), {optimizer}"
@@ -179,11 +180,27 @@ FAMILIES = ("master", "bf16", "fp8", "peers")
 
 
 class PeerGPT(GPTModule):
-    """The GPT example with a peer's AdamW in place of torch's: the same groups, hyperparameters and LR schedule."""
+    """The GPT example with a peer's AdamW in place of torch's: the same groups, hyperparameters and LR schedule.
 
-    def __init__(self, *args, peer: str, **kwargs) -> None:
+    ``fp32_compute=True`` (``--compute fp32``, under ``32-true``) keeps the parameters in bf16, as the peers need, and
+    runs each forward on fp32 copies made for it (``torch.func.functional_call``; gradients flow back to the bf16
+    parameters in bf16): the same weights and fp32 matmuls as the library's rows under ``--compute fp32``, and no fp32
+    copy kept between steps.
+    """
+
+    def __init__(self, *args, peer: str, fp32_compute: bool = False, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.peer = peer
+        self.fp32_compute = fp32_compute
+        if fp32_compute:
+            for param in self.model.parameters():
+                param.data = param.data.to(torch.bfloat16)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        if not self.fp32_compute:
+            return super().forward(tokens)
+        upcast = {name: param.float() for name, param in self.model.named_parameters()}  # tied weights: named once
+        return torch.func.functional_call(self.model, upcast, args=(), kwargs={"input_ids": tokens, "use_cache": False}).logits
 
     def configure_optimizers(self):
         configured = super().configure_optimizers()
@@ -333,7 +350,10 @@ def plugin_for(config: Config, module: GPTModule, args: argparse.Namespace, setu
 def run_config(setup: Setup, config: Config, seed: int, args: argparse.Namespace) -> Row:
     """Train the GPT in ``config`` from ``seed`` and measure it."""
     pl.seed_everything(seed, verbose=False)
-    module = PeerGPT(**setup.model, seed=seed, peer=config.peer) if config.peer else GPTModule(**setup.model, seed=seed)
+    if config.peer:
+        module = PeerGPT(**setup.model, seed=seed, peer=config.peer, fp32_compute=args.compute == "fp32")
+    else:
+        module = GPTModule(**setup.model, seed=seed)
     plugin = plugin_for(config, module, args, setup)
     timer = OptimizerStepTimer()
     trainer = benchmark_trainer(

@@ -39,6 +39,7 @@ import sys
 import time
 import traceback
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -353,12 +354,25 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":
+def run_worker(main: Callable[[], int]) -> None:
+    """Run one rank's ``main`` and end the process with its status.
+
+    Any failure is printed and ends this rank at once with status 1. On success the process group is destroyed before
+    the interpreter exits: left to the interpreter's teardown, gloo's threads were once destroyed while still joinable
+    (``terminate called without an active exception``, status -6, after every phase had finished).
+    """
     try:
         status = main()
+        if torch.distributed.is_initialized():
+            torch.distributed.barrier()
+            torch.distributed.destroy_process_group()
     except BaseException:  # noqa: BLE001 - any failure: report it and end this rank with a non-zero status
         traceback.print_exc()
         sys.stderr.flush()
         os._exit(1)
     sys.stdout.flush()
     sys.exit(status)
+
+
+if __name__ == "__main__":
+    run_worker(main)

@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import sys
 import time
 import traceback
@@ -53,7 +52,7 @@ from lightning_qstate.optim import QuantizedStates, clean_parameter_name  # noqa
 from lightning_qstate.optim.base import local_tensor  # noqa: E402
 from lightning_qstate.plugins import QStatePrecision  # noqa: E402
 
-from distributed_worker import RecordLoaded, describe_state, digest, full_weights, make_strategy  # noqa: E402
+from distributed_worker import RecordLoaded, describe_state, digest, full_weights, make_strategy, run_worker  # noqa: E402
 from lightning_models import step_batch  # noqa: E402
 
 WIDTH, DIM, HIDDEN, OUTPUTS = 24, 32, 51, 8  # hidden=51: fc1's rows shard 26 / 25 under FSDP2
@@ -274,11 +273,4 @@ def record_error(out: Path, text: str) -> None:
 
 
 if __name__ == "__main__":
-    try:
-        status = main()
-    except BaseException:  # noqa: BLE001 - any failure: report it and end this rank with a non-zero status
-        traceback.print_exc()
-        sys.stderr.flush()
-        os._exit(1)
-    sys.stdout.flush()
-    sys.exit(status)
+    run_worker(main)

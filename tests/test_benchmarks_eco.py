@@ -90,7 +90,27 @@ def test_verdicts_on_made_up_differences(bench: ModuleType) -> None:
     assert args.seeds == [0, 1, 2, 3, 4] and args.config_names == list(bench.CONFIGS) and len(args.config_names) == 20
     assert bench.parse_args(["--configs", "peers,master"]).config_names == ["master_fp32", "master_int8", "torchao_bf16_sr", "optimi_kahan"]
     assert bench.CONFIGS["fp8_eco_rn_int8"].precision_for("fp32") == "32-true"
-    assert bench.CONFIGS["optimi_kahan"].precision_for("fp32") == "bf16-true"
+    assert bench.CONFIGS["optimi_kahan"].precision_for("fp32") == "32-true" and bench.CONFIGS["optimi_kahan"].precision == "bf16-true"
+
+
+def test_peers_under_fp32_compute_keep_bf16_parameters(bench: ModuleType) -> None:
+    """``--compute fp32``: the peers' parameters stay bf16 (tied embedding included) and the forward is the fp32 model's
+    on those values; gradients reach the bf16 parameters."""
+    import torch
+
+    model = {"n_embd": 32, "n_layer": 1, "n_head": 2, "n_positions": 16}
+    peer = bench.PeerGPT(**model, seed=0, peer="optimi", fp32_compute=True)
+    reference = bench.GPTModule(**model, seed=0)
+    assert all(param.dtype == torch.bfloat16 for param in peer.parameters())
+    assert peer.model.lm_head.weight is peer.model.transformer.wte.weight
+    with torch.no_grad():
+        for param in reference.parameters():
+            param.copy_(param.to(torch.bfloat16))
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    logits = peer(tokens)
+    assert logits.dtype == torch.float32 and torch.equal(logits, reference(tokens))
+    logits.square().mean().backward()
+    assert all(param.grad is not None and param.grad.dtype == torch.bfloat16 for param in peer.parameters())
 
 
 def test_rows_file_resumes_and_merges(bench: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -173,7 +173,8 @@ def launch(out: Path, args: list[str], timeout: float = LAUNCH_TIMEOUT, worker: 
     finally:
         kill_group(process.pid)  # a rank left behind by a failure
     if process.returncode != 0:
-        pytest.fail(f"{' '.join(command)} exited with {process.returncode}:\n{output[-8000:]}")
+        finished = sorted(str(path.relative_to(out)) for path in out.rglob("done*"))  # the phases each rank completed
+        pytest.fail(f"{' '.join(command)} exited with {process.returncode} (finished: {finished}):\n{output[-8000:]}")
     return time.perf_counter() - start
 
 
