@@ -1,5 +1,5 @@
 """Lightning callbacks: quantizing optimizer states, measuring and resetting stale states, adaptive bit-widths, precision
-advice for a planned run; a run summary."""
+advice for a planned run, a quantization-robustness probe; a run summary."""
 
 try:
     import lightning.pytorch  # noqa: F401
@@ -8,6 +8,7 @@ except ModuleNotFoundError as error:
 
 from .adaptive_bits import AdaptiveBitWidth
 from .precision_advisor import PrecisionAdvisor
+from .quantization_probe import ProbeResult, QuantizationProbe
 from .quantized_states import QuantizedOptimizerStates, memory_metrics
 from .stall_monitor import StallMonitor
 from .state_reset import StateResetScheduler
@@ -16,6 +17,8 @@ from .summary import RunSummary
 __all__ = [
     "AdaptiveBitWidth",
     "PrecisionAdvisor",
+    "ProbeResult",
+    "QuantizationProbe",
     "QuantizedOptimizerStates",
     "RunSummary",
     "StallMonitor",

@@ -1,0 +1,117 @@
+"""Post-training quantization of a model's linear layers, as a context manager that restores the model exactly.
+
+Example::
+
+    >>> import torch
+    >>> from lightning_qstate.probes import ptq
+    >>> model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    >>> x = torch.randn(4, 8)
+    >>> clean = model(x)
+    >>> with ptq(model, weights="int4", activations="int4"):  # W4A4 on both linear layers
+    ...     quantized = model(x)
+    >>> torch.equal(model(x), clean)
+    True
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from functools import partial
+
+import torch
+
+from ..formats.rounding import Rounding
+from ..formats.weights import WeightBlock
+from .fake_quant import fake_quantize, probe_grid
+
+
+def weight_input_dim(module: torch.nn.Module) -> int:
+    """The input-feature dimension of a linear layer's weight: 1 for ``nn.Linear`` ``(out, in)``, 0 for the
+    ``Conv1D`` of transformers' GPT-2 ``(in, out)``; its scale groups run along it (one scale per output channel)."""
+    return 0 if is_conv1d(module) else 1
+
+
+def is_conv1d(module: torch.nn.Module) -> bool:
+    """transformers' ``Conv1D`` (GPT-2's linear layers: ``x @ weight + bias`` with ``weight`` of shape ``(in, out)``)."""
+    return type(module).__name__ == "Conv1D" and hasattr(module, "nf") and hasattr(module, "weight")
+
+
+def is_linear(module: torch.nn.Module) -> bool:
+    """A linear layer the probes quantize: ``torch.nn.Linear`` (and subclasses) or transformers' ``Conv1D``."""
+    return isinstance(module, torch.nn.Linear) or is_conv1d(module)
+
+
+def linear_modules(model: torch.nn.Module, modules: Iterable[str] | None = None) -> dict[str, torch.nn.Module]:
+    """The linear layers of ``model`` by name, in registration order: all (``modules=None``) or those whose names match
+    one of the ``fnmatch`` patterns in ``modules`` (e.g. ``"*.mlp.*"``; exact names match themselves).
+
+    Raises:
+        ValueError: a pattern that matches no linear layer (a typo is never silently ignored), or a model without any.
+    """
+    layers = {name: module for name, module in model.named_modules() if is_linear(module)}
+    if not layers:
+        raise ValueError(f"{type(model).__name__} has no linear layers (torch.nn.Linear or transformers' Conv1D) to quantize")
+    if modules is None:
+        return layers
+    patterns = [modules] if isinstance(modules, str) else list(modules)
+    unmatched = [pattern for pattern in patterns if not any(fnmatch.fnmatchcase(name, pattern) for name in layers)]
+    if unmatched:
+        raise ValueError(f"modules={unmatched} match no linear layer of {type(model).__name__}; its linear layers are {list(layers)}")
+    return {name: module for name, module in layers.items() if any(fnmatch.fnmatchcase(name, pattern) for pattern in patterns)}
+
+
+def _quantize_input(module, args, *, fmt: str, block: WeightBlock, rounding: Rounding):
+    return (fake_quantize(args[0], fmt, block=block, rounding=rounding), *args[1:])
+
+
+@contextmanager
+def ptq(
+    model: torch.nn.Module,
+    weights: str | None = "int4",
+    activations: str | None = "int4",
+    *,
+    modules: Iterable[str] | None = None,
+    block: WeightBlock = "row",
+    rounding: Rounding = "nearest",
+) -> Iterator[dict[str, torch.nn.Module]]:
+    """Quantize the linear layers of ``model`` in place for the ``with`` block (default W4A4 on all, as arXiv 2509.23500).
+
+    Each selected layer's weight is replaced by a fake-quantized copy (symmetric absmax, one scale per output channel
+    with ``block="row"``) and its input is fake-quantized on every call (one scale per token); the layer's original
+    ``Parameter`` objects are put back on exit, untouched, so the model, its optimizer and tied weights (GPT-2's
+    ``lm_head`` shares the embedding, which stays unquantized) are exactly as before. Non-linear modules (norms,
+    embeddings, attention's softmax) keep the model's precision. Yields the quantized layers by name.
+
+    Args:
+        weights, activations: PTQ format names (:mod:`lightning_qstate.probes.fake_quant`), ``None`` to keep that
+            side unquantized; :data:`RECIPES` names the usual pairs (``ptq(model, **RECIPES["W8A8"])``).
+        modules: ``fnmatch`` patterns of the layers to quantize (default: every linear layer).
+        block, rounding: as :func:`fake_quantize`.
+
+    Raises:
+        ValueError: an unknown format or block, or ``modules`` matching no linear layer.
+    """
+    for fmt in (weights, activations):
+        if fmt is not None:
+            probe_grid(fmt, block)  # errors before anything changes
+    layers = linear_modules(model, modules)
+    swapped: list[tuple[torch.nn.Module, torch.nn.Parameter]] = []
+    handles = []
+    try:
+        for module in layers.values():
+            if weights is not None:
+                original = module._parameters["weight"]
+                with torch.no_grad():
+                    rounded = fake_quantize(original.detach(), weights, block=block, dim=weight_input_dim(module), rounding=rounding)
+                module._parameters["weight"] = torch.nn.Parameter(rounded, requires_grad=original.requires_grad)
+                swapped.append((module, original))
+            if activations is not None:
+                handles.append(module.register_forward_pre_hook(partial(_quantize_input, fmt=activations, block=block, rounding=rounding)))
+        yield layers
+    finally:
+        for module, original in reversed(swapped):
+            module._parameters["weight"] = original
+        for handle in handles:
+            handle.remove()

@@ -1,0 +1,227 @@
+"""The quantization-robustness probes (``lightning_qstate.probes``): fake quantization, ``ptq``'s exact restore, the ABC
+decomposition against its closed form for linear chains, and the outlier metrics against known values."""
+
+from __future__ import annotations
+
+import doctest
+import importlib
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lightning_qstate.probes import (
+    RECIPES,
+    abc_decomposition,
+    default_units,
+    fake_quantize,
+    kurtosis,
+    linear_input_statistics,
+    linear_modules,
+    mmr,
+    ptq,
+    sqnr,
+)
+
+transformers = pytest.importorskip("transformers")
+
+
+def gpt(n_layer: int = 2) -> torch.nn.Module:
+    config = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=n_layer, n_head=2)
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(config).eval()
+
+
+def tokens() -> torch.Tensor:
+    return torch.randint(0, 64, (3, 16), generator=torch.Generator().manual_seed(1))
+
+
+def gpt_forward(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    return model(input_ids=batch, use_cache=False).logits
+
+
+def int_grid(x: torch.Tensor, levels: int, dim: int = -1) -> torch.Tensor:
+    """Symmetric absmax rounding to ``k / levels`` of the absmax along ``dim`` (the paper's PTQ), by hand."""
+    scale = x.abs().amax(dim=dim, keepdim=True) / levels
+    return torch.round(x / scale) * scale
+
+
+@pytest.mark.parametrize("module", ["fake_quant", "metrics", "ptq", "abc"])
+def test_docstring_examples(module):
+    assert doctest.testmod(importlib.import_module(f"lightning_qstate.probes.{module}"), optionflags=doctest.ELLIPSIS).failed == 0
+
+
+# --- fake quantization -------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(("fmt", "levels"), [("int4", 7), ("int8", 127)])
+def test_integer_names_are_the_symmetric_absmax_grids_per_row(fmt, levels):
+    x = torch.randn(6, 40, generator=torch.Generator().manual_seed(0))
+    assert torch.allclose(fake_quantize(x, fmt), int_grid(x, levels), rtol=0, atol=1e-6)
+    assert torch.allclose(fake_quantize(x, fmt, dim=0), int_grid(x, levels, dim=0), rtol=0, atol=1e-6)
+    blocks = fake_quantize(x, fmt, block=8).view(6, 5, 8)
+    assert torch.allclose(blocks, int_grid(x.view(6, 5, 8), levels), rtol=0, atol=1e-6)
+    assert torch.equal(fake_quantize(fake_quantize(x, fmt), fmt), fake_quantize(x, fmt))  # grid values stay
+
+
+def test_fake_quantize_keeps_dtype_shape_and_takes_any_format():
+    x = torch.randn(4, 16, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(0))
+    for fmt in ("int4", "int8_dynamic", "fp8_e4m3", "e2m1", "bf16"):
+        y = fake_quantize(x, fmt)
+        assert y.dtype == x.dtype and y.shape == x.shape
+    assert torch.equal(fake_quantize(x, "bf16"), x) and fake_quantize(x, None) is x
+    e2m1 = fake_quantize(torch.tensor([[6.0, 1.2, -2.6, 0.2]]), "e2m1")  # FP4: max 6, values 0, .5, 1, 1.5, 2, 3, 4, 6
+    assert e2m1.tolist() == [[6.0, 1.0, -3.0, 0.0]]
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda x: fake_quantize(x, "int3"), r"PTQ format 'int3'.*PTQ names: int4, int8"),
+        (lambda x: fake_quantize(x, 4), "must be a format name"),
+        (lambda x: fake_quantize(x, "int4", block=12), "weight_block"),
+        (lambda x: fake_quantize(x, "int4", block=32), "block=32 does not divide the 16 values"),
+        (lambda x: fake_quantize(x, "int4", rounding="up"), "rounding='up' is not valid"),
+    ],
+)
+def test_fake_quantize_refuses_bad_options(call, message):
+    with pytest.raises(ValueError, match=message):
+        call(torch.randn(2, 16))
+
+
+# --- ptq -------------------------------------------------------------------------------------------------------------
+def test_ptq_is_w4a4_on_every_linear_layer_and_restores_exactly():
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    x = torch.randn(5, 16, generator=torch.Generator().manual_seed(0))
+    before = {name: (param, param.detach().clone()) for name, param in model.named_parameters()}
+    expected = F.linear(
+        int_grid(F.relu(F.linear(int_grid(x, 7), int_grid(model[0].weight, 7), model[0].bias)), 7),
+        int_grid(model[2].weight, 7),
+        model[2].bias,
+    )
+    with torch.no_grad(), ptq(model) as layers:
+        assert list(layers) == ["0", "2"]
+        assert torch.allclose(model(x), expected, atol=1e-5)
+    for name, param in model.named_parameters():
+        assert param is before[name][0] and torch.equal(param, before[name][1])
+    assert not model[0]._forward_pre_hooks and not model[2]._forward_pre_hooks
+    with pytest.raises(RuntimeError, match="inside"), ptq(model):
+        raise RuntimeError("inside")
+    assert all(param is before[name][0] for name, param in model.named_parameters())  # restored after an error too
+
+
+def test_ptq_recipes_patterns_and_conv1d_output_channels():
+    model = gpt()
+    batch = tokens()
+    with torch.no_grad():
+        clean = gpt_forward(model, batch)
+        with ptq(model, **RECIPES["W4A16"], modules=["*.mlp.c_fc"]) as layers:
+            assert list(layers) == ["transformer.h.0.mlp.c_fc", "transformer.h.1.mlp.c_fc"]
+            conv = model.transformer.h[0].mlp.c_fc  # Conv1D: weight (in, out), one scale per output column
+            assert torch.allclose(conv.weight, int_grid(layers["transformer.h.0.mlp.c_fc"]._parameters["weight"], 7, dim=0), atol=1e-6)
+            assert not torch.equal(gpt_forward(model, batch), clean)
+        with ptq(model) as layers:
+            assert "lm_head" in layers and len(layers) == 9
+            assert model.lm_head.weight is not model.transformer.wte.weight  # the tied embedding stays clean
+        assert model.lm_head.weight is model.transformer.wte.weight
+        assert torch.equal(gpt_forward(model, batch), clean)
+    with pytest.raises(ValueError, match=r"modules=\['\*.mlp.typo'\] match no linear layer"):
+        with ptq(model, modules=["*.mlp.typo"]):
+            pass
+    with pytest.raises(ValueError, match="PTQ format 'int5'"):
+        with ptq(model, activations="int5"):
+            pass
+    with pytest.raises(ValueError, match="no linear layers"):
+        linear_modules(torch.nn.Sequential(torch.nn.ReLU()))
+
+
+# --- the ABC decomposition -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("per_token", [False, True])
+def test_abc_matches_the_closed_form_of_a_linear_chain(per_token):
+    """Bias-free linear units, weights quantized only: a = ½(Wq + W)(hq − h), b = ½(Wq − W)(hq + h)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Linear(24, 24, bias=False) for _ in range(3)))
+    x = torch.randn(10, 24)
+    result = abc_decomposition(model, x, activations=None, per_token=per_token, layers=False)
+    h, hq = x.double(), x.double()
+    previous_r = 0.0
+    for index, row in enumerate(result.rows):
+        w = model[index].weight.double()
+        wq = int_grid(model[index].weight, 7).double()
+        out, out_q = h @ w.T, hq @ wq.T
+        a, b = (hq - h) @ ((wq + w) / 2).T, (hq + h) @ ((wq - w) / 2).T
+
+        def ratio(t, out=out):
+            if per_token:
+                return (t.square().sum(-1) / out.square().sum(-1)).mean().item()
+            return (t.square().sum() / out.square().sum()).item()
+
+        assert row.name == str(index) and row.kind == "unit"
+        assert row.R == pytest.approx(ratio(out_q - out), rel=1e-4)
+        assert row.A == pytest.approx(ratio(a), rel=1e-4, abs=1e-12) and row.B == pytest.approx(ratio(b), rel=1e-4)
+        assert row.A + row.B + row.C == pytest.approx(row.R, rel=1e-12)
+        assert row.R_in == pytest.approx(previous_r, rel=1e-9, abs=1e-15)  # a chain: the input's error is the last R
+        assert math.isnan(row.G) if index == 0 else row.G == pytest.approx(row.A / previous_r)
+        h, hq, previous_r = out, out_q, row.R
+    assert result.R_L == result.rows[-1].R and result.units == result.rows
+
+
+def test_abc_on_gpt_blocks_and_their_linear_layers():
+    model = gpt()
+    result = abc_decomposition(model, tokens(), forward=gpt_forward)
+    assert [row.name for row in result.units] == ["transformer.h.0", "transformer.h.1"] == default_units(model)
+    assert [row.name for row in result.rows[1:5]] == [
+        f"transformer.h.0.{name}" for name in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
+    ]
+    for row in result.rows:
+        assert row.R > 0 and row.A >= 0 and row.B > 0
+        assert row.A + row.B + row.C == pytest.approx(row.R, rel=1e-9)
+    assert result.units[1].R_in == pytest.approx(result.units[0].R, rel=1e-6)  # block 1 reads block 0's output
+    assert result.units[1].A > result.units[1].B  # the paper's finding: propagated error dominates after block 0
+    assert "transformer.h.1" in str(result) and model.training is False
+    w8a8 = abc_decomposition(model, tokens(), **RECIPES["W8A8"], forward=gpt_forward)
+    assert w8a8.R_L < result.R_L / 20  # 8 bits: ~16x less error per value, ~256x in squares
+    model.train()
+    assert abc_decomposition(model, tokens(), forward=gpt_forward, layers=False).R_L == pytest.approx(result.R_L) and model.training
+
+
+def test_abc_refuses_what_is_not_a_chain():
+    with pytest.raises(ValueError, match="pass units="):
+        abc_decomposition(torch.nn.Linear(4, 4), torch.randn(2, 4))
+    shared = torch.nn.Linear(4, 4)
+    with pytest.raises(ValueError, match="ran more than once"):
+        abc_decomposition(torch.nn.Sequential(shared, shared), torch.randn(2, 4), units=["0"])
+    with pytest.raises(ValueError, match=r"did not run"):
+        abc_decomposition(torch.nn.Sequential(torch.nn.Linear(4, 4)), torch.randn(2, 4), units=["0"], forward=lambda m, b: None)
+
+
+# --- metrics ---------------------------------------------------------------------------------------------------
+def test_mmr_kurtosis_and_sqnr_known_values():
+    assert mmr(torch.tensor([[1.0, 2.0, 3.0], [4.0, -4.0, 8.0]])) == pytest.approx((3 / 2 + 8 / 4) / 2)
+    assert mmr(torch.tensor([[0.0, 0.0, 1.0]])) == math.inf
+    assert mmr(torch.tensor([[1.0, 2.0], [3.0, 6.0]]), dim=0) == pytest.approx(1.5)
+    generator = torch.Generator().manual_seed(0)
+    assert kurtosis(torch.randn(400_000, generator=generator)) == pytest.approx(0.0, abs=0.05)
+    assert kurtosis(torch.rand(400_000, generator=generator)) == pytest.approx(-1.2, abs=0.02)
+    assert math.isnan(kurtosis(torch.ones(10)))
+    activations = torch.randn(512, 64, generator=generator)
+    activations[:, 3] *= 30  # one outlier channel, large for every token
+    assert kurtosis(activations, "channel_rms") > 50 > kurtosis(torch.randn(512, 64, generator=generator), "channel_rms") + 40
+    with pytest.raises(ValueError, match="variant='mean' is not valid"):
+        kurtosis(activations, "mean")
+    x = torch.randn(100, generator=generator)
+    assert sqnr(x, x) == math.inf
+    assert sqnr(x, x + 0.01 * x) == pytest.approx(40.0)
+
+
+def test_linear_input_statistics_are_those_of_each_layers_input():
+    model = gpt()
+    captured = {}
+    handle = model.transformer.h[1].mlp.c_proj.register_forward_pre_hook(lambda m, args: captured.setdefault("x", args[0]))
+    stats = linear_input_statistics(model, tokens(), forward=gpt_forward)
+    handle.remove()
+    assert len(stats.layers) == 9 and "lm_head" in stats.layers
+    layer = stats.layers["transformer.h.1.mlp.c_proj"]
+    assert layer["mmr"] == pytest.approx(mmr(captured["x"])) and layer["kurtosis"] == pytest.approx(kurtosis(captured["x"]))
+    assert layer["kurtosis_channel_rms"] == pytest.approx(kurtosis(captured["x"], "channel_rms"))
+    assert stats.mmr == pytest.approx(sum(v["mmr"] for v in stats.layers.values()) / 9)
+    assert not model.transformer.h[1].mlp.c_proj._forward_pre_hooks

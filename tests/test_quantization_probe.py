@@ -1,0 +1,121 @@
+"""QuantizationProbe on the GPT example: what it logs (scalars, the ABC figure), that its numbers are the library's on the
+fixed validation batches, that training is exactly as without it, and its argument checks."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.loggers import TensorBoardLogger
+
+from lightning_qstate.callbacks import QuantizationProbe
+from lightning_qstate.probes import abc_decomposition, ptq
+
+pytest.importorskip("transformers")
+pytest.importorskip("matplotlib")
+
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
+
+from examples.data import ByteTextDataModule  # noqa: E402
+from examples.gpt import GPTModule  # noqa: E402
+
+warnings.filterwarnings("ignore", ".*does not have many workers.*")
+warnings.filterwarnings("ignore", ".*GPU available but not used.*")
+
+MODEL = {"n_embd": 32, "n_layer": 2, "n_head": 2, "n_positions": 16, "warmup_steps": 2}
+
+
+def fit(tmp_path, callbacks, epochs: int = 2, logger=None) -> tuple[pl.Trainer, GPTModule]:
+    pl.seed_everything(0, verbose=False)
+    module = GPTModule(**MODEL, seed=0)
+    trainer = pl.Trainer(
+        default_root_dir=tmp_path,
+        accelerator="cpu",
+        max_epochs=epochs,
+        limit_train_batches=3,
+        limit_val_batches=2,
+        logger=logger or False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=callbacks,
+        num_sanity_val_steps=1,
+    )
+    trainer.fit(module, ByteTextDataModule(seq_len=16, batch_size=4, val_windows=8))
+    return trainer, module
+
+
+def test_probe_logs_what_the_library_measures_and_leaves_training_unchanged(tmp_path):
+    probe = QuantizationProbe(batches=2)
+    logger = TensorBoardLogger(tmp_path, name="runs", version=0)
+    trainer, module = fit(tmp_path, [probe], logger=logger)
+    _, plain = fit(tmp_path / "plain", [])
+    for (name, param), other in zip(module.named_parameters(), plain.parameters(), strict=True):
+        assert torch.equal(param, other), name  # off the training path: no RNG drawn, the model restored exactly
+    assert [result.step for result in probe.history] == [3, 6]
+    result = probe.history[-1]
+    assert len(probe._batches) == 2  # the first two validation batches, kept from the first validation
+    module.eval()
+    with torch.no_grad():
+        losses = [module._loss(batch).item() for batch in probe._batches]
+        with ptq(module):
+            quantized = [module._loss(batch).item() for batch in probe._batches]
+        abc = [abc_decomposition(module, batch, forward=lambda m, b: m._loss(b)) for batch in probe._batches]
+    assert result.loss == pytest.approx(sum(losses) / 2, rel=1e-6) and result.ptq_loss == pytest.approx(sum(quantized) / 2, rel=1e-6)
+    assert result.ptq_loss_increase == result.ptq_loss - result.loss and result.ptq_loss != result.loss and result.seconds > 0
+    assert result.R_L == pytest.approx(sum(run.R_L for run in abc) / 2, rel=1e-6)
+    assert [row.name for row in result.abc.units] == ["model.transformer.h.0", "model.transformer.h.1"] and len(result.abc.rows) == 10
+    assert result.mmr > 1 and math.isfinite(result.kurtosis) and math.isfinite(result.kurtosis_channel_rms)
+    events = EventAccumulator(str(tmp_path / "runs" / "version_0")).Reload()
+    scalars = set(events.Tags()["scalars"])
+    for name in ("loss", "ptq_loss", "ptq_loss_increase", "R_L", "mmr", "kurtosis", "kurtosis_channel_rms", "seconds"):
+        assert f"qstate/probe/{name}" in scalars
+    assert events.Scalars("qstate/probe/R_L")[-1].value == pytest.approx(result.R_L, rel=1e-5)
+    images = events.Images("qstate/probe/abc")
+    assert [image.step for image in images] == [3, 6] and images[0].width >= 600 and images[0].height >= 400
+
+
+def test_every_n_val_epochs_recipe_loss_fn_and_verbose(tmp_path, capsys):
+    calls = []
+
+    def loss_fn(module, batch):
+        calls.append(1)
+        return module._loss(batch)
+
+    probe = QuantizationProbe(every_n_val_epochs=2, activations=None, loss_fn=loss_fn, log_images=False, verbose=True, modules=["*.mlp.*"])
+    fit(tmp_path, [probe], epochs=4)
+    assert [result.step for result in probe.history] == [6, 12] and probe.recipe == "Wint4A-"
+    assert len(calls) == 2 * (1 + 1 + 2 + 1)  # per probe: the loss, the PTQ loss, the ABC's two forwards, the statistics' one
+    assert "QuantizationProbe (Wint4A-) at step 12" in capsys.readouterr().out
+
+
+def test_a_validation_step_without_the_loss_key_is_an_error(tmp_path):
+    with pytest.raises(ValueError, match=r"neither logs 'val_nll' \(it logged \['val_loss'\]\) nor returns a loss"):
+        fit(tmp_path, [QuantizationProbe(loss_key="val_nll", log_images=False)])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"every_n_val_epochs": 0}, "every_n_val_epochs=0 must be a positive int"),
+        ({"batches": 1.5}, "batches=1.5 must be a positive int"),
+        ({"weights": None, "activations": None}, "quantize nothing"),
+        ({"weights": "int3"}, "weights: PTQ format 'int3'"),
+        ({"activations": "int4", "block": 100}, "weight_block"),
+        ({"per_token": "yes"}, "per_token='yes' must be True or False"),
+        ({"loss_fn": "val_loss"}, "loss_fn='val_loss' must be callable"),
+    ],
+)
+def test_bad_arguments_are_refused_up_front(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        QuantizationProbe(**kwargs)
+
+
+def test_patterns_and_units_that_match_nothing_fail_at_fit_start(tmp_path):
+    with pytest.raises(ValueError, match=r"modules=\['\*.typo'\] match no linear layer"):
+        fit(tmp_path, [QuantizationProbe(modules=["*.typo"], log_images=False)])
+    with pytest.raises(AttributeError, match="nope"):
+        fit(tmp_path, [QuantizationProbe(units=["model.nope"], log_images=False)])
