@@ -644,7 +644,8 @@ def report(args: argparse.Namespace, setup: Setup, rows: list[Row], seconds: flo
         + (
             "the precisions of the configurations below"
             if args.compute == "bf16"
-            else "32-true for all but the peers: weight grids held in fp32"
+            else "32-true for all: the library's weight grids held in fp32 parameters, the peers' bf16 parameters upcast for each "
+            "forward; fp32 matmuls"
         )
         + f"); int8 states: rounding {args.state_rounding}, parameters under {setup.min_quant_size} values keep fp32 states",
         "- val loss: nats/byte, mean ± sample sd over the seeds; Δ: mean ± standard error of the per-seed differences against "

@@ -51,16 +51,19 @@ def test_quick_run_reports_every_run_and_reuses_them(bench: ModuleType, tmp_path
     assert all("reused" in message for message in messages) and again.split("- date:")[0] == text.split("- date:")[0]
 
 
-def test_common_loss_leaves_diverged_runs_out(bench: ModuleType) -> None:
+def test_common_loss_is_the_worst_optimizers_best(bench: ModuleType) -> None:
     trajectories = {
-        "a": [(25, 3.0), (50, 2.0)],
-        "b": [(25, 3.5), (50, 2.5), (75, 2.4)],
-        "c": [(25, math.nan), (50, 9.0)],  # never below a uniform guess
-        "d": [(25, math.nan)],
+        "adamw_0": [(25, 3.0), (50, 2.0)],
+        "adamw_1": [(25, 3.5), (50, 2.6)],
+        "sgd_0": [(25, math.nan), (50, 9.0)],  # SGD at its worse rate...
+        "sgd_1": [(25, 3.5), (50, 2.5), (75, 2.4)],  # ... and its better one, which reaches 2.4: the common loss
+        "adamw_int4": [(25, 3.6), (50, 2.45)],  # low-bit runs never set it; this one does not reach it
     }
-    target, diverged = bench.common_loss(trajectories)
-    assert (target, diverged) == (2.4, ["c", "d"])
-    assert bench.first_at(trajectories["a"], target) == 50 and bench.first_at(trajectories["b"], target) == 75
+    target, left_out = bench.common_loss(trajectories)
+    assert (target, left_out) == (2.4, ["adamw_1", "sgd_0", "adamw_int4"])
+    assert bench.first_at(trajectories["adamw_0"], target) == 50 and bench.first_at(trajectories["sgd_1"], target) == 75
+    with pytest.raises(RuntimeError, match="no common loss"):
+        bench.common_loss({"adamw_0": [(25, math.nan)]})
 
 
 def test_correlations(bench: ModuleType) -> None:

@@ -448,10 +448,11 @@ def test_stall_rates_are_summed_over_ranks_and_logged_by_rank_zero(stall_run):
     records = [record for record in run.info("straight", 0)["metrics"] if "qstate/stall/exp_avg_sq" in record]
     assert [record["step"] for record in records] == [1, 3, 5]  # Lightning's logging step: batches stepped before this one
     block = run.info("straight", 0)["params"]["net.0.weight"]["states"]["exp_avg_sq"]["format"]["resolved_block_size"]  # 64 under FSDP2
-    predicted = stall_probability(get_format(run.spec.states, block_size=block, signed=False), 0.999)
+    steady = stall_probability(get_format(run.spec.states, block_size=block, signed=False), 0.999)
     for record in records:
         assert 0.0 <= record["qstate/stall/exp_avg_sq/net.0.weight"] <= 1.0
-        assert record["qstate/stall_predicted/exp_avg_sq/net.0.weight"] == pytest.approx(predicted)
+        # a young v (a few steps, or just reset): measured from the state and the gradients, below the steady state
+        assert 0.0 < record["qstate/stall_predicted/exp_avg_sq/net.0.weight"] < steady
         if run.spec.strategy == "fsdp":
             assert "qstate/stall/exp_avg_sq/net.3.weight" in record  # held by rank 1 alone: counted through the all-reduce
     assert not any(key.startswith("qstate/") for record in run.info("straight", 1)["metrics"] for key in record)

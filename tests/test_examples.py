@@ -172,6 +172,28 @@ def test_gpt_stale_config_logs_stall_rates_to_tensorboard(tmp_path):
     assert set(scheduler.last_reset) and all(scheduler.layer_period(rows) == 1000 for rows in scheduler.layers(cli.trainer).values())
 
 
+@pytest.mark.parametrize("period", ["auto", "100"])
+def test_gpt_stale_predicted_stall_rates_follow_the_measured_ones(tmp_path, period):
+    """The config's own model and data, 300 steps: without a reset (the theory's period, 1000 steps, is longer) and
+    with one every 100 steps, the logged prediction stays within a few points of the measured rate at every logged
+    step, while v's measured rate climbs from ~0.25 and drops after each reset."""
+    cli = fit(
+        "gpt_stale.yaml", tmp_path, "--trainer.max_steps=300", "--trainer.log_every_n_steps=50", "--trainer.val_check_interval=300",
+        f"--trainer.callbacks.init_args.period={period}", "--trainer.enable_checkpointing=false",
+    )  # fmt: skip
+    events = EventAccumulator(cli.trainer.log_dir)
+    events.Reload()
+    for state, tolerance in (("exp_avg_sq", 0.06), ("exp_avg", 0.01)):
+        measured = [event.value for event in events.Scalars(f"qstate/stall/{state}")]
+        predicted = [event.value for event in events.Scalars(f"qstate/stall_predicted/{state}")]
+        assert len(measured) == len(predicted) == 6
+        assert max(abs(m - p) for m, p in zip(measured, predicted, strict=True)) <= tolerance, (state, measured, predicted)
+    v = [event.value for event in events.Scalars("qstate/stall/exp_avg_sq")]
+    assert v[0] < 0.3 and max(v) > 0.5  # far from the steady state's 0.825 early on: a prediction must follow it
+    (scheduler,) = [callback for callback in cli.trainer.callbacks if isinstance(callback, StateResetScheduler)]
+    assert (len(scheduler.history) > 0) == (period == "100")
+
+
 def test_gpt_fp32_baseline_keeps_torch_adamw(tmp_path):
     cli = fit("gpt_fp32.yaml", tmp_path, *TINY_GPT)
     (optimizer,) = cli.trainer.strategy.optimizers

@@ -10,8 +10,11 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_warn
 
+from ..formats import BlockFormat, QuantizedTensor
+from ..optim.base import local_tensor
 from ..theory import moment_of, stall_probability, state_decay
-from .stall_counts import StallMeasurement, StateRow, collect_stalls, quantized_optimizers, request_stall_tracking
+from .stall_counts import StallMeasurement, StateRow, collect_stalls, quantized_optimizers, request_stall_tracking, state_rows
+from .state_reset import StateResetScheduler
 
 
 class StallMonitor(Callback):
@@ -24,7 +27,16 @@ class StallMonitor(Callback):
 
     - ``qstate/stall/<state>/<layer>``: the measured rate of one parameter's state (``per_layer``);
     - ``qstate/stall_predicted/<state>/<layer>``: :func:`lightning_qstate.theory.stall_probability` for its
-      format, decay (``β1``/``β2``/momentum) and rounding, in the steady state;
+      format, decay (``β1``/``β2``/momentum) and rounding on the measured step. Second moments (``exp_avg_sq``)
+      use the measured ratio ``center = mean(v) / mean(g²)`` of that layer on that step (``v`` before the step,
+      ``g`` the gradient the optimizer receives, after the Trainer's clipping): it is ``1 - β^age`` for a state
+      zeroed ``age`` steps ago under stationary gradients, and it also follows gradients that shrink as training
+      goes (early in a run ``v`` lags them and stalls more than its age says). First moments use their age: the
+      optimizer steps since the state was zeroed (the start of training, or its layer's last reset by a
+      :class:`~lightning_qstate.callbacks.StateResetScheduler` among the Trainer's callbacks). So the prediction
+      climbs as a state ages and drops after every reset, as the measured rate does. Block-scaled formats weight
+      the code gaps by the stored state's own code occupancy (``values=``): the format-only model assumes an
+      occupancy that heavy-tailed states do not have;
     - ``qstate/stall/<state>`` and ``qstate/stall_predicted/<state>``: the same over the whole model (all
       stalled over all moved entries; the prediction weighted alike);
     - a TensorBoard histogram ``qstate/stall/<state>/layers`` of the per-layer rates (``histograms``).
@@ -61,8 +73,11 @@ class StallMonitor(Callback):
         self.log_every_n_steps = log_every_n_steps
         self.per_layer = per_layer
         self.histograms = histograms
-        self._predictions: dict[tuple, float | None] = {}
+        self._predictions: dict[tuple, float] = {}
         self._last_logged = -1
+        self._measured_step = 0  # optimizer steps done once the measured step has run
+        self._last_resets: dict[str, int] = {}  # layer -> global step of its last reset, as of the measured step
+        self._centers: dict[tuple[str, str], float] = {}  # (layer, state) -> mean(v) / mean(g²) on the measured step
 
     def interval(self, trainer: pl.Trainer) -> int:
         return self.log_every_n_steps or max(1, trainer.log_every_n_steps)
@@ -77,6 +92,15 @@ class StallMonitor(Callback):
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer) -> None:
         if (trainer.global_step + 1) % self.interval(trainer) == 0:
             request_stall_tracking(trainer)
+            self._measured_step = trainer.global_step + 1
+            schedulers = [callback for callback in trainer.callbacks if isinstance(callback, StateResetScheduler)]
+            self._last_resets = {layer: step for scheduler in schedulers for layer, step in scheduler.last_reset.items()}
+            self._centers = measured_centers(trainer)
+
+    def age(self, row: StateRow) -> int:
+        """Optimizer steps ``row``'s state has taken since it was zeroed, counting the measured step (a negative
+        ``last_reset``, a staggered schedule's phase before its first reset, counts from the start)."""
+        return max(1, self._measured_step - max(self._last_resets.get(row.layer, 0), 0))
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         step = trainer.global_step
@@ -89,15 +113,22 @@ class StallMonitor(Callback):
         if trainer.is_global_zero:
             self._log(trainer, measurement)
 
-    def predicted(self, row: StateRow) -> float | None:
-        """The steady-state prediction for ``row``'s format, decay and rounding (``None`` for plain states, unknown decays
-        and the weights' row)."""
+    def predicted(self, row: StateRow, age: int | None = None) -> float | None:
+        """The prediction for ``row``'s format, decay and rounding at ``age`` steps since it was zeroed (``None``: the
+        steady state); block-scaled formats weighted by the stored state's code occupancy. ``None`` for plain states,
+        unknown decays and the weights' row."""
         fmt, beta = row.format, state_decay(row.group, row.state)
         if fmt is None or beta is None:
             return None
-        key = (fmt, beta, row.group["rounding"], moment_of(row.state))
+        rounding, moment = row.group["rounding"], moment_of(row.state)
+        center = self._centers.get((row.layer, row.state)) if moment == "second" else None
+        timing = {"center": center} if center is not None else {"age": age}
+        stored = row.optimizer.state.get(row.param, {}).get(row.state)
+        if isinstance(fmt, BlockFormat) and isinstance(stored, QuantizedTensor) and stored.numel:
+            return stall_probability(fmt, beta, rounding, moment=moment, values=stored, **timing)
+        key = (fmt, beta, rounding, moment, age, center)
         if key not in self._predictions:
-            self._predictions[key] = stall_probability(fmt, beta, row.group["rounding"], moment=key[3])
+            self._predictions[key] = stall_probability(fmt, beta, rounding, moment=moment, **timing)
         return self._predictions[key]
 
     def metrics(self, measurement: StallMeasurement) -> tuple[dict[str, float], dict[str, list[float]]]:
@@ -108,7 +139,7 @@ class StallMonitor(Callback):
         for row, (stalled, moved) in zip(measurement.rows, measurement.counts.tolist(), strict=False):
             if moved == 0:
                 continue
-            rate, prediction = stalled / moved, self.predicted(row)
+            rate, prediction = stalled / moved, self.predicted(row, self.age(row))
             per_state.setdefault(row.state, []).append(rate)
             total = totals.setdefault(row.state, [0.0, 0.0, 0.0, 0.0])
             total[0] += stalled
@@ -136,3 +167,35 @@ class StallMonitor(Callback):
             if self.histograms and isinstance(logger, TensorBoardLogger):
                 for state, rates in per_state.items():
                     logger.experiment.add_histogram(f"qstate/stall/{state}/layers", torch.tensor(rates), global_step=step)
+
+
+def measured_centers(trainer: pl.Trainer) -> dict[tuple[str, str], float]:
+    """``{(layer, state): mean(v) / mean(g²)}`` of every second-moment state this rank holds, before the step about to
+    run, with the gradients as the optimizer will see them (the Trainer's norm or value clipping applied); states not
+    yet created, empty shards and zero gradients are left out."""
+    clip, algorithm = trainer.gradient_clip_val, trainer.gradient_clip_algorithm
+    norms: dict[int, float] = {}
+    centers = {}
+    for row in state_rows(trainer):
+        stored = row.optimizer.state.get(row.param, {}).get(row.state) if row.is_state else None
+        grad = row.param.grad
+        if stored is None or grad is None or moment_of(row.state) != "second":
+            continue
+        values = stored.dequantize() if isinstance(stored, QuantizedTensor) else stored
+        grad = local_tensor(grad).float()
+        if values.numel() == 0 or grad.numel() != values.numel():
+            continue
+        if clip and getattr(algorithm, "value", algorithm) in ("norm", None):
+            key = id(row.optimizer)
+            if key not in norms:
+                params = [p for group in row.optimizer.param_groups for p in group["params"] if p.grad is not None]
+                norms[key] = float(
+                    torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(local_tensor(p.grad).float()) for p in params]))
+                )
+            grad = grad * min(1.0, float(clip) / (norms[key] + 1e-6))
+        elif clip:
+            grad = grad.clamp(-float(clip), float(clip))
+        mean_square = float(grad.square().mean())
+        if mean_square > 0:
+            centers[row.layer, row.state] = float(values.float().mean()) / mean_square
+    return {key: value for key, value in centers.items() if value > 0}

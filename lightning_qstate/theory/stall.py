@@ -6,7 +6,8 @@ round-to-nearest (RN) that happens when the update is under half the gap to the 
 direction; with stochastic rounding (SR) it happens with probability ``1 - |update| / gap``.
 
 **Second moment** (``exp_avg_sq``, the paper's model). ``g/σ ~ N(0, 1)``, ``v ≈ a·σ²`` with ``a = 1``
-in the steady state and ``a_k = 1 - β^k`` ``k`` steps after ``v`` was zeroed; ``z = g²/σ² ~ χ²₁``. With
+in the steady state and ``a_k = 1 - β^k`` ``k`` steps after ``v`` was zeroed, or ``a = E[v]/E[g²]`` measured
+(``center=``: a state lags gradients whose scale changes); ``z = g²/σ² ~ χ²₁``. With
 relative gaps ``δ`` above and below the stored value, ``ρ = δ / (2(1 - β))``:
 
 - RN: ``P = F(a(1 + ρ_up)) - F(a(1 - ρ_down))`` (``F``: CDF of ``z``);
@@ -207,13 +208,18 @@ def _half_normal_grid(spread: float) -> tuple[torch.Tensor, torch.Tensor]:
     return grid, weights / weights.sum()
 
 
-def _check(beta: float, rounding: str, age: int | None) -> None:
+def _check(beta: float, rounding: str, age: int | None, center: float | None = None, moment: str = "second") -> None:
     if not 0.0 < beta < 1.0:
         raise ValueError(f"beta={beta!r} must lie in (0, 1)")
     if rounding not in ROUNDINGS:
         raise ValueError(f"rounding={rounding!r} is not valid; use one of {ROUNDINGS}")
     if age is not None and (not isinstance(age, int) or age < 1):
         raise ValueError(f"age={age!r} must be None (steady state) or an int >= 1 (steps since the state was zeroed)")
+    if center is not None:
+        if age is not None or moment != "second":
+            raise ValueError("center= is the second moment's E[v]/E[g²]; it replaces age= (give one of them) and needs moment='second'")
+        if not isinstance(center, int | float) or not math.isfinite(center) or center <= 0:
+            raise ValueError(f"center={center!r} must be a positive finite number (the state's mean over its gradients' mean square)")
 
 
 def stall_probability(
@@ -225,6 +231,7 @@ def stall_probability(
     moment: Moment = "second",
     values: torch.Tensor | QuantizedTensor | None = None,
     block_drift: bool = True,
+    center: float | None = None,
 ) -> float:
     """Probability that one entry of an EMA state stored in ``fmt`` stalls on one step.
 
@@ -238,12 +245,16 @@ def stall_probability(
             weights the gaps, instead of the module's assumption.
         block_drift: for block-scaled formats and the second moment, account for the block's scale moving
             every step (see the module docstring); ``False`` gives the paper's closed forms for every format.
+        center: second moment only, instead of ``age``: the measured ``a = E[v] / E[g²]`` (the state's mean over
+            the mean square of the gradients it is fed, e.g. over one layer at one step). Under a stationary
+            gradient it is ``1 - β^age``; where the gradients shrink or grow (early training, schedules) the state
+            lags them and only the measured ratio gives the rate (``StallMonitor`` logs this prediction).
 
     Returns:
         The probability in ``[0, 1]``; e.g. bf16 at ``β = 0.999``: 0.946 (RN), 0.825 (SR).
     """
-    _check(beta, rounding, age)
-    return _stall_probability(resolve_format(fmt, moment), beta, rounding, age, moment, values, block_drift)
+    _check(beta, rounding, age, center, moment)
+    return _stall_probability(resolve_format(fmt, moment), beta, rounding, age, moment, values, block_drift, center)
 
 
 def _stall_probability(
@@ -254,13 +265,16 @@ def _stall_probability(
     moment: Moment,
     values: torch.Tensor | QuantizedTensor | None,
     block_drift: bool,
+    center: float | None = None,
 ) -> float:
-    """:func:`stall_probability` for a resolved format and a real-valued ``age``."""
+    """:func:`stall_probability` for a resolved format and a real-valued ``age`` (or a measured second-moment ``center``)."""
     weights, gap_up, gap_down = relative_gaps(fmt, values)
     rho_up, rho_down = gap_up / (2 * (1 - beta)), gap_down / (2 * (1 - beta))
     drift = block_drift and isinstance(fmt, BlockFormat)
     if moment == "second":
-        center = torch.tensor(1.0 if age is None else -math.expm1(age * math.log(beta)), dtype=torch.float64)
+        if center is None:
+            center = 1.0 if age is None else -math.expm1(age * math.log(beta))
+        center = torch.tensor(center, dtype=torch.float64)
         if drift:  # the largest entry's own draw z' = t², t ~ |N(0, 1)|, moves the scale, and the window follows it
             t, t_weights = _half_normal_grid(1.0)
             per_gap = torch.zeros_like(rho_up)
