@@ -13,13 +13,15 @@ then picks, for every run, its first checkpoint at or below the **common validat
 best losses, each optimizer at its better learning rate (the loss every optimizer reaches; runs that never reach it,
 e.g. at a learning rate too small or too large, are left out and named).
 
-At that checkpoint, on the whole validation set: the loss, the loss under post-training quantization
+The same measurements are also taken at every run's last checkpoint (the end of training), where the optimizers'
+models differ most: a common loss that the slowest optimizer sets can fall early in the others' runs. At each
+checkpoint, on the whole validation set: the loss, the loss under post-training quantization
 (``lightning_qstate.probes.ptq``: W4A4 and W8A8, symmetric absmax per output channel and per token, round-to-nearest,
 every linear layer) and its increase; on the first two validation batches: ``R_L`` of the ABC decomposition
 (``abc_decomposition``, per recipe), and MMR and kurtosis (both variants) of every linear layer's input, averaged over
-layers. Reported: one row per run, the Pearson and Spearman correlations of each metric with the PTQ increase over the
-optimizer runs and over all runs, the optimizers' ranking next to the paper's, and a plot (PTQ increase against
-``R_L``, MMR and kurtosis) next to the report.
+layers. Reported per view: one row per run, the Pearson and Spearman correlations of each metric with the PTQ
+increase over the optimizer runs and over all runs, the optimizers' ranking next to the paper's; and a plot (PTQ
+increase against ``R_L``, MMR and kurtosis) next to the report.
 
 ``--work DIR`` (default: a folder in the system's temp directory) holds each run's trajectory and checkpoints; a run
 found there with the same settings and library sources is not trained again, so a long run resumes, and two
@@ -81,6 +83,7 @@ DEFAULT_OUT = ROOT / "benchmarks" / "results" / "ptq_robustness.md"
 DEFAULT_STEPS, QUICK_STEPS, DEFAULT_EVAL_EVERY = 400, 8, 25
 PTQ_RECIPES = ("W4A4", "W8A8")
 PROBE_BATCHES = 2  # validation batches of the ABC decomposition and the outlier metrics
+COMMON_VIEW, FINAL_VIEW = "At the common validation loss", "At the end of training"
 METRICS = ("R_L", "mmr", "kurtosis", "kurtosis_channel_rms")
 # PTQ accuracy (%) at 760M, W4A4, and full precision where given (arXiv 2509.23500; ALGORITHMS.md, section 3)
 PAPER_PTQ_ACCURACY = {"AdamW": 59.22, "Muon": 50.00, "PSGD": 52.11, "Scion": 53.74, "Shampoo": 59.26, "SOAP": 46.22}
@@ -364,11 +367,13 @@ def report(
     results: dict,
     target: float,
     diverged: list[str],
-    measured: list[Measured],
+    views: dict[str, list[Measured]],
     argv: list[str],
     digest: str,
     seconds: float,
 ) -> str:
+    """The markdown report: the settings, then per view (``{title: measured runs}``: the common loss, the end of
+    training) the runs, the correlations, the target's verdict, the ranking and the low-bit rows."""
     command = shlex.join(["python", "benchmarks/ptq_robustness.py", *argv])
     trained = sum(result["train_seconds"] for result in results.values())
     lines = [
@@ -383,31 +388,51 @@ def report(
         f"- model: {setup.label}; at most {setup.steps} steps, warmup then cosine to 0.1x peak, gradient clipping 1.0, "
         f"validation every {args.eval_every} steps; one seed ({args.seed}): differences between single runs are not resolved "
         "by a standard error",
-        f"- protocol: each run taken at its first validation at or below the common loss **{target:.4f}** nats/byte "
-        "(the highest of the optimizers' best losses, each optimizer at its better learning rate)"
-        f"{'; left out, never reaching it: ' + ', '.join(diverged) if diverged else ''}",
+        f"- protocol (the paper's): each run taken at its first validation at or below the common loss **{target:.4f}** "
+        "nats/byte (the highest of the optimizers' best losses, each optimizer at its better learning rate)"
+        f"{'; left out, never reaching it: ' + ', '.join(diverged) if diverged else ''}. Also: every run at its last "
+        "validation (the end of training), where the optimizers' models differ most",
         "- PTQ: symmetric absmax per output channel (weights) and per token (activations), round-to-nearest, every linear "
         "layer (`lightning_qstate.probes.ptq`); loss on the whole validation set; R_L (whole-tensor norms, last block), MMR "
         "(per token) and kurtosis (excess, of all elements; and of the per-channel RMS) on the first "
         f"{PROBE_BATCHES} validation batches, averaged over the linear layers' inputs",
+        "",
+    ]
+    verdicts = []
+    for title, measured in views.items():
+        section, section_verdicts = view_section(title, measured)
+        lines += section
+        verdicts += section_verdicts
+    lines += ["## Targets", "", *verdicts, ""]
+    steps = [step for step, _ in next(iter(results.values()))["trajectory"]]
+    lines += ["## Validation losses along each run", "", "| run | " + " | ".join(f"step {step}" for step in steps) + " |"]
+    lines.append("|---|" + "---:|" * len(steps))
+    for name, result in results.items():
+        lines.append(f"| {name} | " + " | ".join(f"{loss:.4f}" for _, loss in result["trajectory"]) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def view_section(title: str, measured: list[Measured]) -> tuple[list[str], list[str]]:
+    """One view's tables and its verdicts on the target (R_L predicts the increase better than MMR and kurtosis)."""
+    lines = [
+        f"## {title}",
         "",
         "| run | setup | step | val loss | W4A4 loss | W4A4 increase | R_L W4A4 | W8A8 increase | R_L W8A8 | MMR | kurtosis "
         "| kurtosis (channel RMS) |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for m in measured:
-        run = RUNS[m.run]
         lines.append(
-            f"| {m.run} | {run.label()} | {m.step} | {m.loss:.4f} | {m.ptq_loss['W4A4']:.4f} | {m.increase('W4A4'):+.4f} | "
-            f"{m.R_L['W4A4']:.4f} | {m.increase('W8A8'):+.4f} | {m.R_L['W8A8']:.5f} | {m.mmr:.2f} | {m.kurtosis:.2f} | "
+            f"| {m.run} | {RUNS[m.run].label()} | {m.step} | {m.loss:.4f} | {m.ptq_loss['W4A4']:.4f} | {m.increase('W4A4'):+.4f} | "
+            f"{m.R_L['W4A4']:.3e} | {m.increase('W8A8'):+.4f} | {m.R_L['W8A8']:.3e} | {m.mmr:.2f} | {m.kurtosis:.2f} | "
             f"{m.kurtosis_channel_rms:.2f} |"
         )
-    lines += ["", "## Which metric predicts the PTQ increase", ""]
-    groups = {"optimizer runs": [m for m in measured if not RUNS[m.run].low_bit], "all runs": measured}
+    lines += ["", f"Correlation of each metric with the PTQ loss increase ({title.lower()}):", ""]
     lines += [
         "| recipe | runs | n | " + " | ".join(f"{metric} Pearson / Spearman" for metric in METRICS) + " |",
         "|---|---|---:|" + "---:|" * len(METRICS),
     ]
+    groups = {"optimizer runs": [m for m in measured if not RUNS[m.run].low_bit], "all runs": measured}
     verdicts = []
     for recipe in PTQ_RECIPES:
         for group, members in groups.items():
@@ -423,28 +448,28 @@ def report(
                 others = [metric for metric in METRICS if metric != "R_L"]
                 best = all(strengths["R_L"][k] > strengths[metric][k] for metric in others for k in (0, 1))
                 verdicts.append(
-                    f"- {recipe}, optimizer runs: R_L predicts the PTQ increase better than MMR and both kurtosis variants "
-                    f"(|Pearson| and |Spearman| both larger): **{'PASS' if best else 'FAIL'}** "
+                    f"- {title}, {recipe}, optimizer runs: R_L predicts the PTQ increase better than MMR and both kurtosis "
+                    f"variants (|Pearson| and |Spearman| both larger): **{'PASS' if best else 'FAIL'}** "
                     f"(|r|, |ρ|: R_L {strengths['R_L'][0]:.2f}, {strengths['R_L'][1]:.2f}; "
                     + "; ".join(f"{metric} {strengths[metric][0]:.2f}, {strengths[metric][1]:.2f}" for metric in others)
                     + ")"
                 )
-    lines += ["", "## Targets", "", *verdicts, ""]
-    lines += ["## Optimizers ranked by their W4A4 increase (each at its learning rate with the lower full-precision loss)", ""]
     best_per_family: dict[str, Measured] = {}
     for m in measured:
         run = RUNS[m.run]
         if not run.low_bit and (run.family not in best_per_family or m.loss < best_per_family[run.family].loss):
             best_per_family[run.family] = m
     lines += [
+        "",
+        f"Optimizers ranked by their W4A4 increase ({title.lower()}; each at its learning rate with the lower loss there):",
+        "",
         "| rank | optimizer | run | val loss | W4A4 increase | R_L W4A4 | paper: W4A4 accuracy (760M) | paper: full precision |",
         "|---:|---|---|---:|---:|---:|---:|---:|",
     ]
     for rank, (family, m) in enumerate(sorted(best_per_family.items(), key=lambda item: item[1].increase("W4A4")), 1):
-        paper = PAPER_PTQ_ACCURACY.get(family)
-        full = PAPER_FULL_ACCURACY.get(family)
+        paper, full = PAPER_PTQ_ACCURACY.get(family), PAPER_FULL_ACCURACY.get(family)
         lines.append(
-            f"| {rank} | {family} | {m.run} | {m.loss:.4f} | {m.increase('W4A4'):+.4f} | {m.R_L['W4A4']:.4f} | "
+            f"| {rank} | {family} | {m.run} | {m.loss:.4f} | {m.increase('W4A4'):+.4f} | {m.R_L['W4A4']:.3e} | "
             f"{'–' if paper is None else f'{paper:.2f}'} | {'–' if full is None else f'{full:.2f}'} |"
         )
     lines += [
@@ -452,52 +477,44 @@ def report(
         "Paper (760M, W4A4 PTQ accuracy, higher is better): Shampoo 59.26 ≈ AdamW 59.22 > Scion 53.74 > PSGD 52.11 > Muon 50.00 > "
         "SOAP 46.22; Muon best in full precision (64.63) and among the worst under PTQ.",
         "",
-        "## Low-bit states and ECO (AdamW, same learning rate)",
+        f"Low-bit states and ECO (AdamW at the same learning rate; {title.lower()}):",
         "",
-        "| run | W4A4 increase | Δ vs fp32 states | W8A8 increase | Δ vs fp32 states | R_L W4A4 |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| run | val loss | W4A4 increase | Δ vs fp32 states | W8A8 increase | Δ vs fp32 states | R_L W4A4 |",
+        "|---|---:|---:|---:|---:|---:|---:|",
     ]
     reference = next((m for m in measured if m.run == "adamw_0"), None)
     for m in measured:
         if RUNS[m.run].low_bit or m.run == "adamw_0":
             deltas = [f"{m.increase(r) - reference.increase(r):+.4f}" if reference else "–" for r in PTQ_RECIPES]
             lines.append(
-                f"| {m.run} | {m.increase('W4A4'):+.4f} | {deltas[0]} | {m.increase('W8A8'):+.4f} | {deltas[1]} | {m.R_L['W4A4']:.4f} |"
+                f"| {m.run} | {m.loss:.4f} | {m.increase('W4A4'):+.4f} | {deltas[0]} | {m.increase('W8A8'):+.4f} | {deltas[1]} | "
+                f"{m.R_L['W4A4']:.3e} |"
             )
-    lines += [
-        "",
-        "Validation losses along each run:",
-        "",
-        "| run | " + " | ".join(f"step {step}" for step, _ in next(iter(results.values()))["trajectory"]) + " |",
-    ]
-    lines.append("|---|" + "---:|" * len(next(iter(results.values()))["trajectory"]))
-    for name, result in results.items():
-        lines.append(f"| {name} | " + " | ".join(f"{loss:.4f}" for _, loss in result["trajectory"]) + " |")
-    return "\n".join(lines) + "\n"
+    return [*lines, ""], verdicts
 
 
-def plot(measured: list[Measured], path: Path) -> None:
-    """PTQ increase (W4A4) against R_L, MMR and kurtosis, one point per run, labelled."""
+def plot(views: dict[str, list[Measured]], path: Path) -> None:
+    """PTQ increase (W4A4) against R_L, MMR and kurtosis, one point per run, a row of panels per view."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, axes = plt.subplots(1, 3, figsize=(15, 4.5))
-    increase = [m.increase("W4A4") for m in measured]
-    for axis, metric, label in zip(
-        axes, ("R_L", "mmr", "kurtosis"), ("R_L (W4A4)", "MMR of linear inputs", "excess kurtosis of linear inputs"), strict=True
-    ):
-        values = metric_values(measured, metric, "W4A4")
-        for m, x, y in zip(measured, values, increase, strict=True):
-            axis.scatter(x, y, color="tab:red" if RUNS[m.run].low_bit else "tab:blue")
-            axis.annotate(m.run, (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
-        axis.set_xlabel(label)
-        axis.set_title(f"Pearson {pearson(values, increase):+.2f}, Spearman {spearman(values, increase):+.2f}", fontsize=9)
-    axes[0].set_ylabel("W4A4 PTQ loss increase (nats/byte)")
+    figure, axes = plt.subplots(len(views), 3, figsize=(15, 4.5 * len(views)), squeeze=False)
+    labels = ("R_L (W4A4)", "MMR of linear inputs", "excess kurtosis of linear inputs")
+    for row, (title, measured) in zip(axes, views.items(), strict=True):
+        increase = [m.increase("W4A4") for m in measured]
+        for axis, metric, label in zip(row, ("R_L", "mmr", "kurtosis"), labels, strict=True):
+            values = metric_values(measured, metric, "W4A4")
+            for m, x, y in zip(measured, values, increase, strict=True):
+                axis.scatter(x, y, color="tab:red" if RUNS[m.run].low_bit else "tab:blue")
+                axis.annotate(m.run, (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
+            axis.set_xlabel(label)
+            axis.set_title(f"{title}: Pearson {pearson(values, increase):+.2f}, Spearman {spearman(values, increase):+.2f}", fontsize=9)
+        row[0].set_ylabel("W4A4 PTQ loss increase (nats/byte)")
     figure.suptitle("PTQ damage against its predictors (blue: optimizers, red: AdamW with low-bit states / ECO)")
     figure.tight_layout()
-    figure.savefig(path, dpi=110)
+    figure.savefig(path, dpi=100)
     plt.close(figure)
 
 
@@ -553,18 +570,19 @@ def main(argv: list[str] | None = None, progress: Callable[[str], None] = print)
         best = min(loss for _, loss in results[name]["trajectory"])
         progress(f"{name}: trained in {results[name]['train_seconds']:.0f} s, best val loss {best:.4f}")
     target, diverged = common_loss({name: result["trajectory"] for name, result in results.items()})
-    measured = []
+    views: dict[str, list[Measured]] = {COMMON_VIEW: [], FINAL_VIEW: []}
     for name, result in results.items():
-        if name in diverged:
-            continue
-        step = first_at(result["trajectory"], target)
         folder = args.work / ("quick" if args.quick else "full") / name
-        measured.append(measure(setup, RUNS[name], args, folder / f"step{step}.pt", step))
-    text = report(args, setup, results, target, diverged, measured, argv, digest, time.perf_counter() - start)
+        final = result["trajectory"][-1][0]
+        if name not in diverged:
+            step = first_at(result["trajectory"], target)
+            views[COMMON_VIEW].append(measure(setup, RUNS[name], args, folder / f"step{step}.pt", step))
+        views[FINAL_VIEW].append(measure(setup, RUNS[name], args, folder / f"step{final}.pt", final))
+    text = report(args, setup, results, target, diverged, views, argv, digest, time.perf_counter() - start)
     out = args.out or DEFAULT_OUT
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text)
-    plot(measured, out.with_suffix(".png"))
+    plot(views, out.with_suffix(".png"))
     return text
 
 

@@ -34,16 +34,25 @@ def test_quick_run_reports_every_run_and_reuses_them(bench: ModuleType, tmp_path
     assert out.read_text() == text and out.with_suffix(".png").stat().st_size > 10_000
     assert [message.split(":")[0] for message in messages] == ["adamw_0", "muon_0", "lion_0", "adamw_int8"]
     assert all("trained in" in message for message in messages)
-    table = markdown_table([line for line in text.split("\n\n")[2].splitlines() if line.startswith("|")])
-    assert list(table) == ["adamw_0", "muon_0", "lion_0", "adamw_int8"]
     target = float(text.split("common loss **")[1].split("**")[0])
-    for name, row in table.items():
-        assert float(row["val loss"]) <= target + 1e-9, name  # each at its first validation at or below the common loss
-        assert float(row["W4A4 increase"]) == pytest.approx(float(row["W4A4 loss"]) - float(row["val loss"]), abs=2e-4)
-        assert float(row["R_L W4A4"]) > float(row["R_L W8A8"]) > 0 and float(row["MMR"]) > 1
-    assert "| W4A4 | optimizer runs | 3 |" in text and "| W8A8 | all runs | 4 |" in text
-    assert "- W4A4, optimizer runs: R_L predicts the PTQ increase better" in text
-    assert "| adamw_int8 |" in text.split("## Low-bit states and ECO")[1]
+    common, final = (
+        text.split(f"## {title}")[1].split("\n## ")[0] for title in ("At the common validation loss", "At the end of training")
+    )
+    last_validation = text.split("## Validation losses along each run")[1].split(" |\n")[0].split("step ")[-1]
+    for section in (common, final):
+        table = markdown_table([line for line in section.split("\n\n")[1].splitlines() if line.startswith("|")])
+        assert list(table) == ["adamw_0", "muon_0", "lion_0", "adamw_int8"]
+        for name, row in table.items():
+            assert float(row["W4A4 increase"]) == pytest.approx(float(row["W4A4 loss"]) - float(row["val loss"]), abs=2e-4)
+            assert float(row["R_L W4A4"]) > float(row["R_L W8A8"]) > 0 and float(row["MMR"]) > 1
+            if section is common:
+                assert float(row["val loss"]) <= target + 1e-9, name  # each at its first validation at or below the common loss
+            else:
+                assert row["step"] == last_validation, name
+        assert "| W4A4 | optimizer runs | 3 |" in section and "| W8A8 | all runs | 4 |" in section
+        assert "| adamw_int8 |" in section.split("Low-bit states and ECO")[1]
+    assert "- At the common validation loss, W4A4, optimizer runs: R_L predicts the PTQ increase better" in text
+    assert "- At the end of training, W8A8, optimizer runs:" in text
     messages.clear()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

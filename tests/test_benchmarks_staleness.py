@@ -25,4 +25,4 @@ def test_quick_run_writes_the_table(tmp_path):
     assert "| RN | " in text and "| SR + resets | " in text and "--quick" in text
     bf16 = results["bf16", "RN"]
     assert bf16["state_bytes"] * 2 == bf16["fp32_bytes"] and results["fp32", "RN"]["stall_v"] is None
-    assert 0.0 <= bf16["stall_v"] <= 1.0 and bf16["stall_v_predicted"] == pytest.approx(0.946, abs=1e-3)
+    assert 0.0 <= bf16["stall_v"] <= 1.0 and bf16["stall_v_predicted"] == pytest.approx(bf16["stall_v"], abs=0.06)

@@ -66,7 +66,7 @@ class RunSpec:
 # StallMonitor + StateResetScheduler (periodic, staggered, and threshold-triggered from rank-summed counts) under FSDP1 with
 # uneven shards (rank 0 holds no part of net.3.weight): e2m2 states stall within a few steps. The DDP and FSDP2 runs use them too.
 STALL_CALLBACKS = [
-    {"class": "StallMonitor", "init_args": {"log_every_n_steps": 2}},
+    {"class": "StallMonitor", "init_args": {"log_every_n_steps": 2, "per_layer": True}},
     {"class": "StateResetScheduler", "init_args": {"period": 4, "stagger": True, "threshold": 0.3, "check_every_n_steps": 2}},
 ]
 STALL_CALLBACKS_JSON = json.dumps(STALL_CALLBACKS)

@@ -212,7 +212,8 @@ def test_weight_stalls_share_the_measured_step_with_the_stall_monitor(tmp_path):
     logger = MemoryLogger()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        trainer = fit(tmp_path, PrecisionAdvisor(log_every_n_steps=2, verbose=False), callbacks=[StallMonitor(log_every_n_steps=2)],
+        monitor = StallMonitor(per_layer=True, log_every_n_steps=2)
+        trainer = fit(tmp_path, PrecisionAdvisor(log_every_n_steps=2, verbose=False), callbacks=[monitor],
                       logger=logger, plugins=[QStatePrecision("bf16-true", states="bf16", min_quant_size=0)])  # fmt: skip
     weights, states = logger.values("qstate/weight_stall"), logger.values("qstate/stall/exp_avg_sq")
     assert len(weights) == len(states) == 2 and all(0.0 <= rate <= 1.0 for rate in weights + states)

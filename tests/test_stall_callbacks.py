@@ -64,7 +64,7 @@ def test_monitor_measures_one_step_per_interval_and_logs_measured_and_predicted(
     """The prediction follows the measured step: v's from its measured mean over the gradients' mean square (after
     clipping), m's from its age."""
     logger, spy, centers = MemoryLogger(), TrackingSpy(), CenterSpy()
-    callbacks = [StallMonitor(log_every_n_steps=4), spy, centers]
+    callbacks = [StallMonitor(per_layer=True, log_every_n_steps=4), spy, centers]
     trainer = fit(tmp_path, max_steps=12, callbacks=callbacks, logger=logger, gradient_clip_val=clip)
     assert [step for step, on in sorted(spy.tracked.items()) if on] == [4, 8, 12]  # tracking only on the measured steps
     optimizer = trainer.strategy.optimizers[0]
@@ -113,7 +113,7 @@ def test_monitor_writes_tensorboard_histograms(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     logger = TensorBoardLogger(tmp_path, name="tb")
-    fit(tmp_path, max_steps=4, callbacks=[StallMonitor(log_every_n_steps=2)], logger=logger)
+    fit(tmp_path, max_steps=4, callbacks=[StallMonitor(per_layer=True, log_every_n_steps=2)], logger=logger)
     logger.experiment.flush()
     events = EventAccumulator(logger.log_dir, size_guidance={"histograms": 0, "scalars": 0}).Reload()
     assert "qstate/stall/exp_avg_sq/layers" in events.Tags()["histograms"]
@@ -124,14 +124,14 @@ def test_monitor_keeps_user_tracking_and_warns_without_quantized_states(tmp_path
     trainer = fit(
         tmp_path,
         max_steps=4,
-        callbacks=[StallMonitor(log_every_n_steps=2)],
+        callbacks=[StallMonitor(per_layer=True, log_every_n_steps=2)],
         plugins=[QStatePrecision(states="int8", min_quant_size=0, track_stalls=True)],
     )
     assert trainer.strategy.optimizers[0].track_stalls
     with pytest.warns(UserWarning, match="no optimizer has quantized states"):
         fit(tmp_path, max_steps=2, callbacks=[StallMonitor()], plugins=[])
     with pytest.raises(ValueError, match="log_every_n_steps=0"):
-        StallMonitor(log_every_n_steps=0)
+        StallMonitor(per_layer=True, log_every_n_steps=0)
 
 
 # --- StateResetScheduler -------------------------------------------------------------------------------------
@@ -194,7 +194,7 @@ def test_stagger_spreads_the_first_resets(tmp_path):
 def test_threshold_trigger_resets_layers_that_measurably_stall(tmp_path):
     logger = MemoryLogger()
     scheduler = StateResetScheduler(period=None, threshold=0.5, check_every_n_steps=5, states=["exp_avg_sq", "exp_avg"])
-    monitor = StallMonitor(log_every_n_steps=5)
+    monitor = StallMonitor(per_layer=True, log_every_n_steps=5)
     fit(tmp_path, max_steps=20, callbacks=[monitor, scheduler], logger=logger, plugins=[QStatePrecision(states="e2m2", min_quant_size=0)])
     rates = {step: metrics for step, metrics in logger.records if "qstate/stall/exp_avg_sq/net.0.weight" in metrics}
     assert scheduler.history, "e2m2 states at β2 = 0.999 stall above 0.5 within a few steps"
@@ -256,7 +256,8 @@ def test_monitor_and_resets_cover_sgd_momentum(tmp_path):
             return torch.optim.SGD(self.parameters(), lr=1e-2, momentum=0.9)
 
     logger, scheduler = MemoryLogger(), StateResetScheduler(period=3)
-    fit(tmp_path, model=Momentum(scheduler=False), max_steps=6, callbacks=[StallMonitor(log_every_n_steps=2), scheduler], logger=logger,
+    monitor = StallMonitor(per_layer=True, log_every_n_steps=2)
+    fit(tmp_path, model=Momentum(scheduler=False), max_steps=6, callbacks=[monitor, scheduler], logger=logger,
         plugins=[QStatePrecision(states="e2m2", min_quant_size=0)])  # fmt: skip
     # at step 2, momentum two steps old, weighted by its stored codes (a block format): close to the format-only model
     assert logger.values("qstate/stall_predicted/momentum_buffer")[0] == pytest.approx(
@@ -266,13 +267,39 @@ def test_monitor_and_resets_cover_sgd_momentum(tmp_path):
     assert sorted({step for step, _ in scheduler.history}) == [3, 6]
 
 
+def test_tensorboard_tells_the_story(tmp_path):
+    """Model-wide rates only by default, each tag with its description, one custom-scalars chart per state holding the
+    measured and predicted rates and the resets, which are logged on the measured steps."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.plugins.custom_scalar import layout_pb2
+
+    logger = TensorBoardLogger(tmp_path, name="tb", version=0)
+    scheduler = StateResetScheduler(period=4)
+    fit(tmp_path, max_steps=12, callbacks=[StallMonitor(log_every_n_steps=2), scheduler], logger=logger, log_every_n_steps=2)
+    events = EventAccumulator(str(tmp_path / "tb" / "version_0"), size_guidance={"tensors": 0})
+    events.Reload()
+    scalars = events.Tags()["scalars"]
+    assert {"qstate/stall/exp_avg_sq", "qstate/stall_predicted/exp_avg_sq", "qstate/stall_resets", "qstate/reset/total"} <= set(scalars)
+    assert not any(tag.startswith("qstate/stall/exp_avg_sq/") for tag in scalars)  # per_layer is opt-in
+    # every layer reset after steps 4, 8 and 12: counted on the measured steps they act on (6 and 10; 12's comes after)
+    assert [event.value for event in events.Scalars("qstate/stall_resets")] == [0.0, 0.0, 1.0, 0.0, 1.0, 0.0]
+    assert [step for step, _ in scheduler.history][:2] == [4, 4]
+    for tag in ("qstate/stall/exp_avg_sq", "qstate/stall_predicted/exp_avg", "qstate/stall_resets", "qstate/reset/total"):
+        assert "stall" in events.SummaryMetadata(tag).summary_description or "reset" in events.SummaryMetadata(tag).summary_description, tag
+    layout = layout_pb2.Layout()
+    layout.ParseFromString(events.Tensors("custom_scalars__config__")[0].tensor_proto.string_val[0])
+    charts = {chart.title: list(chart.multiline.tag) for category in layout.category for chart in category.chart}
+    assert charts["exp_avg_sq"] == ["^qstate/stall/exp_avg_sq$", "^qstate/stall_predicted/exp_avg_sq$", "^qstate/stall_resets$"]
+    assert set(charts) == {"exp_avg", "exp_avg_sq"}
+
+
 def test_monitor_measures_wrapped_optimizers_without_a_prediction(tmp_path):
     class Adagrad(Regressor):
         def configure_optimizers(self):
             return torch.optim.Adagrad(self.parameters(), lr=1e-3)
 
     logger = MemoryLogger()
-    fit(tmp_path, model=Adagrad(scheduler=False), max_steps=4, callbacks=[StallMonitor(log_every_n_steps=2)], logger=logger,
+    fit(tmp_path, model=Adagrad(scheduler=False), max_steps=4, callbacks=[StallMonitor(per_layer=True, log_every_n_steps=2)], logger=logger,
         plugins=[QStatePrecision(states="bf16", min_quant_size=0)])  # fmt: skip
     assert len(logger.values("qstate/stall/sum/net.0.weight")) == 2
     assert not any(key.startswith("qstate/stall_predicted") for _, metrics in logger.records for key in metrics)  # a sum, not an EMA

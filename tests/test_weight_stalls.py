@@ -224,7 +224,7 @@ def test_stall_monitor_logs_the_weights_and_resets_leave_them_alone(tmp_path):
     from lightning_models import MemoryLogger
 
     logger, scheduler = MemoryLogger(), StateResetScheduler(period=2)
-    trainer = fit(tmp_path, max_steps=4, callbacks=[StallMonitor(log_every_n_steps=2), scheduler], logger=logger,
+    trainer = fit(tmp_path, max_steps=4, callbacks=[StallMonitor(per_layer=True, log_every_n_steps=2), scheduler], logger=logger,
                   plugins=[QStatePrecision("bf16-true", states="bf16", min_quant_size=0)])  # fmt: skip
     layers = ["net.0.weight", "net.0.bias", "net.1.weight", "net.1.bias", "net.3.weight", "net.3.bias"]
     for layer in layers:

@@ -370,8 +370,9 @@ class BitWidthPlanner:
         return [list(column) for column in zip(*per_layer, strict=False)]
 
     def metrics(self) -> dict[str, float]:
-        """``qstate/adaptive/*``: ``avg_bits`` (stored bits per m/v value), ``bytes_saved`` (versus fp32 m and v),
-        ``threshold`` (at the last check), ``transitions`` and ``zone_<zone>`` (layers per zone)."""
+        """``qstate/adaptive/*``: ``avg_bits`` (stored bits per m/v value), ``target_bits`` (the cap, where set),
+        ``bytes_saved`` (versus fp32 m and v), ``threshold`` (at the last check), ``transitions`` and ``zone_<zone>``
+        (layers per zone)."""
         stored = sum(sum(layer.state_bytes()) for layer in self.layers)
         values = len(ADAPTED_STATES) * sum(layer.numel for layer in self.layers)
         metrics = {
@@ -380,6 +381,8 @@ class BitWidthPlanner:
             "qstate/adaptive/threshold": self.threshold(self.last_check if self.last_check is not None else 0),
             "qstate/adaptive/transitions": float(self.transitions),
         }
+        if self.target_bits is not None:
+            metrics["qstate/adaptive/target_bits"] = float(self.target_bits)
         for zone in ZONES:
             metrics[f"qstate/adaptive/zone_{zone}"] = float(sum(layer.hysteresis.zone == zone for layer in self.layers))
         return metrics

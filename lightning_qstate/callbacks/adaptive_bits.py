@@ -15,6 +15,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 
 from ..adaptive import STATE_DICT_VERSION, BitWidthPlanner
 from ..adaptive.planner import check_options
+from .tensorboard import log_scalars, write_layout
 
 
 class AdaptiveBitWidth(Callback):
@@ -137,6 +138,17 @@ class AdaptiveBitWidth(Callback):
             self._restored = None
         self.planner.apply()
         self.overhead_seconds = 0.0
+        if trainer.is_global_zero:
+            write_layout(trainer)
+
+    def tensorboard_charts(self, trainer: pl.Trainer) -> dict[str, dict[str, list[str]]]:
+        """Custom-scalars charts: the average stored bits against the target, and the layers per zone."""
+        return {
+            "qstate: adaptive bit-widths": {
+                "average bits per state value vs target_bits": ["^qstate/adaptive/avg_bits$", "^qstate/adaptive/target_bits$"],
+                "layers per zone": ["^qstate/adaptive/zone_"],
+            }
+        }
 
     def _anneal_steps(self, trainer: pl.Trainer) -> int:
         if self.anneal_steps is not None:
@@ -169,9 +181,7 @@ class AdaptiveBitWidth(Callback):
         if self.planner is None or not trainer.is_global_zero or not trainer._logger_connector.should_update_logs:
             return
         start = time.perf_counter()
-        metrics = self.planner.metrics()
-        for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=trainer.fit_loop.epoch_loop._batches_that_stepped)
+        log_scalars(trainer, self.planner.metrics(), trainer.fit_loop.epoch_loop._batches_that_stepped)
         self.overhead_seconds += time.perf_counter() - start
 
     def _log_heatmap(self, trainer: pl.Trainer, step: int) -> None:

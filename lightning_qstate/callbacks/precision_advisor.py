@@ -20,6 +20,7 @@ from ..formats import ROUNDINGS
 from ..optim import WEIGHT_STALLS, QuantizedStates, clean_parameter_name
 from ..theory.precision import COMPONENTS, DEFAULT_CONSTANTS, OPTIMIZERS, AdviceRow, PrecisionReport, advise
 from .stall_counts import StallMeasurement, collect_stalls, quantized_optimizers, request_stall_tracking
+from .tensorboard import log_scalars
 
 ADVICE_TAG = "qstate/precision_advice"  # TensorBoard text tag of the report ("/<optimizer index>" appended with several optimizers)
 WEIGHT_STALL_TAG = "qstate/weight_stall"  # model-wide rate; "/<layer>" per layer
@@ -206,8 +207,7 @@ class PrecisionAdvisor(Callback):
         if trainer.is_global_zero:
             scalars = self.metrics(measurement)
             if scalars:
-                for logger in trainer.loggers:
-                    logger.log_metrics(scalars, step=trainer.fit_loop.epoch_loop._batches_that_stepped)
+                log_scalars(trainer, scalars, trainer.fit_loop.epoch_loop._batches_that_stepped)
 
     def metrics(self, measurement: StallMeasurement) -> dict[str, float]:
         """The weights' stall rates of one measurement: ``qstate/weight_stall/<layer>`` (``per_layer``) and

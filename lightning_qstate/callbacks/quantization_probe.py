@@ -19,6 +19,7 @@ from typing_extensions import override
 
 from ..formats.weights import WeightBlock
 from ..probes import ABCResult, ABCRow, abc_decomposition, linear_input_statistics, linear_modules, probe_grid, ptq
+from .tensorboard import write_layout
 
 PROBE_TAG = "qstate/probe"  # scalars "<tag>/<figure>", images "<tag>/abc"
 
@@ -181,6 +182,21 @@ class QuantizationProbe(Callback):
         for name in self.units or ():
             pl_module.get_submodule(name)  # AttributeError naming the missing module
         self._batches, self._validations = [], 0
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.is_global_zero:
+            write_layout(trainer)
+
+    def tensorboard_charts(self, trainer: pl.Trainer) -> dict[str, dict[str, list[str]]]:
+        """Custom-scalars charts: the losses with and without PTQ, R_L, and the outlier metrics."""
+        return {
+            "qstate: quantization probe": {
+                "loss and PTQ loss": [f"^{PROBE_TAG}/loss$", f"^{PROBE_TAG}/ptq_loss$"],
+                "PTQ loss increase and R_L": [f"^{PROBE_TAG}/ptq_loss_increase$", f"^{PROBE_TAG}/R_L$"],
+                "outliers: MMR and kurtosis": [f"^{PROBE_TAG}/mmr$", f"^{PROBE_TAG}/kurtosis"],
+            }
+        }
 
     @override
     def on_validation_batch_start(

@@ -19,6 +19,7 @@ from ..optim import (
     check_optimizer_parameters,
     state_summary,
 )
+from .tensorboard import log_scalars
 
 
 class QuantizedOptimizerStates(Callback):
@@ -85,8 +86,8 @@ class QuantizedOptimizerStates(Callback):
         if not self.log_stats or not trainer._logger_connector.should_update_logs:
             return
         metrics = memory_metrics(trainer)
-        for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=trainer.fit_loop.epoch_loop._batches_that_stepped)
+        if trainer.is_global_zero:
+            log_scalars(trainer, metrics, trainer.fit_loop.epoch_loop._batches_that_stepped)
 
 
 def memory_metrics(trainer: pl.Trainer) -> dict[str, float]:

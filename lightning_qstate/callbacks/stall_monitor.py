@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import lightning.pytorch as pl
@@ -15,6 +16,7 @@ from ..optim.base import local_tensor
 from ..theory import moment_of, stall_probability, state_decay
 from .stall_counts import StallMeasurement, StateRow, collect_stalls, quantized_optimizers, request_stall_tracking, state_rows
 from .state_reset import StateResetScheduler
+from .tensorboard import log_scalars, write_layout
 
 
 class StallMonitor(Callback):
@@ -39,7 +41,12 @@ class StallMonitor(Callback):
       occupancy that heavy-tailed states do not have;
     - ``qstate/stall/<state>`` and ``qstate/stall_predicted/<state>``: the same over the whole model (all
       stalled over all moved entries; the prediction weighted alike);
+    - ``qstate/stall_resets``: the fraction of layers a :class:`~lightning_qstate.callbacks.StateResetScheduler`
+      zeroed since the previous measurement (where one is among the callbacks), so resets show on the same steps;
     - a TensorBoard histogram ``qstate/stall/<state>/layers`` of the per-layer rates (``histograms``).
+
+    To TensorBoard every tag goes with a description, and the "Custom Scalars" tab gets one chart per state with
+    the measured rate, the prediction and the resets together (and one per layer with ``per_layer``).
 
     Where an optimizer's ``track_weight_stalls`` is on (``PrecisionAdvisor`` turns it on for the fit), the parameters
     themselves are measured too, as the pseudo-state ``weights``
@@ -58,14 +65,15 @@ class StallMonitor(Callback):
 
     Args:
         log_every_n_steps: optimizer steps between measurements; default: the Trainer's ``log_every_n_steps``.
-        per_layer: log a scalar per layer and state (else only the model-wide rates).
+        per_layer: also log a scalar per layer and state (off by default: a model has many; the histograms show
+            the per-layer spread).
         histograms: log histograms of the per-layer rates to TensorBoard loggers.
 
     Raises:
         ValueError: if ``log_every_n_steps`` is not a positive int.
     """
 
-    def __init__(self, log_every_n_steps: int | None = None, per_layer: bool = True, histograms: bool = True) -> None:
+    def __init__(self, log_every_n_steps: int | None = None, per_layer: bool = False, histograms: bool = True) -> None:
         if log_every_n_steps is not None and (
             not isinstance(log_every_n_steps, int) or isinstance(log_every_n_steps, bool) or log_every_n_steps < 1
         ):
@@ -78,6 +86,7 @@ class StallMonitor(Callback):
         self._measured_step = 0  # optimizer steps done once the measured step has run
         self._last_resets: dict[str, int] = {}  # layer -> global step of its last reset, as of the measured step
         self._centers: dict[tuple[str, str], float] = {}  # (layer, state) -> mean(v) / mean(g²) on the measured step
+        self._previous_measured_step = 0
 
     def interval(self, trainer: pl.Trainer) -> int:
         return self.log_every_n_steps or max(1, trainer.log_every_n_steps)
@@ -88,6 +97,23 @@ class StallMonitor(Callback):
                 "StallMonitor: no optimizer has quantized states, so there is nothing to measure. Add "
                 "QStatePrecision to the Trainer's plugins, or QuantizedOptimizerStates to its callbacks."
             )
+        self._previous_measured_step = trainer.global_step
+        if trainer.is_global_zero:
+            write_layout(trainer)
+
+    def tensorboard_charts(self, trainer: pl.Trainer) -> dict[str, dict[str, list[str]]]:
+        """Custom-scalars charts: per state, measured and predicted rates with the resets; per layer with ``per_layer``."""
+        rows = [row for row in state_rows(trainer) if _logged(row)]
+        resets = ["^qstate/stall_resets$"] if any(isinstance(callback, StateResetScheduler) for callback in trainer.callbacks) else []
+        charts = {"qstate: stall rates (measured, predicted, resets)": {
+            f"{state}": [f"^qstate/stall/{re.escape(state)}$", f"^qstate/stall_predicted/{re.escape(state)}$", *resets]
+            for state in dict.fromkeys(row.state for row in rows)
+        }}  # fmt: skip
+        if self.per_layer:
+            charts["qstate: stall rates per layer"] = {
+                f"{row.state} {row.layer}": [f"^qstate/stall(_predicted)?/{re.escape(row.state)}/{re.escape(row.layer)}$"] for row in rows
+            }
+        return charts
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer) -> None:
         if (trainer.global_step + 1) % self.interval(trainer) == 0:
@@ -157,13 +183,27 @@ class StallMonitor(Callback):
                 scalars[f"qstate/stall_predicted/{state}"] = weighted / predicted_moved
         return scalars, per_state
 
+    def reset_fraction(self, trainer: pl.Trainer) -> float | None:
+        """Fraction of the layers reset since the previous measured step and before this one (a reset after step ``s``
+        first acts on step ``s + 1``); ``None`` without a StateResetScheduler."""
+        schedulers = [callback for callback in trainer.callbacks if isinstance(callback, StateResetScheduler)]
+        layers = sum(len(scheduler.last_reset) for scheduler in schedulers)
+        if not layers:
+            return None
+        window = range(self._previous_measured_step, self._measured_step)
+        return sum(1 for scheduler in schedulers for step, _ in scheduler.history if step in window) / layers
+
     def _log(self, trainer: pl.Trainer, measurement: StallMeasurement) -> None:
         scalars, per_state = self.metrics(measurement)
+        resets = self.reset_fraction(trainer)
+        self._previous_measured_step = self._measured_step
         if not scalars:
             return
+        if resets is not None:
+            scalars["qstate/stall_resets"] = resets
         step = trainer.fit_loop.epoch_loop._batches_that_stepped
+        log_scalars(trainer, scalars, step)
         for logger in trainer.loggers:
-            logger.log_metrics(scalars, step=step)
             if self.histograms and isinstance(logger, TensorBoardLogger):
                 for state, rates in per_state.items():
                     logger.experiment.add_histogram(f"qstate/stall/{state}/layers", torch.tensor(rates), global_step=step)
@@ -199,3 +239,11 @@ def measured_centers(trainer: pl.Trainer) -> dict[tuple[str, str], float]:
         if mean_square > 0:
             centers[row.layer, row.state] = float(values.float().mean()) / mean_square
     return {key: value for key, value in centers.items() if value > 0}
+
+
+def _logged(row: StateRow) -> bool:
+    """Whether ``row`` gets rates in this fit: a quantized state that exists (AMSGrad's maximum only with
+    ``amsgrad``), or the weights where the optimizer counts them."""
+    if not row.is_state:
+        return bool(row.optimizer.track_weight_stalls)
+    return row.format is not None and (row.state != "max_exp_avg_sq" or bool(row.group.get("amsgrad")))

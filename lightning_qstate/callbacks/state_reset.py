@@ -14,6 +14,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from ..formats import StorageFormat
 from ..theory import moment_of, reset_period, state_decay
 from .stall_counts import StateRow, collect_stalls, quantized_optimizers, request_stall_tracking, state_rows
+from .tensorboard import log_scalars
 
 STATE_VERSION = 1
 
@@ -184,8 +185,7 @@ class StateResetScheduler(Callback):
         if ratios:
             metrics["qstate/reset/first_step_ratio"] = max(ratios)
         if trainer.is_global_zero:
-            for logger in trainer.loggers:
-                logger.log_metrics(metrics, step=trainer.fit_loop.epoch_loop._batches_that_stepped)
+            log_scalars(trainer, metrics, trainer.fit_loop.epoch_loop._batches_that_stepped)
 
     # --- checkpoints ----------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
