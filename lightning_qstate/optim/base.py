@@ -165,6 +165,18 @@ def state_nbytes(optimizer: torch.optim.Optimizer) -> int:
     """Bytes held by ``optimizer.state``: every tensor, and every quantized state's codes and scales.
 
     Works for any ``torch.optim.Optimizer``, so a quantized optimizer can be compared with its fp32 twin.
+
+    Example::
+
+        >>> import torch
+        >>> from lightning_qstate import QAdamW, state_nbytes
+        >>> model = torch.nn.Linear(1024, 1024, bias=False)
+        >>> fp32, int8 = torch.optim.AdamW(model.parameters()), QAdamW(model.parameters(), states="int8")
+        >>> for opt in (fp32, int8):
+        ...     model(torch.randn(4, 1024)).square().mean().backward()
+        ...     opt.step()
+        >>> state_nbytes(fp32), state_nbytes(int8)  # bytes; fp32 also holds the 4-byte step
+        (8388612, 2121732)
     """
     total = 0
     for state in optimizer.state.values():

@@ -192,7 +192,52 @@ class _AdamStates(QuantizedStates):
 
 
 class QAdam(_AdamStates, torch.optim.Adam):
-    """``torch.optim.Adam`` with quantized ``exp_avg``/``exp_avg_sq``/``max_exp_avg_sq`` (see module docs)."""
+    """``torch.optim.Adam`` with quantized ``exp_avg``/``exp_avg_sq``/``max_exp_avg_sq``.
+
+    The first arguments, up to ``decoupled_weight_decay``, are ``torch.optim.Adam``'s, with its defaults and
+    meaning. The rest choose how the states (and optionally the weights) are stored.
+
+    Args:
+        states: a format name for every state (``"int8"``, ``"int4"``, ``"fp8_e4m3"``, ``"bf16"``, ``"e2m2"``, ...;
+            :func:`lightning_qstate.formats.get_format`), or ``{state_name: format}`` (states not named stay fp32),
+            e.g. ``{"exp_avg": "int8", "exp_avg_sq": "int4"}``. ``v`` gets the unsigned, zero-free map of its format.
+        rounding: ``"nearest"`` or ``"stochastic"`` (unbiased; draws from ``generator``). Stochastic rounding keeps
+            slowly moving states such as ``v`` at ``beta2 = 0.999`` from stalling (``theory.stall_probability``).
+        block_size: values per absmax scale, a power of two (default: 256, or 128 for formats of 4 bits or fewer).
+        min_quant_size: parameters with fewer elements keep fp32 states (biases, norms; default 4096).
+        weights: keep the parameters themselves in this format after each step, without an fp32 master copy
+            (``"bf16"``, ``"fp16"``, ``"fp8_e4m3"``, ...; ``None``: torch's behaviour).
+        weight_rounding: ``"stochastic"`` (default) or ``"nearest"`` for ``weights``.
+        weight_block: scale granularity of block-scaled weight formats: ``"row"`` (default), a block size, ``"tensor"``.
+        error_feedback: ``None``, ``"eco"`` (feed the weights' rounding error into ``m``, arXiv 2601.22101) or
+            ``"eco_exact"`` (with one fp32 error buffer per parameter).
+        grads: round the gradients to this format before the step (``None``: as they are).
+        track_stalls: count state entries whose update was lost to rounding (:meth:`stall_stats`).
+        nonfinite: a gradient holding inf/NaN: ``"skip"`` that parameter (default, counted and warned),
+            ``"skip_step"`` (the whole step) or ``"raise"``. Stored states never hold NaN.
+        generator: the random source of stochastic rounding (seed it for reproducible runs; checkpointed).
+        policy: a :class:`~lightning_qstate.optim.policy.QuantizationPolicy` instead of the keywords above.
+
+    ``states``, ``rounding``, ``block_size``, ``min_quant_size``, ``grads`` and the weight options may also be set per
+    param group. Each parameter takes the fastest step path that applies (C++ on the CPU, Triton on CUDA,
+    ``torch.compile``, or torch's own functional Adam on decoded states); ``step_paths()`` says which.
+    Round to nearest, every path writes the reference's codes bit for bit.
+
+    Useful methods: :meth:`step_paths`, :meth:`stall_stats`, :meth:`reencode_state` (change a state's format),
+    :meth:`reset_states`, :meth:`fp32_state_dict` (a plain torch checkpoint); ``state_dict``/``load_state_dict``
+    round-trip the codes exactly and load with ``weights_only=True``; a plain ``torch.optim.Adam`` state dict loads too.
+
+    Example::
+
+        >>> import torch
+        >>> from lightning_qstate import QAdam, state_nbytes
+        >>> model = torch.nn.Linear(256, 256)
+        >>> opt = QAdam(model.parameters(), lr=1e-3, states="int8", min_quant_size=0)
+        >>> model(torch.randn(8, 256)).square().mean().backward()
+        >>> opt.step()
+        >>> round(state_nbytes(opt) / sum(p.numel() for p in model.parameters()), 2)  # bytes per parameter
+        2.02
+    """
 
     def __init__(
         self,
@@ -231,8 +276,26 @@ class QAdam(_AdamStates, torch.optim.Adam):
 
 
 class QAdamW(QAdam, torch.optim.AdamW):
-    """``torch.optim.AdamW`` with quantized ``exp_avg``/``exp_avg_sq``/``max_exp_avg_sq`` (see module docs): ``QAdam``
-    with decoupled weight decay, as torch's ``AdamW`` is ``Adam``'s."""
+    """``torch.optim.AdamW`` with quantized ``exp_avg``/``exp_avg_sq``/``max_exp_avg_sq``: :class:`QAdam` with
+    decoupled weight decay, as torch's ``AdamW`` is ``Adam``'s. The arguments are ``torch.optim.AdamW``'s, then
+    :class:`QAdam`'s storage options (``states``, ``rounding``, ``block_size``, ``min_quant_size``, ``weights``,
+    ``weight_rounding``, ``weight_block``, ``error_feedback``, ``grads``, ``track_stalls``, ``nonfinite``,
+    ``generator``, ``policy``), described there.
+
+    Example: 8-bit ``m``, 4-bit ``v`` with stochastic rounding, and bf16 weights without an fp32 master copy::
+
+        >>> import torch
+        >>> from lightning_qstate import QAdamW
+        >>> model = torch.nn.Linear(256, 256).bfloat16()
+        >>> opt = QAdamW(
+        ...     model.parameters(), lr=1e-3, states={"exp_avg": "int8", "exp_avg_sq": "int4"}, rounding="stochastic",
+        ...     weights="bf16", error_feedback="eco", min_quant_size=0, generator=torch.Generator().manual_seed(0),
+        ... )
+        >>> model(torch.randn(8, 256, dtype=torch.bfloat16)).float().square().mean().backward()
+        >>> opt.step()
+        >>> model.weight.dtype, opt.state_format(model.weight, "exp_avg_sq").name
+        (torch.bfloat16, 'int4')
+    """
 
     def __init__(
         self,
@@ -270,9 +333,22 @@ class QAdamW(QAdam, torch.optim.AdamW):
 
 
 class QSGD(QuantizedStates, torch.optim.SGD):
-    """``torch.optim.SGD`` with a quantized ``momentum_buffer`` (see module docs).
+    """``torch.optim.SGD`` with a quantized ``momentum_buffer``.
 
-    As in torch, the buffer is created from the first gradient, so there is no state when ``momentum=0``.
+    The first arguments are ``torch.optim.SGD``'s; the storage options (``states``, ``rounding``, ...,
+    ``error_feedback="eco"`` for weights kept without master copies) are :class:`QAdam`'s. As in torch, the buffer is
+    created from the first gradient, so there is no state when ``momentum=0``.
+
+    Example::
+
+        >>> import torch
+        >>> from lightning_qstate import QSGD
+        >>> model = torch.nn.Linear(256, 256)
+        >>> opt = QSGD(model.parameters(), lr=0.1, momentum=0.9, states="int8", min_quant_size=0)
+        >>> model(torch.randn(8, 256)).square().mean().backward()
+        >>> opt.step()
+        >>> opt.state_format(model.weight, "momentum_buffer").name
+        'int8'
     """
 
     state_names = ("momentum_buffer",)
@@ -347,7 +423,24 @@ class QSGD(QuantizedStates, torch.optim.SGD):
 
 
 class QMuon(QuantizedStates, torch.optim.Muon):
-    """``torch.optim.Muon`` (2-D parameters) with a quantized ``momentum_buffer`` (see module docs)."""
+    """``torch.optim.Muon`` (2-D parameters) with a quantized ``momentum_buffer``.
+
+    The first arguments are ``torch.optim.Muon``'s; the storage options are :class:`QAdam`'s. ``error_feedback="eco"``
+    is refused: Muon's orthogonalized update is not linear in the momentum, so the rounding error cannot be folded
+    into it; ``"eco_exact"`` (an error buffer) works. Muon needs about half of Adam's mantissa bits for a run of the
+    same length (``theory.precision.required_mantissa_bits``).
+
+    Example::
+
+        >>> import torch
+        >>> from lightning_qstate import QMuon
+        >>> weight = torch.nn.Parameter(torch.randn(128, 128))
+        >>> opt = QMuon([weight], lr=0.02, states="int4", min_quant_size=0)
+        >>> weight.square().sum().backward()
+        >>> opt.step()
+        >>> opt.state_format(weight, "momentum_buffer").bits
+        4
+    """
 
     state_names = ("momentum_buffer",)
     error_feedbacks = (None, "eco_exact")  # the orthogonalized update is not linear in the momentum: no "eco"

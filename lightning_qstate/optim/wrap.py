@@ -85,6 +85,18 @@ class QuantizedOptimizerWrapper(QuantizedStates, torch.optim.Optimizer):
             optimizer writes the parameters, so there is no update of the wrapper's to count the weights' stalls against.
         weights, weight_rounding, weight_block, error_feedback: must stay at their defaults (the inner optimizer
             updates the parameters itself, so there is no fp32 update to round: ``optim/weights.py``).
+
+    Example (Adagrad's ``sum`` in 8 bits; ``quantize_optimizer`` builds the wrapper for any optimizer it has no
+    quantized class for)::
+
+        >>> import torch
+        >>> from lightning_qstate import QuantizedOptimizerWrapper
+        >>> model = torch.nn.Linear(256, 256)
+        >>> opt = QuantizedOptimizerWrapper(torch.optim.Adagrad(model.parameters(), lr=0.1), states="int8", min_quant_size=0)
+        >>> model(torch.randn(8, 256)).square().mean().backward()
+        >>> opt.step()
+        >>> opt.state_format(model.weight, "sum").name
+        'int8'
     """
 
     weights_supported = False
@@ -252,6 +264,15 @@ def quantize_optimizer(
 
     Raises:
         TypeError: ``optimizer`` is not a ``torch.optim.Optimizer``, or is quantized already.
+
+    Example::
+
+        >>> import torch
+        >>> from lightning_qstate import QAdamW, quantize_optimizer
+        >>> model = torch.nn.Linear(256, 256)
+        >>> opt = quantize_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), states="int4", rounding="stochastic")
+        >>> isinstance(opt, QAdamW), type(opt).__name__  # the same object, its class swapped (the name kept)
+        (True, 'AdamW')
     """
     if isinstance(optimizer, QuantizedStates):
         raise TypeError(f"{type(optimizer).__name__} already has quantized states; pass the original torch optimizer")

@@ -113,7 +113,27 @@ class _PrecisionDispatch:
 
 
 class QStatePrecision(QStatePolicyMixin, _PrecisionDispatch, Precision):
-    __doc__ = "Quantized optimizer states with Lightning's precision ``precision``; see the module docs." + _POLICY_DOC
+    __doc__ = (
+        """Quantized optimizer states with Lightning's precision ``precision`` (``"32-true"``, ``"bf16-true"``,
+    ``"16-true"``, ``"bf16-mixed"``, ``"16-mixed"``: the matching variant is built for you). At the start of ``fit`` it
+    converts each optimizer the LightningModule configured (``torch.optim.Adam``/``AdamW``/``SGD``/``Muon`` to
+    ``QAdam``/``QAdamW``/``QSGD``/``QMuon``, any other through the generic wrapper) in place, keeping its param groups,
+    learning-rate schedulers and state; checkpoints hold the codes and resume exactly.
+
+    Example::
+
+        import lightning.pytorch as pl
+        from lightning_qstate.plugins import QStatePrecision
+
+        plugin = QStatePrecision("bf16-mixed", states={"exp_avg": "int8", "exp_avg_sq": "int4"}, rounding="stochastic",
+                                 overrides={"*.wte.*": "int8"})
+        trainer = pl.Trainer(plugins=[plugin], max_steps=1000)
+
+    or in a LightningCLI config: ``trainer.plugins: [{class_path: lightning_qstate.plugins.QStatePrecision,
+    init_args: {precision: bf16-mixed, states: int8}}]`` (``examples/configs/``).
+"""
+        + _POLICY_DOC
+    )
 
     def __init__(
         self,
@@ -195,7 +215,10 @@ class QStateHalfPrecision(QStatePrecision, HalfPrecision):
 class QStateFSDPPrecision(QStatePolicyMixin, FSDPPrecision):
     __doc__ = (
         "``FSDPPrecision`` with quantized optimizer states, for ``FSDPStrategy`` (which accepts only FSDPPrecision). "
-        "Checkpoints store the states as fp32 flat shards (FSDP reshapes them) and re-quantize on load." + _POLICY_DOC
+        "Checkpoints store the states as fp32 flat shards (FSDP reshapes them) and re-quantize on load.\n\n"
+        "    Example::\n\n"
+        "        trainer = Trainer(strategy=FSDPStrategy(), plugins=[QStateFSDPPrecision(\"bf16-mixed\", states=\"int8\")])\n"
+        "        # on the CPU (gloo), lightning_qstate.plugins.CPUFSDPStrategy() in place of FSDPStrategy()\n" + _POLICY_DOC
     )
 
     def __init__(
