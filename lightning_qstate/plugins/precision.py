@@ -217,7 +217,7 @@ class QStateFSDPPrecision(QStatePolicyMixin, FSDPPrecision):
         "``FSDPPrecision`` with quantized optimizer states, for ``FSDPStrategy`` (which accepts only FSDPPrecision). "
         "Checkpoints store the states as fp32 flat shards (FSDP reshapes them) and re-quantize on load.\n\n"
         "    Example::\n\n"
-        "        trainer = Trainer(strategy=FSDPStrategy(), plugins=[QStateFSDPPrecision(\"bf16-mixed\", states=\"int8\")])\n"
+        '        trainer = Trainer(strategy=FSDPStrategy(), plugins=[QStateFSDPPrecision("bf16-mixed", states="int8")])\n'
         "        # on the CPU (gloo), lightning_qstate.plugins.CPUFSDPStrategy() in place of FSDPStrategy()\n" + _POLICY_DOC
     )
 
