@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.metadata
 import math
 import platform
 import shlex
@@ -554,10 +555,15 @@ def render_table(kind: TensorKind, rows: list[Row]) -> str:
 
 
 def _version(module: str) -> str:
+    """``module``'s version: its ``__version__``, else its distribution's (``pytorch_optimizer`` has no ``__version__``)."""
     try:
-        return __import__(module).__version__
+        imported = __import__(module)
     except Exception as error:  # noqa: BLE001
         return f"not available ({_short_reason(error)})"
+    if hasattr(imported, "__version__"):
+        return imported.__version__
+    distributions = importlib.metadata.packages_distributions().get(module, [])
+    return importlib.metadata.version(distributions[0]) if distributions else "unknown"
 
 
 def render_report(command: str, args: argparse.Namespace, kinds: list[TensorKind], rows: list[Row], runtime_s: float) -> str:
