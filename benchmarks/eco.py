@@ -61,7 +61,6 @@ import argparse
 import dataclasses
 import datetime
 import importlib.util
-import json
 import logging
 import math
 import os
@@ -106,6 +105,7 @@ def _sibling(stem: str) -> ModuleType:
 _adaptive, _optim = _sibling("adaptive_bits"), _sibling("optim")
 Summary, summaries, fmt_ms, benchmark_trainer = _adaptive.Summary, _adaptive.summaries, _adaptive.fmt_ms, _adaptive.benchmark_trainer
 source_digest, _version = _optim.source_digest, _optim._version
+load_rows, save_row = _adaptive.load_rows, _adaptive.save_row
 
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "eco.md"
 DEFAULT_SEEDS, DEFAULT_STEPS, QUICK_STEPS = [0, 1, 2, 3, 4], 400, 6
@@ -374,33 +374,6 @@ def settings_key(setup: Setup, args: argparse.Namespace, digest: str) -> dict:
     return {"setup": dataclasses.asdict(setup), "compute": args.compute, "state_rounding": args.state_rounding, "source": digest}
 
 
-def load_rows(path: Path | None, key: dict) -> dict[tuple[str, int], Row]:
-    """``{(config, seed): Row}`` of the runs saved in ``path`` with these settings (later lines win); others are skipped."""
-    if path is None or not path.exists():
-        return {}
-    rows = {}
-    for number, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as error:  # a line cut short by a killed process: rerun that configuration
-            print(f"--rows {path}: line {number} unreadable ({error}); its run is trained again", file=sys.stderr)
-            continue
-        if record.pop("settings") == json.loads(json.dumps(key)):
-            row = Row(**record)
-            rows[row.config, row.seed] = row
-    return rows
-
-
-def save_row(path: Path | None, key: dict, row: Row) -> None:
-    if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with path.open("a") as file:  # one write per line: processes sharing the file do not interleave lines
-            file.write(json.dumps({"settings": key, **dataclasses.asdict(row)}) + "\n")
-
-
-# --- statistics ---------------------------------------------------------------------------------------------------
 def t95(count: int) -> float:
     """Student's t for a two-sided 95 % interval of the mean of ``count`` values."""
     return T95[count - 2] if count - 1 <= len(T95) else 1.96
@@ -723,7 +696,7 @@ def main(argv: list[str] | None = None) -> str:
     start, digest = time.perf_counter(), source_digest()
     setup = make_setup(args)
     key = settings_key(setup, args, digest)
-    saved, rows = load_rows(args.rows, key), []
+    saved, rows = {(row.config, row.seed): row for row in load_rows(args.rows, key, Row)}, []
     for seed in args.seeds:
         for name in args.config_names:
             if (name, seed) in saved:

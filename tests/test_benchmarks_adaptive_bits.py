@@ -26,7 +26,19 @@ def test_quick_run(bench: ModuleType, tmp_path: Path, monkeypatch: pytest.Monkey
     out = tmp_path / "results" / "adaptive_bits.md"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        text = bench.main(["--quick", "--seeds", "0", "1", "--configs", ",".join(bench.CONFIGS), "--out", str(out)])
+        args = [
+            "--quick",
+            "--seeds",
+            "0",
+            "1",
+            "--configs",
+            ",".join(bench.CONFIGS),
+            "--out",
+            str(out),
+            "--rows",
+            str(tmp_path / "rows.jsonl"),
+        ]
+        text = bench.main(args)
     assert out.read_text() == text
     assert (
         f"`python benchmarks/adaptive_bits.py --quick --seeds 0 1 --configs {','.join(bench.CONFIGS)} --out" in text
@@ -51,8 +63,13 @@ def test_quick_run(bench: ModuleType, tmp_path: Path, monkeypatch: pytest.Monkey
         )
         assert "Δ" in per_seed["adaptive"]["seed 1"] and "Δ" not in per_seed["int8"]["seed 1"]
         assert section.count("adaptive, seed ") == 2 and "at the end: zones critical" in section
-    assert text.count("PASS") + text.count("FAIL") == 9  # 4 targets per model, and the ViT's accuracy
-    assert text.count("(standard error)") == 3  # the paired per-seed differences of both losses and the accuracy
+    assert text.count("PASS") + text.count("FAIL") == 12  # bits, saving, overhead, loss vs int8 and vs int4; ViT: accuracy too
+    assert text.count("(standard error)") == 3  # the paired per-seed differences against int8
+    assert text.count("better than fixed int4 by more than 2 standard errors") == 3
+    trained = []
+    monkeypatch.setattr(bench, "run_config", lambda *args: trained.append(args))
+    assert bench.main(args).split("## Targets")[1] == text.split("## Targets")[1]  # every run reused from --rows
+    assert trained == []
 
 
 def test_arguments_are_checked(bench: ModuleType) -> None:
