@@ -2,7 +2,7 @@
 
 Usage::
 
-    python benchmarks/adaptive_bits.py [--quick] [--out PATH] [--models gpt,vit] [--configs fp32,int8,int4,adaptive,m_int4,v_int4]
+    python benchmarks/adaptive_bits.py [--quick] [--out PATH] [--models gpt,vit] [--configs fp32,int8,int4,adaptive,m_int4,v_int4,m4_v6]
                                        [--seeds S ...] [--gpt-steps N] [--vit-steps N] [--target-bits B] [--interval K]
                                        [--hysteresis H] [--rounding nearest|stochastic]
 
@@ -20,8 +20,8 @@ means over the seeds.
 Configurations (AdamW throughout; quantized ones through ``QStatePrecision``, ``min_quant_size`` 4096):
 ``fp32`` (torch's AdamW), ``int8`` and ``int4`` (fixed formats for every quantized state), ``adaptive``
 (``QStatePrecision(states="int8")`` plus ``AdaptiveBitWidth(target_bits, interval, hysteresis)`` with its
-default zone formats), and two that tell which state the 4 bits cost most in (not run by default): ``m_int4``
-(m int4, v int8) and ``v_int4`` (m int8, v int4).
+default zone formats), and three more, not run by default: two that tell which state the 4 bits cost most in,
+``m_int4`` (m int4, v int8) and ``v_int4`` (m int8, v int4), and ``m4_v6`` (m int4, v in the dense 6-bit ``int6``).
 
 Memory: ``RunSummary``'s ``state_summary`` of the optimizer at the end (every per-element state, fp32 ones of small parameters
 included; bits per value count the scales). Time: each training step (``on_train_batch_start`` to ``_end``,
@@ -62,11 +62,12 @@ import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
 from lightning.pytorch.callbacks import Callback  # noqa: E402
 
+from lightning_qstate.adaptive import DEFAULT_M_FORMATS, DEFAULT_V_FORMATS  # noqa: E402
 from lightning_qstate.callbacks import AdaptiveBitWidth, RunSummary  # noqa: E402
 from lightning_qstate.formats import ROUNDINGS  # noqa: E402
 from lightning_qstate.plugins import QStatePrecision  # noqa: E402
 
-CONFIGS = ("fp32", "int8", "int4", "adaptive", "m_int4", "v_int4")
+CONFIGS = ("fp32", "int8", "int4", "adaptive", "m_int4", "v_int4", "m4_v6")
 # QStatePrecision(states=...) of each quantized configuration (m: exp_avg, v: exp_avg_sq); adaptive starts from int8.
 PLUGIN_STATES = {
     "int8": "int8",
@@ -74,6 +75,7 @@ PLUGIN_STATES = {
     "adaptive": "int8",
     "m_int4": {"exp_avg": "int4", "exp_avg_sq": "int8"},
     "v_int4": {"exp_avg": "int8", "exp_avg_sq": "int4"},
+    "m4_v6": {"exp_avg": "int4", "exp_avg_sq": "int6"},  # the dense 6-bit v the screens point to, fixed
 }
 DEFAULT_CONFIGS = CONFIGS[:4]
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "adaptive_bits.md"
@@ -426,7 +428,8 @@ def report(args: argparse.Namespace, setups: dict[str, ModelSetup], rows: list[R
         + (" (min_quant_size 0)" if args.quick else " (min_quant_size 4096: smaller parameters keep fp32 states, counted in every average)")
         + f", rounding {args.rounding}",
         '- adaptive: `QStatePrecision(states="int8")` + '
-        f"`AdaptiveBitWidth(target_bits={args.target_bits}, interval=K, hysteresis={args.hysteresis})`, default zone formats",
+        f"`AdaptiveBitWidth(target_bits={args.target_bits}, interval=K, hysteresis={args.hysteresis})`, default zone formats "
+        f"(m: {', '.join(DEFAULT_M_FORMATS.values())}; v: {', '.join(DEFAULT_V_FORMATS.values())}; critical to redundant)",
         "- val loss and val acc: mean ± sample standard deviation over the seeds; Δ mean loss: the mean against fixed int8's mean; "
         "avg bits/value, state bytes, saved and all steps s: means over the seeds; median step ms: over the steps of all seeds",
         "- avg bits/value and state bytes: `state_summary` of the optimizer at the end "

@@ -26,6 +26,11 @@ BLOCK_FORMATS = [
     ("e4m3", {}),
     ("e2m1", {}),
     ("e5m10", {}),
+    ("int6", {}),  # dense 5- to 7-bit containers
+    ("int5", {"signed": False}),
+    ("int7_linear", {}),
+    ("e3m2", {}),
+    ("e2m3", {"signed": False}),
     ("int8", {"signed": False, "scale_dtype": "bf16"}),  # the scale types the defaults do not pick
     ("fp8_e4m3", {"scale_dtype": "fp32"}),
 ]

@@ -251,7 +251,8 @@ def test_budget_demotes_in_order_then_fills_the_slack_in_the_same_order():
 
 
 def test_the_room_goes_to_the_least_precise_layers_first():
-    """With the default maps, room for one 8-bit state goes to a redundant layer's v, not a magnitude layer's m."""
+    """With the default maps, the room goes to the least precise layer's v first: a redundant layer's v from 5 to 6
+    bits, before a magnitude layer's promotion (m 4 -> 8 bits and v 7 -> 8)."""
     formats = {"exp_avg": DEFAULT_M_FORMATS, "exp_avg_sq": DEFAULT_V_FORMATS}
     nbytes = stored_nbytes(10_000)
     zones, names = ["magnitude", "redundant", "critical"], ["a", "b", "c"]
@@ -260,17 +261,18 @@ def test_the_room_goes_to_the_least_precise_layers_first():
     assert budget_order(["redundant", "redundant", None], [1, 2, 3], names) == [1, 0, 2]  # then the size, then the name; None is critical
     assert budget_order(["redundant"] * 2, [5, 5], ["y", "x"]) == [1, 0]
     planned = [budget_ladder(zone, formats, nbytes) for zone in zones]
+    assert [choice for choice, _ in planned[1][0]] == [("int8_linear", "int8"), ("int4", "int7"), ("int4", "int6"), ("int4", "int5")]
     costs = [[cost for _, cost in ladder] for ladder, _ in planned]
     starts = [start for _, start in planned]
     asked = sum(ladder[start] for ladder, start in zip(costs, starts, strict=False))
-    v_step = nbytes("exp_avg_sq", "int8") - nbytes("exp_avg_sq", "e4m0")
-    m_step = nbytes("exp_avg", "int8_linear") - nbytes("exp_avg", "int4")
+    v_step = nbytes("exp_avg_sq", "int6") - nbytes("exp_avg_sq", "int5")
+    a_step = nbytes("exp_avg", "int8_linear") - nbytes("exp_avg", "int4") + nbytes("exp_avg_sq", "int8") - nbytes("exp_avg_sq", "int7")
     values = 2 * 3 * 10_000
-    target_bits = 8 * (asked + max(v_step, m_step)) / values  # room for one promotion, not two
-    assert asked + v_step + m_step > target_bits * values / 8
+    target_bits = 8 * (asked + v_step) / values  # room for b's first promotion, not for a's
+    assert a_step > v_step
     rungs = fit_budget(costs, 0, values, target_bits, budget_order(zones, [10_000] * 3, names), starts)
     chosen = [planned[i][0][rung][0] for i, rung in enumerate(rungs)]
-    assert chosen == [("int4", "int8"), ("int4", "int8"), ("int8_linear", "int8")]  # b's v promoted; a's m stays 4 bits
+    assert chosen == [("int4", "int7"), ("int4", "int6"), ("int8_linear", "int8")]  # b's v promoted; a stays
 
 
 # --- the callback on one device -------------------------------------------------------------------------
@@ -300,7 +302,7 @@ def average_bits(optimizer: torch.optim.Optimizer) -> float:
         ({"threshold_end": -1}, r"threshold_start=1.0 and threshold_end=-1 must be > 0"),
         ({"reference": "pooled"}, r"reference='pooled' is not valid; use one of \('layers', 'model'\)"),
         ({"m_formats": {"critical": "int8"}}, r"m_formats must name exactly the zones"),
-        ({"v_formats": {zone: "int5" for zone in ZONES}}, r"v_formats\['critical'\]: unknown format 'int5'"),
+        ({"v_formats": {zone: "int9" for zone in ZONES}}, r"v_formats\['critical'\]: unknown format 'int9'"),
     ],
 )
 def test_bad_arguments_raise_clear_errors(kwargs, error):

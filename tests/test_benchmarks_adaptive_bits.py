@@ -53,6 +53,7 @@ def test_quick_run(bench: ModuleType, tmp_path: Path, monkeypatch: pytest.Monkey
         bits = {config: float(row["avg bits/value"]) for config, row in means.items()}
         assert bits["fp32"] == 32.0 and 8.0 < bits["int8"] < 8.5 and 4.0 < bits["int4"] < 4.5
         assert 6.0 < bits["m_int4"] < 6.5 and 6.0 < bits["v_int4"] < 6.5  # one state at 8 bits, the other at 4
+        assert 5.0 < bits["m4_v6"] < 5.5  # dense 6-bit v: 6 bits a value, not 8
         assert bits["adaptive"] <= 5.1
         assert "%" in means["adaptive"]["callback overhead"] and means["fp32"]["callback overhead"] == "–"
         assert means["int8"]["Δ mean loss vs int8"] == "+0.00 %"

@@ -34,8 +34,9 @@ BYTE_FORMATS = {
     "int8 unsigned": get_format("int8", signed=False),
     "int8_linear": get_format("int8_linear"),
     "int8_linear unsigned": get_format("int8_linear", signed=False),
-    # no zero code: the threshold between -1/63 and 1/63 is 0, which -0.0 and 0.0 both reach
-    "zero-free": CodebookFormat("zero-free", torch.linspace(-1, 1, 64, dtype=torch.float64), 64, signed=True),
+    # no zero code: the threshold between -1/255 and 1/255 is 0, which -0.0 and 0.0 both reach (256 codes: the kernel
+    # takes byte codes; 5- to 7-bit codes are dense)
+    "zero-free": CodebookFormat("zero-free", torch.linspace(-1, 1, 256, dtype=torch.float64), 64, signed=True),
 }
 
 

@@ -113,6 +113,8 @@ else:
         pytest.param(S4, U4, 5 * 128 + 33, False, True, group_options(weight_decay=0.1), torch.float32, id="int4-l2-maximize"),
         pytest.param(E4M3, E4M3, 2 * 256 + 1, True, True, group_options(betas=(0.3, 0.99)), torch.float32, id="fp8-large-lerp-weight"),
         pytest.param(S8, U4, 4 * 256 + 130, False, False, group_options(), torch.bfloat16, id="int8-int4-sub-blocks-bf16-grad"),
+        pytest.param(S4, ("int6", {"signed": False}), 3 * 256 + 77, False, False, group_options(), torch.float32, id="int4-int6-dense-v"),
+        pytest.param(("int5", {}), ("e3m3", {"signed": False}), 2 * 256 + 9, True, False, group_options(), torch.float32, id="dense-m-v"),
         pytest.param(
             ("fp8_e4m3", {"block_size": 32}),
             ("int8", {"signed": False, "block_size": 128}),

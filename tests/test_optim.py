@@ -523,7 +523,9 @@ def test_closure_is_called_with_grad_enabled():
     assert isinstance(optimizer.step(closure), torch.Tensor)
 
 
-@pytest.mark.parametrize("states", ["int8", "int4", {"exp_avg": "int8", "exp_avg_sq": "bf16"}])
+@pytest.mark.parametrize(
+    "states", ["int8", "int4", {"exp_avg": "int8", "exp_avg_sq": "bf16"}, {"exp_avg": "int4", "exp_avg_sq": "int6"}, "e3m2"]
+)  # the last two: dense 6-bit codes (v, and a signed minifloat m)
 def test_fast_cpu_paths_match_the_plain_step(states):
     """Large CPU params take the C++ kernel (int8, RN) or the compiled step; both must match the plain path."""
 
@@ -570,7 +572,7 @@ def test_fast_cpu_paths_count_the_stalls_of_the_plain_step(states):
     assert float((fast - plain).abs().max()) <= 1e-3 * float(plain[:, 1].min()), (fast.tolist(), plain.tolist())
 
 
-@pytest.mark.parametrize("states", ["int4", "bf16"])
+@pytest.mark.parametrize("states", ["int4", "bf16", "int7"])
 def test_compiled_step_handles_stochastic_rounding(states):
     weight = torch.nn.Parameter(torch.randn(1 << 17))
     optimizer = lq.QAdamW([weight], states=states, rounding="stochastic")

@@ -26,18 +26,17 @@ from .zones import (
 )
 
 ADAPTED_STATES = ("exp_avg", "exp_avg_sq")  # Adam's m and v
-# Formats of 5 to 8 bits all store one byte per value, so each state has two real widths: 8 bits and 4 bits (with
-# scales: 8.0625 and 4.125 for m, 8.125 and 4.25 for v). The maps give v the 8 bits first (a reconstruction choice):
-# every zone with high N or R stores v as int8, m takes 8 bits (the linear int8_linear) only in the critical zone, and
-# redundant layers store m as the dynamic int4 map and v as the logarithmic e4m0. (On the GPT benchmark a 4-bit v cost
-# more than a 4-bit m: over 10 seeds fixed m int4 + v int8 came within 0.07 % of int8, m int8 + v int4 1.70 % above.)
-# At 4 bits m takes the dynamic int4 map, not int4_linear: a 4-bit linear map stores every m under 1/14 of its block's
-# absmax as 0. (The ViT benchmark cannot tell the two apart: their seed-to-seed spread is larger than the difference.)
-# Pass m_formats with "int4_linear" for the paper's all-linear m. Whatever the maps, the budget spends the cap's slack
-# on promotions (see fit_budget), the least precise layers first, so a plan under the cap usually ends close to
-# target_bits.
+# The maps spend bits where the screens show they matter (GPT benchmark, 10 seeds against fixed int8: m int4 + v int8
+# +0.07 %, m int8 + v int4 +1.70 %): m takes 4 bits (the dynamic int4 map) in every zone but the critical one
+# (int8_linear, as STQuant's 8-bit critical layers), and v steps down one bit per zone with the dense codes (int8,
+# int7, int6, int5: 8, 7, 6 and 5 bits per value plus the fp32 scales, ``formats.packing``). A layer's ladder (see
+# ``adaptive.budget``) therefore changes only v from redundant up to magnitude, so the budget's promotions, which give
+# the cap's slack to the least precise layers first, spend it on v; at 4 bits m takes the dynamic map, not
+# int4_linear, which stores every m under 1/14 of its block's absmax as 0. (Before the dense codes, 5 to 8 bits took a
+# byte, and v was int8 in three zones and the logarithmic e4m0 in the redundant one.) Pass m_formats with
+# "int4_linear" for the paper's all-linear m.
 DEFAULT_M_FORMATS = {"critical": "int8_linear", "magnitude": "int4", "structural": "int4", "redundant": "int4"}
-DEFAULT_V_FORMATS = {"critical": "int8", "magnitude": "int8", "structural": "int8", "redundant": "e4m0"}
+DEFAULT_V_FORMATS = {"critical": "int8", "magnitude": "int7", "structural": "int6", "redundant": "int5"}
 STATE_DICT_VERSION = 1
 
 
@@ -150,7 +149,7 @@ class BitWidthPlanner:
             loss.backward()
             planner.update(step)  # every 10 steps: statistics, zones, plan, re-encoding
             optimizer.step()
-        planner.decisions()  # {"0.weight": {"zone": "redundant", "exp_avg": "int4", "exp_avg_sq": "e4m0"}, ...}
+        planner.decisions()  # {"0.weight": {"zone": "redundant", "exp_avg": "int4", "exp_avg_sq": "int5"}, ...}
         planner.metrics()["qstate/adaptive/avg_bits"]  # <= 5.1
 
     Args:

@@ -47,7 +47,11 @@ from .cast import CastFormat
 from .codebooks import CodebookIndex, MinifloatSpec, dynamic_map, linear_map
 from .rounding import ROUNDINGS, Rounding
 
-FORMAT_NAMES: tuple[str, ...] = ("fp32", "bf16", "fp16", "fp8_e4m3", "fp8_e5m2", "int8", "int4", "int8_linear", "int4_linear", "eXmY")
+FORMAT_NAMES: tuple[str, ...] = (
+    "fp32", "bf16", "fp16", "fp8_e4m3", "fp8_e5m2", "int8", "int7", "int6", "int5", "int4",
+    "int8_linear", "int7_linear", "int6_linear", "int5_linear", "int4_linear", "eXmY",
+)  # fmt: skip
+_INTEGER = re.compile(r"int([4-8])(_linear)?")
 _CAST_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _MINIFLOAT = re.compile(r"e(\d+)m(\d+)")
 _FP8_SPECS = {
@@ -85,12 +89,16 @@ def get_format(
 
     Args:
         name: ``fp32``, ``bf16``, ``fp16`` (casts); ``fp8_e4m3``, ``fp8_e5m2`` (OCP FP8,
-            block-scaled); ``int8``, ``int4`` (dynamic-tree maps as in bitsandbytes
-            and torchao; unsigned ``int4`` is torchao's zero-free linear ``v`` map);
-            ``int8_linear``, ``int4_linear`` (absmax linear maps); ``eXmY`` (any
-            minifloat, e.g. ``e2m2``, ``e3m0``, ``e4m3``).
+            block-scaled); ``int8``, ``int7``, ``int6``, ``int5``, ``int4`` (dynamic-tree maps as
+            in bitsandbytes and torchao: ``max_exponent_bits`` 7 at 8 bits, ``bits - 1`` below, as
+            torchao's 4-bit map; unsigned ``int4`` is torchao's zero-free linear ``v`` map);
+            ``int8_linear`` ... ``int4_linear`` (absmax linear maps); ``eXmY`` (any minifloat,
+            e.g. ``e2m2``, ``e3m0``, ``e4m3``). Codes of 5 to 7 bits (``int5`` to ``int7``, their
+            linear maps, minifloats such as ``e3m2``) are stored densely, 8 codes in ``bits``
+            bytes (:mod:`lightning_qstate.formats.packing`).
         block_size: values per absmax scale, a power of two; default 128 for
-            formats of at most 4 bits, else 256. Ignored by casts.
+            formats of at most 4 bits, else 256; at least 8 for 5- to 7-bit codes (a block is
+            then a whole number of bytes). Ignored by casts.
         signed: ``False`` for non-negative states such as Adam's ``v``: the map
             spends no codes on negatives, and the format is zero-free: it never
             stores a positive value as 0 (block formats store values below their
@@ -125,17 +133,17 @@ def _build_format(
         return MinifloatFormat(
             name, _FP8_SPECS[name], 256 if block_size is None else block_size, nonfinite, zero_free=not signed, scale_dtype=scale_dtype
         )
-    integer_maps = {
-        "int8": lambda: dynamic_map(signed, 8),
-        "int4": lambda: dynamic_map(True, 4) if signed else linear_map(False, 4, zero_free=True),
-        "int8_linear": lambda: linear_map(signed, 8),
-        "int4_linear": lambda: linear_map(signed, 4),
-    }
-    if name in integer_maps:
-        bits = 8 if name.startswith("int8") else 4
-        return CodebookFormat(
-            name, integer_maps[name](), default_block_size(bits) if block_size is None else block_size, signed, nonfinite, scale_dtype
-        )
+    match = _INTEGER.fullmatch(name)
+    if match:
+        bits, linear = int(match.group(1)), match.group(2) is not None
+        if linear:
+            codebook = linear_map(signed, bits)
+        elif bits == 4 and not signed:
+            codebook = linear_map(False, 4, zero_free=True)  # torchao's 4-bit v map
+        else:
+            codebook = dynamic_map(signed, bits)
+        block_size = default_block_size(bits) if block_size is None else block_size
+        return CodebookFormat(name, codebook, block_size, signed, nonfinite, scale_dtype)
     match = _MINIFLOAT.fullmatch(name)
     if match:
         spec = minifloat_spec(int(match.group(1)), int(match.group(2)), signed)

@@ -2,7 +2,8 @@
 
 A tensor of ``n`` values is split, flat, into ``ceil(n / block_size)`` blocks.
 Each block stores one scale and each value as a code of ``bits`` bits, packed
-two per byte at 4 bits or fewer. The scale is the block's absmax, either in fp32
+two per byte at 4 bits or fewer and eight to ``bits`` bytes at 5 to 7 bits
+(:mod:`lightning_qstate.formats.packing`). The scale is the block's absmax, either in fp32
 (``scale_dtype="fp32"``: 4 bytes per block, as torchao and bitsandbytes store
 it) or rounded *up* to a bf16 value (``scale_dtype="bf16"``: 2 bytes per block;
 every normalized value stays in ``[-1, 1]``, and the code grid stretches by less
@@ -48,7 +49,7 @@ import torch
 
 from .base import NonFiniteError, QuantizedTensor, StorageFormat, kernel_backend, uniform_like
 from .codebooks import CodebookIndex, MinifloatSpec
-from .packing import as_blocks, num_blocks, pack, packed_numel, unpack
+from .packing import GROUP, as_blocks, is_dense, num_blocks, pack, packed_numel, unpack
 from .rounding import Rounding, encode_codebook, encode_minifloat, lookup
 
 NonFinitePolicy = Literal["raise", "nan_block"]
@@ -114,6 +115,11 @@ class BlockFormat(StorageFormat):
         self.name = name
         self.bits = bits
         self.block_size = check_block_size(block_size)
+        if is_dense(bits) and block_size < GROUP:
+            raise ValueError(
+                f"format {name!r}: block_size={block_size} is too small for {bits}-bit codes, which pack {GROUP} to {bits} bytes; "
+                f"use a power of two >= {GROUP}"
+            )
         self.signed = signed
         self.nonfinite = nonfinite
         self.scale_dtype: torch.dtype = SCALE_DTYPES[scale_dtype]

@@ -18,6 +18,7 @@ from collections.abc import Callable
 import torch
 
 from ..formats import BlockFormat, CastFormat, QuantizedTensor
+from ..formats.packing import packed_numel
 from ..formats.weights import WeightGrid
 from .adam_reference import _lower_fma, adam_step_quantized
 
@@ -46,7 +47,7 @@ def compiled_adam_step(options: tuple) -> Callable:
 def _split(value: QuantizedTensor, count: int, block: int) -> tuple[tuple, tuple]:
     """(codes, scales) of the first ``count`` values as ``(count // block, -1)`` views, and of the rest (flat)."""
     fmt = value.format
-    code_split = count // 2 if isinstance(fmt, BlockFormat) and fmt.bits <= 4 else count
+    code_split = packed_numel(count, fmt.bits) if isinstance(fmt, BlockFormat) else count  # count: whole blocks, whole bytes
     head_codes = _dynamic_rows(value.codes[:code_split].view(count // block, -1))
     if isinstance(fmt, CastFormat):
         return (head_codes, None), (value.codes[count:], None)

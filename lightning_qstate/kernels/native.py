@@ -224,10 +224,10 @@ def native_kernel_available() -> bool:
 
 
 def native_formats(m_format: CodebookFormat, v_format: CodebookFormat) -> bool:
-    """Whether the kernel codes this pair of moment formats: byte-coded codebooks (5-8 bits) of one block size whose
+    """Whether the kernel codes this pair of moment formats: 8-bit codebooks (a code per byte) of one block size whose
     round-to-nearest encoder has a ``NearestCodeIndex``."""
     formats = (m_format, v_format)
     return (
-        all(isinstance(f, CodebookFormat) and 4 < f.bits <= 8 and nearest_index(f) is not None for f in formats)
+        all(isinstance(f, CodebookFormat) and f.bits == 8 and nearest_index(f) is not None for f in formats)
         and m_format.block_size == v_format.block_size
     )

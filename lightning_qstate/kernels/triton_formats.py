@@ -26,8 +26,10 @@ draws several SR streams per element (e.g. ``m`` and ``v``) must give each its
 own seed or counter range.
 
 Code containers follow ``formats/packing.py``: codes of at most 4 bits pack two
-per byte (element ``2i`` in the low nibble), 5 to 8 bits take a ``uint8``, 9 to
-16 bits an ``int16``.
+per byte (element ``2i`` in the low nibble), 5 to 7 bits pack eight to ``BITS``
+bytes (a little-endian bit stream per group of 8), 8 bits take a ``uint8``, 9 to
+16 bits an ``int16``. A dense block is handled as ``(BLOCK_SIZE // 8, 8)`` bytes,
+of which the first ``BITS`` columns are the group's bytes.
 """
 
 from __future__ import annotations
@@ -210,13 +212,40 @@ def unpack_nibbles(packed):
 
 
 @triton.jit
-def block_code_offsets(block_index, BITS: tl.constexpr, BLOCK_SIZE: tl.constexpr):
-    """int64 container offsets of block ``block_index``'s codes (``BLOCK_SIZE // 2`` bytes when ``BITS <= 4``)."""
+def pack_dense(codes, BITS: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """``(BLOCK_SIZE,)`` int32 codes < ``2**BITS`` (5 to 7 bits) -> ``(BLOCK_SIZE // 8, 8)`` uint8: row ``g`` holds group
+    ``g``'s ``BITS`` bytes in its first columns (code ``j`` at bits ``[j * BITS, (j + 1) * BITS)``), zeros after."""
+    groups = tl.reshape(codes.to(tl.int64), (BLOCK_SIZE // 8, 8))
+    column = tl.arange(0, 8).to(tl.int64)
+    words = tl.sum(groups << (column * BITS)[None, :], axis=1)  # disjoint bit fields: the sum is their OR
+    return ((words[:, None] >> (column * 8)[None, :]) & 0xFF).to(tl.uint8)
+
+
+@triton.jit
+def unpack_dense(packed, BITS: tl.constexpr):
+    """``(G, 8)`` uint8 (columns past ``BITS`` read as 0) -> ``(8 G,)`` int32 codes, the inverse of :func:`pack_dense`."""
+    column = tl.arange(0, 8).to(tl.int64)
+    words = tl.sum(packed.to(tl.int64) << (column * 8)[None, :], axis=1)
+    codes = (words[:, None] >> (column * BITS)[None, :]) & ((1 << BITS) - 1)
+    return tl.ravel(codes.to(tl.int32))
+
+
+@triton.jit
+def block_code_offsets(block_index, numel, BITS: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """int64 container offsets of block ``block_index``'s codes and the mask of those that exist (``BLOCK_SIZE // 2``
+    bytes when ``BITS <= 4``; ``(BLOCK_SIZE // 8, 8)`` offsets, ``BITS`` columns valid, when dense)."""
     if BITS <= 4:
         offsets = block_index.to(tl.int64) * (BLOCK_SIZE // 2) + tl.arange(0, BLOCK_SIZE // 2)
+        mask = offsets < container_numel(numel, BITS)
+    elif BITS < 8:
+        column = tl.arange(0, 8)
+        group = block_index.to(tl.int64) * (BLOCK_SIZE // 8) + tl.arange(0, BLOCK_SIZE // 8)
+        offsets = group[:, None] * BITS + column[None, :]
+        mask = (column < BITS)[None, :] & (offsets < container_numel(numel, BITS))
     else:
         offsets = block_index.to(tl.int64) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
-    return offsets
+        mask = offsets < container_numel(numel, BITS)
+    return offsets, mask
 
 
 @triton.jit
@@ -224,6 +253,8 @@ def container_numel(numel, BITS: tl.constexpr):
     """Container elements holding ``numel`` codes (``packing.packed_numel``)."""
     if BITS <= 4:
         count = (numel + 1) // 2
+    elif BITS < 8:
+        count = (numel + 7) // 8 * BITS
     else:
         count = numel
     return count
@@ -234,31 +265,35 @@ def store_block_codes(codes_ptr, codes, block_index, numel, BITS: tl.constexpr, 
     """Pack and store one block's int32 codes; codes past ``numel`` are stored as 0, as ``packing.pack`` pads."""
     element = block_index.to(tl.int64) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
     codes = tl.where(element < numel, codes, 0)
-    offsets = block_code_offsets(block_index, BITS, BLOCK_SIZE)
+    offsets, mask = block_code_offsets(block_index, numel, BITS, BLOCK_SIZE)
     if BITS <= 4:
         container = pack_nibbles(codes, BLOCK_SIZE)
+    elif BITS < 8:
+        container = pack_dense(codes, BITS, BLOCK_SIZE)
     else:
         container = codes.to(codes_ptr.dtype.element_ty)
-    tl.store(codes_ptr + offsets, container, mask=offsets < container_numel(numel, BITS))
+    tl.store(codes_ptr + offsets, container, mask=mask)
 
 
 @triton.jit
 def load_block_codes(codes_ptr, block_index, numel, BITS: tl.constexpr, BLOCK_SIZE: tl.constexpr):
     """One block's container elements (0 past the end): the ``packed`` argument of :func:`decode_block`."""
-    offsets = block_code_offsets(block_index, BITS, BLOCK_SIZE)
-    return tl.load(codes_ptr + offsets, mask=offsets < container_numel(numel, BITS), other=0)
+    offsets, mask = block_code_offsets(block_index, numel, BITS, BLOCK_SIZE)
+    return tl.load(codes_ptr + offsets, mask=mask, other=0)
 
 
 @triton.jit
 def decode_block(packed, decode_lut_ptr, scale, BITS: tl.constexpr):
     """fp32 values of one block: ``decode[code] * scale`` (``BlockFormat.dequantize_reference``).
 
-    ``packed``: the block's container elements (uint8 nibble pairs, uint8 or
-    int16 codes); ``decode_lut_ptr``: the format's ``tables(device)["decode"]``.
+    ``packed``: the block's container elements (uint8 nibble pairs, dense ``(G, 8)``
+    bytes, uint8 or int16 codes); ``decode_lut_ptr``: the format's ``tables(device)["decode"]``.
     """
     if BITS <= 4:
         codes = unpack_nibbles(packed)
-    elif BITS <= 8:
+    elif BITS < 8:
+        codes = unpack_dense(packed, BITS)
+    elif BITS == 8:
         codes = packed.to(tl.int32)
     else:
         codes = packed.to(tl.int32) & 0xFFFF

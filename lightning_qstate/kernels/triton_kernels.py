@@ -372,11 +372,15 @@ def aot_variants() -> list[KernelVariant]:
         (get_format("fp8_e4m3"), "nearest", bf16),  # minifloat, signed, byte container
         (get_format("fp8_e5m2", block_size=2048), "stochastic", fp32),  # large block
         (get_format("e2m2", signed=False), "nearest", fp32),  # minifloat, nibbles
+        (get_format("int6", signed=False), "nearest", fp32),  # codebook, dense 6-bit container
+        (get_format("e3m3"), "stochastic", bf16),  # minifloat, dense 7-bit container
+        (get_format("int5_linear", block_size=32), "nearest", fp16),  # dense 5-bit, small block
         (get_format("e5m10"), "stochastic", fp32),  # minifloat, int16 container
     ]
     variants = [quantize_blocks_variant(fmt, rounding, dtype) for fmt, rounding, dtype in formats]
     variants += [
         dequantize_blocks_variant(get_format("int4"), fp32),
+        dequantize_blocks_variant(get_format("int6"), fp32),  # dense
         dequantize_blocks_variant(get_format("int8", block_size=2048), bf16),
         dequantize_blocks_variant(get_format("fp8_e4m3", scale_dtype="fp32"), fp32),
         dequantize_blocks_variant(get_format("e5m10", block_size=32), fp16),
@@ -394,6 +398,8 @@ def aot_variants() -> list[KernelVariant]:
         (get_format("int8"), get_format("int4", signed=False), "nearest", fp32, True, False, True),  # v in 2 sub-blocks
         (get_format("fp8_e4m3", block_size=32), get_format("int8", signed=False), "stochastic", fp32, True, True, True),  # 8 sub-blocks
         (get_format("int8", block_size=2048), get_format("e5m10", block_size=2048), "nearest", fp16, True, False, True),  # large block
+        (get_format("int4"), get_format("int6", signed=False), "nearest", fp32, True, False, True),  # dense v in 2 sub-blocks
+        (get_format("int5"), get_format("int7", signed=False), "stochastic", bf16, True, False, False),  # dense m and v
     ]
     variants += [adam_step_variant(*case) for case in adam]
     # Without master weights: (m, v, rounding, decoupled, track_stalls, param dtype (= grad dtype), grid dtype, weight
