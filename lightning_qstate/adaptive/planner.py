@@ -171,7 +171,8 @@ class BitWidthPlanner:
     Attributes:
         layers: every parameter of the optimizer with its statistics, zone and chosen formats.
         transitions: states whose stored format a check changed, once the optimizer has states (``step > 0``).
-        history: per check, ``{"step": s, "bits": [[m bits per layer], [v bits per layer]]}`` (the last ``max_history``).
+        history: per check, ``{"step": s, "bits": [[m bits per layer], [v bits per layer]], "formats": [[m format names
+            per layer], [v ...]]}`` (the last ``max_history``; checkpoints written before the formats lack them).
         last_check: the step of the last check, ``None`` before the first.
     """
 
@@ -316,7 +317,7 @@ class BitWidthPlanner:
         """Choose every adapted layer's formats from the zones observed so far and the budget, and record the check at
         ``step`` (``history``, ``last_check``; ``transitions`` once the optimizer has states, ``step > 0``)."""
         self._solve(count_transitions=step > 0)
-        self.history.append({"step": step, "bits": self.bits()})
+        self.history.append({"step": step, "bits": self.bits(), "formats": self.format_names()})
         del self.history[: -self.max_history]
         self.last_check = step
 
@@ -366,6 +367,20 @@ class BitWidthPlanner:
     def bits(self) -> list[list[float]]:
         """Stored bits per value of each layer's m and v (scales included): ``[[m per layer], [v per layer]]``."""
         per_layer = [[8 * nbytes / layer.numel if layer.numel else 0.0 for nbytes in layer.state_bytes()] for layer in self.layers]
+        return [list(column) for column in zip(*per_layer, strict=False)]
+
+    def format_names(self) -> list[list[str]]:
+        """The format each layer's m and v is stored in (``"fp32"``: a plain tensor, e.g. below ``min_quant_size``):
+        ``[[m per layer], [v per layer]]``; pinned layers (a user override) report their override's formats."""
+        overrides = self.optimizer.state_overrides
+        per_layer = []
+        for layer in self.layers:
+            if layer.pinned is None:
+                formats = layer.stored_formats(layer.choice)
+            else:
+                group = {**layer.group, "states": overrides[layer.param]}
+                formats = [resolve_format(group, state, layer.param, layer.numel) for state in ADAPTED_STATES]
+            per_layer.append(["fp32" if fmt is None else fmt.name for fmt in formats])
         return [list(column) for column in zip(*per_layer, strict=False)]
 
     def metrics(self) -> dict[str, float]:

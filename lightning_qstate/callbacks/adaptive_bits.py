@@ -4,8 +4,9 @@
 from __future__ import annotations
 
 import math
+import os
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import lightning.pytorch as pl
@@ -13,7 +14,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import TensorBoardLogger
 
-from ..adaptive import STATE_DICT_VERSION, BitWidthPlanner
+from ..adaptive import ADAPTED_STATES, STATE_DICT_VERSION, BitWidthPlanner
 from ..adaptive.planner import check_options
 from .tensorboard import log_scalars, write_layout
 
@@ -65,8 +66,9 @@ class AdaptiveBitWidth(Callback):
     ``qstate/adaptive/bytes_saved`` (versus fp32 m and v), ``qstate/adaptive/zone_<zone>`` (layer counts),
     ``qstate/adaptive/threshold`` and ``qstate/adaptive/transitions`` (states re-encoded so far: changed decisions
     for states kept fp32 by ``min_quant_size``, and the first check's, made before any state exists, do not
-    count); at every check, with a ``TensorBoardLogger``, the image ``qstate/adaptive/bit_widths`` (rows: layers,
-    m panel above v panel; columns: checks; dark blue 4 bits to yellow 32 bits, log scale).
+    count) and ``qstate/adaptive/target_bits``; at every check, with a ``TensorBoardLogger``, the figure
+    ``qstate/adaptive/bit_widths`` (:func:`bit_width_figure`: m above v, a row per quantized layer, a column per check,
+    a colour per format, with a legend).
 
     Example::
 
@@ -84,7 +86,7 @@ class AdaptiveBitWidth(Callback):
             layers' values, or ``"model"``, all gradients pooled (see :func:`~lightning_qstate.adaptive.model_statistics`).
         m_formats, v_formats: ``{zone: format name}`` for the four zones (defaults: ``DEFAULT_M_FORMATS``, ``DEFAULT_V_FORMATS``
             of :mod:`lightning_qstate.adaptive`).
-        max_history: checks kept for the heatmap.
+        max_history: checks kept for the figure.
         fill_budget: spend the room left under ``target_bits`` on promotions (step 3); ``False``: the zones' formats,
             demoted only where the cap needs it.
     """
@@ -166,7 +168,7 @@ class AdaptiveBitWidth(Callback):
         sums = trainer.strategy.reduce(planner.gradient_sums(trainer.strategy.root_device), reduce_op="sum")  # the one collective
         planner.update(step, sums)
         if trainer.is_global_zero:
-            self._log_heatmap(trainer, step)
+            self._log_figure(trainer, step)
         self.overhead_seconds += time.perf_counter() - start
 
     def metrics(self) -> dict[str, float]:
@@ -184,14 +186,14 @@ class AdaptiveBitWidth(Callback):
         log_scalars(trainer, self.planner.metrics(), trainer.fit_loop.epoch_loop._batches_that_stepped)
         self.overhead_seconds += time.perf_counter() - start
 
-    def _log_heatmap(self, trainer: pl.Trainer, step: int) -> None:
+    def _log_figure(self, trainer: pl.Trainer, step: int) -> None:
         loggers = [logger for logger in trainer.loggers if isinstance(logger, TensorBoardLogger)]
         if not loggers:
             return
-        bits = torch.tensor([entry["bits"] for entry in self.planner.history], dtype=torch.float32)  # (checks, states, layers)
-        image = bit_width_heatmap(bits.permute(1, 2, 0))
-        for logger in loggers:
-            logger.experiment.add_image("qstate/adaptive/bit_widths", image, global_step=step)
+        for logger in loggers:  # add_figure closes the figure
+            logger.experiment.add_figure(
+                "qstate/adaptive/bit_widths", bit_width_figure(self.planner.history, [layer.name for layer in self.planner.layers]), step
+            )
 
     def state_dict(self) -> dict[str, Any]:
         """The planner's state (decisions, EMAs, hysteresis counters, history); a loaded one until training starts."""
@@ -206,19 +208,47 @@ class AdaptiveBitWidth(Callback):
         self._restored = state_dict
 
 
-# Dark blue -> teal -> yellow, for log2(bits) from 2 (4 bits) to 5 (32 bits).
-HEATMAP_PALETTE = torch.tensor([[30, 30, 110], [40, 150, 140], [250, 230, 40]], dtype=torch.float32)
+def bit_width_figure(history: Sequence[Mapping[str, Any]], names: Sequence[str]):
+    """A matplotlib figure of the plan over the checks: one panel per state (``exp_avg`` above ``exp_avg_sq``), a row
+    per layer that some check stored quantized (named, the common prefix dropped; layers kept fp32 throughout are left
+    out and counted in the title), a column per check (the x axis is the step), one colour per stored format (legend).
 
+    ``history``: the planner's entries (``step``, ``bits``, ``formats``: ``[[m per layer], [v per layer]]``; entries of
+    older checkpoints without ``formats`` are labelled by their bits); ``names``: the layers, in the planner's order.
+    """
+    import matplotlib
 
-def bit_width_heatmap(bits: torch.Tensor, low: float = 4.0, high: float = 32.0, cell: int = 4) -> torch.Tensor:
-    """A ``(3, H, W)`` uint8 image of ``bits`` (``(panels, layers, checks)``: stored bits per value): one panel per
-    state stacked vertically with a white line between, each value a ``cell`` x ``cell`` square, colour on a log
-    scale from ``low`` (dark blue) to ``high`` bits (yellow)."""
-    position = ((bits.clamp(low, high).log2() - math.log2(low)) / (math.log2(high) - math.log2(low))) * (len(HEATMAP_PALETTE) - 1)
-    lower = position.floor().clamp(max=len(HEATMAP_PALETTE) - 2).long()
-    weight = (position - lower).unsqueeze(-1)
-    colours = HEATMAP_PALETTE[lower] * (1 - weight) + HEATMAP_PALETTE[lower + 1] * weight  # (panels, layers, checks, 3)
-    separator = torch.full((1, colours.shape[2], 3), 255.0)
-    rows = [part for panel in colours for part in (panel, separator)][:-1]
-    image = torch.cat(rows).repeat_interleave(cell, dim=0).repeat_interleave(cell, dim=1)
-    return image.round().to(torch.uint8).permute(2, 0, 1).contiguous()
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import ListedColormap
+    from matplotlib.patches import Patch
+
+    labels = [entry.get("formats") or [[f"{bits:.2f} bits" for bits in per_state] for per_state in entry["bits"]] for entry in history]
+    shown = [i for i in range(len(names)) if any(per_state[i] != "fp32" for entry in labels for per_state in entry)]
+    formats = sorted({per_state[i] for entry in labels for per_state in entry for i in shown})
+    colours = plt.get_cmap("tab10" if len(formats) <= 10 else "tab20")(range(len(formats)))
+    steps = [entry["step"] for entry in history]
+    edges = steps + [steps[-1] + (steps[-1] - steps[-2] if len(steps) > 1 else 1)]
+    prefix = os.path.commonprefix([names[i] for i in shown]) if len(shown) > 1 else ""
+    prefix = prefix[: prefix.rfind(".") + 1]
+    height = 1.6 + 0.17 * len(shown) * len(ADAPTED_STATES)
+    figure, axes = plt.subplots(len(ADAPTED_STATES), 1, figsize=(9, height), sharex=True, squeeze=False)
+    for panel, (axis, state) in enumerate(zip(axes[:, 0], ADAPTED_STATES, strict=True)):
+        grid = [[formats.index(entry[panel][i]) for entry in labels] for i in shown]
+        axis.pcolormesh(edges, range(len(shown) + 1), grid, cmap=ListedColormap(colours), vmin=-0.5, vmax=len(formats) - 0.5)
+        axis.set_yticks([row + 0.5 for row in range(len(shown))], [names[i][len(prefix) :] for i in shown], fontsize=7)
+        axis.invert_yaxis()
+        axis.set_ylabel(f"{state}\nlayer" + (f" ({prefix}…)" if prefix else ""), fontsize=8)
+    axes[-1, 0].set_xlabel("optimizer step (a column per check)")
+    kept = len(names) - len(shown)
+    axes[0, 0].set_title(
+        f"stored format of each quantized layer's m and v ({len(shown)} layers"
+        + (f"; {kept} kept fp32 throughout, not shown)" if kept else ")"),
+        fontsize=9,
+    )
+    figure.legend(
+        handles=[Patch(color=colour, label=name) for name, colour in zip(formats, colours, strict=True)],
+        loc="upper right", fontsize=8, title="format", title_fontsize=8, bbox_to_anchor=(1.0, 1.0),
+    )  # fmt: skip
+    figure.tight_layout(rect=(0, 0, 0.86, 1))
+    return figure
