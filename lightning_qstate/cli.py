@@ -12,7 +12,8 @@ as class paths (in the config or with ``--model``/``--data``), quantization thro
         --trainer.plugins+=lightning_qstate.plugins.QStatePrecision --trainer.plugins.states=int4
 
 A :class:`~lightning_qstate.callbacks.RunSummary` is always added: ``fit`` ends with the final metrics,
-the optimizer-state memory against fp32 and the TensorBoard command.
+the optimizer-state memory against fp32 and the TensorBoard command. ``lightning-qstate report RUN_DIR`` turns a
+run's event files into ``report.png`` and ``report.html`` (:mod:`lightning_qstate.report`).
 
 The example models live in the repository's ``examples`` package, which is not installed. ``build_cli``
 makes it importable by appending to ``sys.path`` the checkout root (when ``examples/`` sits next to the
@@ -130,7 +131,14 @@ def main(args: ArgsType = None) -> None:
     """Entry point of ``lightning-qstate`` and ``python -m lightning_qstate.cli``. Returns nothing, as console
     scripts pass the return value to ``sys.exit``; use :func:`build_cli` to get hold of the trainer.
 
-    An :class:`OptionError` is printed to stderr and exits with status 2, unless ``JSONARGPARSE_DEBUG=true``."""
+    ``lightning-qstate report RUN_DIR`` writes a run's report (:mod:`lightning_qstate.report`); every other
+    subcommand is LightningCLI's. An :class:`OptionError` is printed to stderr and exits with status 2, unless
+    ``JSONARGPARSE_DEBUG=true``."""
+    argv = sys.argv[1:] if args is None else args
+    if isinstance(argv, list) and argv[:1] == ["report"]:
+        from .report import main as report_main
+
+        sys.exit(report_main(argv[1:]))
     try:
         build_cli(args)
     except OptionError as error:

@@ -64,8 +64,9 @@ def log_scalars(trainer: pl.Trainer, metrics: Mapping[str, float], step: int) ->
         for tag, value in metrics.items():
             summary = scalar(tag, float(value))
             description = describe(tag) if tag not in written else None
-            if description:
+            if description:  # a value with metadata must name its plugin, or TensorBoard warns that it is "oddly" plugin-less
                 summary.value[0].metadata.summary_description = description
+                summary.value[0].metadata.plugin_data.plugin_name = "scalars"
             written.add(tag)
             writer._get_file_writer().add_summary(summary, step)
 
