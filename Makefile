@@ -23,7 +23,7 @@ lint: $(VENV)/.installed
 	$(VENV)/bin/clang-format --dry-run --Werror lightning_qstate/kernels/csrc/*
 
 demo: $(VENV)/.installed
-	$(PY) -m lightning_qstate.cli fit --config examples/configs/gpt_int8.yaml
+	$(PY) -m lightning_qstate.cli fit --config examples/configs/gpt_demo.yaml
 
 bench: $(VENV)/.installed
 	$(PY) benchmarks/formats.py

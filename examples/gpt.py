@@ -73,6 +73,7 @@ class GPTModule(pl.LightningModule):
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             self.model = GPT2LMHeadModel(config)
+        self.example_input_array = torch.zeros(1, n_positions, dtype=torch.long)  # Lightning's model summary counts FLOPs on it
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """Next-byte logits ``(batch, seq, 256)`` for byte tokens ``(batch, seq)``."""

@@ -80,6 +80,7 @@ class ViTModule(pl.LightningModule):
                 mlp_ratio=mlp_ratio,
                 drop_path_rate=drop_path_rate,
             )
+        self.example_input_array = torch.zeros(1, in_chans, img_size, img_size)  # Lightning's model summary counts FLOPs on it
         self.train_acc = MulticlassAccuracy(num_classes=num_classes)
         self.val_acc = MulticlassAccuracy(num_classes=num_classes)
 

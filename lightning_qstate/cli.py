@@ -31,10 +31,13 @@ shows the traceback instead.
 from __future__ import annotations
 
 import inspect
+import logging
 import os
+import re
 import reprlib
 import sys
 import textwrap
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +46,11 @@ try:
 except ModuleNotFoundError as error:
     raise ImportError(f"{__name__} needs Lightning: pip install 'lightning-qstate[lightning]'") from error
 
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.callbacks import ProgressBar, RichProgressBar, TQDMProgressBar
 from lightning.pytorch.cli import ArgsType, LightningCLI
+from lightning.pytorch.utilities.imports import _RICH_AVAILABLE
+from lightning.pytorch.utilities.warnings import PossibleUserWarning
 
 from . import callbacks, plugins
 from .callbacks import RunSummary
@@ -102,6 +109,48 @@ class _QStateCLI(LightningCLI):
             class_type, options, cause = quoted[-1]
             raise _option_error(class_type, options, cause) from cause
 
+    def instantiate_trainer(self, **kwargs: Any) -> Trainer:
+        """LightningCLI's, with :func:`progress_bar` where Lightning would add its default one: the config names no
+        progress bar and does not turn it off."""
+        config = {**self._get(self.config_init, "trainer", default={}), **kwargs}
+        listed = config.get("callbacks")
+        listed = [] if listed is None else list(listed) if isinstance(listed, list) else [listed]
+        given = listed + [self._get(self.config_init, key) for key in self._parser(self.subcommand).callback_keys]
+        wanted = config.get("enable_progress_bar") is not False and not config.get("barebones")
+        if wanted and not any(isinstance(callback, ProgressBar) for callback in given):
+            kwargs["callbacks"] = [*listed, progress_bar()]
+        return super().instantiate_trainer(**kwargs)
+
+
+class _StepsRichProgressBar(RichProgressBar):
+    """Lightning's rich progress bar without ``v_num`` and, where ``max_steps`` ends the run, without the ``/-2`` after the
+    epoch: Lightning sets ``max_epochs=-1`` (no epoch limit) then, and ``RichProgressBar`` prints ``max_epochs - 1``."""
+
+    def get_metrics(self, trainer: Trainer, pl_module: LightningModule) -> dict[str, int | str | float | dict[str, float]]:
+        metrics = super().get_metrics(trainer, pl_module)
+        metrics.pop("v_num", None)  # the logger's version: the run summary prints the log directory
+        return metrics
+
+    def _get_train_description(self, current_epoch: int) -> str:
+        if self.trainer.max_epochs is not None and self.trainer.max_epochs >= 0:
+            return super()._get_train_description(current_epoch)
+        return f"{f'Epoch {current_epoch}':{len(self.validation_description)}}"  # padded as Lightning's, against flicker
+
+
+class _TQDMProgressBar(TQDMProgressBar):
+    """Lightning's tqdm progress bar (where ``rich`` is not installed) without ``v_num``."""
+
+    def get_metrics(self, trainer: Trainer, pl_module: LightningModule) -> dict[str, int | str | float | dict[str, float]]:
+        metrics = super().get_metrics(trainer, pl_module)
+        metrics.pop("v_num", None)
+        return metrics
+
+
+def progress_bar() -> ProgressBar:
+    """The progress bar the CLI gives a Trainer whose config names none: Lightning's default (rich where installed, else
+    tqdm) without ``v_num`` and without rich's ``Epoch 0/-2`` in runs that ``max_steps`` ends."""
+    return _StepsRichProgressBar() if _RICH_AVAILABLE else _TQDMProgressBar()
+
 
 def _add_example_paths() -> None:
     """Append the checkout root (if it holds ``examples/``) and the working directory to ``sys.path``."""
@@ -122,9 +171,55 @@ def build_cli(args: ArgsType = None, run: bool = True) -> LightningCLI:
         subclass_mode_data=True,
         trainer_defaults={"callbacks": [RunSummary()]},
         save_config_kwargs={"overwrite": True},
+        parser_kwargs={"epilog": REPORT_HELP},
         args=args,
         run=run,
     )
+
+
+# The end of ``lightning-qstate --help``: ``report`` is dispatched by ``main`` before LightningCLI parses anything.
+REPORT_HELP = (
+    "Also: `lightning-qstate report RUN_DIR` writes report.png and report.html from a run's TensorBoard event files "
+    "(RUN_DIR as the run summary prints it, e.g. runs/gpt_demo/version_0; see lightning-qstate report --help)."
+)
+
+
+# Known third-party console noise that says nothing about the run, filtered by ``main`` (the command line only; the
+# library itself filters nothing): (logger name, message regex) for log records, (message regex, category) for warnings.
+KNOWN_LOG_NOISE: tuple[tuple[str, str], ...] = (
+    ("torch.utils._pytree", r".*is an Enum subclass and is now natively supported by torch.compile.*"),  # torchao at import
+    ("torch.utils.cpp_extension", r"No CUDA runtime is found, using CUDA_HOME=.*"),  # building the C++ kernel on the CPU
+    ("lightning.pytorch.utilities.rank_zero", r"💡 Tip: .*"),  # Lightning's advertisements for its cloud products
+)
+# Warnings: (message regex, category, module regex or ""), as ``warnings.filterwarnings`` takes them: the message must
+# match from its start (``(?s)``: jsonargparse's start with a newline), the module is the one the warning points at.
+KNOWN_WARNING_NOISE: tuple[tuple[str, type[Warning], str], ...] = (
+    # LightningCLI (and _QStateCLI) on jsonargparse >= 4.49's deprecations, and the notice that comes with the first one
+    (r"(?s)\s*(``ArgumentParser\.add_instantiator``|``instantiate_classes``|skip_none parameter) was deprecated", DeprecationWarning, ""),
+    (r"(?s)\s*By default only one JsonargparseDeprecationWarning per type is shown", DeprecationWarning, ""),
+    (r"`isinstance\(treespec, LeafSpec\)` is deprecated", FutureWarning, r"lightning\.pytorch\."),  # Lightning on torch >= 2.10's pytree
+    (r"`\w+\.configure_optimizers` will be overridden by `LightningCLI\.configure_optimizers`", UserWarning, ""),  # an optimizer: config
+    (r"The '\w+' does not have many workers which may be a bottleneck", PossibleUserWarning, ""),  # CPU runs: workers would compete
+)
+
+
+class _DropMessages(logging.Filter):
+    def __init__(self, pattern: str) -> None:
+        super().__init__()
+        self.pattern = re.compile(pattern, re.DOTALL)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not self.pattern.fullmatch(record.getMessage())
+
+
+def quiet_known_noise() -> None:
+    """Filter the third-party messages of :data:`KNOWN_LOG_NOISE` and :data:`KNOWN_WARNING_NOISE` (nothing else)."""
+    for name, pattern in KNOWN_LOG_NOISE:
+        logger = logging.getLogger(name)
+        if not any(isinstance(existing, _DropMessages) and existing.pattern.pattern == pattern for existing in logger.filters):
+            logger.addFilter(_DropMessages(pattern))
+    for pattern, category, module in KNOWN_WARNING_NOISE:
+        warnings.filterwarnings("ignore", message=pattern, category=category, module=module)
 
 
 def main(args: ArgsType = None) -> None:
@@ -134,6 +229,7 @@ def main(args: ArgsType = None) -> None:
     ``lightning-qstate report RUN_DIR`` writes a run's report (:mod:`lightning_qstate.report`); every other
     subcommand is LightningCLI's. An :class:`OptionError` is printed to stderr and exits with status 2, unless
     ``JSONARGPARSE_DEBUG=true``."""
+    quiet_known_noise()
     argv = sys.argv[1:] if args is None else args
     if isinstance(argv, list) and argv[:1] == ["report"]:
         from .report import main as report_main

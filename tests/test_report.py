@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import warnings
+from html import escape
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -21,7 +22,7 @@ from lightning_qstate.callbacks import (
     StateResetScheduler,
 )
 from lightning_qstate.plugins import QStatePrecision
-from lightning_qstate.report import load_scalars, main
+from lightning_qstate.report import PANELS, load_scalars, main, render
 
 pytest.importorskip("transformers")
 
@@ -44,11 +45,14 @@ def train(log_dir: Path, callbacks: list, plugins: list) -> Path:
     return Path(logger.log_dir)
 
 
+TITLES = [escape(panel.title) for panel in PANELS]  # as the page writes them
+
+
 @pytest.fixture(scope="module")
 def full_run(tmp_path_factory) -> Path:
     callbacks = [
         QuantizedOptimizerStates(log_stats=True),
-        StallMonitor(),
+        StallMonitor(log_every_n_steps=2),
         StateResetScheduler(period=5),
         AdaptiveBitWidth(target_bits=6.0, interval=3, hysteresis=1),
         QuantizationProbe(batches=1, verbose=False),
@@ -62,33 +66,56 @@ def test_report_of_a_run_with_every_monitor(full_run, capsys):
     html, png = (full_run / "report.html").read_text(), full_run / "report.png"
     assert str(full_run / "report.html") in capsys.readouterr().out
     picture = matplotlib.image.imread(png)
-    assert png.stat().st_size > 10_000 and picture.shape[1] >= 900 and picture.shape[0] >= 4 * 250  # five panels
-    assert "data:image/png;base64," in html
-    for title in ("Loss", "Optimizer-state memory", "Stalled state updates", "Adaptive bit-widths", "Quantization probe"):
-        assert title in html
-    assert "Not in this run" not in html
+    assert png.stat().st_size > 10_000 and picture.shape[1] >= 1000 and picture.shape[0] >= 7 * 220  # seven panels, one column
+    assert html.count("data:image/png;base64,") == 3  # the report and the callbacks' two figures, embedded
+    assert all(f"<b>{title}</b>" in html for title in TITLES) and "Not in this run" not in html
     scalars = load_scalars(full_run)
-    assert scalars["qstate/stall/exp_avg_sq"] and scalars["qstate/stall_predicted/exp_avg_sq"]  # both on the stall panel
-    assert any(layers > 0 for _, layers in scalars["qstate/reset/layers"])  # resets fired (period 5 in 12 steps)
     step, val_loss = scalars["val_loss"][-1]
-    assert re.search(rf"<code>val_loss</code></td><td>{step}</td><td>{val_loss:.6g}</td>", html)
-    assert "qstate/precision_advice" in html and "Precision advice" in html  # the advisor's report, quoted
-    assert "<h2>qstate/adaptive/bit_widths (last)</h2>" in html and "<h2>qstate/probe/abc (last)</h2>" in html
+    assert re.search(rf"<td><code>val_loss</code></td><td>{step}</td><td>{val_loss:.6g}</td>", html)
+    assert "<th>verdict</th>" in html and "<b>Precision advice" in html  # the advisor's markdown table as a table
+    assert "<h3><code>qstate/adaptive/bit_widths</code> (last logged)" in html and "<h3><code>qstate/probe/abc</code>" in html
+    assert "Average bits per state value the adaptive plan stores" in html  # the tags' descriptions (TAG_DESCRIPTIONS)
+
+
+def test_the_stall_panel_draws_measured_predicted_and_resets(full_run):
+    scalars = load_scalars(full_run)
+    figure, drawn = render(scalars)
+    assert [escape(panel.title) for panel in drawn] == TITLES
+    stall = next(axis for axis in figure.axes if axis.get_title(loc="left").startswith("Stalled"))
+    lines = {line.get_label(): line for line in stall.get_lines()}
+    for state in ("exp_avg", "exp_avg_sq"):
+        measured, predicted = lines[f"{state} measured"], lines[f"{state} predicted"]
+        assert list(measured.get_xdata()) == [step for step, _ in scalars[f"qstate/stall/{state}"]]
+        assert list(predicted.get_ydata()) == pytest.approx([rate for _, rate in scalars[f"qstate/stall_predicted/{state}"]])
+    assert "weights measured" in lines
+    resets = [step for step, layers in scalars["qstate/reset/layers"] if layers > 0]
+    assert resets and len([line for line in stall.get_lines() if line.get_linestyle() == "-" and line.get_color() == "grey"]) == len(resets)
+    assert stall.get_ylim() == (0, 1.02) and "fraction" in stall.get_ylabel()
+    memory = next(axis for axis in figure.axes if axis.get_title(loc="left") == "Optimizer-state memory")
+    assert (
+        memory.get_lines()[0].get_ydata()[-1] == pytest.approx(scalars["qstate/state_bytes"][-1][1] / 1e6) and "MB" in memory.get_ylabel()
+    )
 
 
 def test_a_run_with_only_the_loss_names_the_missing_monitors(tmp_path):
     run = train(tmp_path, [], [])
     assert main([str(run), "--out", str(tmp_path / "out")]) == 0
     html = (tmp_path / "out" / "report.html").read_text()
-    assert "<b>Loss</b>" in html and "Stalled state updates" not in html.split("Not in this run")[0]
-    missing = html.split("Not in this run")[1]
-    assert "StallMonitor and StateResetScheduler" in missing and "AdaptiveBitWidth" in missing and "QuantizationProbe" in missing
+    assert [title for title in TITLES if f"<b>{title}</b>" in html] == ["Loss"]
+    missing = html.split("<h2>Not in this run</h2>")[1]
+    for callback in ("QuantizedOptimizerStates(log_stats=True)", "StallMonitor", "StateResetScheduler", "AdaptiveBitWidth",
+                     "QuantizationProbe", "PrecisionAdvisor"):  # fmt: skip
+        assert f"add <code>{callback}</code>" in missing
+    assert render(load_scalars(run))[1] == [PANELS[0]]
 
 
-def test_a_directory_without_event_files_is_a_usage_error(tmp_path, capsys):
+def test_usage_errors_exit_2_and_say_why(tmp_path, capsys):
     assert main([str(tmp_path)]) == 2
     error = capsys.readouterr().err
     assert str(tmp_path) in error and "no TensorBoard event files" in error
+    assert main([str(tmp_path / "absent")]) == 2 and "absent: no such directory" in capsys.readouterr().err
+    assert main([]) == 2 and "RUN_DIR" in capsys.readouterr().err.upper()
+    assert not (tmp_path / "report.html").exists()
 
 
 def test_the_cli_dispatches_report(tmp_path, capsys):

@@ -87,6 +87,7 @@ class StallMonitor(Callback):
         self._last_resets: dict[str, int] = {}  # layer -> global step of its last reset, as of the measured step
         self._centers: dict[tuple[str, str], float] = {}  # (layer, state) -> mean(v) / mean(g²) on the measured step
         self._previous_measured_step = 0
+        self.last_rates: dict[str, float] = {}  # the last measurement's model-wide qstate/stall* scalars (RunSummary reads them)
 
     def interval(self, trainer: pl.Trainer) -> int:
         return self.log_every_n_steps or max(1, trainer.log_every_n_steps)
@@ -201,6 +202,7 @@ class StallMonitor(Callback):
             return
         if resets is not None:
             scalars["qstate/stall_resets"] = resets
+        self.last_rates = {tag: value for tag, value in scalars.items() if tag.count("/") <= 2}
         step = trainer.fit_loop.epoch_loop._batches_that_stepped
         log_scalars(trainer, scalars, step)
         for logger in trainer.loggers:

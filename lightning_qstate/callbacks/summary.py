@@ -12,6 +12,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import TensorBoardLogger
 
+from ..adaptive import ADAPTED_STATES
 from ..formats import QuantizedTensor
 from ..optim import QuantizedStates, state_summary
 from ..optim.base import local_tensor
@@ -93,6 +94,7 @@ class RunSummary(Callback):
             "weight_rounding": sorted(weights.rounding),
             "log_dir": trainer.log_dir,
             "tensorboard_dir": next((logger.save_dir for logger in trainer.loggers if isinstance(logger, TensorBoardLogger)), None),
+            "monitors": monitor_lines(trainer),
         }
         if trainer.is_global_zero:
             print(self.format(), flush=True)
@@ -102,7 +104,8 @@ class RunSummary(Callback):
         s = self.summary
         seconds = f"{s['seconds']:.1f} s, " if s["seconds"] is not None else ""
         lines = [f"== lightning_qstate run summary ({seconds}{s['steps']} steps) =="]
-        lines.append("metrics: " + ("  ".join(f"{key}={value:.4g}" for key, value in s["metrics"].items()) or "(none logged)"))
+        shown = {key: value for key, value in s["metrics"].items() if not key.startswith("qstate/")}  # the callbacks' lines say those
+        lines.append("metrics: " + ("  ".join(f"{key}={value:.4g}" for key, value in shown.items()) or "(none logged)"))
         stored, fp32 = s["state_bytes"], s["fp32_state_bytes"]
         if fp32:
             lines.append(
@@ -128,11 +131,103 @@ class RunSummary(Callback):
                 f"weights without master copy: {counts}: {s['weight_bytes'] / 1e6:.3f} MB held, "
                 f"{s['packed_weight_bytes'] / 1e6:.3f} MB packed [{modes}, {', '.join(s['weight_rounding'])}]"
             )
+        lines += s.get("monitors", [])
         if s["tensorboard_dir"] is not None:
             lines.append(f"TensorBoard logs: {s['log_dir']}  ->  tensorboard --logdir {s['tensorboard_dir']}")
+            lines.append(f"report: lightning-qstate report {s['log_dir']}  (report.png, report.html)")
         elif s["log_dir"] is not None:
             lines.append(f"logs: {s['log_dir']}")
         return "\n".join(lines)
+
+
+def monitor_lines(trainer: pl.Trainer) -> list[str]:
+    """What this library's monitoring callbacks in ``trainer`` saw, a line each: the last stall rates, measured against
+    predicted (``StallMonitor``); the resets, or why none fired (``StateResetScheduler``); the adaptive plan
+    (``AdaptiveBitWidth``); the last probe (``QuantizationProbe``); the advisor's verdicts (``PrecisionAdvisor``)."""
+    from .adaptive_bits import AdaptiveBitWidth
+    from .precision_advisor import PrecisionAdvisor
+    from .quantization_probe import QuantizationProbe
+    from .stall_monitor import StallMonitor
+    from .state_reset import StateResetScheduler
+
+    lines = []
+    for callback in trainer.callbacks:
+        if isinstance(callback, StallMonitor) and callback.last_rates:
+            rates = callback.last_rates
+            states = [tag.rsplit("/", 1)[1] for tag in rates if tag.startswith("qstate/stall/")]
+            lines.append(
+                "stalled updates (last measurement, measured / predicted): "
+                + ", ".join(f"{state} {rates[f'qstate/stall/{state}']:.3f} / {predicted(rates, state)}" for state in states)
+            )
+        elif isinstance(callback, StateResetScheduler):
+            lines.append(reset_line(callback, trainer))
+        elif isinstance(callback, AdaptiveBitWidth) and callback.planner is not None:
+            metrics = callback.metrics()
+            formats = planned_formats(callback.planner)
+            target = metrics.get("qstate/adaptive/target_bits")
+            zones = ", ".join(f"{key.rsplit('_', 1)[1]} x{int(value)}" for key, value in metrics.items() if "/zone_" in key and value)
+            kept = max((counts.pop("fp32", 0) for counts in formats.values()), default=0)
+            lines.append(
+                f"adaptive bit-widths: {metrics['qstate/adaptive/avg_bits']:.3f} bits per state value"
+                + (f" (target {target:g})" if target is not None else "")
+                + f", {int(metrics['qstate/adaptive/transitions'])} re-encodings; "
+                + " | ".join(
+                    f"{state}: " + ", ".join(f"{name} x{count}" for name, count in sorted(counts.items()))
+                    for state, counts in formats.items()
+                )
+                + (f" (+{kept} small layers kept fp32)" if kept else "")
+                + (f"; zones: {zones}" if zones else "")
+            )
+        elif isinstance(callback, QuantizationProbe) and callback.history:
+            last = callback.history[-1]
+            lines.append(
+                f"quantization probe (step {last.step}, {callback.weights or 'fp'} weights, {callback.activations or 'fp'} activations): "
+                f"loss {last.loss:.4f} -> {last.ptq_loss:.4f} under PTQ ({last.ptq_loss_increase:+.4f}), R_L {last.R_L:.3g}"
+            )
+        elif isinstance(callback, PrecisionAdvisor) and callback.reports:
+            risky = [row for report in callback.reports for row in report.risky]
+            verdicts = ", ".join(f"group {row.group} {row.component} {row.format}: {row.verdict}" for row in risky)
+            lines.append(f"precision advisor: {verdicts or 'every component has the bits this run needs'}")
+    return lines
+
+
+def predicted(rates: dict[str, float], state: str) -> str:
+    """The theory's stall rate of ``state`` in a ``StallMonitor``'s ``last_rates``; the weights (and plain states) have none."""
+    value = rates.get(f"qstate/stall_predicted/{state}")
+    return "(no prediction)" if value is None else f"{value:.3f}"
+
+
+def planned_formats(planner) -> dict[str, Counter]:
+    """``{state: Counter(format name)}`` the planner's adapted layers are stored in (``fp32``: kept so by ``min_quant_size``)."""
+    formats: dict[str, Counter] = {}
+    for layer in planner.layers:
+        if layer.pinned is None and layer.choice is not None:
+            for state, name, stored in zip(ADAPTED_STATES, layer.choice, layer.stored_formats(layer.choice), strict=False):
+                formats.setdefault(state, Counter())[name if stored is not None else "fp32"] += 1
+    return formats
+
+
+def reset_line(scheduler, trainer: pl.Trainer) -> str:
+    """How many layer resets ``scheduler`` made, and when; if none, why (each layer's period against the run's steps)."""
+    if scheduler.history:
+        steps = sorted({step for step, _ in scheduler.history})
+        shown = ", ".join(map(str, steps[:8])) + (", ..." if len(steps) > 8 else "")
+        line = f"state resets: {len(scheduler.history)} layer resets at steps {shown}"
+        reset = {layer for _, layer in scheduler.history}
+        waiting = [scheduler.layer_period(rows) for layer, rows in scheduler.layers(trainer).items() if layer not in reset]
+        periods = sorted({period for period in waiting if period is not None})
+        reasons = [f"period {', '.join(map(str, periods))} > run {trainer.global_step} steps"] if periods else []
+        reasons += ["formats that need no resets"] if None in waiting else []
+        if waiting:
+            line += f"; {len(waiting)} layer{'s' if len(waiting) > 1 else ''} never reset ({'; '.join(reasons)})"
+        return line
+    periods = [scheduler.layer_period(rows) for rows in scheduler.layers(trainer).values()]
+    periods = [period for period in periods if period is not None]
+    if scheduler.threshold is not None:
+        return f"state resets: none fired (no layer's measured stall rate reached threshold={scheduler.threshold:g})"
+    if not periods:
+        return "state resets: none fired (no quantized state whose format and decay call for resets; theory.reset_period is None)"
+    return f"state resets: none fired: the run took {trainer.global_step} steps, the shortest reset period is {min(periods)} steps"
 
 
 class WeightTally:
