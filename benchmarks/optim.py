@@ -4,7 +4,7 @@ Usage::
 
     python benchmarks/optim.py [--repeats R] [--out PATH] [--models mlp,transformer] [--quick]
                                [--methods KEY,...] [--no-compile] [--warm-cache] [--threads N]
-                               [--budget S] [--profile KEY,...|none]
+                               [--budget S] [--profile KEY,...|none] [--mode separate|shared|both]
 
 Only ``optimizer.step()`` is timed: each model's gradients are fixed seeded random
 tensors, set once. Models: an MLP 1024 -> 4096 -> 1024 (8.4M parameters) and a small
@@ -29,6 +29,14 @@ workers start with the same seed. The parent drives them over a pipe:
    the interquartile range and the number of rounds, and ``x fused fp32``: the median
    over rounds of the step time over the fused fp32 AdamW step of the same round.
 3. ``finish``: memory figures (below); ``profile``: one step under ``torch.profiler``.
+
+``--mode shared`` (or ``both``, which runs this after the above) measures the way an adaptive run uses the
+optimizer: several formats in one process. One worker per model (``--shared-worker``) builds every method in turn,
+each on its own copy of the model, takes its first step (reported as ``first step s``: state allocation and the C++
+build or ``torch.compile``, with the compiles of the methods before it already in the process) and the remaining
+warm-up steps (default 3 steps in all), then times ``R`` rounds of one step of every method, rotated, in that one
+process; ``x fused fp32`` as above. No memory figures there (one process holds every method). Target (d) (issue
+#22): every format of ours <= 1.5x fused fp32 AdamW with RN, <= 1.7x with SR, int8 RN <= 1.15x, in both modes.
 
 Memory, from ``/proc/self/status`` (``VmRSS``/``VmHWM``; the high-water mark is reset
 through ``/proc/self/clear_refs`` where Linux allows it, else ``ru_maxrss`` is read):
@@ -121,6 +129,9 @@ MIN_QUANT_SIZE = 4096
 BASELINE = "adamw-fused"
 OUR_INT8 = "qadamw-int8-rn"
 TARGET_STEP_RATIO = 1.5
+TARGET_RN_RATIO, TARGET_SR_RATIO, TARGET_INT8_RATIO = 1.5, 1.7, 1.15  # issue #22, every format, both modes
+MODES = ("separate", "shared")
+MODE_NAMES = {"separate": "a process per method", "shared": "all methods in one process"}
 TARGET_BYTES = {"int8": 2.05, "int4": 1.1}
 WORKER_TIMEOUT_S = 900.0
 QUIET_TIMEOUT_S = 1.0  # the longest wait for the other workers' threads to go to sleep before a timed step
@@ -437,6 +448,59 @@ def worker_main(args: argparse.Namespace) -> None:
             return
 
 
+def shared_worker_main(args: argparse.Namespace) -> None:
+    """``--shared-worker``: every method of ``--methods`` on ``--model`` in this one process (one JSON reply).
+
+    As an adaptive run uses several formats: the optimizers are built one after another in this process, each on
+    its own copy of the model (same seed), each taking its first step (timed: state allocation, the C++ build or
+    ``torch.compile``) and ``--warmup - 1`` more right after it is built; then ``--repeats`` rounds, one timed step of
+    every optimizer per round in a rotated order (a method sits out once its timed steps exceed ``--budget`` s, after
+    >= 2). A method that fails is reported as such; the others go on.
+    """
+    reply_stream = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    spec, options = model_specs(args.quick)[args.model], Options(compile=not args.no_compile)
+    results: dict[str, dict[str, Any]] = {}
+    optimizers: dict[str, torch.optim.Optimizer] = {}
+    for key in args.methods:
+        method, result = METHODS[key], {"times_ms": [], "rounds": [], "notes": [], "failure": None}
+        results[key] = result
+        try:
+            params = make_model(spec, args.seed)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                optimizer = method.build(params, options)
+                result["first_step_s"] = seconds(optimizer.step)
+                result["warmup_s"] = [seconds(optimizer.step) for _ in range(args.warmup - 1)]
+            result["notes"] = sorted({_short_reason(w.message) for w in caught if issubclass(w.category, RuntimeWarning)})
+            small = [p for p in params if p.numel() < MIN_QUANT_SIZE]
+            result["n_params"] = sum(p.numel() for p in params)
+            result["state_bytes"] = state_nbytes(optimizer) if method.family == "ours" else state_bytes(optimizer)
+            result["small_params"] = sum(p.numel() for p in small)
+            result["small_state_bytes"] = state_bytes(optimizer, small)
+            result["paths"] = sorted(set(optimizer.step_paths().values())) if method.family == "ours" else []
+            optimizers[key] = optimizer
+        except Exception as error:  # noqa: BLE001 - a peer failing on CPU is a result, not a crash
+            result["failure"] = _short_reason(error)
+        print(f"{key}: first step {result.get('first_step_s', math.nan):.2f} s", file=sys.stderr, flush=True)
+    order = list(optimizers)
+    for r in range(args.repeats):
+        shift = r % len(order) if order else 0
+        for key in order[shift:] + order[:shift]:
+            result = results[key]
+            if result["failure"] is None and (len(result["times_ms"]) < 2 or sum(result["times_ms"]) <= 1e3 * args.budget):
+                try:
+                    result["times_ms"].append(1e3 * seconds(optimizers[key].step))
+                    result["rounds"].append(r)
+                except Exception as error:  # noqa: BLE001
+                    result["failure"], result["times_ms"], result["rounds"] = f"during timing: {_short_reason(error)}", [], []
+    reply_stream.write(json.dumps({"results": results, "threads": torch.get_num_threads(), "digest": source_digest()}) + "\n")
+    reply_stream.flush()
+
+
 # --------------------------------------------------------------------------- parent side
 
 
@@ -447,14 +511,20 @@ class WorkerError(RuntimeError):
 class Worker:
     """A ``--worker`` subprocess and its pipe; its stderr goes to ``log_path``."""
 
-    def __init__(self, method: Method, model: str, args: argparse.Namespace, run_dir: Path) -> None:
+    def __init__(self, method: Method | None, model: str, args: argparse.Namespace, run_dir: Path) -> None:
+        """``method`` ``None``: a ``--shared-worker`` running every method of ``args.methods`` (one cache for all)."""
         self.method = method
-        self.log_path = run_dir / f"{model}-{method.key}.log"
+        name = method.key if method is not None else "shared"
+        self.log_path = run_dir / f"{model}-{name}.log"
         env = dict(os.environ)
         if not args.warm_cache:
-            cache = run_dir / f"cache-{method.key}"  # fresh per run and method, shared by its models
+            cache = run_dir / f"cache-{name}"  # fresh per run and method, shared by its models
             env["TORCHINDUCTOR_CACHE_DIR"], env["TORCH_EXTENSIONS_DIR"] = str(cache / "inductor"), str(cache / "extensions")
-        command = [sys.executable, str(SCRIPT), "--worker", method.key, "--model", model]
+        if method is not None:
+            command = [sys.executable, str(SCRIPT), "--worker", method.key, "--model", model]
+        else:
+            command = [sys.executable, str(SCRIPT), "--shared-worker", "--methods", ",".join(args.methods), "--model", model]
+            command += ["--repeats", str(args.repeats), "--budget", str(args.budget)]
         command += ["--seed", str(args.seed), "--warmup", str(args.warmup)]
         command += ["--quick"] * args.quick + ["--no-compile"] * args.no_compile
         command += ["--threads", str(args.threads)] if args.threads else []
@@ -533,6 +603,9 @@ class Row:
     notes: list[str] = field(default_factory=list)
     profile: list[list[Any]] | None = None
     failure: str | None = None
+    mode: str = "separate"  # "separate": a worker process per method; "shared": every method in one process
+    warmup_s: list[float] = field(default_factory=list)  # the untimed steps after the first (shared mode)
+    paths: list[str] = field(default_factory=list)  # ours: the step paths its parameters took (shared mode)
 
     @property
     def step_ms(self) -> float:
@@ -648,6 +721,35 @@ def measure_model(model: str, methods: list[Method], args: argparse.Namespace, r
     return rows
 
 
+def measure_model_shared(
+    model: str, methods: list[Method], args: argparse.Namespace, run_dir: Path, log: Callable[[str], None]
+) -> list[Row]:
+    """Every method in one ``--shared-worker`` process (``shared_worker_main``); rows with ``mode="shared"`` (no memory
+    figures: one process holds every method)."""
+    rows = [Row(method, model, mode="shared") for method in methods]
+    worker = Worker(None, model, args, run_dir)
+    try:
+        reply = worker.receive(timeout=WORKER_TIMEOUT_S * max(1, len(methods)))
+    except WorkerError as error:
+        for row in rows:
+            row.failure = f"shared worker: {error}"
+        return rows
+    finally:
+        worker.close()
+    for row in rows:
+        result = reply["results"][row.method.key]
+        row.failure, row.notes = result["failure"], result["notes"]
+        row.threads, row.digest = reply["threads"], reply["digest"]
+        row.times_ms, row.rounds = result["times_ms"], result["rounds"]
+        row.first_step_s, row.warmup_s = result.get("first_step_s", math.nan), result.get("warmup_s", [])
+        row.n_params, row.state_bytes = result.get("n_params", 0), result.get("state_bytes", math.nan)
+        row.small_params, row.small_state_bytes = result.get("small_params", 0), result.get("small_state_bytes", math.nan)
+        row.paths = result.get("paths", [])
+        outcome = row.failure or f"first step {row.first_step_s:7.2f} s, median step {row.step_ms:.1f} ms"
+        log(f"  {model:<11} {row.method.label:<28} (one process) {outcome}")
+    return rows
+
+
 # --------------------------------------------------------------------------- verdicts
 
 
@@ -666,9 +768,37 @@ def _overall(outcomes: list[bool | None]) -> str:
     return _ok(all(checked)) + (f" ({len(outcomes) - len(checked)} n/a)" if len(checked) < len(outcomes) else "")
 
 
+def step_target(method: Method) -> float:
+    """Issue #22's step-time target of one of our methods, as a multiple of fused fp32 AdamW's step."""
+    if method.key == OUR_INT8:
+        return TARGET_INT8_RATIO
+    return TARGET_RN_RATIO if method.rounding == "nearest" else TARGET_SR_RATIO
+
+
+def format_targets(rows: list[Row], models: list[str]) -> tuple[list[str], list[bool | None]]:
+    """Issue #22's per-format targets (``step_target``) over our rows: details and outcomes."""
+    details, outcomes = [], []
+    for model in models:
+        base = _find(rows, model, BASELINE)
+        for row in rows:
+            if row.model != model or row.method.family != "ours":
+                continue
+            ratio = paired_ratio(row, base)
+            if math.isnan(ratio):
+                details.append(f"{model} {row.method.key}: n/a")
+                outcomes.append(None)
+            else:
+                details.append(f"{model} {row.method.key} {ratio:.2f}x (<= {step_target(row.method)})")
+                outcomes.append(ratio <= step_target(row.method))
+    return details, outcomes
+
+
 def verdicts(rows: list[Row], models: list[str]) -> list[str]:
-    """PASS/FAIL lines for targets (a), (b), (c), per model, from this run's numbers."""
+    """PASS/FAIL lines for targets (a), (b), (c), (d), per model, from this run's numbers: (a)-(c) of the per-process
+    mode where it ran, (d) of each mode that ran."""
     lines = ["## Verdicts (this run; ratios are paired medians against fused fp32 AdamW, see header)", ""]
+    by_mode = {mode: [r for r in rows if r.mode == mode] for mode in MODES}
+    rows = by_mode["separate"] or by_mode["shared"]
     # (a)
     details, outcomes = [], []
     for model in models:
@@ -717,6 +847,15 @@ def verdicts(rows: list[Row], models: list[str]) -> list[str]:
                 outcomes.append(row.bytes_per_param <= limit)
     limits = ", ".join(f"<= {limit} for {fmt}" for fmt, limit in TARGET_BYTES.items())
     lines.append(f"- (c) state bytes/param {limits}: **{_overall(outcomes)}**: " + "; ".join(details))
+    # (d)
+    target = (
+        f"every QAdamW format's step <= {TARGET_RN_RATIO}x fused fp32 AdamW with RN, <= {TARGET_SR_RATIO}x with SR, "
+        f"int8 · RN <= {TARGET_INT8_RATIO}x (issue #22)"
+    )
+    for mode, mode_rows in by_mode.items():
+        if mode_rows:
+            details, outcomes = format_targets(mode_rows, models)
+            lines.append(f"- (d) {target}, {MODE_NAMES[mode]}: **{_overall(outcomes)}**: " + "; ".join(details))
     return lines
 
 
@@ -752,6 +891,35 @@ def render_table(model: str, description: str, rows: list[Row]) -> str:
             increase,
             _num(row.first_rss_increase_mb, ".1f"),
             _num(row.first_step_s, ".2f"),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def render_shared_table(model: str, description: str, rows: list[Row]) -> str:
+    """The one-process table of a model: step times, ratios, the first step (build / compile) and the warm-up steps."""
+    base = _find(rows, model, BASELINE)
+    n_params = next((r.n_params for r in rows if r.n_params), 0)
+    lines = [
+        f"### {model}, all methods in one process: {description}, {n_params:,} parameters",
+        "",
+        "| method | step ms, median [IQR] (rounds) | × fused fp32 | state bytes/param | first step s (build / compile) "
+        "| warm-up steps s | paths |",
+        "|---|---:|---:|---:|---:|---:|---|",
+    ]
+    for row in rows:
+        if row.failure:
+            lines.append(f"| {row.method.label} | n/a ({row.failure}) | — | — | {_num(row.first_step_s, '.2f')} | — | — |")
+            continue
+        low, high = row.iqr_ms
+        cells = [
+            row.method.label + "".join(f" ⚠ {note}" for note in row.notes),
+            f"{row.step_ms:.1f} [{low:.1f}–{high:.1f}] ({len(row.times_ms)})",
+            _num(paired_ratio(row, base), ".2f"),
+            _num(row.bytes_per_param, ".3f"),
+            _num(row.first_step_s, ".2f"),
+            ", ".join(f"{t:.2f}" for t in row.warmup_s) or "—",
+            ", ".join(row.paths) or "—",
         ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -826,7 +994,20 @@ def render_report(
     if changed:
         digests = ", ".join(changed)
         header.append(f"- **warning**: the lightning_qstate sources changed during the run (digests {digests}): rows may mix versions")
-    body = [render_table(name, specs[name].description, [r for r in rows if r.model == name]) for name in args.models]
+    if "shared" in args.modes:
+        header.append(
+            f"- one-process mode (`--mode shared`/`both`): one worker process per model builds every method in turn (each on its "
+            f"own copy of the model, same seed) and takes its first step (`first step s`: state allocation plus any C++ build or "
+            f"torch.compile, with the earlier methods' compiles already in the process) and {args.warmup - 1} more; then "
+            f"{args.repeats} round(s), one timed step of every method per round in a rotated order, all in that process (as "
+            "an adaptive run steps several formats); × fused fp32 as above"
+        )
+    body = []
+    for name in args.models:
+        for mode, render in (("separate", render_table), ("shared", render_shared_table)):
+            model_rows = [r for r in rows if r.model == name and r.mode == mode]
+            if model_rows:
+                body.append(render(name, specs[name].description, model_rows))
     parts = ["\n".join(header), *body, "\n".join(verdicts(rows, args.models))]
     profiles = render_profiles(rows)
     if profiles:
@@ -853,7 +1034,16 @@ def _csv(text: str) -> list[str]:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=None, help="timed rounds (default 10; 1 with --quick)")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed steps before timing, the first included (default 2)")
+    parser.add_argument(
+        "--warmup", type=int, default=None, help="untimed steps before timing, the first included (default 2; 3 with --mode shared/both)"
+    )
+    parser.add_argument(
+        "--mode",
+        choices=("separate", "shared", "both"),
+        default="separate",
+        help="separate: a worker process per method and model (default); shared: every method in one process per model "
+        "(as an adaptive run uses several formats); both",
+    )
     parser.add_argument(
         "--budget", type=float, default=15.0, help="seconds of timed steps per method and model before it sits out (default 15)"
     )
@@ -868,10 +1058,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     parser.add_argument("--worker", metavar="KEY", help=argparse.SUPPRESS)
+    parser.add_argument("--shared-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.repeats is None:
         args.repeats = 1 if args.quick else 10
+    args.modes = list(MODES) if args.mode == "both" else [args.mode]
+    if args.warmup is None:
+        args.warmup = 3 if "shared" in args.modes else 2
     if args.repeats < 1 or args.warmup < 1 or args.threads < 0 or args.budget <= 0:
         parser.error("--repeats, --warmup and --budget must be positive, --threads >= 0")
     if args.profile == ["none"]:
@@ -893,6 +1087,9 @@ def main(argv: list[str] | None = None) -> Report | None:
     if args.worker:
         worker_main(args)
         return None
+    if args.shared_worker:
+        shared_worker_main(args)
+        return None
     command = shlex.join(["python", "benchmarks/optim.py", *(sys.argv[1:] if argv is None else argv)])
     log = (lambda _: None) if args.quiet else (lambda line: print(line, file=sys.stderr, flush=True))
     specs = model_specs(args.quick)
@@ -900,7 +1097,8 @@ def main(argv: list[str] | None = None) -> Report | None:
     start, digest = time.perf_counter(), source_digest()
     run_dir = Path(tempfile.mkdtemp(prefix="qstate-bench-optim-"))
     try:
-        rows = [row for model in args.models for row in measure_model(model, methods, args, run_dir, log)]
+        measures = {"separate": measure_model, "shared": measure_model_shared}
+        rows = [row for model in args.models for mode in args.modes for row in measures[mode](model, methods, args, run_dir, log)]
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
     text = render_report(command, args, specs, rows, time.perf_counter() - start, digest)

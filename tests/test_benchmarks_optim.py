@@ -108,3 +108,27 @@ def test_timed_steps_wait_for_the_other_workers_to_sleep(bench: ModuleType) -> N
             process.wait()
         sleeper.stdout.close()
     assert bench.running_threads([spinner.pid]) == 0  # gone: no /proc entry
+
+
+def test_quick_run_in_one_process(bench: ModuleType, tmp_path: Path) -> None:
+    """``--mode shared``: every method in one worker process (as an adaptive run uses several formats), each warmed up
+    3 steps, then stepped round-robin; its table has each method's first step (build / compile) and the issue #22
+    targets are judged on it."""
+    methods = ["adamw-fused", "qadamw-int8-rn", "qadamw-int4-rn", "qadamw-fp8_e4m3-sr"]
+    out = tmp_path / "optim.md"
+    argv = ["--quick", "--no-compile", "--quiet", "--profile", "none", "--mode", "shared", "--repeats", "2", "--models", "mlp"]
+    report = bench.main([*argv, "--methods", ",".join(methods), "--out", str(out)])
+    assert out.read_text() == report.text
+    assert {(row.method.key, row.model, row.mode) for row in report.rows} == {(key, "mlp", "shared") for key in methods}
+    for row in report.rows:
+        assert row.failure is None, (row.method.key, row.failure)
+        assert len(row.times_ms) == 2 and all(math.isfinite(t) and t > 0 for t in row.times_ms), row.method.key
+        assert math.isfinite(row.first_step_s) and row.first_step_s > 0 and len(row.warmup_s) == 2
+        assert (row.method.family == "ours") == bool(row.paths)
+    assert "### mlp, all methods in one process:" in report.text and "### mlp: MLP" not in report.text
+    assert "first step s (build / compile)" in report.text
+    assert "(d) every QAdamW format's step" in report.text and "all methods in one process: **" in report.text
+    assert "a process per method: **" not in report.text
+    by_key = {row.method.key: row for row in report.rows}
+    assert by_key["adamw-fused"].bytes_per_param == pytest.approx(8, abs=0.01)
+    assert by_key["qadamw-int4-rn"].bytes_per_param < by_key["qadamw-int8-rn"].bytes_per_param < 2.2

@@ -11,6 +11,8 @@ share one definition of the step.
 from __future__ import annotations
 
 import functools
+import itertools
+import sys
 import types
 import warnings
 from collections.abc import Callable
@@ -26,6 +28,10 @@ from .adam_reference import _lower_fma, adam_step_quantized
 CAST_ROW = 256
 
 
+# Numbers the copies of ``adam_step_quantized`` that ``compiled_adam_step`` makes (each its own name).
+_COPY_NUMBERS = itertools.count()
+
+
 @functools.cache
 def compiled_adam_step(options: tuple) -> Callable:
     """``adam_step_quantized`` compiled for one ``options`` tuple (formats, rounding, flags); the block count is marked
@@ -33,14 +39,21 @@ def compiled_adam_step(options: tuple) -> Callable:
 
     Each tuple compiles its own copy of the function (a distinct code object): dynamo keeps its cache, and its limit
     of 8 recompilations, per code object, so one shared function would fail (``fullgraph``) once a process had
-    compiled 8 format pairs, and would check every pair's guards at every call.
+    compiled 8 format pairs, and would check every pair's guards at every call. Each copy also has its own name
+    (``adam_step_quantized__<n>``, the n-th tuple compiled): dynamo keeps its automatic-dynamic state (the sizes and ints it
+    has seen change, which it then compiles as symbols) per (file, first line, name) (``torch._dynamo.pgo.CodeId``),
+    not per code object, so copies of one name shared it, and the second pair compiled in a process took the first
+    pair's other block size and bit width for a change: its row length and format ints became symbols, a loop nest
+    that does not vectorize, about 5x slower (issue #22).
 
     ``emulate_precision_casts``: inductor otherwise drops a cast to bf16 and back inside a fused kernel, and the
     bf16 block scales (``formats.block.round_up_to_bf16``) would normalize by the unrounded absmax.
     """
     _lower_fma()
     code = adam_step_quantized.__code__
-    copy = types.FunctionType(code.replace(), adam_step_quantized.__globals__, code.co_name, adam_step_quantized.__defaults__)
+    name = f"{code.co_name}__{next(_COPY_NUMBERS)}"
+    renamed = code.replace(co_name=name, **({"co_qualname": name} if sys.version_info >= (3, 11) else {}))
+    copy = types.FunctionType(renamed, adam_step_quantized.__globals__, name, adam_step_quantized.__defaults__)
     return torch.compile(copy, fullgraph=True, options={"emulate_precision_casts": True})
 
 
@@ -87,6 +100,9 @@ def compiled_cpu_step(
         options += (weights.format, group["weight_rounding"], group["error_feedback"] == "eco")
     counts = None
     if options not in _COMPILE_FAILED:
+        for fmt in (m.format, v.format):  # the tables the step reads, built before tracing (else a guard fails once)
+            if isinstance(fmt, BlockFormat):
+                fmt.tables(param.device)
         try:
             head_param, head_grad = _dynamic_rows(flat_param[:whole].view(-1, block)), _dynamic_rows(flat_grad[:whole].view(-1, block))
             counts = compiled_adam_step(options)(head_param, head_grad, *m_head, *v_head, hyper, *options)

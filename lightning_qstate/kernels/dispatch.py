@@ -88,10 +88,6 @@ def fp32_grad(c: Candidate) -> bool:
     return c.grad.dtype == torch.float32
 
 
-def nearest_rounding(c: Candidate) -> bool:
-    return c.group["rounding"] == "nearest"
-
-
 def plain_adam_options(c: Candidate) -> bool:
     """A contiguous parameter, fp32 (any float dtype with a weight grid: the math runs in fp32), and no amsgrad,
     capturable, differentiable or fused."""
@@ -140,7 +136,9 @@ def no_quantized_state(c: Candidate) -> bool:
     return not any(isinstance(value, QuantizedTensor) for value in c.state.values())
 
 
-def byte_codebook_moments(c: Candidate) -> bool:
+def native_moments(c: Candidate) -> bool:
+    """Moments the C++ kernel stores (``native.native_format``: 1- to 8-bit codebook and minifloat codes, any
+    block sizes, bf16/fp16/fp32 casts), with either rounding."""
     return native_formats(c.state["exp_avg"].format, c.state["exp_avg_sq"].format)
 
 
@@ -184,12 +182,11 @@ ADAM_PATHS: tuple[tuple[StepPath, tuple[Requirement, ...]], ...] = (
         (
             on_cpu,
             compile_allowed,
-            nearest_rounding,
             fused_weight_update,
             native_values,
             plain_adam_options,
             both_moments_quantized,
-            byte_codebook_moments,
+            native_moments,
             native_built,
         ),
     ),  # fmt: skip

@@ -1,14 +1,30 @@
 """The C++ CPU Adam(W) step over a whole param group (``kernels/csrc/``): per-format tables, the build and the call.
 
-The kernel (``adam_steps_u8`` in ``csrc/adam_cpu.cpp``) is Adam(W) for 8-bit codebook states on the CPU
-(round-to-nearest), with optional stall counts. It steps every parameter of a param group in one call, threaded with
-``at::parallel_for`` over all their blocks: first a check of every gradient (a parameter with an inf/NaN gradient is
-left untouched), then one pass per block (data prefetched a few blocks ahead): decode both moments (table lookup
-times the block scale), torch's Adam(W) update, per-block absmax, and round-to-nearest encoding with
-``code_index.NearestCodeIndex`` (one table lookup and integer compares; the table of a zero-free ``v`` format also
-clamps codes up to its ``min_code``, so ``v`` is never stored as 0), writing param, codes and scales (bf16 or fp32,
-per state) in place. The group's parameters with fp32 moments (those ``min_quant_size`` keeps fp32) step in the same
-call, and the kernel increments every step counter, so a whole group costs one call and no per-parameter torch ops.
+The kernel (``adam_steps_u8`` in ``csrc/adam_cpu.cpp``) is Adam(W) for coded states on the CPU, with optional
+stall counts. It steps every parameter of a param group in one call, threaded with ``at::parallel_for`` over all
+their blocks: first a check of every gradient (a parameter with an inf/NaN gradient is left untouched), then one pass
+per block (data prefetched a few blocks ahead): decode both moments (table lookup times the block scale), torch's
+Adam(W) update, per-block absmax, and round-to-nearest encoding with ``code_index.NearestCodeIndex`` (one table
+lookup and integer compares; the table of a zero-free ``v`` format also clamps codes up to its ``min_code``, so ``v``
+is never stored as 0), writing param, codes and scales (bf16 or fp32, per state) in place. The group's parameters
+with fp32 moments (those ``min_quant_size`` keeps fp32) step in the same call, and the kernel increments every step
+counter, so a whole group costs one call and no per-parameter torch ops.
+
+That pass, with the decode in registers, is for two 8-bit codebooks of one block size (round to nearest). Every
+other pair of moment formats the kernel takes (``native_formats``: codebook or minifloat codes of 1 to 8 bits,
+packed as ``formats.packing`` packs them: two per byte up to 4 bits, dense groups of 8 for 5 to 7; bf16/fp16/fp32
+casts; ``m`` and ``v`` of different block sizes) is stepped a chunk at a time (the larger block): both moments
+decoded into scratch (a 256-entry table per state: a minifloat's ``decode_values`` too; casts converted), the same
+update, then each moment encoded block by block: a codebook with its ``NearestCodeIndex``, a minifloat with
+``formats.rounding.encode_minifloat``'s own fp32 and integer operations, a cast as torch's casts (with
+``CastFormat.lift_flushed`` for a zero-free ``v``); the quotient by the block scale is a true division, as the
+reference's. Under round to nearest its codes are the reference's bit for bit. Stochastic rounding
+(``group["rounding"] == "stochastic"``, any of these formats, on this chunked pass) follows the reference's rules
+(``encode_codebook``'s floor code and gap, ``encode_minifloat``'s floor mantissa, ``bf16_stochastic``,
+``fp16_stochastic``) with counter-based draws: element ``i`` of a moment draws splitmix64 output ``i + 1`` of that
+moment's seed, which the optimizer draws per step from its ``rounding_generator(param, "moments")`` (reproducible,
+independent of the thread count, and resumed exactly from a checkpoint); the U[0, 1) draw is the upper 24 bits times
+2^-24, as an fp32 uniform of torch. Unbiased as the reference, not its bits (another generator).
 
 Without master weights (``optim/weights.py``) a coded parameter may be kept on a weight grid (a cast format's:
 fp32, bf16 or fp16 values); the parameter and its gradient are then fp32, bf16 or fp16 (read as fp32, the math is
@@ -53,7 +69,7 @@ from pathlib import Path
 
 import torch
 
-from ..formats import CodebookFormat, QuantizedTensor
+from ..formats import CastFormat, CodebookFormat, MinifloatFormat, QuantizedTensor, StorageFormat
 from ..formats.weights import WeightGrid
 from .adam_reference import eco_coefficient
 from .bounds import moment_bound
@@ -109,26 +125,36 @@ def _kernel():
         return None
 
 
+# A state's kind in the kernel (``Kind`` in ``csrc/adam_cpu.h``).
+CODEBOOK, MINIFLOAT, CAST = 0, 1, 2
+_NO_ENTRIES = torch.zeros(1, dtype=torch.int32)
+_NO_SCALES = torch.zeros(0)  # a cast state's scales
+
+
 @functools.cache
-def _native_layout(m_format: CodebookFormat, v_format: CodebookFormat) -> tuple[list[torch.Tensor], list[int]]:
-    """The kernel's per-parameter tables ``[m_decode, m_entries, m_planes, v_decode, v_entries, v_planes]`` (planes:
-    ``(4, 256)`` uint8, byte ``j`` of every decode value in row ``j``, for the VBMI decoder) and integers
-    ``[block, m_base, m_shift, m_half, v_base, v_shift, v_half]`` for a pair of moment formats."""
-    m_index, v_index = nearest_index(m_format), nearest_index(v_format)
-    tables = [
-        table
-        for index in (m_index, v_index)
-        for table in (index.decode, index.bucket_entries, index.decode.view(torch.uint8).view(256, 4).t().contiguous())
-    ]
-    return tables, [
-        m_format.block_size,
-        m_index.key_base,
-        m_index.key_shift,
-        m_index.half,
-        v_index.key_base,
-        v_index.key_shift,
-        v_index.half,
-    ]
+def _state_layout(fmt: StorageFormat) -> tuple[list[torch.Tensor], list[int], float]:
+    """The kernel's description of one moment format (``State`` in ``csrc/adam_cpu.h``): tables ``[decode, entries,
+    planes]`` (decode: ``(256,)`` fp32 values of the codes; entries: the ``NearestCodeIndex`` buckets of a codebook;
+    planes: ``(4, 256)`` uint8, byte ``j`` of every decode value in row ``j``, for the VBMI decoder), the integers
+    ``[kind, bits, block, key_base, key_shift, half, mantissa_bits, bias, max_code, min_code, has_sign, zero_free]``
+    and a minifloat's largest value (a codebook's ``max_code`` column: its last code; the kernel appends the
+    ``stochastic`` column)."""
+    decode, entries, ints = torch.zeros(256), _NO_ENTRIES, [0] * 12
+    if isinstance(fmt, CodebookFormat):
+        index = nearest_index(fmt)
+        decode, entries = index.decode, index.bucket_entries
+        ints[:6] = [CODEBOOK, fmt.bits, fmt.block_size, index.key_base, index.key_shift, index.half]
+        ints[8:10] = [fmt.codebook.numel() - 1, fmt.min_code]
+    elif isinstance(fmt, MinifloatFormat):
+        decode[: 2**fmt.bits] = fmt.decode_values()
+        spec = fmt.spec
+        ints[:3] = [MINIFLOAT, fmt.bits, fmt.block_size]
+        ints[6:11] = [spec.mantissa_bits, spec.bias, spec.max_code, fmt.min_code, int(fmt.signed)]
+    else:
+        ints[:3] = [CAST, fmt.bits, 0]
+        ints[11] = int(fmt.zero_free)
+    planes = decode.view(torch.uint8).view(256, 4).t().contiguous()
+    return [decode, entries, planes], ints, float(getattr(fmt, "max_value", 0.0))
 
 
 def native_adam_steps(
@@ -139,6 +165,7 @@ def native_adam_steps(
     track_stalls: bool,
     weights: list[WeightGrid | None] | None = None,
     seeds: list[int] | None = None,
+    moment_seeds: list[tuple[int, int]] | None = None,
 ) -> list[list[int]]:
     """The Adam step of every parameter of ``group`` given (those ``kernels.dispatch`` put on the ``native`` path:
     byte-coded moments, or fp32 ones that join the call) in one C++ call, in place.
@@ -151,9 +178,13 @@ def native_adam_steps(
     ``weights``: per parameter its weight grid (a cast format's; only coded parameters may have one) or ``None``,
     rounded to with ``group["weight_rounding"]`` and with ECO's feedback where ``group["error_feedback"]`` is
     ``"eco"`` (module docstring); ``seeds``: per parameter the seed of its stochastic rounding (used only there).
+    ``moment_seeds``: per parameter the seeds of ``m`` and ``v`` where ``group["rounding"]`` is ``"stochastic"``
+    (element ``i`` of a moment rounds with splitmix64 draw ``i`` of its seed).
     """
     weights = weights or [None] * len(states)
     seeds = seeds or [0] * len(states)
+    moment_seeds = moment_seeds or [(0, 0)] * len(states)
+    moments_stochastic = int(group["rounding"] == "stochastic")
     coded = [k for k, state in enumerate(states) if isinstance(state["exp_avg"], QuantizedTensor)]
     plain = [k for k, state in enumerate(states) if not isinstance(state["exp_avg"], QuantizedTensor)]
     if any(weights[k] is not None for k in plain):
@@ -164,23 +195,26 @@ def native_adam_steps(
     eco = group.get("error_feedback") == "eco"
     grids = [(GRID_DTYPES.index(weights[k].cast_dtype), stochastic, eco) if weights[k] is not None else (0, 0, 0) for k in coded]
     eco_coefficients = [eco_coefficient(group, float(states[k]["step"]) + 1) if eco and weights[k] is not None else 0.0 for k in coded]
-    tables, ints, moments = [], [], [(states[k]["exp_avg"], states[k]["exp_avg_sq"]) for k in coded]
+    tables, ints, floats, moments = [], [], [], [(states[k]["exp_avg"], states[k]["exp_avg_sq"]) for k in coded]
     for m, v in moments:
-        layout = _native_layout(m.format, v.format)
-        tables += layout[0]
-        ints.append(layout[1])
+        for q in (m, v):
+            layout = _state_layout(q.format)
+            tables += layout[0]
+            ints.append([*layout[1], moments_stochastic])
+            floats.append(layout[2])
     rows = _kernel()(
         params=[params[k] for k in coded],
         grads=[grads[k].contiguous() for k in coded],
         m_codes=[m.codes for m, _ in moments],
-        m_scales=[m.scales for m, _ in moments],
+        m_scales=[_NO_SCALES if m.scales is None else m.scales for m, _ in moments],
         v_codes=[v.codes for _, v in moments],
-        v_scales=[v.scales for _, v in moments],
+        v_scales=[_NO_SCALES if v.scales is None else v.scales for _, v in moments],
         tables=tables,
-        ints=torch.tensor(ints, dtype=torch.int64).view(-1, 7),
+        ints=torch.tensor(ints, dtype=torch.int64).view(-1, 2, 13),
+        floats=torch.tensor(floats, dtype=torch.float32).view(-1, 2),
         bounds=torch.tensor([moment_bound(float(beta1), float(beta2), float(states[k]["step"])) for k in coded], dtype=torch.float32),
         grids=torch.tensor(grids, dtype=torch.int64).view(-1, 3),
-        seeds=torch.tensor([seeds[k] for k in coded], dtype=torch.int64),
+        seeds=torch.tensor([[seeds[k], *moment_seeds[k]] for k in coded], dtype=torch.int64).view(-1, 3),
         eco=torch.tensor(eco_coefficients, dtype=torch.float32),
         plain=[t for k in plain for t in (params[k], grads[k].contiguous(), states[k]["exp_avg"], states[k]["exp_avg_sq"])],
         steps=[states[k]["step"] for k in order],
@@ -223,11 +257,17 @@ def native_kernel_available() -> bool:
     return _kernel() is not None
 
 
-def native_formats(m_format: CodebookFormat, v_format: CodebookFormat) -> bool:
-    """Whether the kernel codes this pair of moment formats: 8-bit codebooks (a code per byte) of one block size whose
-    round-to-nearest encoder has a ``NearestCodeIndex``."""
-    formats = (m_format, v_format)
-    return (
-        all(isinstance(f, CodebookFormat) and f.bits == 8 and nearest_index(f) is not None for f in formats)
-        and m_format.block_size == v_format.block_size
-    )
+def native_format(fmt: StorageFormat) -> bool:
+    """Whether the kernel stores a moment in ``fmt``: codebook codes (whose round-to-nearest encoder has a
+    ``NearestCodeIndex``) or minifloat codes of 1 to 8 bits (``formats.packing``'s containers), or a cast (fp32, bf16,
+    fp16)."""
+    if isinstance(fmt, CastFormat):
+        return fmt.dtype in VALUE_DTYPES
+    if not isinstance(fmt, (CodebookFormat, MinifloatFormat)) or fmt.bits > 8:
+        return False
+    return isinstance(fmt, MinifloatFormat) or nearest_index(fmt) is not None
+
+
+def native_formats(m_format: StorageFormat, v_format: StorageFormat) -> bool:
+    """Whether the kernel codes this pair of moment formats (``native_format``; block sizes may differ)."""
+    return native_format(m_format) and native_format(v_format)

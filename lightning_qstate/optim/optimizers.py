@@ -97,7 +97,9 @@ class _AdamStates(QuantizedStates):
 
     def _native_steps(self, group: dict, keys: list[torch.Tensor]) -> None:
         """The ``native`` path: one C++ call for ``keys`` (``kernels.native``), with each parameter's weight grid and,
-        for stochastic weight rounding, a seed per parameter drawn from its ``rounding_generator(key, "weights")``."""
+        for stochastic weight rounding, a seed per parameter drawn from its ``rounding_generator(key, "weights")``; for
+        stochastic rounding of the moments, seeds of ``m`` and ``v`` drawn from its ``rounding_generator(key, "moments")``
+        (the streams the other paths draw from: a resumed run rounds alike)."""
         states = [self.state[key] for key in keys]
         params, grads = [local_tensor(key) for key in keys], [local_tensor(key.grad) for key in keys]
         weights = [self.weight_grid(group, key, param) for key, param in zip(keys, params, strict=True)]
@@ -108,8 +110,15 @@ class _AdamStates(QuantizedStates):
             else 0
             for key, grid in zip(keys, weights, strict=True)
         ]
+        cpu = torch.device("cpu")
+        moment_seeds = [
+            tuple(torch.randint(2**62, (2,), generator=self.rounding_generator(key, "moments", cpu)).tolist())
+            if group["rounding"] == "stochastic" and isinstance(self.state[key]["exp_avg"], QuantizedTensor)
+            else (0, 0)
+            for key in keys
+        ]
         targets = self._weight_targets(group, keys)
-        rows = native_adam_steps(params, grads, states, group, self.track_stalls, weights, seeds)
+        rows = native_adam_steps(params, grads, states, group, self.track_stalls, weights, seeds, moment_seeds)
         for key, state, row in zip(keys, states, rows, strict=True):
             if not row[0]:
                 self._skip_nonfinite_grad(key)

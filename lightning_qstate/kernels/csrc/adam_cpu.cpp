@@ -1,4 +1,5 @@
-// The C++ CPU Adam(W) kernel for 8-bit codebook states (round-to-nearest), with optional stall counts, and parameters
+// The C++ CPU Adam(W) kernel for coded states (round-to-nearest): 8-bit and 4-bit codebook and minifloat codes in
+// blocks (m and v of any block sizes), bf16/fp16 casts; with optional stall counts, and parameters
 // kept on a weight grid without master weights (fp32/bf16/fp16 values, RN or SR, ECO's feedback into m): adam_steps_u8
 // steps every parameter of a param group in one call. What it computes and how it matches the torch reference
 // (kernels/adam_reference.py) bit for bit: kernels/native.py. The value-level pieces (codebooks, Adam's update of one
@@ -157,6 +158,275 @@ bool all_finite16(const uint16_t* __restrict__ x, int64_t n, uint16_t exponent) 
   return !bad;
 }
 
+// ---- Any moment storage (State): decode, update, encode ----
+
+// n values of 8-bit codes (decode[c] * scale) to out.
+void decode_bytes(const uint8_t* __restrict__ codes, const float* __restrict__ decode, float scale, int64_t n, float* __restrict__ out) {
+  int64_t i = 0;
+#ifdef QSTATE_AVX512
+  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(out + i, decode16(codes + i, decode, scale));
+#endif
+  for (; i < n; ++i) out[i] = decode[codes[i]] * scale;
+}
+
+// n values of 4-bit codes (value 2i in the low nibble of byte i) to out; the table's first 16 entries.
+void decode_nibbles(const uint8_t* __restrict__ codes, const float* __restrict__ decode, float scale, int64_t n, float* __restrict__ out) {
+  int64_t i = 0;
+#ifdef QSTATE_AVX512
+  const __m512 table = _mm512_loadu_ps(decode), factor = _mm512_set1_ps(scale);
+  const __m128i nibble = _mm_set1_epi8(0x0F);
+  for (; i + 16 <= n; i += 16) {  // 8 bytes: low and high nibbles interleaved into 16 indices, one in-register lookup
+    const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + i / 2));
+    const __m128i index = _mm_unpacklo_epi8(_mm_and_si128(bytes, nibble), _mm_and_si128(_mm_srli_epi16(bytes, 4), nibble));
+    _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_cvtepu8_epi32(index), table), factor));
+  }
+#endif
+  for (; i < n; ++i) out[i] = decode[(codes[i / 2] >> (4 * (i & 1))) & 0x0F] * scale;
+}
+
+// n values of dense codes (groups of 8 codes of ``bits`` bits in ``bits`` bytes, State) to out; a group's bytes read
+// as a little-endian word (x86-64), its codes shifted out of it.
+void decode_dense(const uint8_t* __restrict__ codes, const float* __restrict__ decode, float scale, int64_t n, int32_t bits,
+                  float* __restrict__ out) {
+  const uint64_t mask = (uint64_t{1} << bits) - 1;
+  for (int64_t group = 0; group < n; group += 8) {
+    uint64_t word = 0;
+    std::memcpy(&word, codes + group / 8 * bits, bits);
+    const int64_t size = std::min<int64_t>(8, n - group);
+    for (int64_t j = 0; j < size; ++j) out[group + j] = decode[(word >> (j * bits)) & mask] * scale;
+  }
+}
+
+// ``count`` codes (a multiple of 8, a byte each) packed densely at out: each group of 8 into ``bits`` bytes (State).
+inline void pack_dense(const uint8_t* __restrict__ codes, int64_t count, int32_t bits, uint8_t* __restrict__ out) {
+  for (int64_t group = 0; group < count; group += 8) {
+    uint64_t word = 0;
+    for (int64_t j = 0; j < 8; ++j) word |= static_cast<uint64_t>(codes[group + j]) << (j * bits);
+    std::memcpy(out + group / 8 * bits, &word, bits);
+  }
+}
+
+// A cast state's values [base, base + n) as fp32 (exact).
+void decode_cast(const State& s, int64_t base, int64_t n, float* __restrict__ out) {
+  if (s.cast == Dtype::kFloat32) {
+    std::memcpy(out, static_cast<const float*>(s.codes) + base, 4 * n);
+    return;
+  }
+  const uint16_t* codes = static_cast<const uint16_t*>(s.codes) + base;
+  const bool bf16 = s.cast == Dtype::kBFloat16;
+  int64_t i = 0;
+#ifdef QSTATE_AVX512
+  for (; i + 16 <= n; i += 16) {
+    const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + i));
+    _mm512_storeu_ps(out + i, bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16)) : _mm512_cvtph_ps(half));
+  }
+#endif
+  for (; i < n; ++i) out[i] = bf16 ? to_float(BFloat16{codes[i]}) : to_float(Float16{codes[i]});
+}
+
+// Values [base, base + n) of state s decoded to out (base: a multiple of s's block); ``units``: in units of their
+// block's scale (QuantizedTensor.unit_values: the decode table's values; a cast's values themselves).
+void decode_state(const State& s, int64_t base, int64_t n, bool units, float* __restrict__ out) {
+  if (s.kind == Kind::kCast) {
+    decode_cast(s, base, n, out);
+    return;
+  }
+  const uint8_t* codes = static_cast<const uint8_t*>(s.codes);
+  for (int64_t first = 0; first < n; first += s.block) {
+    const int64_t size = std::min(s.block, n - first);
+    const float scale = units ? 1.0f : s.scales.load((base + first) / s.block);
+    if (s.nibbles())
+      decode_nibbles(codes + s.code_byte(base + first), s.cb.decode, scale, size, out + first);
+    else if (s.dense())
+      decode_dense(codes + s.code_byte(base + first), s.cb.decode, scale, size, s.bits, out + first);
+    else
+      decode_bytes(codes + base + first, s.cb.decode, scale, size, out + first);
+  }
+}
+
+// The absmax of x[0:n] (a NaN value is passed over, as update_block's compare does) and whether all are finite.
+void absmax(const float* __restrict__ x, int64_t n, float& top, bool& ok) {
+  float value = 0.0f;
+  bool bad = false;
+  int64_t i = 0;
+#ifdef QSTATE_AVX512
+  __m512 running = _mm512_setzero_ps();
+  __mmask16 nonfinite = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512 lanes = _mm512_loadu_ps(x + i);
+    running = _mm512_max_ps(_mm512_abs_ps(lanes), running);  // a NaN lane keeps the running max
+    nonfinite |= _mm512_cmp_ps_mask(_mm512_sub_ps(lanes, lanes), _mm512_setzero_ps(), _CMP_UNORD_Q);
+  }
+  value = _mm512_reduce_max_ps(running), bad = nonfinite != 0;
+#endif
+  for (; i < n; ++i) {
+    const float a = std::fabs(x[i]);
+    value = a > value ? a : value;
+    bad |= std::isnan(x[i] - x[i]);
+  }
+  top = value, ok = !bad;
+}
+
+// The SR draws of 16 elements from ``first`` (random_bits of s's seed) as U[0, 1) (uniform_of).
+#ifdef QSTATE_AVX512
+inline __m512 uniform16(const State& s, int64_t first) {
+  alignas(64) int32_t random[16];
+  for (int k = 0; k < 16; ++k) random[k] = static_cast<int32_t>(random_bits(s.seed, first + k) >> 8);
+  return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512(random)), _mm512_set1_ps(0x1p-24f));
+}
+#endif
+
+// The codes of x[0:n] / divisor (true division: correctly rounded, as the reference's) in a block state s, stored
+// at out: a byte each, two per byte (value 2i in the low nibble; an odd last one: the high nibble 0) or dense (a last
+// group of fewer than 8 padded with code 0, as formats.packing.pack). A non-finite
+// block: the codes of 0.0. ``first``: the element index of x[0] in its parameter (its SR draw).
+template <bool Nonnegative>
+void encode_codes(const State& s, const float* __restrict__ x, float divisor, bool finite, uint8_t* __restrict__ out, int64_t n,
+                  int64_t first) {
+  const bool nibbles = s.nibbles(), dense = s.dense(), minifloat = s.kind == Kind::kMinifloat;
+  int64_t i = 0;
+#ifdef QSTATE_AVX512
+  const __m512 d = _mm512_set1_ps(divisor);
+  for (; i + 16 <= n; i += 16) {
+    const __m512 q = finite ? _mm512_div_ps(_mm512_loadu_ps(x + i), d) : _mm512_setzero_ps();
+    __m128i codes;
+    if (!s.stochastic) {
+      codes = minifloat ? encode_minifloat16<false>(q, s.mf, q) : encode16_codes<Nonnegative>(q, s.cb);
+    } else {
+      const __m512 uniform = uniform16(s, first + i);
+      codes = minifloat ? encode_minifloat16<true>(q, s.mf, uniform)
+                        : codebook_stochastic16(q, encode16_codes<Nonnegative>(q, s.cb), s.cb, s.last, s.min_code, uniform);
+    }
+    if (nibbles) {
+      pack16(codes, out + i / 2);
+    } else if (dense) {
+      alignas(16) uint8_t lanes[16];
+      _mm_store_si128(reinterpret_cast<__m128i*>(lanes), codes);
+      pack_dense(lanes, 16, s.bits, out + i / 8 * s.bits);
+    } else {
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), codes);
+    }
+  }
+#endif
+  const auto code_of = [&](int64_t j) {
+    return static_cast<uint8_t>(s.encode(finite ? x[j] / divisor : 0.0f, s.stochastic ? random_bits(s.seed, first + j) : 0));
+  };
+  if (dense) {  // i: a multiple of 16 here
+    for (; i < n; i += 8) {
+      uint8_t lanes[8];
+      for (int64_t j = 0; j < 8; ++j) lanes[j] = i + j < n ? code_of(i + j) : 0;
+      pack_dense(lanes, 8, s.bits, out + i / 8 * s.bits);
+    }
+    return;
+  }
+  for (; i < n; ++i) {
+    const uint8_t code = code_of(i);
+    if (!nibbles)
+      out[i] = code;
+    else if (i % 2 == 0)
+      out[i / 2] = code;
+    else
+      out[i / 2] = static_cast<uint8_t>(out[i / 2] | (code << 4));
+  }
+}
+
+// A cast state's values [base, base + n): x rounded in its dtype, to nearest (as torch's casts) or stochastically
+// (element i drawing random_bits(seed, base + i): bf16_stochastic, fp16_stochastic, as CastFormat.stochastic_reference);
+// ``zero_free``: a positive value the cast flushes to 0 is stored as the dtype's smallest subnormal
+// (CastFormat.lift_flushed; pattern 1).
+void store_cast(const State& s, int64_t base, int64_t n, const float* __restrict__ x) {
+  if (s.cast == Dtype::kFloat32) {
+    std::memcpy(static_cast<float*>(s.codes) + base, x, 4 * n);
+    return;
+  }
+  uint16_t* out = static_cast<uint16_t*>(s.codes) + base;
+  const bool bf16 = s.cast == Dtype::kBFloat16;
+  if (s.stochastic) {
+    for (int64_t i = 0; i < n; ++i) {
+      const uint32_t random = random_bits(s.seed, base + i);
+      const uint16_t stored = bf16 ? bf16_nearest(bf16_stochastic(x[i], random)) : fp16_bits(fp16_stochastic(x[i], random));
+      out[i] = (s.zero_free && x[i] > 0.0f && stored == 0) ? 1 : stored;
+    }
+    return;
+  }
+  int64_t i = 0;
+#ifdef QSTATE_AVX512
+  for (; i + 16 <= n; i += 16) {
+    const __m512 value = _mm512_loadu_ps(x + i);
+    __m256i stored;
+    if (bf16) {  // bf16_nearest
+      const __m512i bits = _mm512_castps_si512(value);
+      const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+      __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7FFF)), lsb), 16);
+      const __mmask16 nan = _mm512_cmp_ps_mask(value, value, _CMP_UNORD_Q);
+      rounded = _mm512_mask_or_epi32(rounded, nan, _mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40));
+      stored = _mm512_cvtepi32_epi16(rounded);
+    } else {
+      stored = fp16_nearest16(value);
+    }
+    if (s.zero_free) {
+      const __mmask16 flushed =
+          _mm512_cmp_ps_mask(value, _mm512_setzero_ps(), _CMP_GT_OQ) & _mm256_cmpeq_epi16_mask(stored, _mm256_setzero_si256());
+      stored = _mm256_mask_mov_epi16(stored, flushed, _mm256_set1_epi16(1));
+    }
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), stored);
+  }
+#endif
+  for (; i < n; ++i) {
+    const uint16_t stored = bf16 ? bf16_nearest(x[i]) : fp16_bits(fp16_nearest(x[i]));
+    out[i] = (s.zero_free && x[i] > 0.0f && stored == 0) ? 1 : stored;
+  }
+}
+
+// The new values x[0:n] of state s's values [base, base + n) (base: a multiple of s's block) stored, as
+// BlockFormat.quantize_reference: per block its absmax, the stored scale and the codes of x / scale (a non-finite
+// block: scale NaN, the codes of 0.0); a cast's values (store_cast). Returns whether every block was finite (a cast:
+// true).
+template <bool Nonnegative>
+bool encode_state(const State& s, int64_t base, int64_t n, const float* __restrict__ x) {
+  if (s.kind == Kind::kCast) {
+    store_cast(s, base, n, x);
+    return true;
+  }
+  uint8_t* codes = static_cast<uint8_t*>(s.codes);
+  bool all_ok = true;
+  for (int64_t first = 0; first < n; first += s.block) {
+    const int64_t size = std::min(s.block, n - first);
+    float top;
+    bool ok;
+    absmax(x + first, size, top, ok);
+    const float scale = ok ? s.scales.representable(top) : NAN, divisor = (ok && scale > 0.0f) ? scale : 1.0f;
+    encode_codes<Nonnegative>(s, x + first, divisor, ok, codes + s.code_byte(base + first), size, base + first);
+    s.scales.store((base + first) / s.block, scale);
+    all_ok = all_ok && ok;
+  }
+  return all_ok;
+}
+
+// Adam on n fp32 values: param p updated in place, moments decoded in m, v (updated in place), as update_block.
+void update_values(float* __restrict__ p, const float* __restrict__ g, const Hyper& h, int64_t n, float* __restrict__ m,
+                   float* __restrict__ v) {
+  int64_t i = 0;
+#ifdef QSTATE_AVX512
+  Update16 update(h);
+  for (; i + 16 <= n; i += 16) update(p + i, g + i, _mm512_loadu_ps(m + i), _mm512_loadu_ps(v + i), m + i, v + i);
+#endif
+  for (; i < n; ++i) adam_lane(p[i], g[i], m[i], v[i], h);
+}
+
+// formats.count_stalls of one state's n values: [stalled, moved] added to counts.
+void count_values(const float* before, const float* before_units, const float* updated, const float* stored, const float* stored_units,
+                  int64_t n, int64_t* counts) {
+  int64_t stalled = 0, moved = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const bool move = updated[i] != before[i];
+    moved += move ? 1 : 0;
+    stalled += (move && stored_units[i] == before_units[i] && stored[i] != updated[i]) ? 1 : 0;
+  }
+  counts[0] += stalled;
+  counts[1] += moved;
+}
+
 // ---- The group's hyperparameters and step counters ----
 
 // The group's hyperparameters: those of every step, and what the per-step ones (at) are computed from.
@@ -209,18 +479,23 @@ void count_step(const torch::Tensor& step) {
 
 // ---- The coded parameters ----
 
-// One coded parameter of the multi-tensor step. p, g: fp32 values, or (on a weight grid) of ``dtype``.
+// One coded parameter of the multi-tensor step. p, g: fp32 values, or (on a weight grid) of ``dtype``. It is stepped
+// a chunk at a time: the larger block of its moments (blocks are powers of two: the smaller divides it; a cast's: the
+// other's, CAST_CHUNK for two casts). ``fast``: both moments 8-bit codebooks of one block size (update_block decodes
+// in registers); else step_chunk decodes both into scratch first.
 struct Param {
   void* p;
   const void* g;
   Dtype dtype;
   Grid grid;
-  uint8_t *mc, *vc;
-  Scales ms, vs;
-  Codebook mcb, vcb;
+  State m, v;
   Hyper h;
-  int64_t numel, block, blocks;
+  int64_t numel, chunk, chunks;
+  bool fast;
 };
+
+// The chunk of a parameter whose moments are both casts.
+constexpr int64_t CAST_CHUNK = 1024;
 
 // What the threads stepping one coded parameter's blocks report.
 struct Outcome {
@@ -229,9 +504,10 @@ struct Outcome {
 };
 
 Codebook codebook(const torch::Tensor& decode, const torch::Tensor& entries, const torch::Tensor& planes, int64_t key_base,
-                  int64_t key_shift, int64_t half) {
-  TORCH_CHECK(decode.numel() == 256 && entries.numel() == 2 * half && planes.numel() == 1024 && planes.scalar_type() == torch::kUInt8,
-              "a NearestCodeIndex: 256 decode values, 2 * half bucket entries, (4, 256) uint8 byte planes");
+                  int64_t key_shift, int64_t half, bool index) {
+  TORCH_CHECK(decode.numel() == 256 && decode.scalar_type() == torch::kFloat && planes.numel() == 1024 &&
+                  planes.scalar_type() == torch::kUInt8 && entries.scalar_type() == torch::kInt && (!index || entries.numel() == 2 * half),
+              "a state's tables: 256 fp32 decode values, (4, 256) uint8 byte planes, int32 bucket entries (2 * half for a codebook)");
   return Codebook{decode.data_ptr<float>(),        entries.data_ptr<int32_t>(), static_cast<int32_t>(key_base),
                   static_cast<int32_t>(key_shift), static_cast<int32_t>(half),  planes.data_ptr<uint8_t>()};
 }
@@ -262,49 +538,109 @@ Grid grid_of(int64_t code, int64_t stochastic, int64_t eco, int64_t seed, int64_
   return Grid{static_cast<Dtype>(code), stochastic != 0, eco != 0, static_cast<uint64_t>(seed)};
 }
 
+// Columns of a state's row of ``ints`` (kernels/native.py: _state_layout).
+enum StateColumn {
+  kKind,
+  kBits,
+  kBlock,
+  kKeyBase,
+  kKeyShift,
+  kHalf,
+  kMantissaBits,
+  kBias,
+  kMaxCode,
+  kMinCode,
+  kHasSign,
+  kZeroFree,
+  kStochastic,
+  kStateColumns
+};
+
+// One moment of parameter k: its codes and scales, its tables (decode, entries, planes) and its row of ``ints``, its
+// minifloat's largest value; sizes checked against the parameter's numel.
+State state_of(const torch::Tensor& codes, const torch::Tensor& scales, const torch::Tensor* tables, const int64_t* ints, float max_value,
+               int64_t seed, int64_t numel, int64_t k) {
+  State s{};
+  s.stochastic = ints[kStochastic] != 0, s.seed = static_cast<uint64_t>(seed);
+  s.last = static_cast<int32_t>(ints[kMaxCode]), s.min_code = static_cast<int32_t>(ints[kMinCode]);
+  TORCH_CHECK(ints[kKind] >= 0 && ints[kKind] <= 2, "parameter ", k, ": state kind ", ints[kKind], " (0 codebook, 1 minifloat, 2 cast)");
+  s.kind = static_cast<Kind>(ints[kKind]);
+  s.bits = static_cast<int32_t>(ints[kBits]);
+  s.block = ints[kBlock];
+  s.codes = codes.data_ptr();
+  s.zero_free = ints[kZeroFree] != 0;
+  s.cb = codebook(tables[0], tables[1], tables[2], ints[kKeyBase], ints[kKeyShift], ints[kHalf], s.kind == Kind::kCodebook);
+  s.mf.mantissa_bits = static_cast<int32_t>(ints[kMantissaBits]), s.mf.bias = static_cast<int32_t>(ints[kBias]);
+  s.mf.max_code = static_cast<int32_t>(ints[kMaxCode]), s.mf.min_code = static_cast<int32_t>(ints[kMinCode]);
+  s.mf.sign_shift = static_cast<int32_t>(ints[kBits] - 1), s.mf.has_sign = ints[kHasSign] != 0, s.mf.max_value = max_value;
+  TORCH_CHECK(codes.is_contiguous() && scales.is_contiguous(), "parameter ", k, ": codes and scales must be contiguous");
+  if (s.kind == Kind::kCast) {
+    s.cast = dtype_of(codes);
+    TORCH_CHECK(s.cast != Dtype::kNone && codes.numel() == numel, "parameter ", k, ": a cast state holds numel fp32, bf16 or fp16 values");
+    s.smallest = s.cast == Dtype::kBFloat16 ? 0x1p-133f : (s.cast == Dtype::kFloat16 ? 0x1p-24f : 0.0f);
+    return s;
+  }
+  TORCH_CHECK(codes.scalar_type() == torch::kUInt8 && s.bits >= 1 && s.bits <= 8 && s.block >= (s.dense() ? 8 : 2) &&
+                  (s.block & (s.block - 1)) == 0,
+              "parameter ", k, ": block codes are uint8 of 1 to 8 bits, blocks a power of two >= 2 (>= 8 for dense 5-7-bit codes)");
+  TORCH_CHECK(s.kind != Kind::kMinifloat || (s.mf.max_code < (1 << s.bits) && s.mf.mantissa_bits >= 0 && s.mf.bias >= 0), "parameter ", k,
+              ": a minifloat's codes must fit its bits");
+  const int64_t blocks = (numel + s.block - 1) / s.block;
+  TORCH_CHECK(codes.numel() == s.code_bytes(numel) && scales.numel() == blocks, "parameter ", k, ": codes or scales of the wrong size");
+  s.scales = scales_of(scales, k);
+  return s;
+}
+
 // The coded parameters' pointers, codebooks and hyperparameters, their sizes checked (arguments as adam_steps_u8's).
 std::vector<Param> coded_params(const std::vector<torch::Tensor>& params, const std::vector<torch::Tensor>& grads,
                                 const std::vector<torch::Tensor>& m_codes, const std::vector<torch::Tensor>& m_scales,
                                 const std::vector<torch::Tensor>& v_codes, const std::vector<torch::Tensor>& v_scales,
-                                const std::vector<torch::Tensor>& tables, const torch::Tensor& ints, const torch::Tensor& bounds,
-                                const torch::Tensor& grids, const torch::Tensor& seeds, const torch::Tensor& eco,
-                                const std::vector<torch::Tensor>& steps, const Schedule& group) {
+                                const std::vector<torch::Tensor>& tables, const torch::Tensor& ints, const torch::Tensor& floats,
+                                const torch::Tensor& bounds, const torch::Tensor& grids, const torch::Tensor& seeds,
+                                const torch::Tensor& eco, const std::vector<torch::Tensor>& steps, const Schedule& group) {
   const int64_t n = static_cast<int64_t>(params.size());
   TORCH_CHECK(grads.size() == params.size() && m_codes.size() == params.size() && m_scales.size() == params.size() &&
                   v_codes.size() == params.size() && v_scales.size() == params.size(),
               "grads, codes and scales: one per coded parameter");
   TORCH_CHECK(static_cast<int64_t>(tables.size()) == 6 * n, "tables: six per coded parameter");
-  TORCH_CHECK(ints.dim() == 2 && ints.size(0) == n && ints.size(1) == 7, "ints: (n, 7) int64");
+  TORCH_CHECK(
+      ints.scalar_type() == torch::kLong && ints.dim() == 3 && ints.size(0) == n && ints.size(1) == 2 && ints.size(2) == kStateColumns,
+      "ints: (n, 2, ", static_cast<int>(kStateColumns), ") int64");
+  TORCH_CHECK(floats.scalar_type() == torch::kFloat && floats.numel() == 2 * n, "floats: (n, 2) fp32");
   TORCH_CHECK(bounds.scalar_type() == torch::kFloat && bounds.numel() == n, "bounds: one fp32 moment bound per coded parameter");
   TORCH_CHECK(grids.scalar_type() == torch::kLong && grids.dim() == 2 && grids.size(0) == n && grids.size(1) == 3,
               "grids: (n, 3) int64 [grid dtype code, stochastic, eco]");
-  TORCH_CHECK(seeds.scalar_type() == torch::kLong && seeds.numel() == n, "seeds: one int64 per coded parameter");
+  TORCH_CHECK(seeds.scalar_type() == torch::kLong && seeds.dim() == 2 && seeds.size(0) == n && seeds.size(1) == 3,
+              "seeds: (n, 3) int64 [weights, m, v]");
   TORCH_CHECK(eco.scalar_type() == torch::kFloat && eco.numel() == n, "eco: one fp32 ECO coefficient per coded parameter");
-  const auto ints_a = ints.accessor<int64_t, 2>(), grids_a = grids.accessor<int64_t, 2>();
+  const torch::Tensor ints_c = ints.contiguous(), floats_c = floats.contiguous();
+  const int64_t* ints_p = ints_c.data_ptr<int64_t>();
+  const float* floats_p = floats_c.data_ptr<float>();
+  const auto grids_a = grids.accessor<int64_t, 2>();
   const auto bounds_a = bounds.accessor<float, 1>(), eco_a = eco.accessor<float, 1>();
-  const auto seeds_a = seeds.accessor<int64_t, 1>();
+  const auto seeds_a = seeds.accessor<int64_t, 2>();
   std::vector<Param> work(n);
   for (int64_t k = 0; k < n; ++k) {
     Param& w = work[k];
-    w.grid = grid_of(grids_a[k][0], grids_a[k][1], grids_a[k][2], seeds_a[k], k);
+    w.grid = grid_of(grids_a[k][0], grids_a[k][1], grids_a[k][2], seeds_a[k][0], k);
     w.dtype = dtype_of(params[k]);
     TORCH_CHECK(w.dtype == Dtype::kFloat32 || (w.dtype != Dtype::kNone && w.grid.active()), "parameter ", k,
                 ": fp32, or fp32/bf16/fp16 on a weight grid");
     TORCH_CHECK(grads[k].scalar_type() == params[k].scalar_type(), "parameter ", k, ": the gradient must have the parameter's dtype");
     w.p = params[k].data_ptr(), w.g = grads[k].data_ptr();
-    w.mc = m_codes[k].data_ptr<uint8_t>(), w.vc = v_codes[k].data_ptr<uint8_t>();
-    w.ms = scales_of(m_scales[k], k), w.vs = scales_of(v_scales[k], k);
-    w.mcb = codebook(tables[6 * k], tables[6 * k + 1], tables[6 * k + 2], ints_a[k][1], ints_a[k][2], ints_a[k][3]);
-    w.vcb = codebook(tables[6 * k + 3], tables[6 * k + 4], tables[6 * k + 5], ints_a[k][4], ints_a[k][5], ints_a[k][6]);
+    w.numel = params[k].numel();
+    TORCH_CHECK(grads[k].numel() == w.numel, "parameter ", k, ": grad of the wrong size");
+    TORCH_CHECK(params[k].is_contiguous() && grads[k].is_contiguous(), "parameter ", k, ": every tensor must be contiguous");
+    const int64_t* row = ints_p + 2 * kStateColumns * k;
+    w.m = state_of(m_codes[k], m_scales[k], &tables[6 * k], row, floats_p[2 * k], seeds_a[k][1], w.numel, k);
+    w.v = state_of(v_codes[k], v_scales[k], &tables[6 * k + 3], row + kStateColumns, floats_p[2 * k + 1], seeds_a[k][2], w.numel, k);
     w.h = group.at(steps_done(steps[k]), true, bounds_a[k]);
     w.h.eco = eco_a[k];
-    w.numel = params[k].numel(), w.block = ints_a[k][0];
-    const int64_t blocks = w.blocks = (w.numel + w.block - 1) / w.block;
-    TORCH_CHECK(grads[k].numel() == w.numel && m_codes[k].numel() == w.numel && v_codes[k].numel() == w.numel &&
-                    m_scales[k].numel() == blocks && v_scales[k].numel() == blocks,
-                "parameter ", k, ": grad, codes or scales of the wrong size");
-    for (const torch::Tensor* t : {&params[k], &grads[k], &m_codes[k], &v_codes[k], &m_scales[k], &v_scales[k]})
-      TORCH_CHECK(t->is_contiguous(), "parameter ", k, ": every tensor must be contiguous");
+    const bool m_cast = w.m.kind == Kind::kCast, v_cast = w.v.kind == Kind::kCast;
+    w.chunk = m_cast && v_cast ? CAST_CHUNK : std::max(m_cast ? 0 : w.m.block, v_cast ? 0 : w.v.block);
+    w.chunks = (w.numel + w.chunk - 1) / w.chunk;
+    const auto byte_codebook = [](const State& s) { return s.kind == Kind::kCodebook && s.bits == 8 && !s.stochastic; };
+    w.fast = byte_codebook(w.m) && byte_codebook(w.v) && w.m.block == w.v.block;
   }
   return work;
 }
@@ -314,7 +650,7 @@ struct BlockOrder {
   std::vector<int64_t> first;  // (n + 1,): index of each parameter's first block; first[n]: the total
 
   explicit BlockOrder(const std::vector<Param>& work) : first(work.size() + 1, 0) {
-    for (size_t k = 0; k < work.size(); ++k) first[k + 1] = first[k] + work[k].blocks;
+    for (size_t k = 0; k < work.size(); ++k) first[k + 1] = first[k] + work[k].chunks;
   }
   int64_t params() const { return static_cast<int64_t>(first.size()) - 1; }
   int64_t total() const { return first.back(); }
@@ -350,8 +686,8 @@ void check_gradients(const std::vector<Param>& work, const BlockOrder& order, st
   at::parallel_for(0, order.total(), 64, [&](int64_t begin, int64_t end) {  // each parameter's part of blocks [begin, end)
     for (int64_t k = order.owner(begin); k < n && order.first[k] < end; ++k) {
       const Param& w = work[k];
-      const int64_t first = std::max<int64_t>(begin - order.first[k], 0) * w.block;
-      const int64_t last = std::min((end - order.first[k]) * w.block, w.numel);
+      const int64_t first = std::max<int64_t>(begin - order.first[k], 0) * w.chunk;
+      const int64_t last = std::min((end - order.first[k]) * w.chunk, w.numel);
       if (first < last && !grad_finite(w, first, last - first)) outcomes[k].grad_bad.store(1, std::memory_order_relaxed);
     }
   });
@@ -361,19 +697,13 @@ void check_gradients(const std::vector<Param>& work, const BlockOrder& order, st
 struct Scratch {
   std::vector<float> m, v;
   std::vector<uint8_t> old_m, old_v;
+  // step_chunk's stall counts: the values and units before the step, and the stored values and units after it
+  std::vector<float> before, before_units, stored, stored_units;
 };
 
-// Values [base, base + size) of parameter w updated in place, the new moments to m / v (update_block; on a weight grid:
-// both moments decoded, grid_lanes for w's element type, rounding and feedback, block_stats).
-void update_param_block(const Param& w, int64_t base, int64_t size, float m_scale, float v_scale, float* m, float* v, float& m_max,
-                        float& v_max, bool& m_ok, bool& v_ok) {
-  const uint8_t *mc = w.mc + base, *vc = w.vc + base;
-  if (!w.grid.active()) {  // fp32 values
-    update_block(static_cast<float*>(w.p) + base, static_cast<const float*>(w.g) + base, mc, m_scale, vc, v_scale, w.mcb, w.vcb, w.h, size,
-                 m, v, m_max, v_max, m_ok, v_ok);
-    return;
-  }
-  for (int64_t i = 0; i < size; ++i) m[i] = w.mcb.decode[mc[i]] * m_scale, v[i] = w.vcb.decode[vc[i]] * v_scale;
+// Values [base, base + size) of a parameter on a weight grid updated in place from the moments decoded in m, v (updated
+// in place): grid_lanes for w's element type, rounding and feedback.
+void grid_update(const Param& w, int64_t base, int64_t size, float* m, float* v) {
   with_element(w.dtype, [&]<typename T>(T) {
     T* p = static_cast<T*>(w.p) + base;
     const T* g = static_cast<const T*>(w.g) + base;
@@ -384,31 +714,92 @@ void update_param_block(const Param& w, int64_t base, int64_t size, float m_scal
         grid_lanes<T, Rounding, false>(p, g, base, w.h, w.grid.seed, size, m, v);
     });
   });
+}
+
+// Values [base, base + size) of parameter w (fast: 8-bit codebooks, one block) updated in place, the new moments to
+// m / v (update_block; on a weight grid: both moments decoded, grid_update, block_stats).
+void update_param_block(const Param& w, int64_t base, int64_t size, float m_scale, float v_scale, float* m, float* v, float& m_max,
+                        float& v_max, bool& m_ok, bool& v_ok) {
+  const uint8_t *mc = static_cast<const uint8_t*>(w.m.codes) + base, *vc = static_cast<const uint8_t*>(w.v.codes) + base;
+  if (!w.grid.active()) {  // fp32 values
+    update_block(static_cast<float*>(w.p) + base, static_cast<const float*>(w.g) + base, mc, m_scale, vc, v_scale, w.m.cb, w.v.cb, w.h,
+                 size, m, v, m_max, v_max, m_ok, v_ok);
+    return;
+  }
+  for (int64_t i = 0; i < size; ++i) m[i] = w.m.cb.decode[mc[i]] * m_scale, v[i] = w.v.cb.decode[vc[i]] * v_scale;
+  grid_update(w, base, size, m, v);
   block_stats(m, v, size, m_max, v_max, m_ok, v_ok);
 }
 
-// The per-block step: block ``index`` of parameter w decoded, updated and encoded in place (and its stall counts).
+// The per-block step of a fast parameter: block ``index`` of w decoded, updated and encoded in place (and its stall
+// counts).
 void step_block(const Param& w, int64_t index, bool track, Scratch& scratch, Outcome& outcome) {
-  const int64_t base = index * w.block, size = std::min(w.block, w.numel - base);
+  const int64_t base = index * w.chunk, size = std::min(w.chunk, w.numel - base);
+  uint8_t *mc = static_cast<uint8_t*>(w.m.codes) + base, *vc = static_cast<uint8_t*>(w.v.codes) + base;
   scratch.m.resize(size), scratch.v.resize(size);
-  const float m_scale = w.ms.load(index), v_scale = w.vs.load(index);
+  const float m_scale = w.m.scales.load(index), v_scale = w.v.scales.load(index);
   if (track) {
-    scratch.old_m.assign(w.mc + base, w.mc + base + size);
-    scratch.old_v.assign(w.vc + base, w.vc + base + size);
+    scratch.old_m.assign(mc, mc + size);
+    scratch.old_v.assign(vc, vc + size);
   }
   float m_max, v_max;
   bool m_ok, v_ok;
   update_param_block(w, base, size, m_scale, v_scale, scratch.m.data(), scratch.v.data(), m_max, v_max, m_ok, v_ok);
-  const float m_new = m_ok ? w.ms.representable(m_max) : NAN, v_new = v_ok ? w.vs.representable(v_max) : NAN;
-  encode_block<false>(scratch.m.data(), (m_ok && m_new > 0.0f) ? m_new : 1.0f, m_ok, w.mcb, w.mc + base, size);
-  encode_block<true>(scratch.v.data(), (v_ok && v_new > 0.0f) ? v_new : 1.0f, v_ok, w.vcb, w.vc + base, size);
-  w.ms.store(index, m_new);
-  w.vs.store(index, v_new);
+  const float m_new = m_ok ? w.m.scales.representable(m_max) : NAN, v_new = v_ok ? w.v.scales.representable(v_max) : NAN;
+  encode_block<false>(scratch.m.data(), (m_ok && m_new > 0.0f) ? m_new : 1.0f, m_ok, w.m.cb, mc, size);
+  encode_block<true>(scratch.v.data(), (v_ok && v_new > 0.0f) ? v_new : 1.0f, v_ok, w.v.cb, vc, size);
+  w.m.scales.store(index, m_new);
+  w.v.scales.store(index, v_new);
   if (!(m_ok && v_ok)) outcome.moments_bad.store(1, std::memory_order_relaxed);
   if (track) {
     int64_t local[4] = {0, 0, 0, 0};
-    count_block(scratch.old_m.data(), m_scale, w.mc + base, m_new, scratch.m.data(), w.mcb.decode, size, local);
-    count_block(scratch.old_v.data(), v_scale, w.vc + base, v_new, scratch.v.data(), w.vcb.decode, size, local + 2);
+    count_block(scratch.old_m.data(), m_scale, mc, m_new, scratch.m.data(), w.m.cb.decode, size, local);
+    count_block(scratch.old_v.data(), v_scale, vc, v_new, scratch.v.data(), w.v.cb.decode, size, local + 2);
+    for (int c = 0; c < 4; ++c) outcome.stalls[c].fetch_add(local[c], std::memory_order_relaxed);
+  }
+}
+
+// The values and units of state s at [base, base + size) into scratch (before: ``after`` false; stored: true).
+void snapshot(const State& s, int64_t base, int64_t size, bool after, Scratch& scratch, const float* decoded = nullptr) {
+  std::vector<float>& values = after ? scratch.stored : scratch.before;
+  std::vector<float>& units = after ? scratch.stored_units : scratch.before_units;
+  values.resize(size), units.resize(size);
+  if (decoded != nullptr)
+    std::copy(decoded, decoded + size, values.begin());
+  else
+    decode_state(s, base, size, false, values.data());
+  decode_state(s, base, size, true, units.data());
+}
+
+// The per-chunk step of any other parameter: chunk ``index`` of w (both moments' blocks whole, but the parameter's
+// last) decoded into scratch, updated (update_values, or grid_update on a weight grid), each moment encoded block by
+// block (encode_state); and its stall counts.
+void step_chunk(const Param& w, int64_t index, bool track, Scratch& scratch, Outcome& outcome) {
+  const int64_t base = index * w.chunk, size = std::min(w.chunk, w.numel - base);
+  scratch.m.resize(size), scratch.v.resize(size);
+  float *m = scratch.m.data(), *v = scratch.v.data();
+  decode_state(w.m, base, size, false, m);
+  decode_state(w.v, base, size, false, v);
+  int64_t local[4] = {0, 0, 0, 0};
+  std::vector<float> before_m, before_m_units;
+  if (track) {  // m's snapshot kept aside while v's is taken
+    snapshot(w.m, base, size, false, scratch, m);
+    before_m.swap(scratch.before), before_m_units.swap(scratch.before_units);
+    snapshot(w.v, base, size, false, scratch, v);
+  }
+  if (w.grid.active())
+    grid_update(w, base, size, m, v);
+  else
+    update_values(static_cast<float*>(w.p) + base, static_cast<const float*>(w.g) + base, w.h, size, m, v);
+  const bool m_ok = encode_state<false>(w.m, base, size, m);
+  const bool v_ok = encode_state<true>(w.v, base, size, v);
+  if (!(m_ok && v_ok)) outcome.moments_bad.store(1, std::memory_order_relaxed);
+  if (track) {
+    snapshot(w.v, base, size, true, scratch);
+    count_values(scratch.before.data(), scratch.before_units.data(), v, scratch.stored.data(), scratch.stored_units.data(), size,
+                 local + 2);
+    snapshot(w.m, base, size, true, scratch);
+    count_values(before_m.data(), before_m_units.data(), m, scratch.stored.data(), scratch.stored_units.data(), size, local);
     for (int c = 0; c < 4; ++c) outcome.stalls[c].fetch_add(local[c], std::memory_order_relaxed);
   }
 }
@@ -421,7 +812,10 @@ void step_blocks(const std::vector<Param>& work, const BlockOrder& order, bool t
     for (int64_t b = begin, k = order.owner(begin); b < end; ++b) {
       while (k + 1 < n && order.first[k + 1] <= b) ++k;
       if (outcomes[k].grad_bad.load(std::memory_order_relaxed)) continue;
-      step_block(work[k], b - order.first[k], track, scratch, outcomes[k]);
+      if (work[k].fast)
+        step_block(work[k], b - order.first[k], track, scratch, outcomes[k]);
+      else
+        step_chunk(work[k], b - order.first[k], track, scratch, outcomes[k]);
     }
   });
 }
@@ -449,11 +843,14 @@ bool step_plain(const torch::Tensor& param, const torch::Tensor& grad, const tor
 
 }  // namespace
 
-// Adam(W) step of every parameter of one param group: n with 8-bit codebook moments, then ``plain`` ones with fp32
-// moments. ``tables``: per coded parameter [m_decode, m_entries, m_planes, v_decode, v_entries, v_planes]; ``ints``:
-// (n, 7) int64 [block, m_base, m_shift, m_half, v_base, v_shift, v_half]; ``bounds``: (n,) fp32 moment bounds;
+// Adam(W) step of every parameter of one param group: n with coded moments (codebook or minifloat codes of 1 to 8
+// bits, or bf16/fp16/fp32 casts: State), then ``plain`` ones with fp32 moments. ``tables``: per coded parameter
+// [m_decode, m_entries, m_planes, v_decode, v_entries, v_planes]; ``ints``: (n, 2, 13) int64, per moment [kind, bits,
+// block, key_base, key_shift, half, mantissa_bits, bias, max_code (a codebook: its last code), min_code, has_sign,
+// zero_free, stochastic] (StateColumn; stochastic: SR, element i drawing random_bits(seed, i));
+// ``floats``: (n, 2) fp32, per moment a minifloat's largest value; ``bounds``: (n,) fp32 moment bounds;
 // ``grids``: (n, 3) int64 [grid dtype code (0 none, 1 fp32, 2 bf16, 3 fp16), stochastic, eco] (a coded parameter and
-// its gradient are fp32, or of one of fp32/bf16/fp16 with a grid), ``seeds``: (n,) int64 SR seeds of the weights,
+// its gradient are fp32, or of one of fp32/bf16/fp16 with a grid), ``seeds``: (n, 3) int64 SR seeds of the weights, m and v,
 // ``eco``: (n,) fp32 ECO coefficients (adam_reference.eco_coefficient of the step; used where eco);
 // ``plain``: per fp32-state parameter [param, grad, exp_avg, exp_avg_sq]; ``steps``: per parameter (coded first) its
 // 0-d fp32/fp64 step count, incremented here unless its gradient holds inf/NaN (then the parameter is left untouched).
@@ -462,8 +859,8 @@ bool step_plain(const torch::Tensor& param, const torch::Tensor& grad, const tor
 torch::Tensor adam_steps_u8(const std::vector<torch::Tensor>& params, const std::vector<torch::Tensor>& grads,
                             const std::vector<torch::Tensor>& m_codes, const std::vector<torch::Tensor>& m_scales,
                             const std::vector<torch::Tensor>& v_codes, const std::vector<torch::Tensor>& v_scales,
-                            const std::vector<torch::Tensor>& tables, const torch::Tensor& ints, const torch::Tensor& bounds,
-                            const torch::Tensor& grids, const torch::Tensor& seeds, const torch::Tensor& eco,
+                            const std::vector<torch::Tensor>& tables, const torch::Tensor& ints, const torch::Tensor& floats,
+                            const torch::Tensor& bounds, const torch::Tensor& grids, const torch::Tensor& seeds, const torch::Tensor& eco,
                             const std::vector<torch::Tensor>& plain, const std::vector<torch::Tensor>& steps, double lr,
                             double weight_decay, double beta1, double beta2, double eps, bool decoupled, bool maximize, bool track) {
   const int64_t n = static_cast<int64_t>(params.size()), n_plain = static_cast<int64_t>(plain.size()) / 4;
@@ -480,7 +877,7 @@ torch::Tensor adam_steps_u8(const std::vector<torch::Tensor>& params, const std:
                   "fp32-state parameter ", j, ": param, grad and moments must be contiguous fp32 tensors of one size");
   const Schedule group = schedule(lr, weight_decay, beta1, beta2, eps, decoupled, maximize);
   const std::vector<Param> work =
-      coded_params(params, grads, m_codes, m_scales, v_codes, v_scales, tables, ints, bounds, grids, seeds, eco, steps, group);
+      coded_params(params, grads, m_codes, m_scales, v_codes, v_scales, tables, ints, floats, bounds, grids, seeds, eco, steps, group);
 
   // Coded parameters: first every gradient is checked, then every block of the finite ones is stepped.
   const BlockOrder order(work);
@@ -534,9 +931,9 @@ torch::Tensor round_to_grid(const torch::Tensor& values, int64_t grid, bool stoc
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   namespace py = pybind11;
-  module.def("adam_steps_u8", &lightning_qstate::adam_steps_u8, "Adam(W) step of one param group (8-bit codebook and fp32 moments)",
-             py::kw_only(), py::arg("params"), py::arg("grads"), py::arg("m_codes"), py::arg("m_scales"), py::arg("v_codes"),
-             py::arg("v_scales"), py::arg("tables"), py::arg("ints"), py::arg("bounds"), py::arg("grids"), py::arg("seeds"), py::arg("eco"),
+  module.def("adam_steps_u8", &lightning_qstate::adam_steps_u8, "Adam(W) step of one param group (coded and fp32 moments)", py::kw_only(),
+             py::arg("params"), py::arg("grads"), py::arg("m_codes"), py::arg("m_scales"), py::arg("v_codes"), py::arg("v_scales"),
+             py::arg("tables"), py::arg("ints"), py::arg("floats"), py::arg("bounds"), py::arg("grids"), py::arg("seeds"), py::arg("eco"),
              py::arg("plain"), py::arg("steps"), py::arg("lr"), py::arg("weight_decay"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),
              py::arg("decoupled"), py::arg("maximize"), py::arg("track"));
   module.def("round_to_grid", &lightning_qstate::round_to_grid, "The kernel's rounding of fp32 values to a weight grid", py::kw_only(),

@@ -9,7 +9,7 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__AVX512F__) && defined(__AVX512BW__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
 #define QSTATE_AVX512 1
 #if defined(__AVX512VBMI__)
@@ -303,6 +303,91 @@ inline void with_element(Dtype dtype, Visit&& visit) {
   }
 }
 
+// ---- How a moment is stored (kernels/native.py: _state_layout) ----
+
+// A moment's storage: block-scaled codes of a codebook (encoded with its NearestCodeIndex) or of a minifloat (ExMy,
+// encoded as formats.rounding.encode_minifloat), or a cast (bf16 / fp16 / fp32 values, no scales).
+enum class Kind : int32_t { kCodebook = 0, kMinifloat = 1, kCast = 2 };
+
+// The U[0, 1) draw of stochastic rounding from 32 random bits: the upper 24 times 2^-24 (as an fp32 uniform of torch).
+inline float uniform_of(uint32_t random) { return static_cast<float>(static_cast<int32_t>(random >> 8)) * 0x1p-24f; }
+
+// formats.block.MinifloatFormat.encode of a normalized value: |x| (max(x, 0) for an unsigned spec) times the format's
+// largest value, its binade exponent from the fp32 pattern (at least the subnormal binade's), the mantissa scaled to
+// an integer by a power of two and rounded (RN: to nearest even, adding and subtracting 2^23; SR: its floor, plus one
+// where ``uniform`` is below the fraction), the code ((exponent + bias - 1) << M) + mantissa (a round-up carries into
+// the next binade), clamped to [min_code, max_code], and the sign bit of a signed spec for x < 0. The same fp32
+// operations as the reference (formats.rounding.encode_minifloat), so under RN the same codes.
+struct Minifloat {
+  int32_t mantissa_bits, bias, max_code, min_code, sign_shift;  // sign_shift: the sign bit of a signed spec (bits - 1)
+  bool has_sign;
+  float max_value;
+
+  template <bool Stochastic>
+  uint32_t encode(float normalized, float uniform = 0.0f) const {
+    const float magnitude = has_sign ? std::fabs(normalized) : select(mask_of(normalized > 0.0f), normalized, 0.0f);
+    const float scaled = magnitude * max_value;
+    const int32_t exponent = std::max(static_cast<int32_t>((bits_of(scaled) >> 23) & 0xFFu) - 127, 1 - bias);
+    const float mantissa = scaled * pow2(mantissa_bits - exponent);
+    float rounded;
+    if constexpr (Stochastic) {
+      const float low = std::floor(mantissa);
+      rounded = low + (uniform < mantissa - low ? 1.0f : 0.0f);
+    } else {
+      rounded = (mantissa + 0x1p23f) - 0x1p23f;
+    }
+    const int32_t code = std::max(std::min(((exponent + bias - 1) << mantissa_bits) + static_cast<int32_t>(rounded), max_code), min_code);
+    return static_cast<uint32_t>(code) | pick(mask_of(has_sign && normalized < 0.0f), 1u << sign_shift, 0u);
+  }
+};
+
+// formats.rounding.encode_codebook (SR) clamped up to min_code, from the round-to-nearest code (encode_lane): the floor
+// code (the largest value <= x) is it, or the one below where its value is above x; between the floor (held to
+// [0, last - 1]) and the next value, x rounds up where ``uniform`` times their gap is below x's distance from the floor.
+// (Where the clamp of the nearest code to min_code hides the floor, both neighbours are <= min_code: the clamped
+// result is min_code either way.)
+inline uint32_t codebook_stochastic(float x, const Codebook& cb, int32_t last, int32_t min_code, float uniform) {
+  const int32_t nearest = encode_lane(x, cb);
+  const int32_t low = std::min(std::max(nearest - (cb.decode[nearest] > x ? 1 : 0), 0), last - 1);
+  const float low_value = cb.decode[low], high_value = cb.decode[low + 1];
+  return static_cast<uint32_t>(std::max(low + (uniform * (high_value - low_value) < x - low_value ? 1 : 0), min_code));
+}
+
+// One moment of a coded parameter as stored: ``codes`` holds a byte per 8-bit code, two codes of <= 4 bits per byte
+// (value 2i in the low nibble), or, dense, each group of 8 codes of 5 to 7 bits in ``bits`` bytes (a little-endian
+// bit stream: code j of the group in bits [j * bits, (j + 1) * bits)), all as formats.packing.pack; a cast's values
+// in its dtype. Blocks of ``block`` values
+// share a scale (``scales``; a cast has none).
+struct State {
+  Kind kind;
+  int32_t bits;    // 8, <= 4 (nibbles) or 5-7 (dense); a cast: its dtype's
+  int64_t block;   // values per scale (a cast: 0)
+  Dtype cast;      // a cast's dtype
+  bool zero_free;  // a cast of a non-negative state: a positive value the cast flushes to 0 is stored as its smallest subnormal
+  float smallest;  // that subnormal
+  void* codes;
+  Scales scales;
+  Codebook cb;       // decode table (codebooks and minifloats); the NearestCodeIndex (codebooks)
+  Minifloat mf;      // minifloats
+  int32_t last;      // a codebook's last code (its values - 1)
+  int32_t min_code;  // a codebook's min_code
+  bool stochastic;   // SR, element i drawing random_bits(seed, i)
+  uint64_t seed;
+
+  bool nibbles() const { return kind != Kind::kCast && bits <= 4; }
+  bool dense() const { return kind != Kind::kCast && bits > 4 && bits < 8; }
+  // The byte holding the first code of element ``index`` (a multiple of 8: a block's first; formats.packing).
+  int64_t code_byte(int64_t index) const { return nibbles() ? index / 2 : (dense() ? index / 8 * bits : index); }
+  // The number of code bytes of ``numel`` values (formats.packing.packed_numel).
+  int64_t code_bytes(int64_t numel) const { return nibbles() ? (numel + 1) / 2 : (dense() ? (numel + 7) / 8 * bits : numel); }
+  // The code of a normalized value (block formats; ``random``: its SR draw).
+  uint32_t encode(float normalized, uint32_t random) const {
+    if (!stochastic) return kind == Kind::kMinifloat ? mf.encode<false>(normalized) : encode_lane(normalized, cb);
+    const float uniform = uniform_of(random);
+    return kind == Kind::kMinifloat ? mf.encode<true>(normalized, uniform) : codebook_stochastic(normalized, cb, last, min_code, uniform);
+  }
+};
+
 // How far ahead (in values) the vector loops prefetch param, gradient and codes: a cold step waits on memory otherwise.
 constexpr int64_t PREFETCH_AHEAD = 512;
 
@@ -359,10 +444,11 @@ inline void decode64(const uint8_t* codes, const uint8_t* planes, float scale, _
 }
 #endif
 
-// encode_lane on 16 values; ``value`` already normalized (``Nonnegative``: no value is < 0, as for Adam's v). Magnitude
+// encode_lane on 16 values, their codes (encode16 stores them); ``value`` already normalized (``Nonnegative``: no value
+// is < 0, as for Adam's v). Magnitude
 // patterns and thresholds are compared relative to key_base.
 template <bool Nonnegative>
-inline void encode16(__m512 value, const Codebook& cb, uint8_t* out) {
+inline __m128i encode16_codes(__m512 value, const Codebook& cb) {
   const __m512i shift = _mm512_set1_epi32(cb.key_shift);
   const __m512i bits = _mm512_sub_epi32(_mm512_castps_si512(_mm512_abs_ps(value)), _mm512_set1_epi32(cb.key_base));
   __m512i key = _mm512_srav_epi32(bits, shift);
@@ -376,7 +462,69 @@ inline void encode16(__m512 value, const Codebook& cb, uint8_t* out) {
   const __mmask16 up =
       inside & ((negative & _mm512_cmple_epi32_mask(bits, threshold)) | (~negative & _mm512_cmpge_epi32_mask(bits, threshold)));
   const __m512i first = _mm512_and_si512(entry, _mm512_set1_epi32(0xFF));
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm512_cvtepi32_epi8(_mm512_mask_add_epi32(first, up, first, _mm512_set1_epi32(1))));
+  return _mm512_cvtepi32_epi8(_mm512_mask_add_epi32(first, up, first, _mm512_set1_epi32(1)));
+}
+
+template <bool Nonnegative>
+inline void encode16(__m512 value, const Codebook& cb, uint8_t* out) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out), encode16_codes<Nonnegative>(value, cb));
+}
+
+// Minifloat::encode of 16 normalized values: the same fp32 and integer operations, lane by lane.
+template <bool Stochastic>
+inline __m128i encode_minifloat16(__m512 value, const Minifloat& mf, __m512 uniform) {
+  const __m512 magnitude = mf.has_sign ? _mm512_abs_ps(value) : _mm512_max_ps(value, _mm512_setzero_ps());
+  const __m512 scaled = _mm512_mul_ps(magnitude, _mm512_set1_ps(mf.max_value));
+  const __m512i field = _mm512_and_si512(_mm512_srli_epi32(_mm512_castps_si512(scaled), 23), _mm512_set1_epi32(0xFF));
+  const __m512i exponent = _mm512_max_epi32(_mm512_sub_epi32(field, _mm512_set1_epi32(127)), _mm512_set1_epi32(1 - mf.bias));
+  const __m512i power = _mm512_slli_epi32(_mm512_sub_epi32(_mm512_set1_epi32(mf.mantissa_bits + 127), exponent), 23);  // pow2(M - e)
+  const __m512 mantissa = _mm512_mul_ps(scaled, _mm512_castsi512_ps(power));
+  __m512 rounded;
+  if constexpr (Stochastic) {
+    const __m512 low = _mm512_roundscale_ps(mantissa, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    const __mmask16 up = _mm512_cmp_ps_mask(uniform, _mm512_sub_ps(mantissa, low), _CMP_LT_OQ);
+    rounded = _mm512_mask_add_ps(low, up, low, _mm512_set1_ps(1.0f));
+  } else {
+    const __m512 magic = _mm512_set1_ps(0x1p23f);
+    rounded = _mm512_sub_ps(_mm512_add_ps(mantissa, magic), magic);
+  }
+  const __m512i binade = _mm512_sllv_epi32(_mm512_add_epi32(exponent, _mm512_set1_epi32(mf.bias - 1)), _mm512_set1_epi32(mf.mantissa_bits));
+  __m512i code = _mm512_add_epi32(binade, _mm512_cvttps_epi32(rounded));
+  code = _mm512_max_epi32(_mm512_min_epi32(code, _mm512_set1_epi32(mf.max_code)), _mm512_set1_epi32(mf.min_code));
+  if (mf.has_sign) {
+    const __mmask16 negative = _mm512_cmp_ps_mask(value, _mm512_setzero_ps(), _CMP_LT_OQ);
+    code = _mm512_mask_or_epi32(code, negative, code, _mm512_set1_epi32(1 << mf.sign_shift));
+  }
+  return _mm512_cvtepi32_epi8(code);
+}
+
+// codebook_stochastic of 16 normalized values from their round-to-nearest codes ``nearest`` (encode16_codes).
+inline __m128i codebook_stochastic16(__m512 value, __m128i nearest, const Codebook& cb, int32_t last, int32_t min_code, __m512 uniform) {
+  const __m512i code = _mm512_cvtepu8_epi32(nearest);
+  const __mmask16 above = _mm512_cmp_ps_mask(lookup256(cb.decode, code), value, _CMP_GT_OQ);
+  const __m512i floor = _mm512_mask_sub_epi32(code, above, code, _mm512_set1_epi32(1));
+  const __m512i low = _mm512_min_epi32(_mm512_max_epi32(floor, _mm512_setzero_si512()), _mm512_set1_epi32(last - 1));
+  const __m512 low_value = lookup256(cb.decode, low), high_value = lookup256(cb.decode, _mm512_add_epi32(low, _mm512_set1_epi32(1)));
+  const __mmask16 up =
+      _mm512_cmp_ps_mask(_mm512_mul_ps(uniform, _mm512_sub_ps(high_value, low_value)), _mm512_sub_ps(value, low_value), _CMP_LT_OQ);
+  const __m512i result = _mm512_max_epi32(_mm512_mask_add_epi32(low, up, low, _mm512_set1_epi32(1)), _mm512_set1_epi32(min_code));
+  return _mm512_cvtepi32_epi8(result);
+}
+
+// 16 codes of <= 4 bits (a byte each) packed into 8 bytes: code 2i in the low nibble of byte i.
+inline void pack16(__m128i codes, uint8_t* out) {
+  const __m128i low = _mm_and_si128(codes, _mm_set1_epi16(0x00FF));                      // code 2i
+  const __m128i high = _mm_and_si128(_mm_srli_epi16(codes, 4), _mm_set1_epi16(0x00F0));  // code 2i + 1, shifted to bits 4-7
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(out), _mm_packus_epi16(_mm_or_si128(low, high), _mm_setzero_si128()));
+}
+
+// fp16_bits(fp16_nearest(x)) of 16 values: the hardware's round-to-nearest-even conversion (subnormals, overflow to
+// inf), NaN as fp16_bits writes it (the quiet NaN 0x7E00 with x's sign).
+inline __m256i fp16_nearest16(__m512 x) {
+  const __m256i converted = _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+  const __m256i sign = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(INT32_MIN)), 16));
+  return _mm256_mask_mov_epi16(converted, nan, _mm256_or_si256(sign, _mm256_set1_epi16(0x7E00)));
 }
 
 // The AVX-512 form of adam_lane and the block's running absmaxes / non-finite flags, for 16 values.

@@ -1,0 +1,295 @@
+"""The C++ CPU Adam kernel (``kernels/native.py``) on every format it stores beyond 8-bit codebooks (issue #22).
+
+4-bit codebooks (two codes per byte), dense 5- to 7-bit codes (groups of 8 in ``bits`` bytes), minifloats (FP8
+E4M3/E5M2 and any ExMy of at most 8 bits: a 256-entry decode table, the reference's encoder arithmetic),
+bf16/fp16/fp32 casts, and pairs of these with different block sizes for ``m`` and ``v``: under round to nearest the
+kernel's codes, scales and stall counts are those of ``kernels.adam_reference.adam_step_quantized`` bit for bit
+(params within a few ulps without a weight grid, bit for bit on one), and the optimizer sends these formats to the
+native path.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import lightning_qstate as lq
+from lightning_qstate.formats import MinifloatFormat, get_format
+from lightning_qstate.formats.weights import get_weight_grid
+from lightning_qstate.kernels import native
+from lightning_qstate.kernels.adam_reference import adam_hyper, adam_step_quantized
+from lightning_qstate.kernels.native import native_adam_steps, native_formats
+
+pytestmark = pytest.mark.skipif(not native.native_kernel_available(), reason="no C++ compiler here: the optimizer uses another path")
+
+# (m format, v format): name -> pair
+PAIRS = {
+    "int4": (get_format("int4"), get_format("int4", signed=False)),
+    "int4_linear": (get_format("int4_linear"), get_format("int4_linear", signed=False)),
+    "int4 m, int8 v": (get_format("int4"), get_format("int8", signed=False)),  # blocks 128 and 256
+    "int8 m, int4 v": (get_format("int8", block_size=64), get_format("int4", signed=False, block_size=512)),
+    "int8 blocks 256 and 64": (get_format("int8"), get_format("int8", signed=False, block_size=64)),
+    "fp8_e4m3": (get_format("fp8_e4m3"), get_format("fp8_e4m3", signed=False)),
+    "fp8_e5m2": (get_format("fp8_e5m2"), get_format("fp8_e5m2", signed=False)),
+    "fp8_e4m3 m, int8 v, fp32 scales": (get_format("fp8_e4m3", scale_dtype="fp32"), get_format("int8", signed=False)),
+    "e2m1 (4 and 3 bits)": (get_format("e2m1", block_size=64), get_format("e2m1", signed=False, block_size=64)),
+    "e3m0 m, e4m4 v": (get_format("e3m0", block_size=32), get_format("e4m4", signed=False)),
+    "bf16": (get_format("bf16"), get_format("bf16", signed=False)),
+    "fp16": (get_format("fp16"), get_format("fp16", signed=False)),
+    "bf16 m, int4 v": (get_format("bf16"), get_format("int4", signed=False)),
+    "fp32 m, fp8 v": (get_format("fp32"), get_format("fp8_e5m2", signed=False)),
+    "int5 (dense)": (get_format("int5"), get_format("int5", signed=False)),
+    "int6 m, int7 v (dense, blocks 32 and 256)": (get_format("int6", block_size=32), get_format("int7", signed=False)),
+    "int7_linear m, int5_linear v": (get_format("int7_linear"), get_format("int5_linear", signed=False, block_size=8)),
+    "e2m3 m, e3m3 v (dense minifloats)": (get_format("e2m3", block_size=64), get_format("e3m3", signed=False)),
+    "int4 m, int6 v": (get_format("int4"), get_format("int6", signed=False)),
+}
+SIZES = [(1 << 12) + 77, 3 * 512 + 1, 13]  # partial last blocks (an odd count of nibbles), one shorter than a vector
+
+
+def adam_group(betas=(0.9, 0.999), weight_decay=0.1, decoupled=True, maximize=False) -> dict:
+    return {
+        "lr": 1e-2, "betas": betas, "eps": 1e-8, "weight_decay": weight_decay, "decoupled_weight_decay": decoupled,
+        "maximize": maximize, "amsgrad": False, "capturable": False, "differentiable": False, "fused": None, "rounding": "nearest",
+        "weight_rounding": "nearest", "error_feedback": None,
+    }  # fmt: skip
+
+
+def adam_state(m_format, v_format, numel: int, seed: int) -> dict:
+    generator = torch.Generator().manual_seed(seed)
+    m = m_format.quantize(torch.randn(numel, generator=generator) * 0.1)
+    v = v_format.quantize(torch.rand(numel, generator=generator) * 0.01 * (torch.rand(numel, generator=generator) < 0.9))
+    return {"step": torch.tensor(3.0), "exp_avg": m, "exp_avg_sq": v}
+
+
+def reference_step(param, grad, state, group, track, weight_format=None) -> list[int]:
+    m, v = state["exp_avg"], state["exp_avg_sq"]
+    state["step"] += 1
+    counts = adam_step_quantized(
+        param, grad, m.codes, m.scales, v.codes, v.scales, adam_hyper(group, float(state["step"])), m.format, v.format, "nearest",
+        group["decoupled_weight_decay"], group["maximize"], track, weight_format,
+    )  # fmt: skip
+    return counts.tolist()
+
+
+def same_bits(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    if a is None or b is None:
+        return a is None and b is None
+    return a.dtype == b.dtype and torch.equal(a.contiguous().view(-1).view(torch.uint8), b.contiguous().view(-1).view(torch.uint8))
+
+
+def test_the_kernel_takes_these_formats_and_not_wider_codes():
+    for m_format, v_format in PAIRS.values():
+        assert native_formats(m_format, v_format)
+    assert not native_formats(get_format("e5m10"), get_format("int8", signed=False))  # 16-bit codes
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"decoupled": False}, {"betas": (0.3, 0.99)}, {"maximize": True, "weight_decay": 0.0}],
+    ids=["adamw", "l2", "lerp", "max"],
+)
+@pytest.mark.parametrize("name", list(PAIRS))
+def test_kernel_step_matches_the_reference_step(name, options, threads):
+    """Three parameters in one call, two steps (each from the reference's params): codes, scales and stall counts equal
+    the reference's; params within about two ulps of the update (the kernel multiplies by reciprocals where the
+    reference divides)."""
+    m_format, v_format = PAIRS[name]
+    group = adam_group(**options)
+    params, states, references = [], [], []
+    for seed, numel in enumerate(SIZES):
+        params.append(torch.randn(numel, generator=torch.Generator().manual_seed(seed)))
+        states.append(adam_state(m_format, v_format, numel, seed))
+        references.append((params[-1].clone(), adam_state(m_format, v_format, numel, seed)))
+    saved_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for step in range(2):
+            for param, (reference_param, _) in zip(params, references, strict=True):
+                param.copy_(reference_param)  # the same start: with L2 decay the update's ulps reach m
+            grads = [torch.randn(p.numel(), generator=torch.Generator().manual_seed(10 * step + k)) * 0.1 for k, p in enumerate(params)]
+            rows = native_adam_steps(params, grads, states, group, track_stalls=True)
+            for k, (row, grad, (reference_param, reference_state)) in enumerate(zip(rows, grads, references, strict=True)):
+                counts = reference_step(reference_param, grad, reference_state, group, track=True)
+                assert row[:2] == [1, 1] and row[2:] == counts, (step, k, row, counts)
+                state = states[k]
+                assert float(state["step"]) == float(reference_state["step"])
+                for key in ("exp_avg", "exp_avg_sq"):
+                    assert same_bits(state[key].codes, reference_state[key].codes), (step, k, key)
+                    assert same_bits(state[key].scales, reference_state[key].scales), (step, k, key)
+                torch.testing.assert_close(params[k], reference_param, rtol=3e-7, atol=2e-9)
+    finally:
+        torch.set_num_threads(saved_threads)
+
+
+@pytest.mark.parametrize("name", ["fp8_e4m3", "fp8_e5m2", "e2m1", "e3m0", "e4m3"])
+@pytest.mark.parametrize("absmax", [1.0, 0.3, 12345.678])
+def test_kernel_encodes_minifloats_like_the_reference(name, absmax):
+    """With beta1 = 0 and no weight decay the new ``m`` is the gradient: blocks of ``absmax`` and every value halfway
+    between two codes (and its fp32 neighbours) times it give the reference encoder's codes (ties to even)."""
+    fmt = get_format(name, block_size=64)
+    assert isinstance(fmt, MinifloatFormat)
+    absmax = float(torch.tensor(absmax).to(torch.bfloat16))  # a bf16 scale: stored exactly
+    values = fmt.decode_values().double().unique()
+    middles = ((values[1:] + values[:-1]) / 2).float()
+    hard = torch.cat(
+        [middles, torch.nextafter(middles, torch.full_like(middles, -2.0)), torch.nextafter(middles, torch.full_like(middles, 2.0))]
+    )
+    hard = torch.cat([hard, values.float(), torch.tensor([0.0, -0.0, 1e-30, -1e-30])]).clamp(-1, 1) * absmax
+    rows = hard[: hard.numel() // 63 * 63].view(-1, 63)
+    grad = torch.cat([torch.full((rows.shape[0], 1), absmax), rows], dim=1).view(-1)
+    group = adam_group(betas=(0.0, 0.999), weight_decay=0.0)
+    state, reference = (adam_state(fmt, get_format("int8", signed=False), grad.numel(), 0) for _ in range(2))
+    native_adam_steps([torch.zeros(grad.numel())], [grad], [state], group, track_stalls=False)
+    reference_step(torch.zeros(grad.numel()), grad, reference, group, track=False)
+    assert torch.equal(state["exp_avg"].codes, reference["exp_avg"].codes)
+    assert torch.equal(state["exp_avg"].scales, reference["exp_avg"].scales)
+
+
+@pytest.mark.parametrize("name", ["int4 m, int8 v", "fp8_e4m3", "bf16"])
+@pytest.mark.parametrize("grid_name", ["bf16", "fp16"])
+def test_kernel_weight_grid_step_is_the_reference_bit_for_bit(name, grid_name):
+    """Without master weights (params on a bf16/fp16 grid, RN): params, codes and scales are the reference's bit for bit."""
+    m_format, v_format = PAIRS[name]
+    group, grid = adam_group(), get_weight_grid(grid_name)
+    dtype = grid.cast_dtype
+    params = [torch.randn(numel, generator=torch.Generator().manual_seed(numel)).to(dtype) for numel in SIZES]
+    states = [adam_state(m_format, v_format, p.numel(), k) for k, p in enumerate(params)]
+    references = [(p.clone(), adam_state(m_format, v_format, p.numel(), k)) for k, p in enumerate(params)]
+    for step in range(2):
+        grads = [(torch.randn(p.numel(), generator=torch.Generator().manual_seed(step + k)) * 0.1).to(dtype) for k, p in enumerate(params)]
+        rows = native_adam_steps(params, grads, states, group, track_stalls=False, weights=[grid] * len(params))
+        assert all(row[:2] == [1, 1] for row in rows)
+        for k, (grad, (reference_param, reference_state)) in enumerate(zip(grads, references, strict=True)):
+            reference_step(reference_param, grad, reference_state, group, track=False, weight_format=grid.format)
+            assert same_bits(params[k], reference_param), (step, k)
+            for key in ("exp_avg", "exp_avg_sq"):
+                assert same_bits(states[k][key].codes, reference_state[key].codes), (step, k, key)
+                assert same_bits(states[k][key].scales, reference_state[key].scales), (step, k, key)
+
+
+@pytest.mark.parametrize(
+    "states",
+    [
+        "int4",
+        "int6",
+        "fp8_e4m3",
+        "fp8_e5m2",
+        "bf16",
+        "fp16",
+        {"exp_avg": "int4", "exp_avg_sq": "int8"},
+        {"exp_avg": "int4", "exp_avg_sq": "int5"},
+    ],
+)
+def test_the_optimizer_steps_these_formats_on_the_native_path(states):
+    """QAdamW with these states on the CPU takes the native path (RN) and agrees with the reference path."""
+    torch.manual_seed(0)
+    weight = torch.nn.Parameter(torch.randn(70_000))
+    fast, slow = (lq.QAdamW([p], lr=1e-3, states=states, min_quant_size=0) for p in (weight, torch.nn.Parameter(weight.detach().clone())))
+    slow.cpu_compile = False  # torch's functional update on decoded states
+    slow_weight = slow.param_groups[0]["params"][0]
+    for step in range(2):
+        grad = torch.randn(70_000, generator=torch.Generator().manual_seed(step))
+        weight.grad, slow_weight.grad = grad, grad.clone()
+        fast.step(), slow.step()
+    assert fast.step_paths() == {"param0": "native"} and slow.step_paths() == {"param0": "reference"}
+    for key in ("exp_avg", "exp_avg_sq"):  # torch's own update (its sqrt is not correctly rounded): codes nearly all equal
+        fast_codes, slow_codes = fast.state[weight][key].codes, slow.state[slow_weight][key].codes
+        assert float((fast_codes == slow_codes).float().mean()) > 0.999, key
+    torch.testing.assert_close(weight, slow_weight, rtol=1e-5, atol=1e-6)
+
+
+SR_FORMATS = ["int8", "int4", "int4_linear", "int5", "int6", "int7_linear", "fp8_e4m3", "fp8_e5m2", "e2m1", "e2m3", "bf16", "fp16"]
+
+
+def sr_trials(name: str, trials: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``trials`` SR steps of betas (0, 0) from fresh states, each with its own seeds: the new ``m`` is the gradient
+    and ``v`` its square, exactly, so the stored moments are SR of known values. Returns (grad, decoded m per trial,
+    grad², decoded v per trial)."""
+    block = {} if name in ("bf16", "fp16") else {"block_size": 64}
+    m_format, v_format = get_format(name, **block), get_format(name, signed=False, **block)
+    numel = 64 * 40 + 21
+    generator = torch.Generator().manual_seed(0)
+    grad = torch.randn(numel, generator=generator) * 10.0 ** (-3 * torch.rand(numel, generator=generator))
+    group = adam_group(betas=(0.0, 0.0), weight_decay=0.0)
+    group["rounding"] = "stochastic"
+    ms, vs = [], []
+    for trial in range(trials):
+        state = adam_state(m_format, v_format, numel, 0)
+        rows = native_adam_steps([torch.zeros(numel)], [grad], [state], group, False, moment_seeds=[(2 * trial + 1, 2 * trial + 2)])
+        assert rows[0][:2] == [1, 1]
+        ms.append(state["exp_avg"].dequantize()), vs.append(state["exp_avg_sq"].dequantize())
+    return grad, torch.stack(ms), grad * grad, torch.stack(vs)
+
+
+def check_unbiased(name: str, target: torch.Tensor, draws: torch.Tensor) -> None:
+    """Each value is stored as one of its two neighbours on the format's grid (at most two distinct values over the
+    trials, around it where both were drawn), and the mean over trials is unbiased: the bias summed over the values
+    drawn both ways, in units of each one's gap, within 5 standard deviations of 0 (a rounding that always went down
+    would be thousands off)."""
+    low, high = draws.min(dim=0).values, draws.max(dim=0).values
+    assert bool(((draws == low) | (draws == high)).all()), name
+    split = high > low
+    assert bool(((low <= target) & (target <= high))[split].all()), name
+    gap, trials = (high - low)[split].double(), draws.shape[0]
+    p = ((target[split].double() - low[split].double()) / gap).clamp(0, 1)
+    bias = ((draws[:, split].double().mean(dim=0) - target[split].double()) / gap).sum()
+    sigma = (p * (1 - p) / trials).sum().sqrt()
+    assert int(split.sum()) > 100, name  # most values sit between two codes
+    assert abs(float(bias)) < 5 * float(sigma), (name, float(bias), float(sigma))
+
+
+@pytest.mark.parametrize("name", SR_FORMATS)
+def test_kernel_stochastic_rounding_is_unbiased(name):
+    """Stochastic rounding of ``m`` (signed) and ``v`` (zero-free) in the kernel, 64 trials: unbiased (check_unbiased)."""
+    grad, ms, square, vs = sr_trials(name, 64)
+    check_unbiased(f"{name} m", grad, ms)
+    check_unbiased(f"{name} v", square, vs)
+
+
+def test_kernel_stochastic_rounding_depends_on_the_seed_only():
+    """The draws are counter-based: the same seeds give the same codes with 1 and 2 threads, other seeds others."""
+    results = []
+    for threads, seeds in ((1, (5, 6)), (2, (5, 6)), (2, (7, 8))):
+        state = adam_state(get_format("int4"), get_format("int4", signed=False), 70_000, 0)
+        group = adam_group()
+        group["rounding"] = "stochastic"
+        saved = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            grad = torch.randn(70_000, generator=torch.Generator().manual_seed(1))
+            native_adam_steps([torch.zeros(70_000)], [grad], [state], group, False, moment_seeds=[seeds])
+        finally:
+            torch.set_num_threads(saved)
+        results.append(state["exp_avg"].codes.clone())
+    assert torch.equal(results[0], results[1]) and not torch.equal(results[1], results[2])
+
+
+@pytest.mark.parametrize("states", ["int8", "int4", "int7", "fp8_e4m3", "bf16"])
+def test_the_optimizer_steps_stochastic_rounding_on_the_native_path_and_resumes_exactly(states):
+    """SR on the native path (seeds from the optimizer's ``rounding_generator(key, "moments")``): a run resumed from a
+    checkpoint after step 2 rounds steps 3-4 as the uninterrupted run does, and the rounding is unbiased in effect
+    (the states track the fp32 AdamW ones)."""
+
+    def run(steps, resume_from=None):
+        weight = torch.nn.Parameter(torch.randn(70_000, generator=torch.Generator().manual_seed(0)))
+        optimizer = lq.QAdamW(
+            [weight], lr=1e-3, states=states, rounding="stochastic", min_quant_size=0, generator=torch.Generator().manual_seed(3)
+        )
+        if resume_from is not None:
+            weight.data.copy_(resume_from[0])
+            optimizer.load_state_dict(resume_from[1])
+        for step in steps:
+            weight.grad = torch.randn(70_000, generator=torch.Generator().manual_seed(step))
+            optimizer.step()
+        assert optimizer.step_paths() == {"param0": "native"}
+        return weight, optimizer
+
+    full_weight, full = run(range(4))
+    half_weight, half = run(range(2))
+    checkpoint = (half_weight.detach().clone(), half.state_dict())
+    resumed_weight, resumed = run(range(2, 4), resume_from=checkpoint)
+    assert torch.equal(full_weight, resumed_weight)
+    for key in ("exp_avg", "exp_avg_sq"):
+        assert same_bits(full.state[full_weight][key].codes, resumed.state[resumed_weight][key].codes), key
