@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
-import hashlib
 import json
 import logging
 import math
@@ -62,6 +61,7 @@ import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
 from lightning.pytorch.callbacks import Callback  # noqa: E402
 
+from benchmarks.optim import source_digest  # noqa: E402  (the checkout root is on sys.path)
 from lightning_qstate.adaptive import DEFAULT_M_FORMATS, DEFAULT_V_FORMATS  # noqa: E402
 from lightning_qstate.callbacks import AdaptiveBitWidth, RunSummary  # noqa: E402
 from lightning_qstate.formats import ROUNDINGS  # noqa: E402
@@ -222,15 +222,6 @@ def run_config(setup: ModelSetup, config: str, seed: int, args: argparse.Namespa
         adaptive.metrics() if adaptive is not None else {},
         summary["state_formats"],
     )
-
-
-def source_digest() -> str:
-    """Short SHA-1 of the ``lightning_qstate`` sources measured (saved runs stand in only for the same sources)."""
-    root = Path(sys.modules["lightning_qstate"].__file__).resolve().parent
-    digest = hashlib.sha1()
-    for path in sorted(root.rglob("*.py")):
-        digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
-    return digest.hexdigest()[:12]
 
 
 def load_rows(path: Path | None, key: dict, row_type: type) -> list:

@@ -949,10 +949,11 @@ def render_profiles(rows: list[Row]) -> str | None:
 
 
 def source_digest() -> str:
-    """Short SHA-1 of the ``lightning_qstate`` sources measured (the package changes between runs)."""
+    """Short SHA-1 of the ``lightning_qstate`` sources measured, Python and C++ (the package changes between runs; saved
+    runs of the other benchmarks stand in only for the same sources)."""
     root = Path(sys.modules["lightning_qstate"].__file__).resolve().parent
     digest = hashlib.sha1()
-    for path in sorted(root.rglob("*.py")):
+    for path in sorted(path for path in root.rglob("*") if path.suffix in (".py", ".cpp", ".h")):
         digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
     return digest.hexdigest()[:12]
 
