@@ -214,6 +214,23 @@ def test_vit_int8_trains(tmp_path):
     assert QSTATE_TAGS | {"val_acc"} <= scalar_tags(cli.trainer.log_dir)
 
 
+def test_digits_validation_shifts():
+    """``val_shift``: the held-out digits, then their copies shifted in the 8 directions, the border the background."""
+    from examples.data import DigitsDataModule
+
+    plain, shifted = DigitsDataModule(val_shift=0), DigitsDataModule(val_shift=2)
+    plain.setup(), shifted.setup()
+    (x, y), (xs, ys) = plain.val_set.tensors, shifted.val_set.tensors
+    n = len(y)
+    assert xs.shape == (9 * n, *x.shape[1:]) and torch.equal(ys, y.repeat(9))
+    assert torch.equal(xs[4 * n : 5 * n], x) and torch.equal(plain.train_set.tensors[0], shifted.train_set.tensors[0])
+    background = float(x.min())
+    right = xs[5 * n : 6 * n]  # dy 0, dx +1: content moved left by 2 px, 2 background columns on the right
+    assert torch.equal(right[..., :-2], x[..., 2:]) and bool((right[..., -2:] == background).all())
+    with pytest.raises(ValueError, match="val_shift=32"):
+        DigitsDataModule(val_shift=32)
+
+
 def test_byte_text_windows():
     from examples.data import ByteTextDataModule
 
