@@ -10,6 +10,7 @@ native path.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -264,6 +265,31 @@ def test_kernel_stochastic_rounding_depends_on_the_seed_only():
             torch.set_num_threads(saved)
         results.append(state["exp_avg"].codes.clone())
     assert torch.equal(results[0], results[1]) and not torch.equal(results[1], results[2])
+
+
+def splitmix64_bits(seed: int, count: int) -> np.ndarray:
+    """The kernel's draws ``random_bits(seed, i)``, ``i < count`` (``csrc/adam_cpu.h``): splitmix64 output ``i + 1``,
+    its upper 32 bits."""
+    with np.errstate(over="ignore"):
+        z = np.uint64(seed) + (np.arange(count, dtype=np.uint64) + np.uint64(1)) * np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return ((z ^ (z >> np.uint64(31))) >> np.uint64(32)).astype(np.uint32)
+
+
+def test_kernel_bf16_stochastic_rounding_uses_the_documented_draws():
+    """bf16 ``m`` with betas (0, 0) is SR of the gradient itself: each pattern is the gradient's fp32 pattern plus the
+    upper 16 bits of its element's splitmix64 draw, truncated (``bf16_stochastic``), bit for bit, whether the vector
+    (AVX-512) or the scalar loop drew it (4,117 values: both run)."""
+    numel, seeds = 4096 + 21, (987654321, 123456789)
+    grad = torch.randn(numel, generator=torch.Generator().manual_seed(3))
+    state = adam_state(get_format("bf16"), get_format("bf16", signed=False), numel, 0)
+    group = adam_group(betas=(0.0, 0.0), weight_decay=0.0)
+    group["rounding"] = "stochastic"
+    native_adam_steps([torch.zeros(numel)], [grad], [state], group, False, moment_seeds=[seeds])
+    pattern = grad.numpy().view(np.uint32).astype(np.uint64) + (splitmix64_bits(seeds[0], numel) >> np.uint32(16))
+    expected = ((pattern & np.uint64(0xFFFF0000)) >> np.uint64(16)).astype(np.uint16)
+    assert np.array_equal(state["exp_avg"].codes.view(torch.int16).numpy().view(np.uint16), expected)
 
 
 @pytest.mark.parametrize("states", ["int8", "int4", "int7", "fp8_e4m3", "bf16"])

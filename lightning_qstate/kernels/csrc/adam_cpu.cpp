@@ -270,9 +270,7 @@ void absmax(const float* __restrict__ x, int64_t n, float& top, bool& ok) {
 // The SR draws of 16 elements from ``first`` (random_bits of s's seed) as U[0, 1) (uniform_of).
 #ifdef QSTATE_AVX512
 inline __m512 uniform16(const State& s, int64_t first) {
-  alignas(64) int32_t random[16];
-  for (int k = 0; k < 16; ++k) random[k] = static_cast<int32_t>(random_bits(s.seed, first + k) >> 8);
-  return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512(random)), _mm512_set1_ps(0x1p-24f));
+  return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(random16(s.seed, first), 8)), _mm512_set1_ps(0x1p-24f));
 }
 #endif
 
@@ -342,7 +340,16 @@ void store_cast(const State& s, int64_t base, int64_t n, const float* __restrict
   uint16_t* out = static_cast<uint16_t*>(s.codes) + base;
   const bool bf16 = s.cast == Dtype::kBFloat16;
   if (s.stochastic) {
-    for (int64_t i = 0; i < n; ++i) {
+    int64_t i = 0;
+#ifdef QSTATE_AVX512
+    for (; bf16 && i + 16 <= n; i += 16) {  // bf16_nearest(bf16_stochastic(x)): exact but for NaN's quieting
+      const __m512 value = _mm512_loadu_ps(x + i);
+      __m256i stored = bf16_nearest16(bf16_stochastic16(value, random16(s.seed, base + i)));
+      if (s.zero_free) stored = lift_flushed16(value, stored);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), stored);
+    }
+#endif
+    for (; i < n; ++i) {
       const uint32_t random = random_bits(s.seed, base + i);
       const uint16_t stored = bf16 ? bf16_nearest(bf16_stochastic(x[i], random)) : fp16_bits(fp16_stochastic(x[i], random));
       out[i] = (s.zero_free && x[i] > 0.0f && stored == 0) ? 1 : stored;
@@ -353,22 +360,8 @@ void store_cast(const State& s, int64_t base, int64_t n, const float* __restrict
 #ifdef QSTATE_AVX512
   for (; i + 16 <= n; i += 16) {
     const __m512 value = _mm512_loadu_ps(x + i);
-    __m256i stored;
-    if (bf16) {  // bf16_nearest
-      const __m512i bits = _mm512_castps_si512(value);
-      const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-      __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7FFF)), lsb), 16);
-      const __mmask16 nan = _mm512_cmp_ps_mask(value, value, _CMP_UNORD_Q);
-      rounded = _mm512_mask_or_epi32(rounded, nan, _mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40));
-      stored = _mm512_cvtepi32_epi16(rounded);
-    } else {
-      stored = fp16_nearest16(value);
-    }
-    if (s.zero_free) {
-      const __mmask16 flushed =
-          _mm512_cmp_ps_mask(value, _mm512_setzero_ps(), _CMP_GT_OQ) & _mm256_cmpeq_epi16_mask(stored, _mm256_setzero_si256());
-      stored = _mm256_mask_mov_epi16(stored, flushed, _mm256_set1_epi16(1));
-    }
+    __m256i stored = bf16 ? bf16_nearest16(value) : fp16_nearest16(value);
+    if (s.zero_free) stored = lift_flushed16(value, stored);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), stored);
   }
 #endif

@@ -518,6 +518,54 @@ inline void pack16(__m128i codes, uint8_t* out) {
   _mm_storel_epi64(reinterpret_cast<__m128i*>(out), _mm_packus_epi16(_mm_or_si128(low, high), _mm_setzero_si128()));
 }
 
+// random_bits(seed, index + k) of k = 0..15, bit for bit: splitmix64 in 64-bit lanes (AVX512DQ's 64-bit multiply;
+// without it, lane by lane).
+inline __m512i random16(uint64_t seed, int64_t index) {
+#if defined(__AVX512DQ__)
+  const __m512i counter = _mm512_add_epi64(_mm512_set1_epi64(index + 1), _mm512_set_epi64(7, 6, 5, 4, 3, 2, 1, 0));
+  const auto mix = [seed](__m512i i) {
+    __m512i z = _mm512_add_epi64(_mm512_set1_epi64(static_cast<int64_t>(seed)),
+                                 _mm512_mullo_epi64(i, _mm512_set1_epi64(static_cast<int64_t>(0x9E3779B97F4A7C15ull))));
+    z = _mm512_mullo_epi64(_mm512_xor_si512(z, _mm512_srli_epi64(z, 30)), _mm512_set1_epi64(static_cast<int64_t>(0xBF58476D1CE4E5B9ull)));
+    z = _mm512_mullo_epi64(_mm512_xor_si512(z, _mm512_srli_epi64(z, 27)), _mm512_set1_epi64(static_cast<int64_t>(0x94D049BB133111EBull)));
+    return _mm512_cvtepi64_epi32(_mm512_srli_epi64(_mm512_xor_si512(z, _mm512_srli_epi64(z, 31)), 32));
+  };
+  const __m256i low = mix(counter), high = mix(_mm512_add_epi64(counter, _mm512_set1_epi64(8)));
+  return _mm512_inserti64x4(_mm512_castsi256_si512(low), high, 1);
+#else
+  alignas(64) uint32_t random[16];
+  for (int k = 0; k < 16; ++k) random[k] = random_bits(seed, index + k);
+  return _mm512_load_si512(random);
+#endif
+}
+
+// bf16_nearest of 16 values (round to nearest even; NaN quieted as bf16_nearest does), as bf16 patterns.
+inline __m256i bf16_nearest16(__m512 x) {
+  const __m512i bits = _mm512_castps_si512(x);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7FFF)), lsb), 16);
+  const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+  rounded = _mm512_mask_or_epi32(rounded, nan, _mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40));
+  return _mm512_cvtepi32_epi16(rounded);
+}
+
+// bf16_stochastic of 16 values with their draws: the upper 16 random bits added to the pattern, the low 16 cleared;
+// inf/NaN unchanged.
+inline __m512 bf16_stochastic16(__m512 x, __m512i random) {
+  const __m512i sum = _mm512_add_epi32(_mm512_castps_si512(x), _mm512_srli_epi32(random, 16));
+  const __m512 rounded = _mm512_castsi512_ps(_mm512_and_si512(sum, _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u))));
+  const __mmask16 finite = _mm512_cmp_ps_mask(_mm512_abs_ps(x), _mm512_set1_ps(INFINITY), _CMP_LT_OQ);
+  return _mm512_mask_blend_ps(finite, x, rounded);
+}
+
+// A zero-free cast's 16 stored patterns: a positive value stored as 0 becomes pattern 1, the smallest subnormal
+// (CastFormat.lift_flushed).
+inline __m256i lift_flushed16(__m512 value, __m256i stored) {
+  const __mmask16 flushed =
+      _mm512_cmp_ps_mask(value, _mm512_setzero_ps(), _CMP_GT_OQ) & _mm256_cmpeq_epi16_mask(stored, _mm256_setzero_si256());
+  return _mm256_mask_mov_epi16(stored, flushed, _mm256_set1_epi16(1));
+}
+
 // fp16_bits(fp16_nearest(x)) of 16 values: the hardware's round-to-nearest-even conversion (subnormals, overflow to
 // inf), NaN as fp16_bits writes it (the quiet NaN 0x7E00 with x's sign).
 inline __m256i fp16_nearest16(__m512 x) {
