@@ -321,10 +321,13 @@ def test_decisions_reencode_states_and_meet_the_budget(tmp_path, monkeypatch, ta
     reencoded = []
     original = QAdamW.reencode_state
 
-    def recording(self, param, name, fmt):
+    def recording(self, param, name, fmt):  # compared at once: later native steps update the new state's codes in place
         before = self.state[param][name]
+        direct = fmt.quantize(before.dequantize())
         original(self, param, name, fmt)
-        reencoded.append((before, self.state[param][name], fmt))
+        after = self.state[param][name]
+        same = torch.equal(after.codes, direct.codes) and torch.equal(after.scales, direct.scales)
+        reencoded.append((before.format, after.format, fmt, same))
 
     monkeypatch.setattr(QAdamW, "reencode_state", recording)
     fit = trainer(tmp_path, plugins=[plugin()], callbacks=[callback])
@@ -336,10 +339,8 @@ def test_decisions_reencode_states_and_meet_the_budget(tmp_path, monkeypatch, ta
         assert reencoded, "a decision changed a state's format"
     # a transition is a re-encoded state: not a changed decision for a state kept fp32, nor the plan of the first check (no states yet)
     assert callback.planner.transitions == len(reencoded)
-    for before, after, fmt in reencoded:  # re-encoding loses nothing beyond the new format's precision: RN from the decoded values
-        assert isinstance(after, QuantizedTensor) and after.format is fmt and before.format.config != fmt.config
-        direct = fmt.quantize(before.dequantize())
-        assert torch.equal(after.codes, direct.codes) and torch.equal(after.scales, direct.scales)
+    for before, after, fmt, same in reencoded:  # re-encoding loses nothing beyond the new format's precision: RN from the decoded values
+        assert after is fmt and before.config != fmt.config and same
 
     names = {param: name for name, param in model.named_parameters()}
     decisions = callback.decisions()
