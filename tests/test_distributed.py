@@ -25,6 +25,7 @@ import pytest
 import torch
 
 from lightning_qstate import QAdamW
+from lightning_qstate.adaptive import DEFAULT_M_FORMATS, DEFAULT_V_FORMATS
 from lightning_qstate.formats import QuantizedTensor, get_format
 from lightning_qstate.optim.serialization import exact_values
 from lightning_qstate.theory import stall_probability
@@ -383,7 +384,7 @@ def test_adaptive_bit_widths_are_identical_on_every_rank(adaptive_run):
         for state in entry["states"].values()
         if state["quantized"]
     }
-    assert formats and formats <= {"int8_linear", "int8", "int4", "e4m0"}
+    assert formats and formats <= {*DEFAULT_M_FORMATS.values(), *DEFAULT_V_FORMATS.values()}  # the default zone formats
 
 
 def test_adaptive_resume_continues_exactly(adaptive_run):

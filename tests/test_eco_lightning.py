@@ -161,7 +161,7 @@ def test_plugin_keywords_and_validation():
     with pytest.raises(ValueError, match="error_feedback='ecoo' is not valid"):
         QStatePrecision(error_feedback="ecoo")
     with pytest.raises(ValueError, match=r"QuantizedOptimizerStates: weight_overrides\['\*head\*'\]"):
-        QuantizedOptimizerStates(weight_overrides={"*head*": "int5"})
+        QuantizedOptimizerStates(weight_overrides={"*head*": "int9"})
 
 
 def test_callback_quantizes_the_weights_as_the_plugin_does(tmp_path):

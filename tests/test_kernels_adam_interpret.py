@@ -253,6 +253,7 @@ else:
     def test_optimizer_steps_triton_devices_with_the_kernel(monkeypatch):
         """With "cpu" taken for a Triton device, QAdamW's step runs triton_adam_step and matches the reference."""
         monkeypatch.setattr(dispatch, "TRITON_DEVICE_TYPES", ("cuda", "cpu"))
+        monkeypatch.setattr(dispatch, "native_kernel_available", lambda: False)  # the C++ step would come first on "cpu"
         calls = []
         launcher = dispatch.triton_adam_step
 
@@ -286,6 +287,7 @@ else:
 
     def test_cast_format_moments_fall_back_to_the_eager_step(monkeypatch):
         monkeypatch.setattr(dispatch, "TRITON_DEVICE_TYPES", ("cuda", "cpu"))
+        monkeypatch.setattr(dispatch, "native_kernel_available", lambda: False)  # the C++ step would come first on "cpu"
         assert adam_step_supported(get_format("int8"), get_format("fp8_e5m2"))
         assert not adam_step_supported(get_format("bf16"), get_format("int8"))
         weight = torch.nn.Parameter(torch.randn(80, 80))
@@ -468,6 +470,7 @@ else:
             twin.grad = weight.grad.clone()
             with monkeypatch.context() as patch:
                 patch.setattr(dispatch, "TRITON_DEVICE_TYPES", ("cuda", "cpu"))
+                patch.setattr(dispatch, "native_kernel_available", lambda: False)  # the C++ step would come first on "cpu"
                 opt.step()
             with monkeypatch.context() as patch:
                 correctly_rounded_torch_sqrt(patch)
@@ -483,6 +486,7 @@ else:
         """The ``triton`` row takes cast-format grids with ``error_feedback`` None or "eco" (not "eco" with stall
         counts); block-scaled grids and "eco_exact" take the reference path; weight SR draws reproducible seeds."""
         monkeypatch.setattr(dispatch, "TRITON_DEVICE_TYPES", ("cuda", "cpu"))
+        monkeypatch.setattr(dispatch, "native_kernel_available", lambda: False)  # the C++ step would come first on "cpu"
         cases = [
             ({"weights": "bf16", "error_feedback": "eco", "track_stalls": True}, "reference"),
             ({"weights": "fp8_e4m3", "error_feedback": "eco"}, "reference"),

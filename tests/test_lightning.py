@@ -50,8 +50,8 @@ def test_precision_variants():
     assert isinstance(QStateFSDPPrecision("32-true"), QStatePrecision.__mro__[1])
     with pytest.raises(ValueError, match="precision='64-true'.*32-true"):
         QStatePrecision("64-true")
-    with pytest.raises(ValueError, match="unknown format 'int5'"):
-        QStatePrecision(states="int5")
+    with pytest.raises(ValueError, match="unknown format 'int9'"):
+        QStatePrecision(states="int9")
     with pytest.raises(ValueError, match=r"overrides\['\*norm\*'\].*unknown format"):
         QStateMixedPrecision(overrides={"*norm*": "fp31"})
 

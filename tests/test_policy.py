@@ -126,19 +126,29 @@ def adam_with(states: dict, cpu_compile: bool = True) -> tuple[lq.QAdamW, dict[s
     return optimizer, params
 
 
-def test_each_parameter_takes_the_first_path_that_applies():
-    native = "native" if native_kernel_available() else "compiled"
-    optimizer, _ = adam_with(
-        {
-            "int8": (dispatch.FUSED_MIN_NUMEL, torch.float32, "int8"),  # int8 family, RN: the C++ kernel
-            "int4_large": (dispatch.FUSED_MIN_NUMEL, torch.float32, "int4"),  # torch.compile
-            "int4_small": (8192, torch.float32, "int4"),  # too small to compile: torch's math on decoded states
-            "bf16_param": (8192, torch.bfloat16, "int8"),  # no fast path for bf16 parameters
-            "fp32_states": (100, torch.float32, "int8"),  # min_quant_size keeps fp32: torch's multi-tensor Adam
-        }
-    )
+PATH_CASES = {
+    "int8": (dispatch.FUSED_MIN_NUMEL, torch.float32, "int8"),  # coded moments: the C++ kernel
+    "int4_large": (dispatch.FUSED_MIN_NUMEL, torch.float32, "int4"),  # the C++ kernel; without it torch.compile
+    "int4_small": (8192, torch.float32, "int4"),  # the C++ kernel; without it too small to compile: torch's math
+    "bf16_param": (8192, torch.bfloat16, "int8"),  # no fast path for bf16 parameters without a weight grid
+    "fp32_states": (100, torch.float32, "int8"),  # min_quant_size keeps fp32: torch's multi-tensor Adam
+}
+
+
+def test_each_parameter_takes_the_first_path_that_applies(monkeypatch):
+    native = native_kernel_available()
+    optimizer, _ = adam_with(PATH_CASES)
     assert optimizer.step_paths() == {
-        "int8": native,
+        "int8": "native" if native else "compiled",
+        "int4_large": "native" if native else "compiled",
+        "int4_small": "native" if native else "reference",
+        "bf16_param": "reference",
+        "fp32_states": "multi_tensor",
+    }
+    monkeypatch.setattr(dispatch, "native_kernel_available", lambda: False)  # a machine without a C++ compiler
+    without, _ = adam_with(PATH_CASES)
+    assert without.step_paths() == {
+        "int8": "compiled",
         "int4_large": "compiled",
         "int4_small": "reference",
         "bf16_param": "reference",

@@ -35,6 +35,12 @@ EXPECTED_BITS = {
     "int4": (1.20, 2.94),
     "int8_linear": (5.93, 6.94),
     "int4_linear": (1.76, 2.85),
+    "int7": (4.11, 5.10),  # each code bit of the dynamic maps adds about one mantissa bit; unsigned = signed with one bit more
+    "int6": (3.12, 4.11),
+    "int5": (2.14, 3.12),
+    "int7_linear": (4.92, 5.93),
+    "int6_linear": (3.90, 4.92),
+    "int5_linear": (2.85, 3.90),
     "e2m2": (2.0, 2.0),
     "e3m0": (0.0, 0.0),
     "e5m10": (10.0, 10.0),
@@ -82,6 +88,8 @@ def test_effective_bits_of_codebooks_by_hand():
     assert mantissa_bits("int4_linear") == pytest.approx(_linear_codebook_bits(7), abs=1e-6)  # k/7, k = -7..7 (fp32 codes)
     assert mantissa_bits("int4", signed=False) == pytest.approx(_linear_codebook_bits(16), abs=1e-9)  # zero-free k/16
     assert mantissa_bits("int8_linear", signed=False) == pytest.approx(_linear_codebook_bits(255), abs=0.01)  # k/255
+    assert mantissa_bits("int6_linear") == pytest.approx(_linear_codebook_bits(31), abs=0.01)  # dense 6-bit codes: k/31
+    assert mantissa_bits("int5_linear", signed=False) == pytest.approx(_linear_codebook_bits(31), abs=0.01)  # k/31
     # int8's dynamic map spaces its top-binade codes 0.9/64 apart: mean relative gap ≈ (0.9/64)·E[1/x] = (0.9/64)/ln 2
     assert mantissa_bits("int8") == pytest.approx(math.log2(math.log(2) ** 2 / (0.9 / 64)), abs=0.05)
 
@@ -94,7 +102,7 @@ def test_mantissa_bits_of_dtypes_and_none():
 
 def test_mantissa_bits_errors_name_the_valid_values():
     with pytest.raises(ValueError, match="valid formats: fp32, bf16"):
-        mantissa_bits("int7")
+        mantissa_bits("int9")
     with pytest.raises(ValueError, match="valid dtypes: .*bfloat16"):
         mantissa_bits(torch.int8)
     with pytest.raises(TypeError, match="format name, a StorageFormat, a torch dtype or None"):
@@ -268,8 +276,8 @@ def test_gradient_formats():
     report = advise(grouped, 1000)
     assert (_row(report, "grads", 0).format, _row(report, "grads", 0).rounding) == ("e3m2", "stochastic")
     assert _row(report, "grads", 1).format == "fp32"
-    with pytest.raises(ValueError, match="grads='int7'.*valid formats"):
-        advise(torch.optim.AdamW(params), 1000, grads="int7")
+    with pytest.raises(ValueError, match="grads='int9'.*valid formats"):
+        advise(torch.optim.AdamW(params), 1000, grads="int9")
 
 
 def test_advise_argument_errors():

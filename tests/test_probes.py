@@ -127,8 +127,8 @@ def test_ptq_recipes_patterns_and_conv1d_output_channels():
     with pytest.raises(ValueError, match=r"modules=\['\*.mlp.typo'\] match no linear layer"):
         with ptq(model, modules=["*.mlp.typo"]):
             pass
-    with pytest.raises(ValueError, match="PTQ format 'int5'"):
-        with ptq(model, activations="int5"):
+    with pytest.raises(ValueError, match="PTQ format 'int9'"):
+        with ptq(model, activations="int9"):
             pass
     with pytest.raises(ValueError, match="no linear layers"):
         linear_modules(torch.nn.Sequential(torch.nn.ReLU()))

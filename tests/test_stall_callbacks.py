@@ -89,19 +89,19 @@ def test_monitor_rates_equal_the_counts_of_the_step(tmp_path):
     class Recount(Callback):
         def on_before_optimizer_step(self, trainer, pl_module, optimizer):
             opt = trainer.strategy.optimizers[0]
-            self.before = opt.state[pl_module.net[0].weight]["exp_avg_sq"] if opt.state.get(pl_module.net[0].weight) else None
+            state = opt.state[pl_module.net[0].weight]["exp_avg_sq"] if opt.state.get(pl_module.net[0].weight) else None
+            # copies: the C++ step updates the state's storage in place
+            self.before = None if state is None else (state.dequantize(torch.float32).reshape(-1).clone(), state.unit_values().clone())
             self.grad = pl_module.net[0].weight.grad.clone()
 
         def on_train_batch_end(self, trainer, pl_module, *args):
             if trainer.global_step == 6:
                 opt = trainer.strategy.optimizers[0]
                 beta2 = opt.param_groups[0]["betas"][1]
-                before = self.before.dequantize(torch.float32).reshape(-1)
+                before, before_units = self.before
                 updated = before * beta2 + (1 - beta2) * self.grad.reshape(-1) ** 2
                 new = opt.state[pl_module.net[0].weight]["exp_avg_sq"]
-                stalled, moved = count_stalls(
-                    before, updated, new.dequantize(torch.float32).reshape(-1), self.before.unit_values(), new.unit_values()
-                )
+                stalled, moved = count_stalls(before, updated, new.dequantize(torch.float32).reshape(-1), before_units, new.unit_values())
                 self.rate = float(stalled) / float(moved)
 
     recount = Recount()

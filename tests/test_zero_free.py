@@ -18,6 +18,7 @@ import lightning_qstate as lq
 from lightning_qstate.formats import BlockFormat, CastFormat, CodebookFormat, get_format
 from lightning_qstate.formats.packing import as_blocks, pack, unpack
 from lightning_qstate.formats.rounding import encode_codebook
+from lightning_qstate.kernels import dispatch
 from lightning_qstate.kernels.bounds import moment_bound
 from lightning_qstate.kernels.native import native_kernel_available
 
@@ -196,7 +197,9 @@ ADAM_CASES = (
     [pytest.param("plain", states, rounding, id=f"plain-{states}-{rounding}") for states in ADAM_FORMATS for rounding in ROUNDINGS]
     + [pytest.param("plain", MIXED, "nearest", id="plain-mixed-nearest")]
     + [pytest.param("plain", MIXED, "stochastic", id="plain-mixed-stochastic")]
-    + [pytest.param("cpp", states, "nearest", id=f"cpp-{states}-nearest") for states in ("int8", "int8_linear")]
+    + [pytest.param("cpp", states, "nearest", id=f"cpp-{states}-nearest") for states in ("int8", "int8_linear", "int5", "e2m2")]
+    + [pytest.param("cpp", states, "stochastic", id=f"cpp-{states}-stochastic") for states in ("int8", "int4", "fp16", "bf16")]
+    + [pytest.param("cpp", MIXED, "stochastic", id="cpp-mixed-stochastic")]
     + [pytest.param("compiled", states, "stochastic", id=f"compiled-{states}-stochastic") for states in ("int8", "fp16")]
     + [pytest.param("compiled", MIXED, "stochastic", id="compiled-mixed-stochastic")]
 )
@@ -209,16 +212,19 @@ def adam_step_bound(steps: int, beta1: float = 0.9, beta2: float = 0.999) -> flo
 
 
 @pytest.mark.parametrize("path,states,rounding", ADAM_CASES)
-def test_no_step_exceeds_a_few_learning_rates(path, states, rounding):
+def test_no_step_exceeds_a_few_learning_rates(path, states, rounding, monkeypatch):
     """QAdamW on adversarial gradients (``adversarial_grads``, 20 steps): no step is larger than exact Adam could take.
 
     The bound is Adam's own (``adam_step_bound``: 1.16 lr over 20 steps at the default betas; the decoded ``m`` is held
     to ``|m| <= K sqrt(v)`` with a 2^-8 margin, ``kernels.bounds``). Before the zero-free formats a ``v`` flushed to 0
     beside a nonzero ``m`` made steps of ``m / eps`` (500 to 10 million lr here); before the hold, a 4-bit ``m`` rounded
-    up by SR beside an 8-bit ``v`` at its floor made 18 lr (48 lr on 65536 entries). Paths: ``cpp`` (int8 family, RN: the
-    C++ kernel, 4096 entries), ``compiled`` (65536 entries: ``torch.compile``), ``plain`` (``cpu_compile = False``).
+    up by SR beside an 8-bit ``v`` at its floor made 18 lr (48 lr on 65536 entries). Paths: ``cpp`` (the C++ kernel,
+    4096 entries), ``compiled`` (65536 entries, the C++ kernel made unavailable: ``torch.compile``), ``plain``
+    (``cpu_compile = False``).
     """
     numel = 65536 if path == "compiled" else 4096
+    if path == "compiled":
+        monkeypatch.setattr(dispatch, "native_kernel_available", lambda: False)
     grads = adversarial_grads(numel)
     w_torch = torch.nn.Parameter(torch.zeros(numel))
     torch_worst = largest_step(torch.optim.AdamW([w_torch], lr=LR, weight_decay=0), w_torch, grads)
