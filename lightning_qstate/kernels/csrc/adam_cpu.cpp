@@ -185,11 +185,27 @@ void decode_nibbles(const uint8_t* __restrict__ codes, const float* __restrict__
 }
 
 // n values of dense codes (groups of 8 codes of ``bits`` bits in ``bits`` bytes, State) to out; a group's bytes read
-// as a little-endian word (x86-64), its codes shifted out of it.
+// as a little-endian word (x86-64), its codes shifted out of it (AVX-512: two groups at a time, 64-bit lane shifts and
+// the 256-entry table lookup).
 void decode_dense(const uint8_t* __restrict__ codes, const float* __restrict__ decode, float scale, int64_t n, int32_t bits,
                   float* __restrict__ out) {
   const uint64_t mask = (uint64_t{1} << bits) - 1;
-  for (int64_t group = 0; group < n; group += 8) {
+  int64_t group = 0;
+#ifdef QSTATE_AVX512
+  const __m512i shifts = _mm512_set_epi64(7 * bits, 6 * bits, 5 * bits, 4 * bits, 3 * bits, 2 * bits, bits, 0);
+  const __m512i code_mask = _mm512_set1_epi32(static_cast<int32_t>(mask));
+  const __m512 factor = _mm512_set1_ps(scale);
+  for (; group + 16 <= n; group += 16) {
+    uint64_t low = 0, high = 0;
+    std::memcpy(&low, codes + group / 8 * bits, bits);
+    std::memcpy(&high, codes + (group / 8 + 1) * bits, bits);
+    const __m256i first = _mm512_cvtepi64_epi32(_mm512_srlv_epi64(_mm512_set1_epi64(static_cast<int64_t>(low)), shifts));
+    const __m256i second = _mm512_cvtepi64_epi32(_mm512_srlv_epi64(_mm512_set1_epi64(static_cast<int64_t>(high)), shifts));
+    const __m512i index = _mm512_and_si512(_mm512_inserti64x4(_mm512_castsi256_si512(first), second, 1), code_mask);
+    _mm512_storeu_ps(out + group, _mm512_mul_ps(lookup256(decode, index), factor));
+  }
+#endif
+  for (; group < n; group += 8) {
     uint64_t word = 0;
     std::memcpy(&word, codes + group / 8 * bits, bits);
     const int64_t size = std::min<int64_t>(8, n - group);
@@ -285,6 +301,8 @@ void encode_codes(const State& s, const float* __restrict__ x, float divisor, bo
   int64_t i = 0;
 #ifdef QSTATE_AVX512
   const __m512 d = _mm512_set1_ps(divisor);
+  const int64_t b = s.bits;
+  const __m512i dense_shifts = _mm512_set_epi64(7 * b, 6 * b, 5 * b, 4 * b, 3 * b, 2 * b, b, 0);
   for (; i + 16 <= n; i += 16) {
     const __m512 q = finite ? _mm512_div_ps(_mm512_loadu_ps(x + i), d) : _mm512_setzero_ps();
     __m128i codes;
@@ -297,10 +315,11 @@ void encode_codes(const State& s, const float* __restrict__ x, float divisor, bo
     }
     if (nibbles) {
       pack16(codes, out + i / 2);
-    } else if (dense) {
-      alignas(16) uint8_t lanes[16];
-      _mm_store_si128(reinterpret_cast<__m128i*>(lanes), codes);
-      pack_dense(lanes, 16, s.bits, out + i / 8 * s.bits);
+    } else if (dense) {  // each group's 8 codes shifted to their bit fields in 64-bit lanes, OR-ed into its word
+      const uint64_t low = _mm512_reduce_or_epi64(_mm512_sllv_epi64(_mm512_cvtepu8_epi64(codes), dense_shifts));
+      const uint64_t high = _mm512_reduce_or_epi64(_mm512_sllv_epi64(_mm512_cvtepu8_epi64(_mm_srli_si128(codes, 8)), dense_shifts));
+      std::memcpy(out + i / 8 * s.bits, &low, s.bits);
+      std::memcpy(out + (i / 8 + 1) * s.bits, &high, s.bits);
     } else {
       _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), codes);
     }
