@@ -866,63 +866,69 @@ def _num(value: float, spec: str) -> str:
     return "—" if value is None or math.isnan(value) else format(value, spec)
 
 
-def render_table(model: str, description: str, rows: list[Row]) -> str:
-    base = _find(rows, model, BASELINE)
-    n_params = next((r.n_params for r in rows if r.n_params), 0)
+def method_table(
+    heading: str,
+    rows: list[Row],
+    base: Row | None,
+    columns: list[str],
+    cells: Callable[[Row], list[str]],
+    failed: Callable[[Row], list[str]],
+    left: int = 0,
+) -> str:
+    """A model's table: per method its label, step time, ratio to ``base`` and state bytes/param, then ``columns``
+    filled by ``cells(row)`` (``failed(row)`` where the method failed); ``left``: how many of the last columns align
+    left (text)."""
     lines = [
-        f"### {model}: {description}, {n_params:,} parameters",
+        heading,
         "",
-        "| method | step ms, median [IQR] (rounds) | × fused fp32 | state bytes/param | RSS peak MB | step RSS increase MB "
-        "| first-step RSS increase MB | first step s |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| method | step ms, median [IQR] (rounds) | × fused fp32 | state bytes/param | " + " | ".join(columns) + " |",
+        "|---|---:|---:|---:|" + "---:|" * (len(columns) - left) + "---|" * left,
     ]
     for row in rows:
         if row.failure:
-            lines.append(f"| {row.method.label} | n/a ({row.failure}) | — | — | — | — | — | — |")
+            lines.append("| " + " | ".join([row.method.label, f"n/a ({row.failure})", "—", "—", *failed(row)]) + " |")
             continue
         low, high = row.iqr_ms
-        increase = _num(row.step_rss_increase_mb, ".1f") + ("" if row.hwm_reset else " (≥)")
-        cells = [
+        common = [
             row.method.label + "".join(f" ⚠ {note}" for note in row.notes),
             f"{row.step_ms:.1f} [{low:.1f}–{high:.1f}] ({len(row.times_ms)})",
             _num(paired_ratio(row, base), ".2f"),
             _num(row.bytes_per_param, ".3f"),
+        ]
+        lines.append("| " + " | ".join(common + cells(row)) + " |")
+    return "\n".join(lines)
+
+
+def render_table(model: str, description: str, rows: list[Row]) -> str:
+    """The per-process table of a model: step times, ratios, memory and the first step."""
+    n_params = next((r.n_params for r in rows if r.n_params), 0)
+    return method_table(
+        f"### {model}: {description}, {n_params:,} parameters",
+        rows,
+        _find(rows, model, BASELINE),
+        ["RSS peak MB", "step RSS increase MB", "first-step RSS increase MB", "first step s"],
+        lambda row: [
             _num(row.rss_peak_mb, ".0f"),
-            increase,
+            _num(row.step_rss_increase_mb, ".1f") + ("" if row.hwm_reset else " (≥)"),
             _num(row.first_rss_increase_mb, ".1f"),
             _num(row.first_step_s, ".2f"),
-        ]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+        ],
+        lambda row: ["—"] * 4,
+    )
 
 
 def render_shared_table(model: str, description: str, rows: list[Row]) -> str:
     """The one-process table of a model: step times, ratios, the first step (build / compile) and the warm-up steps."""
-    base = _find(rows, model, BASELINE)
     n_params = next((r.n_params for r in rows if r.n_params), 0)
-    lines = [
+    return method_table(
         f"### {model}, all methods in one process: {description}, {n_params:,} parameters",
-        "",
-        "| method | step ms, median [IQR] (rounds) | × fused fp32 | state bytes/param | first step s (build / compile) "
-        "| warm-up steps s | paths |",
-        "|---|---:|---:|---:|---:|---:|---|",
-    ]
-    for row in rows:
-        if row.failure:
-            lines.append(f"| {row.method.label} | n/a ({row.failure}) | — | — | {_num(row.first_step_s, '.2f')} | — | — |")
-            continue
-        low, high = row.iqr_ms
-        cells = [
-            row.method.label + "".join(f" ⚠ {note}" for note in row.notes),
-            f"{row.step_ms:.1f} [{low:.1f}–{high:.1f}] ({len(row.times_ms)})",
-            _num(paired_ratio(row, base), ".2f"),
-            _num(row.bytes_per_param, ".3f"),
-            _num(row.first_step_s, ".2f"),
-            ", ".join(f"{t:.2f}" for t in row.warmup_s) or "—",
-            ", ".join(row.paths) or "—",
-        ]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+        rows,
+        _find(rows, model, BASELINE),
+        ["first step s (build / compile)", "warm-up steps s", "paths"],
+        lambda row: [_num(row.first_step_s, ".2f"), ", ".join(f"{t:.2f}" for t in row.warmup_s) or "—", ", ".join(row.paths) or "—"],
+        lambda row: [_num(row.first_step_s, ".2f"), "—", "—"],
+        left=1,
+    )
 
 
 def render_profiles(rows: list[Row]) -> str | None:
