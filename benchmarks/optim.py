@@ -337,6 +337,22 @@ def reset_hwm() -> bool:
     return True
 
 
+def state_figures(method: Method, optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> dict[str, Any]:
+    """The parameter and state-byte counts of a worker's reply: all parameters, and those under ``MIN_QUANT_SIZE``."""
+    small = [p for p in params if p.numel() < MIN_QUANT_SIZE]
+    return {
+        "n_params": sum(p.numel() for p in params),
+        "state_bytes": state_nbytes(optimizer) if method.family == "ours" else state_bytes(optimizer),
+        "small_params": sum(p.numel() for p in small),
+        "small_state_bytes": state_bytes(optimizer, small),
+    }
+
+
+def run_notes(caught: list[warnings.WarningMessage]) -> list[str]:
+    """The distinct runtime warnings a method raised while it was built and stepped, shortened."""
+    return sorted({_short_reason(w.message) for w in caught if issubclass(w.category, RuntimeWarning)})
+
+
 class WorkerBench:
     """One method on one model, inside the worker process."""
 
@@ -347,7 +363,6 @@ class WorkerBench:
 
     def setup(self) -> dict[str, Any]:
         params = make_model(self.spec, self.seed)
-        n_params = sum(p.numel() for p in params)
         self.optimizer = self.method.build(params, self.options)
         gc.collect()
         rss_before = rss_mb()
@@ -361,10 +376,8 @@ class WorkerBench:
         first_peak = hwm_mb() if self.hwm_reset else maxrss_mb()
         self.peak = max(self.peak, first_peak)
         first_increase = first_peak - rss_before
-        nbytes = state_nbytes(self.optimizer) if self.method.family == "ours" else state_bytes(self.optimizer)
-        small = [p for p in params if p.numel() < MIN_QUANT_SIZE]
-        small_bytes = state_bytes(self.optimizer, small)
-        notes = sorted({_short_reason(w.message) for w in caught if issubclass(w.category, RuntimeWarning)})
+        figures = state_figures(self.method, self.optimizer, params)
+        nbytes, notes = figures["state_bytes"], run_notes(caught)
         if self.method.family == "ours" and nbytes != state_bytes(self.optimizer):
             notes.append(f"state_nbytes {nbytes} != storage count {state_bytes(self.optimizer)}")
         gc.collect()
@@ -372,11 +385,8 @@ class WorkerBench:
         self.rss_steady = rss_mb()
         self.maxrss_steady = maxrss_mb()
         return {
-            "n_params": n_params,
+            **figures,
             "first_step_s": first_s,
-            "state_bytes": nbytes,
-            "small_params": sum(p.numel() for p in small),
-            "small_state_bytes": small_bytes,
             "rss_before_mb": rss_before,
             "first_rss_increase_mb": first_increase,
             "threads": torch.get_num_threads(),
@@ -475,12 +485,8 @@ def shared_worker_main(args: argparse.Namespace) -> None:
                 optimizer = method.build(params, options)
                 result["first_step_s"] = seconds(optimizer.step)
                 result["warmup_s"] = [seconds(optimizer.step) for _ in range(args.warmup - 1)]
-            result["notes"] = sorted({_short_reason(w.message) for w in caught if issubclass(w.category, RuntimeWarning)})
-            small = [p for p in params if p.numel() < MIN_QUANT_SIZE]
-            result["n_params"] = sum(p.numel() for p in params)
-            result["state_bytes"] = state_nbytes(optimizer) if method.family == "ours" else state_bytes(optimizer)
-            result["small_params"] = sum(p.numel() for p in small)
-            result["small_state_bytes"] = state_bytes(optimizer, small)
+            result["notes"] = run_notes(caught)
+            result.update(state_figures(method, optimizer, params))
             result["paths"] = sorted(set(optimizer.step_paths().values())) if method.family == "ours" else []
             optimizers[key] = optimizer
         except Exception as error:  # noqa: BLE001 - a peer failing on CPU is a result, not a crash
