@@ -2,7 +2,7 @@
 
 Usage::
 
-    python benchmarks/adaptive_bits.py [--quick] [--out PATH] [--models gpt,vit] [--configs fp32,int8,int4,adaptive,m_int4,v_int4,m4_v6]
+    python benchmarks/adaptive_bits.py [--quick] [--out PATH] [--models gpt,vit] [--configs fp32,int8,int4,adaptive,adaptive_sr,...]
                                        [--seeds S ...] [--gpt-steps N] [--vit-steps N] [--target-bits B] [--interval K]
                                        [--hysteresis H] [--rounding nearest|stochastic]
 
@@ -22,6 +22,8 @@ Configurations (AdamW throughout; quantized ones through ``QStatePrecision``, ``
 (``QStatePrecision(states="int8")`` plus ``AdaptiveBitWidth(target_bits, interval, hysteresis)`` with its
 default zone formats), and three more, not run by default: two that tell which state the 4 bits cost most in,
 ``m_int4`` (m int4, v int8) and ``v_int4`` (m int8, v int4), and ``m4_v6`` (m int4, v in the dense 6-bit ``int6``).
+Each quantized one also as ``<config>_sr`` (``adaptive_sr``, ``int4_sr``, ...): the same with stochastic rounding
+whatever ``--rounding`` says, so that round-to-nearest and stochastic runs of the same seeds pair in one report.
 
 Memory: ``RunSummary``'s ``state_summary`` of the optimizer at the end (every per-element state, fp32 ones of small parameters
 included; bits per value count the scales). Time: each training step (``on_train_batch_start`` to ``_end``,
@@ -67,7 +69,11 @@ from lightning_qstate.callbacks import AdaptiveBitWidth, RunSummary  # noqa: E40
 from lightning_qstate.formats import ROUNDINGS  # noqa: E402
 from lightning_qstate.plugins import QStatePrecision  # noqa: E402
 
-CONFIGS = ("fp32", "int8", "int4", "adaptive", "m_int4", "v_int4", "m4_v6")
+BASE_CONFIGS = ("fp32", "int8", "int4", "adaptive", "m_int4", "v_int4", "m4_v6")
+# Every quantized configuration also as "<config>_sr": the same with stochastic rounding, whatever --rounding says, so
+# that one report pairs RN and SR runs of the same seeds (below 8 bits, a v written RN ratchets; see docs/algorithms.md).
+SR_SUFFIX = "_sr"
+CONFIGS = BASE_CONFIGS + tuple(config + SR_SUFFIX for config in BASE_CONFIGS if config != "fp32")
 # QStatePrecision(states=...) of each quantized configuration (m: exp_avg, v: exp_avg_sq); adaptive starts from int8.
 PLUGIN_STATES = {
     "int8": "int8",
@@ -77,7 +83,7 @@ PLUGIN_STATES = {
     "v_int4": {"exp_avg": "int8", "exp_avg_sq": "int4"},
     "m4_v6": {"exp_avg": "int4", "exp_avg_sq": "int6"},  # the dense 6-bit v the screens point to, fixed
 }
-DEFAULT_CONFIGS = CONFIGS[:4]
+DEFAULT_CONFIGS = BASE_CONFIGS[:4]
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "adaptive_bits.md"
 # The targets: average bits and saving vs fp32 (STQuant's), final loss within 0.3 % of fixed int8 and below fixed int4
 # by more than two standard errors of the paired per-seed differences (issue #21).
@@ -201,9 +207,11 @@ def run_config(setup: ModelSetup, config: str, seed: int, args: argparse.Namespa
     callbacks: list[Callback] = [timer, summary_callback]
     plugins = []
     adaptive = None
+    base = config.removesuffix(SR_SUFFIX)
     if config != "fp32":
-        plugins.append(QStatePrecision(states=PLUGIN_STATES[config], rounding=args.rounding, min_quant_size=min_quant_size))
-    if config == "adaptive":
+        rounding = "stochastic" if config.endswith(SR_SUFFIX) else args.rounding
+        plugins.append(QStatePrecision(states=PLUGIN_STATES[base], rounding=rounding, min_quant_size=min_quant_size))
+    if base == "adaptive":
         adaptive = AdaptiveBitWidth(target_bits=args.target_bits, interval=setup.interval, hysteresis=args.hysteresis)
         callbacks.append(adaptive)
     trainer = benchmark_trainer(setup.steps, plugins=plugins, callbacks=callbacks)
@@ -304,7 +312,8 @@ def model_table(setup: ModelSetup, rows: list[Row]) -> list[str]:
     reference = by_config.get("int8")
     seeds = [row.seed for row in next(iter(by_config.values())).runs]
     accuracy = any("val_acc" in row.metrics for row in rows)
-    checks = f", checks every {setup.interval} steps" if "adaptive" in by_config else ""
+    adaptive_configs = [config for config in by_config if config.removesuffix(SR_SUFFIX) == "adaptive"]
+    checks = f", checks every {setup.interval} steps" if adaptive_configs else ""
     lines = [f"### {setup.name}: {setup.label}; {setup.steps} steps{checks}; seeds {', '.join(map(str, seeds))}", ""]
     head = (
         "| config | val loss | "
@@ -338,7 +347,7 @@ def model_table(setup: ModelSetup, rows: list[Row]) -> list[str]:
                 cell += f", Δ {100 * relative(row.metrics['val_loss'], reference.runs[position].metrics['val_loss']):+.1f} %"
             cells.append(cell)
         lines.append("| " + " | ".join(cells) + " |")
-    for row in by_config["adaptive"].runs if "adaptive" in by_config else []:
+    for row in (row for config in adaptive_configs for row in by_config[config].runs):
         zones = ", ".join(f"{key.rsplit('_', 1)[-1]} {int(value)}" for key, value in row.adaptive.items() if "/zone_" in key)
         per_state = "; ".join(
             f"{name}: " + ", ".join(f"{fmt} x{count}" for fmt, count in sorted(counts.items())) for name, counts in row.formats.items()
@@ -346,47 +355,51 @@ def model_table(setup: ModelSetup, rows: list[Row]) -> list[str]:
         transitions = int(row.adaptive["qstate/adaptive/transitions"])
         lines += [
             "",
-            f"adaptive, seed {row.seed}, at the end: zones {zones}; {transitions} transitions (states re-encoded); formats {per_state}",
+            f"{row.config}, seed {row.seed}, at the end: zones {zones}; {transitions} transitions (states re-encoded); formats {per_state}",
         ]
     return lines + [""]
 
 
 def verdicts(rows: list[Row]) -> list[str]:
-    """The issue's targets, judged on the means over the seeds."""
+    """The issue's targets for every adaptive configuration (``adaptive``, ``adaptive_sr``), judged on the means over
+    the seeds: against fixed ``int8``, and against every fixed 4-bit configuration run (``int4``, the issue's; ``int4_sr``
+    as well, so that what stochastic rounding alone buys is told apart from what the adaptive plan buys)."""
     lines = ["## Targets (the issue's; quality judged on the means over the seeds)", ""]
     for model in dict.fromkeys(row.model for row in rows):
         by_config = summaries(rows, model)
-        adaptive, int8 = by_config.get("adaptive"), by_config.get("int8")
-        if adaptive is None:
-            continue
-        bits, saving, overhead = adaptive.mean(lambda row: row.bits), adaptive.mean(lambda row: row.saving), adaptive.overhead
-        checks = [
-            (f"average bits <= {PAPER_BITS}", bits <= PAPER_BITS, f"{bits:.3f}"),
-            (f"state memory >= {100 * PAPER_SAVING:.0f} % below fp32", saving >= PAPER_SAVING, f"{100 * saving:.1f} %"),
-            ("callback overhead <= 2 % of step time", overhead <= 0.02, f"{100 * overhead:.2f} %"),
-        ]
-        int4 = by_config.get("int4")
-        for key, label, sign in (("val_loss", "final val loss", 1), ("val_acc", "final val accuracy", -1)):
-            if int8 is not None and key in int8.runs[0].metrics:
-                mean, error, paired = paired_difference(adaptive, int8, key)
-                checks.append(
-                    (
-                        f"{label}: paired per-seed Δ vs fixed int8 within {100 * QUALITY_TOLERANCE:.1f} %",
-                        sign * mean <= QUALITY_TOLERANCE,
-                        f"{100 * mean:+.2f} % ± {100 * error:.2f} % (standard error); per seed {paired}",
+        int8 = by_config.get("int8")
+        for name, adaptive in by_config.items():
+            if name.removesuffix(SR_SUFFIX) != "adaptive":
+                continue
+            bits, saving, overhead = adaptive.mean(lambda row: row.bits), adaptive.mean(lambda row: row.saving), adaptive.overhead
+            checks = [
+                (f"average bits <= {PAPER_BITS}", bits <= PAPER_BITS, f"{bits:.3f}"),
+                (f"state memory >= {100 * PAPER_SAVING:.0f} % below fp32", saving >= PAPER_SAVING, f"{100 * saving:.1f} %"),
+                ("callback overhead <= 2 % of step time", overhead <= 0.02, f"{100 * overhead:.2f} %"),
+            ]
+            for key, label, sign in (("val_loss", "final val loss", 1), ("val_acc", "final val accuracy", -1)):
+                if int8 is not None and key in int8.runs[0].metrics:
+                    mean, error, paired = paired_difference(adaptive, int8, key)
+                    checks.append(
+                        (
+                            f"{label}: paired per-seed Δ vs fixed int8 within {100 * QUALITY_TOLERANCE:.1f} %",
+                            sign * mean <= QUALITY_TOLERANCE,
+                            f"{100 * mean:+.2f} % ± {100 * error:.2f} % (standard error); per seed {paired}",
+                        )
                     )
-                )
-            if int4 is not None and key in int4.runs[0].metrics:
-                mean, error, paired = paired_difference(adaptive, int4, key)
-                checks.append(
-                    (
-                        f"{label}: better than fixed int4 by more than {INT4_MARGIN_SE:g} standard errors",
-                        sign * mean < -INT4_MARGIN_SE * error,
-                        f"{100 * mean:+.2f} % ± {100 * error:.2f} %; per seed {paired}",
-                    )
-                )
-        for label, ok, value in checks:
-            lines.append(f"- {model}: {label}: {'PASS' if ok else 'FAIL'} ({value})")
+                for int4_name in ("int4", "int4" + SR_SUFFIX):
+                    int4 = by_config.get(int4_name)
+                    if int4 is not None and key in int4.runs[0].metrics:
+                        mean, error, paired = paired_difference(adaptive, int4, key)
+                        checks.append(
+                            (
+                                f"{label}: better than fixed {int4_name} by more than {INT4_MARGIN_SE:g} standard errors",
+                                sign * mean < -INT4_MARGIN_SE * error,
+                                f"{100 * mean:+.2f} % ± {100 * error:.2f} %; per seed {paired}",
+                            )
+                        )
+            for label, ok, value in checks:
+                lines.append(f"- {model} {name}: {label}: {'PASS' if ok else 'FAIL'} ({value})")
     return lines + [""]
 
 
@@ -417,7 +430,7 @@ def report(args: argparse.Namespace, setups: dict[str, ModelSetup], rows: list[R
         "(a seed sets the initialisation and the data order, for the digits also the train/val split); "
         "quantized states through `QStatePrecision`"
         + (" (min_quant_size 0)" if args.quick else " (min_quant_size 4096: smaller parameters keep fp32 states, counted in every average)")
-        + f", rounding {args.rounding}",
+        + f", rounding {args.rounding} (`<config>{SR_SUFFIX}`: stochastic)",
         '- adaptive: `QStatePrecision(states="int8")` + '
         f"`AdaptiveBitWidth(target_bits={args.target_bits}, interval=K, hysteresis={args.hysteresis})`, default zone formats "
         f"(m: {', '.join(DEFAULT_M_FORMATS.values())}; v: {', '.join(DEFAULT_V_FORMATS.values())}; critical to redundant)",

@@ -252,6 +252,18 @@ def test_budget_demotes_in_order_then_fills_the_slack_in_the_same_order():
     assert fit_budget(ladders, 0, 200, 8.0, order, [2, 2, 1, 1], fill=False) == [2, 2, 1, 1]
 
 
+def test_reserved_rungs_are_a_last_resort():
+    ladders, order = [[100, 60, 20], [40, 30]], [0, 1]  # layer 0's last rung (20) is reserved
+    # cap 95: met without the reserve (layer 1 demoted too); without a reserve layer 0 would fall to 20 alone
+    assert fit_budget(ladders, 0, 95, 8.0, order, reserve=[1, 0]) == [1, 1]
+    assert fit_budget(ladders, 0, 95, 8.0, order) == [2, 0]
+    # cap 85: the zones' rungs cannot meet it (60 + 30 = 90), so the reserve is used
+    assert fit_budget(ladders, 0, 85, 8.0, order, reserve=[1, 0]) == fit_budget(ladders, 0, 85, 8.0, order) == [2, 0]
+    with pytest.raises(BudgetError, match="cheapest candidates give 8.000 bits"):  # 20 + 30 bytes over 50 values at the floor
+        fit_budget(ladders, 0, 50, 7.0, order, reserve=[1, 0])
+    assert fit_budget(ladders, 0, 95, None, order, [0, 1], reserve=[1, 0]) == [0, 1]
+
+
 def test_the_room_goes_to_the_least_precise_layers_first():
     """With the default maps, the room goes to the least precise layer's v first: a redundant layer's v from 5 to 6
     bits, before a magnitude layer's promotion (m 4 -> 8 bits and v 7 -> 8)."""

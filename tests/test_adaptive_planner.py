@@ -170,6 +170,43 @@ def test_bad_optimizers_and_options_are_refused():
         planner.load_state_dict({**planner.state_dict(), "version": 2})
 
 
+def test_the_floor_formats_are_a_last_resort():
+    """A cap the zones' formats can meet is planned exactly as without a floor; a lower one that only the floor
+    (int4 v) meets is met by moving some v to int4, where ``floor_formats={}`` raises."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 64))  # biases stay fp32
+    optimizer = lightning_qstate.QAdamW(model.parameters(), min_quant_size=4096)
+    layers = BitWidthPlanner(optimizer, model, target_bits=None).layers
+    values = 2 * sum(layer.numel for layer in layers)
+
+    def bits(m: str, v: str) -> float:  # every layer's m and v in these formats (fp32 below min_quant_size)
+        return 8 * sum(layer.nbytes[("exp_avg", m)] + layer.nbytes[("exp_avg_sq", v)] for layer in layers) / values
+
+    zones_cheapest, floor_cheapest = bits("int4", "int5"), bits("int4", "int4")
+    assert floor_cheapest < zones_cheapest
+    feasible = zones_cheapest + 0.05
+    with_floor, without = (BitWidthPlanner(optimizer, model, target_bits=feasible, **floor) for floor in ({}, {"floor_formats": {}}))
+    assert with_floor.decisions() == without.decisions()
+    assert {decision["exp_avg_sq"] for decision in with_floor.decisions().values()} >= {"int5"}
+    tight = (zones_cheapest + floor_cheapest) / 2
+    with pytest.raises(ValueError, match=rf"target_bits={tight} cannot be met: the cheapest candidates give {zones_cheapest:.3f} bits"):
+        BitWidthPlanner(optimizer, model, target_bits=tight, floor_formats={})
+    planner = BitWidthPlanner(optimizer, model, target_bits=tight)
+    assert planner.metrics()["qstate/adaptive/avg_bits"] <= tight
+    assert "int4" in {decision["exp_avg_sq"] for decision in planner.decisions().values()}
+    with pytest.raises(ValueError, match=rf"cannot be met: the cheapest candidates give {floor_cheapest:.3f} bits"):
+        BitWidthPlanner(optimizer, model, target_bits=floor_cheapest - 0.05)
+    planner = BitWidthPlanner(optimizer, model, target_bits=tight, floor_formats={"exp_avg_sq": "e4m0"})
+    assert "e4m0" in {decision["exp_avg_sq"] for decision in planner.decisions().values()}
+    for floor, message in (
+        ({"exp_avg_sq": "fp32"}, r"BitWidthPlanner: floor_formats\['exp_avg_sq'\]='fp32' is not a candidate"),
+        ({"exp_avg_sq": "int9"}, r"BitWidthPlanner: floor_formats\['exp_avg_sq'\]: .*int9"),
+        ({"weights": "int4"}, r"floor_formats=\{'weights': 'int4'\} must map some of \['exp_avg', 'exp_avg_sq'\]"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            BitWidthPlanner(optimizer, model, floor_formats=floor)
+
+
 def test_importing_the_planner_does_not_import_lightning():
     code = "import sys, lightning_qstate.adaptive; assert 'lightning' not in sys.modules and 'lightning.pytorch' not in sys.modules"
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)

@@ -1,4 +1,5 @@
-"""Smoke test of ``benchmarks/adaptive_bits.py``: a ``--quick`` run (tiny GPT and ViT, a few steps, every configuration, two seeds)."""
+"""Smoke test of ``benchmarks/adaptive_bits.py``: a ``--quick`` run (tiny GPT and ViT, a few steps, every base configuration
+and two with stochastic rounding, two seeds)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,10 @@ def bench() -> ModuleType:
 def test_quick_run(bench: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(sys, "argv", ["adaptive_bits.py"])
     out = tmp_path / "results" / "adaptive_bits.md"
+    configs = (*bench.BASE_CONFIGS, "adaptive_sr", "int4_sr")
+    roundings: list[str] = []  # of each quantized run's plugin, in run order
+    plugin = bench.QStatePrecision
+    monkeypatch.setattr(bench, "QStatePrecision", lambda **options: roundings.append(options["rounding"]) or plugin(**options))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         args = [
@@ -32,7 +37,7 @@ def test_quick_run(bench: ModuleType, tmp_path: Path, monkeypatch: pytest.Monkey
             "0",
             "1",
             "--configs",
-            ",".join(bench.CONFIGS),
+            ",".join(configs),
             "--out",
             str(out),
             "--rows",
@@ -40,21 +45,19 @@ def test_quick_run(bench: ModuleType, tmp_path: Path, monkeypatch: pytest.Monkey
         ]
         text = bench.main(args)
     assert out.read_text() == text
-    assert (
-        f"`python benchmarks/adaptive_bits.py --quick --seeds 0 1 --configs {','.join(bench.CONFIGS)} --out" in text
-        and "## Targets" in text
-    )
+    assert roundings == 2 * 2 * (6 * ["nearest"] + 2 * ["stochastic"])  # 2 models x 2 seeds; fp32 has no plugin
+    assert f"`python benchmarks/adaptive_bits.py --quick --seeds 0 1 --configs {','.join(configs)} --out" in text and "## Targets" in text
     for model in ("gpt", "vit"):
         section = text.split(f"### {model}:")[1].split("###")[0]
         assert "; seeds 0, 1" in section.splitlines()[0]
         tables = [[line for line in block.splitlines() if line.startswith("|")] for block in section.split("\n\n")]
         means, per_seed = (markdown_table(lines) for lines in tables if lines)
-        assert set(means) == set(per_seed) == set(bench.CONFIGS)
+        assert set(means) == set(per_seed) == set(configs)
         bits = {config: float(row["avg bits/value"]) for config, row in means.items()}
         assert bits["fp32"] == 32.0 and 8.0 < bits["int8"] < 8.5 and 4.0 < bits["int4"] < 4.5
         assert 6.0 < bits["m_int4"] < 6.5 and 6.0 < bits["v_int4"] < 6.5  # one state at 8 bits, the other at 4
         assert 5.0 < bits["m4_v6"] < 5.5  # dense 6-bit v: 6 bits a value, not 8
-        assert bits["adaptive"] <= 5.1
+        assert bits["adaptive"] <= 5.1 and bits["adaptive_sr"] <= 5.1 and 4.0 < bits["int4_sr"] < 4.5
         assert "%" in means["adaptive"]["callback overhead"] and means["fp32"]["callback overhead"] == "–"
         assert means["int8"]["Δ mean loss vs int8"] == "+0.00 %"
         loss, spread = (float(part) for part in means["adaptive"]["val loss"].split(" ± "))  # mean ± sd over the two seeds
@@ -63,10 +66,12 @@ def test_quick_run(bench: ModuleType, tmp_path: Path, monkeypatch: pytest.Monkey
             abs(seed_losses[0] - seed_losses[1]) / 2**0.5, abs=2e-4
         )
         assert "Δ" in per_seed["adaptive"]["seed 1"] and "Δ" not in per_seed["int8"]["seed 1"]
-        assert section.count("adaptive, seed ") == 2 and "at the end: zones critical" in section
-    assert text.count("PASS") + text.count("FAIL") == 12  # bits, saving, overhead, loss vs int8 and vs int4; ViT: accuracy too
-    assert text.count("(standard error)") == 3  # the paired per-seed differences against int8
-    assert text.count("better than fixed int4 by more than 2 standard errors") == 3
+        assert section.count("\nadaptive, seed ") == section.count("\nadaptive_sr, seed ") == 2 and "at the end: zones critical" in section
+    # per adaptive configuration: bits, saving, overhead, loss vs int8, int4 and int4_sr; ViT: accuracy vs the three too
+    assert text.count("PASS") + text.count("FAIL") == 2 * (6 + 9)
+    assert text.count("- gpt adaptive_sr: final val loss: better than fixed int4_sr by more than 2 standard errors") == 1
+    assert text.count("(standard error)") == 2 * 3  # the paired per-seed differences against int8
+    assert text.count("better than fixed int4 by more than 2 standard errors") == text.count("better than fixed int4_sr by") == 2 * 3
     trained = []
     monkeypatch.setattr(bench, "run_config", lambda *args: trained.append(args))
     assert bench.main(args).split("## Targets")[1] == text.split("## Targets")[1]  # every run reused from --rows
@@ -76,6 +81,8 @@ def test_quick_run(bench: ModuleType, tmp_path: Path, monkeypatch: pytest.Monkey
 def test_arguments_are_checked(bench: ModuleType) -> None:
     with pytest.raises(SystemExit):
         bench.parse_args(["--configs", "fp16"])
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--configs", "fp32_sr"])  # fp32 states have no rounding
     with pytest.raises(SystemExit):
         bench.parse_args(["--models", "resnet"])
     with pytest.raises(SystemExit):

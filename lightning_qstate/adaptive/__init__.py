@@ -12,18 +12,18 @@ below is an option of :class:`BitWidthPlanner` (and of the Lightning callback
   threshold (:func:`classify_zone`) that rises over training (:class:`AnnealedThreshold`);
 - a zone changes only after the new zone was observed at ``persist`` consecutive checks (:class:`ZoneHysteresis`);
 - a zone maps to one storage format per state; a memory budget caps the average bits, demoting layers
-  deterministically until it fits, then spends what is left under the cap promoting layers to higher zones'
-  formats, the least precise first (:func:`zone_ladder`, :func:`budget_ladder`, :func:`fit_budget`).
+  deterministically until it fits (down to last-resort floor formats only where the zones' cannot meet the cap), then
+  spends what is left under the cap promoting layers to higher zones' formats, the least precise first
+  (:func:`zone_ladder`, :func:`budget_ladder`, :func:`floor_option`, :func:`fit_budget`).
 
-Bytes are the formats' real stored bytes (codes plus block scales, :func:`format_nbytes`), never nominal bits:
-a 6-bit minifloat is stored one code per byte, so it costs what an 8-bit format costs.
+Bytes are the formats' real stored bytes (codes plus block scales, :func:`format_nbytes`), never nominal bits.
 
 ``zones.py``: statistics, zones, annealing, hysteresis; ``budget.py``: bytes, ladders, the budget;
 ``planner.py``: :class:`BitWidthPlanner`, which tracks an optimizer's layers and re-encodes their states.
 """
 
-from .budget import BudgetError, budget_ladder, budget_order, fit_budget, format_nbytes, resolved_nbytes, zone_ladder
-from .planner import ADAPTED_STATES, DEFAULT_M_FORMATS, DEFAULT_V_FORMATS, STATE_DICT_VERSION, BitWidthPlanner
+from .budget import BudgetError, budget_ladder, budget_order, fit_budget, floor_option, format_nbytes, resolved_nbytes, zone_ladder
+from .planner import ADAPTED_STATES, DEFAULT_FLOOR_FORMATS, DEFAULT_M_FORMATS, DEFAULT_V_FORMATS, STATE_DICT_VERSION, BitWidthPlanner
 from .zones import (
     REFERENCES,
     ZONES,
@@ -38,6 +38,7 @@ from .zones import (
 
 __all__ = [
     "ADAPTED_STATES",
+    "DEFAULT_FLOOR_FORMATS",
     "DEFAULT_M_FORMATS",
     "DEFAULT_V_FORMATS",
     "REFERENCES",
@@ -53,6 +54,7 @@ __all__ = [
     "classify_zone",
     "ema",
     "fit_budget",
+    "floor_option",
     "format_nbytes",
     "gradient_statistics",
     "model_statistics",

@@ -70,6 +70,20 @@ def budget_ladder(
     return above[::-1] + below, len(above)
 
 
+def floor_option(
+    lowest: tuple[Choice, int], states: Sequence[str], floor_formats: Mapping[str, str], nbytes: Callable[[str, str], int]
+) -> tuple[Choice, int] | None:
+    """The last-resort option below a ladder whose cheapest option is ``lowest`` (``(choice, bytes)``): each state of
+    ``states`` named in ``floor_formats`` in that format where it is cheaper, the others as in ``lowest``; ``None``
+    where that saves nothing. :func:`fit_budget` takes it as a ``reserve`` rung."""
+    choice = tuple(
+        min((name, floor_formats.get(state, name)), key=lambda candidate, s=state: nbytes(s, candidate))
+        for state, name in zip(states, lowest[0], strict=True)
+    )
+    cost = sum(nbytes(state, name) for state, name in zip(states, choice, strict=True))
+    return (choice, cost) if cost < lowest[1] else None
+
+
 def budget_order(zones: Sequence[str | None], numels: Sequence[int], names: Sequence[str]) -> list[int]:
     """Layer indices in the budget's order (:func:`fit_budget`'s ``order``): the lowest-priority zone first (``None``,
     before any check, counts as ``critical``), then the largest, then by name. Demotions start from the first, and so
@@ -85,6 +99,7 @@ def fit_budget(
     order: Sequence[int],
     start: Sequence[int] | None = None,
     fill: bool = True,
+    reserve: Sequence[int] | None = None,
 ) -> list[int]:
     """Which rung of each layer's ladder to use so that the average bits per state value is at most ``target_bits``,
     and with ``fill`` greedily close to it.
@@ -97,6 +112,8 @@ def fit_budget(
         order: layer indices, first to be demoted first and promoted first (lowest priority zone, then largest, then name).
         start: per layer, the rung its zone asks for (default: 0 for every layer); rungs above it are promotions.
         fill: run the promotion pass (2. below); ``False``: demotions only, the plan stays wherever they leave it.
+        reserve: per layer, how many of its last rungs are a last resort (the planner's ``floor_formats``): the budget
+            is first fitted without them, and only if that raises :class:`BudgetError` with them (default: none).
 
     Two passes, deterministic and linear in layers times rungs:
 
@@ -114,8 +131,14 @@ def fit_budget(
     Without a cap every layer stays at its ``start`` rung.
 
     Raises:
-        BudgetError: even every layer at its floor exceeds ``target_bits``.
+        BudgetError: even every layer at its floor (reserved rungs included) exceeds ``target_bits``.
     """
+    if reserve is not None and any(reserve):
+        try:
+            unreserved = [ladder[: len(ladder) - kept] for ladder, kept in zip(ladders, reserve, strict=True)]
+            return fit_budget(unreserved, fixed_bytes, values, target_bits, order, start, fill)
+        except BudgetError:
+            pass  # the reserved rungs are needed
     chosen = [0] * len(ladders) if start is None else list(start)
     total = fixed_bytes + sum(ladder[rung] for ladder, rung in zip(ladders, chosen, strict=False))
     if target_bits is None:

@@ -12,12 +12,13 @@ import torch
 from ..formats import StorageFormat
 from ..optim import QuantizedStates, clean_parameter_name, resolve_format
 from ..optim.base import local_tensor
-from .budget import BudgetError, Choice, budget_ladder, budget_order, fit_budget, resolved_nbytes
+from .budget import BudgetError, Choice, budget_ladder, budget_order, fit_budget, floor_option, resolved_nbytes
 from .zones import (
     REFERENCES,
     ZONES,
     AnnealedThreshold,
     ZoneHysteresis,
+    check_candidate,
     check_zone_formats,
     classify_zone,
     ema,
@@ -37,6 +38,10 @@ ADAPTED_STATES = ("exp_avg", "exp_avg_sq")  # Adam's m and v
 # "int4_linear" for the paper's all-linear m.
 DEFAULT_M_FORMATS = {"critical": "int8_linear", "magnitude": "int4", "structural": "int4", "redundant": "int4"}
 DEFAULT_V_FORMATS = {"critical": "int8", "magnitude": "int7", "structural": "int6", "redundant": "int5"}
+# The budget's last resort below every zone's formats (``floor_formats``): used only where the zones' formats cannot
+# meet ``target_bits`` (a model with many small parameters kept fp32 by ``min_quant_size``, e.g. the ViT benchmark,
+# whose cheapest zone plan is 5.115 bits), so a cap the zones can meet plans exactly as without it.
+DEFAULT_FLOOR_FORMATS = {"exp_avg": "int4", "exp_avg_sq": "int4"}
 STATE_DICT_VERSION = 1
 
 
@@ -53,9 +58,11 @@ def check_options(
     m_formats: Mapping[str, str] | None,
     v_formats: Mapping[str, str] | None,
     max_history: int,
-) -> dict[str, dict[str, str]]:
-    """Check the planner's options (errors start with ``owner``); returns ``{state: {zone: format name}}`` for m and v,
-    the defaults filled in."""
+    floor_formats: Mapping[str, str] | None = None,
+) -> tuple[dict[str, dict[str, str]], dict[str, str]]:
+    """Check the planner's options (errors start with ``owner``); returns ``({state: {zone: format name}}, {state: floor
+    format name})`` for m and v, the defaults filled in (``floor_formats=None``: ``DEFAULT_FLOOR_FORMATS``; a state it
+    does not name has no floor below its zones' formats)."""
     if target_bits is not None and not (isinstance(target_bits, (int, float)) and target_bits > 0):
         raise ValueError(f"{owner}: target_bits={target_bits!r} must be a number > 0 (average bits per state value) or None")
     for option, value in (("interval", interval), ("hysteresis", hysteresis), ("max_history", max_history)):
@@ -69,10 +76,16 @@ def check_options(
         AnnealedThreshold(threshold_start, threshold_end)
     except ValueError:
         raise ValueError(f"{owner}: threshold_start={threshold_start!r} and threshold_end={threshold_end!r} must be > 0") from None
-    return {
+    floor = DEFAULT_FLOOR_FORMATS if floor_formats is None else floor_formats
+    if not isinstance(floor, Mapping) or not set(floor) <= set(ADAPTED_STATES):
+        raise ValueError(f"{owner}: floor_formats={floor_formats!r} must map some of {list(ADAPTED_STATES)} to a format name, or be None")
+    for state, name in floor.items():
+        check_candidate(name, f"{owner}: floor_formats[{state!r}]")
+    zones = {
         "exp_avg": check_zone_formats(DEFAULT_M_FORMATS if m_formats is None else m_formats, f"{owner}: m_formats"),
         "exp_avg_sq": check_zone_formats(DEFAULT_V_FORMATS if v_formats is None else v_formats, f"{owner}: v_formats"),
     }
+    return zones, dict(floor)
 
 
 def format_config(fmt: StorageFormat | None) -> dict | None:
@@ -126,7 +139,8 @@ class BitWidthPlanner:
     2. :meth:`plan`: zone -> formats (``m_formats``, ``v_formats``), then the budget over the average of **all** m and
        v values (those kept fp32 by ``min_quant_size`` or FSDP2 row alignment included, at their real stored bytes,
        scales included): above ``target_bits``, layers are demoted (lowest-priority zone first, then the largest,
-       then by name) down their ladder of cheaper zones' formats until it fits; then (``fill_budget``) in rounds,
+       then by name) down their ladder of cheaper zones' formats until it fits (to ``floor_formats`` only where the
+       zones' formats cannot meet the cap); then (``fill_budget``) in rounds,
        layers in the same order move one rung up while the average stays within the cap
        (:func:`~lightning_qstate.adaptive.fit_budget`);
     3. :meth:`apply`: changed states are re-encoded through ``optimizer.reencode_state`` (round-to-nearest from the
@@ -167,6 +181,10 @@ class BitWidthPlanner:
         max_history: checks kept in ``history``.
         fill_budget: spend the room left under ``target_bits`` on promotions; ``False``: the zones' formats, demoted
             only where the cap needs it.
+        floor_formats: ``{state: format name}`` (some of ``exp_avg``, ``exp_avg_sq``), the budget's last resort below
+            every zone's formats (default ``DEFAULT_FLOOR_FORMATS``, int4 for both): each layer's ladder ends with it
+            where it saves bytes (:func:`~lightning_qstate.adaptive.floor_option`), and the budget uses it only where
+            the zones' formats cannot meet ``target_bits``; ``{}``: no floor.
 
     Attributes:
         layers: every parameter of the optimizer with its statistics, zone and chosen formats.
@@ -193,8 +211,9 @@ class BitWidthPlanner:
         v_formats: Mapping[str, str] | None = None,
         max_history: int = 256,
         fill_budget: bool = True,
+        floor_formats: Mapping[str, str] | None = None,
     ) -> None:
-        self.formats = check_options(
+        self.formats, self.floor_formats = check_options(
             "BitWidthPlanner",
             target_bits=target_bits,
             interval=interval,
@@ -206,6 +225,7 @@ class BitWidthPlanner:
             m_formats=m_formats,
             v_formats=v_formats,
             max_history=max_history,
+            floor_formats=floor_formats,
         )
         if not isinstance(anneal_steps, int) or isinstance(anneal_steps, bool) or anneal_steps < 1:
             raise ValueError(f"BitWidthPlanner: anneal_steps={anneal_steps!r} must be an int >= 1")
@@ -251,7 +271,7 @@ class BitWidthPlanner:
                     layer.nbytes = {
                         (state, name): resolved_nbytes({**group, "states": name}, state, param, numel)
                         for state, per_zone in self.formats.items()
-                        for name in per_zone.values()
+                        for name in {*per_zone.values(), *([self.floor_formats[state]] if state in self.floor_formats else [])}
                     }
                 layers.append(layer)
         return layers
@@ -329,17 +349,20 @@ class BitWidthPlanner:
         """
         adapted = [layer for layer in self.layers if layer.pinned is None]
         zones = [layer.hysteresis.zone for layer in adapted]
-        planned = [
-            budget_ladder(zone, self.formats, lambda state, name, layer=layer: layer.nbytes[(state, name)])
-            for zone, layer in zip(zones, adapted, strict=False)
-        ]
-        ladders, starts = [ladder for ladder, _ in planned], [start for _, start in planned]
+        ladders, starts, reserve = [], [], []
+        for zone, layer in zip(zones, adapted, strict=False):
+            nbytes = lambda state, name, layer=layer: layer.nbytes[(state, name)]  # noqa: E731
+            ladder, start = budget_ladder(zone, self.formats, nbytes)
+            floor = floor_option(ladder[-1], ADAPTED_STATES, self.floor_formats, nbytes)
+            ladders.append(ladder + ([floor] if floor else []))
+            starts.append(start)
+            reserve.append(int(floor is not None))
         fixed = sum(sum(layer.state_bytes()) for layer in self.layers if layer.pinned is not None)
         values = len(ADAPTED_STATES) * sum(layer.numel for layer in self.layers)
         order = budget_order(zones, [layer.numel for layer in adapted], [layer.name for layer in adapted])
         try:
             costs = [[cost for _, cost in ladder] for ladder in ladders]
-            rungs = fit_budget(costs, fixed, values, self.target_bits, order, starts, self.fill_budget)
+            rungs = fit_budget(costs, fixed, values, self.target_bits, order, starts, self.fill_budget, reserve)
         except BudgetError as error:
             raise BudgetError(f"BitWidthPlanner: {error}; raise target_bits or lower the optimizer's min_quant_size") from None
         for layer, ladder, rung in zip(adapted, ladders, rungs, strict=False):

@@ -122,10 +122,16 @@ def check_zone_formats(formats: Mapping[str, str], option: str) -> dict[str, str
     if set(formats) != set(ZONES):
         raise ValueError(f"{option} must name exactly the zones {list(ZONES)}; got {sorted(formats)}")
     for zone, name in formats.items():
-        if name == "fp32":
-            raise ValueError(f"{option}[{zone!r}]='fp32' is not a candidate; use a stored format such as 'bf16', 'int8' or 'int4'")
-        try:
-            get_format(name)
-        except (ValueError, TypeError) as error:
-            raise ValueError(f"{option}[{zone!r}]: {error}") from None
+        check_candidate(name, f"{option}[{zone!r}]")
     return {zone: formats[zone] for zone in ZONES}
+
+
+def check_candidate(name: str, option: str) -> str:
+    """``name``, checked as a candidate format of an adapted state: a known format other than ``fp32``. Errors name ``option``."""
+    if name == "fp32":
+        raise ValueError(f"{option}='fp32' is not a candidate; use a stored format such as 'bf16', 'int8' or 'int4'")
+    try:
+        get_format(name)
+    except (ValueError, TypeError) as error:
+        raise ValueError(f"{option}: {error}") from None
+    return name

@@ -43,9 +43,10 @@ class AdaptiveBitWidth(Callback):
        (those the optimizer keeps fp32 because of ``min_quant_size`` or FSDP2 row alignment included, priced at
        their real stored bytes, scales included): if it exceeds ``target_bits``, layers are demoted
        (lowest-priority zone first, then the largest, then by name) down their ladder of cheaper zones' formats
-       until it fits; then (``fill_budget``) the slack under the cap is spent: in rounds, layers in the same order (the
-       least precise first) move one rung up their ladder (back up, or to a higher zone's formats) while the average
-       stays within ``target_bits`` (:func:`~lightning_qstate.adaptive.fit_budget`), so the plan ends close to
+       until it fits (below those, to ``floor_formats``, only where the zones' formats cannot meet the cap); then
+       (``fill_budget``) the slack under the cap is spent: in rounds, layers in the same order (the least precise
+       first) move one rung up their ladder (back up, or to a higher zone's formats) while the average stays within
+       ``target_bits`` (:func:`~lightning_qstate.adaptive.fit_budget`), so the plan ends close to
        the cap. The maps and both budget passes are reconstruction choices;
     4. changed states are re-encoded through ``optimizer.reencode_state`` (round-to-nearest from the decoded
        values: nothing is lost beyond the new format's precision), and ``optimizer.state_overrides`` is set so
@@ -89,6 +90,9 @@ class AdaptiveBitWidth(Callback):
         max_history: checks kept for the figure.
         fill_budget: spend the room left under ``target_bits`` on promotions (step 3); ``False``: the zones' formats,
             demoted only where the cap needs it.
+        floor_formats: ``{state: format name}``, the budget's last resort below every zone's formats (default
+            ``DEFAULT_FLOOR_FORMATS``: int4 for m and v): used only where the zones' formats cannot meet ``target_bits``,
+            so a cap they can meet is planned as without it; ``{}``: no floor (such a cap raises ``BudgetError``).
     """
 
     def __init__(
@@ -105,6 +109,7 @@ class AdaptiveBitWidth(Callback):
         v_formats: Mapping[str, str] | None = None,
         max_history: int = 256,
         fill_budget: bool = True,
+        floor_formats: Mapping[str, str] | None = None,
     ) -> None:
         options = dict(
             target_bits=target_bits,
@@ -117,6 +122,7 @@ class AdaptiveBitWidth(Callback):
             m_formats=m_formats,
             v_formats=v_formats,
             max_history=max_history,
+            floor_formats=floor_formats,
         )
         check_options("AdaptiveBitWidth", **options)
         if anneal_steps is not None and (not isinstance(anneal_steps, int) or anneal_steps < 1):
