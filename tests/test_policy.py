@@ -168,12 +168,22 @@ def test_fp32_state_parameters_join_their_group_native_call():
     assert optimizer.step_paths() == {"large": "native", "small": "native"}
 
 
-def test_sgd_and_muon_take_the_reference_path():
+def test_sgd_and_muon_step_their_coded_buffers_natively():
+    """QSGD's first step (it creates the buffer) takes the reference path, its later ones and QMuon's the C++ step of
+    the coded buffer (where the kernel builds)."""
+    native = "native" if native_kernel_available() else "reference"
     weight = torch.nn.Parameter(torch.randn(64, 64))
-    for optimizer in (lq.QSGD([weight], momentum=0.9, min_quant_size=0), lq.QMuon([weight], min_quant_size=0)):
-        weight.grad = torch.randn_like(weight)
-        optimizer.step()
-        assert optimizer.step_paths() == {"param0": "reference"}
+    cases = (
+        (lq.QSGD([weight], momentum=0.9, min_quant_size=0), ["reference", native]),
+        (lq.QMuon([weight], min_quant_size=0), [native] * 2),
+    )
+    for optimizer, expected in cases:
+        taken = []
+        for _ in expected:
+            weight.grad = torch.randn_like(weight)
+            optimizer.step()
+            taken.append(optimizer.step_paths()["param0"])
+        assert taken == expected
     skipped = lq.QSGD([weight, torch.nn.Parameter(torch.randn(3))], momentum=0.9)
     skipped.step()
     assert skipped.step_paths() == {"param0": "reference"}  # a parameter without a gradient takes no path

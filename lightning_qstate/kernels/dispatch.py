@@ -12,11 +12,13 @@ multi_tensor  torch's own multi-tensor (foreach) Adam(W) on fp32 states         
 reference     torch's functional update on decoded states, one parameter a time   ``optim/base.py``
 ============  ==================================================================  ==============================
 
-A parameter takes the first path of its optimizer's table (``ADAM_PATHS``, ``PER_PARAMETER_PATHS``) whose every
-requirement holds; ``reference`` has none. In a param group that has ``native`` parameters, the fp32-state ones that
-meet ``NATIVE_JOIN`` join that call too (one call for the small parameters ``min_quant_size`` keeps fp32). Round to
-nearest, ``native``, ``triton`` and ``compiled`` give the codes of ``kernels.adam_reference`` bit for bit. A change
-to the update (a new format, ECO's error feedback) is one requirement or one row here and one branch per path.
+A parameter takes the first path of its optimizer's table (``ADAM_PATHS`` for QAdam/QAdamW; ``MOMENTUM_PATHS`` for
+QSGD/QMuon, whose ``native`` steps their coded momentum buffers; ``PER_PARAMETER_PATHS`` for the generic wrapper) whose
+every requirement holds; ``reference`` has none. In a param group that has ``native`` parameters, the fp32-state ones
+that meet ``NATIVE_JOIN`` join that call too (one call for the small parameters ``min_quant_size`` keeps fp32). Round
+to nearest, ``native``, ``triton`` and ``compiled`` give the codes of ``kernels.adam_reference`` bit for bit (QSGD's
+and QMuon's ``native``: the reference path's buffer codes and params). A change to the update (a new format, ECO's
+error feedback) is one requirement or one row here and one branch per path.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from ..formats.weights import WeightGrid
 from . import TRITON_AVAILABLE
 from .adam_reference import adam_hyper
 from .compiled import compiled_cpu_step
-from .native import VALUE_DTYPES, native_formats, native_kernel_available
+from .native import VALUE_DTYPES, native_format, native_formats, native_kernel_available
 
 if TRITON_AVAILABLE:
     from . import adam_step_supported, draw_seed, triton_adam_step
@@ -153,6 +155,24 @@ def native_values(c: Candidate) -> bool:
     return c.param.dtype in dtypes and c.grad.dtype == c.param.dtype
 
 
+def fp32_values(c: Candidate) -> bool:
+    """An fp32 parameter and gradient, the parameter contiguous (what the momentum kernel reads)."""
+    return c.param.dtype == torch.float32 and c.grad.dtype == torch.float32 and c.param.is_contiguous()
+
+
+def plain_momentum_options(c: Candidate) -> bool:
+    """SGD or Muon with momentum (``momentum != 0``), and neither differentiable nor fused."""
+    group = c.group
+    return group["momentum"] != 0 and not (group.get("differentiable") or group.get("fused"))
+
+
+def native_momentum(c: Candidate) -> bool:
+    """A ``momentum_buffer`` already there (SGD's first step creates it on the reference path), a fp32-valued
+    ``QuantizedTensor`` in a format the C++ kernel stores (``native.native_format``), with either rounding."""
+    buffer = c.state.get("momentum_buffer")
+    return isinstance(buffer, QuantizedTensor) and buffer.dtype == torch.float32 and native_format(buffer.format)
+
+
 def on_triton_device(c: Candidate) -> bool:
     return c.param.device.type in TRITON_DEVICE_TYPES and TRITON_AVAILABLE
 
@@ -209,7 +229,13 @@ ADAM_PATHS: tuple[tuple[StepPath, tuple[Requirement, ...]], ...] = (
     (StepPath.MULTI_TENSOR, (no_weight_grid, no_quantized_state)),
     (StepPath.REFERENCE, ()),
 )
-# SGD, Muon and the generic wrapper: torch's functional update, one parameter at a time.
+# SGD and Muon: the C++ step of the coded momentum buffers (Muon's orthogonalization and param update in torch), else
+# torch's functional update one parameter at a time. Weight grids (``weights=``, ECO) stay on the reference path.
+MOMENTUM_PATHS: tuple[tuple[StepPath, tuple[Requirement, ...]], ...] = (
+    (StepPath.NATIVE, (on_cpu, compile_allowed, no_weight_grid, fp32_values, plain_momentum_options, native_momentum, native_built)),
+    (StepPath.REFERENCE, ()),
+)
+# The generic wrapper: torch's functional update, one parameter at a time.
 PER_PARAMETER_PATHS: tuple[tuple[StepPath, tuple[Requirement, ...]], ...] = ((StepPath.REFERENCE, ()),)
 # fp32-state parameters that join a group's native call (as a rule, the small ones ``min_quant_size`` keeps fp32). Left
 # out: any with a weight grid (``weights=`` or ``error_feedback=``): the kernel's fp32-state loop has neither grid

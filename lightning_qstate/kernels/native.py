@@ -1,4 +1,5 @@
-"""The C++ CPU Adam(W) step over a whole param group (``kernels/csrc/``): per-format tables, the build and the call.
+"""The C++ CPU steps over a whole param group (``kernels/csrc/``): Adam(W), and SGD's and Muon's momentum; per-format
+tables, the build and the calls.
 
 The kernel (``adam_steps_u8`` in ``csrc/adam_cpu.cpp``) is Adam(W) for coded states on the CPU, with optional
 stall counts. It steps every parameter of a param group in one call, threaded with ``at::parallel_for`` over all
@@ -52,6 +53,17 @@ multiplies by reciprocals where the reference divides, so params are within a fe
 reference's; on a weight grid (round to nearest) params and codes are the reference's bit for bit, ECO's too. With
 AVX-512 the body of each block runs 16 lanes at a time (table lookups by register permutes, not gathers; with VBMI,
 64 codes at a time from byte planes of the table); the scalar code runs the rest and is the whole kernel on other CPUs.
+
+``momentum_steps`` (``native_momentum_steps``) is the same machinery for QSGD's and QMuon's ``momentum_buffer`` (any
+format above, either rounding; fp32 parameters without a weight grid): the group's gradients checked, then each
+buffer a chunk at a time (whole blocks, at least 1024 values) decoded, updated and encoded back block by block, as the
+chunked Adam pass does a moment. The update is torch's single-tensor ``sgd`` with its buffer present (``add(alpha=)``
+as an FMA; weight decay, dampening, nesterov, maximize; the param updated in the same pass) or ``muon``'s momentum
+(``buf.lerp_(grad, 1 - momentum)`` and the update ``grad.lerp(buf, momentum)`` or ``buf``, as torch's lerp kernel
+rounds them, into an fp32 tensor that QMuon orthogonalizes with torch's own Newton–Schulz and applies as ``muon``
+does). Round to nearest, codes, scales and params are the reference path's bit for bit; stochastic rounding draws
+splitmix64 output ``i + 1`` of a seed per buffer and step from ``rounding_generator(param, "momentum_buffer")``. The
+loop over the values is branch-free scalar code that the compiler vectorizes.
 
 It is built on first use with ``torch.utils.cpp_extension.load`` (needs a C++ compiler and ninja; about 40 s, said
 on stderr) under a name that hashes the sources and flags, and cached in torch's extension directory; where the build
@@ -117,12 +129,19 @@ def build_extension():
 
 @functools.cache
 def _kernel():
-    """The extension's ``adam_steps_u8``, or ``None`` when it cannot be built here (warns once)."""
+    """The compiled extension module, or ``None`` when it cannot be built here (warns once)."""
     try:
-        return build_extension().adam_steps_u8
+        return build_extension()
     except Exception as error:  # no compiler or ninja: another path takes over
         warnings.warn(f"building the C++ CPU Adam kernel failed ({error!r}); using the torch.compile path", RuntimeWarning, stacklevel=2)
         return None
+
+
+def _function(name: str):
+    """The extension's function ``name`` (``adam_steps_u8``, ``momentum_steps``, ``round_to_grid``)."""
+    if _kernel() is None:
+        raise RuntimeError("the C++ CPU Adam kernel is not built here")
+    return getattr(_kernel(), name)
 
 
 # A state's kind in the kernel (``Kind`` in ``csrc/adam_cpu.h``).
@@ -157,6 +176,23 @@ def _state_layout(fmt: StorageFormat) -> tuple[list[torch.Tensor], list[int], fl
     return [decode, entries, planes], ints, float(getattr(fmt, "max_value", 0.0))
 
 
+def _state_rows(states: list[QuantizedTensor], stochastic: bool) -> tuple[list[torch.Tensor], list[list[int]], list[float]]:
+    """The kernel's ``tables`` (three per state), ``ints`` rows (``_state_layout``'s, then the ``stochastic`` column)
+    and ``floats`` of ``states``, in order."""
+    tables, ints, floats = [], [], []
+    for q in states:
+        layout = _state_layout(q.format)
+        tables += layout[0]
+        ints.append([*layout[1], int(stochastic)])
+        floats.append(layout[2])
+    return tables, ints, floats
+
+
+def _scales(q: QuantizedTensor) -> torch.Tensor:
+    """A state's block scales (an empty tensor for a cast)."""
+    return _NO_SCALES if q.scales is None else q.scales
+
+
 def native_adam_steps(
     params: list[torch.Tensor],
     grads: list[torch.Tensor],
@@ -184,7 +220,6 @@ def native_adam_steps(
     weights = weights or [None] * len(states)
     seeds = seeds or [0] * len(states)
     moment_seeds = moment_seeds or [(0, 0)] * len(states)
-    moments_stochastic = int(group["rounding"] == "stochastic")
     coded = [k for k, state in enumerate(states) if isinstance(state["exp_avg"], QuantizedTensor)]
     plain = [k for k, state in enumerate(states) if not isinstance(state["exp_avg"], QuantizedTensor)]
     if any(weights[k] is not None for k in plain):
@@ -195,20 +230,15 @@ def native_adam_steps(
     eco = group.get("error_feedback") == "eco"
     grids = [(GRID_DTYPES.index(weights[k].cast_dtype), stochastic, eco) if weights[k] is not None else (0, 0, 0) for k in coded]
     eco_coefficients = [eco_coefficient(group, float(states[k]["step"]) + 1) if eco and weights[k] is not None else 0.0 for k in coded]
-    tables, ints, floats, moments = [], [], [], [(states[k]["exp_avg"], states[k]["exp_avg_sq"]) for k in coded]
-    for m, v in moments:
-        for q in (m, v):
-            layout = _state_layout(q.format)
-            tables += layout[0]
-            ints.append([*layout[1], moments_stochastic])
-            floats.append(layout[2])
-    rows = _kernel()(
+    moments = [(states[k]["exp_avg"], states[k]["exp_avg_sq"]) for k in coded]
+    tables, ints, floats = _state_rows([q for pair in moments for q in pair], group["rounding"] == "stochastic")
+    rows = _function("adam_steps_u8")(
         params=[params[k] for k in coded],
         grads=[grads[k].contiguous() for k in coded],
         m_codes=[m.codes for m, _ in moments],
-        m_scales=[_NO_SCALES if m.scales is None else m.scales for m, _ in moments],
+        m_scales=[_scales(m) for m, _ in moments],
         v_codes=[v.codes for _, v in moments],
-        v_scales=[_NO_SCALES if v.scales is None else v.scales for _, v in moments],
+        v_scales=[_scales(v) for _, v in moments],
         tables=tables,
         ints=torch.tensor(ints, dtype=torch.int64).view(-1, 2, 13),
         floats=torch.tensor(floats, dtype=torch.float32).view(-1, 2),
@@ -240,16 +270,56 @@ def native_round_to_grid(values: torch.Tensor, dtype: torch.dtype, rounding: str
     (fp32, bf16 or fp16) with ``rounding`` (``"stochastic"``: element ``i`` takes random draw ``i`` of ``seed``), in
     ``dtype``, same shape."""
     flat = values.detach().float().contiguous()
-    rounded = _round_to_grid()(values=flat, grid=GRID_DTYPES.index(dtype), stochastic=rounding == "stochastic", seed=seed)
+    rounded = _function("round_to_grid")(values=flat, grid=GRID_DTYPES.index(dtype), stochastic=rounding == "stochastic", seed=seed)
     return rounded.view(values.shape)
 
 
-@functools.cache
-def _round_to_grid():
-    """The extension's ``round_to_grid`` (the build ``_kernel`` made)."""
-    if _kernel() is None:
-        raise RuntimeError("the C++ CPU Adam kernel is not built here")
-    return build_extension().round_to_grid
+def native_momentum_steps(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    buffers: list[QuantizedTensor],
+    group: dict,
+    muon: bool,
+    track_stalls: bool,
+    seeds: list[int] | None = None,
+) -> tuple[list[list[int]], list[torch.Tensor | None]]:
+    """The momentum step of every parameter of ``group`` given (fp32, each with a coded ``momentum_buffer`` in
+    ``buffers``, updated in place; ``momentum != 0``) in one C++ call: torch's single-tensor SGD with ``group``'s
+    options (params updated in place), or with ``muon`` Muon's momentum (``buf.lerp_(grad, 1 - momentum)`` and the
+    update ``grad.lerp(buf, momentum)`` with nesterov, else ``buf``), the orthogonalization and param update left to
+    the caller.
+
+    A parameter whose gradient holds inf/NaN is left untouched. Returns per parameter ``[grad_finite, buffer_finite,
+    stalled, moved]`` (stalls 0 unless tracked) and, with ``muon``, its fp32 update (param's shape; ``None`` for SGD).
+    ``seeds``: per parameter the seed of its buffer's stochastic rounding (``group["rounding"] == "stochastic"``;
+    element ``i`` rounds with splitmix64 draw ``i``).
+
+    Raises:
+        FloatingPointError: a buffer overflowed to inf/NaN (its block scale is not finite).
+    """
+    tables, ints, floats = _state_rows(buffers, group["rounding"] == "stochastic")
+    updates = [torch.empty(param.shape, dtype=torch.float32) for param in params] if muon else []
+    rows = _function("momentum_steps")(
+        params=params,
+        grads=[grad.contiguous() for grad in grads],
+        codes=[q.codes for q in buffers],
+        scales=[_scales(q) for q in buffers],
+        tables=tables,
+        ints=torch.tensor(ints, dtype=torch.int64).view(-1, 13),
+        floats=torch.tensor(floats, dtype=torch.float32),
+        seeds=torch.tensor(seeds or [0] * len(params), dtype=torch.int64),
+        updates=updates,
+        lr=float(group["lr"]),
+        weight_decay=float(group["weight_decay"]),
+        momentum=float(group["momentum"]),
+        dampening=float(group.get("dampening", 0.0)),
+        nesterov=bool(group["nesterov"]),
+        maximize=bool(group.get("maximize", False)),
+        track=track_stalls,
+    ).tolist()
+    if not all(row[1] for row in rows if row[0]):
+        raise FloatingPointError("a momentum buffer overflowed to inf/NaN during the step; its packed codes were not trusted")
+    return rows, updates or [None] * len(params)
 
 
 def native_kernel_available() -> bool:

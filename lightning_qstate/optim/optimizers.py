@@ -21,7 +21,8 @@ whose gradient holds inf/NaN, count it in ``nonfinite_skips`` and warn; ``"skip_
 ``"raise"``) and ``generator`` (the random source of stochastic rounding).
 
 Each parameter of QAdam/QAdamW takes the fastest path that applies to it (``kernels/dispatch.py``:
-the C++ kernel, Triton, ``torch.compile``, torch's multi-tensor Adam, or the reference);
+the C++ kernel, Triton, ``torch.compile``, torch's multi-tensor Adam, or the reference), and of
+QSGD/QMuon the C++ step of a coded momentum buffer on the CPU, or the reference;
 ``optimizer.step_paths()`` tells which one each took at the last step. Round to nearest, the
 fast paths give the reference's codes bit for bit. ``optimizer.cpu_compile = False`` keeps CPU
 parameters on the torch paths.
@@ -39,17 +40,17 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.optim._muon import muon
+from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz, muon
 from torch.optim.adam import adam
-from torch.optim.optimizer import _get_scalar_dtype
+from torch.optim.optimizer import _get_scalar_dtype, _to_scalar
 from torch.optim.sgd import sgd
 
 from ..formats import QuantizedTensor
 from ..formats.weights import WeightBlock
 from ..kernels.adam_reference import adam_denominator, adam_hyper, eco_feedback, hold_moment
 from ..kernels.bounds import moment_bound
-from ..kernels.dispatch import ADAM_PATHS, StepPath, fused_adam_step
-from ..kernels.native import native_adam_steps
+from ..kernels.dispatch import ADAM_PATHS, MOMENTUM_PATHS, StepPath, fused_adam_step
+from ..kernels.native import native_adam_steps, native_momentum_steps
 from .base import QuantizedStates, finite_grads, local_tensor
 from .policy import ErrorFeedback, NonFiniteGradPolicy, QuantizationPolicy, StatesSpec
 from .weights import sgd_feedback_coefficient
@@ -341,12 +342,61 @@ class QAdamW(QAdam, torch.optim.AdamW):
         )  # fmt: skip
 
 
-class QSGD(QuantizedStates, torch.optim.SGD):
+class _MomentumStates(QuantizedStates):
+    """The quantized ``momentum_buffer`` of QSGD and QMuon.
+
+    Each parameter takes a path of ``kernels.dispatch.MOMENTUM_PATHS``: ``native`` steps the coded buffers of a param
+    group in one C++ call (``kernels.native.native_momentum_steps``: gradient checks, SGD's whole step, or Muon's
+    momentum with ``_apply_update`` after it), ``reference`` one parameter at a time.
+    """
+
+    state_names = ("momentum_buffer",)
+    step_path_table = MOMENTUM_PATHS
+    muon_momentum = False  # the kernel computes Muon's momentum and update (QMuon), not SGD's whole step
+
+    def _run_path(self, path: StepPath, group: dict, keys: list[torch.Tensor]) -> None:
+        if path is StepPath.NATIVE:
+            self._native_steps(group, keys)
+        else:
+            super()._run_path(path, group, keys)
+
+    def _native_steps(self, group: dict, keys: list[torch.Tensor]) -> None:
+        """The ``native`` path: one C++ call for ``keys``; for stochastic rounding, a seed per buffer drawn from its
+        ``rounding_generator(key, "momentum_buffer")`` (the reference path's stream: a resumed run rounds alike)."""
+        params, grads = [local_tensor(key) for key in keys], [local_tensor(key.grad) for key in keys]
+        cpu = torch.device("cpu")
+        seeds = [
+            int(torch.randint(2**62, (1,), generator=self.rounding_generator(key, "momentum_buffer", cpu)))
+            if group["rounding"] == "stochastic"
+            else 0
+            for key in keys
+        ]
+        targets = self._weight_targets(group, keys)
+        buffers = [self.state[key]["momentum_buffer"] for key in keys]
+        rows, updates = native_momentum_steps(params, grads, buffers, group, self.muon_momentum, self.track_stalls, seeds)
+        for key, param, row, update in zip(keys, params, rows, updates, strict=True):
+            if not row[0]:
+                self._skip_nonfinite_grad(key)
+                continue
+            if self.track_stalls:
+                self._add_stall_counts(key, "momentum_buffer", torch.tensor(row[2:4]))
+            if update is not None:
+                self._apply_update(group, param, update)
+        self._count_weight_stalls(targets)  # after the skips are known
+
+    def _apply_update(self, group: dict, param: torch.Tensor, update: torch.Tensor) -> None:
+        """Step ``param`` with the kernel's momentum ``update`` (fp32, param's shape): QMuon's orthogonalized step."""
+        raise NotImplementedError(f"{type(self).__name__}: the kernel steps its parameters itself")
+
+
+class QSGD(_MomentumStates, torch.optim.SGD):
     """``torch.optim.SGD`` with a quantized ``momentum_buffer``.
 
     The first arguments are ``torch.optim.SGD``'s; the storage options (``states``, ``rounding``, ...,
     ``error_feedback="eco"`` for weights kept without master copies) are :class:`QAdam`'s. As in torch, the buffer is
-    created from the first gradient, so there is no state when ``momentum=0``.
+    created from the first gradient, so there is no state when ``momentum=0``. On the CPU every later step of an
+    fp32 parameter with a coded buffer (no ``weights``) is one C++ call per param group (``step_paths()``:
+    ``"native"``): round to nearest, the reference path's codes and params bit for bit.
 
     Example::
 
@@ -359,8 +409,6 @@ class QSGD(QuantizedStates, torch.optim.SGD):
         >>> opt.state_format(model.weight, "momentum_buffer").name
         'int8'
     """
-
-    state_names = ("momentum_buffer",)
 
     def __init__(
         self,
@@ -431,13 +479,16 @@ class QSGD(QuantizedStates, torch.optim.SGD):
         states["momentum_buffer"] = corrected
 
 
-class QMuon(QuantizedStates, torch.optim.Muon):
+class QMuon(_MomentumStates, torch.optim.Muon):
     """``torch.optim.Muon`` (2-D parameters) with a quantized ``momentum_buffer``.
 
     The first arguments are ``torch.optim.Muon``'s; the storage options are :class:`QAdam`'s. ``error_feedback="eco"``
     is refused: Muon's orthogonalized update is not linear in the momentum, so the rounding error cannot be folded
     into it; ``"eco_exact"`` (an error buffer) works. Muon needs about half of Adam's mantissa bits for a run of the
-    same length (``theory.precision.required_mantissa_bits``).
+    same length (``theory.precision.required_mantissa_bits``). On the CPU the momentum of an fp32 parameter with a
+    coded buffer (no ``weights``) is one C++ call per param group (``step_paths()``: ``"native"``), torch's
+    Newton–Schulz orthogonalization and param update follow: round to nearest, the reference path's codes and params
+    bit for bit.
 
     Example::
 
@@ -451,8 +502,8 @@ class QMuon(QuantizedStates, torch.optim.Muon):
         4
     """
 
-    state_names = ("momentum_buffer",)
     error_feedbacks = (None, "eco_exact")  # the orthogonalized update is not linear in the momentum: no "eco"
+    muon_momentum = True
 
     def __init__(
         self,
@@ -503,3 +554,11 @@ class QMuon(QuantizedStates, torch.optim.Muon):
             adjust_lr_fn=group["adjust_lr_fn"],
             has_complex=False,
         )
+
+    def _apply_update(self, group: dict, param: torch.Tensor, update: torch.Tensor) -> None:
+        """The rest of torch's single-tensor ``muon`` after the momentum, with its own functions: the update
+        orthogonalized, the param decayed and stepped with the adjusted learning rate."""
+        lr = _to_scalar(group["lr"])
+        update = _zeropower_via_newtonschulz(update, group["ns_coefficients"], group["ns_steps"], group["eps"])
+        param.mul_(1 - lr * group["weight_decay"])
+        param.add_(update, alpha=-_adjust_lr(lr, group["adjust_lr_fn"], param.shape))

@@ -1,9 +1,10 @@
 // The C++ CPU Adam(W) kernel for coded states (round-to-nearest): 8-bit and 4-bit codebook and minifloat codes in
 // blocks (m and v of any block sizes), bf16/fp16 casts; with optional stall counts, and parameters
 // kept on a weight grid without master weights (fp32/bf16/fp16 values, RN or SR, ECO's feedback into m): adam_steps_u8
-// steps every parameter of a param group in one call. What it computes and how it matches the torch reference
-// (kernels/adam_reference.py) bit for bit: kernels/native.py. The value-level pieces (codebooks, Adam's update of one
-// value, block scales, parameter dtypes and weight grids, the AVX-512 forms): adam_cpu.h.
+// steps every parameter of a param group in one call; momentum_steps does the same for SGD's and Muon's coded momentum
+// buffers. What they compute and how they match the torch reference (kernels/adam_reference.py, torch's sgd and muon)
+// bit for bit: kernels/native.py. The value-level pieces (codebooks, Adam's and the momentum's update of one value,
+// block scales, parameter dtypes and weight grids, the AVX-512 forms): adam_cpu.h.
 #include "adam_cpu.h"
 
 #include <ATen/Parallel.h>
@@ -469,9 +470,8 @@ Schedule schedule(double lr, double weight_decay, double beta1, double beta2, do
   c.decoupled = decoupled;
   c.decay = decoupled ? static_cast<float>(1.0 - lr * weight_decay) : 1.0f;
   c.l2 = decoupled ? 0.0f : static_cast<float>(weight_decay);
-  const float lerp_weight = static_cast<float>(1.0 - beta1);
-  c.lerp_from_end = !(std::fabs(lerp_weight) < 0.5f);
-  c.lerp_coeff = c.lerp_from_end ? lerp_weight - 1.0f : lerp_weight;
+  const Lerp lerp(1.0 - beta1);
+  c.lerp_from_end = lerp.from_end, c.lerp_coeff = lerp.coeff;
   c.b2 = static_cast<float>(beta2), c.one_minus_b2 = static_cast<float>(1.0 - beta2);
   c.eps = static_cast<float>(eps);
   return Schedule{c, lr, beta1, beta2};
@@ -491,28 +491,37 @@ void count_step(const torch::Tensor& step) {
 
 // ---- The coded parameters ----
 
-// One coded parameter of the multi-tensor step. p, g: fp32 values, or (on a weight grid) of ``dtype``. It is stepped
-// a chunk at a time: the larger block of its moments (blocks are powers of two: the smaller divides it; a cast's: the
-// other's, CAST_CHUNK for two casts). ``fast``: both moments 8-bit codebooks of one block size (update_block decodes
-// in registers); else step_chunk decodes both into scratch first.
-struct Param {
-  void* p;
+// What the block machinery (BlockOrder, check_gradients, step_blocks) needs of a parameter: its gradient g (fp32, or
+// bf16/fp16 of ``dtype``), its numel and its chunks of ``chunk`` values (whole blocks of its states).
+struct Chunks {
   const void* g;
   Dtype dtype;
+  int64_t numel, chunk, chunks;
+};
+
+// One coded parameter of the multi-tensor Adam step. p, g: fp32 values, or (on a weight grid) of ``dtype``. It is
+// stepped a chunk at a time: the larger block of its moments (blocks are powers of two: the smaller divides it; a
+// cast's: the other's, CAST_CHUNK for two casts). ``fast``: both moments 8-bit codebooks of one block size
+// (update_block decodes in registers); else step_chunk decodes both into scratch first.
+struct Param : Chunks {
+  void* p;
   Grid grid;
   State m, v;
   Hyper h;
-  int64_t numel, chunk, chunks;
   bool fast;
 };
 
-// The chunk of a parameter whose moments are both casts.
+// The chunk of a parameter whose moments are both casts, and the least chunk of a momentum buffer.
 constexpr int64_t CAST_CHUNK = 1024;
 
 // What the threads stepping one coded parameter's blocks report.
 struct Outcome {
   std::atomic<int> grad_bad{0}, moments_bad{0};
-  std::array<std::atomic<int64_t>, 4> stalls{};  // stalled_m, moved_m, stalled_v, moved_v
+  std::array<std::atomic<int64_t>, 4> stalls{};  // stalled_m, moved_m, stalled_v, moved_v (a momentum: stalled, moved)
+
+  void add_stalls(const int64_t* counts, int n) {
+    for (int c = 0; c < n; ++c) stalls[c].fetch_add(counts[c], std::memory_order_relaxed);
+  }
 };
 
 Codebook codebook(const torch::Tensor& decode, const torch::Tensor& entries, const torch::Tensor& planes, int64_t key_base,
@@ -661,7 +670,8 @@ std::vector<Param> coded_params(const std::vector<torch::Tensor>& params, const 
 struct BlockOrder {
   std::vector<int64_t> first;  // (n + 1,): index of each parameter's first block; first[n]: the total
 
-  explicit BlockOrder(const std::vector<Param>& work) : first(work.size() + 1, 0) {
+  template <typename Work>  // Chunks
+  explicit BlockOrder(const std::vector<Work>& work) : first(work.size() + 1, 0) {
     for (size_t k = 0; k < work.size(); ++k) first[k + 1] = first[k] + work[k].chunks;
   }
   int64_t params() const { return static_cast<int64_t>(first.size()) - 1; }
@@ -681,7 +691,7 @@ struct BlockOrder {
 };
 
 // Whether values [first, first + n) of a coded parameter's gradient are finite.
-bool grad_finite(const Param& w, int64_t first, int64_t n) {
+bool grad_finite(const Chunks& w, int64_t first, int64_t n) {
   switch (w.dtype) {
     case Dtype::kBFloat16:
       return all_finite16(static_cast<const uint16_t*>(w.g) + first, n, 0x7F80u);
@@ -693,11 +703,12 @@ bool grad_finite(const Param& w, int64_t first, int64_t n) {
 }
 
 // The gradient check pass: flags each coded parameter whose gradient holds inf/NaN (it is left untouched).
-void check_gradients(const std::vector<Param>& work, const BlockOrder& order, std::vector<Outcome>& outcomes) {
+template <typename Work>  // Chunks
+void check_gradients(const std::vector<Work>& work, const BlockOrder& order, std::vector<Outcome>& outcomes) {
   const int64_t n = order.params();
   at::parallel_for(0, order.total(), 64, [&](int64_t begin, int64_t end) {  // each parameter's part of blocks [begin, end)
     for (int64_t k = order.owner(begin); k < n && order.first[k] < end; ++k) {
-      const Param& w = work[k];
+      const Chunks& w = work[k];
       const int64_t first = std::max<int64_t>(begin - order.first[k], 0) * w.chunk;
       const int64_t last = std::min((end - order.first[k]) * w.chunk, w.numel);
       if (first < last && !grad_finite(w, first, last - first)) outcomes[k].grad_bad.store(1, std::memory_order_relaxed);
@@ -767,7 +778,7 @@ void step_block(const Param& w, int64_t index, bool track, Scratch& scratch, Out
     int64_t local[4] = {0, 0, 0, 0};
     count_block(scratch.old_m.data(), m_scale, mc, m_new, scratch.m.data(), w.m.cb.decode, size, local);
     count_block(scratch.old_v.data(), v_scale, vc, v_new, scratch.v.data(), w.v.cb.decode, size, local + 2);
-    for (int c = 0; c < 4; ++c) outcome.stalls[c].fetch_add(local[c], std::memory_order_relaxed);
+    outcome.add_stalls(local, 4);
   }
 }
 
@@ -781,6 +792,14 @@ void snapshot(const State& s, int64_t base, int64_t size, bool after, Scratch& s
   else
     decode_state(s, base, size, false, values.data());
   decode_state(s, base, size, true, units.data());
+}
+
+// count_values of state s's values [base, base + size), stored from ``updated``, against their snapshot before the
+// step (``before``, ``before_units``): [stalled, moved] added to counts.
+void count_stored(const State& s, int64_t base, int64_t size, const float* before, const float* before_units, const float* updated,
+                  Scratch& scratch, int64_t* counts) {
+  snapshot(s, base, size, true, scratch);
+  count_values(before, before_units, updated, scratch.stored.data(), scratch.stored_units.data(), size, counts);
 }
 
 // The per-chunk step of any other parameter: chunk ``index`` of w (both moments' blocks whole, but the parameter's
@@ -807,29 +826,42 @@ void step_chunk(const Param& w, int64_t index, bool track, Scratch& scratch, Out
   const bool v_ok = encode_state<true>(w.v, base, size, v);
   if (!(m_ok && v_ok)) outcome.moments_bad.store(1, std::memory_order_relaxed);
   if (track) {
-    snapshot(w.v, base, size, true, scratch);
-    count_values(scratch.before.data(), scratch.before_units.data(), v, scratch.stored.data(), scratch.stored_units.data(), size,
-                 local + 2);
-    snapshot(w.m, base, size, true, scratch);
-    count_values(before_m.data(), before_m_units.data(), m, scratch.stored.data(), scratch.stored_units.data(), size, local);
-    for (int c = 0; c < 4; ++c) outcome.stalls[c].fetch_add(local[c], std::memory_order_relaxed);
+    count_stored(w.v, base, size, scratch.before.data(), scratch.before_units.data(), v, scratch, local + 2);
+    count_stored(w.m, base, size, before_m.data(), before_m_units.data(), m, scratch, local);
+    outcome.add_stalls(local, 4);
   }
 }
 
-// Every block of every coded parameter whose gradient is finite, threaded over the global block order.
-void step_blocks(const std::vector<Param>& work, const BlockOrder& order, bool track, std::vector<Outcome>& outcomes) {
+// The coded parameters' steps: first every gradient is checked, then ``step(w, chunk index, scratch, outcome)`` runs
+// on every chunk of every parameter of ``work`` (Chunks) whose gradient is finite, threaded over the global block
+// order. Returns what each parameter's threads reported.
+template <typename Work, typename Step>
+std::vector<Outcome> step_blocks(const std::vector<Work>& work, Step&& step) {
+  const BlockOrder order(work);
   const int64_t n = order.params();
+  std::vector<Outcome> outcomes(work.size());
+  check_gradients(work, order, outcomes);
   at::parallel_for(0, order.total(), 16, [&](int64_t begin, int64_t end) {
     Scratch scratch;
     for (int64_t b = begin, k = order.owner(begin); b < end; ++b) {
       while (k + 1 < n && order.first[k + 1] <= b) ++k;
-      if (outcomes[k].grad_bad.load(std::memory_order_relaxed)) continue;
-      if (work[k].fast)
-        step_block(work[k], b - order.first[k], track, scratch, outcomes[k]);
-      else
-        step_chunk(work[k], b - order.first[k], track, scratch, outcomes[k]);
+      if (!outcomes[k].grad_bad.load(std::memory_order_relaxed)) step(work[k], b - order.first[k], scratch, outcomes[k]);
     }
   });
+  return outcomes;
+}
+
+// (rows, 2 + stalls) int64, its first rows per parameter [grad_finite, states_finite, its first ``stalls`` stall counts]
+// from ``outcomes``, the rest 0.
+torch::Tensor outcome_rows(const std::vector<Outcome>& outcomes, int64_t rows, int stalls) {
+  auto result = torch::zeros({rows, 2 + stalls}, torch::kInt64);
+  auto out = result.accessor<int64_t, 2>();
+  for (size_t k = 0; k < outcomes.size(); ++k) {
+    out[k][0] = outcomes[k].grad_bad.load() ? 0 : 1;
+    out[k][1] = outcomes[k].moments_bad.load() ? 0 : 1;
+    for (int c = 0; c < stalls; ++c) out[k][2 + c] = outcomes[k].stalls[c].load();
+  }
+  return result;
 }
 
 // ---- The fp32-state parameters ----
@@ -851,6 +883,98 @@ bool step_plain(const torch::Tensor& param, const torch::Tensor& grad, const tor
     for (int64_t i = begin; i < end; ++i) adam_lane(p[i], g[i], m[i], v[i], h);
   });
   return true;
+}
+
+// ---- SGD's and Muon's momentum (QSGD, QMuon) ----
+
+// One parameter with a coded momentum buffer: fp32 values p (SGD's step updates them) and gradient, the buffer, and
+// Muon's update (fp32, numel values; nullptr: SGD). Stepped a chunk at a time: whole blocks of the buffer, at least
+// CAST_CHUNK values.
+struct MomentumParam : Chunks {
+  float* p;
+  float* update;
+  State buf;
+};
+
+// torch's sgd / muon hyperparameters as fp32 (Momentum): each Python float rounded once from double, as torch rounds
+// a scalar that meets an fp32 tensor (1 - dampening, -lr, and Muon's lerp weights computed in double first).
+Momentum momentum_of(double lr, double weight_decay, double momentum, double dampening, bool nesterov, bool maximize) {
+  return Momentum{maximize ? -1.0f : 1.0f,
+                  static_cast<float>(weight_decay),
+                  static_cast<float>(momentum),
+                  static_cast<float>(1.0 - dampening),
+                  static_cast<float>(-lr),
+                  weight_decay != 0.0,
+                  nesterov,
+                  Lerp(1.0 - momentum),
+                  Lerp(momentum)};
+}
+
+// SGD's momentum step on n values (sgd_lane): param p and the decoded buffer buf in place. Branch-free: the compiler
+// vectorizes the loop (as grid_lanes).
+QSTATE_FLATTEN void sgd_lanes(float* __restrict__ p, const float* __restrict__ g, const Momentum h, int64_t n, float* __restrict__ buf) {
+  for (int64_t i = 0; i < n; ++i) p[i] = sgd_lane(p[i], g[i], buf[i], h);
+}
+
+// Muon's momentum on n values (muon_lane): the decoded buffer buf in place, the update to ``update``.
+QSTATE_FLATTEN void muon_lanes(const float* __restrict__ g, const Momentum h, int64_t n, float* __restrict__ buf,
+                               float* __restrict__ update) {
+  for (int64_t i = 0; i < n; ++i) update[i] = muon_lane(g[i], buf[i], h);
+}
+
+// The per-chunk step of a momentum buffer: chunk ``index`` of w decoded into scratch, SGD's step (the param in place)
+// or Muon's momentum (its update written), the buffer encoded back block by block (encode_state); and its stall counts.
+void momentum_chunk(const MomentumParam& w, const Momentum& h, int64_t index, bool track, Scratch& scratch, Outcome& outcome) {
+  const int64_t base = index * w.chunk, size = std::min(w.chunk, w.numel - base);
+  scratch.m.resize(size);
+  float* buf = scratch.m.data();
+  decode_state(w.buf, base, size, false, buf);
+  if (track) snapshot(w.buf, base, size, false, scratch, buf);
+  const float* g = static_cast<const float*>(w.g) + base;
+  if (w.update != nullptr)
+    muon_lanes(g, h, size, buf, w.update + base);
+  else
+    sgd_lanes(w.p + base, g, h, size, buf);
+  if (!encode_state<false>(w.buf, base, size, buf)) outcome.moments_bad.store(1, std::memory_order_relaxed);
+  if (track) {
+    int64_t local[2] = {0, 0};
+    count_stored(w.buf, base, size, scratch.before.data(), scratch.before_units.data(), buf, scratch, local);
+    outcome.add_stalls(local, 2);
+  }
+}
+
+// The momentum parameters' pointers and buffers, their sizes checked (arguments as momentum_steps').
+std::vector<MomentumParam> momentum_params(const std::vector<torch::Tensor>& params, const std::vector<torch::Tensor>& grads,
+                                           const std::vector<torch::Tensor>& codes, const std::vector<torch::Tensor>& scales,
+                                           const std::vector<torch::Tensor>& tables, const torch::Tensor& ints, const torch::Tensor& floats,
+                                           const torch::Tensor& seeds, const std::vector<torch::Tensor>& updates) {
+  const size_t n = params.size();
+  TORCH_CHECK(grads.size() == n && codes.size() == n && scales.size() == n && (updates.empty() || updates.size() == n),
+              "grads, codes, scales (and Muon's updates): one per parameter");
+  TORCH_CHECK(tables.size() == 3 * n, "tables: three per parameter");
+  TORCH_CHECK(
+      ints.scalar_type() == torch::kLong && ints.dim() == 2 && ints.size(0) == static_cast<int64_t>(n) && ints.size(1) == kStateColumns,
+      "ints: (n, ", static_cast<int>(kStateColumns), ") int64");
+  TORCH_CHECK(floats.scalar_type() == torch::kFloat && floats.numel() == static_cast<int64_t>(n), "floats: (n,) fp32");
+  TORCH_CHECK(seeds.scalar_type() == torch::kLong && seeds.numel() == static_cast<int64_t>(n), "seeds: (n,) int64");
+  const torch::Tensor ints_c = ints.contiguous(), floats_c = floats.contiguous(), seeds_c = seeds.contiguous();
+  std::vector<MomentumParam> work(n);
+  for (size_t k = 0; k < n; ++k) {
+    MomentumParam& w = work[k];
+    w.numel = params[k].numel();
+    const auto fp32 = [&w](const torch::Tensor& t) {
+      return t.scalar_type() == torch::kFloat && t.is_contiguous() && t.numel() == w.numel;
+    };
+    TORCH_CHECK(fp32(params[k]) && fp32(grads[k]) && (updates.empty() || fp32(updates[k])), "parameter ", k,
+                ": param, grad (and update) must be contiguous fp32 tensors of one size");
+    w.p = params[k].data_ptr<float>(), w.g = grads[k].data_ptr<float>(), w.dtype = Dtype::kFloat32;
+    w.update = updates.empty() ? nullptr : updates[k].data_ptr<float>();
+    w.buf = state_of(codes[k], scales[k], &tables[3 * k], ints_c.data_ptr<int64_t>() + kStateColumns * k, floats_c.data_ptr<float>()[k],
+                     seeds_c.data_ptr<int64_t>()[k], w.numel, static_cast<int64_t>(k));
+    w.chunk = std::max(w.buf.kind == Kind::kCast ? 0 : w.buf.block, CAST_CHUNK);
+    w.chunks = (w.numel + w.chunk - 1) / w.chunk;
+  }
+  return work;
 }
 
 }  // namespace
@@ -892,17 +1016,14 @@ torch::Tensor adam_steps_u8(const std::vector<torch::Tensor>& params, const std:
       coded_params(params, grads, m_codes, m_scales, v_codes, v_scales, tables, ints, floats, bounds, grids, seeds, eco, steps, group);
 
   // Coded parameters: first every gradient is checked, then every block of the finite ones is stepped.
-  const BlockOrder order(work);
-  std::vector<Outcome> outcomes(n);
-  check_gradients(work, order, outcomes);
-  step_blocks(work, order, track, outcomes);
-  auto result = torch::zeros({n + n_plain, 6}, torch::kInt64);
+  const std::vector<Outcome> outcomes = step_blocks(work, [track](const Param& w, int64_t index, Scratch& scratch, Outcome& outcome) {
+    if (w.fast)
+      step_block(w, index, track, scratch, outcome);
+    else
+      step_chunk(w, index, track, scratch, outcome);
+  });
+  torch::Tensor result = outcome_rows(outcomes, n + n_plain, 4);
   auto out = result.accessor<int64_t, 2>();
-  for (int64_t k = 0; k < n; ++k) {
-    out[k][0] = outcomes[k].grad_bad.load() ? 0 : 1;
-    out[k][1] = outcomes[k].moments_bad.load() ? 0 : 1;
-    for (int c = 0; c < 4; ++c) out[k][2 + c] = outcomes[k].stalls[c].load();
-  }
 
   // fp32-state parameters, one after another (each threaded over its values).
   for (int64_t j = 0; j < n_plain; ++j) {
@@ -915,6 +1036,27 @@ torch::Tensor adam_steps_u8(const std::vector<torch::Tensor>& params, const std:
   for (int64_t row = 0; row < n + n_plain; ++row)
     if (out[row][0]) count_step(steps[row]);
   return result;
+}
+
+// The momentum step of every parameter of one param group with a coded momentum buffer (momentum != 0): torch's
+// single-tensor SGD with its buffer present (params updated in place), or, with ``updates`` (one fp32 tensor per
+// parameter), Muon's momentum: buffer and the update Muon orthogonalizes (written there; params left to the caller).
+// ``params``, ``grads``: contiguous fp32; the buffers as adam_steps_u8's moments: ``codes``, ``scales``, ``tables``
+// (three per parameter: decode, entries, planes), ``ints`` ((n, 13) int64, StateColumn), ``floats`` ((n,) fp32) and
+// ``seeds`` ((n,) int64: the SR seed of each buffer). A parameter whose gradient holds inf/NaN is left untouched.
+// Returns (n, 4) int64 [grad_finite, buffer_finite, stalled, moved] (stall columns 0 unless ``track``).
+torch::Tensor momentum_steps(const std::vector<torch::Tensor>& params, const std::vector<torch::Tensor>& grads,
+                             const std::vector<torch::Tensor>& codes, const std::vector<torch::Tensor>& scales,
+                             const std::vector<torch::Tensor>& tables, const torch::Tensor& ints, const torch::Tensor& floats,
+                             const torch::Tensor& seeds, const std::vector<torch::Tensor>& updates, double lr, double weight_decay,
+                             double momentum, double dampening, bool nesterov, bool maximize, bool track) {
+  const std::vector<MomentumParam> work = momentum_params(params, grads, codes, scales, tables, ints, floats, seeds, updates);
+  const Momentum h = momentum_of(lr, weight_decay, momentum, dampening, nesterov, maximize);
+  const std::vector<Outcome> outcomes =
+      step_blocks(work, [&h, track](const MomentumParam& w, int64_t index, Scratch& scratch, Outcome& outcome) {
+        momentum_chunk(w, h, index, track, scratch, outcome);
+      });
+  return outcome_rows(outcomes, static_cast<int64_t>(work.size()), 2);
 }
 
 // fp32 ``values`` rounded to a weight grid (code 1 fp32, 2 bf16, 3 fp16; under SR element i takes draw i of ``seed``) and
@@ -948,6 +1090,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
              py::arg("tables"), py::arg("ints"), py::arg("floats"), py::arg("bounds"), py::arg("grids"), py::arg("seeds"), py::arg("eco"),
              py::arg("plain"), py::arg("steps"), py::arg("lr"), py::arg("weight_decay"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),
              py::arg("decoupled"), py::arg("maximize"), py::arg("track"));
+  module.def("momentum_steps", &lightning_qstate::momentum_steps, "SGD's step or Muon's momentum of one param group (coded buffers)",
+             py::kw_only(), py::arg("params"), py::arg("grads"), py::arg("codes"), py::arg("scales"), py::arg("tables"), py::arg("ints"),
+             py::arg("floats"), py::arg("seeds"), py::arg("updates"), py::arg("lr"), py::arg("weight_decay"), py::arg("momentum"),
+             py::arg("dampening"), py::arg("nesterov"), py::arg("maximize"), py::arg("track"));
   module.def("round_to_grid", &lightning_qstate::round_to_grid, "The kernel's rounding of fp32 values to a weight grid", py::kw_only(),
              py::arg("values"), py::arg("grid"), py::arg("stochastic"), py::arg("seed"));
 }

@@ -1,7 +1,7 @@
-// The value-level pieces of the C++ CPU Adam(W) kernel (adam_cpu.cpp): a state's codebook and its round-to-nearest
-// encoder, Adam's update of one value, stored block scales, parameter values in fp32/bf16/fp16 and the weight grids
-// they are rounded to without master weights (RN and counter-based SR), and the AVX-512 forms of the fp32 update.
-// Plain C++ on raw pointers.
+// The value-level pieces of the C++ CPU kernels (adam_cpu.cpp): a state's codebook and its round-to-nearest encoder,
+// Adam's and SGD's / Muon's momentum update of one value, stored block scales, parameter values in fp32/bf16/fp16 and
+// the weight grids they are rounded to without master weights (RN and counter-based SR), and the AVX-512 forms of the
+// fp32 update. Plain C++ on raw pointers.
 #pragma once
 
 #include <algorithm>
@@ -94,6 +94,45 @@ inline float adam_lane_exact(float p, float g, float& m, float& v, const Hyper& 
   v = std::fma(h.one_minus_b2 * gi, gi, v * h.b2);
   denom = std::sqrt(v) / h.bc2 + h.eps;
   return decayed - (h.step * m) / denom;
+}
+
+// torch's lerp of fp32 values with weight w, as its vectorized CPU kernel computes it (Hyper above): fp32 w, then
+// fma(w, end - self, self) where |w| < 0.5, else fma(w - 1, end - self, end).
+struct Lerp {
+  float coeff;
+  bool from_end;
+
+  explicit Lerp(double weight) {
+    const float w = static_cast<float>(weight);
+    from_end = !(std::fabs(w) < 0.5f);
+    coeff = from_end ? w - 1.0f : w;
+  }
+  float operator()(float self, float end) const { return std::fma(coeff, end - self, select(mask_of(from_end), end, self)); }
+};
+
+// The momentum of torch's single-tensor SGD and Muon as fp32 (kernels/native.py: native_momentum_steps). SGD (momentum
+// != 0, its buffer present): d = sign * g, d = fma(p, weight_decay, d) where weight_decay != 0 (add(alpha=)),
+// buf = fma(d, dampened, buf * momentum) (mul_, add_(alpha=1 - dampening)), step = fma(buf, momentum, d) with
+// nesterov else buf, p = fma(step, neg_lr, p) (add_(alpha=-lr)). Muon: buf = buf.lerp_(g, 1 - momentum) (``buffer_lerp``),
+// update = g.lerp(buf, momentum) with nesterov (``nesterov_lerp``), else buf.
+struct Momentum {
+  float sign, weight_decay, momentum, dampened, neg_lr;
+  bool has_weight_decay, nesterov;
+  Lerp buffer_lerp, nesterov_lerp;
+};
+
+// One value of SGD's momentum step: buf (decoded) in place; returns the new param value. Branch-free (sgd_lanes).
+inline float sgd_lane(float p, float g, float& buf, const Momentum& h) {
+  const float signed_g = h.sign * g;
+  const float d = select(mask_of(h.has_weight_decay), std::fma(p, h.weight_decay, signed_g), signed_g);
+  buf = std::fma(d, h.dampened, buf * h.momentum);
+  return std::fma(select(mask_of(h.nesterov), std::fma(buf, h.momentum, d), buf), h.neg_lr, p);
+}
+
+// One value of Muon's momentum: buf (decoded) in place; returns the update Muon orthogonalizes. Branch-free (muon_lanes).
+inline float muon_lane(float g, float& buf, const Momentum& h) {
+  buf = h.buffer_lerp(buf, g);
+  return select(mask_of(h.nesterov), h.nesterov_lerp(g, buf), buf);
 }
 
 // The code of a normalized value: its bucket's entry and at most one threshold compare.

@@ -1,0 +1,199 @@
+"""The C++ CPU step of QSGD's and QMuon's coded momentum buffers (``kernels/native.py``: ``native_momentum_steps``;
+issue #22).
+
+Round to nearest, the native path writes the reference path's buffer codes and scales and the same params bit for bit
+(torch's single-tensor ``sgd`` and ``muon`` on the decoded buffer, as ``kernels.dispatch.native_kernel_available``
+patched to ``False`` forces it); stochastic rounding draws from the optimizer's ``rounding_generator``, independent of
+the thread count, resumes exactly from a checkpoint and is unbiased; a parameter with an inf/NaN gradient is skipped.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_native_formats import check_unbiased, same_bits
+
+import lightning_qstate as lq
+from lightning_qstate.formats import get_format
+from lightning_qstate.kernels import dispatch, native
+from lightning_qstate.kernels.native import native_momentum_steps
+
+pytestmark = pytest.mark.skipif(not native.native_kernel_available(), reason="no C++ compiler here: the optimizer uses another path")
+
+FORMATS = ["int8", "int4", "int6", "fp8_e4m3", "bf16"]
+# (optimizer, options): name -> case
+CASES = {
+    "sgd": (lq.QSGD, {"lr": 0.1, "momentum": 0.9}),
+    "sgd nesterov, decay": (lq.QSGD, {"lr": 0.1, "momentum": 0.9, "nesterov": True, "weight_decay": 1e-2}),
+    "sgd dampening, decay, maximize": (lq.QSGD, {"lr": 0.05, "momentum": 0.7, "dampening": 0.3, "weight_decay": 0.1, "maximize": True}),
+    "sgd lr tensor, nesterov, maximize": (lq.QSGD, {"lr": torch.tensor(0.03), "momentum": 0.6, "nesterov": True, "maximize": True}),
+    "muon": (lq.QMuon, {"lr": 0.02}),
+    "muon plain momentum": (lq.QMuon, {"lr": 0.02, "momentum": 0.3, "nesterov": False, "weight_decay": 0.0}),
+}
+SHAPES = [(64, 257), (3, 5)]  # partial last blocks and chunks, two threads' work (16 chunks each); one shorter than a vector
+
+
+def gradient(shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    """Gaussian values, with exact zeros of both signs (the sign of a zero survives into a bf16 buffer)."""
+    grad = torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+    grad.view(-1)[::7] = 0.0
+    grad.view(-1)[3::11] = -0.0
+    return grad
+
+
+def run(case: str, states: str, steps, native_path: bool = True, resume_from=None, **options):
+    """``case``'s optimizer on two parameters (``SHAPES``), stepped with ``gradient(shape, step)`` for each of
+    ``steps``, on the native path or (``native_path=False``) the reference path; ``resume_from``: (params, state dict)."""
+    cls, hyper = CASES[case]
+    params = [torch.nn.Parameter(torch.randn(shape, generator=torch.Generator().manual_seed(k))) for k, shape in enumerate(SHAPES)]
+    optimizer = cls(params, states=states, min_quant_size=0, generator=torch.Generator().manual_seed(3), **hyper, **options)
+    if resume_from is not None:
+        for param, saved in zip(params, resume_from[0], strict=True):
+            param.data.copy_(saved)
+        optimizer.load_state_dict(resume_from[1])
+    with pytest.MonkeyPatch.context() as patch:
+        if not native_path:
+            patch.setattr(dispatch, "native_kernel_available", lambda: False)
+        for step in steps:
+            for k, param in enumerate(params):
+                param.grad = gradient(param.shape, 10 * step + k)
+            optimizer.step()
+    return params, optimizer
+
+
+def buffers(optimizer, params) -> list:
+    return [optimizer.state[param]["momentum_buffer"] for param in params]
+
+
+@pytest.mark.parametrize("states", FORMATS)
+@pytest.mark.parametrize("case", list(CASES))
+def test_native_step_is_the_reference_path_bit_for_bit(case, states):
+    """Four steps (QSGD's first creates the buffer on the reference path): the buffers' codes and scales and the params
+    equal the reference path's bit for bit, and ``step_paths()`` reports ``native``."""
+    fast_params, fast = run(case, states, range(4))
+    slow_params, slow = run(case, states, range(4), native_path=False)
+    assert set(fast.step_paths().values()) == {"native"} and set(slow.step_paths().values()) == {"reference"}
+    for k, (a, b) in enumerate(zip(buffers(fast, fast_params), buffers(slow, slow_params), strict=True)):
+        assert same_bits(a.codes, b.codes) and same_bits(a.scales, b.scales), k
+    for a, b in zip(fast_params, slow_params, strict=True):
+        assert same_bits(a.detach(), b.detach())
+
+
+@pytest.mark.parametrize("case", ["sgd dampening, decay, maximize", "muon"])
+def test_native_stall_counts_are_the_reference_paths(case):
+    """``track_stalls``: the buffer's and the params' stall counts of the native path are the reference path's."""
+    counts = []
+    for native_path in (True, False):
+        params, optimizer = run(case, "int4", range(3), native_path=native_path, track_stalls=True)
+        optimizer.track_weight_stalls = True
+        for k, param in enumerate(params):
+            param.grad = gradient(param.shape, 100 + k)
+        with pytest.MonkeyPatch.context() as patch:
+            if not native_path:
+                patch.setattr(dispatch, "native_kernel_available", lambda: False)
+            optimizer.step()
+        counts.append({key: {name: c.tolist() for name, c in v.items()} for key, v in optimizer.stall_counts().items()})
+        assert set(optimizer.step_paths().values()) == {"native" if native_path else "reference"}
+    assert list(counts[0].values()) == list(counts[1].values())
+
+
+def test_paths_that_stay_on_the_reference():
+    """QSGD's first step (no buffer yet), fp32 buffers, weight grids, momentum 0 and ``cpu_compile=False`` take the
+    reference path; later steps of a coded buffer the native one."""
+    weight = torch.nn.Parameter(torch.randn(64, 64))
+
+    def paths(optimizer, steps=1) -> list[str]:
+        taken = []
+        for step in range(steps):
+            weight.grad = gradient(weight.shape, step)
+            optimizer.step()
+            taken.append(optimizer.step_paths()["param0"])
+        return taken
+
+    assert paths(lq.QSGD([weight], lr=0.01, momentum=0.9, min_quant_size=0), 2) == ["reference", "native"]
+    assert paths(lq.QMuon([weight], lr=0.01, min_quant_size=0)) == ["native"]
+    assert paths(lq.QSGD([weight], lr=0.01, momentum=0.9, min_quant_size=1 << 20), 2) == ["reference"] * 2  # an fp32 buffer
+    assert paths(lq.QSGD([weight], lr=0.01, momentum=0.0, min_quant_size=0), 2) == ["reference"] * 2
+    assert paths(lq.QMuon([weight], lr=0.01, min_quant_size=0, weights="bf16")) == ["reference"]
+    slow = lq.QMuon([weight], lr=0.01, min_quant_size=0)
+    slow.cpu_compile = False
+    assert paths(slow) == ["reference"]
+
+
+@pytest.mark.parametrize("case", ["sgd nesterov, decay", "muon"])
+def test_a_nonfinite_gradient_skips_its_parameter(case):
+    """An inf/NaN gradient: that parameter and its buffer are left as they were (counted in ``nonfinite_skips``), the
+    other one steps as on the reference path; ``nonfinite="raise"`` raises."""
+    results = []
+    for native_path in (True, False):
+        params, optimizer = run(case, "int8", range(2), native_path=native_path)
+        before = (params[0].detach().clone(), buffers(optimizer, params)[0].codes.clone())
+        params[0].grad, params[1].grad = torch.full(params[0].shape, float("nan")), gradient(params[1].shape, 7)
+        with pytest.MonkeyPatch.context() as patch, pytest.warns(RuntimeWarning, match="non-finite gradient"):
+            if not native_path:
+                patch.setattr(dispatch, "native_kernel_available", lambda: False)
+            optimizer.step()
+        assert optimizer.nonfinite_skips == 1 and same_bits(params[0].detach(), before[0])
+        assert same_bits(buffers(optimizer, params)[0].codes, before[1])
+        results.append((params[1].detach(), buffers(optimizer, params)[1].codes))
+    assert same_bits(results[0][0], results[1][0]) and same_bits(results[0][1], results[1][1])
+    params, optimizer = run(case, "int8", range(1), nonfinite="raise")
+    params[0].grad = torch.full(params[0].shape, float("inf"))
+    with pytest.raises(FloatingPointError, match="non-finite gradient"):
+        optimizer.step()
+
+
+def test_a_buffer_that_overflows_raises():
+    """A finite gradient that takes the buffer past fp32's range: FloatingPointError, as the Adam kernel's."""
+    weight = torch.nn.Parameter(torch.zeros(1000))
+    optimizer = lq.QSGD([weight], lr=0.01, momentum=0.9, min_quant_size=0)
+    weight.grad = torch.full((1000,), 3e38)
+    optimizer.step()  # the buffer: the gradient
+    with pytest.raises(FloatingPointError, match="momentum buffer overflowed"):
+        optimizer.step()
+
+
+@pytest.mark.parametrize("states", ["int4", "bf16"])
+@pytest.mark.parametrize("case", ["sgd nesterov, decay", "muon"])
+def test_stochastic_rounding_reproduces_across_threads_and_resumes_exactly(case, states):
+    """SR seeds from ``rounding_generator(key, "momentum_buffer")``: the same generator seed gives the same codes and
+    params with 1 and 2 threads, and a run resumed from a state dict after step 2 rounds steps 3-4 as the
+    uninterrupted run does."""
+    saved = torch.get_num_threads()
+    runs = []
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            runs.append(run(case, states, range(4), rounding="stochastic"))
+    finally:
+        torch.set_num_threads(saved)
+    half_params, half = run(case, states, range(2), rounding="stochastic")
+    checkpoint = ([p.detach().clone() for p in half_params], half.state_dict())
+    runs.append(run(case, states, range(2, 4), rounding="stochastic", resume_from=checkpoint))
+    (params, optimizer), others = runs[0], runs[1:]
+    assert set(optimizer.step_paths().values()) == {"native"}
+    for other_params, other in others:
+        for a, b in zip(buffers(optimizer, params), buffers(other, other_params), strict=True):
+            assert same_bits(a.codes, b.codes) and same_bits(a.scales, b.scales)
+        for a, b in zip(params, other_params, strict=True):
+            assert same_bits(a.detach(), b.detach())
+
+
+@pytest.mark.parametrize("muon", [False, True], ids=["sgd", "muon"])
+@pytest.mark.parametrize("name", FORMATS)
+def test_kernel_stochastic_rounding_is_unbiased(name, muon):
+    """From a zero buffer, SGD's new buffer is the gradient and Muon's (without nesterov) its update, exactly: 64 SR
+    trials with their own seeds store one of its two neighbours each, unbiased (``check_unbiased``)."""
+    fmt = get_format(name, **({} if name == "bf16" else {"block_size": 64}))
+    numel = 64 * 40 + 21
+    generator = torch.Generator().manual_seed(0)
+    grad = torch.randn(numel, generator=generator) * 10.0 ** (-3 * torch.rand(numel, generator=generator))
+    group = {"lr": 0.0, "weight_decay": 0.0, "momentum": 0.5, "dampening": 0.0, "nesterov": False, "rounding": "stochastic"}
+    draws = []
+    for trial in range(64):
+        buffer = fmt.quantize(torch.zeros(numel))
+        rows, updates = native_momentum_steps([torch.zeros(numel)], [grad], [buffer], group, muon, False, [trial + 1])
+        assert rows == [[1, 1, 0, 0]]
+        target = updates[0] if muon else grad
+        draws.append(buffer.dequantize())
+    check_unbiased(f"{name} {'muon' if muon else 'sgd'}", target, torch.stack(draws))
