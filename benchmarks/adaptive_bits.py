@@ -88,6 +88,7 @@ DEFAULT_OUT = ROOT / "benchmarks" / "results" / "adaptive_bits.md"
 # The targets: average bits and saving vs fp32 (STQuant's), final loss within 0.3 % of fixed int8 and below fixed int4
 # by more than two standard errors of the paired per-seed differences (issue #21).
 PAPER_BITS, PAPER_SAVING, QUALITY_TOLERANCE, INT4_MARGIN_SE = 5.1, 0.84, 0.003, 2.0
+UPDATE_RATIO = 1.5  # the adaptive run's optimizer update against torch's AdamW on fp32 states (issue #22)
 
 
 @dataclass(frozen=True)
@@ -142,11 +143,39 @@ def model_setups(args: argparse.Namespace) -> dict[str, ModelSetup]:
 
 
 class StepTimer(Callback):
-    """Wall time of every training step (batch start to batch end)."""
+    """Wall time of every training step (batch start to batch end), and of every optimizer update: ``optimizer.step``
+    less the closure it runs (forward, backward, clipping and the callbacks' ``on_before_optimizer_step``, where
+    AdaptiveBitWidth's checks run), so the update of every configuration, torch's AdamW included, is timed alike."""
 
     def __init__(self) -> None:
         self.seconds: list[float] = []
+        self.update_seconds: list[float] = []
         self._start = 0.0
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        (optimizer,) = trainer.optimizers
+        step = optimizer.step
+
+        def timed_step(closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
+            inside = 0.0
+
+            def timed_closure() -> Any:
+                nonlocal inside
+                start = time.perf_counter()
+                try:
+                    return closure()
+                finally:
+                    inside += time.perf_counter() - start
+
+            start = time.perf_counter()
+            result = step(closure=None if closure is None else timed_closure, **kwargs)
+            self.update_seconds.append(time.perf_counter() - start - inside)
+            return result
+
+        optimizer.step = timed_step  # the precision plugin calls optimizer.step(closure=...) on this instance
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        del trainer.optimizers[0].step  # the class's step again
 
     def on_train_batch_start(self, *args) -> None:
         self._start = time.perf_counter()
@@ -170,6 +199,7 @@ class Row:
     overhead_seconds: float | None = None
     adaptive: dict[str, float] = field(default_factory=dict)
     formats: dict[str, dict[str, int]] = field(default_factory=dict)
+    update_seconds: list[float] = field(default_factory=list)  # each optimizer update (StepTimer); empty in older rows
 
     @property
     def train_seconds(self) -> float:
@@ -229,6 +259,7 @@ def run_config(setup: ModelSetup, config: str, seed: int, args: argparse.Namespa
         adaptive.overhead_seconds if adaptive is not None else None,
         adaptive.metrics() if adaptive is not None else {},
         summary["state_formats"],
+        timer.update_seconds,
     )
 
 
@@ -274,6 +305,11 @@ class Summary:
 
     runs: list[Row]
 
+    @property
+    def update_seconds(self) -> list[float]:
+        """Every optimizer update of every seed (empty for rows saved before updates were timed)."""
+        return [seconds for row in self.runs for seconds in row.update_seconds]
+
     def mean(self, value: Callable[[Row], float]) -> float:
         return statistics.fmean(value(row) for row in self.runs)
 
@@ -318,7 +354,8 @@ def model_table(setup: ModelSetup, rows: list[Row]) -> list[str]:
     head = (
         "| config | val loss | "
         + ("val acc | " if accuracy else "")
-        + "Δ mean loss vs int8 | avg bits/value | state bytes | saved vs fp32 | median step ms | all steps s | callback overhead |"
+        + "Δ mean loss vs int8 | avg bits/value | state bytes | saved vs fp32 | median step ms | median update ms | all steps s "
+        + "| callback overhead |"
     )
     lines += [head, "|---|" + "---:|" * (head.count("|") - 2)]
     for config, summary in by_config.items():
@@ -332,6 +369,7 @@ def model_table(setup: ModelSetup, rows: list[Row]) -> list[str]:
             f"{summary.mean(lambda row: row.state_bytes) / 1e6:.3f} MB",
             f"{100 * summary.mean(lambda row: row.saving):.1f} %",
             fmt_ms([seconds for row in summary.runs for seconds in row.step_seconds]),
+            fmt_ms(summary.update_seconds),
             f"{summary.mean(lambda row: row.train_seconds):.0f}",
             "–" if overhead is None else f"{100 * overhead:.2f} %",
         ]
@@ -377,6 +415,10 @@ def verdicts(rows: list[Row]) -> list[str]:
                 (f"state memory >= {100 * PAPER_SAVING:.0f} % below fp32", saving >= PAPER_SAVING, f"{100 * saving:.1f} %"),
                 ("callback overhead <= 2 % of step time", overhead <= 0.02, f"{100 * overhead:.2f} %"),
             ]
+            fp32 = by_config.get("fp32")
+            if fp32 is not None and fp32.update_seconds and adaptive.update_seconds:
+                ratio = statistics.median(adaptive.update_seconds) / statistics.median(fp32.update_seconds)
+                checks.append((f"optimizer update <= {UPDATE_RATIO}x fp32 AdamW's (medians)", ratio <= UPDATE_RATIO, f"{ratio:.2f}x"))
             for key, label, sign in (("val_loss", "final val loss", 1), ("val_acc", "final val accuracy", -1)):
                 if int8 is not None and key in int8.runs[0].metrics:
                     mean, error, paired = paired_difference(adaptive, int8, key)
@@ -435,7 +477,9 @@ def report(args: argparse.Namespace, setups: dict[str, ModelSetup], rows: list[R
         f"`AdaptiveBitWidth(target_bits={args.target_bits}, interval=K, hysteresis={args.hysteresis})`, default zone formats "
         f"(m: {', '.join(DEFAULT_M_FORMATS.values())}; v: {', '.join(DEFAULT_V_FORMATS.values())}; critical to redundant)",
         "- val loss and val acc: mean ± sample standard deviation over the seeds; Δ mean loss: the mean against fixed int8's mean; "
-        "avg bits/value, state bytes, saved and all steps s: means over the seeds; median step ms: over the steps of all seeds",
+        "avg bits/value, state bytes, saved and all steps s: means over the seeds; median step ms: over the steps of all seeds; "
+        "median update ms: of the optimizer updates of all seeds (`optimizer.step` less its closure: forward, backward, "
+        "clipping and the callbacks' checks excluded; n/a: runs saved before updates were timed)",
         "- avg bits/value and state bytes: `state_summary` of the optimizer at the end "
         "(all m and v values, fp32 ones included, scales included)",
         "- callback overhead: time in its hooks (statistics, all-reduce, decisions, re-encoding; no logger here) "

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -205,6 +206,21 @@ def test_the_floor_formats_are_a_last_resort():
     ):
         with pytest.raises(ValueError, match=message):
             BitWidthPlanner(optimizer, model, floor_formats=floor)
+
+
+def test_a_narrow_v_rounded_to_nearest_is_warned_about():
+    """Below 8 bits a v written RN ratchets: the planner says so and what to do; stochastic rounding, or v kept at 8
+    bits (zones and floor), plan without a warning."""
+    model = torch.nn.Linear(64, 64)
+    nearest = lightning_qstate.QAdamW(model.parameters(), min_quant_size=0)
+    with pytest.warns(UserWarning, match=r"v \(exp_avg_sq\) may be stored in int4, int5, int6, int7 .*rounding='stochastic'"):
+        BitWidthPlanner(nearest, model)
+    eight_bits = {"v_formats": dict.fromkeys(ZONES, "int8"), "floor_formats": {"exp_avg": "int4"}}
+    stochastic = lightning_qstate.QAdamW(model.parameters(), min_quant_size=0, rounding="stochastic")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        BitWidthPlanner(stochastic, model)
+        BitWidthPlanner(nearest, model, target_bits=None, **eight_bits)
 
 
 def test_importing_the_planner_does_not_import_lightning():

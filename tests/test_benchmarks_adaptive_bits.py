@@ -59,6 +59,7 @@ def test_quick_run(bench: ModuleType, tmp_path: Path, monkeypatch: pytest.Monkey
         assert 5.0 < bits["m4_v6"] < 5.5  # dense 6-bit v: 6 bits a value, not 8
         assert bits["adaptive"] <= 5.1 and bits["adaptive_sr"] <= 5.1 and 4.0 < bits["int4_sr"] < 4.5
         assert "%" in means["adaptive"]["callback overhead"] and means["fp32"]["callback overhead"] == "–"
+        assert all(float(row["median update ms"]) > 0 for row in means.values())
         assert means["int8"]["Δ mean loss vs int8"] == "+0.00 %"
         loss, spread = (float(part) for part in means["adaptive"]["val loss"].split(" ± "))  # mean ± sd over the two seeds
         seed_losses = [float(per_seed["adaptive"][f"seed {seed}"].split()[0].rstrip(",")) for seed in (0, 1)]  # "loss (acc), Δ ..."
@@ -67,8 +68,10 @@ def test_quick_run(bench: ModuleType, tmp_path: Path, monkeypatch: pytest.Monkey
         )
         assert "Δ" in per_seed["adaptive"]["seed 1"] and "Δ" not in per_seed["int8"]["seed 1"]
         assert section.count("\nadaptive, seed ") == section.count("\nadaptive_sr, seed ") == 2 and "at the end: zones critical" in section
-    # per adaptive configuration: bits, saving, overhead, loss vs int8, int4 and int4_sr; ViT: accuracy vs the three too
-    assert text.count("PASS") + text.count("FAIL") == 2 * (6 + 9)
+    # per adaptive configuration: bits, saving, overhead, the update against fp32's, loss vs int8, int4 and int4_sr; ViT:
+    # accuracy vs the three too
+    assert text.count("PASS") + text.count("FAIL") == 2 * (7 + 10)
+    assert text.count("optimizer update <= 1.5x fp32 AdamW's (medians)") == 4
     assert text.count("- gpt adaptive_sr: final val loss: better than fixed int4_sr by more than 2 standard errors") == 1
     assert text.count("(standard error)") == 2 * 3  # the paired per-seed differences against int8
     assert text.count("better than fixed int4 by more than 2 standard errors") == text.count("better than fixed int4_sr by") == 2 * 3
