@@ -142,6 +142,33 @@ def model_setups(args: argparse.Namespace) -> dict[str, ModelSetup]:
     }  # fmt: skip
 
 
+def timed_optimizer_step(optimizer: torch.optim.Optimizer, seconds: list[float]) -> Callable[..., Any]:
+    """Replace ``optimizer.step`` on the instance by one that appends the time of each call, less the closure it runs,
+    to ``seconds``; returns the step it replaced (assign it back to stop). Torch's LR scheduler finds its mark on it."""
+    step = optimizer.step
+
+    def timed(closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
+        inside = 0.0
+
+        def measured() -> Any:
+            nonlocal inside
+            start = time.perf_counter()
+            try:
+                return closure()
+            finally:
+                inside += time.perf_counter() - start
+
+        start = time.perf_counter()
+        result = step(closure=None if closure is None else measured, **kwargs)
+        seconds.append(time.perf_counter() - start - inside)
+        return result
+
+    if hasattr(step, "_wrapped_by_lr_sched"):  # torch's LR scheduler checks its wrapper is still there
+        timed._wrapped_by_lr_sched = True
+    optimizer.step = timed  # the precision plugin calls optimizer.step(closure=...) on this instance
+    return step
+
+
 class StepTimer(Callback):
     """Wall time of every training step (batch start to batch end), and of every optimizer update: ``optimizer.step``
     less the closure it runs (forward, backward, clipping and the callbacks' ``on_before_optimizer_step``, where
@@ -151,31 +178,14 @@ class StepTimer(Callback):
         self.seconds: list[float] = []
         self.update_seconds: list[float] = []
         self._start = 0.0
+        self._step: Callable[..., Any] | None = None
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         (optimizer,) = trainer.optimizers
-        step = optimizer.step
-
-        def timed_step(closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
-            inside = 0.0
-
-            def timed_closure() -> Any:
-                nonlocal inside
-                start = time.perf_counter()
-                try:
-                    return closure()
-                finally:
-                    inside += time.perf_counter() - start
-
-            start = time.perf_counter()
-            result = step(closure=None if closure is None else timed_closure, **kwargs)
-            self.update_seconds.append(time.perf_counter() - start - inside)
-            return result
-
-        optimizer.step = timed_step  # the precision plugin calls optimizer.step(closure=...) on this instance
+        self._step = timed_optimizer_step(optimizer, self.update_seconds)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        del trainer.optimizers[0].step  # the class's step again
+        trainer.optimizers[0].step = self._step
 
     def on_train_batch_start(self, *args) -> None:
         self._start = time.perf_counter()
@@ -369,7 +379,7 @@ def model_table(setup: ModelSetup, rows: list[Row]) -> list[str]:
             f"{summary.mean(lambda row: row.state_bytes) / 1e6:.3f} MB",
             f"{100 * summary.mean(lambda row: row.saving):.1f} %",
             fmt_ms([seconds for row in summary.runs for seconds in row.step_seconds]),
-            fmt_ms(summary.update_seconds),
+            fmt_ms(summary.update_seconds, digits=1),
             f"{summary.mean(lambda row: row.train_seconds):.0f}",
             "–" if overhead is None else f"{100 * overhead:.2f} %",
         ]
@@ -454,8 +464,8 @@ def paired_difference(runs: Summary, reference: Summary, key: str) -> tuple[floa
     return statistics.fmean(deltas), error, ", ".join(f"{100 * delta:+.1f} %" for delta in deltas)
 
 
-def fmt_ms(seconds: list[float]) -> str:
-    return f"{1000 * statistics.median(seconds):.0f}" if seconds else "n/a"
+def fmt_ms(seconds: list[float], digits: int = 0) -> str:
+    return f"{1000 * statistics.median(seconds):.{digits}f}" if seconds else "n/a"
 
 
 def report(args: argparse.Namespace, setups: dict[str, ModelSetup], rows: list[Row], seconds: float, argv: list[str]) -> str:

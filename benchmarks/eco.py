@@ -105,7 +105,7 @@ def _sibling(stem: str) -> ModuleType:
 _adaptive, _optim = _sibling("adaptive_bits"), _sibling("optim")
 Summary, summaries, fmt_ms, benchmark_trainer = _adaptive.Summary, _adaptive.summaries, _adaptive.fmt_ms, _adaptive.benchmark_trainer
 source_digest, _version = _optim.source_digest, _optim._version
-load_rows, save_row = _adaptive.load_rows, _adaptive.save_row
+load_rows, save_row, timed_optimizer_step = _adaptive.load_rows, _adaptive.save_row, _adaptive.timed_optimizer_step
 
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "eco.md"
 DEFAULT_SEEDS, DEFAULT_STEPS, QUICK_STEPS = [0, 1, 2, 3, 4], 400, 6
@@ -262,27 +262,7 @@ class OptimizerStepTimer(Callback):
 
     def on_train_start(self, trainer, pl_module) -> None:
         self.optimizer = optimizer = trainer.strategy.optimizers[0]
-        self._step = step = optimizer.step
-
-        def timed(closure=None, **kwargs):
-            inside = 0.0
-
-            def measured():
-                nonlocal inside
-                start = time.perf_counter()
-                try:
-                    return closure()
-                finally:
-                    inside += time.perf_counter() - start
-
-            start = time.perf_counter()
-            result = step(closure=None if closure is None else measured, **kwargs)
-            self.seconds.append(time.perf_counter() - start - inside)
-            return result
-
-        if hasattr(step, "_wrapped_by_lr_sched"):  # torch's LR scheduler checks its wrapper is still there
-            timed._wrapped_by_lr_sched = True
-        optimizer.step = timed
+        self._step = timed_optimizer_step(optimizer, self.seconds)
 
     def on_train_end(self, trainer, pl_module) -> None:
         optimizer = self.optimizer
