@@ -255,13 +255,17 @@ class BitWidthPlanner:
         self._solve(count_transitions=False)  # raises here if even every layer's cheapest formats miss target_bits
         self._warn_nearest_v()
 
+    def candidates(self, state: str) -> set[str]:
+        """Every format name ``state`` (``exp_avg`` or ``exp_avg_sq``) may be stored in: its zones' and its floor's."""
+        floor = self.floor_formats.get(state)
+        return {*self.formats[state].values(), *([floor] if floor is not None else [])}
+
     def _warn_nearest_v(self) -> None:
         """Warn (once per planner) where ``v`` may go below 8 bits in a param group that rounds to nearest: such a ``v``
         ratchets (``1 - beta2`` is under half a code gap, so it only falls with its block's scale) and the plan's bits
         buy little (GPT benchmark, 10 seeds, against fixed int8: adaptive at 5.1 bits +1.25 % loss with round to
         nearest, about int4's; -0.32 % with stochastic rounding, 1.42 % below int4)."""
-        floor = [self.floor_formats["exp_avg_sq"]] if "exp_avg_sq" in self.floor_formats else []
-        narrow = sorted(name for name in {*self.formats["exp_avg_sq"].values(), *floor} if get_format(name).bits < 8)
+        narrow = sorted(name for name in self.candidates("exp_avg_sq") if get_format(name).bits < 8)
         nearest = any(layer.pinned is None and layer.group["rounding"] == "nearest" for layer in self.layers)
         if narrow and nearest:
             warnings.warn(
@@ -290,8 +294,8 @@ class BitWidthPlanner:
                 if pinned is None:
                     layer.nbytes = {
                         (state, name): resolved_nbytes({**group, "states": name}, state, param, numel)
-                        for state, per_zone in self.formats.items()
-                        for name in {*per_zone.values(), *([self.floor_formats[state]] if state in self.floor_formats else [])}
+                        for state in ADAPTED_STATES
+                        for name in self.candidates(state)
                     }
                 layers.append(layer)
         return layers
