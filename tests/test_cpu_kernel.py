@@ -81,6 +81,7 @@ def test_nearest_code_index_gives_the_reference_codes(name):
     threshold = index.key_base + (key << index.key_shift) + (entry >> 9)
     up = (entry & 0x100).bool() & torch.where(negative, magnitude <= threshold, magnitude >= threshold)
     assert torch.equal((entry & 0xFF) + up.to(torch.int64), fmt.encode(x, "nearest", None).to(torch.int64))
+    assert torch.equal(index.search_codes(x), fmt.encode(x, "nearest", None).to(torch.int64))  # the AVX-512 encoder's search
     if fmt.min_code:
         assert not torch.equal(index.bucket_entries, NearestCodeIndex.build(fmt.codebook).bucket_entries)
         assert bool((encode_codebook(x, fmt.index, "nearest") < fmt.min_code).any())  # the clamp is exercised

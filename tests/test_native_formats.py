@@ -15,7 +15,8 @@ import pytest
 import torch
 
 import lightning_qstate as lq
-from lightning_qstate.formats import MinifloatFormat, get_format
+from lightning_qstate.formats import CodebookFormat, MinifloatFormat, get_format
+from lightning_qstate.formats.codebooks import nearest_thresholds
 from lightning_qstate.formats.weights import get_weight_grid
 from lightning_qstate.kernels import native
 from lightning_qstate.kernels.adam_reference import adam_hyper, adam_step_quantized
@@ -140,6 +141,45 @@ def test_kernel_encodes_minifloats_like_the_reference(name, absmax):
     hard = torch.cat([hard, values.float(), torch.tensor([0.0, -0.0, 1e-30, -1e-30])]).clamp(-1, 1) * absmax
     rows = hard[: hard.numel() // 63 * 63].view(-1, 63)
     grad = torch.cat([torch.full((rows.shape[0], 1), absmax), rows], dim=1).view(-1)
+    group = adam_group(betas=(0.0, 0.999), weight_decay=0.0)
+    state, reference = (adam_state(fmt, get_format("int8", signed=False), grad.numel(), 0) for _ in range(2))
+    native_adam_steps([torch.zeros(grad.numel())], [grad], [state], group, track_stalls=False)
+    reference_step(torch.zeros(grad.numel()), grad, reference, group, track=False)
+    assert torch.equal(state["exp_avg"].codes, reference["exp_avg"].codes)
+    assert torch.equal(state["exp_avg"].scales, reference["exp_avg"].scales)
+
+
+CODEBOOKS = {
+    **{f"{name} {kind}": get_format(name, signed=kind == "signed", block_size=64)
+       for name in ["int4", "int4_linear", "int5", "int6", "int6_linear", "int7", "int7_linear"] for kind in ["signed", "unsigned"]},
+    "3 values (padded search)": CodebookFormat("three", torch.tensor([-1.0, 0.0, 1.0], dtype=torch.float64), 64, signed=True),
+    "8 values": CodebookFormat("eight", torch.linspace(-1, 1, 8, dtype=torch.float64) ** 3, 64, signed=True),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(CODEBOOKS))
+def test_kernel_encodes_codebooks_like_the_reference(name):
+    """The AVX-512 encoder's binary search of the thresholds (and the scalar encoder's buckets, for the tail of each
+    block) on every rounding threshold of a 2- to 7-bit codebook and its fp32 neighbours: with beta1 = 0 and no weight
+    decay the new ``m`` is the gradient, in blocks of 64 that each hold the scale 1.0, so the codes are the reference
+    encoder's of these values."""
+    fmt = CODEBOOKS[name]
+    signed = fmt.signed
+    thresholds = nearest_thresholds(fmt.codebook)
+    thresholds = thresholds[thresholds.isfinite()]
+    hard = torch.cat(
+        [
+            thresholds,
+            torch.nextafter(thresholds, torch.full_like(thresholds, -2.0)),
+            torch.nextafter(thresholds, torch.full_like(thresholds, 2.0)),
+            fmt.codebook.float(),
+            torch.tensor([0.0, -0.0, 1e-30, -1e-30]),
+            torch.rand(2000, generator=torch.Generator().manual_seed(0)) * 2 - 1,
+        ]
+    )
+    hard = hard.clamp(-1, 1) if signed else hard.abs().clamp(max=1)
+    rows = torch.cat([hard, hard.flip(0)])[: hard.numel() // 63 * 63 * 2].view(-1, 63)
+    grad = torch.cat([torch.ones(rows.shape[0], 1), rows], dim=1).view(-1)
     group = adam_group(betas=(0.0, 0.999), weight_decay=0.0)
     state, reference = (adam_state(fmt, get_format("int8", signed=False), grad.numel(), 0) for _ in range(2))
     native_adam_steps([torch.zeros(grad.numel())], [grad], [state], group, track_stalls=False)

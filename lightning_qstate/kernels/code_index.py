@@ -23,6 +23,12 @@ class NearestCodeIndex:
     ``code = first + (inside and (|x| >= |t| if x >= 0 else |x| <= |t|))``, which equals
     ``encode_codebook(x, index, "nearest")`` clamped up to ``min_code`` for every fp32 ``x`` (tested exhaustively at
     the thresholds): the first ``min_code`` thresholds are taken as ``-inf``, so every bucket counts them.
+
+    The same code is the count of thresholds ``<= x``, which the AVX-512 encoder finds without the bucket table by a
+    branch-free binary search over the thresholds padded with ``+inf`` to ``2**depth - 1`` (``depth``: the bits of
+    the last code): ``search_levels`` holds, from offset ``2**L - 1``, the ``2**L`` thresholds level ``L`` may compare
+    with, ``t[j * 2 * s + s - 1]`` for ``s = 2**(depth - 1 - L)``, and the code is ``sum over L of s * (x >= levels_L[code
+    // (2 * s)])`` built level by level (``search_codes``).
     """
 
     decode: torch.Tensor  # (256,) fp32 codebook values, padded with 0
@@ -30,6 +36,8 @@ class NearestCodeIndex:
     key_base: int
     key_shift: int
     half: int
+    search_levels: torch.Tensor  # (256,) fp32, level L from offset 2**L - 1
+    depth: int
 
     @staticmethod
     def build(codebook: torch.Tensor, min_code: int = 0) -> NearestCodeIndex | None:
@@ -44,11 +52,27 @@ class NearestCodeIndex:
         key_base = (exponent + 127) << 23  # fp32 pattern of the binade start at or below the smallest |threshold|
         decode = torch.zeros(256)
         decode[: codebook.numel()] = codebook
+        depth = (codebook.numel() - 1).bit_length()
+        padded = torch.full((2**depth - 1,), torch.inf)
+        padded[: thresholds.numel()] = thresholds
+        levels = torch.zeros(256)
+        for level in range(depth):
+            step = 2 ** (depth - 1 - level)
+            levels[2**level - 1 : 2 ** (level + 1) - 1] = padded[step - 1 :: 2 * step]
         for key_bits in range(4, 16):
             entries = NearestCodeIndex._bucket_entries(thresholds, key_base, 23 - key_bits)
             if entries is not None:
-                return NearestCodeIndex(decode, entries, key_base, 23 - key_bits, entries.numel() // 2)
+                return NearestCodeIndex(decode, entries, key_base, 23 - key_bits, entries.numel() // 2, levels, depth)
         return None
+
+    def search_codes(self, x: torch.Tensor) -> torch.Tensor:
+        """The AVX-512 encoder's codes of fp32 ``x`` (int64, same shape), from ``search_levels`` as the kernel searches."""
+        code = torch.zeros(x.shape, dtype=torch.int64)
+        for level in range(self.depth):
+            step = 2 ** (self.depth - 1 - level)
+            threshold = self.search_levels[2**level - 1 + torch.div(code, 2 * step, rounding_mode="floor")]
+            code = code + step * (threshold <= x).to(torch.int64)
+        return code
 
     @staticmethod
     def _bucket_entries(thresholds: torch.Tensor, key_base: int, key_shift: int) -> torch.Tensor | None:

@@ -52,7 +52,9 @@ format's ``encode`` (``encode_codebook`` clamped up to ``min_code``) exactly. Wi
 multiplies by reciprocals where the reference divides, so params are within a few ulps of the update of the
 reference's; on a weight grid (round to nearest) params and codes are the reference's bit for bit, ECO's too. With
 AVX-512 the body of each block runs 16 lanes at a time (table lookups by register permutes, not gathers; with VBMI,
-64 codes at a time from byte planes of the table); the scalar code runs the rest and is the whole kernel on other CPUs.
+64 codes at a time from byte planes of the table; a codebook of at most 128 codes encoded by a branch-free binary
+search of its thresholds, ``NearestCodeIndex.search_levels``, one register permute per level, and an 8-bit one by its
+bucket table, a gather); the scalar code runs the rest and is the whole kernel on other CPUs.
 
 ``momentum_steps`` (``native_momentum_steps``) is the same machinery for QSGD's and QMuon's ``momentum_buffer`` (any
 format above, either rounding; fp32 parameters without a weight grid): the group's gradients checked, then each
@@ -148,20 +150,22 @@ def _function(name: str):
 CODEBOOK, MINIFLOAT, CAST = 0, 1, 2
 _NO_ENTRIES = torch.zeros(1, dtype=torch.int32)
 _NO_SCALES = torch.zeros(0)  # a cast state's scales
+_NO_LEVELS = torch.zeros(256)  # a minifloat's or cast's search levels
 
 
 @functools.cache
 def _state_layout(fmt: StorageFormat) -> tuple[list[torch.Tensor], list[int], float]:
     """The kernel's description of one moment format (``State`` in ``csrc/adam_cpu.h``): tables ``[decode, entries,
-    planes]`` (decode: ``(256,)`` fp32 values of the codes; entries: the ``NearestCodeIndex`` buckets of a codebook;
-    planes: ``(4, 256)`` uint8, byte ``j`` of every decode value in row ``j``, for the VBMI decoder), the integers
+    planes, levels]`` (decode: ``(256,)`` fp32 values of the codes; entries: the ``NearestCodeIndex`` buckets of a
+    codebook, for the scalar encoder; planes: ``(4, 256)`` uint8, byte ``j`` of every decode value in row ``j``, for the
+    VBMI decoder; levels: a codebook's ``NearestCodeIndex.search_levels``, for the AVX-512 encoder), the integers
     ``[kind, bits, block, key_base, key_shift, half, mantissa_bits, bias, max_code, min_code, has_sign, zero_free]``
     and a minifloat's largest value (a codebook's ``max_code`` column: its last code; the kernel appends the
     ``stochastic`` column)."""
-    decode, entries, ints = torch.zeros(256), _NO_ENTRIES, [0] * 12
+    decode, entries, levels, ints = torch.zeros(256), _NO_ENTRIES, _NO_LEVELS, [0] * 12
     if isinstance(fmt, CodebookFormat):
         index = nearest_index(fmt)
-        decode, entries = index.decode, index.bucket_entries
+        decode, entries, levels = index.decode, index.bucket_entries, index.search_levels
         ints[:6] = [CODEBOOK, fmt.bits, fmt.block_size, index.key_base, index.key_shift, index.half]
         ints[8:10] = [fmt.codebook.numel() - 1, fmt.min_code]
     elif isinstance(fmt, MinifloatFormat):
@@ -173,11 +177,11 @@ def _state_layout(fmt: StorageFormat) -> tuple[list[torch.Tensor], list[int], fl
         ints[:3] = [CAST, fmt.bits, 0]
         ints[11] = int(fmt.zero_free)
     planes = decode.view(torch.uint8).view(256, 4).t().contiguous()
-    return [decode, entries, planes], ints, float(getattr(fmt, "max_value", 0.0))
+    return [decode, entries, planes, levels], ints, float(getattr(fmt, "max_value", 0.0))
 
 
 def _state_rows(states: list[QuantizedTensor], stochastic: bool) -> tuple[list[torch.Tensor], list[list[int]], list[float]]:
-    """The kernel's ``tables`` (three per state), ``ints`` rows (``_state_layout``'s, then the ``stochastic`` column)
+    """The kernel's ``tables`` (four per state), ``ints`` rows (``_state_layout``'s, then the ``stochastic`` column)
     and ``floats`` of ``states``, in order."""
     tables, ints, floats = [], [], []
     for q in states:

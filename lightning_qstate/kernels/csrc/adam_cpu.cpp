@@ -106,10 +106,13 @@ void encode_block(const float* __restrict__ x, float divisor, bool finite, const
   int64_t i = 0;
 #ifdef QSTATE_AVX512
   const __m512 d = _mm512_set1_ps(divisor), r = _mm512_set1_ps(reciprocal);
-  for (; i + 16 <= n; i += 16) {
-    const __m512 value = _mm512_loadu_ps(x + i), estimate = _mm512_mul_ps(value, r);
-    encode16<Nonnegative>(_mm512_fmadd_ps(_mm512_fnmadd_ps(estimate, d, value), r, estimate), cb, out + i);
-  }
+  with_depth(cb.depth, [&]<int Depth>(std::integral_constant<int, Depth>) {
+    for (; i + 16 <= n; i += 16) {
+      const __m512 value = _mm512_loadu_ps(x + i), estimate = _mm512_mul_ps(value, r);
+      const __m512 q = _mm512_fmadd_ps(_mm512_fnmadd_ps(estimate, d, value), r, estimate);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), _mm512_cvtepi32_epi8(codebook_codes16<Depth, Nonnegative>(q, cb)));
+    }
+  });
 #endif
   for (; i < n; ++i) {
     const float estimate = x[i] * reciprocal;
@@ -185,9 +188,27 @@ void decode_nibbles(const uint8_t* __restrict__ codes, const float* __restrict__
   for (; i < n; ++i) out[i] = decode[(codes[i / 2] >> (4 * (i & 1))) & 0x0F] * scale;
 }
 
+#ifdef QSTATE_AVX512
+// The 2 * bits bytes of two groups of dense codes (5 to 7 bits) as two words (a masked load: nothing read beyond them).
+inline void load_two_groups(const uint8_t* codes, int32_t bits, uint64_t& low, uint64_t& high) {
+  const __m128i bytes = _mm_maskz_loadu_epi8(static_cast<__mmask16>((1u << (2 * bits)) - 1), codes);
+  const uint64_t first = static_cast<uint64_t>(_mm_cvtsi128_si64(bytes)), second = static_cast<uint64_t>(_mm_extract_epi64(bytes, 1));
+  const int32_t width = 8 * bits;  // 40 to 56
+  low = first & ((uint64_t{1} << width) - 1);
+  high = (first >> width) | (second << (64 - width));
+}
+
+// Two groups of dense codes (words ``low``, ``high``) stored in their 2 * bits bytes (a masked store).
+inline void store_two_groups(uint64_t low, uint64_t high, int32_t bits, uint8_t* out) {
+  const int32_t width = 8 * bits;
+  const __m128i bytes = _mm_set_epi64x(static_cast<int64_t>(high >> (64 - width)), static_cast<int64_t>(low | (high << width)));
+  _mm_mask_storeu_epi8(out, static_cast<__mmask16>((1u << (2 * bits)) - 1), bytes);
+}
+#endif
+
 // n values of dense codes (groups of 8 codes of ``bits`` bits in ``bits`` bytes, State) to out; a group's bytes read
 // as a little-endian word (x86-64), its codes shifted out of it (AVX-512: two groups at a time, 64-bit lane shifts and
-// the 256-entry table lookup).
+// the table lookup of 2^bits entries).
 void decode_dense(const uint8_t* __restrict__ codes, const float* __restrict__ decode, float scale, int64_t n, int32_t bits,
                   float* __restrict__ out) {
   const uint64_t mask = (uint64_t{1} << bits) - 1;
@@ -196,15 +217,16 @@ void decode_dense(const uint8_t* __restrict__ codes, const float* __restrict__ d
   const __m512i shifts = _mm512_set_epi64(7 * bits, 6 * bits, 5 * bits, 4 * bits, 3 * bits, 2 * bits, bits, 0);
   const __m512i code_mask = _mm512_set1_epi32(static_cast<int32_t>(mask));
   const __m512 factor = _mm512_set1_ps(scale);
-  for (; group + 16 <= n; group += 16) {
-    uint64_t low = 0, high = 0;
-    std::memcpy(&low, codes + group / 8 * bits, bits);
-    std::memcpy(&high, codes + (group / 8 + 1) * bits, bits);
-    const __m256i first = _mm512_cvtepi64_epi32(_mm512_srlv_epi64(_mm512_set1_epi64(static_cast<int64_t>(low)), shifts));
-    const __m256i second = _mm512_cvtepi64_epi32(_mm512_srlv_epi64(_mm512_set1_epi64(static_cast<int64_t>(high)), shifts));
-    const __m512i index = _mm512_and_si512(_mm512_inserti64x4(_mm512_castsi256_si512(first), second, 1), code_mask);
-    _mm512_storeu_ps(out + group, _mm512_mul_ps(lookup256(decode, index), factor));
-  }
+  with_depth(bits, [&]<int Bits>(std::integral_constant<int, Bits>) {
+    for (; group + 16 <= n; group += 16) {
+      uint64_t low, high;
+      load_two_groups(codes + group / 8 * bits, bits, low, high);
+      const __m256i first = _mm512_cvtepi64_epi32(_mm512_srlv_epi64(_mm512_set1_epi64(static_cast<int64_t>(low)), shifts));
+      const __m256i second = _mm512_cvtepi64_epi32(_mm512_srlv_epi64(_mm512_set1_epi64(static_cast<int64_t>(high)), shifts));
+      const __m512i index = _mm512_and_si512(_mm512_inserti64x4(_mm512_castsi256_si512(first), second, 1), code_mask);
+      _mm512_storeu_ps(out + group, _mm512_mul_ps(lookup<Bits>(decode, index), factor));
+    }
+  });
 #endif
   for (; group < n; group += 8) {
     uint64_t word = 0;
@@ -304,27 +326,28 @@ void encode_codes(const State& s, const float* __restrict__ x, float divisor, bo
   const __m512 d = _mm512_set1_ps(divisor);
   const int64_t b = s.bits;
   const __m512i dense_shifts = _mm512_set_epi64(7 * b, 6 * b, 5 * b, 4 * b, 3 * b, 2 * b, b, 0);
-  for (; i + 16 <= n; i += 16) {
-    const __m512 q = finite ? _mm512_div_ps(_mm512_loadu_ps(x + i), d) : _mm512_setzero_ps();
-    __m128i codes;
-    if (!s.stochastic) {
-      codes = minifloat ? encode_minifloat16<false>(q, s.mf, q) : encode16_codes<Nonnegative>(q, s.cb);
-    } else {
-      const __m512 uniform = uniform16(s, first + i);
-      codes = minifloat ? encode_minifloat16<true>(q, s.mf, uniform)
-                        : codebook_stochastic16(q, encode16_codes<Nonnegative>(q, s.cb), s.cb, s.last, s.min_code, uniform);
+  with_depth(s.cb.depth, [&]<int Depth>(std::integral_constant<int, Depth>) {  // a minifloat's depth: unused
+    for (; i + 16 <= n; i += 16) {
+      const __m512 q = finite ? _mm512_div_ps(_mm512_loadu_ps(x + i), d) : _mm512_setzero_ps();
+      __m128i codes;
+      if (!s.stochastic) {
+        codes = minifloat ? encode_minifloat16<false>(q, s.mf, q) : _mm512_cvtepi32_epi8(codebook_codes16<Depth, Nonnegative>(q, s.cb));
+      } else {
+        const __m512 uniform = uniform16(s, first + i);
+        codes = minifloat ? encode_minifloat16<true>(q, s.mf, uniform)
+                          : codebook_stochastic16<Depth, Nonnegative>(q, s.cb, s.last, s.min_code, uniform);
+      }
+      if (nibbles) {
+        pack16(codes, out + i / 2);
+      } else if (dense) {  // each group's 8 codes shifted to their bit fields in 64-bit lanes, OR-ed into its word
+        const uint64_t low = _mm512_reduce_or_epi64(_mm512_sllv_epi64(_mm512_cvtepu8_epi64(codes), dense_shifts));
+        const uint64_t high = _mm512_reduce_or_epi64(_mm512_sllv_epi64(_mm512_cvtepu8_epi64(_mm_srli_si128(codes, 8)), dense_shifts));
+        store_two_groups(low, high, s.bits, out + i / 8 * s.bits);
+      } else {
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), codes);
+      }
     }
-    if (nibbles) {
-      pack16(codes, out + i / 2);
-    } else if (dense) {  // each group's 8 codes shifted to their bit fields in 64-bit lanes, OR-ed into its word
-      const uint64_t low = _mm512_reduce_or_epi64(_mm512_sllv_epi64(_mm512_cvtepu8_epi64(codes), dense_shifts));
-      const uint64_t high = _mm512_reduce_or_epi64(_mm512_sllv_epi64(_mm512_cvtepu8_epi64(_mm_srli_si128(codes, 8)), dense_shifts));
-      std::memcpy(out + i / 8 * s.bits, &low, s.bits);
-      std::memcpy(out + (i / 8 + 1) * s.bits, &high, s.bits);
-    } else {
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), codes);
-    }
-  }
+  });
 #endif
   const auto code_of = [&](int64_t j) {
     return static_cast<uint8_t>(s.encode(finite ? x[j] / divisor : 0.0f, s.stochastic ? random_bits(s.seed, first + j) : 0));
@@ -524,13 +547,19 @@ struct Outcome {
   }
 };
 
-Codebook codebook(const torch::Tensor& decode, const torch::Tensor& entries, const torch::Tensor& planes, int64_t key_base,
-                  int64_t key_shift, int64_t half, bool index) {
+// A state's Codebook from its tables (decode, entries, planes, levels) and its row of ``ints``; ``index``: a codebook
+// (its entries and levels are read), whose codes are at most ``last``.
+Codebook codebook(const torch::Tensor* tables, int64_t key_base, int64_t key_shift, int64_t half, bool index, int64_t last) {
+  const torch::Tensor &decode = tables[0], &entries = tables[1], &planes = tables[2], &levels = tables[3];
   TORCH_CHECK(decode.numel() == 256 && decode.scalar_type() == torch::kFloat && planes.numel() == 1024 &&
-                  planes.scalar_type() == torch::kUInt8 && entries.scalar_type() == torch::kInt && (!index || entries.numel() == 2 * half),
-              "a state's tables: 256 fp32 decode values, (4, 256) uint8 byte planes, int32 bucket entries (2 * half for a codebook)");
-  return Codebook{decode.data_ptr<float>(),        entries.data_ptr<int32_t>(), static_cast<int32_t>(key_base),
-                  static_cast<int32_t>(key_shift), static_cast<int32_t>(half),  planes.data_ptr<uint8_t>()};
+                  planes.scalar_type() == torch::kUInt8 && entries.scalar_type() == torch::kInt &&
+                  (!index || entries.numel() == 2 * half) && levels.numel() == 256 && levels.scalar_type() == torch::kFloat &&
+                  (!index || (last >= 1 && last <= 255)),
+              "a state's tables: 256 fp32 decode values, int32 bucket entries (2 * half for a codebook), (4, 256) uint8 byte planes, "
+              "256 fp32 search levels; a codebook's codes 2 to 256");
+  const int32_t depth = index ? 32 - __builtin_clz(static_cast<uint32_t>(last)) : 1;  // codes <= last < 2^depth
+  return Codebook{decode.data_ptr<float>(),   entries.data_ptr<int32_t>(), static_cast<int32_t>(key_base), static_cast<int32_t>(key_shift),
+                  static_cast<int32_t>(half), planes.data_ptr<uint8_t>(),  levels.data_ptr<float>(),       depth};
 }
 
 Scales scales_of(const torch::Tensor& t, int64_t k) {
@@ -577,7 +606,7 @@ enum StateColumn {
   kStateColumns
 };
 
-// One moment of parameter k: its codes and scales, its tables (decode, entries, planes) and its row of ``ints``, its
+// One moment of parameter k: its codes and scales, its tables (decode, entries, planes, levels) and its row of ``ints``, its
 // minifloat's largest value; sizes checked against the parameter's numel.
 State state_of(const torch::Tensor& codes, const torch::Tensor& scales, const torch::Tensor* tables, const int64_t* ints, float max_value,
                int64_t seed, int64_t numel, int64_t k) {
@@ -590,7 +619,7 @@ State state_of(const torch::Tensor& codes, const torch::Tensor& scales, const to
   s.block = ints[kBlock];
   s.codes = codes.data_ptr();
   s.zero_free = ints[kZeroFree] != 0;
-  s.cb = codebook(tables[0], tables[1], tables[2], ints[kKeyBase], ints[kKeyShift], ints[kHalf], s.kind == Kind::kCodebook);
+  s.cb = codebook(tables, ints[kKeyBase], ints[kKeyShift], ints[kHalf], s.kind == Kind::kCodebook, ints[kMaxCode]);
   s.mf.mantissa_bits = static_cast<int32_t>(ints[kMantissaBits]), s.mf.bias = static_cast<int32_t>(ints[kBias]);
   s.mf.max_code = static_cast<int32_t>(ints[kMaxCode]), s.mf.min_code = static_cast<int32_t>(ints[kMinCode]);
   s.mf.sign_shift = static_cast<int32_t>(ints[kBits] - 1), s.mf.has_sign = ints[kHasSign] != 0, s.mf.max_value = max_value;
@@ -623,7 +652,7 @@ std::vector<Param> coded_params(const std::vector<torch::Tensor>& params, const 
   TORCH_CHECK(grads.size() == params.size() && m_codes.size() == params.size() && m_scales.size() == params.size() &&
                   v_codes.size() == params.size() && v_scales.size() == params.size(),
               "grads, codes and scales: one per coded parameter");
-  TORCH_CHECK(static_cast<int64_t>(tables.size()) == 6 * n, "tables: six per coded parameter");
+  TORCH_CHECK(static_cast<int64_t>(tables.size()) == 8 * n, "tables: eight per coded parameter");
   TORCH_CHECK(
       ints.scalar_type() == torch::kLong && ints.dim() == 3 && ints.size(0) == n && ints.size(1) == 2 && ints.size(2) == kStateColumns,
       "ints: (n, 2, ", static_cast<int>(kStateColumns), ") int64");
@@ -653,8 +682,8 @@ std::vector<Param> coded_params(const std::vector<torch::Tensor>& params, const 
     TORCH_CHECK(grads[k].numel() == w.numel, "parameter ", k, ": grad of the wrong size");
     TORCH_CHECK(params[k].is_contiguous() && grads[k].is_contiguous(), "parameter ", k, ": every tensor must be contiguous");
     const int64_t* row = ints_p + 2 * kStateColumns * k;
-    w.m = state_of(m_codes[k], m_scales[k], &tables[6 * k], row, floats_p[2 * k], seeds_a[k][1], w.numel, k);
-    w.v = state_of(v_codes[k], v_scales[k], &tables[6 * k + 3], row + kStateColumns, floats_p[2 * k + 1], seeds_a[k][2], w.numel, k);
+    w.m = state_of(m_codes[k], m_scales[k], &tables[8 * k], row, floats_p[2 * k], seeds_a[k][1], w.numel, k);
+    w.v = state_of(v_codes[k], v_scales[k], &tables[8 * k + 4], row + kStateColumns, floats_p[2 * k + 1], seeds_a[k][2], w.numel, k);
     w.h = group.at(steps_done(steps[k]), true, bounds_a[k]);
     w.h.eco = eco_a[k];
     const bool m_cast = w.m.kind == Kind::kCast, v_cast = w.v.kind == Kind::kCast;
@@ -951,7 +980,7 @@ std::vector<MomentumParam> momentum_params(const std::vector<torch::Tensor>& par
   const size_t n = params.size();
   TORCH_CHECK(grads.size() == n && codes.size() == n && scales.size() == n && (updates.empty() || updates.size() == n),
               "grads, codes, scales (and Muon's updates): one per parameter");
-  TORCH_CHECK(tables.size() == 3 * n, "tables: three per parameter");
+  TORCH_CHECK(tables.size() == 4 * n, "tables: four per parameter");
   TORCH_CHECK(
       ints.scalar_type() == torch::kLong && ints.dim() == 2 && ints.size(0) == static_cast<int64_t>(n) && ints.size(1) == kStateColumns,
       "ints: (n, ", static_cast<int>(kStateColumns), ") int64");
@@ -969,7 +998,7 @@ std::vector<MomentumParam> momentum_params(const std::vector<torch::Tensor>& par
                 ": param, grad (and update) must be contiguous fp32 tensors of one size");
     w.p = params[k].data_ptr<float>(), w.g = grads[k].data_ptr<float>(), w.dtype = Dtype::kFloat32;
     w.update = updates.empty() ? nullptr : updates[k].data_ptr<float>();
-    w.buf = state_of(codes[k], scales[k], &tables[3 * k], ints_c.data_ptr<int64_t>() + kStateColumns * k, floats_c.data_ptr<float>()[k],
+    w.buf = state_of(codes[k], scales[k], &tables[4 * k], ints_c.data_ptr<int64_t>() + kStateColumns * k, floats_c.data_ptr<float>()[k],
                      seeds_c.data_ptr<int64_t>()[k], w.numel, static_cast<int64_t>(k));
     w.chunk = std::max(w.buf.kind == Kind::kCast ? 0 : w.buf.block, CAST_CHUNK);
     w.chunks = (w.numel + w.chunk - 1) / w.chunk;
@@ -981,7 +1010,7 @@ std::vector<MomentumParam> momentum_params(const std::vector<torch::Tensor>& par
 
 // Adam(W) step of every parameter of one param group: n with coded moments (codebook or minifloat codes of 1 to 8
 // bits, or bf16/fp16/fp32 casts: State), then ``plain`` ones with fp32 moments. ``tables``: per coded parameter
-// [m_decode, m_entries, m_planes, v_decode, v_entries, v_planes]; ``ints``: (n, 2, 13) int64, per moment [kind, bits,
+// [m_decode, m_entries, m_planes, m_levels, v_decode, v_entries, v_planes, v_levels]; ``ints``: (n, 2, 13) int64, per moment [kind, bits,
 // block, key_base, key_shift, half, mantissa_bits, bias, max_code (a codebook: its last code), min_code, has_sign,
 // zero_free, stochastic] (StateColumn; stochastic: SR, element i drawing random_bits(seed, i));
 // ``floats``: (n, 2) fp32, per moment a minifloat's largest value; ``bounds``: (n,) fp32 moment bounds;
@@ -1042,7 +1071,7 @@ torch::Tensor adam_steps_u8(const std::vector<torch::Tensor>& params, const std:
 // single-tensor SGD with its buffer present (params updated in place), or, with ``updates`` (one fp32 tensor per
 // parameter), Muon's momentum: buffer and the update Muon orthogonalizes (written there; params left to the caller).
 // ``params``, ``grads``: contiguous fp32; the buffers as adam_steps_u8's moments: ``codes``, ``scales``, ``tables``
-// (three per parameter: decode, entries, planes), ``ints`` ((n, 13) int64, StateColumn), ``floats`` ((n,) fp32) and
+// (four per parameter: decode, entries, planes, levels), ``ints`` ((n, 13) int64, StateColumn), ``floats`` ((n,) fp32) and
 // ``seeds`` ((n,) int64: the SR seed of each buffer). A parameter whose gradient holds inf/NaN is left untouched.
 // Returns (n, 4) int64 [grad_finite, buffer_finite, stalled, moved] (stall columns 0 unless ``track``).
 torch::Tensor momentum_steps(const std::vector<torch::Tensor>& params, const std::vector<torch::Tensor>& grads,

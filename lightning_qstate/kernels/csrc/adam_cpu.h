@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <utility>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
@@ -18,21 +19,26 @@
 #endif
 
 // Every call inside the function inlined (where the compiler would call some): a call in a loop keeps it from
-// vectorizing (adam_cpu.cpp: grid_lanes).
+// vectorizing (adam_cpu.cpp: grid_lanes). QSTATE_INLINE: this function inlined wherever it is called (a vector
+// helper called per 16 values: a call would pass its registers through memory).
 #if defined(__GNUC__)
 #define QSTATE_FLATTEN __attribute__((flatten))
+#define QSTATE_INLINE inline __attribute__((always_inline))
 #else
 #define QSTATE_FLATTEN
+#define QSTATE_INLINE inline
 #endif
 
 namespace lightning_qstate {
 
-// One state's kernels.code_index.NearestCodeIndex (the format's min_code built into its entries).
+// One state's kernels.code_index.NearestCodeIndex (the format's min_code built into its entries and levels).
 struct Codebook {
   const float* decode;     // (256,) value of every code
   const int32_t* entries;  // bucket -> first | inside << 8 | offset << 9
   int32_t key_base, key_shift, half;
   const uint8_t* planes;  // (4, 256): byte j of decode[c] at [j][c] (the VBMI decoder's tables)
+  const float* levels;    // (256,): the thresholds by level of the binary search (NearestCodeIndex.search_levels)
+  int32_t depth;          // its levels: codes < 2^depth (1 to 8)
 };
 
 // Adam(W) hyperparameters as fp32. The moments follow adam_reference.adam_math as torch's vectorized CPU kernels compute
@@ -431,24 +437,47 @@ struct State {
 constexpr int64_t PREFETCH_AHEAD = 512;
 
 #ifdef QSTATE_AVX512
-// table[index] for a 256-entry fp32 table and 16 indices in [0, 256): eight two-register permutes and a blend tree
-// (no gathers, which are slow on recent Intel cores).
-inline __m512 lookup256(const float* table, __m512i index) {
-  __m512 part[8];
-  for (int k = 0; k < 8; ++k)
-    part[k] = _mm512_permutex2var_ps(_mm512_loadu_ps(table + 32 * k), index, _mm512_loadu_ps(table + 32 * k + 16));
-  const __mmask16 bit5 = _mm512_test_epi32_mask(index, _mm512_set1_epi32(32));
-  const __mmask16 bit6 = _mm512_test_epi32_mask(index, _mm512_set1_epi32(64));
-  const __mmask16 bit7 = _mm512_test_epi32_mask(index, _mm512_set1_epi32(128));
-  for (int k = 0; k < 4; ++k) part[k] = _mm512_mask_blend_ps(bit5, part[2 * k], part[2 * k + 1]);
-  for (int k = 0; k < 2; ++k) part[k] = _mm512_mask_blend_ps(bit6, part[2 * k], part[2 * k + 1]);
-  return _mm512_mask_blend_ps(bit7, part[0], part[1]);
+// table[index] for a table of 2^Log2 fp32 values (Log2 <= 8) and 16 indices in [0, 2^Log2): one permute up to 16
+// entries (a broadcast for one), two-register permutes of 32 entries each beyond, blended by index bits 5, 6, 7 (no
+// gathers, which are slow on recent Intel cores). Reads at least 16 values from ``table`` (one, for a broadcast).
+template <int Log2>
+QSTATE_INLINE __m512 lookup(const float* table, __m512i index) {
+  static_assert(Log2 >= 0 && Log2 <= 8);
+  if constexpr (Log2 == 0) {
+    return _mm512_set1_ps(table[0]);
+  } else if constexpr (Log2 <= 4) {
+    return _mm512_permutexvar_ps(index, _mm512_loadu_ps(table));
+  } else {
+    constexpr int parts = 1 << (Log2 - 5);
+    __m512 part[parts];
+    for (int k = 0; k < parts; ++k)
+      part[k] = _mm512_permutex2var_ps(_mm512_loadu_ps(table + 32 * k), index, _mm512_loadu_ps(table + 32 * k + 16));
+    for (int bit = 5, n = parts; n > 1; ++bit, n /= 2) {
+      const __mmask16 high = _mm512_test_epi32_mask(index, _mm512_set1_epi32(1 << bit));
+      for (int k = 0; k < n / 2; ++k) part[k] = _mm512_mask_blend_ps(high, part[2 * k], part[2 * k + 1]);
+    }
+    return part[0];
+  }
+}
+
+// encode_lane on 16 values without a table of buckets (NearestCodeIndex.search_levels): a branch-free binary search of
+// the rounding thresholds (code = the count of thresholds <= x), level L comparing x with one threshold of the 2^L
+// that its code so far selects (a register permute, not a gather).
+template <int Depth, int L = 0>
+QSTATE_INLINE __m512i search16(__m512 value, const float* levels, __m512i code = _mm512_setzero_si512()) {
+  if constexpr (L == Depth) {
+    return code;
+  } else {
+    const __m512 threshold = lookup<L>(levels + (1 << L) - 1, _mm512_srli_epi32(code, Depth - L));
+    const __mmask16 up = _mm512_cmp_ps_mask(threshold, value, _CMP_LE_OQ);
+    return search16<Depth, L + 1>(value, levels, _mm512_mask_add_epi32(code, up, code, _mm512_set1_epi32(1 << (Depth - 1 - L))));
+  }
 }
 
 // 16 codes decoded and times the block scale.
 inline __m512 decode16(const uint8_t* codes, const float* decode, float scale) {
   const __m512i index = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes)));
-  return _mm512_mul_ps(lookup256(decode, index), _mm512_set1_ps(scale));
+  return _mm512_mul_ps(lookup<8>(decode, index), _mm512_set1_ps(scale));
 }
 
 #ifdef QSTATE_VBMI
@@ -483,11 +512,10 @@ inline void decode64(const uint8_t* codes, const uint8_t* planes, float scale, _
 }
 #endif
 
-// encode_lane on 16 values, their codes (encode16 stores them); ``value`` already normalized (``Nonnegative``: no value
-// is < 0, as for Adam's v). Magnitude
-// patterns and thresholds are compared relative to key_base.
+// encode_lane on 16 values by the bucket table (a gather); ``value`` already normalized (``Nonnegative``: no value is
+// < 0, as for Adam's v). Magnitude patterns and thresholds are compared relative to key_base.
 template <bool Nonnegative>
-inline __m128i encode16_codes(__m512 value, const Codebook& cb) {
+QSTATE_INLINE __m512i bucket16(__m512 value, const Codebook& cb) {
   const __m512i shift = _mm512_set1_epi32(cb.key_shift);
   const __m512i bits = _mm512_sub_epi32(_mm512_castps_si512(_mm512_abs_ps(value)), _mm512_set1_epi32(cb.key_base));
   __m512i key = _mm512_srav_epi32(bits, shift);
@@ -501,12 +529,26 @@ inline __m128i encode16_codes(__m512 value, const Codebook& cb) {
   const __mmask16 up =
       inside & ((negative & _mm512_cmple_epi32_mask(bits, threshold)) | (~negative & _mm512_cmpge_epi32_mask(bits, threshold)));
   const __m512i first = _mm512_and_si512(entry, _mm512_set1_epi32(0xFF));
-  return _mm512_cvtepi32_epi8(_mm512_mask_add_epi32(first, up, first, _mm512_set1_epi32(1)));
+  return _mm512_mask_add_epi32(first, up, first, _mm512_set1_epi32(1));
 }
 
-template <bool Nonnegative>
-inline void encode16(__m512 value, const Codebook& cb, uint8_t* out) {
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(out), encode16_codes<Nonnegative>(value, cb));
+// encode_lane on 16 values of a codebook of codes < 2^Depth: the search of its thresholds up to 7 levels, the bucket
+// table for 8 (measured on an AMD Zen 4: its gather beats 8 levels of permutes and loses to 7 or fewer).
+template <int Depth, bool Nonnegative>
+QSTATE_INLINE __m512i codebook_codes16(__m512 value, const Codebook& cb) {
+  if constexpr (Depth == 8)
+    return bucket16<Nonnegative>(value, cb);
+  else
+    return search16<Depth>(value, cb.levels);
+}
+
+// visit(std::integral_constant<int, D>{}) with D = depth (1 to 8; another depth visits nothing): a codebook's search
+// depth (or a dense code's bits) as a compile-time constant, so that a loop over search16<D> is compiled once per depth.
+template <typename Visit>
+inline void with_depth(int32_t depth, Visit&& visit) {
+  [&]<int... D>(std::integer_sequence<int, D...>) {
+    ((depth == D + 1 && (visit(std::integral_constant<int, D + 1>{}), true)) || ...);
+  }(std::make_integer_sequence<int, 8>{});
 }
 
 // Minifloat::encode of 16 normalized values: the same fp32 and integer operations, lane by lane.
@@ -537,13 +579,16 @@ inline __m128i encode_minifloat16(__m512 value, const Minifloat& mf, __m512 unif
   return _mm512_cvtepi32_epi8(code);
 }
 
-// codebook_stochastic of 16 normalized values from their round-to-nearest codes ``nearest`` (encode16_codes).
-inline __m128i codebook_stochastic16(__m512 value, __m128i nearest, const Codebook& cb, int32_t last, int32_t min_code, __m512 uniform) {
-  const __m512i code = _mm512_cvtepu8_epi32(nearest);
-  const __mmask16 above = _mm512_cmp_ps_mask(lookup256(cb.decode, code), value, _CMP_GT_OQ);
+// codebook_stochastic of 16 normalized values (a codebook of codes < 2^Depth): the floor from the round-to-nearest
+// code (codebook_codes16), then the rounding up between it and the next value.
+template <int Depth, bool Nonnegative>
+QSTATE_INLINE __m128i codebook_stochastic16(__m512 value, const Codebook& cb, int32_t last, int32_t min_code, __m512 uniform) {
+  const __m512i code = codebook_codes16<Depth, Nonnegative>(value, cb);
+  const __mmask16 above = _mm512_cmp_ps_mask(lookup<Depth>(cb.decode, code), value, _CMP_GT_OQ);
   const __m512i floor = _mm512_mask_sub_epi32(code, above, code, _mm512_set1_epi32(1));
   const __m512i low = _mm512_min_epi32(_mm512_max_epi32(floor, _mm512_setzero_si512()), _mm512_set1_epi32(last - 1));
-  const __m512 low_value = lookup256(cb.decode, low), high_value = lookup256(cb.decode, _mm512_add_epi32(low, _mm512_set1_epi32(1)));
+  const __m512 low_value = lookup<Depth>(cb.decode, low),
+               high_value = lookup<Depth>(cb.decode, _mm512_add_epi32(low, _mm512_set1_epi32(1)));
   const __mmask16 up =
       _mm512_cmp_ps_mask(_mm512_mul_ps(uniform, _mm512_sub_ps(high_value, low_value)), _mm512_sub_ps(value, low_value), _CMP_LT_OQ);
   const __m512i result = _mm512_max_epi32(_mm512_mask_add_epi32(low, up, low, _mm512_set1_epi32(1)), _mm512_set1_epi32(min_code));
