@@ -1,5 +1,5 @@
 """The C++ CPU step of QSGD's and QMuon's coded momentum buffers (``kernels/native.py``: ``native_momentum_steps``;
-issue #22).
+issue #22), and of QSGD's parameters kept on a weight grid without master weights (``weights=``, ECO's feedback).
 
 Round to nearest, the native path writes the reference path's buffer codes and scales and the same params bit for bit
 (torch's single-tensor ``sgd`` and ``muon`` on the decoded buffer, as ``kernels.dispatch.native_kernel_available``
@@ -115,9 +115,85 @@ def test_paths_that_stay_on_the_reference():
     assert paths(lq.QSGD([weight], lr=0.01, momentum=0.9, min_quant_size=1 << 20), 2) == ["reference"] * 2  # an fp32 buffer
     assert paths(lq.QSGD([weight], lr=0.01, momentum=0.0, min_quant_size=0), 2) == ["reference"] * 2
     assert paths(lq.QMuon([weight], lr=0.01, min_quant_size=0, weights="bf16")) == ["reference"]
+    assert paths(lq.QSGD([weight], lr=0.01, momentum=0.9, min_quant_size=0, weights="bf16"), 2) == ["reference", "native"]
+    assert paths(lq.QSGD([weight], lr=0.01, momentum=0.9, min_quant_size=0, weights="int8"), 2) == ["reference"] * 2  # block-scaled
+    tracked = lq.QSGD([weight], lr=0.01, momentum=0.9, min_quant_size=0, weights="bf16", error_feedback="eco", track_stalls=True)
+    assert paths(tracked, 2) == ["reference"] * 2  # ECO's correction counts are the reference path's
     slow = lq.QMuon([weight], lr=0.01, min_quant_size=0)
     slow.cpu_compile = False
     assert paths(slow) == ["reference"]
+
+
+def run_on_grid(param_dtype, grid, feedback, states, steps, native_path=True, resume_from=None, **options):
+    """QSGD (nesterov, weight decay) on two parameters of ``param_dtype`` kept on the weight grid ``grid`` with
+    ``error_feedback=feedback``, stepped as ``run`` steps, on the native or the reference path."""
+    params = [
+        torch.nn.Parameter(torch.randn(shape, generator=torch.Generator().manual_seed(k)).to(param_dtype)) for k, shape in enumerate(SHAPES)
+    ]
+    options = {"weight_rounding": "nearest", **options}
+    optimizer = lq.QSGD(params, lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-2, states=states, min_quant_size=0, weights=grid,
+                        error_feedback=feedback, generator=torch.Generator().manual_seed(3), **options)  # fmt: skip
+    if resume_from is not None:
+        for param, saved in zip(params, resume_from[0], strict=True):
+            param.data.copy_(saved)
+        optimizer.load_state_dict(resume_from[1])
+    with pytest.MonkeyPatch.context() as patch:
+        if not native_path:
+            patch.setattr(dispatch, "native_kernel_available", lambda: False)
+        for step in steps:
+            for k, param in enumerate(params):
+                param.grad = gradient(param.shape, 10 * step + k).to(param_dtype)
+            optimizer.step()
+    return params, optimizer
+
+
+GRIDS = [(torch.float32, "bf16"), (torch.float32, "fp16"), (torch.bfloat16, "bf16"), (torch.float16, "fp16"), (torch.float32, "fp32")]
+
+
+@pytest.mark.parametrize("feedback", [None, "eco"])
+@pytest.mark.parametrize("states", ["int8", "int4"])
+@pytest.mark.parametrize("param_dtype, grid", GRIDS, ids=[f"{str(d)[6:]} on {g}" for d, g in GRIDS])
+def test_sgd_on_a_weight_grid_is_the_reference_path_bit_for_bit(param_dtype, grid, states, feedback):
+    """QSGD without master weights, round to nearest: four steps on the native path (after the first, which creates
+    the buffer) leave the params on the grid, in their dtype, and the buffers' codes and scales equal the reference
+    path's bit for bit, ECO's feedback into the buffer included."""
+    fast_params, fast = run_on_grid(param_dtype, grid, feedback, states, range(4))
+    slow_params, slow = run_on_grid(param_dtype, grid, feedback, states, range(4), native_path=False)
+    assert set(fast.step_paths().values()) == {"native"} and set(slow.step_paths().values()) == {"reference"}
+    for k, (a, b) in enumerate(zip(buffers(fast, fast_params), buffers(slow, slow_params), strict=True)):
+        assert same_bits(a.codes, b.codes) and same_bits(a.scales, b.scales), k
+    for a, b in zip(fast_params, slow_params, strict=True):
+        assert a.dtype == param_dtype and same_bits(a.detach(), b.detach())
+        if grid != "fp32":
+            held = a.detach().to(getattr(torch, {"bf16": "bfloat16", "fp16": "float16"}[grid]))
+            assert torch.equal(held.to(param_dtype), a.detach())
+
+
+@pytest.mark.parametrize("feedback", [None, "eco"])
+def test_sgd_stochastic_weight_rounding_reproduces_and_resumes_exactly(feedback):
+    """Stochastic weight rounding on the native path draws from ``rounding_generator(key, "weights")``: the same
+    generator seed gives the same params with 1 and 2 threads, a run resumed after step 2 matches the uninterrupted
+    one, and the draws differ from round to nearest (the rounding is stochastic)."""
+    saved = torch.get_num_threads()
+    runs = []
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            runs.append(run_on_grid(torch.bfloat16, "bf16", feedback, "int4", range(4), weight_rounding="stochastic"))
+    finally:
+        torch.set_num_threads(saved)
+    half_params, half = run_on_grid(torch.bfloat16, "bf16", feedback, "int4", range(2), weight_rounding="stochastic")
+    checkpoint = ([p.detach().clone() for p in half_params], half.state_dict())
+    runs.append(run_on_grid(torch.bfloat16, "bf16", feedback, "int4", range(2, 4), resume_from=checkpoint, weight_rounding="stochastic"))
+    (params, optimizer), others = runs[0], runs[1:]
+    assert set(optimizer.step_paths().values()) == {"native"}
+    for other_params, other in others:
+        for a, b in zip(buffers(optimizer, params), buffers(other, other_params), strict=True):
+            assert same_bits(a.codes, b.codes) and same_bits(a.scales, b.scales)
+        for a, b in zip(params, other_params, strict=True):
+            assert same_bits(a.detach(), b.detach())
+    nearest_params, _ = run_on_grid(torch.bfloat16, "bf16", feedback, "int4", range(4))
+    assert not all(torch.equal(a, b) for a, b in zip(params, nearest_params, strict=True))
 
 
 @pytest.mark.parametrize("case", ["sgd nesterov, decay", "muon"])

@@ -12,13 +12,13 @@ multi_tensor  torch's own multi-tensor (foreach) Adam(W) on fp32 states         
 reference     torch's functional update on decoded states, one parameter a time   ``optim/base.py``
 ============  ==================================================================  ==============================
 
-A parameter takes the first path of its optimizer's table (``ADAM_PATHS`` for QAdam/QAdamW; ``MOMENTUM_PATHS`` for
-QSGD/QMuon, whose ``native`` steps their coded momentum buffers; ``PER_PARAMETER_PATHS`` for the generic wrapper) whose
-every requirement holds; ``reference`` has none. In a param group that has ``native`` parameters, the fp32-state ones
-that meet ``NATIVE_JOIN`` join that call too (one call for the small parameters ``min_quant_size`` keeps fp32). Round
-to nearest, ``native``, ``triton`` and ``compiled`` give the codes of ``kernels.adam_reference`` bit for bit (QSGD's
-and QMuon's ``native``: the reference path's buffer codes and params). A change to the update (a new format, ECO's
-error feedback) is one requirement or one row here and one branch per path.
+A parameter takes the first path of its optimizer's table (``ADAM_PATHS`` for QAdam/QAdamW; ``SGD_PATHS`` and
+``MUON_PATHS`` for QSGD and QMuon, whose ``native`` steps their coded momentum buffers; ``PER_PARAMETER_PATHS`` for
+the generic wrapper) whose every requirement holds; ``reference`` has none. In a param group that has ``native``
+parameters, the fp32-state ones that meet ``NATIVE_JOIN`` join that call too (one call for the small parameters
+``min_quant_size`` keeps fp32). Round to nearest, ``native``, ``triton`` and ``compiled`` give the codes of
+``kernels.adam_reference`` bit for bit (QSGD's and QMuon's ``native``: the reference path's buffer codes and params).
+A change to the update (a new format, ECO's error feedback) is one requirement or one row here and one branch per path.
 """
 
 from __future__ import annotations
@@ -156,8 +156,14 @@ def native_values(c: Candidate) -> bool:
 
 
 def fp32_values(c: Candidate) -> bool:
-    """An fp32 parameter and gradient, the parameter contiguous (what the momentum kernel reads)."""
+    """An fp32 parameter and gradient, the parameter contiguous (what the momentum kernel reads of Muon's)."""
     return c.param.dtype == torch.float32 and c.grad.dtype == torch.float32 and c.param.is_contiguous()
+
+
+def native_momentum_values(c: Candidate) -> bool:
+    """``native_values`` (fp32, or with a weight grid fp32/bf16/fp16, the gradient of the parameter's dtype), the
+    parameter contiguous (what the momentum kernel reads of SGD's)."""
+    return native_values(c) and c.param.is_contiguous()
 
 
 def plain_momentum_options(c: Candidate) -> bool:
@@ -195,17 +201,18 @@ def large_param(c: Candidate) -> bool:
 
 
 # The capability tables: (path, requirements), in order of preference. Requirements are checked left to right, so
-# cheap checks come first (``native_built`` builds the C++ kernel on its first call).
+# cheap checks come first, those that most often fail first of all (``both_moments_quantized``: a model's many small
+# parameters keep fp32 moments), and ``native_built`` last (it builds the C++ kernel on its first call).
 ADAM_PATHS: tuple[tuple[StepPath, tuple[Requirement, ...]], ...] = (
     (
         StepPath.NATIVE,
         (
+            both_moments_quantized,
             on_cpu,
             compile_allowed,
             fused_weight_update,
             native_values,
             plain_adam_options,
-            both_moments_quantized,
             native_moments,
             native_built,
         ),
@@ -224,14 +231,23 @@ ADAM_PATHS: tuple[tuple[StepPath, tuple[Requirement, ...]], ...] = (
     ),
     (
         StepPath.COMPILED,
-        (on_cpu, compile_allowed, fused_weight_update, plain_adam_options, both_moments_quantized, block_or_cast_moments, large_param),
+        (both_moments_quantized, on_cpu, compile_allowed, fused_weight_update, plain_adam_options, block_or_cast_moments, large_param),
     ),
     (StepPath.MULTI_TENSOR, (no_weight_grid, no_quantized_state)),
     (StepPath.REFERENCE, ()),
 )
-# SGD and Muon: the C++ step of the coded momentum buffers (Muon's orthogonalization and param update in torch), else
-# torch's functional update one parameter at a time. Weight grids (``weights=``, ECO) stay on the reference path.
-MOMENTUM_PATHS: tuple[tuple[StepPath, tuple[Requirement, ...]], ...] = (
+# SGD and Muon: the C++ step of the coded momentum buffers, else torch's functional update one parameter at a time.
+# SGD's parameters may be kept on a weight grid there (``weights=``, ECO's feedback into the buffer: as the fused Adam
+# steps, ``fused_weight_update``); Muon's orthogonalization and param update run in torch after the kernel, so its
+# weight grids stay on the reference path.
+SGD_PATHS: tuple[tuple[StepPath, tuple[Requirement, ...]], ...] = (
+    (
+        StepPath.NATIVE,
+        (on_cpu, compile_allowed, fused_weight_update, native_momentum_values, plain_momentum_options, native_momentum, native_built),
+    ),
+    (StepPath.REFERENCE, ()),
+)
+MUON_PATHS: tuple[tuple[StepPath, tuple[Requirement, ...]], ...] = (
     (StepPath.NATIVE, (on_cpu, compile_allowed, no_weight_grid, fp32_values, plain_momentum_options, native_momentum, native_built)),
     (StepPath.REFERENCE, ()),
 )

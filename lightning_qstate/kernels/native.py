@@ -57,7 +57,9 @@ search of its thresholds, ``NearestCodeIndex.search_levels``, one register permu
 bucket table, a gather); the scalar code runs the rest and is the whole kernel on other CPUs.
 
 ``momentum_steps`` (``native_momentum_steps``) is the same machinery for QSGD's and QMuon's ``momentum_buffer`` (any
-format above, either rounding; fp32 parameters without a weight grid): the group's gradients checked, then each
+format above, either rounding; fp32 parameters, and QSGD's on a weight grid as above: fp32/bf16/fp16 values, the new
+ones rounded to the grid as ``grid_lanes`` rounds them, ECO's ``buf + coefficient * (updated - rounded)``, the
+product rounded first, as ``QSGD._feed_back_error``): the group's gradients checked, then each
 buffer a chunk at a time (whole blocks, at least 1024 values) decoded, updated and encoded back block by block, as the
 chunked Adam pass does a moment. The update is torch's single-tensor ``sgd`` with its buffer present (``add(alpha=)``
 as an FMA; weight decay, dampening, nesterov, maximize; the param updated in the same pass) or ``muon``'s momentum
@@ -286,21 +288,34 @@ def native_momentum_steps(
     muon: bool,
     track_stalls: bool,
     seeds: list[int] | None = None,
+    weights: list[WeightGrid | None] | None = None,
+    weight_seeds: list[int] | None = None,
+    eco: list[float] | None = None,
 ) -> tuple[list[list[int]], list[torch.Tensor | None]]:
-    """The momentum step of every parameter of ``group`` given (fp32, each with a coded ``momentum_buffer`` in
-    ``buffers``, updated in place; ``momentum != 0``) in one C++ call: torch's single-tensor SGD with ``group``'s
-    options (params updated in place), or with ``muon`` Muon's momentum (``buf.lerp_(grad, 1 - momentum)`` and the
-    update ``grad.lerp(buf, momentum)`` with nesterov, else ``buf``), the orthogonalization and param update left to
-    the caller.
+    """The momentum step of every parameter of ``group`` given (each with a coded ``momentum_buffer`` in ``buffers``,
+    updated in place; ``momentum != 0``) in one C++ call: torch's single-tensor SGD with ``group``'s options (params
+    updated in place), or with ``muon`` Muon's momentum (``buf.lerp_(grad, 1 - momentum)`` and the update
+    ``grad.lerp(buf, momentum)`` with nesterov, else ``buf``), the orthogonalization and param update left to the
+    caller. Parameters and gradients are fp32, or for SGD on a weight grid fp32, bf16 or fp16 of one dtype.
 
     A parameter whose gradient holds inf/NaN is left untouched. Returns per parameter ``[grad_finite, buffer_finite,
     stalled, moved]`` (stalls 0 unless tracked) and, with ``muon``, its fp32 update (param's shape; ``None`` for SGD).
     ``seeds``: per parameter the seed of its buffer's stochastic rounding (``group["rounding"] == "stochastic"``;
-    element ``i`` rounds with splitmix64 draw ``i``).
+    element ``i`` rounds with splitmix64 draw ``i``). SGD without master weights (``optim/weights.py``): ``weights``,
+    per parameter its weight grid (a cast format's) or ``None``, the new values rounded to it with
+    ``group["weight_rounding"]`` as in ``native_adam_steps`` (``weight_seeds``: the seeds of stochastic rounding);
+    ``eco``: per parameter ECO's coefficient of the rounding error in the buffer (``buf + eco * (updated - rounded)``,
+    as ``QSGD._feed_back_error``) where ``group["error_feedback"]`` is ``"eco"``.
 
     Raises:
         FloatingPointError: a buffer overflowed to inf/NaN (its block scale is not finite).
     """
+    count = len(params)
+    weights, weight_seeds, eco = weights or [None] * count, weight_seeds or [0] * count, eco or [0.0] * count
+    if muon and any(grid is not None for grid in weights):
+        raise ValueError("the C++ kernel keeps only SGD's parameters on a weight grid (Muon's update is applied in torch)")
+    stochastic, feedback = group.get("weight_rounding") == "stochastic", group.get("error_feedback") == "eco"
+    grids = [(GRID_DTYPES.index(grid.cast_dtype), stochastic, feedback) if grid is not None else (0, 0, 0) for grid in weights]
     tables, ints, floats = _state_rows(buffers, group["rounding"] == "stochastic")
     updates = [torch.empty(param.shape, dtype=torch.float32) for param in params] if muon else []
     rows = _function("momentum_steps")(
@@ -311,7 +326,11 @@ def native_momentum_steps(
         tables=tables,
         ints=torch.tensor(ints, dtype=torch.int64).view(-1, 13),
         floats=torch.tensor(floats, dtype=torch.float32),
-        seeds=torch.tensor(seeds or [0] * len(params), dtype=torch.int64),
+        grids=torch.tensor(grids, dtype=torch.int64).view(-1, 3),
+        seeds=torch.tensor(
+            [[weight_seed, seed] for weight_seed, seed in zip(weight_seeds, seeds or [0] * count, strict=True)], dtype=torch.int64
+        ).view(-1, 2),
+        eco=torch.tensor([c if feedback and grid is not None else 0.0 for c, grid in zip(eco, weights, strict=True)], dtype=torch.float32),
         updates=updates,
         lr=float(group["lr"]),
         weight_decay=float(group["weight_decay"]),

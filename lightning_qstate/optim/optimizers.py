@@ -49,7 +49,7 @@ from ..formats import QuantizedTensor
 from ..formats.weights import WeightBlock
 from ..kernels.adam_reference import adam_denominator, adam_hyper, eco_feedback, hold_moment
 from ..kernels.bounds import moment_bound
-from ..kernels.dispatch import ADAM_PATHS, MOMENTUM_PATHS, StepPath, fused_adam_step
+from ..kernels.dispatch import ADAM_PATHS, MUON_PATHS, SGD_PATHS, StepPath, fused_adam_step
 from ..kernels.native import native_adam_steps, native_momentum_steps
 from .base import QuantizedStates, finite_grads, local_tensor
 from .policy import ErrorFeedback, NonFiniteGradPolicy, QuantizationPolicy, StatesSpec
@@ -345,13 +345,14 @@ class QAdamW(QAdam, torch.optim.AdamW):
 class _MomentumStates(QuantizedStates):
     """The quantized ``momentum_buffer`` of QSGD and QMuon.
 
-    Each parameter takes a path of ``kernels.dispatch.MOMENTUM_PATHS``: ``native`` steps the coded buffers of a param
-    group in one C++ call (``kernels.native.native_momentum_steps``: gradient checks, SGD's whole step, or Muon's
-    momentum with ``_apply_update`` after it), ``reference`` one parameter at a time.
+    Each parameter takes a path of its ``step_path_table`` (``kernels.dispatch.SGD_PATHS``, ``MUON_PATHS``): ``native``
+    steps the coded buffers of a param group in one C++ call (``kernels.native.native_momentum_steps``: gradient
+    checks, SGD's whole step, on a weight grid too, or Muon's momentum with ``_apply_update`` after it), ``reference``
+    one parameter at a time.
     """
 
     state_names = ("momentum_buffer",)
-    step_path_table = MOMENTUM_PATHS
+    step_path_table = SGD_PATHS
     muon_momentum = False  # the kernel computes Muon's momentum and update (QMuon), not SGD's whole step
 
     def _run_path(self, path: StepPath, group: dict, keys: list[torch.Tensor]) -> None:
@@ -362,18 +363,29 @@ class _MomentumStates(QuantizedStates):
 
     def _native_steps(self, group: dict, keys: list[torch.Tensor]) -> None:
         """The ``native`` path: one C++ call for ``keys``; for stochastic rounding, a seed per buffer drawn from its
-        ``rounding_generator(key, "momentum_buffer")`` (the reference path's stream: a resumed run rounds alike)."""
+        ``rounding_generator(key, "momentum_buffer")`` (the reference path's stream: a resumed run rounds alike), and
+        for SGD's parameters on a weight grid, its seed of stochastic weight rounding from ``rounding_generator(key,
+        "weights")`` and ECO's coefficient (``optim.weights.sgd_feedback_coefficient``)."""
         params, grads = [local_tensor(key) for key in keys], [local_tensor(key.grad) for key in keys]
         cpu = torch.device("cpu")
-        seeds = [
-            int(torch.randint(2**62, (1,), generator=self.rounding_generator(key, "momentum_buffer", cpu)))
-            if group["rounding"] == "stochastic"
-            else 0
-            for key in keys
+
+        def seed(key: torch.Tensor, stream: str) -> int:
+            return int(torch.randint(2**62, (1,), generator=self.rounding_generator(key, stream, cpu)))
+
+        stochastic = group["rounding"] == "stochastic"
+        seeds = [seed(key, "momentum_buffer") if stochastic else 0 for key in keys]
+        weights = [self.weight_grid(group, key, param) for key, param in zip(keys, params, strict=True)]
+        weight_stochastic = group["weight_rounding"] == "stochastic"
+        weight_seeds = [
+            seed(key, "weights") if grid is not None and weight_stochastic else 0 for key, grid in zip(keys, weights, strict=True)
         ]
+        feedback = group["error_feedback"] == "eco"  # QSGD's only: QMuon's parameters on a grid take the reference path
+        eco = [sgd_feedback_coefficient(group) if grid is not None and feedback else 0.0 for grid in weights]
         targets = self._weight_targets(group, keys)
         buffers = [self.state[key]["momentum_buffer"] for key in keys]
-        rows, updates = native_momentum_steps(params, grads, buffers, group, self.muon_momentum, self.track_stalls, seeds)
+        rows, updates = native_momentum_steps(
+            params, grads, buffers, group, self.muon_momentum, self.track_stalls, seeds, weights, weight_seeds, eco
+        )
         for key, param, row, update in zip(keys, params, rows, updates, strict=True):
             if not row[0]:
                 self._skip_nonfinite_grad(key)
@@ -394,9 +406,10 @@ class QSGD(_MomentumStates, torch.optim.SGD):
 
     The first arguments are ``torch.optim.SGD``'s; the storage options (``states``, ``rounding``, ...,
     ``error_feedback="eco"`` for weights kept without master copies) are :class:`QAdam`'s. As in torch, the buffer is
-    created from the first gradient, so there is no state when ``momentum=0``. On the CPU every later step of an
-    fp32 parameter with a coded buffer (no ``weights``) is one C++ call per param group (``step_paths()``:
-    ``"native"``): round to nearest, the reference path's codes and params bit for bit.
+    created from the first gradient, so there is no state when ``momentum=0``. On the CPU every later step of a
+    parameter with a coded buffer is one C++ call per param group (``step_paths()``: ``"native"``): fp32 ones, and
+    without master weights fp32/bf16/fp16 ones kept on a cast grid (``weights="bf16"``, ``error_feedback="eco"``);
+    round to nearest, the reference path's codes and params bit for bit.
 
     Example::
 
@@ -503,6 +516,7 @@ class QMuon(_MomentumStates, torch.optim.Muon):
     """
 
     error_feedbacks = (None, "eco_exact")  # the orthogonalized update is not linear in the momentum: no "eco"
+    step_path_table = MUON_PATHS
     muon_momentum = True
 
     def __init__(

@@ -916,13 +916,16 @@ bool step_plain(const torch::Tensor& param, const torch::Tensor& grad, const tor
 
 // ---- SGD's and Muon's momentum (QSGD, QMuon) ----
 
-// One parameter with a coded momentum buffer: fp32 values p (SGD's step updates them) and gradient, the buffer, and
-// Muon's update (fp32, numel values; nullptr: SGD). Stepped a chunk at a time: whole blocks of the buffer, at least
-// CAST_CHUNK values.
+// One parameter with a coded momentum buffer: values p (SGD's step updates them) and gradient g, fp32 or (SGD on a
+// weight grid) of ``dtype``, the buffer, and Muon's update (fp32, numel values; nullptr: SGD). Stepped a chunk at a
+// time: whole blocks of the buffer, at least CAST_CHUNK values. ``eco``: ECO's coefficient of the rounding error in the
+// buffer (optim.weights.sgd_feedback_coefficient, as fp32) where the grid feeds it back.
 struct MomentumParam : Chunks {
-  float* p;
+  void* p;
   float* update;
   State buf;
+  Grid grid;
+  float eco;
 };
 
 // torch's sgd / muon hyperparameters as fp32 (Momentum): each Python float rounded once from double, as torch rounds
@@ -945,25 +948,61 @@ QSTATE_FLATTEN void sgd_lanes(float* __restrict__ p, const float* __restrict__ g
   for (int64_t i = 0; i < n; ++i) p[i] = sgd_lane(p[i], g[i], buf[i], h);
 }
 
+// SGD's step on values [0, n) of a parameter on a weight grid, param and gradient of type T (read as fp32), the decoded
+// buffer in place, as the reference path's QSGD with ``weights``: sgd_lane's new value rounded to the grid with
+// Rounding (element ``first + i``: its SR draw) and stored in T, and with Eco buf = buf + eco * (updated - rounded) (the
+// product rounded first, as QSGD._feed_back_error). Branch-free (as grid_lanes).
+template <typename T, typename Rounding, bool Eco>
+QSTATE_FLATTEN void sgd_grid_lanes(T* __restrict__ p, const T* __restrict__ g, int64_t first, const Momentum h, uint64_t seed, float eco,
+                                   int64_t n, float* __restrict__ buf) {
+  for (int64_t i = 0; i < n; ++i) {
+    float b = buf[i];
+    const float updated = sgd_lane(to_float(p[i]), to_float(g[i]), b, h);
+    const float rounded = Rounding::round(updated, seed, first + i);
+    if constexpr (Eco) b = b + eco * (updated - rounded);
+    p[i] = from_float<T>(rounded);
+    buf[i] = b;
+  }
+}
+
+// SGD's step on values [base, base + size) of w: sgd_lanes, or on a weight grid sgd_grid_lanes for w's element type,
+// rounding and feedback.
+void sgd_update(const MomentumParam& w, const Momentum& h, int64_t base, int64_t size, float* buf) {
+  if (!w.grid.active()) {
+    sgd_lanes(static_cast<float*>(w.p) + base, static_cast<const float*>(w.g) + base, h, size, buf);
+    return;
+  }
+  with_element(w.dtype, [&]<typename T>(T) {
+    T* p = static_cast<T*>(w.p) + base;
+    const T* g = static_cast<const T*>(w.g) + base;
+    with_rounding(w.grid, [&]<typename Rounding>(Rounding) {
+      if (w.grid.eco)
+        sgd_grid_lanes<T, Rounding, true>(p, g, base, h, w.grid.seed, w.eco, size, buf);
+      else
+        sgd_grid_lanes<T, Rounding, false>(p, g, base, h, w.grid.seed, w.eco, size, buf);
+    });
+  });
+}
+
 // Muon's momentum on n values (muon_lane): the decoded buffer buf in place, the update to ``update``.
 QSTATE_FLATTEN void muon_lanes(const float* __restrict__ g, const Momentum h, int64_t n, float* __restrict__ buf,
                                float* __restrict__ update) {
   for (int64_t i = 0; i < n; ++i) update[i] = muon_lane(g[i], buf[i], h);
 }
 
-// The per-chunk step of a momentum buffer: chunk ``index`` of w decoded into scratch, SGD's step (the param in place)
-// or Muon's momentum (its update written), the buffer encoded back block by block (encode_state); and its stall counts.
+// The per-chunk step of a momentum buffer: chunk ``index`` of w decoded into scratch, SGD's step (the param in place,
+// on its weight grid if it has one) or Muon's momentum (its update written), the buffer encoded back block by block (encode_state); and its
+// stall counts.
 void momentum_chunk(const MomentumParam& w, const Momentum& h, int64_t index, bool track, Scratch& scratch, Outcome& outcome) {
   const int64_t base = index * w.chunk, size = std::min(w.chunk, w.numel - base);
   scratch.m.resize(size);
   float* buf = scratch.m.data();
   decode_state(w.buf, base, size, false, buf);
   if (track) snapshot(w.buf, base, size, false, scratch, buf);
-  const float* g = static_cast<const float*>(w.g) + base;
   if (w.update != nullptr)
-    muon_lanes(g, h, size, buf, w.update + base);
+    muon_lanes(static_cast<const float*>(w.g) + base, h, size, buf, w.update + base);
   else
-    sgd_lanes(w.p + base, g, h, size, buf);
+    sgd_update(w, h, base, size, buf);
   if (!encode_state<false>(w.buf, base, size, buf)) outcome.moments_bad.store(1, std::memory_order_relaxed);
   if (track) {
     int64_t local[2] = {0, 0};
@@ -976,30 +1015,43 @@ void momentum_chunk(const MomentumParam& w, const Momentum& h, int64_t index, bo
 std::vector<MomentumParam> momentum_params(const std::vector<torch::Tensor>& params, const std::vector<torch::Tensor>& grads,
                                            const std::vector<torch::Tensor>& codes, const std::vector<torch::Tensor>& scales,
                                            const std::vector<torch::Tensor>& tables, const torch::Tensor& ints, const torch::Tensor& floats,
-                                           const torch::Tensor& seeds, const std::vector<torch::Tensor>& updates) {
+                                           const torch::Tensor& grids, const torch::Tensor& seeds, const torch::Tensor& eco,
+                                           const std::vector<torch::Tensor>& updates) {
   const size_t n = params.size();
   TORCH_CHECK(grads.size() == n && codes.size() == n && scales.size() == n && (updates.empty() || updates.size() == n),
               "grads, codes, scales (and Muon's updates): one per parameter");
+  TORCH_CHECK(grids.scalar_type() == torch::kLong && grids.dim() == 2 && grids.size(0) == static_cast<int64_t>(n) && grids.size(1) == 3,
+              "grids: (n, 3) int64 [grid dtype code, stochastic, eco]");
+  TORCH_CHECK(eco.scalar_type() == torch::kFloat && eco.numel() == static_cast<int64_t>(n), "eco: one fp32 ECO coefficient per parameter");
   TORCH_CHECK(tables.size() == 4 * n, "tables: four per parameter");
   TORCH_CHECK(
       ints.scalar_type() == torch::kLong && ints.dim() == 2 && ints.size(0) == static_cast<int64_t>(n) && ints.size(1) == kStateColumns,
       "ints: (n, ", static_cast<int>(kStateColumns), ") int64");
   TORCH_CHECK(floats.scalar_type() == torch::kFloat && floats.numel() == static_cast<int64_t>(n), "floats: (n,) fp32");
-  TORCH_CHECK(seeds.scalar_type() == torch::kLong && seeds.numel() == static_cast<int64_t>(n), "seeds: (n,) int64");
-  const torch::Tensor ints_c = ints.contiguous(), floats_c = floats.contiguous(), seeds_c = seeds.contiguous();
+  TORCH_CHECK(seeds.scalar_type() == torch::kLong && seeds.dim() == 2 && seeds.size(0) == static_cast<int64_t>(n) && seeds.size(1) == 2,
+              "seeds: (n, 2) int64 [weights, buffer]");
+  const torch::Tensor ints_c = ints.contiguous(), floats_c = floats.contiguous();
+  const auto grids_a = grids.accessor<int64_t, 2>(), seeds_a = seeds.accessor<int64_t, 2>();
+  const auto eco_a = eco.accessor<float, 1>();
   std::vector<MomentumParam> work(n);
   for (size_t k = 0; k < n; ++k) {
     MomentumParam& w = work[k];
     w.numel = params[k].numel();
-    const auto fp32 = [&w](const torch::Tensor& t) {
-      return t.scalar_type() == torch::kFloat && t.is_contiguous() && t.numel() == w.numel;
+    w.grid = grid_of(grids_a[k][0], grids_a[k][1], grids_a[k][2], seeds_a[k][0], static_cast<int64_t>(k));
+    w.eco = eco_a[k];
+    w.dtype = dtype_of(params[k]);
+    const auto held = [&w](const torch::Tensor& t, Dtype dtype) {
+      return dtype_of(t) == dtype && t.is_contiguous() && t.numel() == w.numel;
     };
-    TORCH_CHECK(fp32(params[k]) && fp32(grads[k]) && (updates.empty() || fp32(updates[k])), "parameter ", k,
-                ": param, grad (and update) must be contiguous fp32 tensors of one size");
-    w.p = params[k].data_ptr<float>(), w.g = grads[k].data_ptr<float>(), w.dtype = Dtype::kFloat32;
+    TORCH_CHECK(
+        (w.dtype == Dtype::kFloat32 || (w.dtype != Dtype::kNone && w.grid.active() && updates.empty())) && held(params[k], w.dtype) &&
+            held(grads[k], w.dtype) && (updates.empty() || held(updates[k], Dtype::kFloat32)),
+        "parameter ", k,
+        ": param and grad (and Muon's update, fp32) contiguous, of one size and dtype: fp32, or fp32/bf16/fp16 on SGD's weight grid");
+    w.p = params[k].data_ptr(), w.g = grads[k].data_ptr();
     w.update = updates.empty() ? nullptr : updates[k].data_ptr<float>();
     w.buf = state_of(codes[k], scales[k], &tables[4 * k], ints_c.data_ptr<int64_t>() + kStateColumns * k, floats_c.data_ptr<float>()[k],
-                     seeds_c.data_ptr<int64_t>()[k], w.numel, static_cast<int64_t>(k));
+                     seeds_a[k][1], w.numel, static_cast<int64_t>(k));
     w.chunk = std::max(w.buf.kind == Kind::kCast ? 0 : w.buf.block, CAST_CHUNK);
     w.chunks = (w.numel + w.chunk - 1) / w.chunk;
   }
@@ -1070,16 +1122,20 @@ torch::Tensor adam_steps_u8(const std::vector<torch::Tensor>& params, const std:
 // The momentum step of every parameter of one param group with a coded momentum buffer (momentum != 0): torch's
 // single-tensor SGD with its buffer present (params updated in place), or, with ``updates`` (one fp32 tensor per
 // parameter), Muon's momentum: buffer and the update Muon orthogonalizes (written there; params left to the caller).
-// ``params``, ``grads``: contiguous fp32; the buffers as adam_steps_u8's moments: ``codes``, ``scales``, ``tables``
-// (four per parameter: decode, entries, planes, levels), ``ints`` ((n, 13) int64, StateColumn), ``floats`` ((n,) fp32) and
-// ``seeds`` ((n,) int64: the SR seed of each buffer). A parameter whose gradient holds inf/NaN is left untouched.
+// ``params``, ``grads``: contiguous fp32, or for SGD on a weight grid fp32/bf16/fp16 of one dtype; ``grids``: (n, 3) int64
+// [grid dtype code (0 none, 1 fp32, 2 bf16, 3 fp16), stochastic, eco] (SGD only) and ``eco``: (n,) fp32, ECO's
+// coefficient of each parameter's rounding error in its buffer; the buffers as adam_steps_u8's moments: ``codes``,
+// ``scales``, ``tables`` (four per parameter: decode, entries, planes, levels), ``ints`` ((n, 13) int64, StateColumn),
+// ``floats`` ((n,) fp32); ``seeds``: (n, 2) int64, the SR seeds of each parameter's weights and buffer. A parameter
+// whose gradient holds inf/NaN is left untouched.
 // Returns (n, 4) int64 [grad_finite, buffer_finite, stalled, moved] (stall columns 0 unless ``track``).
 torch::Tensor momentum_steps(const std::vector<torch::Tensor>& params, const std::vector<torch::Tensor>& grads,
                              const std::vector<torch::Tensor>& codes, const std::vector<torch::Tensor>& scales,
                              const std::vector<torch::Tensor>& tables, const torch::Tensor& ints, const torch::Tensor& floats,
-                             const torch::Tensor& seeds, const std::vector<torch::Tensor>& updates, double lr, double weight_decay,
-                             double momentum, double dampening, bool nesterov, bool maximize, bool track) {
-  const std::vector<MomentumParam> work = momentum_params(params, grads, codes, scales, tables, ints, floats, seeds, updates);
+                             const torch::Tensor& grids, const torch::Tensor& seeds, const torch::Tensor& eco,
+                             const std::vector<torch::Tensor>& updates, double lr, double weight_decay, double momentum, double dampening,
+                             bool nesterov, bool maximize, bool track) {
+  const std::vector<MomentumParam> work = momentum_params(params, grads, codes, scales, tables, ints, floats, grids, seeds, eco, updates);
   const Momentum h = momentum_of(lr, weight_decay, momentum, dampening, nesterov, maximize);
   const std::vector<Outcome> outcomes =
       step_blocks(work, [&h, track](const MomentumParam& w, int64_t index, Scratch& scratch, Outcome& outcome) {
@@ -1121,8 +1177,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
              py::arg("decoupled"), py::arg("maximize"), py::arg("track"));
   module.def("momentum_steps", &lightning_qstate::momentum_steps, "SGD's step or Muon's momentum of one param group (coded buffers)",
              py::kw_only(), py::arg("params"), py::arg("grads"), py::arg("codes"), py::arg("scales"), py::arg("tables"), py::arg("ints"),
-             py::arg("floats"), py::arg("seeds"), py::arg("updates"), py::arg("lr"), py::arg("weight_decay"), py::arg("momentum"),
-             py::arg("dampening"), py::arg("nesterov"), py::arg("maximize"), py::arg("track"));
+             py::arg("floats"), py::arg("grids"), py::arg("seeds"), py::arg("eco"), py::arg("updates"), py::arg("lr"),
+             py::arg("weight_decay"), py::arg("momentum"), py::arg("dampening"), py::arg("nesterov"), py::arg("maximize"),
+             py::arg("track"));
   module.def("round_to_grid", &lightning_qstate::round_to_grid, "The kernel's rounding of fp32 values to a weight grid", py::kw_only(),
              py::arg("values"), py::arg("grid"), py::arg("stochastic"), py::arg("seed"));
 }
