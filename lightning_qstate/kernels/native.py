@@ -11,7 +11,7 @@ is never stored as 0), writing param, codes and scales (bf16 or fp32, per state)
 with fp32 moments (those ``min_quant_size`` keeps fp32) step in the same call, and the kernel increments every step
 counter, so a whole group costs one call and no per-parameter torch ops.
 
-That pass, with the decode in registers, is for two 8-bit codebooks of one block size (round to nearest). Every
+That pass, with the decode in registers, is for two 8-bit codebooks of one block size (either rounding). Every
 other pair of moment formats the kernel takes (``native_formats``: codebook or minifloat codes of 1 to 8 bits,
 packed as ``formats.packing`` packs them: two per byte up to 4 bits, dense groups of 8 for 5 to 7; bf16/fp16/fp32
 casts; ``m`` and ``v`` of different block sizes) is stepped a chunk at a time (the larger block): both moments
@@ -20,7 +20,7 @@ update, then each moment encoded block by block: a codebook with its ``NearestCo
 ``formats.rounding.encode_minifloat``'s own fp32 and integer operations, a cast as torch's casts (with
 ``CastFormat.lift_flushed`` for a zero-free ``v``); the quotient by the block scale is a true division, as the
 reference's. Under round to nearest its codes are the reference's bit for bit. Stochastic rounding
-(``group["rounding"] == "stochastic"``, any of these formats, on this chunked pass) follows the reference's rules
+(``group["rounding"] == "stochastic"``, any of these formats, on either pass, with the same codes on both) follows the reference's rules
 (``encode_codebook``'s floor code and gap, ``encode_minifloat``'s floor mantissa, ``bf16_stochastic``,
 ``fp16_stochastic``) with counter-based draws: element ``i`` of a moment draws splitmix64 output ``i + 1`` of that
 moment's seed, which the optimizer draws per step from its ``rounding_generator(param, "moments")`` (reproducible,

@@ -92,13 +92,23 @@ void block_stats(const float* __restrict__ m, const float* __restrict__ v, int64
   m_ok = !m_bad, v_ok = !v_bad;
 }
 
-// formats.rounding.encode_codebook (RN) of x / divisor for one block; a non-finite block encodes 0.0 everywhere. The
-// quotient is Markstein's: q = fma(x - q0 * divisor, r, q0) with q0 = x * r and r = 1 / divisor correctly rounded,
-// which is the correctly rounded x / divisor (|x| <= divisor here) down to quotients of about 2^-100, far below
-// any code's rounding threshold.
+// The SR draws of 16 elements from ``first`` (random_bits of s's seed) as U[0, 1) (uniform_of).
+#ifdef QSTATE_AVX512
+inline __m512 uniform16(const State& s, int64_t first) {
+  return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(random16(s.seed, first), 8)), _mm512_set1_ps(0x1p-24f));
+}
+#endif
+
+// formats.rounding.encode_codebook of x / divisor for one block of a byte codebook state s (RN, or SR with element
+// ``first + i`` drawing random_bits(s.seed, first + i)); a non-finite block encodes 0.0 everywhere. The quotient is
+// Markstein's: q = fma(x - q0 * divisor, r, q0) with q0 = x * r and r = 1 / divisor correctly rounded, which is the
+// correctly rounded x / divisor (|x| <= divisor here) down to quotients of about 2^-100, far below any code's rounding
+// threshold (so the codes are encode_codes' of its true division).
 template <bool Nonnegative>
-void encode_block(const float* __restrict__ x, float divisor, bool finite, const Codebook& cb, uint8_t* __restrict__ out, int64_t n) {
-  if (!finite) {
+void encode_block(const float* __restrict__ x, float divisor, bool finite, const State& s, uint8_t* __restrict__ out, int64_t n,
+                  int64_t first) {
+  const Codebook& cb = s.cb;
+  if (!finite && !s.stochastic) {
     std::memset(out, encode_lane(0.0f, cb), n);
     return;
   }
@@ -109,14 +119,17 @@ void encode_block(const float* __restrict__ x, float divisor, bool finite, const
   with_depth(cb.depth, [&]<int Depth>(std::integral_constant<int, Depth>) {
     for (; i + 16 <= n; i += 16) {
       const __m512 value = _mm512_loadu_ps(x + i), estimate = _mm512_mul_ps(value, r);
-      const __m512 q = _mm512_fmadd_ps(_mm512_fnmadd_ps(estimate, d, value), r, estimate);
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), _mm512_cvtepi32_epi8(codebook_codes16<Depth, Nonnegative>(q, cb)));
+      const __m512 q = finite ? _mm512_fmadd_ps(_mm512_fnmadd_ps(estimate, d, value), r, estimate) : _mm512_setzero_ps();
+      const __m128i codes = s.stochastic ? codebook_stochastic16<Depth, Nonnegative>(q, cb, s.last, s.min_code, uniform16(s, first + i))
+                                         : _mm512_cvtepi32_epi8(codebook_codes16<Depth, Nonnegative>(q, cb));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), codes);
     }
   });
 #endif
   for (; i < n; ++i) {
     const float estimate = x[i] * reciprocal;
-    out[i] = encode_lane(std::fma(std::fma(-estimate, divisor, x[i]), reciprocal, estimate), cb);
+    const float q = finite ? std::fma(std::fma(-estimate, divisor, x[i]), reciprocal, estimate) : 0.0f;
+    out[i] = static_cast<uint8_t>(s.encode(q, s.stochastic ? random_bits(s.seed, first + i) : 0));
   }
 }
 
@@ -305,13 +318,6 @@ void absmax(const float* __restrict__ x, int64_t n, float& top, bool& ok) {
   }
   top = value, ok = !bad;
 }
-
-// The SR draws of 16 elements from ``first`` (random_bits of s's seed) as U[0, 1) (uniform_of).
-#ifdef QSTATE_AVX512
-inline __m512 uniform16(const State& s, int64_t first) {
-  return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(random16(s.seed, first), 8)), _mm512_set1_ps(0x1p-24f));
-}
-#endif
 
 // The codes of x[0:n] / divisor (true division: correctly rounded, as the reference's) in a block state s, stored
 // at out: a byte each, two per byte (value 2i in the low nibble; an odd last one: the high nibble 0) or dense (a last
@@ -689,7 +695,7 @@ std::vector<Param> coded_params(const std::vector<torch::Tensor>& params, const 
     const bool m_cast = w.m.kind == Kind::kCast, v_cast = w.v.kind == Kind::kCast;
     w.chunk = m_cast && v_cast ? CAST_CHUNK : std::max(m_cast ? 0 : w.m.block, v_cast ? 0 : w.v.block);
     w.chunks = (w.numel + w.chunk - 1) / w.chunk;
-    const auto byte_codebook = [](const State& s) { return s.kind == Kind::kCodebook && s.bits == 8 && !s.stochastic; };
+    const auto byte_codebook = [](const State& s) { return s.kind == Kind::kCodebook && s.bits == 8; };
     w.fast = byte_codebook(w.m) && byte_codebook(w.v) && w.m.block == w.v.block;
   }
   return work;
@@ -798,8 +804,8 @@ void step_block(const Param& w, int64_t index, bool track, Scratch& scratch, Out
   bool m_ok, v_ok;
   update_param_block(w, base, size, m_scale, v_scale, scratch.m.data(), scratch.v.data(), m_max, v_max, m_ok, v_ok);
   const float m_new = m_ok ? w.m.scales.representable(m_max) : NAN, v_new = v_ok ? w.v.scales.representable(v_max) : NAN;
-  encode_block<false>(scratch.m.data(), (m_ok && m_new > 0.0f) ? m_new : 1.0f, m_ok, w.m.cb, mc, size);
-  encode_block<true>(scratch.v.data(), (v_ok && v_new > 0.0f) ? v_new : 1.0f, v_ok, w.v.cb, vc, size);
+  encode_block<false>(scratch.m.data(), (m_ok && m_new > 0.0f) ? m_new : 1.0f, m_ok, w.m, mc, size, base);
+  encode_block<true>(scratch.v.data(), (v_ok && v_new > 0.0f) ? v_new : 1.0f, v_ok, w.v, vc, size, base);
   w.m.scales.store(index, m_new);
   w.v.scales.store(index, v_new);
   if (!(m_ok && v_ok)) outcome.moments_bad.store(1, std::memory_order_relaxed);
