@@ -169,6 +169,26 @@ def test_sgd_on_a_weight_grid_is_the_reference_path_bit_for_bit(param_dtype, gri
             assert torch.equal(held.to(param_dtype), a.detach())
 
 
+@pytest.mark.parametrize("param_dtype, grid", [(torch.float32, "bf16"), (torch.float16, "fp16")], ids=["fp32 on bf16", "float16 on fp16"])
+def test_sgd_on_a_weight_grid_counts_stalls_as_the_reference_path(param_dtype, grid):
+    """``track_stalls`` with ``track_weight_stalls``: the buffer's and the weights' stall counts of QSGD on a weight
+    grid are the reference path's (the weights' from the update run again on copies, for every path alike)."""
+    counts = []
+    for native_path in (True, False):
+        params, optimizer = run_on_grid(param_dtype, grid, None, "int4", range(3), native_path=native_path, track_stalls=True)
+        optimizer.track_weight_stalls = True
+        for k, param in enumerate(params):
+            param.grad = gradient(param.shape, 100 + k).to(param_dtype)
+        with pytest.MonkeyPatch.context() as patch:
+            if not native_path:
+                patch.setattr(dispatch, "native_kernel_available", lambda: False)
+            optimizer.step()
+        counts.append({key: {name: c.tolist() for name, c in v.items()} for key, v in optimizer.stall_counts().items()})
+        assert set(optimizer.step_paths().values()) == {"native" if native_path else "reference"}
+    assert list(counts[0].values()) == list(counts[1].values())
+    assert all("weights" in by_name for by_name in counts[0].values())
+
+
 @pytest.mark.parametrize("feedback", [None, "eco"])
 def test_sgd_stochastic_weight_rounding_reproduces_and_resumes_exactly(feedback):
     """Stochastic weight rounding on the native path draws from ``rounding_generator(key, "weights")``: the same
