@@ -114,7 +114,8 @@ def test_paths_that_stay_on_the_reference():
     assert paths(lq.QMuon([weight], lr=0.01, min_quant_size=0)) == ["native"]
     assert paths(lq.QSGD([weight], lr=0.01, momentum=0.9, min_quant_size=1 << 20), 2) == ["reference"] * 2  # an fp32 buffer
     assert paths(lq.QSGD([weight], lr=0.01, momentum=0.0, min_quant_size=0), 2) == ["reference"] * 2
-    assert paths(lq.QMuon([weight], lr=0.01, min_quant_size=0, weights="bf16")) == ["reference"]
+    assert paths(lq.QMuon([weight], lr=0.01, min_quant_size=0, weights="bf16")) == ["native"]
+    assert paths(lq.QMuon([weight], lr=0.01, min_quant_size=0, weights="bf16", error_feedback="eco_exact")) == ["reference"]
     assert paths(lq.QSGD([weight], lr=0.01, momentum=0.9, min_quant_size=0, weights="bf16"), 2) == ["reference", "native"]
     assert paths(lq.QSGD([weight], lr=0.01, momentum=0.9, min_quant_size=0, weights="int8"), 2) == ["reference"] * 2  # block-scaled
     tracked = lq.QSGD([weight], lr=0.01, momentum=0.9, min_quant_size=0, weights="bf16", error_feedback="eco", track_stalls=True)
@@ -124,15 +125,22 @@ def test_paths_that_stay_on_the_reference():
     assert paths(slow) == ["reference"]
 
 
-def run_on_grid(param_dtype, grid, feedback, states, steps, native_path=True, resume_from=None, **options):
-    """QSGD (nesterov, weight decay) on two parameters of ``param_dtype`` kept on the weight grid ``grid`` with
-    ``error_feedback=feedback``, stepped as ``run`` steps, on the native or the reference path."""
+GRID_OPTIMIZERS = {
+    "sgd": (lq.QSGD, {"lr": 0.1, "momentum": 0.9, "nesterov": True, "weight_decay": 1e-2}),
+    "muon": (lq.QMuon, {"lr": 0.02, "weight_decay": 0.1}),
+}
+
+
+def run_on_grid(param_dtype, grid, feedback, states, steps, native_path=True, resume_from=None, optimizer="sgd", **options):
+    """QSGD (nesterov, weight decay) or QMuon on two parameters of ``param_dtype`` kept on the weight grid ``grid``
+    with ``error_feedback=feedback``, stepped as ``run`` steps, on the native or the reference path."""
     params = [
         torch.nn.Parameter(torch.randn(shape, generator=torch.Generator().manual_seed(k)).to(param_dtype)) for k, shape in enumerate(SHAPES)
     ]
     options = {"weight_rounding": "nearest", **options}
-    optimizer = lq.QSGD(params, lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-2, states=states, min_quant_size=0, weights=grid,
-                        error_feedback=feedback, generator=torch.Generator().manual_seed(3), **options)  # fmt: skip
+    cls, hyper = GRID_OPTIMIZERS[optimizer]
+    optimizer = cls(params, states=states, min_quant_size=0, weights=grid, error_feedback=feedback,
+                    generator=torch.Generator().manual_seed(3), **hyper, **options)  # fmt: skip
     if resume_from is not None:
         for param, saved in zip(params, resume_from[0], strict=True):
             param.data.copy_(saved)
@@ -150,15 +158,15 @@ def run_on_grid(param_dtype, grid, feedback, states, steps, native_path=True, re
 GRIDS = [(torch.float32, "bf16"), (torch.float32, "fp16"), (torch.bfloat16, "bf16"), (torch.float16, "fp16"), (torch.float32, "fp32")]
 
 
-@pytest.mark.parametrize("feedback", [None, "eco"])
+@pytest.mark.parametrize("optimizer, feedback", [("sgd", None), ("sgd", "eco"), ("muon", None)])
 @pytest.mark.parametrize("states", ["int8", "int4"])
 @pytest.mark.parametrize("param_dtype, grid", GRIDS, ids=[f"{str(d)[6:]} on {g}" for d, g in GRIDS])
-def test_sgd_on_a_weight_grid_is_the_reference_path_bit_for_bit(param_dtype, grid, states, feedback):
-    """QSGD without master weights, round to nearest: four steps on the native path (after the first, which creates
+def test_momentum_on_a_weight_grid_is_the_reference_path_bit_for_bit(param_dtype, grid, states, optimizer, feedback):
+    """QSGD and QMuon without master weights, round to nearest: four steps on the native path (QSGD's first creates
     the buffer) leave the params on the grid, in their dtype, and the buffers' codes and scales equal the reference
-    path's bit for bit, ECO's feedback into the buffer included."""
-    fast_params, fast = run_on_grid(param_dtype, grid, feedback, states, range(4))
-    slow_params, slow = run_on_grid(param_dtype, grid, feedback, states, range(4), native_path=False)
+    path's bit for bit, ECO's feedback into SGD's buffer included."""
+    fast_params, fast = run_on_grid(param_dtype, grid, feedback, states, range(4), optimizer=optimizer)
+    slow_params, slow = run_on_grid(param_dtype, grid, feedback, states, range(4), native_path=False, optimizer=optimizer)
     assert set(fast.step_paths().values()) == {"native"} and set(slow.step_paths().values()) == {"reference"}
     for k, (a, b) in enumerate(zip(buffers(fast, fast_params), buffers(slow, slow_params), strict=True)):
         assert same_bits(a.codes, b.codes) and same_bits(a.scales, b.scales), k
@@ -169,28 +177,29 @@ def test_sgd_on_a_weight_grid_is_the_reference_path_bit_for_bit(param_dtype, gri
             assert torch.equal(held.to(param_dtype), a.detach())
 
 
+@pytest.mark.parametrize("optimizer", ["sgd", "muon"])
 @pytest.mark.parametrize("param_dtype, grid", [(torch.float32, "bf16"), (torch.float16, "fp16")], ids=["fp32 on bf16", "float16 on fp16"])
-def test_sgd_on_a_weight_grid_counts_stalls_as_the_reference_path(param_dtype, grid):
-    """``track_stalls`` with ``track_weight_stalls``: the buffer's and the weights' stall counts of QSGD on a weight
-    grid are the reference path's (the weights' from the update run again on copies, for every path alike)."""
+def test_momentum_on_a_weight_grid_counts_stalls_as_the_reference_path(param_dtype, grid, optimizer):
+    """``track_stalls`` with ``track_weight_stalls``: the buffer's and the weights' stall counts of QSGD and QMuon on a
+    weight grid are the reference path's (the weights' from the update run again on copies, for every path alike)."""
     counts = []
     for native_path in (True, False):
-        params, optimizer = run_on_grid(param_dtype, grid, None, "int4", range(3), native_path=native_path, track_stalls=True)
-        optimizer.track_weight_stalls = True
+        params, optimizer_ = run_on_grid(param_dtype, grid, None, "int4", range(3), native_path, track_stalls=True, optimizer=optimizer)
+        optimizer_.track_weight_stalls = True
         for k, param in enumerate(params):
             param.grad = gradient(param.shape, 100 + k).to(param_dtype)
         with pytest.MonkeyPatch.context() as patch:
             if not native_path:
                 patch.setattr(dispatch, "native_kernel_available", lambda: False)
-            optimizer.step()
-        counts.append({key: {name: c.tolist() for name, c in v.items()} for key, v in optimizer.stall_counts().items()})
-        assert set(optimizer.step_paths().values()) == {"native" if native_path else "reference"}
+            optimizer_.step()
+        counts.append({key: {name: c.tolist() for name, c in v.items()} for key, v in optimizer_.stall_counts().items()})
+        assert set(optimizer_.step_paths().values()) == {"native" if native_path else "reference"}
     assert list(counts[0].values()) == list(counts[1].values())
     assert all("weights" in by_name for by_name in counts[0].values())
 
 
-@pytest.mark.parametrize("feedback", [None, "eco"])
-def test_sgd_stochastic_weight_rounding_reproduces_and_resumes_exactly(feedback):
+@pytest.mark.parametrize("optimizer, feedback", [("sgd", None), ("sgd", "eco"), ("muon", None)])
+def test_stochastic_weight_rounding_reproduces_and_resumes_exactly(optimizer, feedback):
     """Stochastic weight rounding on the native path draws from ``rounding_generator(key, "weights")``: the same
     generator seed gives the same params with 1 and 2 threads, a run resumed after step 2 matches the uninterrupted
     one, and the draws differ from round to nearest (the rounding is stochastic)."""
@@ -199,20 +208,24 @@ def test_sgd_stochastic_weight_rounding_reproduces_and_resumes_exactly(feedback)
     try:
         for threads in (1, 2):
             torch.set_num_threads(threads)
-            runs.append(run_on_grid(torch.bfloat16, "bf16", feedback, "int4", range(4), weight_rounding="stochastic"))
+            runs.append(run_on_grid(torch.bfloat16, "bf16", feedback, "int4", range(4), weight_rounding="stochastic", optimizer=optimizer))
     finally:
         torch.set_num_threads(saved)
-    half_params, half = run_on_grid(torch.bfloat16, "bf16", feedback, "int4", range(2), weight_rounding="stochastic")
+    half_params, half = run_on_grid(torch.bfloat16, "bf16", feedback, "int4", range(2), weight_rounding="stochastic", optimizer=optimizer)
     checkpoint = ([p.detach().clone() for p in half_params], half.state_dict())
-    runs.append(run_on_grid(torch.bfloat16, "bf16", feedback, "int4", range(2, 4), resume_from=checkpoint, weight_rounding="stochastic"))
-    (params, optimizer), others = runs[0], runs[1:]
-    assert set(optimizer.step_paths().values()) == {"native"}
+    runs.append(
+        run_on_grid(
+            torch.bfloat16, "bf16", feedback, "int4", range(2, 4), resume_from=checkpoint, weight_rounding="stochastic", optimizer=optimizer
+        )
+    )
+    (params, first), others = runs[0], runs[1:]
+    assert set(first.step_paths().values()) == {"native"}
     for other_params, other in others:
-        for a, b in zip(buffers(optimizer, params), buffers(other, other_params), strict=True):
+        for a, b in zip(buffers(first, params), buffers(other, other_params), strict=True):
             assert same_bits(a.codes, b.codes) and same_bits(a.scales, b.scales)
         for a, b in zip(params, other_params, strict=True):
             assert same_bits(a.detach(), b.detach())
-    nearest_params, _ = run_on_grid(torch.bfloat16, "bf16", feedback, "int4", range(4))
+    nearest_params, _ = run_on_grid(torch.bfloat16, "bf16", feedback, "int4", range(4), optimizer=optimizer)
     assert not all(torch.equal(a, b) for a, b in zip(params, nearest_params, strict=True))
 
 

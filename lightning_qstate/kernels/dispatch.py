@@ -12,9 +12,9 @@ multi_tensor  torch's own multi-tensor (foreach) Adam(W) on fp32 states         
 reference     torch's functional update on decoded states, one parameter a time   ``optim/base.py``
 ============  ==================================================================  ==============================
 
-A parameter takes the first path of its optimizer's table (``ADAM_PATHS`` for QAdam/QAdamW; ``SGD_PATHS`` and
-``MUON_PATHS`` for QSGD and QMuon, whose ``native`` steps their coded momentum buffers; ``PER_PARAMETER_PATHS`` for
-the generic wrapper) whose every requirement holds; ``reference`` has none. In a param group that has ``native``
+A parameter takes the first path of its optimizer's table (``ADAM_PATHS`` for QAdam/QAdamW; ``MOMENTUM_PATHS`` for
+QSGD/QMuon, whose ``native`` steps their coded momentum buffers; ``PER_PARAMETER_PATHS`` for the generic wrapper)
+whose every requirement holds; ``reference`` has none. In a param group that has ``native``
 parameters, the fp32-state ones that meet ``NATIVE_JOIN`` join that call too (one call for the small parameters
 ``min_quant_size`` keeps fp32). Round to nearest, ``native``, ``triton`` and ``compiled`` give the codes of
 ``kernels.adam_reference`` bit for bit (QSGD's and QMuon's ``native``: the reference path's buffer codes and params).
@@ -155,14 +155,9 @@ def native_values(c: Candidate) -> bool:
     return c.param.dtype in dtypes and c.grad.dtype == c.param.dtype
 
 
-def fp32_values(c: Candidate) -> bool:
-    """An fp32 parameter and gradient, the parameter contiguous (what the momentum kernel reads of Muon's)."""
-    return c.param.dtype == torch.float32 and c.grad.dtype == torch.float32 and c.param.is_contiguous()
-
-
 def native_momentum_values(c: Candidate) -> bool:
     """``native_values`` (fp32, or with a weight grid fp32/bf16/fp16, the gradient of the parameter's dtype), the
-    parameter contiguous (what the momentum kernel reads of SGD's)."""
+    parameter contiguous (what the momentum kernel reads)."""
     return native_values(c) and c.param.is_contiguous()
 
 
@@ -237,18 +232,13 @@ ADAM_PATHS: tuple[tuple[StepPath, tuple[Requirement, ...]], ...] = (
     (StepPath.REFERENCE, ()),
 )
 # SGD and Muon: the C++ step of the coded momentum buffers, else torch's functional update one parameter at a time.
-# SGD's parameters may be kept on a weight grid there (``weights=``, ECO's feedback into the buffer: as the fused Adam
-# steps, ``fused_weight_update``); Muon's orthogonalization and param update run in torch after the kernel, so its
-# weight grids stay on the reference path.
-SGD_PATHS: tuple[tuple[StepPath, tuple[Requirement, ...]], ...] = (
+# Parameters may be kept on a cast weight grid there (``weights=``; ECO's feedback into SGD's buffer; as the fused Adam
+# steps, ``fused_weight_update``): SGD's rounded in the kernel, Muon's after its orthogonalized update, in torch.
+MOMENTUM_PATHS: tuple[tuple[StepPath, tuple[Requirement, ...]], ...] = (
     (
         StepPath.NATIVE,
         (on_cpu, compile_allowed, fused_weight_update, native_momentum_values, plain_momentum_options, native_momentum, native_built),
     ),
-    (StepPath.REFERENCE, ()),
-)
-MUON_PATHS: tuple[tuple[StepPath, tuple[Requirement, ...]], ...] = (
-    (StepPath.NATIVE, (on_cpu, compile_allowed, no_weight_grid, fp32_values, plain_momentum_options, native_momentum, native_built)),
     (StepPath.REFERENCE, ()),
 )
 # The generic wrapper: torch's functional update, one parameter at a time.

@@ -555,8 +555,7 @@ class QuantizedStates:
         if feedback == "eco_exact" and ERROR_STATE in state:
             master += local_tensor(state[ERROR_STATE])
         self._update(group, master, grad.float(), states, state)
-        generator = self.rounding_generator(key, "weights", param.device) if group["weight_rounding"] == "stochastic" else None
-        stored = grid.round(master, group["weight_rounding"], generator).to(param.dtype)
+        stored = self._round_to_grid(group, key, param, master, grid)
         if self.track_stalls and self.track_weight_stalls:  # param still holds the old θ̂; a grid's entries stall when they keep their code
             flat = (param.reshape(-1).float(), master.reshape(-1), stored.reshape(-1).float())
             self._add_stall_counts(key, WEIGHT_STALLS, count_stalls(*flat, grid_units(grid, param), grid_units(grid, stored)))
@@ -566,6 +565,12 @@ class QuantizedStates:
             state[ERROR_STATE] = error
         elif feedback == "eco":
             self._feed_back_error(group, key, error, states, state)
+
+    def _round_to_grid(self, group: dict, key: torch.Tensor, param: torch.Tensor, master: torch.Tensor, grid: WeightGrid) -> torch.Tensor:
+        """``θ̂ = q(θ̃)``: the new fp32 values ``master`` of parameter ``key`` rounded onto its ``grid`` with the group's
+        ``weight_rounding`` (stochastic: from the ``"weights"`` stream of ``rounding_generator``), in ``param``'s dtype."""
+        generator = self.rounding_generator(key, "weights", param.device) if group["weight_rounding"] == "stochastic" else None
+        return grid.round(master, group["weight_rounding"], generator).to(param.dtype)
 
     def _feed_back_error(self, group: dict, key: torch.Tensor, error: torch.Tensor, states: dict, state: dict) -> None:
         """Add ECO's correction for the rounding ``error`` to the fp32 momentum in ``states`` (subclasses)."""

@@ -49,7 +49,7 @@ from ..formats import QuantizedTensor
 from ..formats.weights import WeightBlock
 from ..kernels.adam_reference import adam_denominator, adam_hyper, eco_feedback, hold_moment
 from ..kernels.bounds import moment_bound
-from ..kernels.dispatch import ADAM_PATHS, MUON_PATHS, SGD_PATHS, StepPath, fused_adam_step
+from ..kernels.dispatch import ADAM_PATHS, MOMENTUM_PATHS, StepPath, fused_adam_step
 from ..kernels.native import native_adam_steps, native_momentum_steps
 from .base import QuantizedStates, finite_grads, local_tensor
 from .policy import ErrorFeedback, NonFiniteGradPolicy, QuantizationPolicy, StatesSpec
@@ -345,14 +345,13 @@ class QAdamW(QAdam, torch.optim.AdamW):
 class _MomentumStates(QuantizedStates):
     """The quantized ``momentum_buffer`` of QSGD and QMuon.
 
-    Each parameter takes a path of its ``step_path_table`` (``kernels.dispatch.SGD_PATHS``, ``MUON_PATHS``): ``native``
-    steps the coded buffers of a param group in one C++ call (``kernels.native.native_momentum_steps``: gradient
-    checks, SGD's whole step, on a weight grid too, or Muon's momentum with ``_apply_update`` after it), ``reference``
-    one parameter at a time.
+    Each parameter takes a path of ``kernels.dispatch.MOMENTUM_PATHS``: ``native`` steps the coded buffers of a param
+    group in one C++ call (``kernels.native.native_momentum_steps``: gradient checks, SGD's whole step, or Muon's
+    momentum with ``_apply_update`` after it; on a weight grid too), ``reference`` one parameter at a time.
     """
 
     state_names = ("momentum_buffer",)
-    step_path_table = SGD_PATHS
+    step_path_table = MOMENTUM_PATHS
     muon_momentum = False  # the kernel computes Muon's momentum and update (QMuon), not SGD's whole step
 
     def _run_path(self, path: StepPath, group: dict, keys: list[torch.Tensor]) -> None:
@@ -365,7 +364,9 @@ class _MomentumStates(QuantizedStates):
         """The ``native`` path: one C++ call for ``keys``; for stochastic rounding, a seed per buffer drawn from its
         ``rounding_generator(key, "momentum_buffer")`` (the reference path's stream: a resumed run rounds alike), and
         for SGD's parameters on a weight grid, its seed of stochastic weight rounding from ``rounding_generator(key,
-        "weights")`` and ECO's coefficient (``optim.weights.sgd_feedback_coefficient``)."""
+        "weights")`` and ECO's coefficient (``optim.weights.sgd_feedback_coefficient``). QMuon's parameters on a weight
+        grid (no ECO: QMuon refuses ``"eco"``) take the kernel's momentum and update, then ``_apply_update`` on fp32
+        copies rounded onto the grid (``_round_to_grid``), as the reference path's ``_update_weights``."""
         params, grads = [local_tensor(key) for key in keys], [local_tensor(key.grad) for key in keys]
         cpu = torch.device("cpu")
 
@@ -375,25 +376,35 @@ class _MomentumStates(QuantizedStates):
         stochastic = group["rounding"] == "stochastic"
         seeds = [seed(key, "momentum_buffer") if stochastic else 0 for key in keys]
         weights = [self.weight_grid(group, key, param) for key, param in zip(keys, params, strict=True)]
-        weight_stochastic = group["weight_rounding"] == "stochastic"
-        weight_seeds = [
-            seed(key, "weights") if grid is not None and weight_stochastic else 0 for key, grid in zip(keys, weights, strict=True)
-        ]
-        feedback = group["error_feedback"] == "eco"  # QSGD's only: QMuon's parameters on a grid take the reference path
-        eco = [sgd_feedback_coefficient(group) if grid is not None and feedback else 0.0 for grid in weights]
         targets = self._weight_targets(group, keys)
         buffers = [self.state[key]["momentum_buffer"] for key in keys]
-        rows, updates = native_momentum_steps(
-            params, grads, buffers, group, self.muon_momentum, self.track_stalls, seeds, weights, weight_seeds, eco
-        )
-        for key, param, row, update in zip(keys, params, rows, updates, strict=True):
+        if self.muon_momentum:  # the kernel's momentum from fp32 gradients; the weights' rounding below, in torch
+            fp32 = [[t if t.dtype == torch.float32 else t.float() for t in tensors] for tensors in (params, grads)]
+            rows, updates = native_momentum_steps(*fp32, buffers, group, True, self.track_stalls, seeds)
+        else:  # SGD's whole step, onto its weight grid too
+            weight_stochastic = group["weight_rounding"] == "stochastic"
+            weight_seeds = [
+                seed(key, "weights") if grid is not None and weight_stochastic else 0 for key, grid in zip(keys, weights, strict=True)
+            ]
+            feedback = group["error_feedback"] == "eco"
+            eco = [sgd_feedback_coefficient(group) if grid is not None and feedback else 0.0 for grid in weights]
+            rows, updates = native_momentum_steps(
+                params, grads, buffers, group, False, self.track_stalls, seeds, weights, weight_seeds, eco
+            )
+        for key, param, grid, row, update in zip(keys, params, weights, rows, updates, strict=True):
             if not row[0]:
                 self._skip_nonfinite_grad(key)
                 continue
             if self.track_stalls:
                 self._add_stall_counts(key, "momentum_buffer", torch.tensor(row[2:4]))
-            if update is not None:
+            if update is None:
+                continue
+            if grid is None:
                 self._apply_update(group, param, update)
+            else:  # as _update_weights: the step on fp32 values, rounded onto the grid
+                master = param.float() if param.dtype != torch.float32 else param.clone()
+                self._apply_update(group, master, update)
+                param.copy_(self._round_to_grid(group, key, param, master, grid))
         self._count_weight_stalls(targets)  # after the skips are known
 
     def _apply_update(self, group: dict, param: torch.Tensor, update: torch.Tensor) -> None:
@@ -498,10 +509,10 @@ class QMuon(_MomentumStates, torch.optim.Muon):
     The first arguments are ``torch.optim.Muon``'s; the storage options are :class:`QAdam`'s. ``error_feedback="eco"``
     is refused: Muon's orthogonalized update is not linear in the momentum, so the rounding error cannot be folded
     into it; ``"eco_exact"`` (an error buffer) works. Muon needs about half of Adam's mantissa bits for a run of the
-    same length (``theory.precision.required_mantissa_bits``). On the CPU the momentum of an fp32 parameter with a
-    coded buffer (no ``weights``) is one C++ call per param group (``step_paths()``: ``"native"``), torch's
-    Newton–Schulz orthogonalization and param update follow: round to nearest, the reference path's codes and params
-    bit for bit.
+    same length (``theory.precision.required_mantissa_bits``). On the CPU the momentum of a parameter with a coded
+    buffer is one C++ call per param group (``step_paths()``: ``"native"``), torch's Newton–Schulz orthogonalization
+    and param update follow (on fp32 copies rounded onto the grid for a parameter kept on a cast weight grid, as
+    ``weights="bf16"``): round to nearest, the reference path's codes and params bit for bit.
 
     Example::
 
@@ -516,7 +527,6 @@ class QMuon(_MomentumStates, torch.optim.Muon):
     """
 
     error_feedbacks = (None, "eco_exact")  # the orthogonalized update is not linear in the momentum: no "eco"
-    step_path_table = MUON_PATHS
     muon_momentum = True
 
     def __init__(
