@@ -41,12 +41,14 @@ def gradient(shape: tuple[int, ...], seed: int) -> torch.Tensor:
     return grad
 
 
-def run(case: str, states: str, steps, native_path: bool = True, resume_from=None, **options):
-    """``case``'s optimizer on two parameters (``SHAPES``), stepped with ``gradient(shape, step)`` for each of
-    ``steps``, on the native path or (``native_path=False``) the reference path; ``resume_from``: (params, state dict)."""
-    cls, hyper = CASES[case]
-    params = [torch.nn.Parameter(torch.randn(shape, generator=torch.Generator().manual_seed(k))) for k, shape in enumerate(SHAPES)]
-    optimizer = cls(params, states=states, min_quant_size=0, generator=torch.Generator().manual_seed(3), **hyper, **options)
+def train(cls, hyper: dict, steps, native_path: bool = True, resume_from=None, param_dtype=torch.float32, **options):
+    """``cls(**hyper, **options)`` on two parameters (``SHAPES``) of ``param_dtype``, stepped with ``gradient(shape,
+    step)`` for each of ``steps``, on the native path or (``native_path=False``) the reference path; ``resume_from``:
+    (params, state dict)."""
+    params = [
+        torch.nn.Parameter(torch.randn(shape, generator=torch.Generator().manual_seed(k)).to(param_dtype)) for k, shape in enumerate(SHAPES)
+    ]
+    optimizer = cls(params, min_quant_size=0, generator=torch.Generator().manual_seed(3), **hyper, **options)
     if resume_from is not None:
         for param, saved in zip(params, resume_from[0], strict=True):
             param.data.copy_(saved)
@@ -56,13 +58,56 @@ def run(case: str, states: str, steps, native_path: bool = True, resume_from=Non
             patch.setattr(dispatch, "native_kernel_available", lambda: False)
         for step in steps:
             for k, param in enumerate(params):
-                param.grad = gradient(param.shape, 10 * step + k)
+                param.grad = gradient(param.shape, 10 * step + k).to(param_dtype)
             optimizer.step()
     return params, optimizer
 
 
+def run(case: str, states: str, steps, native_path: bool = True, resume_from=None, **options):
+    """``case``'s optimizer (``CASES``) with ``states``, as ``train`` steps it."""
+    cls, hyper = CASES[case]
+    return train(cls, hyper, steps, native_path, resume_from, states=states, **options)
+
+
+def tracked_step_counts(params, optimizer, native_path: bool, param_dtype=torch.float32) -> dict:
+    """One more step of ``optimizer`` (made with ``track_stalls``) on the native or the reference path, with
+    ``track_weight_stalls``: its ``stall_counts()`` as lists."""
+    optimizer.track_weight_stalls = True
+    for k, param in enumerate(params):
+        param.grad = gradient(param.shape, 100 + k).to(param_dtype)
+    with pytest.MonkeyPatch.context() as patch:
+        if not native_path:
+            patch.setattr(dispatch, "native_kernel_available", lambda: False)
+        optimizer.step()
+    assert set(optimizer.step_paths().values()) == {"native" if native_path else "reference"}
+    return {key: {name: c.tolist() for name, c in v.items()} for key, v in optimizer.stall_counts().items()}
+
+
 def buffers(optimizer, params) -> list:
     return [optimizer.state[param]["momentum_buffer"] for param in params]
+
+
+def check_threads_and_resume(train_steps) -> tuple[list, object]:
+    """``train_steps(steps, resume_from=None)`` (a fresh run, as ``train``) gives the same buffers and params bit for bit
+    with 1 and 2 threads, and resumed from a state dict after step 2, on the native path; returns the first run."""
+    saved = torch.get_num_threads()
+    runs = []
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            runs.append(train_steps(range(4)))
+    finally:
+        torch.set_num_threads(saved)
+    half_params, half = train_steps(range(2))
+    runs.append(train_steps(range(2, 4), resume_from=([p.detach().clone() for p in half_params], half.state_dict())))
+    (params, first), others = runs[0], runs[1:]
+    assert set(first.step_paths().values()) == {"native"}
+    for other_params, other in others:
+        for a, b in zip(buffers(first, params), buffers(other, other_params), strict=True):
+            assert same_bits(a.codes, b.codes) and same_bits(a.scales, b.scales)
+        for a, b in zip(params, other_params, strict=True):
+            assert same_bits(a.detach(), b.detach())
+    return params, first
 
 
 @pytest.mark.parametrize("states", FORMATS)
@@ -82,18 +127,9 @@ def test_native_step_is_the_reference_path_bit_for_bit(case, states):
 @pytest.mark.parametrize("case", ["sgd dampening, decay, maximize", "muon"])
 def test_native_stall_counts_are_the_reference_paths(case):
     """``track_stalls``: the buffer's and the params' stall counts of the native path are the reference path's."""
-    counts = []
-    for native_path in (True, False):
-        params, optimizer = run(case, "int4", range(3), native_path=native_path, track_stalls=True)
-        optimizer.track_weight_stalls = True
-        for k, param in enumerate(params):
-            param.grad = gradient(param.shape, 100 + k)
-        with pytest.MonkeyPatch.context() as patch:
-            if not native_path:
-                patch.setattr(dispatch, "native_kernel_available", lambda: False)
-            optimizer.step()
-        counts.append({key: {name: c.tolist() for name, c in v.items()} for key, v in optimizer.stall_counts().items()})
-        assert set(optimizer.step_paths().values()) == {"native" if native_path else "reference"}
+    counts = [
+        tracked_step_counts(*run(case, "int4", range(3), native_path, track_stalls=True), native_path) for native_path in (True, False)
+    ]
     assert list(counts[0].values()) == list(counts[1].values())
 
 
@@ -132,27 +168,11 @@ GRID_OPTIMIZERS = {
 
 
 def run_on_grid(param_dtype, grid, feedback, states, steps, native_path=True, resume_from=None, optimizer="sgd", **options):
-    """QSGD (nesterov, weight decay) or QMuon on two parameters of ``param_dtype`` kept on the weight grid ``grid``
-    with ``error_feedback=feedback``, stepped as ``run`` steps, on the native or the reference path."""
-    params = [
-        torch.nn.Parameter(torch.randn(shape, generator=torch.Generator().manual_seed(k)).to(param_dtype)) for k, shape in enumerate(SHAPES)
-    ]
-    options = {"weight_rounding": "nearest", **options}
+    """QSGD (nesterov, weight decay) or QMuon (``GRID_OPTIMIZERS``) on parameters of ``param_dtype`` kept on the weight
+    grid ``grid`` with ``error_feedback=feedback`` (round to nearest unless ``options`` say), as ``train`` steps it."""
     cls, hyper = GRID_OPTIMIZERS[optimizer]
-    optimizer = cls(params, states=states, min_quant_size=0, weights=grid, error_feedback=feedback,
-                    generator=torch.Generator().manual_seed(3), **hyper, **options)  # fmt: skip
-    if resume_from is not None:
-        for param, saved in zip(params, resume_from[0], strict=True):
-            param.data.copy_(saved)
-        optimizer.load_state_dict(resume_from[1])
-    with pytest.MonkeyPatch.context() as patch:
-        if not native_path:
-            patch.setattr(dispatch, "native_kernel_available", lambda: False)
-        for step in steps:
-            for k, param in enumerate(params):
-                param.grad = gradient(param.shape, 10 * step + k).to(param_dtype)
-            optimizer.step()
-    return params, optimizer
+    options = {"weight_rounding": "nearest", **options}
+    return train(cls, hyper, steps, native_path, resume_from, param_dtype, states=states, weights=grid, error_feedback=feedback, **options)
 
 
 GRIDS = [(torch.float32, "bf16"), (torch.float32, "fp16"), (torch.bfloat16, "bf16"), (torch.float16, "fp16"), (torch.float32, "fp32")]
@@ -182,18 +202,11 @@ def test_momentum_on_a_weight_grid_is_the_reference_path_bit_for_bit(param_dtype
 def test_momentum_on_a_weight_grid_counts_stalls_as_the_reference_path(param_dtype, grid, optimizer):
     """``track_stalls`` with ``track_weight_stalls``: the buffer's and the weights' stall counts of QSGD and QMuon on a
     weight grid are the reference path's (the weights' from the update run again on copies, for every path alike)."""
-    counts = []
-    for native_path in (True, False):
-        params, optimizer_ = run_on_grid(param_dtype, grid, None, "int4", range(3), native_path, track_stalls=True, optimizer=optimizer)
-        optimizer_.track_weight_stalls = True
-        for k, param in enumerate(params):
-            param.grad = gradient(param.shape, 100 + k).to(param_dtype)
-        with pytest.MonkeyPatch.context() as patch:
-            if not native_path:
-                patch.setattr(dispatch, "native_kernel_available", lambda: False)
-            optimizer_.step()
-        counts.append({key: {name: c.tolist() for name, c in v.items()} for key, v in optimizer_.stall_counts().items()})
-        assert set(optimizer_.step_paths().values()) == {"native" if native_path else "reference"}
+    counts = [
+        tracked_step_counts(*run_on_grid(param_dtype, grid, None, "int4", range(3), native_path, track_stalls=True, optimizer=optimizer),
+                            native_path, param_dtype)
+        for native_path in (True, False)
+    ]  # fmt: skip
     assert list(counts[0].values()) == list(counts[1].values())
     assert all("weights" in by_name for by_name in counts[0].values())
 
@@ -203,28 +216,11 @@ def test_stochastic_weight_rounding_reproduces_and_resumes_exactly(optimizer, fe
     """Stochastic weight rounding on the native path draws from ``rounding_generator(key, "weights")``: the same
     generator seed gives the same params with 1 and 2 threads, a run resumed after step 2 matches the uninterrupted
     one, and the draws differ from round to nearest (the rounding is stochastic)."""
-    saved = torch.get_num_threads()
-    runs = []
-    try:
-        for threads in (1, 2):
-            torch.set_num_threads(threads)
-            runs.append(run_on_grid(torch.bfloat16, "bf16", feedback, "int4", range(4), weight_rounding="stochastic", optimizer=optimizer))
-    finally:
-        torch.set_num_threads(saved)
-    half_params, half = run_on_grid(torch.bfloat16, "bf16", feedback, "int4", range(2), weight_rounding="stochastic", optimizer=optimizer)
-    checkpoint = ([p.detach().clone() for p in half_params], half.state_dict())
-    runs.append(
-        run_on_grid(
-            torch.bfloat16, "bf16", feedback, "int4", range(2, 4), resume_from=checkpoint, weight_rounding="stochastic", optimizer=optimizer
+    params, _ = check_threads_and_resume(
+        lambda steps, resume_from=None: run_on_grid(
+            torch.bfloat16, "bf16", feedback, "int4", steps, resume_from=resume_from, weight_rounding="stochastic", optimizer=optimizer
         )
     )
-    (params, first), others = runs[0], runs[1:]
-    assert set(first.step_paths().values()) == {"native"}
-    for other_params, other in others:
-        for a, b in zip(buffers(first, params), buffers(other, other_params), strict=True):
-            assert same_bits(a.codes, b.codes) and same_bits(a.scales, b.scales)
-        for a, b in zip(params, other_params, strict=True):
-            assert same_bits(a.detach(), b.detach())
     nearest_params, _ = run_on_grid(torch.bfloat16, "bf16", feedback, "int4", range(4), optimizer=optimizer)
     assert not all(torch.equal(a, b) for a, b in zip(params, nearest_params, strict=True))
 
@@ -268,24 +264,7 @@ def test_stochastic_rounding_reproduces_across_threads_and_resumes_exactly(case,
     """SR seeds from ``rounding_generator(key, "momentum_buffer")``: the same generator seed gives the same codes and
     params with 1 and 2 threads, and a run resumed from a state dict after step 2 rounds steps 3-4 as the
     uninterrupted run does."""
-    saved = torch.get_num_threads()
-    runs = []
-    try:
-        for threads in (1, 2):
-            torch.set_num_threads(threads)
-            runs.append(run(case, states, range(4), rounding="stochastic"))
-    finally:
-        torch.set_num_threads(saved)
-    half_params, half = run(case, states, range(2), rounding="stochastic")
-    checkpoint = ([p.detach().clone() for p in half_params], half.state_dict())
-    runs.append(run(case, states, range(2, 4), rounding="stochastic", resume_from=checkpoint))
-    (params, optimizer), others = runs[0], runs[1:]
-    assert set(optimizer.step_paths().values()) == {"native"}
-    for other_params, other in others:
-        for a, b in zip(buffers(optimizer, params), buffers(other, other_params), strict=True):
-            assert same_bits(a.codes, b.codes) and same_bits(a.scales, b.scales)
-        for a, b in zip(params, other_params, strict=True):
-            assert same_bits(a.detach(), b.detach())
+    check_threads_and_resume(lambda steps, resume_from=None: run(case, states, steps, rounding="stochastic", resume_from=resume_from))
 
 
 @pytest.mark.parametrize("muon", [False, True], ids=["sgd", "muon"])
