@@ -143,9 +143,10 @@ def _kernel():
 
 def _function(name: str):
     """The extension's function ``name`` (``adam_steps_u8``, ``momentum_steps``, ``round_to_grid``)."""
-    if _kernel() is None:
+    kernel = _kernel()
+    if kernel is None:
         raise RuntimeError("the C++ CPU Adam kernel is not built here")
-    return getattr(_kernel(), name)
+    return getattr(kernel, name)
 
 
 # A state's kind in the kernel (``Kind`` in ``csrc/adam_cpu.h``).
