@@ -200,6 +200,14 @@ def _scales(q: QuantizedTensor) -> torch.Tensor:
     return _NO_SCALES if q.scales is None else q.scales
 
 
+def _grid_rows(weights: list[WeightGrid | None], group: dict) -> torch.Tensor:
+    """The kernel's ``grids``: ``(n, 3)`` int64, per parameter ``[grid dtype code (GRID_DTYPES; 0: none), stochastic,
+    eco]`` from its weight grid and ``group``'s ``weight_rounding`` and ``error_feedback``."""
+    stochastic, eco = group.get("weight_rounding") == "stochastic", group.get("error_feedback") == "eco"
+    rows = [(GRID_DTYPES.index(grid.cast_dtype), stochastic, eco) if grid is not None else (0, 0, 0) for grid in weights]
+    return torch.tensor(rows, dtype=torch.int64).view(-1, 3)
+
+
 def native_adam_steps(
     params: list[torch.Tensor],
     grads: list[torch.Tensor],
@@ -233,9 +241,7 @@ def native_adam_steps(
         raise ValueError("the C++ kernel keeps only parameters with coded moments on a weight grid")
     order = coded + plain  # the kernel's parameter order
     beta1, beta2 = group["betas"]
-    stochastic = group.get("weight_rounding") == "stochastic"
     eco = group.get("error_feedback") == "eco"
-    grids = [(GRID_DTYPES.index(weights[k].cast_dtype), stochastic, eco) if weights[k] is not None else (0, 0, 0) for k in coded]
     eco_coefficients = [eco_coefficient(group, float(states[k]["step"]) + 1) if eco and weights[k] is not None else 0.0 for k in coded]
     moments = [(states[k]["exp_avg"], states[k]["exp_avg_sq"]) for k in coded]
     tables, ints, floats = _state_rows([q for pair in moments for q in pair], group["rounding"] == "stochastic")
@@ -250,7 +256,7 @@ def native_adam_steps(
         ints=torch.tensor(ints, dtype=torch.int64).view(-1, 2, 13),
         floats=torch.tensor(floats, dtype=torch.float32).view(-1, 2),
         bounds=torch.tensor([moment_bound(float(beta1), float(beta2), float(states[k]["step"])) for k in coded], dtype=torch.float32),
-        grids=torch.tensor(grids, dtype=torch.int64).view(-1, 3),
+        grids=_grid_rows([weights[k] for k in coded], group),
         seeds=torch.tensor([[seeds[k], *moment_seeds[k]] for k in coded], dtype=torch.int64).view(-1, 3),
         eco=torch.tensor(eco_coefficients, dtype=torch.float32),
         plain=[t for k in plain for t in (params[k], grads[k].contiguous(), states[k]["exp_avg"], states[k]["exp_avg_sq"])],
@@ -315,8 +321,6 @@ def native_momentum_steps(
     weights, weight_seeds, eco = weights or [None] * count, weight_seeds or [0] * count, eco or [0.0] * count
     if muon and any(grid is not None for grid in weights):
         raise ValueError("the C++ kernel keeps only SGD's parameters on a weight grid (Muon's update is applied in torch)")
-    stochastic, feedback = group.get("weight_rounding") == "stochastic", group.get("error_feedback") == "eco"
-    grids = [(GRID_DTYPES.index(grid.cast_dtype), stochastic, feedback) if grid is not None else (0, 0, 0) for grid in weights]
     tables, ints, floats = _state_rows(buffers, group["rounding"] == "stochastic")
     updates = [torch.empty(param.shape, dtype=torch.float32) for param in params] if muon else []
     rows = _function("momentum_steps")(
@@ -327,11 +331,11 @@ def native_momentum_steps(
         tables=tables,
         ints=torch.tensor(ints, dtype=torch.int64).view(-1, 13),
         floats=torch.tensor(floats, dtype=torch.float32),
-        grids=torch.tensor(grids, dtype=torch.int64).view(-1, 3),
+        grids=_grid_rows(weights, group),
         seeds=torch.tensor(
             [[weight_seed, seed] for weight_seed, seed in zip(weight_seeds, seeds or [0] * count, strict=True)], dtype=torch.int64
         ).view(-1, 2),
-        eco=torch.tensor([c if feedback and grid is not None else 0.0 for c, grid in zip(eco, weights, strict=True)], dtype=torch.float32),
+        eco=torch.tensor(eco, dtype=torch.float32),  # read only where a grid row's eco column is set
         updates=updates,
         lr=float(group["lr"]),
         weight_decay=float(group["weight_decay"]),

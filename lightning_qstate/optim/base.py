@@ -431,6 +431,12 @@ class QuantizedStates:
         seed = mix64(self._rounding_seed, self._rounding_step, positions[key], self._shard_index(key), *name.encode())
         return torch.Generator(device=device).manual_seed(seed)
 
+    def _kernel_seeds(self, key: torch.Tensor, name: str, count: int = 1) -> list[int]:
+        """``count`` seeds of the C++ kernel's counter-based stochastic rounding of state ``name`` of parameter ``key`` at
+        this step, drawn from its ``rounding_generator`` (the stream the other paths draw from: a resumed run rounds
+        alike)."""
+        return torch.randint(2**62, (count,), generator=self.rounding_generator(key, name, torch.device("cpu"))).tolist()
+
     def _shard_index(self, key: torch.Tensor) -> int:
         """Which shard of ``key`` this rank holds: 0 for a replicated parameter (DDP, a DTensor's ``Replicate`` mesh
         dimensions), the mesh coordinates of a DTensor's ``Shard`` dimensions (FSDP2; the rank on a 1-D mesh), the

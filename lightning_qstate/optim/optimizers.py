@@ -106,14 +106,10 @@ class _AdamStates(QuantizedStates):
         weights = [self.weight_grid(group, key, param) for key, param in zip(keys, params, strict=True)]
         stochastic = group["weight_rounding"] == "stochastic"
         seeds = [
-            int(torch.randint(2**62, (1,), generator=self.rounding_generator(key, "weights", torch.device("cpu"))))
-            if grid is not None and stochastic
-            else 0
-            for key, grid in zip(keys, weights, strict=True)
+            self._kernel_seeds(key, "weights")[0] if grid is not None and stochastic else 0 for key, grid in zip(keys, weights, strict=True)
         ]
-        cpu = torch.device("cpu")
         moment_seeds = [
-            tuple(torch.randint(2**62, (2,), generator=self.rounding_generator(key, "moments", cpu)).tolist())
+            tuple(self._kernel_seeds(key, "moments", 2))
             if group["rounding"] == "stochastic" and isinstance(self.state[key]["exp_avg"], QuantizedTensor)
             else (0, 0)
             for key in keys
@@ -368,13 +364,8 @@ class _MomentumStates(QuantizedStates):
         grid (no ECO: QMuon refuses ``"eco"``) take the kernel's momentum and update, then ``_apply_update`` on fp32
         copies rounded onto the grid (``_round_to_grid``), as the reference path's ``_update_weights``."""
         params, grads = [local_tensor(key) for key in keys], [local_tensor(key.grad) for key in keys]
-        cpu = torch.device("cpu")
-
-        def seed(key: torch.Tensor, stream: str) -> int:
-            return int(torch.randint(2**62, (1,), generator=self.rounding_generator(key, stream, cpu)))
-
         stochastic = group["rounding"] == "stochastic"
-        seeds = [seed(key, "momentum_buffer") if stochastic else 0 for key in keys]
+        seeds = [self._kernel_seeds(key, "momentum_buffer")[0] if stochastic else 0 for key in keys]
         weights = [self.weight_grid(group, key, param) for key, param in zip(keys, params, strict=True)]
         targets = self._weight_targets(group, keys)
         buffers = [self.state[key]["momentum_buffer"] for key in keys]
@@ -384,7 +375,8 @@ class _MomentumStates(QuantizedStates):
         else:  # SGD's whole step, onto its weight grid too
             weight_stochastic = group["weight_rounding"] == "stochastic"
             weight_seeds = [
-                seed(key, "weights") if grid is not None and weight_stochastic else 0 for key, grid in zip(keys, weights, strict=True)
+                self._kernel_seeds(key, "weights")[0] if grid is not None and weight_stochastic else 0
+                for key, grid in zip(keys, weights, strict=True)
             ]
             feedback = group["error_feedback"] == "eco"
             eco = [sgd_feedback_coefficient(group) if grid is not None and feedback else 0.0 for grid in weights]
