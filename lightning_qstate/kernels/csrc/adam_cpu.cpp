@@ -762,16 +762,10 @@ struct Scratch {
 // Values [base, base + size) of a parameter on a weight grid updated in place from the moments decoded in m, v (updated
 // in place): grid_lanes for w's element type, rounding and feedback.
 void grid_update(const Param& w, int64_t base, int64_t size, float* m, float* v) {
-  with_element(w.dtype, [&]<typename T>(T) {
-    T* p = static_cast<T*>(w.p) + base;
-    const T* g = static_cast<const T*>(w.g) + base;
-    with_rounding(w.grid, [&]<typename Rounding>(Rounding) {
-      if (w.grid.eco)
-        grid_lanes<T, Rounding, true>(p, g, base, w.h, w.grid.seed, size, m, v);
-      else
-        grid_lanes<T, Rounding, false>(p, g, base, w.h, w.grid.seed, size, m, v);
-    });
-  });
+  with_grid_values(w.dtype, w.grid, w.p, w.g, base,
+                   [&]<typename T, typename Rounding, bool Eco>(T* p, const T* g, Rounding, std::bool_constant<Eco>) {
+                     grid_lanes<T, Rounding, Eco>(p, g, base, w.h, w.grid.seed, size, m, v);
+                   });
 }
 
 // Values [base, base + size) of parameter w (fast: 8-bit codebooks, one block) updated in place, the new moments to
@@ -978,16 +972,10 @@ void sgd_update(const MomentumParam& w, const Momentum& h, int64_t base, int64_t
     sgd_lanes(static_cast<float*>(w.p) + base, static_cast<const float*>(w.g) + base, h, size, buf);
     return;
   }
-  with_element(w.dtype, [&]<typename T>(T) {
-    T* p = static_cast<T*>(w.p) + base;
-    const T* g = static_cast<const T*>(w.g) + base;
-    with_rounding(w.grid, [&]<typename Rounding>(Rounding) {
-      if (w.grid.eco)
-        sgd_grid_lanes<T, Rounding, true>(p, g, base, h, w.grid.seed, w.eco, size, buf);
-      else
-        sgd_grid_lanes<T, Rounding, false>(p, g, base, h, w.grid.seed, w.eco, size, buf);
-    });
-  });
+  with_grid_values(w.dtype, w.grid, w.p, w.g, base,
+                   [&]<typename T, typename Rounding, bool Eco>(T* p, const T* g, Rounding, std::bool_constant<Eco>) {
+                     sgd_grid_lanes<T, Rounding, Eco>(p, g, base, h, w.grid.seed, w.eco, size, buf);
+                   });
 }
 
 // Muon's momentum on n values (muon_lane): the decoded buffer buf in place, the update to ``update``.

@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <utility>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
@@ -346,6 +347,23 @@ inline void with_element(Dtype dtype, Visit&& visit) {
     default:
       return visit(float{});
   }
+}
+
+// visit(values, grads, Rounding{}, std::bool_constant<Eco>{}) for a parameter kept on ``grid``: its values p and gradient
+// g from element ``base`` on, typed as its element type T (``dtype``), the grid's rounding, and whether the grid feeds
+// ECO's error back; so that a loop over them is compiled once per element type, rounding and feedback.
+template <typename Visit>
+inline void with_grid_values(Dtype dtype, const Grid& grid, void* p, const void* g, int64_t base, Visit&& visit) {
+  with_element(dtype, [&]<typename T>(T) {
+    T* values = static_cast<T*>(p) + base;
+    const T* grads = static_cast<const T*>(g) + base;
+    with_rounding(grid, [&]<typename Rounding>(Rounding) {
+      if (grid.eco)
+        visit(values, grads, Rounding{}, std::true_type{});
+      else
+        visit(values, grads, Rounding{}, std::false_type{});
+    });
+  });
 }
 
 // ---- How a moment is stored (kernels/native.py: _state_layout) ----
