@@ -369,9 +369,14 @@ class _MomentumStates(QuantizedStates):
         weights = [self.weight_grid(group, key, param) for key, param in zip(keys, params, strict=True)]
         targets = self._weight_targets(group, keys)
         buffers = [self.state[key]["momentum_buffer"] for key in keys]
-        if self.muon_momentum:  # the kernel's momentum from fp32 gradients; the weights' rounding below, in torch
-            fp32 = [[t if t.dtype == torch.float32 else t.float() for t in tensors] for tensors in (params, grads)]
-            rows, updates = native_momentum_steps(*fp32, buffers, group, True, self.track_stalls, seeds)
+        masters = params  # what Muon's update steps: the parameter, or (on a grid, as _update_weights) fp32 copies
+        if self.muon_momentum:  # the kernel's momentum from fp32 gradients (it reads no parameter values); the rounding below
+            masters = [
+                param if grid is None else param.float() if param.dtype != torch.float32 else param.clone()
+                for param, grid in zip(params, weights, strict=True)
+            ]
+            fp32_grads = [grad if grad.dtype == torch.float32 else grad.float() for grad in grads]
+            rows, updates = native_momentum_steps(masters, fp32_grads, buffers, group, True, self.track_stalls, seeds)
         else:  # SGD's whole step, onto its weight grid too
             weight_stochastic = group["weight_rounding"] == "stochastic"
             weight_seeds = [
@@ -383,7 +388,7 @@ class _MomentumStates(QuantizedStates):
             rows, updates = native_momentum_steps(
                 params, grads, buffers, group, False, self.track_stalls, seeds, weights, weight_seeds, eco
             )
-        for key, param, grid, row, update in zip(keys, params, weights, rows, updates, strict=True):
+        for key, param, master, grid, row, update in zip(keys, params, masters, weights, rows, updates, strict=True):
             if not row[0]:
                 self._skip_nonfinite_grad(key)
                 continue
@@ -391,11 +396,8 @@ class _MomentumStates(QuantizedStates):
                 self._add_stall_counts(key, "momentum_buffer", torch.tensor(row[2:4]))
             if update is None:
                 continue
-            if grid is None:
-                self._apply_update(group, param, update)
-            else:  # as _update_weights: the step on fp32 values, rounded onto the grid
-                master = param.float() if param.dtype != torch.float32 else param.clone()
-                self._apply_update(group, master, update)
+            self._apply_update(group, master, update)
+            if grid is not None:
                 param.copy_(self._round_to_grid(group, key, param, master, grid))
         self._count_weight_stalls(targets)  # after the skips are known
 
