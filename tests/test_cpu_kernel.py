@@ -185,6 +185,53 @@ def test_kernel_step_matches_the_reference_step(options, threads):
 
 
 @needs_kernel
+def test_kernel_holds_m_at_its_bound_like_the_reference():
+    """The decoded ``m`` held to ``|m| <= sqrt(v) * bound`` (adam_reference.hold_moment): the kernel skips the square
+    root where a product test proves every lane of 16 inside, so ``m`` is put within a few ulps of the limit, on both
+    sides, and far inside, beside ``v`` of every magnitude (0, subnormal, up to fp32's largest): codes, scales and
+    params equal the reference's. fp32 scales, all-ones ``v`` codes and ``m`` codes of +-1.0 (or a random code) make the
+    decoded moments the scales themselves."""
+    m_format = get_format("int8", scale_dtype="fp32", block_size=64)
+    v_format = get_format("int8", signed=False, scale_dtype="fp32", block_size=64)
+    group = adam_group(weight_decay=0.0)
+    bound = adam_hyper(group, 4.0)["moment_bound"]  # after the 3 updates of adam_state's step counter
+    v_scales = torch.tensor([0.0, 1e-44, 1e-38, 1e-30, 2.5e-9, 1.0, 3e4, 1e30, 3e38])
+    limits = torch.sqrt(v_scales.double()).float() * bound  # sqrt correctly rounded, as the kernel's
+    ulps = torch.tensor([-(2**22), -(2**20), -64, -3, -1, 0, 1, 3, 64], dtype=torch.int32)  # m_scale = limit moved by this many ulps
+    m_scales = (limits.view(-1, 1).view(torch.int32) + ulps).clamp(min=0).view(torch.float32).view(-1)  # limit 0: 0 and subnormals
+    blocks = m_scales.numel()
+    v_scales = v_scales.repeat_interleave(ulps.numel())
+    generator = torch.Generator().manual_seed(0)
+    last = m_format.codebook.numel() - 1
+    one = int((m_format.codebook == 1.0).nonzero())
+    minus = int(m_format.codebook.argmin())  # its value is -0.99...: decodes inside the limit
+    choice = torch.randint(0, 4, (blocks * 64,), generator=generator)
+    m_codes = torch.where(choice < 2, one, torch.where(choice == 2, minus, torch.randint(0, last + 1, (blocks * 64,), generator=generator)))
+    states, param, grad = [], torch.randn(blocks * 64, generator=generator), torch.randn(blocks * 64, generator=generator) * 1e-3
+    for _ in range(2):
+        state = adam_state(m_format, v_format, blocks * 64, seed=0)
+        state["exp_avg"].codes.copy_(m_codes.to(state["exp_avg"].codes.dtype))
+        state["exp_avg"].scales.copy_(m_scales)
+        state["exp_avg_sq"].codes.fill_(v_format.codebook.numel() - 1)
+        state["exp_avg_sq"].scales.copy_(v_scales)
+        states.append(state)
+    reference_param, native_param = param.clone(), param.clone()
+    m, v = states[0]["exp_avg"], states[0]["exp_avg_sq"]
+    held = bool((m.dequantize().abs() > torch.sqrt(v.dequantize().double()).float() * bound).any())
+    assert held  # some lanes are clamped
+    adam_step_quantized(
+        reference_param, grad, m.codes, m.scales, v.codes, v.scales, adam_hyper(group, 4.0), m_format, v_format, "nearest",
+        True, False, False,
+    )  # fmt: skip
+    rows = native_adam_steps([native_param], [grad], [states[1]], group, track_stalls=False)
+    assert rows[0][:2] == [1, 1]
+    for name, reference in (("exp_avg", m), ("exp_avg_sq", v)):
+        assert torch.equal(states[1][name].codes, reference.codes), name
+        assert torch.equal(states[1][name].scales, reference.scales), name
+    torch.testing.assert_close(native_param, reference_param, rtol=3e-7, atol=2e-9)
+
+
+@needs_kernel
 def test_a_nonfinite_gradient_skips_only_its_parameter():
     torch.manual_seed(0)
     weights = [torch.nn.Parameter(torch.randn(5000)) for _ in range(2)]
