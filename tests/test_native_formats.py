@@ -17,6 +17,8 @@ import torch
 import lightning_qstate as lq
 from lightning_qstate.formats import CodebookFormat, MinifloatFormat, get_format
 from lightning_qstate.formats.codebooks import nearest_thresholds
+from lightning_qstate.formats.packing import unpack
+from lightning_qstate.formats.rounding import encode_codebook
 from lightning_qstate.formats.weights import get_weight_grid
 from lightning_qstate.kernels import native
 from lightning_qstate.kernels.adam_reference import adam_hyper, adam_step_quantized
@@ -308,13 +310,15 @@ def test_kernel_stochastic_rounding_depends_on_the_seed_only():
 
 
 def splitmix64_bits(seed: int, count: int) -> np.ndarray:
-    """The kernel's draws ``random_bits(seed, i)``, ``i < count`` (``csrc/adam_cpu.h``): splitmix64 output ``i + 1``,
-    its upper 32 bits."""
+    """The kernel's draws ``random_bits(seed, i)``, ``i < count`` (``csrc/adam_cpu.h``): splitmix64 output
+    ``i // 2 + 1``, its upper 32 bits for an even ``i``, its lower 32 bits for an odd one."""
+    index = np.arange(count, dtype=np.uint64)
     with np.errstate(over="ignore"):
-        z = np.uint64(seed) + (np.arange(count, dtype=np.uint64) + np.uint64(1)) * np.uint64(0x9E3779B97F4A7C15)
+        z = np.uint64(seed) + (index // np.uint64(2) + np.uint64(1)) * np.uint64(0x9E3779B97F4A7C15)
         z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
         z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        return ((z ^ (z >> np.uint64(31))) >> np.uint64(32)).astype(np.uint32)
+        z = z ^ (z >> np.uint64(31))
+    return np.where(index % np.uint64(2) == 0, z >> np.uint64(32), z & np.uint64(0xFFFFFFFF)).astype(np.uint32)
 
 
 def test_kernel_bf16_stochastic_rounding_uses_the_documented_draws():
@@ -330,6 +334,31 @@ def test_kernel_bf16_stochastic_rounding_uses_the_documented_draws():
     pattern = grad.numpy().view(np.uint32).astype(np.uint64) + (splitmix64_bits(seeds[0], numel) >> np.uint32(16))
     expected = ((pattern & np.uint64(0xFFFF0000)) >> np.uint64(16)).astype(np.uint16)
     assert np.array_equal(state["exp_avg"].codes.view(torch.int16).numpy().view(np.uint16), expected)
+
+
+@pytest.mark.parametrize("v_name", ["int8", "int4"])
+@pytest.mark.parametrize("name", ["int8", "int8_linear", "int6", "int4"])
+def test_kernel_codebook_stochastic_rounding_uses_the_documented_draws(name, v_name):
+    """SR codes of codebook moments are ``encode_codebook``'s with the kernel's draws (the U[0, 1) of element ``i``: the
+    upper 24 bits of ``random_bits(seed, i)`` times 2^-24), bit for bit: with betas (0, 0) ``m`` is the gradient and
+    ``v`` its square, divided by the stored scales. Blocks of 256 and 64 with a partial last block: 8-bit codebooks
+    take the 64-value loop (byte-permute lookups), then 16 values and the scalar tail; ``v`` of another format puts
+    ``m`` on the chunked pass, of the same on the register pass (8-bit pairs)."""
+    numel, seeds = 256 * 9 + 64 + 37, (1234567, 7654321)
+    generator = torch.Generator().manual_seed(5)
+    grad = torch.randn(numel, generator=generator) * 10.0 ** (-2 * torch.rand(numel, generator=generator))
+    m_format, v_format = get_format(name, block_size=256), get_format(v_name, signed=False, block_size=64)
+    state = adam_state(m_format, v_format, numel, 0)
+    group = adam_group(betas=(0.0, 0.0), weight_decay=0.0)
+    group["rounding"] = "stochastic"
+    rows = native_adam_steps([torch.zeros(numel)], [grad], [state], group, False, moment_seeds=[seeds])
+    assert rows[0][:2] == [1, 1]
+    for key, fmt, target, seed in (("exp_avg", m_format, grad, seeds[0]), ("exp_avg_sq", v_format, grad * grad, seeds[1])):
+        q = state[key]
+        uniform = torch.from_numpy((splitmix64_bits(seed, numel) >> np.uint32(8)).astype(np.float32)) * 2.0**-24
+        divisor = torch.where(q.scales > 0, q.scales, torch.ones_like(q.scales)).float().repeat_interleave(fmt.block_size)[:numel]
+        expected = encode_codebook(target / divisor, fmt.index, "stochastic", uniform).clamp(min=fmt.min_code)
+        assert torch.equal(unpack(q.codes, fmt.bits, numel).to(torch.int32), expected), key
 
 
 @pytest.mark.parametrize("states", ["int8", "int4", "int7", "fp8_e4m3", "bf16"])

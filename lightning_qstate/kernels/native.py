@@ -20,11 +20,12 @@ update, then each moment encoded block by block: a codebook with its ``NearestCo
 ``formats.rounding.encode_minifloat``'s own fp32 and integer operations, a cast as torch's casts (with
 ``CastFormat.lift_flushed`` for a zero-free ``v``); the quotient by the block scale is a true division, as the
 reference's. Under round to nearest its codes are the reference's bit for bit. Stochastic rounding
-(``group["rounding"] == "stochastic"``, any of these formats, on either pass, with the same codes on both) follows the reference's rules
-(``encode_codebook``'s floor code and gap, ``encode_minifloat``'s floor mantissa, ``bf16_stochastic``,
-``fp16_stochastic``) with counter-based draws: element ``i`` of a moment draws splitmix64 output ``i + 1`` of that
-moment's seed, which the optimizer draws per step from its ``rounding_generator(param, "moments")`` (reproducible,
-independent of the thread count, and resumed exactly from a checkpoint); the U[0, 1) draw is the upper 24 bits times
+(``group["rounding"] == "stochastic"``, any of these formats, on either pass, with the same codes on both) follows the
+reference's rules (``encode_codebook``'s floor code and gap, ``encode_minifloat``'s floor mantissa, ``bf16_stochastic``,
+``fp16_stochastic``) with counter-based draws: element ``i`` of a moment draws half of splitmix64 output ``i // 2 + 1``
+of that moment's seed (the upper half for an even ``i``, the lower for an odd one: one 64-bit output per two elements),
+which the optimizer draws per step from its ``rounding_generator(param, "moments")`` (reproducible, independent of the
+thread count, and resumed exactly from a checkpoint); the U[0, 1) draw is the upper 24 bits times
 2^-24, as an fp32 uniform of torch. Unbiased as the reference, not its bits (another generator).
 
 Without master weights (``optim/weights.py``) a coded parameter may be kept on a weight grid (a cast format's:
@@ -35,7 +36,7 @@ inf; or stochastic: bf16 as ``formats.rounding.bf16_stochastic``, 16 random bits
 unbiased, as ``formats.cast.fp16_stochastic``) and written in the parameter's dtype (round to nearest, as ``copy_``);
 with ``error_feedback="eco"`` the rounding error goes into ``m`` before ``m`` is encoded
 (``adam_reference.eco_feedback``: ``fma(eco_coefficient * denom, updated - rounded, m)``). The random bits of
-element ``i`` are splitmix64's output ``i + 1`` from a per-parameter seed that Python draws for each step from
+element ``i`` are half of splitmix64's output ``i // 2 + 1`` from a per-parameter seed that Python draws for each step from
 ``optimizer.rounding_generator(param, "weights", cpu)``: counter-based, so they do not depend on the thread count.
 For these parameters the moments are decoded by scalar table lookups, then one loop per block does the update, the
 rounding and the feedback: written without branches (selects, ``-fno-math-errno``) and compiled once per parameter
@@ -52,9 +53,10 @@ format's ``encode`` (``encode_codebook`` clamped up to ``min_code``) exactly. Wi
 multiplies by reciprocals where the reference divides, so params are within a few ulps of the update of the
 reference's; on a weight grid (round to nearest) params and codes are the reference's bit for bit, ECO's too. With
 AVX-512 the body of each block runs 16 lanes at a time (table lookups by register permutes, not gathers; with VBMI,
-64 codes at a time from byte planes of the table; a codebook of at most 128 codes encoded by a branch-free binary
-search of its thresholds, ``NearestCodeIndex.search_levels``, one register permute per level, and an 8-bit one by its
-bucket table, a gather); the scalar code runs the rest and is the whole kernel on other CPUs.
+64 codes at a time from byte planes of the table, also the three table lookups of an 8-bit codebook's stochastic
+rounding; a codebook of at most 128 codes encoded by a branch-free binary search of its thresholds,
+``NearestCodeIndex.search_levels``, one register permute per level, and an 8-bit one by its bucket table, a gather);
+the scalar code runs the rest and is the whole kernel on other CPUs.
 
 ``momentum_steps`` (``native_momentum_steps``) is the same machinery for QSGD's and QMuon's ``momentum_buffer`` (any
 format above, either rounding; fp32 parameters, and QSGD's on a weight grid as above: fp32/bf16/fp16 values, the new
@@ -66,7 +68,7 @@ as an FMA; weight decay, dampening, nesterov, maximize; the param updated in the
 (``buf.lerp_(grad, 1 - momentum)`` and the update ``grad.lerp(buf, momentum)`` or ``buf``, as torch's lerp kernel
 rounds them, into an fp32 tensor that QMuon orthogonalizes with torch's own Newton–Schulz and applies as ``muon``
 does). Round to nearest, codes, scales and params are the reference path's bit for bit; stochastic rounding draws
-splitmix64 output ``i + 1`` of a seed per buffer and step from ``rounding_generator(param, "momentum_buffer")``. The
+half of splitmix64 output ``i // 2 + 1`` of a seed per buffer and step from ``rounding_generator(param, "momentum_buffer")``. The
 loop over the values is branch-free scalar code that the compiler vectorizes.
 
 It is built on first use with ``torch.utils.cpp_extension.load`` (needs a C++ compiler and ninja; about 40 s, said

@@ -116,6 +116,19 @@ void encode_block(const float* __restrict__ x, float divisor, bool finite, const
   int64_t i = 0;
 #ifdef QSTATE_AVX512
   const __m512 d = _mm512_set1_ps(divisor), r = _mm512_set1_ps(reciprocal);
+#ifdef QSTATE_VBMI
+  if (s.stochastic && cb.depth == 8) {  // 64 at a time: the lookups of the stochastic rounding by byte permutes
+    for (; i + 64 <= n; i += 64) {
+      __m512 q[4], uniform[4];
+      for (int k = 0; k < 4; ++k) {
+        const __m512 value = _mm512_loadu_ps(x + i + 16 * k), estimate = _mm512_mul_ps(value, r);
+        q[k] = finite ? _mm512_fmadd_ps(_mm512_fnmadd_ps(estimate, d, value), r, estimate) : _mm512_setzero_ps();
+        uniform[k] = uniform16(s, first + i + 16 * k);
+      }
+      _mm512_storeu_si512(out + i, codebook_stochastic64<Nonnegative>(q, cb, s.last, s.min_code, uniform));
+    }
+  }
+#endif
   with_depth(cb.depth, [&]<int Depth>(std::integral_constant<int, Depth>) {
     for (; i + 16 <= n; i += 16) {
       const __m512 value = _mm512_loadu_ps(x + i), estimate = _mm512_mul_ps(value, r);
@@ -332,6 +345,18 @@ void encode_codes(const State& s, const float* __restrict__ x, float divisor, bo
   const __m512 d = _mm512_set1_ps(divisor);
   const int64_t b = s.bits;
   const __m512i dense_shifts = _mm512_set_epi64(7 * b, 6 * b, 5 * b, 4 * b, 3 * b, 2 * b, b, 0);
+#ifdef QSTATE_VBMI
+  if (s.stochastic && !minifloat && s.cb.depth == 8) {  // 64 at a time, as encode_block
+    for (; i + 64 <= n; i += 64) {
+      __m512 q[4], uniform[4];
+      for (int k = 0; k < 4; ++k) {
+        q[k] = finite ? _mm512_div_ps(_mm512_loadu_ps(x + i + 16 * k), d) : _mm512_setzero_ps();
+        uniform[k] = uniform16(s, first + i + 16 * k);
+      }
+      _mm512_storeu_si512(out + i, codebook_stochastic64<Nonnegative>(q, s.cb, s.last, s.min_code, uniform));
+    }
+  }
+#endif
   with_depth(s.cb.depth, [&]<int Depth>(std::integral_constant<int, Depth>) {  // a minifloat's depth: unused
     for (; i + 16 <= n; i += 16) {
       const __m512 q = finite ? _mm512_div_ps(_mm512_loadu_ps(x + i), d) : _mm512_setzero_ps();

@@ -264,14 +264,20 @@ inline Float16 from_float<Float16>(float x) {
   return Float16{fp16_bits(fp16_nearest(x))};
 }
 
-// The counter-based random source of stochastic rounding: 32 random bits for element ``index`` of the parameter whose
-// step has seed ``seed`` (drawn in Python from optimizer.rounding_generator): splitmix64's output number index + 1 from
-// state ``seed``, so a draw depends on (seed, index) only, not on which thread steps the element.
-inline uint32_t random_bits(uint64_t seed, int64_t index) {
-  uint64_t z = seed + (static_cast<uint64_t>(index) + 1) * 0x9E3779B97F4A7C15ull;
+// splitmix64's output number n from state ``seed`` (the state after n steps: seed + n * 0x9E3779B97F4A7C15, mixed).
+inline uint64_t splitmix64(uint64_t seed, uint64_t n) {
+  uint64_t z = seed + n * 0x9E3779B97F4A7C15ull;
   z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
   z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  return static_cast<uint32_t>((z ^ (z >> 31)) >> 32);
+  return z ^ (z >> 31);
+}
+
+// The counter-based random source of stochastic rounding: 32 random bits for element ``index`` of the parameter whose
+// step has seed ``seed`` (drawn in Python from optimizer.rounding_generator): half of splitmix64's output number
+// index / 2 + 1 from state ``seed``, its upper half for an even index and its lower half for an odd one (each output
+// serves two elements), so a draw depends on (seed, index) only, not on which thread steps the element.
+inline uint32_t random_bits(uint64_t seed, int64_t index) {
+  return static_cast<uint32_t>(splitmix64(seed, static_cast<uint64_t>(index) / 2 + 1) >> ((index & 1) ? 0 : 32));
 }
 
 // Stochastic rounding to bf16 as formats.rounding.bf16_stochastic: the upper 16 random bits added to the fp32 pattern,
@@ -499,11 +505,11 @@ inline __m512 decode16(const uint8_t* codes, const float* decode, float scale) {
 }
 
 #ifdef QSTATE_VBMI
-// decode16 of 64 codes: out[r] holds values 16r .. 16r + 15. Each byte plane of the table is looked up with two
-// 128-entry byte permutes (bit 7 of the code picks one), then bytes are interleaved into fp32 lanes. The interleave
-// leaves value 16L + 4r + t in lane 4L + t of out[r] (L: 128-bit lane); the codes are permuted first so that this is
-// value 16r + 4L + t.
-inline void decode64(const uint8_t* codes, const uint8_t* planes, float scale, __m512 out[4]) {
+// table[c] of 64 byte codes c (a 256-entry fp32 table by its byte planes, Codebook::planes): out[r] holds those of codes
+// 16r .. 16r + 15. Each byte plane is looked up with two 128-entry byte permutes (bit 7 of the code picks one), then
+// bytes are interleaved into fp32 lanes. The interleave leaves value 16L + 4r + t in lane 4L + t of out[r] (L: 128-bit
+// lane); the codes are permuted first so that this is value 16r + 4L + t.
+QSTATE_INLINE void lookup64(__m512i codes, const uint8_t* planes, __m512 out[4]) {
   // clang-format off: one row per 128-bit lane
   alignas(64) static const uint8_t order[64] = {
       0, 1, 2, 3, 16, 17, 18, 19, 32, 33, 34, 35, 48, 49, 50, 51,
@@ -511,7 +517,7 @@ inline void decode64(const uint8_t* codes, const uint8_t* planes, float scale, _
       8, 9, 10, 11, 24, 25, 26, 27, 40, 41, 42, 43, 56, 57, 58, 59,
       12, 13, 14, 15, 28, 29, 30, 31, 44, 45, 46, 47, 60, 61, 62, 63};
   // clang-format on
-  const __m512i index = _mm512_permutexvar_epi8(_mm512_load_si512(order), _mm512_loadu_si512(codes));
+  const __m512i index = _mm512_permutexvar_epi8(_mm512_load_si512(order), codes);
   const __mmask64 high = _mm512_movepi8_mask(index);
   __m512i byte[4];
   for (int j = 0; j < 4; ++j) {
@@ -522,11 +528,23 @@ inline void decode64(const uint8_t* codes, const uint8_t* planes, float scale, _
   }
   const __m512i low01 = _mm512_unpacklo_epi8(byte[0], byte[1]), high01 = _mm512_unpackhi_epi8(byte[0], byte[1]);
   const __m512i low23 = _mm512_unpacklo_epi8(byte[2], byte[3]), high23 = _mm512_unpackhi_epi8(byte[2], byte[3]);
-  const __m512 factor = _mm512_set1_ps(scale);
-  out[0] = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpacklo_epi16(low01, low23)), factor);
-  out[1] = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(low01, low23)), factor);
-  out[2] = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpacklo_epi16(high01, high23)), factor);
-  out[3] = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(high01, high23)), factor);
+  out[0] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(low01, low23));
+  out[1] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(low01, low23));
+  out[2] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(high01, high23));
+  out[3] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(high01, high23));
+}
+
+// decode16 of 64 codes: out[r] holds values 16r .. 16r + 15.
+inline void decode64(const uint8_t* codes, const uint8_t* planes, float scale, __m512 out[4]) {
+  lookup64(_mm512_loadu_si512(codes), planes, out);
+  for (int r = 0; r < 4; ++r) out[r] = _mm512_mul_ps(out[r], _mm512_set1_ps(scale));
+}
+
+// The 64 bytes of code[0..3] (each 16 codes < 256 in 32-bit lanes), in order.
+QSTATE_INLINE __m512i bytes64(const __m512i code[4]) {
+  __m512i packed = _mm512_castsi128_si512(_mm512_cvtepi32_epi8(code[0]));
+  for (int r = 1; r < 4; ++r) packed = _mm512_inserti32x4(packed, _mm512_cvtepi32_epi8(code[r]), r);
+  return packed;
 }
 #endif
 
@@ -613,6 +631,35 @@ QSTATE_INLINE __m128i codebook_stochastic16(__m512 value, const Codebook& cb, in
   return _mm512_cvtepi32_epi8(result);
 }
 
+#ifdef QSTATE_VBMI
+// codebook_stochastic16 of 64 values (value[r]: values 16r .. 16r + 15; uniform[r] their draws) of an 8-bit codebook,
+// as its 64 byte codes: the three table lookups per value by byte permutes of 64 codes at a time (lookup64), not by
+// lookup<8>'s 16 at a time.
+template <bool Nonnegative>
+QSTATE_INLINE __m512i codebook_stochastic64(const __m512 value[4], const Codebook& cb, int32_t last, int32_t min_code,
+                                            const __m512 uniform[4]) {
+  __m512i low[4];
+  __m512 nearest[4], low_value[4], high_value[4];
+  for (int r = 0; r < 4; ++r) low[r] = bucket16<Nonnegative>(value[r], cb);
+  lookup64(bytes64(low), cb.planes, nearest);
+  for (int r = 0; r < 4; ++r) {
+    const __mmask16 above = _mm512_cmp_ps_mask(nearest[r], value[r], _CMP_GT_OQ);
+    const __m512i floor = _mm512_mask_sub_epi32(low[r], above, low[r], _mm512_set1_epi32(1));
+    low[r] = _mm512_min_epi32(_mm512_max_epi32(floor, _mm512_setzero_si512()), _mm512_set1_epi32(last - 1));
+  }
+  const __m512i low_bytes = bytes64(low);
+  lookup64(low_bytes, cb.planes, low_value);
+  lookup64(_mm512_add_epi8(low_bytes, _mm512_set1_epi8(1)), cb.planes, high_value);
+  __m512i code[4];
+  for (int r = 0; r < 4; ++r) {
+    const __mmask16 up = _mm512_cmp_ps_mask(_mm512_mul_ps(uniform[r], _mm512_sub_ps(high_value[r], low_value[r])),
+                                            _mm512_sub_ps(value[r], low_value[r]), _CMP_LT_OQ);
+    code[r] = _mm512_max_epi32(_mm512_mask_add_epi32(low[r], up, low[r], _mm512_set1_epi32(1)), _mm512_set1_epi32(min_code));
+  }
+  return bytes64(code);
+}
+#endif
+
 // 16 codes of <= 4 bits (a byte each) packed into 8 bytes: code 2i in the low nibble of byte i.
 inline void pack16(__m128i codes, uint8_t* out) {
   const __m128i low = _mm_and_si128(codes, _mm_set1_epi16(0x00FF));                      // code 2i
@@ -620,25 +667,23 @@ inline void pack16(__m128i codes, uint8_t* out) {
   _mm_storel_epi64(reinterpret_cast<__m128i*>(out), _mm_packus_epi16(_mm_or_si128(low, high), _mm_setzero_si128()));
 }
 
-// random_bits(seed, index + k) of k = 0..15, bit for bit: splitmix64 in 64-bit lanes (AVX512DQ's 64-bit multiply;
-// without it, lane by lane).
+// random_bits(seed, index + k) of k = 0..15, bit for bit: for an even index, splitmix64's outputs index / 2 + 1 to
+// index / 2 + 8 in 64-bit lanes (AVX512DQ's 64-bit multiply), their halves swapped (lane 2k: the upper half of output
+// k); else lane by lane.
 inline __m512i random16(uint64_t seed, int64_t index) {
 #if defined(__AVX512DQ__)
-  const __m512i counter = _mm512_add_epi64(_mm512_set1_epi64(index + 1), _mm512_set_epi64(7, 6, 5, 4, 3, 2, 1, 0));
-  const auto mix = [seed](__m512i i) {
+  if (index % 2 == 0) {
+    const __m512i n = _mm512_add_epi64(_mm512_set1_epi64(index / 2 + 1), _mm512_set_epi64(7, 6, 5, 4, 3, 2, 1, 0));
     __m512i z = _mm512_add_epi64(_mm512_set1_epi64(static_cast<int64_t>(seed)),
-                                 _mm512_mullo_epi64(i, _mm512_set1_epi64(static_cast<int64_t>(0x9E3779B97F4A7C15ull))));
+                                 _mm512_mullo_epi64(n, _mm512_set1_epi64(static_cast<int64_t>(0x9E3779B97F4A7C15ull))));
     z = _mm512_mullo_epi64(_mm512_xor_si512(z, _mm512_srli_epi64(z, 30)), _mm512_set1_epi64(static_cast<int64_t>(0xBF58476D1CE4E5B9ull)));
     z = _mm512_mullo_epi64(_mm512_xor_si512(z, _mm512_srli_epi64(z, 27)), _mm512_set1_epi64(static_cast<int64_t>(0x94D049BB133111EBull)));
-    return _mm512_cvtepi64_epi32(_mm512_srli_epi64(_mm512_xor_si512(z, _mm512_srli_epi64(z, 31)), 32));
-  };
-  const __m256i low = mix(counter), high = mix(_mm512_add_epi64(counter, _mm512_set1_epi64(8)));
-  return _mm512_inserti64x4(_mm512_castsi256_si512(low), high, 1);
-#else
+    return _mm512_ror_epi64(_mm512_xor_si512(z, _mm512_srli_epi64(z, 31)), 32);
+  }
+#endif
   alignas(64) uint32_t random[16];
   for (int k = 0; k < 16; ++k) random[k] = random_bits(seed, index + k);
   return _mm512_load_si512(random);
-#endif
 }
 
 // bf16_nearest of 16 values (round to nearest even; NaN quieted as bf16_nearest does), as bf16 patterns.
