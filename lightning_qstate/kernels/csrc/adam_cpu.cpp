@@ -190,9 +190,17 @@ bool all_finite16(const uint16_t* __restrict__ x, int64_t n, uint16_t exponent) 
 
 // ---- Any moment storage (State): decode, update, encode ----
 
-// n values of 8-bit codes (decode[c] * scale) to out.
-void decode_bytes(const uint8_t* __restrict__ codes, const float* __restrict__ decode, float scale, int64_t n, float* __restrict__ out) {
+// n values of 8-bit codes (decode[c] * scale) to out; ``planes``: the table's byte planes (VBMI: 64 at a time).
+void decode_bytes(const uint8_t* __restrict__ codes, const float* __restrict__ decode, const uint8_t* planes, float scale, int64_t n,
+                  float* __restrict__ out) {
   int64_t i = 0;
+#ifdef QSTATE_VBMI
+  for (; i + 64 <= n; i += 64) {
+    __m512 values[4];
+    decode64(codes + i, planes, scale, values);
+    for (int r = 0; r < 4; ++r) _mm512_storeu_ps(out + i + 16 * r, values[r]);
+  }
+#endif
 #ifdef QSTATE_AVX512
   for (; i + 16 <= n; i += 16) _mm512_storeu_ps(out + i, decode16(codes + i, decode, scale));
 #endif
@@ -305,7 +313,7 @@ void decode_state(const State& s, int64_t base, int64_t n, bool units, float* __
     else if (s.dense())
       decode_dense(codes + s.code_byte(base + first), s.cb.decode, scale, size, s.bits, out + first);
     else
-      decode_bytes(codes + base + first, s.cb.decode, scale, size, out + first);
+      decode_bytes(codes + base + first, s.cb.decode, s.cb.planes, scale, size, out + first);
   }
 }
 
