@@ -232,6 +232,11 @@ inline void load_two_groups(const uint8_t* codes, int32_t bits, uint64_t& low, u
   high = (first >> width) | (second << (64 - width));
 }
 
+#if defined(__BMI2__)
+// The low ``bits`` bits of each of 8 bytes: a group of dense codes as pext gathers it from bytes (and pdep spreads it).
+inline uint64_t dense_byte_fields(int32_t bits) { return 0x0101010101010101ull * ((uint64_t{1} << bits) - 1); }
+#endif
+
 // Two groups of dense codes (words ``low``, ``high``) stored in their 2 * bits bytes (a masked store).
 inline void store_two_groups(uint64_t low, uint64_t high, int32_t bits, uint8_t* out) {
   const int32_t width = 8 * bits;
@@ -248,16 +253,25 @@ void decode_dense(const uint8_t* __restrict__ codes, const float* __restrict__ d
   const uint64_t mask = (uint64_t{1} << bits) - 1;
   int64_t group = 0;
 #ifdef QSTATE_AVX512
+#if defined(__BMI2__)
+  const uint64_t byte_fields = dense_byte_fields(bits);
+#else
   const __m512i shifts = _mm512_set_epi64(7 * bits, 6 * bits, 5 * bits, 4 * bits, 3 * bits, 2 * bits, bits, 0);
   const __m512i code_mask = _mm512_set1_epi32(static_cast<int32_t>(mask));
+#endif
   const __m512 factor = _mm512_set1_ps(scale);
   with_depth(bits, [&]<int Bits>(std::integral_constant<int, Bits>) {
     for (; group + 16 <= n; group += 16) {
       uint64_t low, high;
       load_two_groups(codes + group / 8 * bits, bits, low, high);
+#if defined(__BMI2__)  // each group's 8 codes deposited into the low bits of 8 bytes
+      const __m512i index = _mm512_cvtepu8_epi32(
+          _mm_set_epi64x(static_cast<int64_t>(_pdep_u64(high, byte_fields)), static_cast<int64_t>(_pdep_u64(low, byte_fields))));
+#else
       const __m256i first = _mm512_cvtepi64_epi32(_mm512_srlv_epi64(_mm512_set1_epi64(static_cast<int64_t>(low)), shifts));
       const __m256i second = _mm512_cvtepi64_epi32(_mm512_srlv_epi64(_mm512_set1_epi64(static_cast<int64_t>(high)), shifts));
       const __m512i index = _mm512_and_si512(_mm512_inserti64x4(_mm512_castsi256_si512(first), second, 1), code_mask);
+#endif
       _mm512_storeu_ps(out + group, _mm512_mul_ps(lookup<Bits>(decode, index), factor));
     }
   });
@@ -351,8 +365,12 @@ void encode_codes(const State& s, const float* __restrict__ x, float divisor, bo
   int64_t i = 0;
 #ifdef QSTATE_AVX512
   const __m512 d = _mm512_set1_ps(divisor);
+#if defined(__BMI2__)
+  const uint64_t byte_fields = dense ? dense_byte_fields(s.bits) : 0;
+#else
   const int64_t b = s.bits;
   const __m512i dense_shifts = _mm512_set_epi64(7 * b, 6 * b, 5 * b, 4 * b, 3 * b, 2 * b, b, 0);
+#endif
 #ifdef QSTATE_VBMI
   if (s.stochastic && !minifloat && s.cb.depth == 8) {  // 64 at a time, as encode_block
     for (; i + 64 <= n; i += 64) {
@@ -378,9 +396,14 @@ void encode_codes(const State& s, const float* __restrict__ x, float divisor, bo
       }
       if (nibbles) {
         pack16(codes, out + i / 2);
-      } else if (dense) {  // each group's 8 codes shifted to their bit fields in 64-bit lanes, OR-ed into its word
+      } else if (dense) {
+#if defined(__BMI2__)  // each group's 8 code bytes: their low bits extracted into its word
+        const uint64_t low = _pext_u64(static_cast<uint64_t>(_mm_cvtsi128_si64(codes)), byte_fields);
+        const uint64_t high = _pext_u64(static_cast<uint64_t>(_mm_extract_epi64(codes, 1)), byte_fields);
+#else  // each group's 8 codes shifted to their bit fields in 64-bit lanes, OR-ed into its word
         const uint64_t low = _mm512_reduce_or_epi64(_mm512_sllv_epi64(_mm512_cvtepu8_epi64(codes), dense_shifts));
         const uint64_t high = _mm512_reduce_or_epi64(_mm512_sllv_epi64(_mm512_cvtepu8_epi64(_mm_srli_si128(codes, 8)), dense_shifts));
+#endif
         store_two_groups(low, high, s.bits, out + i / 8 * s.bits);
       } else {
         _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), codes);
