@@ -670,7 +670,7 @@ inline void pack16(__m128i codes, uint8_t* out) {
 // random_bits(seed, index + k) of k = 0..15, bit for bit: for an even index, splitmix64's outputs index / 2 + 1 to
 // index / 2 + 8 in 64-bit lanes (AVX512DQ's 64-bit multiply), their halves swapped (lane 2k: the upper half of output
 // k); else lane by lane.
-inline __m512i random16(uint64_t seed, int64_t index) {
+QSTATE_INLINE __m512i random16(uint64_t seed, int64_t index) {
 #if defined(__AVX512DQ__)
   if (index % 2 == 0) {
     const __m512i n = _mm512_add_epi64(_mm512_set1_epi64(index / 2 + 1), _mm512_set_epi64(7, 6, 5, 4, 3, 2, 1, 0));
