@@ -127,6 +127,17 @@ def test_kernel_step_matches_the_reference_step(name, options, threads):
         torch.set_num_threads(saved_threads)
 
 
+def assert_m_stored_like_the_reference(fmt, grad: torch.Tensor) -> None:
+    """One step with beta1 = 0 and no weight decay, so that the new ``m`` (in ``fmt``, beside an int8 ``v``) is ``grad``:
+    the kernel's codes and scales of ``m`` equal the reference path's."""
+    group = adam_group(betas=(0.0, 0.999), weight_decay=0.0)
+    state, reference = (adam_state(fmt, get_format("int8", signed=False), grad.numel(), 0) for _ in range(2))
+    native_adam_steps([torch.zeros(grad.numel())], [grad], [state], group, track_stalls=False)
+    reference_step(torch.zeros(grad.numel()), grad, reference, group, track=False)
+    assert torch.equal(state["exp_avg"].codes, reference["exp_avg"].codes)
+    assert torch.equal(state["exp_avg"].scales, reference["exp_avg"].scales)
+
+
 @pytest.mark.parametrize("name", ["fp8_e4m3", "fp8_e5m2", "e2m1", "e3m0", "e4m3"])
 @pytest.mark.parametrize("absmax", [1.0, 0.3, 12345.678])
 def test_kernel_encodes_minifloats_like_the_reference(name, absmax):
@@ -143,12 +154,7 @@ def test_kernel_encodes_minifloats_like_the_reference(name, absmax):
     hard = torch.cat([hard, values.float(), torch.tensor([0.0, -0.0, 1e-30, -1e-30])]).clamp(-1, 1) * absmax
     rows = hard[: hard.numel() // 63 * 63].view(-1, 63)
     grad = torch.cat([torch.full((rows.shape[0], 1), absmax), rows], dim=1).view(-1)
-    group = adam_group(betas=(0.0, 0.999), weight_decay=0.0)
-    state, reference = (adam_state(fmt, get_format("int8", signed=False), grad.numel(), 0) for _ in range(2))
-    native_adam_steps([torch.zeros(grad.numel())], [grad], [state], group, track_stalls=False)
-    reference_step(torch.zeros(grad.numel()), grad, reference, group, track=False)
-    assert torch.equal(state["exp_avg"].codes, reference["exp_avg"].codes)
-    assert torch.equal(state["exp_avg"].scales, reference["exp_avg"].scales)
+    assert_m_stored_like_the_reference(fmt, grad)
 
 
 CODEBOOKS = {
@@ -182,12 +188,7 @@ def test_kernel_encodes_codebooks_like_the_reference(name):
     hard = hard.clamp(-1, 1) if signed else hard.abs().clamp(max=1)
     rows = torch.cat([hard, hard.flip(0)])[: hard.numel() // 63 * 63 * 2].view(-1, 63)
     grad = torch.cat([torch.ones(rows.shape[0], 1), rows], dim=1).view(-1)
-    group = adam_group(betas=(0.0, 0.999), weight_decay=0.0)
-    state, reference = (adam_state(fmt, get_format("int8", signed=False), grad.numel(), 0) for _ in range(2))
-    native_adam_steps([torch.zeros(grad.numel())], [grad], [state], group, track_stalls=False)
-    reference_step(torch.zeros(grad.numel()), grad, reference, group, track=False)
-    assert torch.equal(state["exp_avg"].codes, reference["exp_avg"].codes)
-    assert torch.equal(state["exp_avg"].scales, reference["exp_avg"].scales)
+    assert_m_stored_like_the_reference(fmt, grad)
 
 
 @pytest.mark.parametrize("name", ["int4 m, int8 v", "fp8_e4m3", "bf16"])
