@@ -99,6 +99,22 @@ inline __m512 uniform16(const State& s, int64_t first) {
 }
 #endif
 
+#ifdef QSTATE_VBMI
+// The stochastic rounding of an 8-bit codebook state s's block values [0, n) 64 at a time (codebook_stochastic64: its
+// table lookups by byte permutes), their codes to out; ``quotient(j)``: the 16 normalized values from j; element
+// ``first + j`` draws random_bits(s.seed, first + j). Returns the number of values encoded (a multiple of 64).
+template <bool Nonnegative, typename Quotient>
+QSTATE_INLINE int64_t stochastic_bytes64(const State& s, int64_t first, uint8_t* __restrict__ out, int64_t n, Quotient&& quotient) {
+  int64_t i = 0;
+  for (; i + 64 <= n; i += 64) {
+    __m512 q[4], uniform[4];
+    for (int k = 0; k < 4; ++k) q[k] = quotient(i + 16 * k), uniform[k] = uniform16(s, first + i + 16 * k);
+    _mm512_storeu_si512(out + i, codebook_stochastic64<Nonnegative>(q, s.cb, s.last, s.min_code, uniform));
+  }
+  return i;
+}
+#endif
+
 // formats.rounding.encode_codebook of x / divisor for one block of a byte codebook state s (RN, or SR with element
 // ``first + i`` drawing random_bits(s.seed, first + i)); a non-finite block encodes 0.0 everywhere. The quotient is
 // Markstein's: q = fma(x - q0 * divisor, r, q0) with q0 = x * r and r = 1 / divisor correctly rounded, which is the
@@ -117,16 +133,11 @@ void encode_block(const float* __restrict__ x, float divisor, bool finite, const
 #ifdef QSTATE_AVX512
   const __m512 d = _mm512_set1_ps(divisor), r = _mm512_set1_ps(reciprocal);
 #ifdef QSTATE_VBMI
-  if (s.stochastic && cb.depth == 8) {  // 64 at a time: the lookups of the stochastic rounding by byte permutes
-    for (; i + 64 <= n; i += 64) {
-      __m512 q[4], uniform[4];
-      for (int k = 0; k < 4; ++k) {
-        const __m512 value = _mm512_loadu_ps(x + i + 16 * k), estimate = _mm512_mul_ps(value, r);
-        q[k] = finite ? _mm512_fmadd_ps(_mm512_fnmadd_ps(estimate, d, value), r, estimate) : _mm512_setzero_ps();
-        uniform[k] = uniform16(s, first + i + 16 * k);
-      }
-      _mm512_storeu_si512(out + i, codebook_stochastic64<Nonnegative>(q, cb, s.last, s.min_code, uniform));
-    }
+  if (s.stochastic && cb.depth == 8) {
+    i = stochastic_bytes64<Nonnegative>(s, first, out, n, [&](int64_t j) {
+      const __m512 value = _mm512_loadu_ps(x + j), estimate = _mm512_mul_ps(value, r);
+      return finite ? _mm512_fmadd_ps(_mm512_fnmadd_ps(estimate, d, value), r, estimate) : _mm512_setzero_ps();
+    });
   }
 #endif
   with_depth(cb.depth, [&]<int Depth>(std::integral_constant<int, Depth>) {
@@ -372,16 +383,9 @@ void encode_codes(const State& s, const float* __restrict__ x, float divisor, bo
   const __m512i dense_shifts = _mm512_set_epi64(7 * b, 6 * b, 5 * b, 4 * b, 3 * b, 2 * b, b, 0);
 #endif
 #ifdef QSTATE_VBMI
-  if (s.stochastic && !minifloat && s.cb.depth == 8) {  // 64 at a time, as encode_block
-    for (; i + 64 <= n; i += 64) {
-      __m512 q[4], uniform[4];
-      for (int k = 0; k < 4; ++k) {
-        q[k] = finite ? _mm512_div_ps(_mm512_loadu_ps(x + i + 16 * k), d) : _mm512_setzero_ps();
-        uniform[k] = uniform16(s, first + i + 16 * k);
-      }
-      _mm512_storeu_si512(out + i, codebook_stochastic64<Nonnegative>(q, s.cb, s.last, s.min_code, uniform));
-    }
-  }
+  if (s.stochastic && !minifloat && s.cb.depth == 8)
+    i = stochastic_bytes64<Nonnegative>(s, first, out, n,
+                                        [&](int64_t j) { return finite ? _mm512_div_ps(_mm512_loadu_ps(x + j), d) : _mm512_setzero_ps(); });
 #endif
   with_depth(s.cb.depth, [&]<int Depth>(std::integral_constant<int, Depth>) {  // a minifloat's depth: unused
     for (; i + 16 <= n; i += 16) {
