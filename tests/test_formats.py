@@ -416,3 +416,17 @@ def test_nonfinite_inputs_never_become_finite_codes(data, format_index, rounding
     bad_blocks[block_of[bad]] = True
     assert bool(torch.isnan(y[bad_blocks[block_of]]).all()), "a block holding inf/NaN must dequantize to NaN"
     assert bool(torch.isfinite(y[~bad_blocks[block_of]]).all())
+
+
+@pytest.mark.parametrize("name,options", ALL_FORMATS + [("int6", {}), ("int5", {"block_size": 8})])
+@pytest.mark.parametrize("shape", [(64, 257), (3, 5), (1,)])
+def test_allocate_lays_out_storage_as_quantize_does(name, options, shape):
+    """``allocate``: zero codes and scales of ``quantize``'s sizes and dtypes, the shape and dtype asked for."""
+    fmt = get_format(name, **options)
+    blank, stored = fmt.allocate(shape, torch.float64), fmt.quantize(torch.randn(shape))
+    assert blank.shape == stored.shape and blank.dtype == torch.float64 and blank.nbytes == stored.nbytes
+    for made, reference in ((blank.codes, stored.codes), (blank.scales, stored.scales)):
+        if reference is None:
+            assert made is None
+        else:
+            assert made.shape == reference.shape and made.dtype == reference.dtype and not made.view(torch.uint8).any()

@@ -113,15 +113,16 @@ def check_threads_and_resume(train_steps) -> tuple[list, object]:
 @pytest.mark.parametrize("states", FORMATS)
 @pytest.mark.parametrize("case", list(CASES))
 def test_native_step_is_the_reference_path_bit_for_bit(case, states):
-    """Four steps (QSGD's first creates the buffer on the reference path): the buffers' codes and scales and the params
-    equal the reference path's bit for bit, and ``step_paths()`` reports ``native``."""
-    fast_params, fast = run(case, states, range(4))
-    slow_params, slow = run(case, states, range(4), native_path=False)
-    assert set(fast.step_paths().values()) == {"native"} and set(slow.step_paths().values()) == {"reference"}
-    for k, (a, b) in enumerate(zip(buffers(fast, fast_params), buffers(slow, slow_params), strict=True)):
-        assert same_bits(a.codes, b.codes) and same_bits(a.scales, b.scales), k
-    for a, b in zip(fast_params, slow_params, strict=True):
-        assert same_bits(a.detach(), b.detach())
+    """One step and four (QSGD's first creates the buffer): the buffers' codes and scales and the params equal the
+    reference path's bit for bit after each, and ``step_paths()`` reports ``native``."""
+    for steps in (range(1), range(4)):
+        fast_params, fast = run(case, states, steps)
+        slow_params, slow = run(case, states, steps, native_path=False)
+        assert set(fast.step_paths().values()) == {"native"} and set(slow.step_paths().values()) == {"reference"}
+        for k, (a, b) in enumerate(zip(buffers(fast, fast_params), buffers(slow, slow_params), strict=True)):
+            assert a.dtype == b.dtype and same_bits(a.codes, b.codes) and same_bits(a.scales, b.scales), k
+        for a, b in zip(fast_params, slow_params, strict=True):
+            assert same_bits(a.detach(), b.detach())
 
 
 @pytest.mark.parametrize("case", ["sgd dampening, decay, maximize", "muon"])
@@ -134,8 +135,9 @@ def test_native_stall_counts_are_the_reference_paths(case):
 
 
 def test_paths_that_stay_on_the_reference():
-    """QSGD's first step (no buffer yet), fp32 buffers, weight grids, momentum 0 and ``cpu_compile=False`` take the
-    reference path; later steps of a coded buffer the native one."""
+    """fp32 buffers (a parameter under ``min_quant_size``: its first step too), block-scaled weight grids, ECO with
+    ``track_stalls``, momentum 0 and ``cpu_compile=False`` take the reference path; every step of a coded buffer, QSGD's
+    first (which creates it) too, the native one."""
     weight = torch.nn.Parameter(torch.randn(64, 64))
 
     def paths(optimizer, steps=1) -> list[str]:
@@ -146,13 +148,13 @@ def test_paths_that_stay_on_the_reference():
             taken.append(optimizer.step_paths()["param0"])
         return taken
 
-    assert paths(lq.QSGD([weight], lr=0.01, momentum=0.9, min_quant_size=0), 2) == ["reference", "native"]
+    assert paths(lq.QSGD([weight], lr=0.01, momentum=0.9, min_quant_size=0), 2) == ["native"] * 2
     assert paths(lq.QMuon([weight], lr=0.01, min_quant_size=0)) == ["native"]
     assert paths(lq.QSGD([weight], lr=0.01, momentum=0.9, min_quant_size=1 << 20), 2) == ["reference"] * 2  # an fp32 buffer
     assert paths(lq.QSGD([weight], lr=0.01, momentum=0.0, min_quant_size=0), 2) == ["reference"] * 2
     assert paths(lq.QMuon([weight], lr=0.01, min_quant_size=0, weights="bf16")) == ["native"]
     assert paths(lq.QMuon([weight], lr=0.01, min_quant_size=0, weights="bf16", error_feedback="eco_exact")) == ["reference"]
-    assert paths(lq.QSGD([weight], lr=0.01, momentum=0.9, min_quant_size=0, weights="bf16"), 2) == ["reference", "native"]
+    assert paths(lq.QSGD([weight], lr=0.01, momentum=0.9, min_quant_size=0, weights="bf16"), 2) == ["native"] * 2
     assert paths(lq.QSGD([weight], lr=0.01, momentum=0.9, min_quant_size=0, weights="int8"), 2) == ["reference"] * 2  # block-scaled
     tracked = lq.QSGD([weight], lr=0.01, momentum=0.9, min_quant_size=0, weights="bf16", error_feedback="eco", track_stalls=True)
     assert paths(tracked, 2) == ["reference"] * 2  # ECO's correction counts are the reference path's
@@ -183,7 +185,7 @@ GRIDS = [(torch.float32, "bf16"), (torch.float32, "fp16"), (torch.bfloat16, "bf1
 @pytest.mark.parametrize("param_dtype, grid", GRIDS, ids=[f"{str(d)[6:]} on {g}" for d, g in GRIDS])
 def test_momentum_on_a_weight_grid_is_the_reference_path_bit_for_bit(param_dtype, grid, states, optimizer, feedback):
     """QSGD and QMuon without master weights, round to nearest: four steps on the native path (QSGD's first creates
-    the buffer) leave the params on the grid, in their dtype, and the buffers' codes and scales equal the reference
+    the buffer there) leave the params on the grid, in their dtype, and the buffers' codes and scales equal the reference
     path's bit for bit, ECO's feedback into SGD's buffer included."""
     fast_params, fast = run_on_grid(param_dtype, grid, feedback, states, range(4), optimizer=optimizer)
     slow_params, slow = run_on_grid(param_dtype, grid, feedback, states, range(4), native_path=False, optimizer=optimizer)
@@ -223,6 +225,34 @@ def test_stochastic_weight_rounding_reproduces_and_resumes_exactly(optimizer, fe
     )
     nearest_params, _ = run_on_grid(torch.bfloat16, "bf16", feedback, "int4", range(4), optimizer=optimizer)
     assert not all(torch.equal(a, b) for a, b in zip(params, nearest_params, strict=True))
+
+
+def test_a_nonfinite_gradient_at_sgds_first_step_creates_no_buffer():
+    """QSGD's first step with an inf/NaN gradient for one parameter: that parameter has no state afterwards (as in
+    torch: no buffer, no entry) and stays as it was; the other's buffer is created. At the next step the skipped one's
+    buffer is created then (``buf = d``: no dampening), bit for bit as on the reference path."""
+    results = []
+    for native_path in (True, False):
+        params, optimizer = run("sgd dampening, decay, maximize", "int8", range(0))
+        before = params[0].detach().clone()
+        with pytest.MonkeyPatch.context() as patch:
+            if not native_path:
+                patch.setattr(dispatch, "native_kernel_available", lambda: False)
+            params[0].grad, params[1].grad = torch.full(params[0].shape, float("nan")), gradient(params[1].shape, 1)
+            with pytest.warns(RuntimeWarning, match="non-finite gradient"):
+                optimizer.step()
+            assert params[0] not in optimizer.state and same_bits(params[0].detach(), before)
+            assert optimizer.state_format(params[1], "momentum_buffer").name == "int8"
+            for k, param in enumerate(params):
+                param.grad = gradient(param.shape, 2 + k)
+            optimizer.step()
+        assert set(optimizer.step_paths().values()) == {"native" if native_path else "reference"}
+        results.append((params, buffers(optimizer, params)))
+    (fast_params, fast), (slow_params, slow) = results
+    for a, b in zip(fast, slow, strict=True):
+        assert same_bits(a.codes, b.codes) and same_bits(a.scales, b.scales)
+    for a, b in zip(fast_params, slow_params, strict=True):
+        assert same_bits(a.detach(), b.detach())
 
 
 @pytest.mark.parametrize("case", ["sgd nesterov, decay", "muon"])

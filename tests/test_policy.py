@@ -169,12 +169,12 @@ def test_fp32_state_parameters_join_their_group_native_call():
 
 
 def test_sgd_and_muon_step_their_coded_buffers_natively():
-    """QSGD's first step (it creates the buffer) takes the reference path, its later ones and QMuon's the C++ step of
-    the coded buffer (where the kernel builds)."""
+    """QSGD's steps (the first creates the buffer) and QMuon's take the C++ step of the coded buffer (where the kernel
+    builds)."""
     native = "native" if native_kernel_available() else "reference"
     weight = torch.nn.Parameter(torch.randn(64, 64))
     cases = (
-        (lq.QSGD([weight], momentum=0.9, min_quant_size=0), ["reference", native]),
+        (lq.QSGD([weight], momentum=0.9, min_quant_size=0), [native] * 2),
         (lq.QMuon([weight], min_quant_size=0), [native] * 2),
     )
     for optimizer, expected in cases:
@@ -186,7 +186,7 @@ def test_sgd_and_muon_step_their_coded_buffers_natively():
         assert taken == expected
     skipped = lq.QSGD([weight, torch.nn.Parameter(torch.randn(3))], momentum=0.9)
     skipped.step()
-    assert skipped.step_paths() == {"param0": "reference"}  # a parameter without a gradient takes no path
+    assert skipped.step_paths() == {"param0": native}  # a parameter without a gradient takes no path
 
 
 def test_choose_path_needs_a_final_path_without_requirements():

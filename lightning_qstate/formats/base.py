@@ -127,6 +127,13 @@ class StorageFormat(ABC):
         """Bytes stored for ``numel`` values, scales included."""
 
     @abstractmethod
+    def allocate(
+        self, shape: torch.Size | tuple[int, ...], dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+    ) -> QuantizedTensor:
+        """Storage of a tensor of ``shape`` that reads back as ``dtype``, for a kernel to write every code and scale of:
+        zero bytes, laid out as ``quantize`` lays them out (what they decode to before that depends on the format)."""
+
+    @abstractmethod
     def unit_values_reference(self, codes: torch.Tensor, scales: torch.Tensor | None, numel: int) -> torch.Tensor:
         """Torch reference of :meth:`QuantizedTensor.unit_values`: ``(numel,)`` fp32."""
 

@@ -42,6 +42,7 @@ dequantizes to NaN: a non-finite value never becomes a finite code.
 
 from __future__ import annotations
 
+import math
 from abc import abstractmethod
 from typing import Literal
 
@@ -49,7 +50,7 @@ import torch
 
 from .base import NonFiniteError, QuantizedTensor, StorageFormat, kernel_backend, uniform_like
 from .codebooks import CodebookIndex, MinifloatSpec
-from .packing import GROUP, as_blocks, is_dense, num_blocks, pack, packed_numel, unpack
+from .packing import GROUP, as_blocks, container_dtype, is_dense, num_blocks, pack, packed_numel, unpack
 from .rounding import Rounding, encode_codebook, encode_minifloat, lookup
 
 NonFinitePolicy = Literal["raise", "nan_block"]
@@ -160,6 +161,15 @@ class BlockFormat(StorageFormat):
     def nbytes(self, numel: int) -> int:
         code_bytes = packed_numel(numel, self.bits) * (1 if self.bits <= 8 else 2)
         return code_bytes + self.scale_dtype.itemsize * num_blocks(numel, self.block_size)
+
+    def allocate(
+        self, shape: torch.Size | tuple[int, ...], dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+    ) -> QuantizedTensor:
+        numel = math.prod(shape)
+        codes = torch.zeros(packed_numel(numel, self.bits), dtype=container_dtype(self.bits), device=device)
+        return QuantizedTensor(
+            self, codes, torch.zeros(num_blocks(numel, self.block_size), dtype=self.scale_dtype, device=device), shape, dtype
+        )
 
     def stored_scale(self, absmax: torch.Tensor) -> torch.Tensor:
         """The fp32 value of the scale stored for blocks of (finite, >= 0) ``absmax``: it, or it rounded up to bf16."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .base import QuantizedTensor, StorageFormat, kernel_backend, uniform_like
@@ -42,6 +44,11 @@ class CastFormat(StorageFormat):
 
     def nbytes(self, numel: int) -> int:
         return numel * self.bits // 8
+
+    def allocate(
+        self, shape: torch.Size | tuple[int, ...], dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+    ) -> QuantizedTensor:
+        return QuantizedTensor(self, torch.zeros(math.prod(shape), dtype=self.dtype, device=device), None, shape, dtype)
 
     def quantize(self, x: torch.Tensor, rounding: Rounding = "nearest", generator: torch.Generator | None = None) -> QuantizedTensor:
         flat = self._check_input(x, rounding)

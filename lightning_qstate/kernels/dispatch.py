@@ -24,12 +24,12 @@ A change to the update (a new format, ECO's error feedback) is one requirement o
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 
 import torch
 
-from ..formats import FLOAT_INPUT_DTYPES, BlockFormat, CastFormat, QuantizedTensor
+from ..formats import FLOAT_INPUT_DTYPES, BlockFormat, CastFormat, QuantizedTensor, StorageFormat
 from ..formats.weights import WeightGrid
 from . import TRITON_AVAILABLE
 from .adam_reference import adam_hyper
@@ -62,8 +62,9 @@ class StepPath(str, enum.Enum):
 class Candidate:
     """One parameter at one step, as the requirements see it: local ``param``/``grad`` tensors (a shard's, under FSDP),
     its param ``group``, its ``state`` (initialized), whether the optimizer allows compiled CPU paths, the grid its
-    values are kept on without master weights (``None``: torch's behaviour; ``optim/weights.py``) and whether the
-    optimizer counts stalls."""
+    values are kept on without master weights (``None``: torch's behaviour; ``optim/weights.py``), whether the
+    optimizer counts stalls, and the states this step creates with the formats the policy gives them (SGD's first
+    ``momentum_buffer``; ``None``: a plain tensor)."""
 
     param: torch.Tensor
     grad: torch.Tensor
@@ -72,6 +73,7 @@ class Candidate:
     compile_cpu: bool
     weights: WeightGrid | None = None
     track_stalls: bool = False
+    created: Mapping[str, StorageFormat | None] = field(default_factory=dict)
 
 
 Requirement = Callable[[Candidate], bool]
@@ -168,9 +170,12 @@ def plain_momentum_options(c: Candidate) -> bool:
 
 
 def native_momentum(c: Candidate) -> bool:
-    """A ``momentum_buffer`` already there (SGD's first step creates it on the reference path), a fp32-valued
-    ``QuantizedTensor`` in a format the C++ kernel stores (``native.native_format``), with either rounding."""
+    """A coded ``momentum_buffer`` in a format the C++ kernel stores (``native.native_format``), with either rounding:
+    a fp32-valued ``QuantizedTensor`` already there, or one this step creates (SGD's first) in a policy format."""
     buffer = c.state.get("momentum_buffer")
+    if buffer is None:
+        fmt = c.created.get("momentum_buffer")
+        return fmt is not None and native_format(fmt)
     return isinstance(buffer, QuantizedTensor) and buffer.dtype == torch.float32 and native_format(buffer.format)
 
 

@@ -300,6 +300,7 @@ def native_momentum_steps(
     weights: list[WeightGrid | None] | None = None,
     weight_seeds: list[int] | None = None,
     eco: list[float] | None = None,
+    created: list[bool] | None = None,
 ) -> tuple[list[list[int]], list[torch.Tensor | None]]:
     """The momentum step of every parameter of ``group`` given (each with a coded ``momentum_buffer`` in ``buffers``,
     updated in place; ``momentum != 0``) in one C++ call: torch's single-tensor SGD with ``group``'s options (params
@@ -314,7 +315,9 @@ def native_momentum_steps(
     per parameter its weight grid (a cast format's) or ``None``, the new values rounded to it with
     ``group["weight_rounding"]`` as in ``native_adam_steps`` (``weight_seeds``: the seeds of stochastic rounding);
     ``eco``: per parameter ECO's coefficient of the rounding error in the buffer (``buf + eco * (updated - rounded)``,
-    as ``QSGD._feed_back_error``) where ``group["error_feedback"]`` is ``"eco"``.
+    as ``QSGD._feed_back_error``) where ``group["error_feedback"]`` is ``"eco"``. ``created``: per parameter whether
+    this step creates its SGD buffer (torch's first step: ``buf = d``, a clone, without dampening; the buffer's codes
+    and scales are written, not read: ``StorageFormat.allocate``).
 
     Raises:
         FloatingPointError: a buffer overflowed to inf/NaN (its block scale is not finite).
@@ -338,6 +341,7 @@ def native_momentum_steps(
             [[weight_seed, seed] for weight_seed, seed in zip(weight_seeds, seeds or [0] * count, strict=True)], dtype=torch.int64
         ).view(-1, 2),
         eco=torch.tensor(eco, dtype=torch.float32),  # read only where a grid row's eco column is set
+        created=torch.tensor(created or [False] * count, dtype=torch.bool),
         updates=updates,
         lr=float(group["lr"]),
         weight_decay=float(group["weight_decay"]),

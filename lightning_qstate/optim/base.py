@@ -464,7 +464,10 @@ class QuantizedStates:
                 if not state:
                     self._init_state(group, key, param, state)
                 weights = self.weight_grid(group, key, param)
-                candidates.append(Candidate(param, local_tensor(key.grad), group, state, self.cpu_compile, weights, self.track_stalls))
+                created = self._created_states(group, key, state)
+                candidates.append(
+                    Candidate(param, local_tensor(key.grad), group, state, self.cpu_compile, weights, self.track_stalls, created)
+                )
             by_path: dict[StepPath, list[torch.Tensor]] = {}
             for key, path in zip(keys, plan_group(self.step_path_table, candidates), strict=True):
                 by_path.setdefault(path, []).append(key)
@@ -475,6 +478,11 @@ class QuantizedStates:
                 if not self.state[key]:
                     del self.state[key]
         self._taken_paths = taken
+
+    def _created_states(self, group: dict, key: torch.Tensor, state: dict) -> dict[str, StorageFormat | None]:
+        """The states that stepping parameter ``key`` (of ``group``, with its initialized ``state``) creates, with the
+        policy's format of each (``None``: plain); none here (``_init_state`` makes them)."""
+        return {}
 
     def _quantize_grads(self, group: dict, keys: list[torch.Tensor]) -> None:
         """``grads=``: replace each finite gradient of ``keys`` (of ``group``) in place by its rounding to the group's

@@ -45,7 +45,7 @@ from torch.optim.adam import adam
 from torch.optim.optimizer import _get_scalar_dtype, _to_scalar
 from torch.optim.sgd import sgd
 
-from ..formats import QuantizedTensor
+from ..formats import QuantizedTensor, StorageFormat
 from ..formats.weights import WeightBlock
 from ..kernels.adam_reference import adam_denominator, adam_hyper, eco_feedback, hold_moment
 from ..kernels.bounds import moment_bound
@@ -357,7 +357,8 @@ class _MomentumStates(QuantizedStates):
             super()._run_path(path, group, keys)
 
     def _native_steps(self, group: dict, keys: list[torch.Tensor]) -> None:
-        """The ``native`` path: one C++ call for ``keys``; for stochastic rounding, a seed per buffer drawn from its
+        """The ``native`` path: one C++ call for ``keys`` (SGD's first step creates the buffer there, in the policy's
+        format, kept only if the parameter steps); for stochastic rounding, a seed per buffer drawn from its
         ``rounding_generator(key, "momentum_buffer")`` (the reference path's stream: a resumed run rounds alike), and
         for SGD's parameters on a weight grid, its seed of stochastic weight rounding from ``rounding_generator(key,
         "weights")`` and ECO's coefficient (``optim.weights.sgd_feedback_coefficient``). QMuon's parameters on a weight
@@ -368,7 +369,13 @@ class _MomentumStates(QuantizedStates):
         seeds = [self._kernel_seeds(key, "momentum_buffer")[0] if stochastic else 0 for key in keys]
         weights = [self.weight_grid(group, key, param) for key, param in zip(keys, params, strict=True)]
         targets = self._weight_targets(group, keys)
-        buffers = [self.state[key]["momentum_buffer"] for key in keys]
+        created = ["momentum_buffer" not in self.state[key] for key in keys]  # SGD's first step writes it (buf = d)
+        buffers = [
+            self._policy_format(group, key, "momentum_buffer").allocate(param.shape, device=param.device)
+            if new
+            else self.state[key]["momentum_buffer"]
+            for key, param, new in zip(keys, params, created, strict=True)
+        ]
         masters = params  # what Muon's update steps: the parameter, or (on a grid, as _update_weights) fp32 copies
         if self.muon_momentum:  # the kernel's momentum from fp32 gradients (it reads no parameter values); the rounding below
             masters = [
@@ -386,13 +393,17 @@ class _MomentumStates(QuantizedStates):
             feedback = group["error_feedback"] == "eco"
             eco = [sgd_feedback_coefficient(group) if grid is not None and feedback else 0.0 for grid in weights]
             rows, updates = native_momentum_steps(
-                params, grads, buffers, group, False, self.track_stalls, seeds, weights, weight_seeds, eco
+                params, grads, buffers, group, False, self.track_stalls, seeds, weights, weight_seeds, eco, created
             )
-        for key, param, master, grid, row, update in zip(keys, params, masters, weights, rows, updates, strict=True):
-            if not row[0]:
+        for key, param, master, grid, row, update, buffer, new in zip(
+            keys, params, masters, weights, rows, updates, buffers, created, strict=True
+        ):
+            if not row[0]:  # a buffer this step was to create is not kept (torch's step makes none)
                 self._skip_nonfinite_grad(key)
                 continue
-            if self.track_stalls:
+            if new:
+                self.state[key]["momentum_buffer"] = buffer
+            elif self.track_stalls:  # a new buffer has no stalls to count (as on the reference path)
                 self._add_stall_counts(key, "momentum_buffer", torch.tensor(row[2:4]))
             if update is None:
                 continue
@@ -411,8 +422,9 @@ class QSGD(_MomentumStates, torch.optim.SGD):
 
     The first arguments are ``torch.optim.SGD``'s; the storage options (``states``, ``rounding``, ...,
     ``error_feedback="eco"`` for weights kept without master copies) are :class:`QAdam`'s. As in torch, the buffer is
-    created from the first gradient, so there is no state when ``momentum=0``. On the CPU every later step of a
-    parameter with a coded buffer is one C++ call per param group (``step_paths()``: ``"native"``): fp32 ones, and
+    created from the first gradient, so there is no state when ``momentum=0``. On the CPU every step of a parameter
+    with a coded buffer, the first (which creates it) too, is one C++ call per param group (``step_paths()``:
+    ``"native"``): fp32 ones, and
     without master weights fp32/bf16/fp16 ones kept on a cast grid (``weights="bf16"``, ``error_feedback="eco"``);
     round to nearest, the reference path's codes and params bit for bit.
 
@@ -463,6 +475,12 @@ class QSGD(_MomentumStates, torch.optim.SGD):
 
     def _init_state(self, group: dict, key: torch.Tensor, param: torch.Tensor, state: dict) -> None:
         """No state until the first step with momentum (torch clones the first gradient into the buffer)."""
+
+    def _created_states(self, group: dict, key: torch.Tensor, state: dict) -> dict[str, StorageFormat | None]:
+        """The first step with momentum creates the buffer, in the policy's format."""
+        if group["momentum"] == 0 or "momentum_buffer" in state:
+            return {}
+        return {"momentum_buffer": self._policy_format(group, key, "momentum_buffer")}
 
     def _update(self, group: dict, param: torch.Tensor, grad: torch.Tensor, states: dict[str, torch.Tensor], state: dict) -> None:
         buffers = [states.get("momentum_buffer")]

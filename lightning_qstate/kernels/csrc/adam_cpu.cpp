@@ -979,13 +979,15 @@ bool step_plain(const torch::Tensor& param, const torch::Tensor& grad, const tor
 // One parameter with a coded momentum buffer: values p (SGD's step updates them) and gradient g, fp32 or (SGD on a
 // weight grid) of ``dtype``, the buffer, and Muon's update (fp32, numel values; nullptr: SGD). Stepped a chunk at a
 // time: whole blocks of the buffer, at least CAST_CHUNK values. ``eco``: ECO's coefficient of the rounding error in the
-// buffer (optim.weights.sgd_feedback_coefficient, as fp32) where the grid feeds it back.
+// buffer (optim.weights.sgd_feedback_coefficient, as fp32) where the grid feeds it back. ``created``: SGD's first step,
+// which creates the buffer (its codes are written, not read).
 struct MomentumParam : Chunks {
   void* p;
   float* update;
   State buf;
   Grid grid;
   float eco;
+  bool created;
 };
 
 // torch's sgd / muon hyperparameters as fp32 (Momentum): each Python float rounded once from double, as torch rounds
@@ -998,6 +1000,7 @@ Momentum momentum_of(double lr, double weight_decay, double momentum, double dam
                   static_cast<float>(-lr),
                   weight_decay != 0.0,
                   nesterov,
+                  false,
                   Lerp(1.0 - momentum),
                   Lerp(momentum)};
 }
@@ -1044,21 +1047,26 @@ QSTATE_FLATTEN void muon_lanes(const float* __restrict__ g, const Momentum h, in
   for (int64_t i = 0; i < n; ++i) update[i] = muon_lane(g[i], buf[i], h);
 }
 
-// The per-chunk step of a momentum buffer: chunk ``index`` of w decoded into scratch, SGD's step (the param in place,
-// on its weight grid if it has one) or Muon's momentum (its update written), the buffer encoded back block by block (encode_state); and its
-// stall counts.
+// The per-chunk step of a momentum buffer: chunk ``index`` of w decoded into scratch (unless the step creates it), SGD's
+// step (the param in place, on its weight grid if it has one) or Muon's momentum (its update written), the buffer
+// encoded back block by block (encode_state); and its stall counts (none for a buffer created now, as the reference
+// path counts).
 void momentum_chunk(const MomentumParam& w, const Momentum& h, int64_t index, bool track, Scratch& scratch, Outcome& outcome) {
   const int64_t base = index * w.chunk, size = std::min(w.chunk, w.numel - base);
   scratch.m.resize(size);
   float* buf = scratch.m.data();
-  decode_state(w.buf, base, size, false, buf);
-  if (track) snapshot(w.buf, base, size, false, scratch, buf);
-  if (w.update != nullptr)
+  const bool counted = track && !w.created;
+  if (!w.created) decode_state(w.buf, base, size, false, buf);
+  if (counted) snapshot(w.buf, base, size, false, scratch, buf);
+  if (w.update != nullptr) {
     muon_lanes(static_cast<const float*>(w.g) + base, h, size, buf, w.update + base);
-  else
-    sgd_update(w, h, base, size, buf);
+  } else {
+    Momentum step = h;
+    step.created = w.created;
+    sgd_update(w, step, base, size, buf);
+  }
   if (!encode_state<false>(w.buf, base, size, buf)) outcome.moments_bad.store(1, std::memory_order_relaxed);
-  if (track) {
+  if (counted) {
     int64_t local[2] = {0, 0};
     count_stored(w.buf, base, size, scratch.before.data(), scratch.before_units.data(), buf, scratch, local);
     outcome.add_stalls(local, 2);
@@ -1070,13 +1078,14 @@ std::vector<MomentumParam> momentum_params(const std::vector<torch::Tensor>& par
                                            const std::vector<torch::Tensor>& codes, const std::vector<torch::Tensor>& scales,
                                            const std::vector<torch::Tensor>& tables, const torch::Tensor& ints, const torch::Tensor& floats,
                                            const torch::Tensor& grids, const torch::Tensor& seeds, const torch::Tensor& eco,
-                                           const std::vector<torch::Tensor>& updates) {
+                                           const torch::Tensor& created, const std::vector<torch::Tensor>& updates) {
   const size_t n = params.size();
   TORCH_CHECK(grads.size() == n && codes.size() == n && scales.size() == n && (updates.empty() || updates.size() == n),
               "grads, codes, scales (and Muon's updates): one per parameter");
   TORCH_CHECK(grids.scalar_type() == torch::kLong && grids.dim() == 2 && grids.size(0) == static_cast<int64_t>(n) && grids.size(1) == 3,
               "grids: (n, 3) int64 [grid dtype code, stochastic, eco]");
   TORCH_CHECK(eco.scalar_type() == torch::kFloat && eco.numel() == static_cast<int64_t>(n), "eco: one fp32 ECO coefficient per parameter");
+  TORCH_CHECK(created.scalar_type() == torch::kBool && created.numel() == static_cast<int64_t>(n), "created: one bool per parameter");
   TORCH_CHECK(tables.size() == 4 * n, "tables: four per parameter");
   TORCH_CHECK(
       ints.scalar_type() == torch::kLong && ints.dim() == 2 && ints.size(0) == static_cast<int64_t>(n) && ints.size(1) == kStateColumns,
@@ -1087,12 +1096,15 @@ std::vector<MomentumParam> momentum_params(const std::vector<torch::Tensor>& par
   const torch::Tensor ints_c = ints.contiguous(), floats_c = floats.contiguous();
   const auto grids_a = grids.accessor<int64_t, 2>(), seeds_a = seeds.accessor<int64_t, 2>();
   const auto eco_a = eco.accessor<float, 1>();
+  const auto created_a = created.accessor<bool, 1>();
   std::vector<MomentumParam> work(n);
   for (size_t k = 0; k < n; ++k) {
     MomentumParam& w = work[k];
     w.numel = params[k].numel();
     w.grid = grid_of(grids_a[k][0], grids_a[k][1], grids_a[k][2], seeds_a[k][0], static_cast<int64_t>(k));
     w.eco = eco_a[k];
+    w.created = created_a[k];
+    TORCH_CHECK(!w.created || updates.empty(), "parameter ", k, ": only SGD's buffers are created by the kernel (Muon's start at zero)");
     w.dtype = dtype_of(params[k]);
     const auto held = [&w](const torch::Tensor& t, Dtype dtype) {
       return dtype_of(t) == dtype && t.is_contiguous() && t.numel() == w.numel;
@@ -1174,22 +1186,24 @@ torch::Tensor adam_steps_u8(const std::vector<torch::Tensor>& params, const std:
 }
 
 // The momentum step of every parameter of one param group with a coded momentum buffer (momentum != 0): torch's
-// single-tensor SGD with its buffer present (params updated in place), or, with ``updates`` (one fp32 tensor per
+// single-tensor SGD (params updated in place), or, with ``updates`` (one fp32 tensor per
 // parameter), Muon's momentum: buffer and the update Muon orthogonalizes (written there; params left to the caller).
 // ``params``, ``grads``: contiguous fp32, or for SGD on a weight grid fp32/bf16/fp16 of one dtype; ``grids``: (n, 3) int64
 // [grid dtype code (0 none, 1 fp32, 2 bf16, 3 fp16), stochastic, eco] (SGD only) and ``eco``: (n,) fp32, ECO's
 // coefficient of each parameter's rounding error in its buffer; the buffers as adam_steps_u8's moments: ``codes``,
 // ``scales``, ``tables`` (four per parameter: decode, entries, planes, levels), ``ints`` ((n, 13) int64, StateColumn),
-// ``floats`` ((n,) fp32); ``seeds``: (n, 2) int64, the SR seeds of each parameter's weights and buffer. A parameter
-// whose gradient holds inf/NaN is left untouched.
+// ``floats`` ((n,) fp32); ``seeds``: (n, 2) int64, the SR seeds of each parameter's weights and buffer; ``created``: (n,)
+// bool, SGD's buffers this step creates (torch's first step: buf = d, not read; codes and scales allocated for all
+// values). A parameter whose gradient holds inf/NaN is left untouched.
 // Returns (n, 4) int64 [grad_finite, buffer_finite, stalled, moved] (stall columns 0 unless ``track``).
 torch::Tensor momentum_steps(const std::vector<torch::Tensor>& params, const std::vector<torch::Tensor>& grads,
                              const std::vector<torch::Tensor>& codes, const std::vector<torch::Tensor>& scales,
                              const std::vector<torch::Tensor>& tables, const torch::Tensor& ints, const torch::Tensor& floats,
-                             const torch::Tensor& grids, const torch::Tensor& seeds, const torch::Tensor& eco,
+                             const torch::Tensor& grids, const torch::Tensor& seeds, const torch::Tensor& eco, const torch::Tensor& created,
                              const std::vector<torch::Tensor>& updates, double lr, double weight_decay, double momentum, double dampening,
                              bool nesterov, bool maximize, bool track) {
-  const std::vector<MomentumParam> work = momentum_params(params, grads, codes, scales, tables, ints, floats, grids, seeds, eco, updates);
+  const std::vector<MomentumParam> work =
+      momentum_params(params, grads, codes, scales, tables, ints, floats, grids, seeds, eco, created, updates);
   const Momentum h = momentum_of(lr, weight_decay, momentum, dampening, nesterov, maximize);
   const std::vector<Outcome> outcomes =
       step_blocks(work, [&h, track](const MomentumParam& w, int64_t index, Scratch& scratch, Outcome& outcome) {
@@ -1231,7 +1245,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
              py::arg("decoupled"), py::arg("maximize"), py::arg("track"));
   module.def("momentum_steps", &lightning_qstate::momentum_steps, "SGD's step or Muon's momentum of one param group (coded buffers)",
              py::kw_only(), py::arg("params"), py::arg("grads"), py::arg("codes"), py::arg("scales"), py::arg("tables"), py::arg("ints"),
-             py::arg("floats"), py::arg("grids"), py::arg("seeds"), py::arg("eco"), py::arg("updates"), py::arg("lr"),
+             py::arg("floats"), py::arg("grids"), py::arg("seeds"), py::arg("eco"), py::arg("created"), py::arg("updates"), py::arg("lr"),
              py::arg("weight_decay"), py::arg("momentum"), py::arg("dampening"), py::arg("nesterov"), py::arg("maximize"),
              py::arg("track"));
   module.def("round_to_grid", &lightning_qstate::round_to_grid, "The kernel's rounding of fp32 values to a weight grid", py::kw_only(),

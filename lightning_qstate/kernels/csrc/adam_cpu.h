@@ -122,17 +122,19 @@ struct Lerp {
 // buf = fma(d, dampened, buf * momentum) (mul_, add_(alpha=1 - dampening)), step = fma(buf, momentum, d) with
 // nesterov else buf, p = fma(step, neg_lr, p) (add_(alpha=-lr)). Muon: buf = buf.lerp_(g, 1 - momentum) (``buffer_lerp``),
 // update = g.lerp(buf, momentum) with nesterov (``nesterov_lerp``), else buf.
+// created: the buffer is created by this step (SGD's first: torch clones d into it, no dampening, -0 kept).
 struct Momentum {
   float sign, weight_decay, momentum, dampened, neg_lr;
-  bool has_weight_decay, nesterov;
+  bool has_weight_decay, nesterov, created;
   Lerp buffer_lerp, nesterov_lerp;
 };
 
-// One value of SGD's momentum step: buf (decoded) in place; returns the new param value. Branch-free (sgd_lanes).
+// One value of SGD's momentum step: buf (decoded; ignored where h.created) in place; returns the new param value.
+// Branch-free (sgd_lanes).
 inline float sgd_lane(float p, float g, float& buf, const Momentum& h) {
   const float signed_g = h.sign * g;
   const float d = select(mask_of(h.has_weight_decay), std::fma(p, h.weight_decay, signed_g), signed_g);
-  buf = std::fma(d, h.dampened, buf * h.momentum);
+  buf = select(mask_of(h.created), d, std::fma(d, h.dampened, buf * h.momentum));
   return std::fma(select(mask_of(h.nesterov), std::fma(buf, h.momentum, d), buf), h.neg_lr, p);
 }
 
