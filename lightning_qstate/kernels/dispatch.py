@@ -13,12 +13,12 @@ reference     torch's functional update on decoded states, one parameter a time 
 ============  ==================================================================  ==============================
 
 A parameter takes the first path of its optimizer's table (``ADAM_PATHS`` for QAdam/QAdamW; ``MOMENTUM_PATHS`` for
-QSGD/QMuon, whose ``native`` steps their coded momentum buffers; ``PER_PARAMETER_PATHS`` for the generic wrapper)
-whose every requirement holds; ``reference`` has none. In a param group that has ``native``
-parameters, the fp32-state ones that meet ``NATIVE_JOIN`` join that call too (one call for the small parameters
-``min_quant_size`` keeps fp32). Round to nearest, ``native``, ``triton`` and ``compiled`` give the codes of
-``kernels.adam_reference`` bit for bit (QSGD's and QMuon's ``native``: the reference path's buffer codes and params).
-A change to the update (a new format, ECO's error feedback) is one requirement or one row here and one branch per path.
+QSGD/QMuon, whose ``native`` steps their coded momentum buffers; ``PER_PARAMETER_PATHS`` for the generic wrapper) whose
+every requirement holds; ``reference`` has none. In a param group that has ``native`` parameters, the fp32-state ones
+that meet ``NATIVE_JOIN`` join that call too (one call for the small parameters ``min_quant_size`` keeps fp32). Round to
+nearest, ``native``, ``triton`` and ``compiled`` give the codes of ``kernels.adam_reference`` bit for bit (QSGD's and
+QMuon's ``native``: the reference path's buffer codes and params). A change to the update (a new format, ECO's error
+feedback) is one requirement or one row here and one branch per path.
 """
 
 from __future__ import annotations
