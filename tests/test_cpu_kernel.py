@@ -82,9 +82,25 @@ def test_nearest_code_index_gives_the_reference_codes(name):
     up = (entry & 0x100).bool() & torch.where(negative, magnitude <= threshold, magnitude >= threshold)
     assert torch.equal((entry & 0xFF) + up.to(torch.int64), fmt.encode(x, "nearest", None).to(torch.int64))
     assert torch.equal(index.search_codes(x), fmt.encode(x, "nearest", None).to(torch.int64))  # the AVX-512 encoder's search
+    assert (index.segments is not None) == (name in SEGMENTED)  # no zero code: no segments
+    if index.segments is not None:  # the VBMI encoder's arithmetic
+        assert torch.equal(index.segment_codes(x, fmt.min_code), fmt.encode(x, "nearest", None).to(torch.int64))
     if fmt.min_code:
         assert not torch.equal(index.bucket_entries, NearestCodeIndex.build(fmt.codebook).bucket_entries)
         assert bool((encode_codebook(x, fmt.index, "nearest") < fmt.min_code).any())  # the clamp is exercised
+
+
+SEGMENTED = ["int8", "int8 unsigned", "int8_linear", "int8_linear unsigned"]
+
+
+@pytest.mark.parametrize("name", SEGMENTED)
+def test_segment_codes_are_the_reference_codes_across_1_in_1009_floats(name):
+    """``NearestCodeIndex.segment_codes`` on every 1009th fp32 pattern of [0, 1] (and its negative for a signed map):
+    the reference codes (the whole range, every 7th pattern, was checked once: none differs)."""
+    fmt = BYTE_FORMATS[name]
+    x = torch.arange(0, 0x3F800001, 1009, dtype=torch.int64).to(torch.int32).view(torch.float32)
+    x = torch.cat([x, -x]) if fmt.signed else x
+    assert torch.equal(nearest_index(fmt).segment_codes(x, fmt.min_code), fmt.encode(x, "nearest", None).to(torch.int64))
 
 
 @needs_kernel
@@ -106,14 +122,16 @@ def test_kernel_never_stores_v_as_zero(name):
 
 
 @needs_kernel
+@pytest.mark.parametrize("v_block", [64, 256], ids=["register pass", "chunked pass"])
 @pytest.mark.parametrize("scale_dtype", ["bf16", "fp32"])
 @pytest.mark.parametrize("absmax", [1.0, 0.3, 1.7e-3, 12345.678])
 @pytest.mark.parametrize("name", list(BYTE_FORMATS))
-def test_kernel_encodes_like_the_reference(name, absmax, scale_dtype):
+def test_kernel_encodes_like_the_reference(name, absmax, scale_dtype, v_block):
     """With beta1 = 0 and no weight decay the new ``m`` is the gradient, so the kernel's codes of ``m`` are its encoder's
     codes of chosen values: each 64-value block holds ``absmax`` (its scale; for bf16 scales, ``absmax`` is first
     rounded to a bf16 value) and the inputs times it, which normalize to the inputs or their fp32 neighbours: codes
-    equal only if the kernel's division is correctly rounded."""
+    equal only if the kernel's division is correctly rounded. Beside a ``v`` of 64-value blocks the register pass
+    encodes ``m``, beside one of 256 the chunked pass."""
     fmt = BYTE_FORMATS[name]
     if scale_dtype == "bf16":
         absmax = float(torch.tensor(absmax).to(torch.bfloat16))
@@ -121,13 +139,32 @@ def test_kernel_encodes_like_the_reference(name, absmax, scale_dtype):
     values = values[: values.numel() // 63 * 63].view(-1, 63)
     grad = torch.cat([torch.full((values.shape[0], 1), absmax), values], dim=1).view(-1)
     m_format = CodebookFormat(fmt.name, fmt.codebook, 64, fmt.signed, scale_dtype=scale_dtype)
-    v_format = get_format("int8", signed=False, block_size=64)
+    v_format = get_format("int8", signed=False, block_size=v_block)
     state = adam_state(m_format, v_format, grad.numel(), seed=0)
     param = torch.zeros(grad.numel())
     native_adam_steps([param], [grad], [state], adam_group(betas=(0.0, 0.999), weight_decay=0.0), track_stalls=False)
     codes, scales = m_format.quantize_reference(grad, "nearest", None)
     assert torch.equal(state["exp_avg"].codes, codes)
     assert torch.equal(state["exp_avg"].scales, scales)
+
+
+@needs_kernel
+@pytest.mark.parametrize("m_block", [64, 256], ids=["register pass", "chunked pass"])
+@pytest.mark.parametrize("absmax", [1.0, 1.7e-3, 12345.678])
+@pytest.mark.parametrize("name", ["int8 unsigned", "int8_linear unsigned"])
+def test_kernel_encodes_v_like_the_reference(name, absmax, m_block):
+    """With betas (0, 0) and no weight decay the new ``v`` is ``grad * grad``: squares on or about an ulp from every
+    rounding threshold of an unsigned map times each block's largest square give the reference's codes (the encoder of
+    non-negative values), beside an ``m`` of the same 64-value blocks (register pass) or of 256 (chunked pass)."""
+    fmt = BYTE_FORMATS[name]
+    squares = hard_inputs(fmt) * absmax
+    squares = squares[: squares.numel() // 63 * 63].view(-1, 63)
+    grad = torch.cat([torch.full((squares.shape[0], 1), absmax), squares], dim=1).view(-1).sqrt()
+    v_format = CodebookFormat(fmt.name, fmt.codebook, 64, signed=False, scale_dtype="fp32")
+    state = adam_state(get_format("int8", block_size=m_block), v_format, grad.numel(), seed=0)
+    native_adam_steps([torch.zeros(grad.numel())], [grad], [state], adam_group(betas=(0.0, 0.0), weight_decay=0.0), track_stalls=False)
+    codes, scales = v_format.quantize_reference(grad * grad, "nearest", None)
+    assert torch.equal(state["exp_avg_sq"].codes, codes) and torch.equal(state["exp_avg_sq"].scales, scales)
 
 
 @needs_kernel

@@ -29,6 +29,11 @@ class NearestCodeIndex:
     the last code): ``search_levels`` holds, from offset ``2**L - 1``, the ``2**L`` thresholds level ``L`` may compare
     with, ``t[j * 2 * s + s - 1]`` for ``s = 2**(depth - 1 - L)``, and the code is ``sum over L of s * (x >= levels_L[code
     // (2 * s)])`` built level by level (``search_codes``).
+
+    An 8-bit codebook made of runs of equally spaced magnitudes (the dynamic maps, the linear ones; ``segments``,
+    ``segment_table``) is encoded by arithmetic instead of the bucket gather (``segment_codes``): the run of ``|x|``
+    from its binade (at most one run boundary per binade, for each sign), its code in the run by an affine map and a
+    floor biased so that the candidate ``c`` is the code or one below it, then ``c + (x >= t[c])``.
     """
 
     decode: torch.Tensor  # (256,) fp32 codebook values, padded with 0
@@ -38,6 +43,7 @@ class NearestCodeIndex:
     half: int
     search_levels: torch.Tensor  # (256,) fp32, level L from offset 2**L - 1
     depth: int
+    segments: torch.Tensor | None = None  # (SEGMENT_TABLE,) int32: segment_table's layout
 
     @staticmethod
     def build(codebook: torch.Tensor, min_code: int = 0) -> NearestCodeIndex | None:
@@ -45,7 +51,8 @@ class NearestCodeIndex:
         format's ``BlockFormat.min_code``), or ``None`` if its thresholds are too close together."""
         if codebook.numel() > 256:
             return None
-        thresholds = nearest_thresholds(codebook)
+        raw = nearest_thresholds(codebook)
+        thresholds = raw.clone()
         thresholds[:min_code] = -torch.inf
         smallest = thresholds.abs()[thresholds != 0].min()
         exponent = max(int(torch.floor(torch.log2(smallest.double()))), -126)
@@ -59,11 +66,33 @@ class NearestCodeIndex:
         for level in range(depth):
             step = 2 ** (depth - 1 - level)
             levels[2**level - 1 : 2 ** (level + 1) - 1] = padded[step - 1 :: 2 * step]
+        segments = segment_table(codebook, raw)  # its codes are clamped up to min_code after the threshold compare
         for key_bits in range(4, 16):
             entries = NearestCodeIndex._bucket_entries(thresholds, key_base, 23 - key_bits)
             if entries is not None:
-                return NearestCodeIndex(decode, entries, key_base, 23 - key_bits, entries.numel() // 2, levels, depth)
+                return NearestCodeIndex(decode, entries, key_base, 23 - key_bits, entries.numel() // 2, levels, depth, segments)
         return None
+
+    def segment_codes(self, x: torch.Tensor, min_code: int = 0) -> torch.Tensor:
+        """The AVX-512 encoder's codes of fp32 ``x`` (int64, same shape) from ``segments`` (``segment_table``), computed
+        as the kernel computes them, clamped up to ``min_code``."""
+        table = self.segments
+        magnitude = x.abs()
+        bits = magnitude.view(torch.int32).to(torch.int64)
+        binade = ((bits >> 23) - SEGMENT_BINADE0).clamp(0, SEGMENT_BINADES - 1)
+        negative = x < 0
+        side = torch.where(negative, 2 * SEGMENT_BINADES, 0)
+        segment = table[side + binade].to(torch.int64) + (bits >= table[side + SEGMENT_BINADES + binade]).to(torch.int64)
+        floats = table[_SCALE:_BASE].view(torch.float32)
+        scale, offset = floats[segment], torch.where(negative, floats[2 * SEGMENT_RUNS + segment], floats[SEGMENT_RUNS + segment])
+        position = (magnitude.double() * scale.double() + offset.double()).float()  # fma: one rounding (here two, as good)
+        run = position.trunc().to(torch.int64).clamp(min=0)
+        run = torch.minimum(run, table[_LAST + segment].to(torch.int64))
+        zero = int(table[_ZERO])
+        code = torch.where(negative, zero - table[_BASE + segment] - run, zero + table[_BASE + segment] + run)
+        thresholds = table[_THRESHOLDS:_ZERO].contiguous().view(torch.uint8).view(4, 256).t().contiguous().view(torch.float32).view(-1)
+        code = code.clamp(0, 255)
+        return (code + (x >= thresholds[code]).to(torch.int64)).clamp(min=min_code)
 
     def search_codes(self, x: torch.Tensor) -> torch.Tensor:
         """The AVX-512 encoder's codes of fp32 ``x`` (int64, same shape), from ``search_levels`` as the kernel searches."""
@@ -95,6 +124,83 @@ class NearestCodeIndex:
             offset = torch.where(inside, magnitude_bits[first.clamp(max=thresholds.numel() - 1)] - start_bits, 0)
             sides.append(first + (inside.to(torch.int64) << 8) + (offset << 9))
         return torch.cat([sides[0].flip(0), sides[1]]).to(torch.int32)
+
+
+# segment_table's layout (int32 entries): per sign (x >= 0, then x < 0) SEGMENT_BINADES runs at the binades' lower ends
+# and as many split patterns; per run (SEGMENT_RUNS) its scale and offsets (fp32 patterns; x >= 0, x < 0), first
+# magnitude code and last position; the thresholds' byte planes (as Codebook::planes); the code of zero.
+SEGMENT_BINADES = 32  # binades 2**-31 .. 2**0 (fp32 exponent fields 96 .. 127); the first also holds every smaller |x|
+SEGMENT_BINADE0 = 96
+SEGMENT_RUNS = 16
+SEGMENT_BIAS = 2.0**-8  # the floor's bias, in codes: far above the position's rounding (~2**-16), far below 1
+_SCALE = 4 * SEGMENT_BINADES
+_BASE = _SCALE + 3 * SEGMENT_RUNS
+_LAST = _BASE + SEGMENT_RUNS
+_THRESHOLDS = _LAST + SEGMENT_RUNS
+_ZERO = _THRESHOLDS + 256
+SEGMENT_TABLE = _ZERO + 1
+
+
+def segment_table(codebook: torch.Tensor, thresholds: torch.Tensor) -> torch.Tensor | None:
+    """The arithmetic encoder's table of a sorted ``codebook`` of 129 to 256 values (8-bit codes)
+    (``nearest_thresholds``: ``thresholds``), or ``None`` where it does not apply: no exact zero, negative magnitudes
+    not a mirror of the first positive ones, values beyond 1, more than ``SEGMENT_RUNS`` runs of equal spacing, or two
+    run boundaries in one binade.
+
+    The positive magnitudes ``0 = a_0 < a_1 < ...`` are cut greedily into runs of equal spacing ``h`` from ``a_i``;
+    within a run, the code of ``|x|`` is near ``position = |x| / h + 1/2 - a_i / h``: its floor, biased down by
+    ``SEGMENT_BIAS`` for ``x >= 0`` and up for ``x < 0``, is the run's code or, across a rounding threshold near an
+    integer position, one below it in signed code order, which the compare with that code's threshold repairs. The run
+    of ``|x|`` is exact: the boundaries are the thresholds themselves (per sign: rounding ties go up), found in the
+    binade of ``|x|`` by one pattern compare."""
+    if not 128 < codebook.numel() <= 256 or float(codebook.abs().max()) > 1.0 or int((codebook == 0).sum()) != 1:
+        return None
+    zero = int((codebook == 0).nonzero())
+    positive, negative = codebook[zero:], -codebook[: zero + 1].flip(0)
+    if not torch.equal(negative, positive[: zero + 1]):
+        return None
+    runs, start = [], 0
+    while start < positive.numel():
+        end = start
+        if start + 1 < positive.numel():
+            step = float(positive[start + 1] - positive[start])
+            end = start + 1
+            while end + 1 < positive.numel() and abs(float(positive[end + 1] - positive[end]) - step) <= 1e-9 * step:
+                end += 1
+        runs.append((start, end))
+        start = end + 1
+    if len(runs) > SEGMENT_RUNS:
+        return None
+    table = torch.zeros(SEGMENT_TABLE, dtype=torch.int32)
+    floats = torch.zeros(3 * SEGMENT_RUNS, dtype=torch.float32)
+    for k, (start, end) in enumerate(runs):
+        if end > start:
+            step = float(positive[start + 1] - positive[start])
+            floats[k], offset = 1.0 / step, 0.5 - float(positive[start]) / step
+            floats[SEGMENT_RUNS + k], floats[2 * SEGMENT_RUNS + k] = offset - SEGMENT_BIAS, offset + SEGMENT_BIAS
+        else:
+            floats[SEGMENT_RUNS + k], floats[2 * SEGMENT_RUNS + k] = -SEGMENT_BIAS, SEGMENT_BIAS
+        table[_BASE + k], table[_LAST + k] = start, end - start
+    table[_SCALE:_BASE] = floats.view(torch.int32)
+    bits = thresholds.view(torch.int32).to(torch.int64)
+    splits = (
+        [int(bits[zero + end]) for _, end in runs[:-1]],  # x >= 0: the least x of the next run's first code
+        [int((-thresholds[zero - end - 1]).view(torch.int32)) + 1 for _, end in runs[:-1] if end + 1 <= zero],  # x < 0: |x| above
+    )
+    for side, patterns in enumerate(splits):
+        binades = [min(max((pattern >> 23) - SEGMENT_BINADE0, 0), SEGMENT_BINADES - 1) for pattern in patterns]
+        if len(set(binades)) < len(binades) or any(pattern <= 0 for pattern in patterns):
+            return None
+        base = 2 * SEGMENT_BINADES * side
+        table[base + SEGMENT_BINADES : base + 2 * SEGMENT_BINADES] = 0x7F800000  # no boundary: above every finite |x|
+        for binade, pattern in zip(binades, patterns, strict=True):
+            table[base + SEGMENT_BINADES + binade] = pattern
+        for binade in range(SEGMENT_BINADES):
+            table[base + binade] = sum(1 for b in binades if b < binade)
+    padded = torch.cat([thresholds.float(), torch.full((256 - thresholds.numel(),), torch.inf)])
+    table[_THRESHOLDS:_ZERO] = padded.view(torch.uint8).view(256, 4).t().contiguous().view(torch.int32).view(-1)
+    table[_ZERO] = zero
+    return table
 
 
 @functools.cache

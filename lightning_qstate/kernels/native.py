@@ -156,21 +156,25 @@ CODEBOOK, MINIFLOAT, CAST = 0, 1, 2
 _NO_ENTRIES = torch.zeros(1, dtype=torch.int32)
 _NO_SCALES = torch.zeros(0)  # a cast state's scales
 _NO_LEVELS = torch.zeros(256)  # a minifloat's or cast's search levels
+_NO_SEGMENTS = torch.zeros(0, dtype=torch.int32)  # no segment table (NearestCodeIndex.segments)
 
 
 @functools.cache
 def _state_layout(fmt: StorageFormat) -> tuple[list[torch.Tensor], list[int], float]:
     """The kernel's description of one moment format (``State`` in ``csrc/adam_cpu.h``): tables ``[decode, entries,
-    planes, levels]`` (decode: ``(256,)`` fp32 values of the codes; entries: the ``NearestCodeIndex`` buckets of a
-    codebook, for the scalar encoder; planes: ``(4, 256)`` uint8, byte ``j`` of every decode value in row ``j``, for the
-    VBMI decoder; levels: a codebook's ``NearestCodeIndex.search_levels``, for the AVX-512 encoder), the integers
+    planes, levels, segments]`` (decode: ``(256,)`` fp32 values of the codes; entries: the ``NearestCodeIndex`` buckets
+    of a codebook, for the scalar encoder and the AVX-512 one of 8-bit codes; planes: ``(4, 256)`` uint8, byte ``j`` of
+    every decode value in row ``j``, for the VBMI decoder; levels: a codebook's ``NearestCodeIndex.search_levels``, for
+    the AVX-512 encoder of up to 7-bit codes; segments: its ``NearestCodeIndex.segments`` or an empty tensor, for the
+    VBMI encoder of 8-bit codes), the integers
     ``[kind, bits, block, key_base, key_shift, half, mantissa_bits, bias, max_code, min_code, has_sign, zero_free]``
     and a minifloat's largest value (a codebook's ``max_code`` column: its last code; the kernel appends the
     ``stochastic`` column)."""
-    decode, entries, levels, ints = torch.zeros(256), _NO_ENTRIES, _NO_LEVELS, [0] * 12
+    decode, entries, levels, segments, ints = torch.zeros(256), _NO_ENTRIES, _NO_LEVELS, _NO_SEGMENTS, [0] * 12
     if isinstance(fmt, CodebookFormat):
         index = nearest_index(fmt)
         decode, entries, levels = index.decode, index.bucket_entries, index.search_levels
+        segments = _NO_SEGMENTS if index.segments is None else index.segments
         ints[:6] = [CODEBOOK, fmt.bits, fmt.block_size, index.key_base, index.key_shift, index.half]
         ints[8:10] = [fmt.codebook.numel() - 1, fmt.min_code]
     elif isinstance(fmt, MinifloatFormat):
@@ -182,11 +186,11 @@ def _state_layout(fmt: StorageFormat) -> tuple[list[torch.Tensor], list[int], fl
         ints[:3] = [CAST, fmt.bits, 0]
         ints[11] = int(fmt.zero_free)
     planes = decode.view(torch.uint8).view(256, 4).t().contiguous()
-    return [decode, entries, planes, levels], ints, float(getattr(fmt, "max_value", 0.0))
+    return [decode, entries, planes, levels, segments], ints, float(getattr(fmt, "max_value", 0.0))
 
 
 def _state_rows(states: list[QuantizedTensor], stochastic: bool) -> tuple[list[torch.Tensor], list[list[int]], list[float]]:
-    """The kernel's ``tables`` (four per state), ``ints`` rows (``_state_layout``'s, then the ``stochastic`` column)
+    """The kernel's ``tables`` (five per state), ``ints`` rows (``_state_layout``'s, then the ``stochastic`` column)
     and ``floats`` of ``states``, in order."""
     tables, ints, floats = [], [], []
     for q in states:

@@ -100,16 +100,23 @@ inline __m512 uniform16(const State& s, int64_t first) {
 #endif
 
 #ifdef QSTATE_VBMI
-// The stochastic rounding of an 8-bit codebook state s's block values [0, n) 64 at a time (codebook_stochastic64: its
-// table lookups by byte permutes), their codes to out; ``quotient(j)``: the 16 normalized values from j; element
-// ``first + j`` draws random_bits(s.seed, first + j). Returns the number of values encoded (a multiple of 64).
+// The codes of an 8-bit codebook state s's block values [0, n) 64 at a time, to out: stochastic rounding by
+// codebook_stochastic64 (its table lookups by byte permutes), round to nearest by segment_codes64 where the codebook
+// has segments (else nothing: the 16-value loop's bucket gather). ``quotient(j)``: the 16 normalized values from j;
+// element ``first + j`` draws random_bits(s.seed, first + j). Returns the number of values encoded (a multiple of 64).
 template <bool Nonnegative, typename Quotient>
-QSTATE_INLINE int64_t stochastic_bytes64(const State& s, int64_t first, uint8_t* __restrict__ out, int64_t n, Quotient&& quotient) {
+QSTATE_INLINE int64_t codebook_bytes64(const State& s, int64_t first, uint8_t* __restrict__ out, int64_t n, Quotient&& quotient) {
+  if (s.kind != Kind::kCodebook || s.cb.depth != 8 || (!s.stochastic && s.cb.segments == nullptr)) return 0;
   int64_t i = 0;
   for (; i + 64 <= n; i += 64) {
     __m512 q[4], uniform[4];
-    for (int k = 0; k < 4; ++k) q[k] = quotient(i + 16 * k), uniform[k] = uniform16(s, first + i + 16 * k);
-    _mm512_storeu_si512(out + i, codebook_stochastic64<Nonnegative>(q, s.cb, s.last, s.min_code, uniform));
+    for (int k = 0; k < 4; ++k) q[k] = quotient(i + 16 * k);
+    if (s.stochastic) {
+      for (int k = 0; k < 4; ++k) uniform[k] = uniform16(s, first + i + 16 * k);
+      _mm512_storeu_si512(out + i, codebook_stochastic64<Nonnegative>(q, s.cb, s.last, s.min_code, uniform));
+    } else {
+      _mm512_storeu_si512(out + i, segment_codes64<Nonnegative>(q, s.cb, s.min_code));
+    }
   }
   return i;
 }
@@ -133,12 +140,10 @@ void encode_block(const float* __restrict__ x, float divisor, bool finite, const
 #ifdef QSTATE_AVX512
   const __m512 d = _mm512_set1_ps(divisor), r = _mm512_set1_ps(reciprocal);
 #ifdef QSTATE_VBMI
-  if (s.stochastic && cb.depth == 8) {
-    i = stochastic_bytes64<Nonnegative>(s, first, out, n, [&](int64_t j) {
-      const __m512 value = _mm512_loadu_ps(x + j), estimate = _mm512_mul_ps(value, r);
-      return finite ? _mm512_fmadd_ps(_mm512_fnmadd_ps(estimate, d, value), r, estimate) : _mm512_setzero_ps();
-    });
-  }
+  i = codebook_bytes64<Nonnegative>(s, first, out, n, [&](int64_t j) {
+    const __m512 value = _mm512_loadu_ps(x + j), estimate = _mm512_mul_ps(value, r);
+    return finite ? _mm512_fmadd_ps(_mm512_fnmadd_ps(estimate, d, value), r, estimate) : _mm512_setzero_ps();
+  });
 #endif
   with_depth(cb.depth, [&]<int Depth>(std::integral_constant<int, Depth>) {
     for (; i + 16 <= n; i += 16) {
@@ -383,9 +388,8 @@ void encode_codes(const State& s, const float* __restrict__ x, float divisor, bo
   const __m512i dense_shifts = _mm512_set_epi64(7 * b, 6 * b, 5 * b, 4 * b, 3 * b, 2 * b, b, 0);
 #endif
 #ifdef QSTATE_VBMI
-  if (s.stochastic && !minifloat && s.cb.depth == 8)
-    i = stochastic_bytes64<Nonnegative>(s, first, out, n,
-                                        [&](int64_t j) { return finite ? _mm512_div_ps(_mm512_loadu_ps(x + j), d) : _mm512_setzero_ps(); });
+  i = codebook_bytes64<Nonnegative>(s, first, out, n,
+                                    [&](int64_t j) { return finite ? _mm512_div_ps(_mm512_loadu_ps(x + j), d) : _mm512_setzero_ps(); });
 #endif
   with_depth(s.cb.depth, [&]<int Depth>(std::integral_constant<int, Depth>) {  // a minifloat's depth: unused
     for (; i + 16 <= n; i += 16) {
@@ -616,7 +620,9 @@ struct Outcome {
 // A state's Codebook from its tables (decode, entries, planes, levels) and its row of ``ints``; ``index``: a codebook
 // (its entries and levels are read), whose codes are at most ``last``.
 Codebook codebook(const torch::Tensor* tables, int64_t key_base, int64_t key_shift, int64_t half, bool index, int64_t last) {
-  const torch::Tensor &decode = tables[0], &entries = tables[1], &planes = tables[2], &levels = tables[3];
+  const torch::Tensor &decode = tables[0], &entries = tables[1], &planes = tables[2], &levels = tables[3], &segments = tables[4];
+  TORCH_CHECK(segments.scalar_type() == torch::kInt && (segments.numel() == 0 || (index && segments.numel() == segment::kZero + 1)),
+              "a state's segment table: empty, or a codebook's ", segment::kZero + 1, " int32 entries (code_index.segment_table)");
   TORCH_CHECK(decode.numel() == 256 && decode.scalar_type() == torch::kFloat && planes.numel() == 1024 &&
                   planes.scalar_type() == torch::kUInt8 && entries.scalar_type() == torch::kInt &&
                   (!index || entries.numel() == 2 * half) && levels.numel() == 256 && levels.scalar_type() == torch::kFloat &&
@@ -624,8 +630,15 @@ Codebook codebook(const torch::Tensor* tables, int64_t key_base, int64_t key_shi
               "a state's tables: 256 fp32 decode values, int32 bucket entries (2 * half for a codebook), (4, 256) uint8 byte planes, "
               "256 fp32 search levels; a codebook's codes 2 to 256");
   const int32_t depth = index ? 32 - __builtin_clz(static_cast<uint32_t>(last)) : 1;  // codes <= last < 2^depth
-  return Codebook{decode.data_ptr<float>(),   entries.data_ptr<int32_t>(), static_cast<int32_t>(key_base), static_cast<int32_t>(key_shift),
-                  static_cast<int32_t>(half), planes.data_ptr<uint8_t>(),  levels.data_ptr<float>(),       depth};
+  return Codebook{decode.data_ptr<float>(),
+                  entries.data_ptr<int32_t>(),
+                  static_cast<int32_t>(key_base),
+                  static_cast<int32_t>(key_shift),
+                  static_cast<int32_t>(half),
+                  planes.data_ptr<uint8_t>(),
+                  levels.data_ptr<float>(),
+                  depth,
+                  segments.numel() == 0 ? nullptr : segments.data_ptr<int32_t>()};
 }
 
 Scales scales_of(const torch::Tensor& t, int64_t k) {
@@ -718,7 +731,7 @@ std::vector<Param> coded_params(const std::vector<torch::Tensor>& params, const 
   TORCH_CHECK(grads.size() == params.size() && m_codes.size() == params.size() && m_scales.size() == params.size() &&
                   v_codes.size() == params.size() && v_scales.size() == params.size(),
               "grads, codes and scales: one per coded parameter");
-  TORCH_CHECK(static_cast<int64_t>(tables.size()) == 8 * n, "tables: eight per coded parameter");
+  TORCH_CHECK(static_cast<int64_t>(tables.size()) == 10 * n, "tables: ten per coded parameter");
   TORCH_CHECK(
       ints.scalar_type() == torch::kLong && ints.dim() == 3 && ints.size(0) == n && ints.size(1) == 2 && ints.size(2) == kStateColumns,
       "ints: (n, 2, ", static_cast<int>(kStateColumns), ") int64");
@@ -748,8 +761,8 @@ std::vector<Param> coded_params(const std::vector<torch::Tensor>& params, const 
     TORCH_CHECK(grads[k].numel() == w.numel, "parameter ", k, ": grad of the wrong size");
     TORCH_CHECK(params[k].is_contiguous() && grads[k].is_contiguous(), "parameter ", k, ": every tensor must be contiguous");
     const int64_t* row = ints_p + 2 * kStateColumns * k;
-    w.m = state_of(m_codes[k], m_scales[k], &tables[8 * k], row, floats_p[2 * k], seeds_a[k][1], w.numel, k);
-    w.v = state_of(v_codes[k], v_scales[k], &tables[8 * k + 4], row + kStateColumns, floats_p[2 * k + 1], seeds_a[k][2], w.numel, k);
+    w.m = state_of(m_codes[k], m_scales[k], &tables[10 * k], row, floats_p[2 * k], seeds_a[k][1], w.numel, k);
+    w.v = state_of(v_codes[k], v_scales[k], &tables[10 * k + 5], row + kStateColumns, floats_p[2 * k + 1], seeds_a[k][2], w.numel, k);
     w.h = group.at(steps_done(steps[k]), true, bounds_a[k]);
     w.h.eco = eco_a[k];
     const bool m_cast = w.m.kind == Kind::kCast, v_cast = w.v.kind == Kind::kCast;
@@ -1086,7 +1099,7 @@ std::vector<MomentumParam> momentum_params(const std::vector<torch::Tensor>& par
               "grids: (n, 3) int64 [grid dtype code, stochastic, eco]");
   TORCH_CHECK(eco.scalar_type() == torch::kFloat && eco.numel() == static_cast<int64_t>(n), "eco: one fp32 ECO coefficient per parameter");
   TORCH_CHECK(created.scalar_type() == torch::kBool && created.numel() == static_cast<int64_t>(n), "created: one bool per parameter");
-  TORCH_CHECK(tables.size() == 4 * n, "tables: four per parameter");
+  TORCH_CHECK(tables.size() == 5 * n, "tables: five per parameter");
   TORCH_CHECK(
       ints.scalar_type() == torch::kLong && ints.dim() == 2 && ints.size(0) == static_cast<int64_t>(n) && ints.size(1) == kStateColumns,
       "ints: (n, ", static_cast<int>(kStateColumns), ") int64");
@@ -1116,7 +1129,7 @@ std::vector<MomentumParam> momentum_params(const std::vector<torch::Tensor>& par
         ": param and grad (and Muon's update, fp32) contiguous, of one size and dtype: fp32, or fp32/bf16/fp16 on SGD's weight grid");
     w.p = params[k].data_ptr(), w.g = grads[k].data_ptr();
     w.update = updates.empty() ? nullptr : updates[k].data_ptr<float>();
-    w.buf = state_of(codes[k], scales[k], &tables[4 * k], ints_c.data_ptr<int64_t>() + kStateColumns * k, floats_c.data_ptr<float>()[k],
+    w.buf = state_of(codes[k], scales[k], &tables[5 * k], ints_c.data_ptr<int64_t>() + kStateColumns * k, floats_c.data_ptr<float>()[k],
                      seeds_a[k][1], w.numel, static_cast<int64_t>(k));
     w.chunk = std::max(w.buf.kind == Kind::kCast ? 0 : w.buf.block, CAST_CHUNK);
     w.chunks = (w.numel + w.chunk - 1) / w.chunk;
@@ -1128,8 +1141,8 @@ std::vector<MomentumParam> momentum_params(const std::vector<torch::Tensor>& par
 
 // Adam(W) step of every parameter of one param group: n with coded moments (codebook or minifloat codes of 1 to 8
 // bits, or bf16/fp16/fp32 casts: State), then ``plain`` ones with fp32 moments. ``tables``: per coded parameter
-// [m_decode, m_entries, m_planes, m_levels, v_decode, v_entries, v_planes, v_levels]; ``ints``: (n, 2, 13) int64, per moment [kind, bits,
-// block, key_base, key_shift, half, mantissa_bits, bias, max_code (a codebook: its last code), min_code, has_sign,
+// [m_decode, m_entries, m_planes, m_levels, m_segments, v_decode, v_entries, v_planes, v_levels, v_segments]; ``ints``: (n, 2, 13) int64,
+// per moment [kind, bits, block, key_base, key_shift, half, mantissa_bits, bias, max_code (a codebook: its last code), min_code, has_sign,
 // zero_free, stochastic] (StateColumn; stochastic: SR, element i drawing random_bits(seed, i));
 // ``floats``: (n, 2) fp32, per moment a minifloat's largest value; ``bounds``: (n,) fp32 moment bounds;
 // ``grids``: (n, 3) int64 [grid dtype code (0 none, 1 fp32, 2 bf16, 3 fp16), stochastic, eco] (a coded parameter and
@@ -1191,7 +1204,7 @@ torch::Tensor adam_steps_u8(const std::vector<torch::Tensor>& params, const std:
 // ``params``, ``grads``: contiguous fp32, or for SGD on a weight grid fp32/bf16/fp16 of one dtype; ``grids``: (n, 3) int64
 // [grid dtype code (0 none, 1 fp32, 2 bf16, 3 fp16), stochastic, eco] (SGD only) and ``eco``: (n,) fp32, ECO's
 // coefficient of each parameter's rounding error in its buffer; the buffers as adam_steps_u8's moments: ``codes``,
-// ``scales``, ``tables`` (four per parameter: decode, entries, planes, levels), ``ints`` ((n, 13) int64, StateColumn),
+// ``scales``, ``tables`` (five per parameter: decode, entries, planes, levels, segments), ``ints`` ((n, 13) int64, StateColumn),
 // ``floats`` ((n,) fp32); ``seeds``: (n, 2) int64, the SR seeds of each parameter's weights and buffer; ``created``: (n,)
 // bool, SGD's buffers this step creates (torch's first step: buf = d, not read; codes and scales allocated for all
 // values). A parameter whose gradient holds inf/NaN is left untouched.

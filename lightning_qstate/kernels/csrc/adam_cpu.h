@@ -37,10 +37,18 @@ struct Codebook {
   const float* decode;     // (256,) value of every code
   const int32_t* entries;  // bucket -> first | inside << 8 | offset << 9
   int32_t key_base, key_shift, half;
-  const uint8_t* planes;  // (4, 256): byte j of decode[c] at [j][c] (the VBMI decoder's tables)
-  const float* levels;    // (256,): the thresholds by level of the binary search (NearestCodeIndex.search_levels)
-  int32_t depth;          // its levels: codes < 2^depth (1 to 8)
+  const uint8_t* planes;    // (4, 256): byte j of decode[c] at [j][c] (the VBMI decoder's tables)
+  const float* levels;      // (256,): the thresholds by level of the binary search (NearestCodeIndex.search_levels)
+  int32_t depth;            // its levels: codes < 2^depth (1 to 8)
+  const int32_t* segments;  // NearestCodeIndex.segments (code_index.segment_table's layout), or nullptr
 };
+
+// code_index.segment_table's layout: offsets of its int32 entries.
+namespace segment {
+constexpr int kBinades = 32, kBinade0 = 96;  // binades 2^-31 .. 2^0; the first also holds every smaller |x|
+constexpr int kFirstPositive = 0, kSplitPositive = 32, kFirstNegative = 64, kSplitNegative = 96;
+constexpr int kScale = 128, kOffsetPositive = 144, kOffsetNegative = 160, kBase = 176, kLast = 192, kThresholds = 208, kZero = 464;
+}  // namespace segment
 
 // Adam(W) hyperparameters as fp32. The moments follow adam_reference.adam_math as torch's vectorized CPU kernels compute
 // them: add(alpha=) is fma(other, alpha, self), lerp_ is fma(coeff, end - self, base) (coeff = w, base = self if
@@ -570,6 +578,52 @@ QSTATE_INLINE __m512i bucket16(__m512 value, const Codebook& cb) {
   return _mm512_mask_add_epi32(first, up, first, _mm512_set1_epi32(1));
 }
 
+#ifdef QSTATE_VBMI
+// NearestCodeIndex.segment_codes' candidate of 16 normalized values (int32 lanes): the code or one below it. The run of
+// |x| from its binade's first run and split (two-register permutes of 32 entries, per sign), its position in the run
+// by an fma, the floor biased by the run's offset (per sign), clamped to the run.
+template <bool Nonnegative>
+QSTATE_INLINE __m512i segment_candidate16(__m512 value, const int32_t* table) {
+  using namespace segment;
+  const __m512 magnitude = _mm512_abs_ps(value);
+  const __m512i bits = _mm512_castps_si512(magnitude);
+  __m512i binade = _mm512_sub_epi32(_mm512_srli_epi32(bits, 23), _mm512_set1_epi32(kBinade0));
+  binade = _mm512_min_epi32(_mm512_max_epi32(binade, _mm512_setzero_si512()), _mm512_set1_epi32(kBinades - 1));
+  const auto table32 = [&](int offset) {
+    return _mm512_permutex2var_epi32(_mm512_loadu_si512(table + offset), binade, _mm512_loadu_si512(table + offset + 16));
+  };
+  __m512i first = table32(kFirstPositive), split = table32(kSplitPositive);
+  const __mmask16 negative = Nonnegative ? 0 : _mm512_cmp_ps_mask(value, _mm512_setzero_ps(), _CMP_LT_OQ);
+  if (!Nonnegative) {
+    first = _mm512_mask_blend_epi32(negative, first, table32(kFirstNegative));
+    split = _mm512_mask_blend_epi32(negative, split, table32(kSplitNegative));
+  }
+  const __m512i run = _mm512_mask_add_epi32(first, _mm512_cmpge_epi32_mask(bits, split), first, _mm512_set1_epi32(1));
+  const auto table16 = [&](int offset) { return _mm512_permutexvar_epi32(run, _mm512_loadu_si512(table + offset)); };
+  __m512 offset = _mm512_castsi512_ps(table16(kOffsetPositive));
+  if (!Nonnegative) offset = _mm512_mask_blend_ps(negative, offset, _mm512_castsi512_ps(table16(kOffsetNegative)));
+  const __m512 position = _mm512_fmadd_ps(magnitude, _mm512_castsi512_ps(table16(kScale)), offset);
+  const __m512i step = _mm512_min_epi32(_mm512_max_epi32(_mm512_cvttps_epi32(position), _mm512_setzero_si512()), table16(kLast));
+  const __m512i away = _mm512_add_epi32(table16(kBase), step), zero = _mm512_set1_epi32(table[kZero]);
+  return Nonnegative ? _mm512_add_epi32(zero, away) : _mm512_mask_sub_epi32(_mm512_add_epi32(zero, away), negative, zero, away);
+}
+
+// NearestCodeIndex.segment_codes of 64 normalized values (value[r]: values 16r .. 16r + 15) of a codebook with
+// segments, clamped up to min_code, as bytes in order: the candidates' thresholds by byte permutes (lookup64), one
+// compare each.
+template <bool Nonnegative>
+QSTATE_INLINE __m512i segment_codes64(const __m512 value[4], const Codebook& cb, int32_t min_code) {
+  __m512i candidate[4];
+  for (int r = 0; r < 4; ++r) candidate[r] = segment_candidate16<Nonnegative>(value[r], cb.segments);
+  const __m512i bytes = bytes64(candidate);
+  __m512 threshold[4];
+  lookup64(bytes, reinterpret_cast<const uint8_t*>(cb.segments + segment::kThresholds), threshold);
+  __mmask64 up = 0;
+  for (int r = 0; r < 4; ++r) up |= static_cast<__mmask64>(_mm512_cmp_ps_mask(value[r], threshold[r], _CMP_GE_OQ)) << (16 * r);
+  return _mm512_max_epu8(_mm512_mask_add_epi8(bytes, up, bytes, _mm512_set1_epi8(1)), _mm512_set1_epi8(static_cast<char>(min_code)));
+}
+#endif
+
 // encode_lane on 16 values of a codebook of codes < 2^Depth: the search of its thresholds up to 7 levels, the bucket
 // table for 8 (measured on an AMD Zen 4: its gather beats 8 levels of permutes and loses to 7 or fewer).
 template <int Depth, bool Nonnegative>
@@ -642,8 +696,15 @@ QSTATE_INLINE __m512i codebook_stochastic64(const __m512 value[4], const Codeboo
                                             const __m512 uniform[4]) {
   __m512i low[4];
   __m512 nearest[4], low_value[4], high_value[4];
-  for (int r = 0; r < 4; ++r) low[r] = bucket16<Nonnegative>(value[r], cb);
-  lookup64(bytes64(low), cb.planes, nearest);
+  if (cb.segments != nullptr) {
+    const __m512i bytes = segment_codes64<Nonnegative>(value, cb, min_code);
+    low[0] = _mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(bytes, 0)), low[1] = _mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(bytes, 1));
+    low[2] = _mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(bytes, 2)), low[3] = _mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(bytes, 3));
+    lookup64(bytes, cb.planes, nearest);
+  } else {
+    for (int r = 0; r < 4; ++r) low[r] = bucket16<Nonnegative>(value[r], cb);
+    lookup64(bytes64(low), cb.planes, nearest);
+  }
   for (int r = 0; r < 4; ++r) {
     const __mmask16 above = _mm512_cmp_ps_mask(nearest[r], value[r], _CMP_GT_OQ);
     const __m512i floor = _mm512_mask_sub_epi32(low[r], above, low[r], _mm512_set1_epi32(1));
