@@ -92,10 +92,10 @@ void block_stats(const float* __restrict__ m, const float* __restrict__ v, int64
   m_ok = !m_bad, v_ok = !v_bad;
 }
 
-// The SR draws of 16 elements from ``first`` (random_bits of s's seed) as U[0, 1) (uniform_of).
+// The SR draws of 16 elements from ``first`` (random_bits(seed, first + j)) as U[0, 1) (uniform_of).
 #ifdef QSTATE_AVX512
-inline __m512 uniform16(const State& s, int64_t first) {
-  return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(random16(s.seed, first), 8)), _mm512_set1_ps(0x1p-24f));
+inline __m512 uniform16(uint64_t seed, int64_t first) {
+  return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(random16(seed, first), 8)), _mm512_set1_ps(0x1p-24f));
 }
 #endif
 
@@ -107,15 +107,19 @@ inline __m512 uniform16(const State& s, int64_t first) {
 template <bool Nonnegative, typename Quotient>
 QSTATE_INLINE int64_t codebook_bytes64(const State& s, int64_t first, uint8_t* __restrict__ out, int64_t n, Quotient&& quotient) {
   if (s.kind != Kind::kCodebook || s.cb.depth != 8 || (!s.stochastic && s.cb.segments == nullptr)) return 0;
+  const Codebook cb = s.cb;  // local copies of what the loop reads (SR 3 % faster than reading them through s)
+  const int32_t last = s.last, min_code = s.min_code;
+  const bool stochastic = s.stochastic;
+  const uint64_t seed = s.seed;
   int64_t i = 0;
   for (; i + 64 <= n; i += 64) {
     __m512 q[4], uniform[4];
     for (int k = 0; k < 4; ++k) q[k] = quotient(i + 16 * k);
-    if (s.stochastic) {
-      for (int k = 0; k < 4; ++k) uniform[k] = uniform16(s, first + i + 16 * k);
-      _mm512_storeu_si512(out + i, codebook_stochastic64<Nonnegative>(q, s.cb, s.last, s.min_code, uniform));
+    if (stochastic) {
+      for (int k = 0; k < 4; ++k) uniform[k] = uniform16(seed, first + i + 16 * k);
+      _mm512_storeu_si512(out + i, codebook_stochastic64<Nonnegative>(q, cb, last, min_code, uniform));
     } else {
-      _mm512_storeu_si512(out + i, segment_codes64<Nonnegative>(q, s.cb, s.min_code));
+      _mm512_storeu_si512(out + i, segment_codes64<Nonnegative>(q, cb, min_code));
     }
   }
   return i;
@@ -149,8 +153,9 @@ void encode_block(const float* __restrict__ x, float divisor, bool finite, const
     for (; i + 16 <= n; i += 16) {
       const __m512 value = _mm512_loadu_ps(x + i), estimate = _mm512_mul_ps(value, r);
       const __m512 q = finite ? _mm512_fmadd_ps(_mm512_fnmadd_ps(estimate, d, value), r, estimate) : _mm512_setzero_ps();
-      const __m128i codes = s.stochastic ? codebook_stochastic16<Depth, Nonnegative>(q, cb, s.last, s.min_code, uniform16(s, first + i))
-                                         : _mm512_cvtepi32_epi8(codebook_codes16<Depth, Nonnegative>(q, cb));
+      const __m128i codes = s.stochastic
+                                ? codebook_stochastic16<Depth, Nonnegative>(q, cb, s.last, s.min_code, uniform16(s.seed, first + i))
+                                : _mm512_cvtepi32_epi8(codebook_codes16<Depth, Nonnegative>(q, cb));
       _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), codes);
     }
   });
@@ -398,7 +403,7 @@ void encode_codes(const State& s, const float* __restrict__ x, float divisor, bo
       if (!s.stochastic) {
         codes = minifloat ? encode_minifloat16<false>(q, s.mf, q) : _mm512_cvtepi32_epi8(codebook_codes16<Depth, Nonnegative>(q, s.cb));
       } else {
-        const __m512 uniform = uniform16(s, first + i);
+        const __m512 uniform = uniform16(s.seed, first + i);
         codes = minifloat ? encode_minifloat16<true>(q, s.mf, uniform)
                           : codebook_stochastic16<Depth, Nonnegative>(q, s.cb, s.last, s.min_code, uniform);
       }

@@ -618,8 +618,9 @@ QSTATE_INLINE __m512i segment_codes64(const __m512 value[4], const Codebook& cb,
   const __m512i bytes = bytes64(candidate);
   __m512 threshold[4];
   lookup64(bytes, reinterpret_cast<const uint8_t*>(cb.segments + segment::kThresholds), threshold);
-  __mmask64 up = 0;
-  for (int r = 0; r < 4; ++r) up |= static_cast<__mmask64>(_mm512_cmp_ps_mask(value[r], threshold[r], _CMP_GE_OQ)) << (16 * r);
+  __mmask16 above[4];
+  for (int r = 0; r < 4; ++r) above[r] = _mm512_cmp_ps_mask(value[r], threshold[r], _CMP_GE_OQ);
+  const __mmask64 up = _mm512_kunpackd(_mm512_kunpackw(above[3], above[2]), _mm512_kunpackw(above[1], above[0]));
   return _mm512_max_epu8(_mm512_mask_add_epi8(bytes, up, bytes, _mm512_set1_epi8(1)), _mm512_set1_epi8(static_cast<char>(min_code)));
 }
 #endif
