@@ -24,7 +24,7 @@ from lightning_qstate.formats.rounding import encode_codebook
 from lightning_qstate.formats.weights import get_weight_grid
 from lightning_qstate.kernels import native
 from lightning_qstate.kernels.adam_reference import adam_hyper, adam_step_quantized
-from lightning_qstate.kernels.code_index import NearestCodeIndex, nearest_index
+from lightning_qstate.kernels.code_index import NearestCodeIndex, nearest_index, segment_table
 from lightning_qstate.kernels.native import native_adam_steps, native_round_to_grid
 
 needs_kernel = pytest.mark.skipif(not native.native_kernel_available(), reason="no C++ compiler here: the optimizer uses another path")
@@ -101,6 +101,20 @@ def test_segment_codes_are_the_reference_codes_across_1_in_1009_floats(name):
     x = torch.arange(0, 0x3F800001, 1009, dtype=torch.int64).to(torch.int32).view(torch.float32)
     x = torch.cat([x, -x]) if fmt.signed else x
     assert torch.equal(nearest_index(fmt).segment_codes(x, fmt.min_code), fmt.encode(x, "nearest", None).to(torch.int64))
+
+
+def test_segment_table_refuses_codebooks_it_cannot_encode_exactly():
+    """No segments without a zero code, for magnitudes that do not mirror, beyond 1, or in a run whose values are
+    thousands of spacings from zero (the biased floor's margin would not cover the rounding of the position)."""
+    linear = torch.linspace(0, 1, 256, dtype=torch.float64)
+    assert segment_table(linear, nearest_thresholds(linear)) is not None
+    for codebook in (
+        torch.linspace(-1, 1, 256, dtype=torch.float64),  # no zero
+        torch.cat([-linear[1:3].flip(0) * 0.9, linear[:254]]),  # negatives not a mirror
+        linear * 2,  # beyond 1
+        torch.cat([torch.zeros(1, dtype=torch.float64), 0.9 + 1e-4 * torch.arange(255, dtype=torch.float64)]),  # far run
+    ):
+        assert segment_table(codebook, nearest_thresholds(codebook)) is None
 
 
 @needs_kernel

@@ -132,7 +132,8 @@ class NearestCodeIndex:
 SEGMENT_BINADES = 32  # binades 2**-31 .. 2**0 (fp32 exponent fields 96 .. 127); the first also holds every smaller |x|
 SEGMENT_BINADE0 = 96
 SEGMENT_RUNS = 16
-SEGMENT_BIAS = 2.0**-8  # the floor's bias, in codes: far above the position's rounding (~2**-16), far below 1
+SEGMENT_BIAS = 2.0**-8  # the floor's bias, in codes: far below 1, far above the position's rounding error, which is
+SEGMENT_POSITIONS = 2.0**12  # below about P * 2**-21 for |x| / h < P: runs whose |x| / h reach this are refused
 _SCALE = 4 * SEGMENT_BINADES
 _BASE = _SCALE + 3 * SEGMENT_RUNS
 _LAST = _BASE + SEGMENT_RUNS
@@ -144,8 +145,9 @@ SEGMENT_TABLE = _ZERO + 1
 def segment_table(codebook: torch.Tensor, thresholds: torch.Tensor) -> torch.Tensor | None:
     """The arithmetic encoder's table of a sorted ``codebook`` of 129 to 256 values (8-bit codes)
     (``nearest_thresholds``: ``thresholds``), or ``None`` where it does not apply: no exact zero, negative magnitudes
-    not a mirror of the first positive ones, values beyond 1, more than ``SEGMENT_RUNS`` runs of equal spacing, or two
-    run boundaries in one binade.
+    not a mirror of the first positive ones, values beyond 1, more than ``SEGMENT_RUNS`` runs of equal spacing, a run
+    whose values reach ``SEGMENT_POSITIONS`` times its spacing (its positions' rounding would near the bias), or two run
+    boundaries in one binade.
 
     The positive magnitudes ``0 = a_0 < a_1 < ...`` are cut greedily into runs of equal spacing ``h`` from ``a_i``;
     within a run, the code of ``|x|`` is near ``position = |x| / h + 1/2 - a_i / h``: its floor, biased down by
@@ -169,7 +171,9 @@ def segment_table(codebook: torch.Tensor, thresholds: torch.Tensor) -> torch.Ten
                 end += 1
         runs.append((start, end))
         start = end + 1
-    if len(runs) > SEGMENT_RUNS:
+    if len(runs) > SEGMENT_RUNS or any(
+        end > start and float(positive[end]) >= SEGMENT_POSITIONS * float(positive[start + 1] - positive[start]) for start, end in runs
+    ):
         return None
     table = torch.zeros(SEGMENT_TABLE, dtype=torch.int32)
     floats = torch.zeros(3 * SEGMENT_RUNS, dtype=torch.float32)
