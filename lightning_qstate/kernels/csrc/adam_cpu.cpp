@@ -622,8 +622,11 @@ struct Outcome {
   }
 };
 
-// A state's Codebook from its tables (decode, entries, planes, levels) and its row of ``ints``; ``index``: a codebook
-// (its entries and levels are read), whose codes are at most ``last``.
+// The tables of one state (kernels/native.py: _state_layout): decode, entries, planes, levels, segments.
+constexpr int64_t kStateTables = 5;
+
+// A state's Codebook from its kStateTables tables and its row of ``ints``; ``index``: a codebook (its entries, levels
+// and segments are read), whose codes are at most ``last``.
 Codebook codebook(const torch::Tensor* tables, int64_t key_base, int64_t key_shift, int64_t half, bool index, int64_t last) {
   const torch::Tensor &decode = tables[0], &entries = tables[1], &planes = tables[2], &levels = tables[3], &segments = tables[4];
   TORCH_CHECK(segments.scalar_type() == torch::kInt && (segments.numel() == 0 || (index && segments.numel() == segment::kZero + 1)),
@@ -736,7 +739,7 @@ std::vector<Param> coded_params(const std::vector<torch::Tensor>& params, const 
   TORCH_CHECK(grads.size() == params.size() && m_codes.size() == params.size() && m_scales.size() == params.size() &&
                   v_codes.size() == params.size() && v_scales.size() == params.size(),
               "grads, codes and scales: one per coded parameter");
-  TORCH_CHECK(static_cast<int64_t>(tables.size()) == 10 * n, "tables: ten per coded parameter");
+  TORCH_CHECK(static_cast<int64_t>(tables.size()) == 2 * kStateTables * n, "tables: ", 2 * kStateTables, " per coded parameter");
   TORCH_CHECK(
       ints.scalar_type() == torch::kLong && ints.dim() == 3 && ints.size(0) == n && ints.size(1) == 2 && ints.size(2) == kStateColumns,
       "ints: (n, 2, ", static_cast<int>(kStateColumns), ") int64");
@@ -766,8 +769,9 @@ std::vector<Param> coded_params(const std::vector<torch::Tensor>& params, const 
     TORCH_CHECK(grads[k].numel() == w.numel, "parameter ", k, ": grad of the wrong size");
     TORCH_CHECK(params[k].is_contiguous() && grads[k].is_contiguous(), "parameter ", k, ": every tensor must be contiguous");
     const int64_t* row = ints_p + 2 * kStateColumns * k;
-    w.m = state_of(m_codes[k], m_scales[k], &tables[10 * k], row, floats_p[2 * k], seeds_a[k][1], w.numel, k);
-    w.v = state_of(v_codes[k], v_scales[k], &tables[10 * k + 5], row + kStateColumns, floats_p[2 * k + 1], seeds_a[k][2], w.numel, k);
+    w.m = state_of(m_codes[k], m_scales[k], &tables[2 * kStateTables * k], row, floats_p[2 * k], seeds_a[k][1], w.numel, k);
+    w.v = state_of(v_codes[k], v_scales[k], &tables[(2 * k + 1) * kStateTables], row + kStateColumns, floats_p[2 * k + 1], seeds_a[k][2],
+                   w.numel, k);
     w.h = group.at(steps_done(steps[k]), true, bounds_a[k]);
     w.h.eco = eco_a[k];
     const bool m_cast = w.m.kind == Kind::kCast, v_cast = w.v.kind == Kind::kCast;
@@ -1104,7 +1108,7 @@ std::vector<MomentumParam> momentum_params(const std::vector<torch::Tensor>& par
               "grids: (n, 3) int64 [grid dtype code, stochastic, eco]");
   TORCH_CHECK(eco.scalar_type() == torch::kFloat && eco.numel() == static_cast<int64_t>(n), "eco: one fp32 ECO coefficient per parameter");
   TORCH_CHECK(created.scalar_type() == torch::kBool && created.numel() == static_cast<int64_t>(n), "created: one bool per parameter");
-  TORCH_CHECK(tables.size() == 5 * n, "tables: five per parameter");
+  TORCH_CHECK(static_cast<int64_t>(tables.size()) == kStateTables * static_cast<int64_t>(n), "tables: ", kStateTables, " per parameter");
   TORCH_CHECK(
       ints.scalar_type() == torch::kLong && ints.dim() == 2 && ints.size(0) == static_cast<int64_t>(n) && ints.size(1) == kStateColumns,
       "ints: (n, ", static_cast<int>(kStateColumns), ") int64");
@@ -1134,8 +1138,8 @@ std::vector<MomentumParam> momentum_params(const std::vector<torch::Tensor>& par
         ": param and grad (and Muon's update, fp32) contiguous, of one size and dtype: fp32, or fp32/bf16/fp16 on SGD's weight grid");
     w.p = params[k].data_ptr(), w.g = grads[k].data_ptr();
     w.update = updates.empty() ? nullptr : updates[k].data_ptr<float>();
-    w.buf = state_of(codes[k], scales[k], &tables[5 * k], ints_c.data_ptr<int64_t>() + kStateColumns * k, floats_c.data_ptr<float>()[k],
-                     seeds_a[k][1], w.numel, static_cast<int64_t>(k));
+    w.buf = state_of(codes[k], scales[k], &tables[kStateTables * k], ints_c.data_ptr<int64_t>() + kStateColumns * k,
+                     floats_c.data_ptr<float>()[k], seeds_a[k][1], w.numel, static_cast<int64_t>(k));
     w.chunk = std::max(w.buf.kind == Kind::kCast ? 0 : w.buf.block, CAST_CHUNK);
     w.chunks = (w.numel + w.chunk - 1) / w.chunk;
   }
