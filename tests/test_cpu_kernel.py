@@ -67,6 +67,12 @@ def hard_inputs(fmt: CodebookFormat) -> torch.Tensor:
     return values if fmt.signed else values.abs()
 
 
+def blocks_led_by(values: torch.Tensor, lead: float) -> torch.Tensor:
+    """Flat 64-value blocks, each ``lead`` then the next 63 of ``values`` (a last part of fewer than 63 dropped)."""
+    rows = values[: values.numel() // 63 * 63].view(-1, 63)
+    return torch.cat([torch.full((rows.shape[0], 1), lead), rows], dim=1).view(-1)
+
+
 @pytest.mark.parametrize("name", list(BYTE_FORMATS))
 def test_nearest_code_index_gives_the_reference_codes(name):
     """The codes of ``fmt.encode``: ``encode_codebook`` clamped up to ``min_code`` (zero-free unsigned formats)."""
@@ -149,9 +155,7 @@ def test_kernel_encodes_like_the_reference(name, absmax, scale_dtype, v_block):
     fmt = BYTE_FORMATS[name]
     if scale_dtype == "bf16":
         absmax = float(torch.tensor(absmax).to(torch.bfloat16))
-    values = hard_inputs(fmt) * absmax
-    values = values[: values.numel() // 63 * 63].view(-1, 63)
-    grad = torch.cat([torch.full((values.shape[0], 1), absmax), values], dim=1).view(-1)
+    grad = blocks_led_by(hard_inputs(fmt) * absmax, absmax)
     m_format = CodebookFormat(fmt.name, fmt.codebook, 64, fmt.signed, scale_dtype=scale_dtype)
     v_format = get_format("int8", signed=False, block_size=v_block)
     state = adam_state(m_format, v_format, grad.numel(), seed=0)
@@ -171,9 +175,7 @@ def test_kernel_encodes_v_like_the_reference(name, absmax, m_block):
     rounding threshold of an unsigned map times each block's largest square give the reference's codes (the encoder of
     non-negative values), beside an ``m`` of the same 64-value blocks (register pass) or of 256 (chunked pass)."""
     fmt = BYTE_FORMATS[name]
-    squares = hard_inputs(fmt) * absmax
-    squares = squares[: squares.numel() // 63 * 63].view(-1, 63)
-    grad = torch.cat([torch.full((squares.shape[0], 1), absmax), squares], dim=1).view(-1).sqrt()
+    grad = blocks_led_by(hard_inputs(fmt) * absmax, absmax).sqrt()
     v_format = CodebookFormat(fmt.name, fmt.codebook, 64, signed=False, scale_dtype="fp32")
     state = adam_state(get_format("int8", block_size=m_block), v_format, grad.numel(), seed=0)
     native_adam_steps([torch.zeros(grad.numel())], [grad], [state], adam_group(betas=(0.0, 0.0), weight_decay=0.0), track_stalls=False)
