@@ -322,19 +322,44 @@ def splitmix64_bits(seed: int, count: int) -> np.ndarray:
     return np.where(index % np.uint64(2) == 0, z >> np.uint64(32), z & np.uint64(0xFFFFFFFF)).astype(np.uint32)
 
 
-def test_kernel_bf16_stochastic_rounding_uses_the_documented_draws():
-    """bf16 ``m`` with betas (0, 0) is SR of the gradient itself: each pattern is the gradient's fp32 pattern plus the
-    upper 16 bits of its element's splitmix64 draw, truncated (``bf16_stochastic``), bit for bit, whether the vector
-    (AVX-512) or the scalar loop drew it (4,117 values: both run)."""
+def cast_rounding_inputs(numel: int) -> torch.Tensor:
+    """``numel`` gradients over many binades, led by the casts' hard cases: zero, fp16's largest value and those past
+    it (up to inf after rounding), its smallest normal and subnormals, fp32 subnormals, values on a grid."""
+    hard = [0.0, 65504.0, -65504.0, 65505.0, 65519.0, -65520.0, 7e4, 2.0**-14, 2.0**-14 * (1 - 2.0**-11)]
+    hard += [2.0**-24, -(2.0**-25), 3 * 2.0**-26, 2.0**-24 * 1.5, 1e-40, -1e-40, 1.0, 1.0 + 2.0**-11, -2049.0, 2.0**60]
+    generator = torch.Generator().manual_seed(3)
+    scales = 10.0 ** (14 * torch.rand(numel - len(hard), generator=generator) - 9)
+    return torch.cat([torch.tensor(hard), torch.randn(numel - len(hard), generator=generator) * scales])
+
+
+@pytest.mark.parametrize("name", ["bf16", "fp16"])
+def test_kernel_cast_stochastic_rounding_uses_the_documented_draws(name):
+    """bf16 / fp16 moments with betas (0, 0) are SR of the gradient (``m``) and of its square (``v``, zero-free) with
+    the kernel's draws, bit for bit, whether the vector (AVX-512) or the scalar loop drew them (4,117 values: both
+    run): bf16 adds the upper 16 bits of its element's splitmix64 draw to the fp32 pattern and truncates
+    (``bf16_stochastic``); fp16 rounds up where the draw's U[0, 1) is below the fraction (``fp16_stochastic``)."""
+    from lightning_qstate.formats.cast import fp16_stochastic
+
     numel, seeds = 4096 + 21, (987654321, 123456789)
-    grad = torch.randn(numel, generator=torch.Generator().manual_seed(3))
-    state = adam_state(get_format("bf16"), get_format("bf16", signed=False), numel, 0)
+    grad = cast_rounding_inputs(numel)
+    state = adam_state(get_format(name), get_format(name, signed=False), numel, 0)
     group = adam_group(betas=(0.0, 0.0), weight_decay=0.0)
     group["rounding"] = "stochastic"
     native_adam_steps([torch.zeros(numel)], [grad], [state], group, False, moment_seeds=[seeds])
-    pattern = grad.numpy().view(np.uint32).astype(np.uint64) + (splitmix64_bits(seeds[0], numel) >> np.uint32(16))
-    expected = ((pattern & np.uint64(0xFFFF0000)) >> np.uint64(16)).astype(np.uint16)
-    assert np.array_equal(state["exp_avg"].codes.view(torch.int16).numpy().view(np.uint16), expected)
+    for key, target, seed, signed in (("exp_avg", grad, seeds[0], True), ("exp_avg_sq", grad * grad, seeds[1], False)):
+        bits = splitmix64_bits(seed, numel)
+        if name == "bf16":
+            pattern = target.numpy().view(np.uint32).astype(np.uint64) + (bits >> np.uint32(16))
+            finite = np.isfinite(target.numpy())
+            rounded = np.where(finite, (pattern & np.uint64(0xFFFF0000)) >> np.uint64(16), target.numpy().view(np.uint32) >> 16)
+            expected = torch.from_numpy(rounded.astype(np.uint16).view(np.int16)).view(torch.bfloat16)
+        else:
+            uniform = torch.from_numpy((bits >> np.uint32(8)).astype(np.int32)).float() * 2.0**-24
+            expected = fp16_stochastic(target, uniform)
+        expected = get_format(name, signed=signed).lift_flushed(target, expected)
+        stored = state[key].codes
+        assert torch.equal(stored.view(torch.int16), expected.view(torch.int16)), (name, key)
+    assert name == "bf16" or (torch.isinf(state["exp_avg"].codes[6]) and torch.isinf(state["exp_avg_sq"].codes[18]))  # past 65504
 
 
 @pytest.mark.parametrize("v_name", ["int8", "int4"])

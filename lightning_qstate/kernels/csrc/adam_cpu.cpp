@@ -456,21 +456,23 @@ void store_cast(const State& s, int64_t base, int64_t n, const float* __restrict
     return;
   }
   uint16_t* out = static_cast<uint16_t*>(s.codes) + base;
-  const bool bf16 = s.cast == Dtype::kBFloat16;
+  const bool bf16 = s.cast == Dtype::kBFloat16, zero_free = s.zero_free;  // local copies: the stores could alias s
+  const uint64_t seed = s.seed;
   if (s.stochastic) {
     int64_t i = 0;
 #ifdef QSTATE_AVX512
-    for (; bf16 && i + 16 <= n; i += 16) {  // bf16_nearest(bf16_stochastic(x)): exact but for NaN's quieting
+    for (; i + 16 <= n; i += 16) {  // bf16_nearest(bf16_stochastic(x)): exact but for NaN's quieting
       const __m512 value = _mm512_loadu_ps(x + i);
-      __m256i stored = bf16_nearest16(bf16_stochastic16(value, random16(s.seed, base + i)));
-      if (s.zero_free) stored = lift_flushed16(value, stored);
+      const __m512i random = random16(seed, base + i);
+      __m256i stored = bf16 ? bf16_nearest16(bf16_stochastic16(value, random)) : fp16_stochastic16(value, random);
+      if (zero_free) stored = lift_flushed16(value, stored);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), stored);
     }
 #endif
     for (; i < n; ++i) {
-      const uint32_t random = random_bits(s.seed, base + i);
+      const uint32_t random = random_bits(seed, base + i);
       const uint16_t stored = bf16 ? bf16_nearest(bf16_stochastic(x[i], random)) : fp16_bits(fp16_stochastic(x[i], random));
-      out[i] = (s.zero_free && x[i] > 0.0f && stored == 0) ? 1 : stored;
+      out[i] = (zero_free && x[i] > 0.0f && stored == 0) ? 1 : stored;
     }
     return;
   }
@@ -479,13 +481,13 @@ void store_cast(const State& s, int64_t base, int64_t n, const float* __restrict
   for (; i + 16 <= n; i += 16) {
     const __m512 value = _mm512_loadu_ps(x + i);
     __m256i stored = bf16 ? bf16_nearest16(value) : fp16_nearest16(value);
-    if (s.zero_free) stored = lift_flushed16(value, stored);
+    if (zero_free) stored = lift_flushed16(value, stored);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), stored);
   }
 #endif
   for (; i < n; ++i) {
     const uint16_t stored = bf16 ? bf16_nearest(x[i]) : fp16_bits(fp16_nearest(x[i]));
-    out[i] = (s.zero_free && x[i] > 0.0f && stored == 0) ? 1 : stored;
+    out[i] = (zero_free && x[i] > 0.0f && stored == 0) ? 1 : stored;
   }
 }
 
@@ -860,7 +862,8 @@ void update_param_block(const Param& w, int64_t base, int64_t size, float m_scal
                  size, m, v, m_max, v_max, m_ok, v_ok);
     return;
   }
-  for (int64_t i = 0; i < size; ++i) m[i] = w.m.cb.decode[mc[i]] * m_scale, v[i] = w.v.cb.decode[vc[i]] * v_scale;
+  decode_bytes(mc, w.m.cb.decode, w.m.cb.planes, m_scale, size, m);
+  decode_bytes(vc, w.v.cb.decode, w.v.cb.planes, v_scale, size, v);
   grid_update(w, base, size, m, v);
   block_stats(m, v, size, m_max, v_max, m_ok, v_ok);
 }

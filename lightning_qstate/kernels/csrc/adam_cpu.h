@@ -786,9 +786,28 @@ inline __m256i fp16_nearest16(__m512 x) {
   return _mm256_mask_mov_epi16(converted, nan, _mm256_or_si256(sign, _mm256_set1_epi16(0x7E00)));
 }
 
+// fp16_bits(fp16_stochastic(x)) of 16 values with their draws, the same fp32 operations lane by lane (the floor by
+// roundscale), the stepped value (one fp16 represents) converted exactly; |x| > 65504 and inf/NaN: fp16_nearest16.
+inline __m256i fp16_stochastic16(__m512 x, __m512i random) {
+  const __m512 magnitude = _mm512_abs_ps(x);
+  const __m512i exponent = _mm512_max_epi32(_mm512_sub_epi32(_mm512_srli_epi32(_mm512_castps_si512(magnitude), 23), _mm512_set1_epi32(127)),
+                                            _mm512_set1_epi32(-14));
+  const auto pow2_of = [](__m512i k) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(k, _mm512_set1_epi32(127)), 23)); };
+  const __m512 scaled = _mm512_mul_ps(magnitude, pow2_of(_mm512_sub_epi32(_mm512_set1_epi32(10), exponent)));
+  const __m512 low = _mm512_roundscale_ps(scaled, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  const __m512 uniform = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(random, 8)), _mm512_set1_ps(0x1p-24f));
+  const __mmask16 up = _mm512_cmp_ps_mask(uniform, _mm512_sub_ps(scaled, low), _CMP_LT_OQ);
+  const __m512 stepped =
+      _mm512_mul_ps(_mm512_mask_add_ps(low, up, low, _mm512_set1_ps(1.0f)), pow2_of(_mm512_sub_epi32(exponent, _mm512_set1_epi32(10))));
+  const __m512 signed_stepped = _mm512_castsi512_ps(  // x's sign on the (non-negative) stepped value
+      _mm512_or_si512(_mm512_castps_si512(stepped), _mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(INT32_MIN))));
+  const __mmask16 in_range = _mm512_cmp_ps_mask(magnitude, _mm512_set1_ps(65504.0f), _CMP_LE_OQ);
+  return _mm256_mask_mov_epi16(fp16_nearest16(x), in_range, _mm512_cvtps_ph(signed_stepped, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+
 // The AVX-512 form of adam_lane and the block's running absmaxes / non-finite flags, for 16 values.
 struct Update16 {
-  __m512 sign, l2, decay, lerp_coeff, b2, one_minus_b2, step, inv_bc2, eps, m_bound;
+  __m512 sign, l2, decay, lerp_coeff, b2, one_minus_b2, step, inv_bc2, eps, m_bound, inside_bound;  // inside_bound: the hold's test
   bool lerp_from_end, hold_m;
   __m512 m_top = _mm512_setzero_ps(), v_top = _mm512_setzero_ps();
   __mmask16 m_nonfinite = 0, v_nonfinite = 0;
@@ -804,6 +823,7 @@ struct Update16 {
         inv_bc2(_mm512_set1_ps(h.inv_bc2)),
         eps(_mm512_set1_ps(h.eps)),
         m_bound(_mm512_set1_ps(h.m_bound)),
+        inside_bound(_mm512_set1_ps(static_cast<float>(static_cast<double>(h.m_bound) * h.m_bound * (1.0 - 0x1p-20)))),
         lerp_from_end(h.lerp_from_end),
         hold_m(h.hold_m) {}
 
@@ -811,7 +831,15 @@ struct Update16 {
   inline void operator()(float* p, const float* g, __m512 mi, __m512 vi, float* m, float* v) {
     __builtin_prefetch(p + PREFETCH_AHEAD);
     __builtin_prefetch(g + PREFETCH_AHEAD);
-    if (hold_m) {  // adam_lane's hold: -limit by flipping the sign bit, as the scalar negation does (also for 0)
+    // adam_lane's hold, skipped where every lane is provably inside: m * m < v * inside_bound (bound^2 less 2^-20, far
+    // more than the products' and the limit's roundings; m * m taken as at least 2^-100, so no underflow passes)
+    // implies |m| < fl(fl(sqrt(v)) * bound); a NaN v fails the test (a NaN m is kept either way). -limit by flipping
+    // the sign bit, as the scalar negation does (also for 0).
+    const auto inside = [&] {
+      const __m512 square = _mm512_max_ps(_mm512_mul_ps(mi, mi), _mm512_set1_ps(0x1p-100f));
+      return _mm512_cmp_ps_mask(square, _mm512_mul_ps(vi, inside_bound), _CMP_LT_OQ) == 0xFFFF;
+    };
+    if (hold_m && !inside()) {
       const __m512 limit = _mm512_mul_ps(_mm512_sqrt_ps(vi), m_bound);
       const __m512 negative =
           _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(limit), _mm512_set1_epi32(static_cast<int32_t>(0x80000000u))));
