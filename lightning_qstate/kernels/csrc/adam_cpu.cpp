@@ -314,22 +314,53 @@ inline void pack_dense(const uint8_t* __restrict__ codes, int64_t count, int32_t
   }
 }
 
+#ifdef QSTATE_AVX512
+// A bf16 or fp16 cast state's values 16 at a time: read as fp32 (exact) and stored as store_cast rounds them; its
+// fields copied (a loop that stores codes would reload them through the State: the stores could alias it).
+struct Cast16 {
+  uint16_t* codes;
+  bool bf16, stochastic, zero_free;
+  uint64_t seed;
+
+  explicit Cast16(const State& s)
+      : codes(static_cast<uint16_t*>(s.codes)),
+        bf16(s.cast == Dtype::kBFloat16),
+        stochastic(s.stochastic),
+        zero_free(s.zero_free),
+        seed(s.seed) {}
+
+  // Elements [index, index + 16).
+  QSTATE_INLINE __m512 load(int64_t index) const {
+    const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + index));
+    return bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16)) : _mm512_cvtph_ps(half);
+  }
+  QSTATE_INLINE void store(int64_t index, __m512 value) const {
+    __m256i stored;
+    if (stochastic) {
+      const __m512i random = random16(seed, index);
+      stored = bf16 ? bf16_stochastic16(value, random) : fp16_stochastic16(value, random);
+    } else {
+      stored = bf16 ? bf16_nearest16(value) : fp16_nearest16(value);
+    }
+    if (zero_free) stored = lift_flushed16(value, stored);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + index), stored);
+  }
+};
+#endif
+
 // A cast state's values [base, base + n) as fp32 (exact).
 void decode_cast(const State& s, int64_t base, int64_t n, float* __restrict__ out) {
   if (s.cast == Dtype::kFloat32) {
     std::memcpy(out, static_cast<const float*>(s.codes) + base, 4 * n);
     return;
   }
-  const uint16_t* codes = static_cast<const uint16_t*>(s.codes) + base;
-  const bool bf16 = s.cast == Dtype::kBFloat16;
   int64_t i = 0;
 #ifdef QSTATE_AVX512
-  for (; i + 16 <= n; i += 16) {
-    const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + i));
-    _mm512_storeu_ps(out + i, bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16)) : _mm512_cvtph_ps(half));
-  }
+  const Cast16 cast(s);
+  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(out + i, cast.load(base + i));
 #endif
-  for (; i < n; ++i) out[i] = bf16 ? to_float(BFloat16{codes[i]}) : to_float(Float16{codes[i]});
+  const uint16_t* codes = static_cast<const uint16_t*>(s.codes) + base;
+  for (; i < n; ++i) out[i] = s.cast == Dtype::kBFloat16 ? to_float(BFloat16{codes[i]}) : to_float(Float16{codes[i]});
 }
 
 // Values [base, base + n) of state s decoded to out (base: a multiple of s's block); ``units``: in units of their
@@ -455,38 +486,17 @@ void store_cast(const State& s, int64_t base, int64_t n, const float* __restrict
     std::memcpy(static_cast<float*>(s.codes) + base, x, 4 * n);
     return;
   }
-  uint16_t* out = static_cast<uint16_t*>(s.codes) + base;
-  const bool bf16 = s.cast == Dtype::kBFloat16, zero_free = s.zero_free;  // local copies: the stores could alias s
-  const uint64_t seed = s.seed;
-  if (s.stochastic) {
-    int64_t i = 0;
-#ifdef QSTATE_AVX512
-    for (; i + 16 <= n; i += 16) {  // bf16_nearest(bf16_stochastic(x)): exact but for NaN's quieting
-      const __m512 value = _mm512_loadu_ps(x + i);
-      const __m512i random = random16(seed, base + i);
-      __m256i stored = bf16 ? bf16_nearest16(bf16_stochastic16(value, random)) : fp16_stochastic16(value, random);
-      if (zero_free) stored = lift_flushed16(value, stored);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), stored);
-    }
-#endif
-    for (; i < n; ++i) {
-      const uint32_t random = random_bits(seed, base + i);
-      const uint16_t stored = bf16 ? bf16_nearest(bf16_stochastic(x[i], random)) : fp16_bits(fp16_stochastic(x[i], random));
-      out[i] = (zero_free && x[i] > 0.0f && stored == 0) ? 1 : stored;
-    }
-    return;
-  }
   int64_t i = 0;
 #ifdef QSTATE_AVX512
-  for (; i + 16 <= n; i += 16) {
-    const __m512 value = _mm512_loadu_ps(x + i);
-    __m256i stored = bf16 ? bf16_nearest16(value) : fp16_nearest16(value);
-    if (zero_free) stored = lift_flushed16(value, stored);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), stored);
-  }
+  const Cast16 cast(s);
+  for (; i + 16 <= n; i += 16) cast.store(base + i, _mm512_loadu_ps(x + i));
 #endif
+  uint16_t* out = static_cast<uint16_t*>(s.codes) + base;
+  const bool bf16 = s.cast == Dtype::kBFloat16, zero_free = s.zero_free;
   for (; i < n; ++i) {
-    const uint16_t stored = bf16 ? bf16_nearest(x[i]) : fp16_bits(fp16_nearest(x[i]));
+    const uint32_t random = s.stochastic ? random_bits(s.seed, base + i) : 0;
+    const uint16_t stored = bf16 ? bf16_nearest(s.stochastic ? bf16_stochastic(x[i], random) : x[i])
+                                 : fp16_bits(s.stochastic ? fp16_stochastic(x[i], random) : fp16_nearest(x[i]));
     out[i] = (zero_free && x[i] > 0.0f && stored == 0) ? 1 : stored;
   }
 }
@@ -916,11 +926,37 @@ void count_stored(const State& s, int64_t base, int64_t size, const float* befor
   count_values(before, before_units, updated, scratch.stored.data(), scratch.stored_units.data(), size, counts);
 }
 
+// Values [base, base + n) of a parameter with fp32 values whose moments are both bf16/fp16 casts, each 16 decoded,
+// updated and stored in registers (as step_chunk's passes through scratch compute them); returns how many it stepped
+// (a multiple of 16; none without AVX-512).
+int64_t cast_registers(const Param& w, int64_t base, int64_t n) {
+  int64_t i = 0;
+#ifdef QSTATE_AVX512
+  const Cast16 m(w.m), v(w.v);
+  const Update16 update(w.h);
+  float* p = static_cast<float*>(w.p) + base;
+  const float* g = static_cast<const float*>(w.g) + base;
+  for (; i + 16 <= n; i += 16) {
+    __m512 mi = m.load(base + i), vi = v.load(base + i);
+    update.advance(p + i, g + i, mi, vi);
+    m.store(base + i, mi), v.store(base + i, vi);
+  }
+#endif
+  return i;
+}
+
 // The per-chunk step of any other parameter: chunk ``index`` of w (both moments' blocks whole, but the parameter's
 // last) decoded into scratch, updated (update_values, or grid_update on a weight grid), each moment encoded block by
-// block (encode_state); and its stall counts.
+// block (encode_state); and its stall counts. Two bf16/fp16 casts of fp32 values without stall counts: cast_registers,
+// scratch for the rest.
 void step_chunk(const Param& w, int64_t index, bool track, Scratch& scratch, Outcome& outcome) {
-  const int64_t base = index * w.chunk, size = std::min(w.chunk, w.numel - base);
+  int64_t base = index * w.chunk, size = std::min(w.chunk, w.numel - base);
+  const auto short_cast = [](const State& s) { return s.kind == Kind::kCast && s.cast != Dtype::kFloat32; };
+  if (!track && !w.grid.active() && short_cast(w.m) && short_cast(w.v)) {
+    const int64_t done = cast_registers(w, base, size);
+    base += done, size -= done;
+    if (size == 0) return;
+  }
   scratch.m.resize(size), scratch.v.resize(size);
   float *m = scratch.m.data(), *v = scratch.v.data();
   decode_state(w.m, base, size, false, m);

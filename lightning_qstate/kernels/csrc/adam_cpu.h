@@ -760,13 +760,16 @@ inline __m256i bf16_nearest16(__m512 x) {
   return _mm512_cvtepi32_epi16(rounded);
 }
 
-// bf16_stochastic of 16 values with their draws: the upper 16 random bits added to the pattern, the low 16 cleared;
-// inf/NaN unchanged.
-inline __m512 bf16_stochastic16(__m512 x, __m512i random) {
-  const __m512i sum = _mm512_add_epi32(_mm512_castps_si512(x), _mm512_srli_epi32(random, 16));
-  const __m512 rounded = _mm512_castsi512_ps(_mm512_and_si512(sum, _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u))));
+// bf16_nearest(bf16_stochastic(x)) of 16 values with their draws, as bf16 patterns: the upper 16 random bits added to
+// the fp32 pattern of a finite value, the upper half kept (the low half cleared: nearest is then exact); inf/NaN as
+// bf16_nearest16 has them.
+inline __m256i bf16_stochastic16(__m512 x, __m512i random) {
+  const __m512i bits = _mm512_castps_si512(x);
   const __mmask16 finite = _mm512_cmp_ps_mask(_mm512_abs_ps(x), _mm512_set1_ps(INFINITY), _CMP_LT_OQ);
-  return _mm512_mask_blend_ps(finite, x, rounded);
+  const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+  __m512i upper = _mm512_srli_epi32(_mm512_mask_add_epi32(bits, finite, bits, _mm512_srli_epi32(random, 16)), 16);
+  upper = _mm512_mask_or_epi32(upper, nan, upper, _mm512_set1_epi32(0x40));
+  return _mm512_cvtepi32_epi16(upper);
 }
 
 // A zero-free cast's 16 stored patterns: a positive value stored as 0 becomes pattern 1, the smallest subnormal
@@ -827,8 +830,8 @@ struct Update16 {
         lerp_from_end(h.lerp_from_end),
         hold_m(h.hold_m) {}
 
-  // p[0:16] updated in place; the new moments (from decoded mi, vi) to m[0:16], v[0:16].
-  inline void operator()(float* p, const float* g, __m512 mi, __m512 vi, float* m, float* v) {
+  // p[0:16] updated in place, the decoded moments mi, vi updated in their registers.
+  QSTATE_INLINE void advance(float* p, const float* g, __m512& mi, __m512& vi) const {
     __builtin_prefetch(p + PREFETCH_AHEAD);
     __builtin_prefetch(g + PREFETCH_AHEAD);
     // adam_lane's hold, skipped where every lane is provably inside: m * m < v * inside_bound (bound^2 less 2^-20, far
@@ -854,6 +857,11 @@ struct Update16 {
     const __m512 estimate = _mm512_rcp14_ps(denom);  // one Newton step: about an ulp
     const __m512 reciprocal = _mm512_fmadd_ps(estimate, _mm512_fnmadd_ps(denom, estimate, _mm512_set1_ps(1.0f)), estimate);
     _mm512_storeu_ps(p, _mm512_sub_ps(_mm512_mul_ps(pi, decay), _mm512_mul_ps(_mm512_mul_ps(step, mi), reciprocal)));
+  }
+
+  // p[0:16] updated in place; the new moments (from decoded mi, vi) to m[0:16], v[0:16], and their absmaxes and flags.
+  inline void operator()(float* p, const float* g, __m512 mi, __m512 vi, float* m, float* v) {
+    advance(p, g, mi, vi);
     _mm512_storeu_ps(m, mi);
     _mm512_storeu_ps(v, vi);
     m_top = _mm512_max_ps(_mm512_abs_ps(mi), m_top);  // a NaN lane keeps the running max, as the scalar compare does
