@@ -732,14 +732,15 @@ inline void pack16(__m128i codes, uint8_t* out) {
 }
 
 // random_bits(seed, index + k) of k = 0..15, bit for bit: for an even index, splitmix64's outputs index / 2 + 1 to
-// index / 2 + 8 in 64-bit lanes (AVX512DQ's 64-bit multiply), their halves swapped (lane 2k: the upper half of output
-// k); else lane by lane.
+// index / 2 + 8 in 64-bit lanes (their states by one scalar multiply and a vector add; AVX512DQ's 64-bit multiply
+// for the mixing), their halves swapped (lane 2k: the upper half of output k); else lane by lane.
 QSTATE_INLINE __m512i random16(uint64_t seed, int64_t index) {
 #if defined(__AVX512DQ__)
   if (index % 2 == 0) {
-    const __m512i n = _mm512_add_epi64(_mm512_set1_epi64(index / 2 + 1), _mm512_set_epi64(7, 6, 5, 4, 3, 2, 1, 0));
-    __m512i z = _mm512_add_epi64(_mm512_set1_epi64(static_cast<int64_t>(seed)),
-                                 _mm512_mullo_epi64(n, _mm512_set1_epi64(static_cast<int64_t>(0x9E3779B97F4A7C15ull))));
+    constexpr uint64_t gamma = 0x9E3779B97F4A7C15ull;  // output n's state: seed + n * gamma
+    alignas(64) static constexpr uint64_t lane_steps[8] = {0, gamma, 2 * gamma, 3 * gamma, 4 * gamma, 5 * gamma, 6 * gamma, 7 * gamma};
+    const uint64_t first = seed + (static_cast<uint64_t>(index) / 2 + 1) * gamma;  // lane 0's; lane k's k * gamma on
+    __m512i z = _mm512_add_epi64(_mm512_set1_epi64(static_cast<int64_t>(first)), _mm512_load_si512(lane_steps));
     z = _mm512_mullo_epi64(_mm512_xor_si512(z, _mm512_srli_epi64(z, 30)), _mm512_set1_epi64(static_cast<int64_t>(0xBF58476D1CE4E5B9ull)));
     z = _mm512_mullo_epi64(_mm512_xor_si512(z, _mm512_srli_epi64(z, 27)), _mm512_set1_epi64(static_cast<int64_t>(0x94D049BB133111EBull)));
     return _mm512_ror_epi64(_mm512_xor_si512(z, _mm512_srli_epi64(z, 31)), 32);
@@ -805,7 +806,8 @@ inline __m256i fp16_stochastic16(__m512 x, __m512i random) {
   const __m512 signed_stepped = _mm512_castsi512_ps(  // x's sign on the (non-negative) stepped value
       _mm512_or_si512(_mm512_castps_si512(stepped), _mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(INT32_MIN))));
   const __mmask16 in_range = _mm512_cmp_ps_mask(magnitude, _mm512_set1_ps(65504.0f), _CMP_LE_OQ);
-  return _mm256_mask_mov_epi16(fp16_nearest16(x), in_range, _mm512_cvtps_ph(signed_stepped, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  const __m256i stored = _mm512_cvtps_ph(signed_stepped, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  return in_range == 0xFFFF ? stored : _mm256_mask_mov_epi16(fp16_nearest16(x), in_range, stored);
 }
 
 // The AVX-512 form of adam_lane and the block's running absmaxes / non-finite flags, for 16 values.
