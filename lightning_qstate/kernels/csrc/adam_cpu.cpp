@@ -62,13 +62,22 @@ void update_block(float* __restrict__ p, const float* __restrict__ g, const uint
 // Adam on values [0, n) of a block of a parameter on a weight grid, param and gradient of type T (read as fp32), moments
 // decoded in m, v (updated in place), as adam_reference.adam_step_quantized: adam_lane_exact's new value rounded to the
 // grid with Rounding (element ``first + i`` of the parameter: its SR draw) and stored in T (round to nearest, as torch's
-// copy_), and with Eco m = fma(eco * denom, updated - rounded, m) (the product rounded first, as eco_feedback). No
-// branches: the compiler vectorizes the loop (-fno-math-errno: sqrt without its errno check) for the CPU it is built
-// for (AVX2 included); with AVX-512 too, rather than an intrinsics body as update_block's (fp32 without a grid only).
+// copy_), and with Eco m = fma(eco * denom, updated - rounded, m) (the product rounded first, as eco_feedback). With
+// AVX-512, 16 at a time by Update16::advance_on_grid; the scalar loop has no branches, so the compiler vectorizes it
+// (-fno-math-errno: sqrt without its errno check) for the CPU it is built for (AVX2 included).
 template <typename T, typename Rounding, bool Eco>
 QSTATE_FLATTEN void grid_lanes(T* __restrict__ p, const T* __restrict__ g, int64_t first, const Hyper h, uint64_t seed, int64_t n,
                                float* __restrict__ m, float* __restrict__ v) {
-  for (int64_t i = 0; i < n; ++i) {
+  int64_t i = 0;
+#ifdef QSTATE_AVX512
+  const Update16 update(h);
+  for (; i + 16 <= n; i += 16) {
+    __m512 mi = _mm512_loadu_ps(m + i), vi = _mm512_loadu_ps(v + i);
+    update.advance_on_grid<T, Rounding, Eco>(p + i, g + i, seed, first + i, mi, vi);
+    _mm512_storeu_ps(m + i, mi), _mm512_storeu_ps(v + i, vi);
+  }
+#endif
+  for (; i < n; ++i) {
     float mi = m[i], vi = v[i], denom;
     const float updated = adam_lane_exact(to_float(p[i]), to_float(g[i]), mi, vi, h, denom);
     const float rounded = Rounding::round(updated, seed, first + i);
@@ -863,7 +872,8 @@ void grid_update(const Param& w, int64_t base, int64_t size, float* m, float* v)
 }
 
 // Values [base, base + size) of parameter w (fast: 8-bit codebooks, one block) updated in place, the new moments to
-// m / v (update_block; on a weight grid: both moments decoded, grid_update, block_stats).
+// m / v (update_block; on a weight grid with VBMI: 64 decoded at a time, Update16::advance_on_grid and its absmaxes in
+// registers; the rest, or without VBMI: both moments decoded, grid_update, block_stats).
 void update_param_block(const Param& w, int64_t base, int64_t size, float m_scale, float v_scale, float* m, float* v, float& m_max,
                         float& v_max, bool& m_ok, bool& v_ok) {
   const uint8_t *mc = static_cast<const uint8_t*>(w.m.codes) + base, *vc = static_cast<const uint8_t*>(w.v.codes) + base;
@@ -872,10 +882,35 @@ void update_param_block(const Param& w, int64_t base, int64_t size, float m_scal
                  size, m, v, m_max, v_max, m_ok, v_ok);
     return;
   }
-  decode_bytes(mc, w.m.cb.decode, w.m.cb.planes, m_scale, size, m);
-  decode_bytes(vc, w.v.cb.decode, w.v.cb.planes, v_scale, size, v);
-  grid_update(w, base, size, m, v);
-  block_stats(m, v, size, m_max, v_max, m_ok, v_ok);
+  int64_t done = 0;
+  m_max = 0.0f, v_max = 0.0f, m_ok = true, v_ok = true;
+#ifdef QSTATE_VBMI
+  with_grid_values(w.dtype, w.grid, w.p, w.g, base,
+                   [&]<typename T, typename Rounding, bool Eco>(T* p, const T* g, Rounding, std::bool_constant<Eco>) {
+                     Update16 update(w.h);
+                     for (; done + 64 <= size; done += 64) {
+                       __m512 mi[4], vi[4];
+                       decode64(mc + done, w.m.cb.planes, m_scale, mi);
+                       decode64(vc + done, w.v.cb.planes, v_scale, vi);
+                       for (int r = 0; r < 4; ++r) {
+                         const int64_t at = done + 16 * r;
+                         update.advance_on_grid<T, Rounding, Eco>(p + at, g + at, w.grid.seed, base + at, mi[r], vi[r]);
+                         update.record(mi[r], vi[r], m + at, v + at);
+                       }
+                     }
+                     m_max = _mm512_reduce_max_ps(update.m_top), v_max = _mm512_reduce_max_ps(update.v_top);
+                     m_ok = update.m_nonfinite == 0, v_ok = update.v_nonfinite == 0;
+                   });
+#endif
+  if (done == size) return;
+  const int64_t rest = size - done;
+  decode_bytes(mc + done, w.m.cb.decode, w.m.cb.planes, m_scale, rest, m + done);
+  decode_bytes(vc + done, w.v.cb.decode, w.v.cb.planes, v_scale, rest, v + done);
+  grid_update(w, base + done, rest, m + done, v + done);
+  float m_rest, v_rest;
+  bool m_rest_ok, v_rest_ok;
+  block_stats(m + done, v + done, rest, m_rest, v_rest, m_rest_ok, v_rest_ok);
+  m_max = std::max(m_max, m_rest), v_max = std::max(v_max, v_rest), m_ok = m_ok && m_rest_ok, v_ok = v_ok && v_rest_ok;
 }
 
 // The per-block step of a fast parameter: block ``index`` of w decoded, updated and encoded in place (and its stall

@@ -810,10 +810,35 @@ inline __m256i fp16_stochastic16(__m512 x, __m512i random) {
   return in_range == 0xFFFF ? stored : _mm256_mask_mov_epi16(fp16_nearest16(x), in_range, stored);
 }
 
+// 16 parameter values or gradients of element type T as fp32 (exact), and 16 fp32 values on T's grid stored in T
+// (from_float: exact for them, NaN as it writes it).
+QSTATE_INLINE __m512 load16(const float* x) { return _mm512_loadu_ps(x); }
+QSTATE_INLINE __m512 load16(const BFloat16* x) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))), 16));
+}
+QSTATE_INLINE __m512 load16(const Float16* x) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))); }
+QSTATE_INLINE void store16(float* x, __m512 value) { _mm512_storeu_ps(x, value); }
+QSTATE_INLINE void store16(BFloat16* x, __m512 value) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(x), bf16_nearest16(value)); }
+QSTATE_INLINE void store16(Float16* x, __m512 value) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(x), fp16_nearest16(value)); }
+
+// Rounding::round of 16 values (elements index .. index + 15 of their parameter: their SR draws), as fp32 (a NaN
+// stays a NaN, maybe quieted).
+inline __m512 bf16_value16(__m256i patterns) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(patterns), 16)); }
+QSTATE_INLINE __m512 round16(KeepFp32, __m512 x, uint64_t, int64_t) { return x; }
+QSTATE_INLINE __m512 round16(Bf16Nearest, __m512 x, uint64_t, int64_t) { return bf16_value16(bf16_nearest16(x)); }
+QSTATE_INLINE __m512 round16(Bf16Stochastic, __m512 x, uint64_t seed, int64_t index) {
+  return bf16_value16(bf16_stochastic16(x, random16(seed, index)));
+}
+QSTATE_INLINE __m512 round16(Fp16Nearest, __m512 x, uint64_t, int64_t) { return _mm512_cvtph_ps(fp16_nearest16(x)); }
+QSTATE_INLINE __m512 round16(Fp16Stochastic, __m512 x, uint64_t seed, int64_t index) {
+  return _mm512_cvtph_ps(fp16_stochastic16(x, random16(seed, index)));
+}
+
 // The AVX-512 form of adam_lane and the block's running absmaxes / non-finite flags, for 16 values.
 struct Update16 {
-  __m512 sign, l2, decay, lerp_coeff, b2, one_minus_b2, step, inv_bc2, eps, m_bound, inside_bound;  // inside_bound: the hold's test
-  bool lerp_from_end, hold_m;
+  __m512 sign, l2, decay, lerp_coeff, b2, one_minus_b2, step, inv_bc2, eps, m_bound, inside_bound, bc2,
+      eco;  // inside_bound: the hold's test
+  bool lerp_from_end, hold_m, decoupled;
   __m512 m_top = _mm512_setzero_ps(), v_top = _mm512_setzero_ps();
   __mmask16 m_nonfinite = 0, v_nonfinite = 0;
 
@@ -829,28 +854,32 @@ struct Update16 {
         eps(_mm512_set1_ps(h.eps)),
         m_bound(_mm512_set1_ps(h.m_bound)),
         inside_bound(_mm512_set1_ps(static_cast<float>(static_cast<double>(h.m_bound) * h.m_bound * (1.0 - 0x1p-20)))),
+        bc2(_mm512_set1_ps(h.bc2)),
+        eco(_mm512_set1_ps(h.eco)),
         lerp_from_end(h.lerp_from_end),
-        hold_m(h.hold_m) {}
+        hold_m(h.hold_m),
+        decoupled(h.decoupled) {}
+
+  // adam_lane's hold of the decoded mi, skipped where every lane is provably inside: m * m < v * inside_bound (bound^2
+  // less 2^-20, far more than the products' and the limit's roundings; m * m taken as at least 2^-100, so no underflow
+  // passes) implies |m| < fl(fl(sqrt(v)) * bound); a NaN v fails the test (a NaN m is kept either way). -limit by
+  // flipping the sign bit, as the scalar negation does (also for 0).
+  QSTATE_INLINE void hold(__m512& mi, __m512 vi) const {
+    if (!hold_m) return;
+    const __m512 square = _mm512_max_ps(_mm512_mul_ps(mi, mi), _mm512_set1_ps(0x1p-100f));
+    if (_mm512_cmp_ps_mask(square, _mm512_mul_ps(vi, inside_bound), _CMP_LT_OQ) == 0xFFFF) return;
+    const __m512 limit = _mm512_mul_ps(_mm512_sqrt_ps(vi), m_bound);
+    const __m512 negative =
+        _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(limit), _mm512_set1_epi32(static_cast<int32_t>(0x80000000u))));
+    mi = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(mi, limit, _CMP_GT_OQ), mi, limit);
+    mi = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(mi, negative, _CMP_LT_OQ), mi, negative);
+  }
 
   // p[0:16] updated in place, the decoded moments mi, vi updated in their registers.
   QSTATE_INLINE void advance(float* p, const float* g, __m512& mi, __m512& vi) const {
     __builtin_prefetch(p + PREFETCH_AHEAD);
     __builtin_prefetch(g + PREFETCH_AHEAD);
-    // adam_lane's hold, skipped where every lane is provably inside: m * m < v * inside_bound (bound^2 less 2^-20, far
-    // more than the products' and the limit's roundings; m * m taken as at least 2^-100, so no underflow passes)
-    // implies |m| < fl(fl(sqrt(v)) * bound); a NaN v fails the test (a NaN m is kept either way). -limit by flipping
-    // the sign bit, as the scalar negation does (also for 0).
-    const auto inside = [&] {
-      const __m512 square = _mm512_max_ps(_mm512_mul_ps(mi, mi), _mm512_set1_ps(0x1p-100f));
-      return _mm512_cmp_ps_mask(square, _mm512_mul_ps(vi, inside_bound), _CMP_LT_OQ) == 0xFFFF;
-    };
-    if (hold_m && !inside()) {
-      const __m512 limit = _mm512_mul_ps(_mm512_sqrt_ps(vi), m_bound);
-      const __m512 negative =
-          _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(limit), _mm512_set1_epi32(static_cast<int32_t>(0x80000000u))));
-      mi = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(mi, limit, _CMP_GT_OQ), mi, limit);
-      mi = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(mi, negative, _CMP_LT_OQ), mi, negative);
-    }
+    hold(mi, vi);
     const __m512 pi = _mm512_loadu_ps(p);
     const __m512 gi = _mm512_fmadd_ps(pi, l2, _mm512_mul_ps(sign, _mm512_loadu_ps(g)));
     mi = _mm512_fmadd_ps(lerp_coeff, _mm512_sub_ps(gi, mi), lerp_from_end ? gi : mi);
@@ -864,12 +893,35 @@ struct Update16 {
   // p[0:16] updated in place; the new moments (from decoded mi, vi) to m[0:16], v[0:16], and their absmaxes and flags.
   inline void operator()(float* p, const float* g, __m512 mi, __m512 vi, float* m, float* v) {
     advance(p, g, mi, vi);
+    record(mi, vi, m, v);
+  }
+
+  // The new moments mi, vi to m[0:16], v[0:16], and their running absmaxes and non-finite flags.
+  QSTATE_INLINE void record(__m512 mi, __m512 vi, float* m, float* v) {
     _mm512_storeu_ps(m, mi);
     _mm512_storeu_ps(v, vi);
     m_top = _mm512_max_ps(_mm512_abs_ps(mi), m_top);  // a NaN lane keeps the running max, as the scalar compare does
     v_top = _mm512_max_ps(_mm512_abs_ps(vi), v_top);
     m_nonfinite |= _mm512_cmp_ps_mask(_mm512_sub_ps(mi, mi), _mm512_setzero_ps(), _CMP_UNORD_Q);
     v_nonfinite |= _mm512_cmp_ps_mask(_mm512_sub_ps(vi, vi), _mm512_setzero_ps(), _CMP_UNORD_Q);
+  }
+
+  // adam_lane_exact of 16 values of a parameter on a weight grid (element type T, from element ``index``: the SR
+  // draws of ``seed``), operation for operation (true divisions), the new value rounded to the grid (round16) and
+  // stored; ECO's feedback into mi where Eco; the decoded moments mi, vi updated in their registers.
+  template <typename T, typename Rounding, bool Eco>
+  QSTATE_INLINE void advance_on_grid(T* p, const T* g, uint64_t seed, int64_t index, __m512& mi, __m512& vi) const {
+    hold(mi, vi);
+    const __m512 pi = load16(p), signed_g = _mm512_mul_ps(sign, load16(g));
+    const __m512 gi = decoupled ? signed_g : _mm512_fmadd_ps(pi, l2, signed_g);
+    const __m512 decayed = decoupled ? _mm512_mul_ps(pi, decay) : pi;
+    mi = _mm512_fmadd_ps(lerp_coeff, _mm512_sub_ps(gi, mi), lerp_from_end ? gi : mi);
+    vi = _mm512_fmadd_ps(_mm512_mul_ps(one_minus_b2, gi), gi, _mm512_mul_ps(vi, b2));
+    const __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(vi), bc2), eps);
+    const __m512 updated = _mm512_sub_ps(decayed, _mm512_div_ps(_mm512_mul_ps(step, mi), denom));
+    const __m512 rounded = round16(Rounding{}, updated, seed, index);
+    if constexpr (Eco) mi = _mm512_fmadd_ps(_mm512_mul_ps(eco, denom), _mm512_sub_ps(updated, rounded), mi);
+    store16(p, rounded);
   }
 };
 #endif
