@@ -194,7 +194,7 @@ def _qadamw(fmt: str, rounding: str) -> Callable[[list[torch.nn.Parameter], Opti
     return build
 
 
-OUR_FORMATS = ("int8", "int4", "int6", "fp8_e4m3", "bf16")
+OUR_FORMATS = ("int8", "int4", "int6", "fp8_e4m3", "bf16", "fp16")
 ROUNDINGS = {"rn": "nearest", "sr": "stochastic"}
 
 

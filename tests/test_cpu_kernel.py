@@ -601,6 +601,44 @@ def test_optimizer_takes_the_native_path_with_eco():
 
 @needs_kernel
 @pytest.mark.parametrize(
+    ("weights", "dtype", "feedback"),
+    [("bf16", torch.bfloat16, "eco"), ("fp16", torch.float16, None), ("fp16", torch.float16, "eco"), ("fp32", torch.float32, "eco")],
+)
+def test_fp32_state_parameters_on_a_weight_grid_join_the_native_call(weights, dtype, feedback, monkeypatch):
+    """Parameters ``min_quant_size`` keeps in fp32 states, kept on a weight grid (``weights=``, ECO's feedback), join
+    their group's native call (as coded ones with fp32 cast moments, unheld) instead of the reference path, and step
+    as it does bit for bit (round to nearest): torch's Adam on their fp32 moments, the new values rounded to the grid,
+    ECO's correction in ``m`` (the reference's ``sqrt`` made correctly rounded, as ``adam_math``'s)."""
+    from test_adam_reference import correctly_rounded_torch_sqrt, torch_rounds_once
+
+    if not torch_rounds_once():
+        pytest.skip("torch's CPU kernels round a * b + c twice here: the reference path is not adam_math")
+    results = []
+    for native_path in (True, False):
+        generator = torch.Generator().manual_seed(0)
+        params = [torch.nn.Parameter(grid_param(numel, dtype, seed)) for seed, numel in enumerate((5000, 1000, 77, 16, 3))]
+        options = {"weights": weights, "weight_rounding": "nearest", "error_feedback": feedback, "min_quant_size": 4096}
+        optimizer = lq.QAdamW(params, lr=1e-2, weight_decay=0.1, **options)
+        optimizer.cpu_compile = native_path
+        with monkeypatch.context() as patch:
+            if not native_path:
+                correctly_rounded_torch_sqrt(patch)
+            for _ in range(3):
+                for param in params:
+                    param.grad = torch.randn(param.shape, generator=generator).to(dtype)
+                optimizer.step()
+        paths = set(optimizer.step_paths().values())
+        assert paths == ({"native"} if native_path else {"reference"})
+        states = [optimizer.state[param] for param in params[1:]]
+        assert all(type(state["exp_avg"]) is torch.Tensor and float(state["step"]) == 3 for state in states)
+        pairs = zip(params[1:], states, strict=True)
+        results.append([t.detach().clone() for param, state in pairs for t in (param, state["exp_avg"], state["exp_avg_sq"])])
+    for native_result, reference_result in zip(*results, strict=True):
+        assert torch.equal(native_result.view(torch.uint8), reference_result.view(torch.uint8))
+
+
+@needs_kernel
+@pytest.mark.parametrize(
     ("options", "dtype", "expected"),
     [
         ({"weights": "bf16", "error_feedback": "eco"}, torch.bfloat16, "native"),

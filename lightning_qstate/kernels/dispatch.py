@@ -88,10 +88,6 @@ def compile_allowed(c: Candidate) -> bool:
     return c.compile_cpu
 
 
-def fp32_grad(c: Candidate) -> bool:
-    return c.grad.dtype == torch.float32
-
-
 def plain_adam_options(c: Candidate) -> bool:
     """A contiguous parameter, fp32 (any float dtype with a weight grid: the math runs in fp32), and no amsgrad,
     capturable, differentiable or fused."""
@@ -248,10 +244,10 @@ MOMENTUM_PATHS: tuple[tuple[StepPath, tuple[Requirement, ...]], ...] = (
 )
 # The generic wrapper: torch's functional update, one parameter at a time.
 PER_PARAMETER_PATHS: tuple[tuple[StepPath, tuple[Requirement, ...]], ...] = ((StepPath.REFERENCE, ()),)
-# fp32-state parameters that join a group's native call (as a rule, the small ones ``min_quant_size`` keeps fp32). Left
-# out: any with a weight grid (``weights=`` or ``error_feedback=``): the kernel's fp32-state loop has neither grid
-# rounding nor ECO (only coded parameters do), so these take the reference path; and non-fp32 params or gradients.
-NATIVE_JOIN: tuple[Requirement, ...] = (on_cpu, fp32_grad, no_weight_grid, plain_adam_options, fp32_moments, native_built)
+# fp32-state parameters that join a group's native call (as a rule, the small ones ``min_quant_size`` keeps fp32),
+# those on a weight grid too (``weights=``, ECO's feedback: they step as coded ones with fp32 cast moments), where the
+# fused steps handle the grid and the kernel reads the values (``native_values``).
+NATIVE_JOIN: tuple[Requirement, ...] = (on_cpu, native_values, fused_weight_update, plain_adam_options, fp32_moments, native_built)
 
 
 def choose_path(table: tuple[tuple[StepPath, tuple[Requirement, ...]], ...], candidate: Candidate) -> StepPath:
@@ -264,11 +260,13 @@ def choose_path(table: tuple[tuple[StepPath, tuple[Requirement, ...]], ...], can
 
 def plan_group(table: tuple[tuple[StepPath, tuple[Requirement, ...]], ...], candidates: list[Candidate]) -> list[StepPath]:
     """The path of each candidate of one param group (``choose_path``), with ``NATIVE_JOIN``: where some take the
-    native path, the ``multi_tensor`` ones that meet ``NATIVE_JOIN`` join their call."""
+    native path, the ``multi_tensor`` ones (and the ``reference`` ones on a weight grid) that meet ``NATIVE_JOIN``
+    join their call."""
     paths = [choose_path(table, candidate) for candidate in candidates]
+    joining = (StepPath.MULTI_TENSOR, StepPath.REFERENCE)
     if StepPath.NATIVE in paths:
         paths = [
-            StepPath.NATIVE if path is StepPath.MULTI_TENSOR and all(requirement(c) for requirement in NATIVE_JOIN) else path
+            StepPath.NATIVE if path in joining and all(requirement(c) for requirement in NATIVE_JOIN) else path
             for path, c in zip(paths, candidates, strict=True)
         ]
     return paths

@@ -155,6 +155,7 @@ def _function(name: str):
 CODEBOOK, MINIFLOAT, CAST = 0, 1, 2
 _NO_ENTRIES = torch.zeros(1, dtype=torch.int32)
 _NO_SCALES = torch.zeros(0)  # a cast state's scales
+_FP32 = CastFormat("fp32", torch.float32)  # the cast an fp32-state parameter on a weight grid joins the coded ones as
 _NO_LEVELS = torch.zeros(256)  # a minifloat's or cast's search levels
 _NO_SEGMENTS = torch.zeros(0, dtype=torch.int32)  # no segment table (NearestCodeIndex.segments)
 
@@ -232,24 +233,27 @@ def native_adam_steps(
     are left untouched (their ``step`` too). Returns per parameter, in order,
     ``[grad_finite, moments_finite, stalled_m, moved_m, stalled_v, moved_v]`` (stalls 0 unless tracked or fp32).
 
-    ``weights``: per parameter its weight grid (a cast format's; only coded parameters may have one) or ``None``,
-    rounded to with ``group["weight_rounding"]`` and with ECO's feedback where ``group["error_feedback"]`` is
-    ``"eco"`` (module docstring); ``seeds``: per parameter the seed of its stochastic rounding (used only there).
+    ``weights``: per parameter its weight grid (a cast format's) or ``None``, rounded to with
+    ``group["weight_rounding"]`` and with ECO's feedback where ``group["error_feedback"]`` is ``"eco"`` (module
+    docstring); an fp32-state parameter on a grid steps as a coded one with fp32 cast moments (in place, the same
+    update as the reference path's: ``adam_reference.adam_math``, no hold of ``m``, which fp32 moments do not need);
+    ``seeds``: per parameter the seed of its stochastic rounding (used only there).
     ``moment_seeds``: per parameter the seeds of ``m`` and ``v`` where ``group["rounding"]`` is ``"stochastic"``
     (element ``i`` of a moment rounds with splitmix64 draw ``i`` of its seed).
     """
     weights = weights or [None] * len(states)
     seeds = seeds or [0] * len(states)
     moment_seeds = moment_seeds or [(0, 0)] * len(states)
-    coded = [k for k, state in enumerate(states) if isinstance(state["exp_avg"], QuantizedTensor)]
-    plain = [k for k, state in enumerate(states) if not isinstance(state["exp_avg"], QuantizedTensor)]
-    if any(weights[k] is not None for k in plain):
-        raise ValueError("the C++ kernel keeps only parameters with coded moments on a weight grid")
+    quantized = [isinstance(state["exp_avg"], QuantizedTensor) for state in states]
+    coded = [k for k in range(len(states)) if quantized[k] or weights[k] is not None]
+    plain = [k for k in range(len(states)) if k not in coded]
     order = coded + plain  # the kernel's parameter order
     beta1, beta2 = group["betas"]
     eco = group.get("error_feedback") == "eco"
     eco_coefficients = [eco_coefficient(group, float(states[k]["step"]) + 1) if eco and weights[k] is not None else 0.0 for k in coded]
-    moments = [(states[k]["exp_avg"], states[k]["exp_avg_sq"]) for k in coded]
+    names = ("exp_avg", "exp_avg_sq")
+    moments = [tuple(states[k][name] if quantized[k] else _fp32_cast(states[k][name]) for name in names) for k in coded]
+    bounds = [moment_bound(float(beta1), float(beta2), float(states[k]["step"])) if quantized[k] else float("inf") for k in coded]
     tables, ints, floats = _state_rows([q for pair in moments for q in pair], group["rounding"] == "stochastic")
     rows = _function("adam_steps_u8")(
         params=[params[k] for k in coded],
@@ -261,7 +265,7 @@ def native_adam_steps(
         tables=tables,
         ints=torch.tensor(ints, dtype=torch.int64).view(-1, 2, 13),
         floats=torch.tensor(floats, dtype=torch.float32).view(-1, 2),
-        bounds=torch.tensor([moment_bound(float(beta1), float(beta2), float(states[k]["step"])) for k in coded], dtype=torch.float32),
+        bounds=torch.tensor(bounds, dtype=torch.float32),
         grids=_grid_rows([weights[k] for k in coded], group),
         seeds=torch.tensor([[seeds[k], *moment_seeds[k]] for k in coded], dtype=torch.int64).view(-1, 3),
         eco=torch.tensor(eco_coefficients, dtype=torch.float32),
@@ -280,8 +284,13 @@ def native_adam_steps(
         raise FloatingPointError("an Adam moment overflowed to inf/NaN during the step; its packed codes were not trusted")
     by_param = [None] * len(states)
     for k, row in zip(order, rows, strict=False):
-        by_param[k] = row
+        by_param[k] = row if quantized[k] else row[:2] + [0, 0, 0, 0]
     return by_param
+
+
+def _fp32_cast(moment: torch.Tensor) -> QuantizedTensor:
+    """An fp32 moment as a cast state whose codes are its own values (the kernel updates them in place)."""
+    return QuantizedTensor(_FP32, moment.view(-1), None, moment.shape, torch.float32)
 
 
 def native_round_to_grid(values: torch.Tensor, dtype: torch.dtype, rounding: str, seed: int = 0) -> torch.Tensor:
