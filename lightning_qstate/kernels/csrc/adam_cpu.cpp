@@ -871,17 +871,12 @@ void grid_update(const Param& w, int64_t base, int64_t size, float* m, float* v)
                    });
 }
 
-// Values [base, base + size) of parameter w (fast: 8-bit codebooks, one block) updated in place, the new moments to
-// m / v (update_block; on a weight grid with VBMI: 64 decoded at a time, Update16::advance_on_grid and its absmaxes in
-// registers; the rest, or without VBMI: both moments decoded, grid_update, block_stats).
-void update_param_block(const Param& w, int64_t base, int64_t size, float m_scale, float v_scale, float* m, float* v, float& m_max,
-                        float& v_max, bool& m_ok, bool& v_ok) {
-  const uint8_t *mc = static_cast<const uint8_t*>(w.m.codes) + base, *vc = static_cast<const uint8_t*>(w.v.codes) + base;
-  if (!w.grid.active()) {  // fp32 values
-    update_block(static_cast<float*>(w.p) + base, static_cast<const float*>(w.g) + base, mc, m_scale, vc, v_scale, w.m.cb, w.v.cb, w.h,
-                 size, m, v, m_max, v_max, m_ok, v_ok);
-    return;
-  }
+// update_param_block of a parameter on a weight grid: with VBMI 64 values decoded at a time, Update16::advance_on_grid
+// and the absmaxes in registers; the rest, or without VBMI: both moments decoded, grid_update, block_stats. Never
+// inlined: its loops (one per element type, rounding and feedback) inlined into update_param_block made the step of
+// fp32 parameters 11 % slower (one thread, int8).
+QSTATE_NOINLINE void update_grid_block(const Param& w, const uint8_t* mc, const uint8_t* vc, int64_t base, int64_t size, float m_scale,
+                                       float v_scale, float* m, float* v, float& m_max, float& v_max, bool& m_ok, bool& v_ok) {
   int64_t done = 0;
   m_max = 0.0f, v_max = 0.0f, m_ok = true, v_ok = true;
 #ifdef QSTATE_VBMI
@@ -911,6 +906,18 @@ void update_param_block(const Param& w, int64_t base, int64_t size, float m_scal
   bool m_rest_ok, v_rest_ok;
   block_stats(m + done, v + done, rest, m_rest, v_rest, m_rest_ok, v_rest_ok);
   m_max = std::max(m_max, m_rest), v_max = std::max(v_max, v_rest), m_ok = m_ok && m_rest_ok, v_ok = v_ok && v_rest_ok;
+}
+
+// Values [base, base + size) of parameter w (fast: 8-bit codebooks, one block) updated in place, the new moments to
+// m / v, their absmaxes and flags: update_block, or update_grid_block on a weight grid.
+void update_param_block(const Param& w, int64_t base, int64_t size, float m_scale, float v_scale, float* m, float* v, float& m_max,
+                        float& v_max, bool& m_ok, bool& v_ok) {
+  const uint8_t *mc = static_cast<const uint8_t*>(w.m.codes) + base, *vc = static_cast<const uint8_t*>(w.v.codes) + base;
+  if (w.grid.active())
+    update_grid_block(w, mc, vc, base, size, m_scale, v_scale, m, v, m_max, v_max, m_ok, v_ok);
+  else  // fp32 values
+    update_block(static_cast<float*>(w.p) + base, static_cast<const float*>(w.g) + base, mc, m_scale, vc, v_scale, w.m.cb, w.v.cb, w.h,
+                 size, m, v, m_max, v_max, m_ok, v_ok);
 }
 
 // The per-block step of a fast parameter: block ``index`` of w decoded, updated and encoded in place (and its stall

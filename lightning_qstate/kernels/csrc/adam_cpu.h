@@ -21,13 +21,16 @@
 
 // Every call inside the function inlined (where the compiler would call some): a call in a loop keeps it from
 // vectorizing (adam_cpu.cpp: grid_lanes). QSTATE_INLINE: this function inlined wherever it is called (a vector
-// helper called per 16 values: a call would pass its registers through memory).
+// helper called per 16 values: a call would pass its registers through memory). QSTATE_NOINLINE: never inlined (a
+// rarely taken branch's loops that would crowd its caller's).
 #if defined(__GNUC__)
 #define QSTATE_FLATTEN __attribute__((flatten))
 #define QSTATE_INLINE inline __attribute__((always_inline))
+#define QSTATE_NOINLINE __attribute__((noinline))
 #else
 #define QSTATE_FLATTEN
 #define QSTATE_INLINE inline
+#define QSTATE_NOINLINE
 #endif
 
 namespace lightning_qstate {
