@@ -601,14 +601,21 @@ def test_optimizer_takes_the_native_path_with_eco():
 
 @needs_kernel
 @pytest.mark.parametrize(
-    ("weights", "dtype", "feedback"),
-    [("bf16", torch.bfloat16, "eco"), ("fp16", torch.float16, None), ("fp16", torch.float16, "eco"), ("fp32", torch.float32, "eco")],
+    ("weights", "dtype", "feedback", "states"),
+    [
+        ("bf16", torch.bfloat16, "eco", "int8"),
+        ("fp16", torch.float16, None, "int8"),
+        ("fp16", torch.float16, "eco", "int8"),
+        ("fp32", torch.float32, "eco", "int8"),
+        ("bf16", torch.bfloat16, "eco", "fp32"),  # no coded parameter in the group
+    ],
 )
-def test_fp32_state_parameters_on_a_weight_grid_join_the_native_call(weights, dtype, feedback, monkeypatch):
-    """Parameters ``min_quant_size`` keeps in fp32 states, kept on a weight grid (``weights=``, ECO's feedback), join
-    their group's native call (as coded ones with fp32 cast moments, unheld) instead of the reference path, and step
-    as it does bit for bit (round to nearest): torch's Adam on their fp32 moments, the new values rounded to the grid,
-    ECO's correction in ``m`` (the reference's ``sqrt`` made correctly rounded, as ``adam_math``'s)."""
+def test_fp32_state_parameters_on_a_weight_grid_join_the_native_call(weights, dtype, feedback, states, monkeypatch):
+    """Parameters kept in fp32 states (by ``min_quant_size``, or all of them with ``states="fp32"``) on a weight grid
+    (``weights=``, ECO's feedback) take the native path (as coded ones with fp32 cast moments, unheld) instead of the
+    reference path, and step as it does bit for bit (round to nearest): torch's Adam on their fp32 moments, the new
+    values rounded to the grid, ECO's correction in ``m`` (the reference's ``sqrt`` made correctly rounded, as
+    ``adam_math``'s)."""
     from test_adam_reference import correctly_rounded_torch_sqrt, torch_rounds_once
 
     if not torch_rounds_once():
@@ -617,7 +624,7 @@ def test_fp32_state_parameters_on_a_weight_grid_join_the_native_call(weights, dt
     for native_path in (True, False):
         generator = torch.Generator().manual_seed(0)
         params = [torch.nn.Parameter(grid_param(numel, dtype, seed)) for seed, numel in enumerate((5000, 1000, 77, 16, 3))]
-        options = {"weights": weights, "weight_rounding": "nearest", "error_feedback": feedback, "min_quant_size": 4096}
+        options = {"weights": weights, "weight_rounding": "nearest", "error_feedback": feedback, "min_quant_size": 4096, "states": states}
         optimizer = lq.QAdamW(params, lr=1e-2, weight_decay=0.1, **options)
         optimizer.cpu_compile = native_path
         with monkeypatch.context() as patch:
@@ -629,9 +636,9 @@ def test_fp32_state_parameters_on_a_weight_grid_join_the_native_call(weights, dt
                 optimizer.step()
         paths = set(optimizer.step_paths().values())
         assert paths == ({"native"} if native_path else {"reference"})
-        states = [optimizer.state[param] for param in params[1:]]
-        assert all(type(state["exp_avg"]) is torch.Tensor and float(state["step"]) == 3 for state in states)
-        pairs = zip(params[1:], states, strict=True)
+        plain = [optimizer.state[param] for param in params[1:]]
+        assert all(type(state["exp_avg"]) is torch.Tensor and float(state["step"]) == 3 for state in plain)
+        pairs = zip(params[1:], plain, strict=True)
         results.append([t.detach().clone() for param, state in pairs for t in (param, state["exp_avg"], state["exp_avg_sq"])])
     for native_result, reference_result in zip(*results, strict=True):
         assert torch.equal(native_result.view(torch.uint8), reference_result.view(torch.uint8))

@@ -246,8 +246,18 @@ MOMENTUM_PATHS: tuple[tuple[StepPath, tuple[Requirement, ...]], ...] = (
 PER_PARAMETER_PATHS: tuple[tuple[StepPath, tuple[Requirement, ...]], ...] = ((StepPath.REFERENCE, ()),)
 # fp32-state parameters that join a group's native call (as a rule, the small ones ``min_quant_size`` keeps fp32),
 # those on a weight grid too (``weights=``, ECO's feedback: they step as coded ones with fp32 cast moments), where the
-# fused steps handle the grid and the kernel reads the values (``native_values``).
-NATIVE_JOIN: tuple[Requirement, ...] = (on_cpu, native_values, fused_weight_update, plain_adam_options, fp32_moments, native_built)
+# fused steps handle the grid and the kernel reads the values (``native_values``). Under ``ADAM_PATHS``, those on a
+# grid, whose other path is the per-parameter reference, take the native path even where no other parameter of the
+# group does (the generic wrapper's ``exp_avg`` may belong to another update).
+NATIVE_JOIN: tuple[Requirement, ...] = (
+    fp32_moments,
+    on_cpu,
+    compile_allowed,
+    native_values,
+    fused_weight_update,
+    plain_adam_options,
+    native_built,
+)
 
 
 def choose_path(table: tuple[tuple[StepPath, tuple[Requirement, ...]], ...], candidate: Candidate) -> StepPath:
@@ -260,16 +270,17 @@ def choose_path(table: tuple[tuple[StepPath, tuple[Requirement, ...]], ...], can
 
 def plan_group(table: tuple[tuple[StepPath, tuple[Requirement, ...]], ...], candidates: list[Candidate]) -> list[StepPath]:
     """The path of each candidate of one param group (``choose_path``), with ``NATIVE_JOIN``: where some take the
-    native path, the ``multi_tensor`` ones (and the ``reference`` ones on a weight grid) that meet ``NATIVE_JOIN``
-    join their call."""
+    native path, the ``multi_tensor`` and ``reference`` ones that meet it join their call; under ``ADAM_PATHS`` the
+    ``reference`` ones that meet it take the native path in any case (alone, torch's multi-tensor step is as fast)."""
     paths = [choose_path(table, candidate) for candidate in candidates]
-    joining = (StepPath.MULTI_TENSOR, StepPath.REFERENCE)
     if StepPath.NATIVE in paths:
-        paths = [
-            StepPath.NATIVE if path in joining and all(requirement(c) for requirement in NATIVE_JOIN) else path
-            for path, c in zip(paths, candidates, strict=True)
-        ]
-    return paths
+        joining = (StepPath.MULTI_TENSOR, StepPath.REFERENCE)
+    else:
+        joining = (StepPath.REFERENCE,) if table is ADAM_PATHS else ()
+    return [
+        StepPath.NATIVE if path in joining and all(requirement(c) for requirement in NATIVE_JOIN) else path
+        for path, c in zip(paths, candidates, strict=True)
+    ]
 
 
 def fused_adam_step(
