@@ -15,6 +15,7 @@ import warnings
 
 import pytest
 import torch
+from test_adam_reference import correctly_rounded_torch_sqrt, torch_rounds_once
 from torch.utils import cpp_extension
 
 import lightning_qstate as lq
@@ -600,6 +601,7 @@ def test_optimizer_takes_the_native_path_with_eco():
 
 
 @needs_kernel
+@pytest.mark.skipif(not torch_rounds_once(), reason="torch's CPU kernels round a * b + c twice here: the reference path is not adam_math")
 @pytest.mark.parametrize(
     ("weights", "dtype", "feedback", "states"),
     [
@@ -616,10 +618,6 @@ def test_fp32_state_parameters_on_a_weight_grid_join_the_native_call(weights, dt
     reference path, and step as it does bit for bit (round to nearest): torch's Adam on their fp32 moments, the new
     values rounded to the grid, ECO's correction in ``m`` (the reference's ``sqrt`` made correctly rounded, as
     ``adam_math``'s)."""
-    from test_adam_reference import correctly_rounded_torch_sqrt, torch_rounds_once
-
-    if not torch_rounds_once():
-        pytest.skip("torch's CPU kernels round a * b + c twice here: the reference path is not adam_math")
     results = []
     for native_path in (True, False):
         generator = torch.Generator().manual_seed(0)

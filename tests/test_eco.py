@@ -201,12 +201,11 @@ def test_feedback_stalls_are_counted():
     assert 0.0 < stats["eco_correction"] <= 1.0 and set(stats) == {"exp_avg", "exp_avg_sq", "eco_correction"}
 
 
+@pytest.mark.skipif(not torch_rounds_once(), reason="torch's CPU kernels round a * b + c twice here: the reference path is not adam_math")
 def test_compiled_path_is_the_reference_bit_for_bit(monkeypatch):
     """The compiled CPU step (the C++ kernel made unavailable) with bf16 weights and ECO (round to nearest, int4
     moments) gives the reference path's bits, on any CPU whose torch kernels fuse ``a * b + c`` once: the reference path
     runs torch's Adam, so its ``sqrt`` is made correctly rounded, as ``adam_math``'s (MKL's last bit depends on the CPU)."""
-    if not torch_rounds_once():
-        pytest.skip("torch's CPU kernels round a * b + c twice here: the reference path is not adam_math")
     monkeypatch.setattr(dispatch, "FUSED_MIN_NUMEL", 1024)
     monkeypatch.setattr(dispatch, "native_kernel_available", lambda: False)
     results = []
