@@ -132,8 +132,10 @@ class NearestCodeIndex:
 SEGMENT_BINADES = 32  # binades 2**-31 .. 2**0 (fp32 exponent fields 96 .. 127); the first also holds every smaller |x|
 SEGMENT_BINADE0 = 96
 SEGMENT_RUNS = 16
-SEGMENT_BIAS = 2.0**-8  # the floor's bias, in codes: far below 1, far above the position's rounding error, which is
-SEGMENT_POSITIONS = 2.0**12  # below about P * 2**-21 for |x| / h < P: runs whose |x| / h reach this are refused
+# The floor's bias, in codes: far below 1, and far above the position's rounding error, which stays below about
+# P * 2**-21 for |x| / h < P: runs whose |x| / h reach SEGMENT_POSITIONS are refused.
+SEGMENT_BIAS = 2.0**-8
+SEGMENT_POSITIONS = 2.0**12
 _SCALE = 4 * SEGMENT_BINADES
 _BASE = _SCALE + 3 * SEGMENT_RUNS
 _LAST = _BASE + SEGMENT_RUNS

@@ -245,8 +245,9 @@ def native_adam_steps(
     seeds = seeds or [0] * len(states)
     moment_seeds = moment_seeds or [(0, 0)] * len(states)
     quantized = [isinstance(state["exp_avg"], QuantizedTensor) for state in states]
-    coded = [k for k in range(len(states)) if quantized[k] or weights[k] is not None]
-    plain = [k for k in range(len(states)) if k not in coded]
+    as_coded = [q or grid is not None for q, grid in zip(quantized, weights, strict=True)]
+    coded = [k for k, yes in enumerate(as_coded) if yes]
+    plain = [k for k, yes in enumerate(as_coded) if not yes]
     order = coded + plain  # the kernel's parameter order
     beta1, beta2 = group["betas"]
     eco = group.get("error_feedback") == "eco"

@@ -647,11 +647,10 @@ class QuantizedStates:
     def _initial(self, group: dict, key: torch.Tensor, name: str, value: torch.Tensor) -> StateValue:
         """Store a freshly created state of parameter ``key`` (``value``: local tensor) per the policy; a plain state of a
         parameter on a weight grid in fp32 from the start (its update runs in fp32 and stores it so: ``_step_param``)."""
-        fmt = self._policy_format(group, key, name)
+        fmt, value = self._policy_format(group, key, name), local_tensor(value)
         if fmt is not None:
-            return quantize_state(fmt, local_tensor(value))
-        gridded = value.is_floating_point() and self.weight_grid(group, key) is not None
-        return local_tensor(value).float() if gridded else local_tensor(value)
+            return quantize_state(fmt, value)
+        return value.float() if value.is_floating_point() and self.weight_grid(group, key) is not None else value
 
     # --- stall statistics -----------------------------------------------------------------------------
     def _weight_targets(self, group: dict, keys: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:

@@ -340,8 +340,7 @@ struct Cast16 {
 
   // Elements [index, index + 16).
   QSTATE_INLINE __m512 load(int64_t index) const {
-    const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + index));
-    return bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16)) : _mm512_cvtph_ps(half);
+    return bf16 ? load16(reinterpret_cast<const BFloat16*>(codes + index)) : load16(reinterpret_cast<const Float16*>(codes + index));
   }
   QSTATE_INLINE void store(int64_t index, __m512 value) const {
     __m256i stored;

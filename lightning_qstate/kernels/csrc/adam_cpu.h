@@ -813,12 +813,13 @@ inline __m256i fp16_stochastic16(__m512 x, __m512i random) {
   return in_range == 0xFFFF ? stored : _mm256_mask_mov_epi16(fp16_nearest16(x), in_range, stored);
 }
 
+// 16 bf16 patterns as fp32 (exact).
+inline __m512 bf16_value16(__m256i patterns) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(patterns), 16)); }
+
 // 16 parameter values or gradients of element type T as fp32 (exact), and 16 fp32 values on T's grid stored in T
 // (from_float: exact for them, NaN as it writes it).
 QSTATE_INLINE __m512 load16(const float* x) { return _mm512_loadu_ps(x); }
-QSTATE_INLINE __m512 load16(const BFloat16* x) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))), 16));
-}
+QSTATE_INLINE __m512 load16(const BFloat16* x) { return bf16_value16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))); }
 QSTATE_INLINE __m512 load16(const Float16* x) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))); }
 QSTATE_INLINE void store16(float* x, __m512 value) { _mm512_storeu_ps(x, value); }
 QSTATE_INLINE void store16(BFloat16* x, __m512 value) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(x), bf16_nearest16(value)); }
@@ -826,7 +827,6 @@ QSTATE_INLINE void store16(Float16* x, __m512 value) { _mm256_storeu_si256(reint
 
 // Rounding::round of 16 values (elements index .. index + 15 of their parameter: their SR draws), as fp32 (a NaN
 // stays a NaN, maybe quieted).
-inline __m512 bf16_value16(__m256i patterns) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(patterns), 16)); }
 QSTATE_INLINE __m512 round16(KeepFp32, __m512 x, uint64_t, int64_t) { return x; }
 QSTATE_INLINE __m512 round16(Bf16Nearest, __m512 x, uint64_t, int64_t) { return bf16_value16(bf16_nearest16(x)); }
 QSTATE_INLINE __m512 round16(Bf16Stochastic, __m512 x, uint64_t seed, int64_t index) {
@@ -838,9 +838,9 @@ QSTATE_INLINE __m512 round16(Fp16Stochastic, __m512 x, uint64_t seed, int64_t in
 }
 
 // The AVX-512 form of adam_lane and the block's running absmaxes / non-finite flags, for 16 values.
+// inside_bound: the hold's test; bc2, eco, decoupled: the exact update on a weight grid's.
 struct Update16 {
-  __m512 sign, l2, decay, lerp_coeff, b2, one_minus_b2, step, inv_bc2, eps, m_bound, inside_bound, bc2,
-      eco;  // inside_bound: the hold's test
+  __m512 sign, l2, decay, lerp_coeff, b2, one_minus_b2, step, inv_bc2, eps, m_bound, inside_bound, bc2, eco;
   bool lerp_from_end, hold_m, decoupled;
   __m512 m_top = _mm512_setzero_ps(), v_top = _mm512_setzero_ps();
   __mmask16 m_nonfinite = 0, v_nonfinite = 0;
