@@ -88,6 +88,7 @@ def test_the_kernel_takes_these_formats_and_not_wider_codes():
     assert not native_formats(get_format("e5m10"), get_format("int8", signed=False))  # 16-bit codes
 
 
+@pytest.mark.parametrize("track", [True, False], ids=["stalls", "no-stalls"])
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize(
     "options",
@@ -95,10 +96,11 @@ def test_the_kernel_takes_these_formats_and_not_wider_codes():
     ids=["adamw", "l2", "lerp", "max"],
 )
 @pytest.mark.parametrize("name", list(PAIRS))
-def test_kernel_step_matches_the_reference_step(name, options, threads):
+def test_kernel_step_matches_the_reference_step(name, options, threads, track):
     """Three parameters in one call, two steps (each from the reference's params): codes, scales and stall counts equal
     the reference's; params within about two ulps of the update (the kernel multiplies by reciprocals where the
-    reference divides)."""
+    reference divides). With and without stall counts: sub-byte codes of one block size take the fused block step
+    only without them."""
     m_format, v_format = PAIRS[name]
     group = adam_group(**options)
     params, states, references = [], [], []
@@ -113,10 +115,10 @@ def test_kernel_step_matches_the_reference_step(name, options, threads):
             for param, (reference_param, _) in zip(params, references, strict=True):
                 param.copy_(reference_param)  # the same start: with L2 decay the update's ulps reach m
             grads = [torch.randn(p.numel(), generator=torch.Generator().manual_seed(10 * step + k)) * 0.1 for k, p in enumerate(params)]
-            rows = native_adam_steps(params, grads, states, group, track_stalls=True)
+            rows = native_adam_steps(params, grads, states, group, track_stalls=track)
             for k, (row, grad, (reference_param, reference_state)) in enumerate(zip(rows, grads, references, strict=True)):
-                counts = reference_step(reference_param, grad, reference_state, group, track=True)
-                assert row[:2] == [1, 1] and row[2:] == counts, (step, k, row, counts)
+                counts = reference_step(reference_param, grad, reference_state, group, track=track)
+                assert row[:2] == [1, 1] and (not track or row[2:] == counts), (step, k, row, counts)
                 state = states[k]
                 assert float(state["step"]) == float(reference_state["step"])
                 for key in ("exp_avg", "exp_avg_sq"):
@@ -191,7 +193,7 @@ def test_kernel_encodes_codebooks_like_the_reference(name):
     assert_m_stored_like_the_reference(fmt, grad)
 
 
-@pytest.mark.parametrize("name", ["int4 m, int8 v", "fp8_e4m3", "bf16"])
+@pytest.mark.parametrize("name", ["int4 m, int8 v", "int4", "e2m1 (4 and 3 bits)", "int5 (dense)", "fp8_e4m3", "bf16"])
 @pytest.mark.parametrize("grid_name", ["bf16", "fp16"])
 def test_kernel_weight_grid_step_is_the_reference_bit_for_bit(name, grid_name):
     """Without master weights (params on a bf16/fp16 grid, RN): params, codes and scales are the reference's bit for bit."""

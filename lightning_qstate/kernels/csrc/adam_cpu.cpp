@@ -19,46 +19,6 @@ namespace {
 
 // ---- One block of one parameter ----
 
-// Decode both moments, Adam update of param (in place), moments to m / v; returns the absmaxes and NaN/inf flags.
-void update_block(float* __restrict__ p, const float* __restrict__ g, const uint8_t* mc, float m_scale, const uint8_t* vc, float v_scale,
-                  const Codebook& mcb, const Codebook& vcb, const Hyper& h, int64_t n, float* __restrict__ m, float* __restrict__ v,
-                  float& m_max, float& v_max, bool& m_ok, bool& v_ok) {
-  int64_t i = 0;
-  m_max = 0.0f, v_max = 0.0f;
-  bool m_bad = false, v_bad = false;
-#ifdef QSTATE_AVX512
-  Update16 update(h);
-#ifdef QSTATE_VBMI
-  for (; i + 64 <= n; i += 64) {
-    __m512 mi[4], vi[4];
-    __builtin_prefetch(mc + i + PREFETCH_AHEAD);
-    __builtin_prefetch(vc + i + PREFETCH_AHEAD);
-    decode64(mc + i, mcb.planes, m_scale, mi);
-    decode64(vc + i, vcb.planes, v_scale, vi);
-    for (int r = 0; r < 4; ++r) update(p + i + 16 * r, g + i + 16 * r, mi[r], vi[r], m + i + 16 * r, v + i + 16 * r);
-  }
-#endif
-  for (; i + 16 <= n; i += 16) {
-    __builtin_prefetch(mc + i + PREFETCH_AHEAD);
-    __builtin_prefetch(vc + i + PREFETCH_AHEAD);
-    update(p + i, g + i, decode16(mc + i, mcb.decode, m_scale), decode16(vc + i, vcb.decode, v_scale), m + i, v + i);
-  }
-  m_max = _mm512_reduce_max_ps(update.m_top), v_max = _mm512_reduce_max_ps(update.v_top);
-  m_bad = update.m_nonfinite != 0, v_bad = update.v_nonfinite != 0;
-#endif
-  for (; i < n; ++i) {
-    float mi = mcb.decode[mc[i]] * m_scale, vi = vcb.decode[vc[i]] * v_scale;
-    adam_lane(p[i], g[i], mi, vi, h);
-    m[i] = mi, v[i] = vi;
-    const float am = std::fabs(mi), av = std::fabs(vi);
-    m_max = am > m_max ? am : m_max;
-    v_max = av > v_max ? av : v_max;
-    m_bad |= std::isnan(mi - mi);
-    v_bad |= std::isnan(vi - vi);
-  }
-  m_ok = !m_bad, v_ok = !v_bad;
-}
-
 // Adam on values [0, n) of a block of a parameter on a weight grid, param and gradient of type T (read as fp32), moments
 // decoded in m, v (updated in place), as adam_reference.adam_step_quantized: adam_lane_exact's new value rounded to the
 // grid with Rounding (element ``first + i`` of the parameter: its SR draw) and stored in T (round to nearest, as torch's
@@ -435,17 +395,11 @@ void encode_codes(const State& s, const float* __restrict__ x, float divisor, bo
   i = codebook_bytes64<Nonnegative>(s, first, out, n,
                                     [&](int64_t j) { return finite ? _mm512_div_ps(_mm512_loadu_ps(x + j), d) : _mm512_setzero_ps(); });
 #endif
-  with_depth(s.cb.depth, [&]<int Depth>(std::integral_constant<int, Depth>) {  // a minifloat's depth: unused
+  // 16 codes at a time by ``codes16(q, j)`` (q: the normalized values from j), each loop compiled for one encoder
+  const auto encode16 = [&](auto&& codes16) {
     for (; i + 16 <= n; i += 16) {
       const __m512 q = finite ? _mm512_div_ps(_mm512_loadu_ps(x + i), d) : _mm512_setzero_ps();
-      __m128i codes;
-      if (!s.stochastic) {
-        codes = minifloat ? encode_minifloat16<false>(q, s.mf, q) : _mm512_cvtepi32_epi8(codebook_codes16<Depth, Nonnegative>(q, s.cb));
-      } else {
-        const __m512 uniform = uniform16(s.seed, first + i);
-        codes = minifloat ? encode_minifloat16<true>(q, s.mf, uniform)
-                          : codebook_stochastic16<Depth, Nonnegative>(q, s.cb, s.last, s.min_code, uniform);
-      }
+      const __m128i codes = codes16(q, i);
       if (nibbles) {
         pack16(codes, out + i / 2);
       } else if (dense) {
@@ -461,7 +415,20 @@ void encode_codes(const State& s, const float* __restrict__ x, float divisor, bo
         _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), codes);
       }
     }
-  });
+  };
+  if (minifloat && s.stochastic)
+    encode16([&](__m512 q, int64_t j) { return encode_minifloat16<true>(q, s.mf, uniform16(s.seed, first + j)); });
+  else if (minifloat)
+    encode16([&](__m512 q, int64_t) { return encode_minifloat16<false>(q, s.mf, q); });
+  else
+    with_depth(s.cb.depth, [&]<int Depth>(std::integral_constant<int, Depth>) {
+      if (s.stochastic)
+        encode16([&](__m512 q, int64_t j) {
+          return codebook_stochastic16<Depth, Nonnegative>(q, s.cb, s.last, s.min_code, uniform16(s.seed, first + j));
+        });
+      else
+        encode16([&](__m512 q, int64_t) { return _mm512_cvtepi32_epi8(codebook_codes16<Depth, Nonnegative>(q, s.cb)); });
+    });
 #endif
   const auto code_of = [&](int64_t j) {
     return static_cast<uint8_t>(s.encode(finite ? x[j] / divisor : 0.0f, s.stochastic ? random_bits(s.seed, first + j) : 0));
@@ -509,6 +476,21 @@ void store_cast(const State& s, int64_t base, int64_t n, const float* __restrict
   }
 }
 
+// Block ``index`` of state s (its values from element ``base``: n of them) stored from the new values x (absmax ``top``,
+// all finite: ``ok``), as BlockFormat.quantize_reference: its scale (NaN where not ok), the codes of x / scale by
+// encode_block for 8-bit codebooks, else encode_codes (the same codes: both divide exactly). Returns the stored scale.
+template <bool Nonnegative>
+float encode_one_block(const State& s, int64_t index, int64_t base, int64_t n, const float* x, float top, bool ok) {
+  const float scale = ok ? s.scales.representable(top) : NAN, divisor = (ok && scale > 0.0f) ? scale : 1.0f;
+  uint8_t* codes = static_cast<uint8_t*>(s.codes) + s.code_byte(base);
+  if (s.kind == Kind::kCodebook && s.bits == 8)
+    encode_block<Nonnegative>(x, divisor, ok, s, codes, n, base);
+  else
+    encode_codes<Nonnegative>(s, x, divisor, ok, codes, n, base);
+  s.scales.store(index, scale);
+  return scale;
+}
+
 // The new values x[0:n] of state s's values [base, base + n) (base: a multiple of s's block) stored, as
 // BlockFormat.quantize_reference: per block its absmax, the stored scale and the codes of x / scale (a non-finite
 // block: scale NaN, the codes of 0.0); a cast's values (store_cast). Returns whether every block was finite (a cast:
@@ -519,16 +501,13 @@ bool encode_state(const State& s, int64_t base, int64_t n, const float* __restri
     store_cast(s, base, n, x);
     return true;
   }
-  uint8_t* codes = static_cast<uint8_t*>(s.codes);
   bool all_ok = true;
   for (int64_t first = 0; first < n; first += s.block) {
     const int64_t size = std::min(s.block, n - first);
     float top;
     bool ok;
     absmax(x + first, size, top, ok);
-    const float scale = ok ? s.scales.representable(top) : NAN, divisor = (ok && scale > 0.0f) ? scale : 1.0f;
-    encode_codes<Nonnegative>(s, x + first, divisor, ok, codes + s.code_byte(base + first), size, base + first);
-    s.scales.store((base + first) / s.block, scale);
+    encode_one_block<Nonnegative>(s, (base + first) / s.block, base + first, size, x + first, top, ok);
     all_ok = all_ok && ok;
   }
   return all_ok;
@@ -619,14 +598,15 @@ struct Chunks {
 
 // One coded parameter of the multi-tensor Adam step. p, g: fp32 values, or (on a weight grid) of ``dtype``. It is
 // stepped a chunk at a time: the larger block of its moments (blocks are powers of two: the smaller divides it; a
-// cast's: the other's, CAST_CHUNK for two casts). ``fast``: both moments 8-bit codebooks of one block size
-// (update_block decodes in registers); else step_chunk decodes both into scratch first.
+// cast's: the other's, CAST_CHUNK for two casts). ``fast``: both moments block states of one block size (step_block:
+// decoded in registers, absmaxes taken on the way), ``bytes``: both of 8-bit codes (its stall counts too); else
+// step_chunk decodes both into scratch first.
 struct Param : Chunks {
   void* p;
   Grid grid;
   State m, v;
   Hyper h;
-  bool fast;
+  bool fast, bytes;
 };
 
 // The chunk of a parameter whose moments are both casts, and the least chunk of a momentum buffer.
@@ -797,8 +777,8 @@ std::vector<Param> coded_params(const std::vector<torch::Tensor>& params, const 
     const bool m_cast = w.m.kind == Kind::kCast, v_cast = w.v.kind == Kind::kCast;
     w.chunk = m_cast && v_cast ? CAST_CHUNK : std::max(m_cast ? 0 : w.m.block, v_cast ? 0 : w.v.block);
     w.chunks = (w.numel + w.chunk - 1) / w.chunk;
-    const auto byte_codebook = [](const State& s) { return s.kind == Kind::kCodebook && s.bits == 8; };
-    w.fast = byte_codebook(w.m) && byte_codebook(w.v) && w.m.block == w.v.block;
+    w.fast = !m_cast && !v_cast && w.m.block == w.v.block;
+    w.bytes = w.fast && w.m.bits == 8 && w.v.bits == 8;
   }
   return work;
 }
@@ -870,22 +850,63 @@ void grid_update(const Param& w, int64_t base, int64_t size, float* m, float* v)
                    });
 }
 
+// Values [base, base + n) of a parameter with fp32 values (inside one block of both moments: block states of one block
+// size) updated in place, the new moments to m / v, their absmaxes and NaN/inf flags. With VBMI both moments are decoded
+// 64 values at a time in registers (Decode64); the rest is decoded into m, v first (decode_state).
+void update_block(float* __restrict__ p, const float* __restrict__ g, const Param& w, int64_t base, int64_t n, float m_scale, float v_scale,
+                  float* __restrict__ m, float* __restrict__ v, float& m_max, float& v_max, bool& m_ok, bool& v_ok) {
+  int64_t i = 0;
+  m_max = 0.0f, v_max = 0.0f;
+  bool m_bad = false, v_bad = false;
+#ifdef QSTATE_AVX512
+  Update16 update(w.h);
+#ifdef QSTATE_VBMI
+  const Decode64 m_codes(w.m), v_codes(w.v);
+  for (; i + 64 <= n; i += 64) {
+    __m512 mi[4], vi[4];
+    m_codes(base + i, m_scale, mi);
+    v_codes(base + i, v_scale, vi);
+    for (int r = 0; r < 4; ++r) update(p + i + 16 * r, g + i + 16 * r, mi[r], vi[r], m + i + 16 * r, v + i + 16 * r);
+  }
+#endif
+#endif
+  if (i < n) {
+    decode_state(w.m, base + i, n - i, false, m + i);
+    decode_state(w.v, base + i, n - i, false, v + i);
+  }
+#ifdef QSTATE_AVX512
+  for (; i + 16 <= n; i += 16) update(p + i, g + i, _mm512_loadu_ps(m + i), _mm512_loadu_ps(v + i), m + i, v + i);
+  m_max = _mm512_reduce_max_ps(update.m_top), v_max = _mm512_reduce_max_ps(update.v_top);
+  m_bad = update.m_nonfinite != 0, v_bad = update.v_nonfinite != 0;
+#endif
+  for (; i < n; ++i) {
+    adam_lane(p[i], g[i], m[i], v[i], w.h);
+    const float am = std::fabs(m[i]), av = std::fabs(v[i]);
+    m_max = am > m_max ? am : m_max;
+    v_max = av > v_max ? av : v_max;
+    m_bad |= std::isnan(m[i] - m[i]);
+    v_bad |= std::isnan(v[i] - v[i]);
+  }
+  m_ok = !m_bad, v_ok = !v_bad;
+}
+
 // update_param_block of a parameter on a weight grid: with VBMI 64 values decoded at a time, Update16::advance_on_grid
 // and the absmaxes in registers; the rest, or without VBMI: both moments decoded, grid_update, block_stats. Never
 // inlined: its loops (one per element type, rounding and feedback) inlined into update_param_block made the step of
 // fp32 parameters 11 % slower (one thread, int8).
-QSTATE_NOINLINE void update_grid_block(const Param& w, const uint8_t* mc, const uint8_t* vc, int64_t base, int64_t size, float m_scale,
-                                       float v_scale, float* m, float* v, float& m_max, float& v_max, bool& m_ok, bool& v_ok) {
+QSTATE_NOINLINE void update_grid_block(const Param& w, int64_t base, int64_t size, float m_scale, float v_scale, float* m, float* v,
+                                       float& m_max, float& v_max, bool& m_ok, bool& v_ok) {
   int64_t done = 0;
   m_max = 0.0f, v_max = 0.0f, m_ok = true, v_ok = true;
 #ifdef QSTATE_VBMI
   with_grid_values(w.dtype, w.grid, w.p, w.g, base,
                    [&]<typename T, typename Rounding, bool Eco>(T* p, const T* g, Rounding, std::bool_constant<Eco>) {
                      Update16 update(w.h);
+                     const Decode64 m_codes(w.m), v_codes(w.v);
                      for (; done + 64 <= size; done += 64) {
                        __m512 mi[4], vi[4];
-                       decode64(mc + done, w.m.cb.planes, m_scale, mi);
-                       decode64(vc + done, w.v.cb.planes, v_scale, vi);
+                       m_codes(base + done, m_scale, mi);
+                       v_codes(base + done, v_scale, vi);
                        for (int r = 0; r < 4; ++r) {
                          const int64_t at = done + 16 * r;
                          update.advance_on_grid<T, Rounding, Eco>(p + at, g + at, w.grid.seed, base + at, mi[r], vi[r]);
@@ -898,8 +919,8 @@ QSTATE_NOINLINE void update_grid_block(const Param& w, const uint8_t* mc, const 
 #endif
   if (done == size) return;
   const int64_t rest = size - done;
-  decode_bytes(mc + done, w.m.cb.decode, w.m.cb.planes, m_scale, rest, m + done);
-  decode_bytes(vc + done, w.v.cb.decode, w.v.cb.planes, v_scale, rest, v + done);
+  decode_state(w.m, base + done, rest, false, m + done);
+  decode_state(w.v, base + done, rest, false, v + done);
   grid_update(w, base + done, rest, m + done, v + done);
   float m_rest, v_rest;
   bool m_rest_ok, v_rest_ok;
@@ -907,24 +928,13 @@ QSTATE_NOINLINE void update_grid_block(const Param& w, const uint8_t* mc, const 
   m_max = std::max(m_max, m_rest), v_max = std::max(v_max, v_rest), m_ok = m_ok && m_rest_ok, v_ok = v_ok && v_rest_ok;
 }
 
-// Values [base, base + size) of parameter w (fast: 8-bit codebooks, one block) updated in place, the new moments to
-// m / v, their absmaxes and flags: update_block, or update_grid_block on a weight grid.
-void update_param_block(const Param& w, int64_t base, int64_t size, float m_scale, float v_scale, float* m, float* v, float& m_max,
-                        float& v_max, bool& m_ok, bool& v_ok) {
-  const uint8_t *mc = static_cast<const uint8_t*>(w.m.codes) + base, *vc = static_cast<const uint8_t*>(w.v.codes) + base;
-  if (w.grid.active())
-    update_grid_block(w, mc, vc, base, size, m_scale, v_scale, m, v, m_max, v_max, m_ok, v_ok);
-  else  // fp32 values
-    update_block(static_cast<float*>(w.p) + base, static_cast<const float*>(w.g) + base, mc, m_scale, vc, v_scale, w.m.cb, w.v.cb, w.h,
-                 size, m, v, m_max, v_max, m_ok, v_ok);
-}
-
-// The per-block step of a fast parameter: block ``index`` of w decoded, updated and encoded in place (and its stall
-// counts).
+// The per-block step of a fast parameter: block ``index`` of w decoded, updated (update_block, or update_grid_block on a
+// weight grid) and encoded in place; its stall counts (8-bit codes only).
 void step_block(const Param& w, int64_t index, bool track, Scratch& scratch, Outcome& outcome) {
   const int64_t base = index * w.chunk, size = std::min(w.chunk, w.numel - base);
-  uint8_t *mc = static_cast<uint8_t*>(w.m.codes) + base, *vc = static_cast<uint8_t*>(w.v.codes) + base;
+  const uint8_t *mc = static_cast<const uint8_t*>(w.m.codes) + base, *vc = static_cast<const uint8_t*>(w.v.codes) + base;
   scratch.m.resize(size), scratch.v.resize(size);
+  float *m = scratch.m.data(), *v = scratch.v.data();
   const float m_scale = w.m.scales.load(index), v_scale = w.v.scales.load(index);
   if (track) {
     scratch.old_m.assign(mc, mc + size);
@@ -932,17 +942,18 @@ void step_block(const Param& w, int64_t index, bool track, Scratch& scratch, Out
   }
   float m_max, v_max;
   bool m_ok, v_ok;
-  update_param_block(w, base, size, m_scale, v_scale, scratch.m.data(), scratch.v.data(), m_max, v_max, m_ok, v_ok);
-  const float m_new = m_ok ? w.m.scales.representable(m_max) : NAN, v_new = v_ok ? w.v.scales.representable(v_max) : NAN;
-  encode_block<false>(scratch.m.data(), (m_ok && m_new > 0.0f) ? m_new : 1.0f, m_ok, w.m, mc, size, base);
-  encode_block<true>(scratch.v.data(), (v_ok && v_new > 0.0f) ? v_new : 1.0f, v_ok, w.v, vc, size, base);
-  w.m.scales.store(index, m_new);
-  w.v.scales.store(index, v_new);
+  if (w.grid.active())
+    update_grid_block(w, base, size, m_scale, v_scale, m, v, m_max, v_max, m_ok, v_ok);
+  else
+    update_block(static_cast<float*>(w.p) + base, static_cast<const float*>(w.g) + base, w, base, size, m_scale, v_scale, m, v, m_max,
+                 v_max, m_ok, v_ok);
+  const float m_new = encode_one_block<false>(w.m, index, base, size, m, m_max, m_ok);
+  const float v_new = encode_one_block<true>(w.v, index, base, size, v, v_max, v_ok);
   if (!(m_ok && v_ok)) outcome.moments_bad.store(1, std::memory_order_relaxed);
   if (track) {
     int64_t local[4] = {0, 0, 0, 0};
-    count_block(scratch.old_m.data(), m_scale, mc, m_new, scratch.m.data(), w.m.cb.decode, size, local);
-    count_block(scratch.old_v.data(), v_scale, vc, v_new, scratch.v.data(), w.v.cb.decode, size, local + 2);
+    count_block(scratch.old_m.data(), m_scale, mc, m_new, m, w.m.cb.decode, size, local);
+    count_block(scratch.old_v.data(), v_scale, vc, v_new, v, w.v.cb.decode, size, local + 2);
     outcome.add_stalls(local, 4);
   }
 }
@@ -1266,7 +1277,7 @@ torch::Tensor adam_steps_u8(const std::vector<torch::Tensor>& params, const std:
 
   // Coded parameters: first every gradient is checked, then every block of the finite ones is stepped.
   const std::vector<Outcome> outcomes = step_blocks(work, [track](const Param& w, int64_t index, Scratch& scratch, Outcome& outcome) {
-    if (w.fast)
+    if (w.fast && (w.bytes || !track))
       step_block(w, index, track, scratch, outcome);
     else
       step_chunk(w, index, track, scratch, outcome);

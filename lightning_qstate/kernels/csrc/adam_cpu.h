@@ -553,6 +553,61 @@ inline void decode64(const uint8_t* codes, const uint8_t* planes, float scale, _
   for (int r = 0; r < 4; ++r) out[r] = _mm512_mul_ps(out[r], _mm512_set1_ps(scale));
 }
 
+// decode64 of elements [index, index + 64) of any block state's codes (``index``: a multiple of 64 inside one block):
+// 8-bit codes loaded as they are; 4-bit (nibbles) and dense 5- to 7-bit ones (8 codes in ``bits`` bytes, code k in bits
+// [k * bits, (k + 1) * bits) of the little-endian group, as formats.packing) spread one group per 64-bit lane by a byte
+// permute, each code's field shifted to its byte by a multishift and masked.
+struct Decode64 {
+  const uint8_t* codes;
+  const uint8_t* planes;
+  int32_t bits;    // bits per stored code: 4 (nibbles), 5-7 (dense) or 8
+  __m512 first16;  // the decode table's first 16 values
+  __m512i spread, shifts, field;
+  __mmask64 used;  // the 8 * bits bytes of 8 groups
+
+  explicit Decode64(const State& s)
+      : codes(static_cast<const uint8_t*>(s.codes)),
+        planes(s.cb.planes),
+        bits(s.nibbles() ? 4 : s.bits),
+        first16(_mm512_loadu_ps(s.cb.decode)) {
+    // per stored width 4 to 8: byte j of lane L reads group byte L * bits + j; code k's field starts at bit k * bits
+    struct Tables {
+      alignas(64) uint8_t spread[5][64], shifts[5][64];
+    };
+    static constexpr Tables tables = [] {
+      Tables t{};
+      for (int b = 4; b <= 8; ++b)
+        for (int j = 0; j < 64; ++j)
+          t.spread[b - 4][j] = static_cast<uint8_t>(j / 8 * b + j % 8), t.shifts[b - 4][j] = static_cast<uint8_t>(j % 8 * b);
+      return t;
+    }();
+    spread = _mm512_load_si512(tables.spread[bits - 4]), shifts = _mm512_load_si512(tables.shifts[bits - 4]);
+    field = _mm512_set1_epi8(static_cast<char>((1 << bits) - 1));
+    used = bits == 8 ? ~__mmask64{0} : (__mmask64{1} << (8 * bits)) - 1;
+  }
+
+  // The byte codes of elements [index, index + 64).
+  QSTATE_INLINE __m512i bytes(int64_t index) const {
+    const uint8_t* group = codes + index / 8 * bits;
+    __builtin_prefetch(group + PREFETCH_AHEAD);
+    if (bits == 8) return _mm512_loadu_si512(group);
+    const __m512i packed = _mm512_permutexvar_epi8(spread, _mm512_maskz_loadu_epi8(used, group));
+    return _mm512_and_si512(_mm512_multishift_epi64_epi8(shifts, packed), field);
+  }
+
+  // Their values times ``scale``: out[r] holds elements index + 16r .. index + 16r + 15. Codes of 4 bits or fewer:
+  // one in-register permute of the table's first 16 values per 16 (lookup64 would read all 1 KB of byte planes).
+  QSTATE_INLINE void operator()(int64_t index, float scale, __m512 out[4]) const {
+    const __m512i codes = bytes(index);
+    if (bits == 4) {
+      for (int r = 0; r < 4; ++r) out[r] = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(codes, r)), first16);
+    } else {
+      lookup64(codes, planes, out);
+    }
+    for (int r = 0; r < 4; ++r) out[r] = _mm512_mul_ps(out[r], _mm512_set1_ps(scale));
+  }
+};
+
 // The 64 bytes of code[0..3] (each 16 codes < 256 in 32-bit lanes), in order.
 QSTATE_INLINE __m512i bytes64(const __m512i code[4]) {
   __m512i packed = _mm512_castsi128_si512(_mm512_cvtepi32_epi8(code[0]));
@@ -649,7 +704,7 @@ inline void with_depth(int32_t depth, Visit&& visit) {
 
 // Minifloat::encode of 16 normalized values: the same fp32 and integer operations, lane by lane.
 template <bool Stochastic>
-inline __m128i encode_minifloat16(__m512 value, const Minifloat& mf, __m512 uniform) {
+QSTATE_INLINE __m128i encode_minifloat16(__m512 value, const Minifloat& mf, __m512 uniform) {
   const __m512 magnitude = mf.has_sign ? _mm512_abs_ps(value) : _mm512_max_ps(value, _mm512_setzero_ps());
   const __m512 scaled = _mm512_mul_ps(magnitude, _mm512_set1_ps(mf.max_value));
   const __m512i field = _mm512_and_si512(_mm512_srli_epi32(_mm512_castps_si512(scaled), 23), _mm512_set1_epi32(0xFF));
