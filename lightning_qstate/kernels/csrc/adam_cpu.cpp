@@ -47,7 +47,7 @@ QSTATE_FLATTEN void grid_lanes(T* __restrict__ p, const T* __restrict__ g, int64
   }
 }
 
-// The absmaxes of m[0:n], v[0:n] (a NaN value is passed over, as update_block's compare does) and whether all are finite.
+// The absmaxes of m[0:n], v[0:n] (a NaN value is passed over, as update_blocks' compare does) and whether all are finite.
 void block_stats(const float* __restrict__ m, const float* __restrict__ v, int64_t n, float& m_max, float& v_max, bool& m_ok, bool& v_ok) {
   m_max = 0.0f, v_max = 0.0f;
   bool m_bad = false, v_bad = false;
@@ -113,7 +113,7 @@ void encode_block(const float* __restrict__ x, float divisor, bool finite, const
 #ifdef QSTATE_AVX512
   const __m512 d = _mm512_set1_ps(divisor), r = _mm512_set1_ps(reciprocal);
 #ifdef QSTATE_VBMI
-  i = codebook_bytes64<Nonnegative>(s, first, out, n, [&](int64_t j) {
+  i = codebook_bytes64<Nonnegative>(s, first, out, n, [x, d, r, finite](int64_t j) {
     const __m512 value = _mm512_loadu_ps(x + j), estimate = _mm512_mul_ps(value, r);
     return finite ? _mm512_fmadd_ps(_mm512_fnmadd_ps(estimate, d, value), r, estimate) : _mm512_setzero_ps();
   });
@@ -351,7 +351,7 @@ void decode_state(const State& s, int64_t base, int64_t n, bool units, float* __
   }
 }
 
-// The absmax of x[0:n] (a NaN value is passed over, as update_block's compare does) and whether all are finite.
+// The absmax of x[0:n] (a NaN value is passed over, as update_blocks' compare does) and whether all are finite.
 void absmax(const float* __restrict__ x, int64_t n, float& top, bool& ok) {
   float value = 0.0f;
   bool bad = false;
@@ -374,6 +374,43 @@ void absmax(const float* __restrict__ x, int64_t n, float& top, bool& ok) {
   top = value, ok = !bad;
 }
 
+#ifdef QSTATE_AVX512
+// encode_codes' vector loop over values [i, n) of x, 16 at a time (returns where it stopped): x / d (zeros where not
+// finite) coded by codes16(q, j) (q: the values from j) and stored at out in the layout of ``bits`` (8: a byte each, up
+// to 4: two per byte, else dense). All by value: the byte stores can alias nothing the loop reads (through references
+// they made it reload its captures and tables every 16 values).
+template <typename Codes16>
+QSTATE_INLINE int64_t encode16(const float* __restrict__ x, __m512 d, bool finite, uint8_t* __restrict__ out, int64_t i, int64_t n,
+                               int32_t bits, Codes16 codes16) {
+  const bool nibbles = bits <= 4, dense = bits > 4 && bits < 8;
+#if defined(__BMI2__)
+  const uint64_t byte_fields = dense ? dense_byte_fields(bits) : 0;
+#else
+  const int64_t b = bits;
+  const __m512i dense_shifts = _mm512_set_epi64(7 * b, 6 * b, 5 * b, 4 * b, 3 * b, 2 * b, b, 0);
+#endif
+  for (; i + 16 <= n; i += 16) {
+    const __m512 q = finite ? _mm512_div_ps(_mm512_loadu_ps(x + i), d) : _mm512_setzero_ps();
+    const __m128i codes = codes16(q, i);
+    if (nibbles) {
+      pack16(codes, out + i / 2);
+    } else if (dense) {
+#if defined(__BMI2__)  // each group's 8 code bytes: their low bits extracted into its word
+      const uint64_t low = _pext_u64(static_cast<uint64_t>(_mm_cvtsi128_si64(codes)), byte_fields);
+      const uint64_t high = _pext_u64(static_cast<uint64_t>(_mm_extract_epi64(codes, 1)), byte_fields);
+#else  // each group's 8 codes shifted to their bit fields in 64-bit lanes, OR-ed into its word
+      const uint64_t low = _mm512_reduce_or_epi64(_mm512_sllv_epi64(_mm512_cvtepu8_epi64(codes), dense_shifts));
+      const uint64_t high = _mm512_reduce_or_epi64(_mm512_sllv_epi64(_mm512_cvtepu8_epi64(_mm_srli_si128(codes, 8)), dense_shifts));
+#endif
+      store_two_groups(low, high, bits, out + i / 8 * bits);
+    } else {
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), codes);
+    }
+  }
+  return i;
+}
+#endif
+
 // The codes of x[0:n] / divisor (true division: correctly rounded, as the reference's) in a block state s, stored
 // at out: a byte each, two per byte (value 2i in the low nibble; an odd last one: the high nibble 0) or dense (a last
 // group of fewer than 8 padded with code 0, as formats.packing.pack). A non-finite
@@ -385,49 +422,26 @@ void encode_codes(const State& s, const float* __restrict__ x, float divisor, bo
   int64_t i = 0;
 #ifdef QSTATE_AVX512
   const __m512 d = _mm512_set1_ps(divisor);
-#if defined(__BMI2__)
-  const uint64_t byte_fields = dense ? dense_byte_fields(s.bits) : 0;
-#else
-  const int64_t b = s.bits;
-  const __m512i dense_shifts = _mm512_set_epi64(7 * b, 6 * b, 5 * b, 4 * b, 3 * b, 2 * b, b, 0);
-#endif
 #ifdef QSTATE_VBMI
-  i = codebook_bytes64<Nonnegative>(s, first, out, n,
-                                    [&](int64_t j) { return finite ? _mm512_div_ps(_mm512_loadu_ps(x + j), d) : _mm512_setzero_ps(); });
+  i = codebook_bytes64<Nonnegative>(
+      s, first, out, n, [x, d, finite](int64_t j) { return finite ? _mm512_div_ps(_mm512_loadu_ps(x + j), d) : _mm512_setzero_ps(); });
 #endif
-  // 16 codes at a time by ``codes16(q, j)`` (q: the normalized values from j), each loop compiled for one encoder
-  const auto encode16 = [&](auto&& codes16) {
-    for (; i + 16 <= n; i += 16) {
-      const __m512 q = finite ? _mm512_div_ps(_mm512_loadu_ps(x + i), d) : _mm512_setzero_ps();
-      const __m128i codes = codes16(q, i);
-      if (nibbles) {
-        pack16(codes, out + i / 2);
-      } else if (dense) {
-#if defined(__BMI2__)  // each group's 8 code bytes: their low bits extracted into its word
-        const uint64_t low = _pext_u64(static_cast<uint64_t>(_mm_cvtsi128_si64(codes)), byte_fields);
-        const uint64_t high = _pext_u64(static_cast<uint64_t>(_mm_extract_epi64(codes, 1)), byte_fields);
-#else  // each group's 8 codes shifted to their bit fields in 64-bit lanes, OR-ed into its word
-        const uint64_t low = _mm512_reduce_or_epi64(_mm512_sllv_epi64(_mm512_cvtepu8_epi64(codes), dense_shifts));
-        const uint64_t high = _mm512_reduce_or_epi64(_mm512_sllv_epi64(_mm512_cvtepu8_epi64(_mm_srli_si128(codes, 8)), dense_shifts));
-#endif
-        store_two_groups(low, high, s.bits, out + i / 8 * s.bits);
-      } else {
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), codes);
-      }
-    }
-  };
   if (minifloat && s.stochastic)
-    encode16([&](__m512 q, int64_t j) { return encode_minifloat16<true>(q, s.mf, uniform16(s.seed, first + j)); });
+    i = encode16(x, d, finite, out, i, n, s.bits, [mf = s.mf, seed = s.seed, first](__m512 q, int64_t j) {
+      return encode_minifloat16<true>(q, mf, uniform16(seed, first + j));
+    });
   else if (minifloat)
-    encode16([&](__m512 q, int64_t) { return encode_minifloat16<false>(q, s.mf, q); });
+    i = encode16(x, d, finite, out, i, n, s.bits, [mf = s.mf](__m512 q, int64_t) { return encode_minifloat16<false>(q, mf, q); });
   else
     with_depth(s.cb.depth, [&]<int Depth>(std::integral_constant<int, Depth>) {
       if (s.stochastic)
-        encode16([&](__m512 q, int64_t j) {
-          return codebook_stochastic16<Depth, Nonnegative>(q, s.cb, s.last, s.min_code, uniform16(s.seed, first + j));
-        });
+        i = encode16(x, d, finite, out, i, n, s.bits,
+                     [cb = s.cb, last = s.last, min_code = s.min_code, seed = s.seed, first](__m512 q, int64_t j) {
+                       return codebook_stochastic16<Depth, Nonnegative>(q, cb, last, min_code, uniform16(seed, first + j));
+                     });
       else
-        encode16([&](__m512 q, int64_t) { return _mm512_cvtepi32_epi8(codebook_codes16<Depth, Nonnegative>(q, s.cb)); });
+        i = encode16(x, d, finite, out, i, n, s.bits,
+                     [cb = s.cb](__m512 q, int64_t) { return _mm512_cvtepi32_epi8(codebook_codes16<Depth, Nonnegative>(q, cb)); });
     });
 #endif
   const auto code_of = [&](int64_t j) {
@@ -513,7 +527,7 @@ bool encode_state(const State& s, int64_t base, int64_t n, const float* __restri
   return all_ok;
 }
 
-// Adam on n fp32 values: param p updated in place, moments decoded in m, v (updated in place), as update_block.
+// Adam on n fp32 values: param p updated in place, moments decoded in m, v (updated in place), as update_blocks.
 void update_values(float* __restrict__ p, const float* __restrict__ g, const Hyper& h, int64_t n, float* __restrict__ m,
                    float* __restrict__ v) {
   int64_t i = 0;
@@ -598,8 +612,8 @@ struct Chunks {
 
 // One coded parameter of the multi-tensor Adam step. p, g: fp32 values, or (on a weight grid) of ``dtype``. It is
 // stepped a chunk at a time: the larger block of its moments (blocks are powers of two: the smaller divides it; a
-// cast's: the other's, CAST_CHUNK for two casts). ``fast``: both moments block states of one block size (step_block:
-// decoded in registers, absmaxes taken on the way), ``bytes``: both of 8-bit codes (its stall counts too); else
+// cast's: the other's, CAST_CHUNK for two casts; a fast parameter's: at least FAST_CHUNK). ``fast``: both moments block states of one block
+// size (step_block: decoded in registers, absmaxes taken on the way), ``bytes``: both of 8-bit codes (its stall counts too); else
 // step_chunk decodes both into scratch first.
 struct Param : Chunks {
   void* p;
@@ -611,6 +625,8 @@ struct Param : Chunks {
 
 // The chunk of a parameter whose moments are both casts, and the least chunk of a momentum buffer.
 constexpr int64_t CAST_CHUNK = 1024;
+// The least chunk of a fast parameter (whole blocks): per-call costs (constants, scale loads) spread over more values.
+constexpr int64_t FAST_CHUNK = 1024;
 
 // What the threads stepping one coded parameter's blocks report.
 struct Outcome {
@@ -775,10 +791,11 @@ std::vector<Param> coded_params(const std::vector<torch::Tensor>& params, const 
     w.h = group.at(steps_done(steps[k]), true, bounds_a[k]);
     w.h.eco = eco_a[k];
     const bool m_cast = w.m.kind == Kind::kCast, v_cast = w.v.kind == Kind::kCast;
-    w.chunk = m_cast && v_cast ? CAST_CHUNK : std::max(m_cast ? 0 : w.m.block, v_cast ? 0 : w.v.block);
-    w.chunks = (w.numel + w.chunk - 1) / w.chunk;
     w.fast = !m_cast && !v_cast && w.m.block == w.v.block;
     w.bytes = w.fast && w.m.bits == 8 && w.v.bits == 8;
+    w.chunk = w.fast ? std::max(w.m.block, FAST_CHUNK)
+                     : (m_cast && v_cast ? CAST_CHUNK : std::max(m_cast ? 0 : w.m.block, v_cast ? 0 : w.v.block));
+    w.chunks = (w.numel + w.chunk - 1) / w.chunk;
   }
   return work;
 }
@@ -833,9 +850,21 @@ void check_gradients(const std::vector<Work>& work, const BlockOrder& order, std
   });
 }
 
+// One block of a fast parameter's chunk: its moments' scales before the step, and the absmaxes and all-finite flags of
+// their new values.
+struct BlockStats {
+  float m_scale, v_scale, m_max = 0.0f, v_max = 0.0f;
+  bool m_ok = true, v_ok = true;
+
+  void merge(float m_top, float v_top, bool m_finite, bool v_finite) {
+    m_max = std::max(m_max, m_top), v_max = std::max(v_max, v_top), m_ok = m_ok && m_finite, v_ok = v_ok && v_finite;
+  }
+};
+
 // A thread's buffers for one block: decoded new moments, and the codes before the step (stall counts only).
 struct Scratch {
   std::vector<float> m, v;
+  std::vector<BlockStats> stats;  // step_block's, per block of its chunk
   std::vector<uint8_t> old_m, old_v;
   // step_chunk's stall counts: the values and units before the step, and the stored values and units after it
   std::vector<float> before, before_units, stored, stored_units;
@@ -850,112 +879,130 @@ void grid_update(const Param& w, int64_t base, int64_t size, float* m, float* v)
                    });
 }
 
-// Values [base, base + n) of a parameter with fp32 values (inside one block of both moments: block states of one block
-// size) updated in place, the new moments to m / v, their absmaxes and NaN/inf flags. With VBMI both moments are decoded
-// 64 values at a time in registers (Decode64); the rest is decoded into m, v first (decode_state).
-void update_block(float* __restrict__ p, const float* __restrict__ g, const Param& w, int64_t base, int64_t n, float m_scale, float v_scale,
-                  float* __restrict__ m, float* __restrict__ v, float& m_max, float& v_max, bool& m_ok, bool& v_ok) {
-  int64_t i = 0;
-  m_max = 0.0f, v_max = 0.0f;
-  bool m_bad = false, v_bad = false;
+// visit(first, end, stats[j]) for each block j of a fast parameter's values [base, base + n) (block j: chunk values
+// [first, end)), its stats started with the block's scales before the step.
+template <typename Visit>
+void for_each_block(const Param& w, int64_t base, int64_t n, BlockStats* stats, Visit&& visit) {
+  const int64_t block = w.m.block;
+  for (int64_t first = 0, j = 0; first < n; first += block, ++j) {
+    const int64_t index = (base + first) / block;
+    stats[j] = BlockStats{w.m.scales.load(index), w.v.scales.load(index)};
+    visit(first, std::min(first + block, n), stats[j]);
+  }
+}
+
+#ifdef QSTATE_AVX512
+// The absmaxes and flags that update gathered (since its last take) merged into s; update's restarted.
+QSTATE_INLINE void take_stats(Update16& update, BlockStats& s) {
+  s.merge(_mm512_reduce_max_ps(update.m_top), _mm512_reduce_max_ps(update.v_top), update.m_nonfinite == 0, update.v_nonfinite == 0);
+  update.m_top = _mm512_setzero_ps(), update.v_top = _mm512_setzero_ps(), update.m_nonfinite = 0, update.v_nonfinite = 0;
+}
+#endif
+
+// Values [base, base + n) of a parameter with fp32 values (a fast parameter's chunk: whole blocks but its last) updated in
+// place, the new moments to m / v, each block's scales, absmaxes and flags to stats. With VBMI both moments are decoded 64
+// values at a time in registers (Decode64); the rest of a block is decoded into m, v first (decode_state).
+void update_blocks(float* __restrict__ p, const float* __restrict__ g, const Param& w, int64_t base, int64_t n, float* __restrict__ m,
+                   float* __restrict__ v, BlockStats* stats) {
 #ifdef QSTATE_AVX512
   Update16 update(w.h);
 #ifdef QSTATE_VBMI
   const Decode64 m_codes(w.m), v_codes(w.v);
-  for (; i + 64 <= n; i += 64) {
-    __m512 mi[4], vi[4];
-    m_codes(base + i, m_scale, mi);
-    v_codes(base + i, v_scale, vi);
-    for (int r = 0; r < 4; ++r) update(p + i + 16 * r, g + i + 16 * r, mi[r], vi[r], m + i + 16 * r, v + i + 16 * r);
-  }
 #endif
 #endif
-  if (i < n) {
-    decode_state(w.m, base + i, n - i, false, m + i);
-    decode_state(w.v, base + i, n - i, false, v + i);
-  }
+  for_each_block(w, base, n, stats, [&](int64_t first, int64_t end, BlockStats& s) {
+    int64_t i = first;
+#ifdef QSTATE_VBMI
+    for (; i + 64 <= end; i += 64) {
+      __m512 mi[4], vi[4];
+      m_codes(base + i, s.m_scale, mi);
+      v_codes(base + i, s.v_scale, vi);
+      for (int r = 0; r < 4; ++r) update(p + i + 16 * r, g + i + 16 * r, mi[r], vi[r], m + i + 16 * r, v + i + 16 * r);
+    }
+#endif
+    if (i < end) {
+      decode_state(w.m, base + i, end - i, false, m + i);
+      decode_state(w.v, base + i, end - i, false, v + i);
+    }
 #ifdef QSTATE_AVX512
-  for (; i + 16 <= n; i += 16) update(p + i, g + i, _mm512_loadu_ps(m + i), _mm512_loadu_ps(v + i), m + i, v + i);
-  m_max = _mm512_reduce_max_ps(update.m_top), v_max = _mm512_reduce_max_ps(update.v_top);
-  m_bad = update.m_nonfinite != 0, v_bad = update.v_nonfinite != 0;
+    for (; i + 16 <= end; i += 16) update(p + i, g + i, _mm512_loadu_ps(m + i), _mm512_loadu_ps(v + i), m + i, v + i);
+    take_stats(update, s);
 #endif
-  for (; i < n; ++i) {
-    adam_lane(p[i], g[i], m[i], v[i], w.h);
-    const float am = std::fabs(m[i]), av = std::fabs(v[i]);
-    m_max = am > m_max ? am : m_max;
-    v_max = av > v_max ? av : v_max;
-    m_bad |= std::isnan(m[i] - m[i]);
-    v_bad |= std::isnan(v[i] - v[i]);
-  }
-  m_ok = !m_bad, v_ok = !v_bad;
+    for (; i < end; ++i) {
+      adam_lane(p[i], g[i], m[i], v[i], w.h);
+      s.merge(std::fabs(m[i]), std::fabs(v[i]), !std::isnan(m[i] - m[i]), !std::isnan(v[i] - v[i]));  // a NaN: not above the max
+    }
+  });
 }
 
-// update_param_block of a parameter on a weight grid: with VBMI 64 values decoded at a time, Update16::advance_on_grid
-// and the absmaxes in registers; the rest, or without VBMI: both moments decoded, grid_update, block_stats. Never
-// inlined: its loops (one per element type, rounding and feedback) inlined into update_param_block made the step of
-// fp32 parameters 11 % slower (one thread, int8).
-QSTATE_NOINLINE void update_grid_block(const Param& w, int64_t base, int64_t size, float m_scale, float v_scale, float* m, float* v,
-                                       float& m_max, float& v_max, bool& m_ok, bool& v_ok) {
-  int64_t done = 0;
-  m_max = 0.0f, v_max = 0.0f, m_ok = true, v_ok = true;
-#ifdef QSTATE_VBMI
+// update_blocks of a parameter on a weight grid: with VBMI 64 values decoded at a time, Update16::advance_on_grid and the
+// absmaxes in registers; the rest of a block, or without VBMI: both moments decoded, grid_lanes, block_stats. Never
+// inlined: its loops (one per element type, rounding and feedback) inlined into step_block made the step of fp32
+// parameters 11 % slower (one thread, int8).
+QSTATE_NOINLINE void update_grid_blocks(const Param& w, int64_t base, int64_t n, float* m, float* v, BlockStats* stats) {
   with_grid_values(w.dtype, w.grid, w.p, w.g, base,
                    [&]<typename T, typename Rounding, bool Eco>(T* p, const T* g, Rounding, std::bool_constant<Eco>) {
+#ifdef QSTATE_VBMI
                      Update16 update(w.h);
                      const Decode64 m_codes(w.m), v_codes(w.v);
-                     for (; done + 64 <= size; done += 64) {
-                       __m512 mi[4], vi[4];
-                       m_codes(base + done, m_scale, mi);
-                       v_codes(base + done, v_scale, vi);
-                       for (int r = 0; r < 4; ++r) {
-                         const int64_t at = done + 16 * r;
-                         update.advance_on_grid<T, Rounding, Eco>(p + at, g + at, w.grid.seed, base + at, mi[r], vi[r]);
-                         update.record(mi[r], vi[r], m + at, v + at);
-                       }
-                     }
-                     m_max = _mm512_reduce_max_ps(update.m_top), v_max = _mm512_reduce_max_ps(update.v_top);
-                     m_ok = update.m_nonfinite == 0, v_ok = update.v_nonfinite == 0;
-                   });
 #endif
-  if (done == size) return;
-  const int64_t rest = size - done;
-  decode_state(w.m, base + done, rest, false, m + done);
-  decode_state(w.v, base + done, rest, false, v + done);
-  grid_update(w, base + done, rest, m + done, v + done);
-  float m_rest, v_rest;
-  bool m_rest_ok, v_rest_ok;
-  block_stats(m + done, v + done, rest, m_rest, v_rest, m_rest_ok, v_rest_ok);
-  m_max = std::max(m_max, m_rest), v_max = std::max(v_max, v_rest), m_ok = m_ok && m_rest_ok, v_ok = v_ok && v_rest_ok;
+                     for_each_block(w, base, n, stats, [&](int64_t first, int64_t end, BlockStats& s) {
+                       int64_t i = first;
+#ifdef QSTATE_VBMI
+                       for (; i + 64 <= end; i += 64) {
+                         __m512 mi[4], vi[4];
+                         m_codes(base + i, s.m_scale, mi);
+                         v_codes(base + i, s.v_scale, vi);
+                         for (int r = 0; r < 4; ++r) {
+                           const int64_t at = i + 16 * r;
+                           update.advance_on_grid<T, Rounding, Eco>(p + at, g + at, w.grid.seed, base + at, mi[r], vi[r]);
+                           update.record(mi[r], vi[r], m + at, v + at);
+                         }
+                       }
+                       take_stats(update, s);
+#endif
+                       if (i == end) return;
+                       decode_state(w.m, base + i, end - i, false, m + i);
+                       decode_state(w.v, base + i, end - i, false, v + i);
+                       grid_lanes<T, Rounding, Eco>(p + i, g + i, base + i, w.h, w.grid.seed, end - i, m + i, v + i);
+                       float m_rest, v_rest;
+                       bool m_rest_ok, v_rest_ok;
+                       block_stats(m + i, v + i, end - i, m_rest, v_rest, m_rest_ok, v_rest_ok);
+                       s.merge(m_rest, v_rest, m_rest_ok, v_rest_ok);
+                     });
+                   });
 }
 
-// The per-block step of a fast parameter: block ``index`` of w decoded, updated (update_block, or update_grid_block on a
-// weight grid) and encoded in place; its stall counts (8-bit codes only).
+// The step of a fast parameter's chunk ``index`` (whole blocks but its last): decoded, updated (update_blocks, or
+// update_grid_blocks on a weight grid) and encoded in place block by block; its stall counts (8-bit codes only).
 void step_block(const Param& w, int64_t index, bool track, Scratch& scratch, Outcome& outcome) {
-  const int64_t base = index * w.chunk, size = std::min(w.chunk, w.numel - base);
+  const int64_t base = index * w.chunk, size = std::min(w.chunk, w.numel - base), block = w.m.block;
   const uint8_t *mc = static_cast<const uint8_t*>(w.m.codes) + base, *vc = static_cast<const uint8_t*>(w.v.codes) + base;
-  scratch.m.resize(size), scratch.v.resize(size);
+  scratch.m.resize(size), scratch.v.resize(size), scratch.stats.resize((size + block - 1) / block);
   float *m = scratch.m.data(), *v = scratch.v.data();
-  const float m_scale = w.m.scales.load(index), v_scale = w.v.scales.load(index);
   if (track) {
     scratch.old_m.assign(mc, mc + size);
     scratch.old_v.assign(vc, vc + size);
   }
-  float m_max, v_max;
-  bool m_ok, v_ok;
   if (w.grid.active())
-    update_grid_block(w, base, size, m_scale, v_scale, m, v, m_max, v_max, m_ok, v_ok);
+    update_grid_blocks(w, base, size, m, v, scratch.stats.data());
   else
-    update_block(static_cast<float*>(w.p) + base, static_cast<const float*>(w.g) + base, w, base, size, m_scale, v_scale, m, v, m_max,
-                 v_max, m_ok, v_ok);
-  const float m_new = encode_one_block<false>(w.m, index, base, size, m, m_max, m_ok);
-  const float v_new = encode_one_block<true>(w.v, index, base, size, v, v_max, v_ok);
-  if (!(m_ok && v_ok)) outcome.moments_bad.store(1, std::memory_order_relaxed);
-  if (track) {
-    int64_t local[4] = {0, 0, 0, 0};
-    count_block(scratch.old_m.data(), m_scale, mc, m_new, m, w.m.cb.decode, size, local);
-    count_block(scratch.old_v.data(), v_scale, vc, v_new, v, w.v.cb.decode, size, local + 2);
-    outcome.add_stalls(local, 4);
+    update_blocks(static_cast<float*>(w.p) + base, static_cast<const float*>(w.g) + base, w, base, size, m, v, scratch.stats.data());
+  int64_t local[4] = {0, 0, 0, 0};
+  bool ok = true;
+  for (int64_t first = 0, j = 0; first < size; first += block, ++j) {
+    const BlockStats& s = scratch.stats[j];
+    const int64_t n = std::min(block, size - first), at = base + first;
+    const float m_new = encode_one_block<false>(w.m, at / block, at, n, m + first, s.m_max, s.m_ok);
+    const float v_new = encode_one_block<true>(w.v, at / block, at, n, v + first, s.v_max, s.v_ok);
+    ok = ok && s.m_ok && s.v_ok;
+    if (track) {
+      count_block(scratch.old_m.data() + first, s.m_scale, mc + first, m_new, m + first, w.m.cb.decode, n, local);
+      count_block(scratch.old_v.data() + first, s.v_scale, vc + first, v_new, v + first, w.v.cb.decode, n, local + 2);
+    }
   }
+  if (!ok) outcome.moments_bad.store(1, std::memory_order_relaxed);
+  if (track) outcome.add_stalls(local, 4);
 }
 
 // The values and units of state s at [base, base + size) into scratch (before: ``after`` false; stored: true).
