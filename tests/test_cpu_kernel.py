@@ -22,7 +22,7 @@ import lightning_qstate as lq
 from lightning_qstate.formats import CodebookFormat, get_format
 from lightning_qstate.formats.codebooks import nearest_thresholds
 from lightning_qstate.formats.rounding import encode_codebook
-from lightning_qstate.formats.weights import get_weight_grid
+from lightning_qstate.formats.weights import WeightGrid, get_weight_grid
 from lightning_qstate.kernels import native
 from lightning_qstate.kernels.adam_reference import adam_hyper, adam_step_quantized
 from lightning_qstate.kernels.code_index import NearestCodeIndex, nearest_index, segment_table
@@ -664,3 +664,22 @@ def test_the_native_path_takes_what_the_kernel_supports(options, dtype, expected
     param.grad = torch.randn_like(param)
     optimizer.step()
     assert optimizer.step_paths() == {"param0": expected}
+
+
+@needs_kernel
+@pytest.mark.parametrize("states", ["int8", "fp32"])
+def test_a_weight_grid_with_its_own_rounding_takes_the_reference_path(states):
+    """A ``WeightGrid`` subclass's ``round`` (a synthetic quantizer) is called by the reference path only: the fused
+    steps round to the cast grid themselves, so they would silently skip it."""
+
+    class Jittered(WeightGrid):
+        def round(self, values, rounding, generator=None):
+            return values + 1e-3
+
+    param = torch.nn.Parameter(torch.zeros(5000, dtype=torch.bfloat16))
+    optimizer = lq.QAdamW([param], min_quant_size=0, states=states, weights="bf16")
+    optimizer.weight_grid = lambda group, key, p=None: Jittered(get_weight_grid("bf16").format)
+    param.grad = torch.zeros_like(param)
+    optimizer.step()
+    assert optimizer.step_paths() == {"param0": "reference"}
+    assert torch.equal(param.detach(), torch.full_like(param, 1e-3))

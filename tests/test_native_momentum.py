@@ -135,7 +135,7 @@ def test_native_stall_counts_are_the_reference_paths(case):
 
 
 def test_paths_that_stay_on_the_reference():
-    """fp32 buffers (a parameter under ``min_quant_size``: its first step too), block-scaled weight grids, ECO with
+    """fp32 buffers (a parameter under ``min_quant_size``: its first step too; not on a weight grid), block-scaled weight grids, ECO with
     ``track_stalls``, momentum 0 and ``cpu_compile=False`` take the reference path; every step of a coded buffer, QSGD's
     first (which creates it) too, the native one."""
     weight = torch.nn.Parameter(torch.randn(64, 64))
@@ -151,6 +151,8 @@ def test_paths_that_stay_on_the_reference():
     assert paths(lq.QSGD([weight], lr=0.01, momentum=0.9, min_quant_size=0), 2) == ["native"] * 2
     assert paths(lq.QMuon([weight], lr=0.01, min_quant_size=0)) == ["native"]
     assert paths(lq.QSGD([weight], lr=0.01, momentum=0.9, min_quant_size=1 << 20), 2) == ["reference"] * 2  # an fp32 buffer
+    on_grid = lq.QSGD([weight], lr=0.01, momentum=0.9, min_quant_size=1 << 20, weights="bf16")
+    assert paths(on_grid, 2) == ["native"] * 2  # an fp32 buffer on a weight grid: stepped as an fp32 cast
     assert paths(lq.QSGD([weight], lr=0.01, momentum=0.0, min_quant_size=0), 2) == ["reference"] * 2
     assert paths(lq.QMuon([weight], lr=0.01, min_quant_size=0, weights="bf16")) == ["native"]
     assert paths(lq.QMuon([weight], lr=0.01, min_quant_size=0, weights="bf16", error_feedback="eco_exact")) == ["reference"]
@@ -197,6 +199,21 @@ def test_momentum_on_a_weight_grid_is_the_reference_path_bit_for_bit(param_dtype
         if grid != "fp32":
             held = a.detach().to(getattr(torch, {"bf16": "bfloat16", "fp16": "float16"}[grid]))
             assert torch.equal(held.to(param_dtype), a.detach())
+
+
+@pytest.mark.parametrize("optimizer, feedback", [("sgd", None), ("sgd", "eco"), ("muon", None)])
+@pytest.mark.parametrize("param_dtype, grid", GRIDS, ids=[f"{str(d)[6:]} on {g}" for d, g in GRIDS])
+def test_plain_buffers_on_a_weight_grid_take_the_native_path_bit_for_bit(param_dtype, grid, optimizer, feedback):
+    """fp32 buffers (``states="fp32"``, as ``min_quant_size`` keeps small parameters') of parameters on a weight grid
+    step on the native path as fp32 casts (QSGD's first step creates its buffer there, plain): buffers and params equal
+    the reference path's bit for bit, ECO's feedback included, and the buffers stay plain fp32 tensors."""
+    fast_params, fast = run_on_grid(param_dtype, grid, feedback, "fp32", range(4), optimizer=optimizer)
+    slow_params, slow = run_on_grid(param_dtype, grid, feedback, "fp32", range(4), native_path=False, optimizer=optimizer)
+    assert set(fast.step_paths().values()) == {"native"} and set(slow.step_paths().values()) == {"reference"}
+    for a, b in zip(buffers(fast, fast_params), buffers(slow, slow_params), strict=True):
+        assert type(a) is torch.Tensor and a.dtype == torch.float32 and same_bits(a, b)
+    for a, b in zip(fast_params, slow_params, strict=True):
+        assert a.dtype == param_dtype and same_bits(a.detach(), b.detach())
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "muon"])

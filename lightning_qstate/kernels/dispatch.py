@@ -107,10 +107,13 @@ def no_weight_grid(c: Candidate) -> bool:
 def fused_weight_update(c: Candidate) -> bool:
     """No weight grid, or one the fused steps (C++, Triton, compiled) round to: a cast format's (elementwise) that the
     parameter's dtype holds exactly (its own dtype's, or any on an fp32 parameter), with ``error_feedback`` ``None`` or
-    ``"eco"``, and not ``"eco"`` with ``track_stalls``. Block-scaled grids, ``"eco_exact"``'s buffer and the counts of
-    ECO's corrections are the reference path's."""
+    ``"eco"``, and not ``"eco"`` with ``track_stalls``. Block-scaled grids, ``"eco_exact"``'s buffer, the counts of
+    ECO's corrections and a grid whose ``round`` is not ``WeightGrid``'s (a subclass's quantizer, which only the
+    reference path calls) are the reference path's."""
     if c.weights is None:
         return True
+    if type(c.weights).round is not WeightGrid.round:
+        return False
     feedback = c.group["error_feedback"]
     held = c.weights.cast_dtype is not None and c.param.dtype in (c.weights.cast_dtype, torch.float32)
     return held and feedback in (None, "eco") and not (feedback == "eco" and c.track_stalls)
@@ -167,12 +170,18 @@ def plain_momentum_options(c: Candidate) -> bool:
 
 def native_momentum(c: Candidate) -> bool:
     """A coded ``momentum_buffer`` in a format the C++ kernel stores (``native.native_format``), with either rounding:
-    a fp32-valued ``QuantizedTensor`` already there, or one this step creates (SGD's first) in a policy format."""
+    a fp32-valued ``QuantizedTensor`` already there, or one this step creates (SGD's first) in a policy format. On a
+    weight grid also a plain buffer (``min_quant_size`` or an ``"fp32"`` policy keeps it so; fp32 there, as the
+    reference path's update runs in fp32): the kernel steps it as an fp32 cast, as ``NATIVE_JOIN`` does Adam's moments."""
     buffer = c.state.get("momentum_buffer")
     if buffer is None:
-        fmt = c.created.get("momentum_buffer")
-        return fmt is not None and native_format(fmt)
-    return isinstance(buffer, QuantizedTensor) and buffer.dtype == torch.float32 and native_format(buffer.format)
+        if "momentum_buffer" not in c.created:
+            return False
+        fmt = c.created["momentum_buffer"]
+        return native_format(fmt) if fmt is not None else c.weights is not None
+    if isinstance(buffer, QuantizedTensor):
+        return buffer.dtype == torch.float32 and native_format(buffer.format)
+    return c.weights is not None and buffer.dtype == torch.float32 and buffer.is_contiguous()
 
 
 def on_triton_device(c: Candidate) -> bool:

@@ -38,11 +38,11 @@ with ``error_feedback="eco"`` the rounding error goes into ``m`` before ``m`` is
 (``adam_reference.eco_feedback``: ``fma(eco_coefficient * denom, updated - rounded, m)``). The random bits of
 element ``i`` are half of splitmix64's output ``i // 2 + 1`` from a per-parameter seed that Python draws for each step from
 ``optimizer.rounding_generator(param, "weights", cpu)``: counter-based, so they do not depend on the thread count.
-For these parameters the moments are decoded by scalar table lookups, then one loop per block does the update, the
-rounding and the feedback: written without branches (selects, ``-fno-math-errno``) and compiled once per parameter
-dtype, rounding and feedback, so that the compiler vectorizes it for the CPU it builds for (AVX2 or AVX-512; each
-lane's IEEE operations are the scalar code's, so the bits do not depend on it). The AVX-512 intrinsics body below is
-for fp32 parameters without a grid only.
+For these parameters the update, the rounding and the feedback run 16 values at a time with AVX-512
+(``Update16::advance_on_grid``: true divisions, the grid's rounding by the cast stores' vector forms); the scalar loop
+that runs the rest (the whole update on other CPUs) is written without branches (selects, ``-fno-math-errno``) and
+compiled once per parameter dtype, rounding and feedback, so that the compiler vectorizes it for the CPU it builds for
+(AVX2 or AVX-512; each lane's IEEE operations are the scalar code's, so the bits do not depend on it).
 
 The codes and scales are those of the torch reference ``adam_reference.adam_step_quantized`` bit for bit: the
 hyperparameters are rounded to fp32 from double as ``adam_reference.adam_hyper`` (and torch's AdamW) round them, the
@@ -54,12 +54,15 @@ multiplies by reciprocals where the reference divides, so params are within a fe
 reference's; on a weight grid (round to nearest) params and codes are the reference's bit for bit, ECO's too. With
 AVX-512 the body of each block runs 16 lanes at a time (table lookups by register permutes, not gathers; with VBMI,
 64 codes at a time from byte planes of the table, also the three table lookups of an 8-bit codebook's stochastic
-rounding; a codebook of at most 128 codes encoded by a branch-free binary search of its thresholds,
-``NearestCodeIndex.search_levels``, one register permute per level, and an 8-bit one by its bucket table, a gather);
+rounding, and moments of one block size decoded, updated and their block absmaxes taken in one pass, nibbles and dense
+codes unpacked 64 at a time by a byte permute and a multishift, a chunk of at least 1024 values per call; a codebook
+of at most 128 codes encoded by a branch-free binary search of its thresholds, ``NearestCodeIndex.search_levels``, one
+register permute per level, and an 8-bit one by its bucket table, a gather);
 the scalar code runs the rest and is the whole kernel on other CPUs.
 
 ``momentum_steps`` (``native_momentum_steps``) is the same machinery for QSGD's and QMuon's ``momentum_buffer`` (any
-format above, either rounding; fp32 parameters, and QSGD's on a weight grid as above: fp32/bf16/fp16 values, the new
+format above, either rounding, and a plain fp32 buffer on a weight grid as an fp32 cast; fp32 parameters, and QSGD's
+on a weight grid as above: fp32/bf16/fp16 values, the new
 ones rounded to the grid as ``grid_lanes`` rounds them, ECO's ``buf + coefficient * (updated - rounded)``, the
 product rounded first, as ``QSGD._feed_back_error``): the group's gradients checked, then each
 buffer a chunk at a time (whole blocks, at least 1024 values) decoded, updated and encoded back block by block, as the
@@ -306,7 +309,7 @@ def native_round_to_grid(values: torch.Tensor, dtype: torch.dtype, rounding: str
 def native_momentum_steps(
     params: list[torch.Tensor],
     grads: list[torch.Tensor],
-    buffers: list[QuantizedTensor],
+    buffers: list[QuantizedTensor | torch.Tensor],
     group: dict,
     muon: bool,
     track_stalls: bool,
@@ -317,7 +320,8 @@ def native_momentum_steps(
     created: list[bool] | None = None,
 ) -> tuple[list[list[int]], list[torch.Tensor | None]]:
     """The momentum step of every parameter of ``group`` given (each with a coded ``momentum_buffer`` in ``buffers``,
-    updated in place; ``momentum != 0``) in one C++ call: torch's single-tensor SGD with ``group``'s options (params
+    or a plain contiguous fp32 one, stepped as an fp32 cast: its values updated in place, no stall counts; ``momentum !=
+    0``) in one C++ call: torch's single-tensor SGD with ``group``'s options (params
     updated in place), or with ``muon`` Muon's momentum (``buf.lerp_(grad, 1 - momentum)`` and the update
     ``grad.lerp(buf, momentum)`` with nesterov, else ``buf``), the orthogonalization and param update left to the
     caller. Parameters and gradients are fp32, or for SGD on a weight grid fp32, bf16 or fp16 of one dtype.
@@ -340,6 +344,8 @@ def native_momentum_steps(
     weights, weight_seeds, eco = weights or [None] * count, weight_seeds or [0] * count, eco or [0.0] * count
     if muon and any(grid is not None for grid in weights):
         raise ValueError("the C++ kernel keeps only SGD's parameters on a weight grid (Muon's update is applied in torch)")
+    coded = [isinstance(buffer, QuantizedTensor) for buffer in buffers]
+    buffers = [buffer if quantized else _fp32_cast(buffer) for buffer, quantized in zip(buffers, coded, strict=True)]
     tables, ints, floats = _state_rows(buffers, group["rounding"] == "stochastic")
     updates = [torch.empty(param.shape, dtype=torch.float32) for param in params] if muon else []
     rows = _function("momentum_steps")(
@@ -367,6 +373,7 @@ def native_momentum_steps(
     ).tolist()
     if not all(row[1] for row in rows if row[0]):
         raise FloatingPointError("a momentum buffer overflowed to inf/NaN during the step; its packed codes were not trusted")
+    rows = [row if quantized else row[:2] + [0, 0] for row, quantized in zip(rows, coded, strict=True)]
     return rows, updates or [None] * len(params)
 
 

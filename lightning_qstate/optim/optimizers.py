@@ -365,16 +365,17 @@ class _MomentumStates(QuantizedStates):
         grid (no ECO: QMuon refuses ``"eco"``) take the kernel's momentum and update, then ``_apply_update`` on fp32
         copies rounded onto the grid (``_round_to_grid``), as the reference path's ``_update_weights``."""
         params, grads = [local_tensor(key) for key in keys], [local_tensor(key.grad) for key in keys]
-        stochastic = group["rounding"] == "stochastic"
-        seeds = [self._kernel_seeds(key, "momentum_buffer")[0] if stochastic else 0 for key in keys]
         weights = [self.weight_grid(group, key, param) for key, param in zip(keys, params, strict=True)]
         targets = self._weight_targets(group, keys)
         created = ["momentum_buffer" not in self.state[key] for key in keys]  # SGD's first step writes it (buf = d)
         buffers = [
-            self._policy_format(group, key, "momentum_buffer").allocate(param.shape, device=param.device)
-            if new
-            else self.state[key]["momentum_buffer"]
+            self._new_buffer(group, key, param) if new else self.state[key]["momentum_buffer"]
             for key, param, new in zip(keys, params, created, strict=True)
+        ]
+        stochastic = group["rounding"] == "stochastic"  # a plain buffer (fp32, on a weight grid) rounds nothing
+        seeds = [
+            self._kernel_seeds(key, "momentum_buffer")[0] if stochastic and isinstance(buffer, QuantizedTensor) else 0
+            for key, buffer in zip(keys, buffers, strict=True)
         ]
         masters = params  # what Muon's update steps: the parameter, or (on a grid, as _update_weights) fp32 copies
         if self.muon_momentum:  # the kernel's momentum from fp32 gradients (it reads no parameter values); the rounding below
@@ -403,7 +404,7 @@ class _MomentumStates(QuantizedStates):
                 continue
             if new:
                 self.state[key]["momentum_buffer"] = buffer
-            elif self.track_stalls:  # a new buffer has no stalls to count (as on the reference path)
+            elif self.track_stalls and isinstance(buffer, QuantizedTensor):  # a new or plain buffer has none (as on the reference path)
                 self._add_stall_counts(key, "momentum_buffer", torch.tensor(row[2:4]))
             if update is None:
                 continue
@@ -411,6 +412,16 @@ class _MomentumStates(QuantizedStates):
             if grid is not None:
                 param.copy_(self._round_to_grid(group, key, param, master, grid))
         self._count_weight_stalls(targets)  # after the skips are known
+
+    def _new_buffer(self, group: dict, key: torch.Tensor, param: torch.Tensor) -> QuantizedTensor | torch.Tensor:
+        """The buffer SGD's first step creates in the kernel (its values written, not read): in the policy's format, or
+        plain fp32 (a parameter on a weight grid, whose update runs in fp32)."""
+        fmt = self._policy_format(group, key, "momentum_buffer")
+        return (
+            torch.empty(param.shape, dtype=torch.float32, device=param.device)
+            if fmt is None
+            else fmt.allocate(param.shape, device=param.device)
+        )
 
     def _apply_update(self, group: dict, param: torch.Tensor, update: torch.Tensor) -> None:
         """Step ``param`` with the kernel's momentum ``update`` (fp32, param's shape): QMuon's orthogonalized step."""

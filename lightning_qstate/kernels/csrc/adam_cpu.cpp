@@ -899,6 +899,21 @@ QSTATE_INLINE void take_stats(Update16& update, BlockStats& s) {
 }
 #endif
 
+#ifdef QSTATE_VBMI
+// A block's values [i, end) 64 at a time while whole (i: where it stops): both moments decoded (Decode64, with the
+// block's scales in s), then step(at, mi, vi) on each 16 (at: their first value in the chunk).
+template <typename Step>
+QSTATE_INLINE void decode_both64(const Decode64& m_codes, const Decode64& v_codes, int64_t base, int64_t& i, int64_t end,
+                                 const BlockStats& s, Step&& step) {
+  for (; i + 64 <= end; i += 64) {
+    __m512 mi[4], vi[4];
+    m_codes(base + i, s.m_scale, mi);
+    v_codes(base + i, s.v_scale, vi);
+    for (int r = 0; r < 4; ++r) step(i + 16 * r, mi[r], vi[r]);
+  }
+}
+#endif
+
 // Values [base, base + n) of a parameter with fp32 values (a fast parameter's chunk: whole blocks but its last) updated in
 // place, the new moments to m / v, each block's scales, absmaxes and flags to stats. With VBMI both moments are decoded 64
 // values at a time in registers (Decode64); the rest of a block is decoded into m, v first (decode_state).
@@ -913,12 +928,8 @@ void update_blocks(float* __restrict__ p, const float* __restrict__ g, const Par
   for_each_block(w, base, n, stats, [&](int64_t first, int64_t end, BlockStats& s) {
     int64_t i = first;
 #ifdef QSTATE_VBMI
-    for (; i + 64 <= end; i += 64) {
-      __m512 mi[4], vi[4];
-      m_codes(base + i, s.m_scale, mi);
-      v_codes(base + i, s.v_scale, vi);
-      for (int r = 0; r < 4; ++r) update(p + i + 16 * r, g + i + 16 * r, mi[r], vi[r], m + i + 16 * r, v + i + 16 * r);
-    }
+    decode_both64(m_codes, v_codes, base, i, end, s,
+                  [&](int64_t at, __m512 mi, __m512 vi) { update(p + at, g + at, mi, vi, m + at, v + at); });
 #endif
     if (i < end) {
       decode_state(w.m, base + i, end - i, false, m + i);
@@ -949,16 +960,10 @@ QSTATE_NOINLINE void update_grid_blocks(const Param& w, int64_t base, int64_t n,
                      for_each_block(w, base, n, stats, [&](int64_t first, int64_t end, BlockStats& s) {
                        int64_t i = first;
 #ifdef QSTATE_VBMI
-                       for (; i + 64 <= end; i += 64) {
-                         __m512 mi[4], vi[4];
-                         m_codes(base + i, s.m_scale, mi);
-                         v_codes(base + i, s.v_scale, vi);
-                         for (int r = 0; r < 4; ++r) {
-                           const int64_t at = i + 16 * r;
-                           update.advance_on_grid<T, Rounding, Eco>(p + at, g + at, w.grid.seed, base + at, mi[r], vi[r]);
-                           update.record(mi[r], vi[r], m + at, v + at);
-                         }
-                       }
+                       decode_both64(m_codes, v_codes, base, i, end, s, [&](int64_t at, __m512 mi, __m512 vi) {
+                         update.advance_on_grid<T, Rounding, Eco>(p + at, g + at, w.grid.seed, base + at, mi, vi);
+                         update.record(mi, vi, m + at, v + at);
+                       });
                        take_stats(update, s);
 #endif
                        if (i == end) return;
