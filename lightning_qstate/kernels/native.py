@@ -11,12 +11,13 @@ is never stored as 0), writing param, codes and scales (bf16 or fp32, per state)
 with fp32 moments (those ``min_quant_size`` keeps fp32) step in the same call, and the kernel increments every step
 counter, so a whole group costs one call and no per-parameter torch ops.
 
-That pass, with the decode in registers, is for two 8-bit codebooks of one block size (either rounding). Every
-other pair of moment formats the kernel takes (``native_formats``: codebook or minifloat codes of 1 to 8 bits,
-packed as ``formats.packing`` packs them: two per byte up to 4 bits, dense groups of 8 for 5 to 7; bf16/fp16/fp32
-casts; ``m`` and ``v`` of different block sizes) is stepped a chunk at a time (the larger block): both moments
+That pass, with the decode in registers, is for two block states of one block size (codebook or minifloat codes of
+1 to 8 bits, packed as ``formats.packing`` packs them: two per byte up to 4 bits, dense groups of 8 for 5 to 7; a
+chunk of at least 1024 values, whole blocks, per call; either rounding; with stall counts, 8-bit codes only). Every
+other pair of moment formats the kernel takes (``native_formats``: bf16/fp16/fp32 casts; ``m`` and ``v`` of different
+block sizes; sub-byte codes with stall counts) is stepped a chunk at a time (the larger block): both moments
 decoded into scratch (a 256-entry table per state: a minifloat's ``decode_values`` too; casts converted), the same
-update, then each moment encoded block by block: a codebook with its ``NearestCodeIndex``, a minifloat with
+update, then each moment encoded block by block. Either way a codebook encodes with its ``NearestCodeIndex``, a minifloat with
 ``formats.rounding.encode_minifloat``'s own fp32 and integer operations, a cast as torch's casts (with
 ``CastFormat.lift_flushed`` for a zero-free ``v``); the quotient by the block scale is a true division, as the
 reference's. Under round to nearest its codes are the reference's bit for bit. Stochastic rounding
