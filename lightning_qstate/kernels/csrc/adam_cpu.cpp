@@ -47,20 +47,6 @@ QSTATE_FLATTEN void grid_lanes(T* __restrict__ p, const T* __restrict__ g, int64
   }
 }
 
-// The absmaxes of m[0:n], v[0:n] (a NaN value is passed over, as update_blocks' compare does) and whether all are finite.
-void block_stats(const float* __restrict__ m, const float* __restrict__ v, int64_t n, float& m_max, float& v_max, bool& m_ok, bool& v_ok) {
-  m_max = 0.0f, v_max = 0.0f;
-  bool m_bad = false, v_bad = false;
-  for (int64_t i = 0; i < n; ++i) {
-    const float am = std::fabs(m[i]), av = std::fabs(v[i]);
-    m_max = am > m_max ? am : m_max;
-    v_max = av > v_max ? av : v_max;
-    m_bad |= std::isnan(m[i] - m[i]);
-    v_bad |= std::isnan(v[i] - v[i]);
-  }
-  m_ok = !m_bad, v_ok = !v_bad;
-}
-
 // The SR draws of 16 elements from ``first`` (random_bits(seed, first + j)) as U[0, 1) (uniform_of).
 #ifdef QSTATE_AVX512
 inline __m512 uniform16(uint64_t seed, int64_t first) {
@@ -891,7 +877,7 @@ void for_each_block(const Param& w, int64_t base, int64_t n, BlockStats* stats, 
   }
 }
 
-#ifdef QSTATE_AVX512
+#ifdef QSTATE_VBMI
 // The absmaxes and flags that update gathered (since its last take) merged into s; update's restarted.
 QSTATE_INLINE void take_stats(Update16& update, BlockStats& s) {
   s.merge(_mm512_reduce_max_ps(update.m_top), _mm512_reduce_max_ps(update.v_top), update.m_nonfinite == 0, update.v_nonfinite == 0);
@@ -914,71 +900,68 @@ QSTATE_INLINE void decode_both64(const Decode64& m_codes, const Decode64& v_code
 }
 #endif
 
-// Values [base, base + n) of a parameter with fp32 values (a fast parameter's chunk: whole blocks but its last) updated in
-// place, the new moments to m / v, each block's scales, absmaxes and flags to stats. With VBMI both moments are decoded 64
-// values at a time in registers (Decode64); the rest of a block is decoded into m, v first (decode_state).
-void update_blocks(float* __restrict__ p, const float* __restrict__ g, const Param& w, int64_t base, int64_t n, float* __restrict__ m,
-                   float* __restrict__ v, BlockStats* stats) {
-#ifdef QSTATE_AVX512
-  Update16 update(w.h);
+// The rest of a block, values [i, end) of a fast parameter's chunk (from element ``base``; all of the block without
+// VBMI): both moments decoded into m, v, ``update()`` on them, then their absmaxes and flags merged into s.
+template <typename Update>
+void update_rest(const Param& w, int64_t base, int64_t i, int64_t end, float* m, float* v, BlockStats& s, Update&& update) {
+  if (i == end) return;
+  decode_state(w.m, base + i, end - i, false, m + i);
+  decode_state(w.v, base + i, end - i, false, v + i);
+  update();
+  float m_top, v_top;
+  bool m_ok, v_ok;
+  absmax(m + i, end - i, m_top, m_ok);
+  absmax(v + i, end - i, v_top, v_ok);
+  s.merge(m_top, v_top, m_ok, v_ok);
+}
+
+// A fast parameter's chunk, values [base, base + n) (whole blocks but its last), updated block by block, the new
+// moments to m / v, each block's scales, absmaxes and flags to stats. With VBMI both moments are decoded 64 values at a
+// time in registers (Decode64) and step16(update, at, mi, vi) steps each 16 (at: their first value in the chunk) and
+// records them (update: the Update16 whose absmaxes are the block's); the rest of a block goes to update_rest with
+// rest(i, end).
+template <typename Step16, typename Rest>
+QSTATE_INLINE void update_blocks(const Param& w, int64_t base, int64_t n, float* m, float* v, BlockStats* stats, Step16&& step16,
+                                 Rest&& rest) {
 #ifdef QSTATE_VBMI
+  Update16 update(w.h);
   const Decode64 m_codes(w.m), v_codes(w.v);
-#endif
 #endif
   for_each_block(w, base, n, stats, [&](int64_t first, int64_t end, BlockStats& s) {
     int64_t i = first;
 #ifdef QSTATE_VBMI
-    decode_both64(m_codes, v_codes, base, i, end, s,
-                  [&](int64_t at, __m512 mi, __m512 vi) { update(p + at, g + at, mi, vi, m + at, v + at); });
-#endif
-    if (i < end) {
-      decode_state(w.m, base + i, end - i, false, m + i);
-      decode_state(w.v, base + i, end - i, false, v + i);
-    }
-#ifdef QSTATE_AVX512
-    for (; i + 16 <= end; i += 16) update(p + i, g + i, _mm512_loadu_ps(m + i), _mm512_loadu_ps(v + i), m + i, v + i);
+    decode_both64(m_codes, v_codes, base, i, end, s, [&](int64_t at, __m512 mi, __m512 vi) { step16(update, at, mi, vi); });
     take_stats(update, s);
 #endif
-    for (; i < end; ++i) {
-      adam_lane(p[i], g[i], m[i], v[i], w.h);
-      s.merge(std::fabs(m[i]), std::fabs(v[i]), !std::isnan(m[i] - m[i]), !std::isnan(v[i] - v[i]));  // a NaN: not above the max
-    }
+    update_rest(w, base, i, end, m, v, s, [&] { rest(i, end); });
   });
 }
 
-// update_blocks of a parameter on a weight grid: with VBMI 64 values decoded at a time, Update16::advance_on_grid and the
-// absmaxes in registers; the rest of a block, or without VBMI: both moments decoded, grid_lanes, block_stats. Never
-// inlined: its loops (one per element type, rounding and feedback) inlined into step_block made the step of fp32
-// parameters 11 % slower (one thread, int8).
-QSTATE_NOINLINE void update_grid_blocks(const Param& w, int64_t base, int64_t n, float* m, float* v, BlockStats* stats) {
-  with_grid_values(w.dtype, w.grid, w.p, w.g, base,
-                   [&]<typename T, typename Rounding, bool Eco>(T* p, const T* g, Rounding, std::bool_constant<Eco>) {
-#ifdef QSTATE_VBMI
-                     Update16 update(w.h);
-                     const Decode64 m_codes(w.m), v_codes(w.v);
-#endif
-                     for_each_block(w, base, n, stats, [&](int64_t first, int64_t end, BlockStats& s) {
-                       int64_t i = first;
-#ifdef QSTATE_VBMI
-                       decode_both64(m_codes, v_codes, base, i, end, s, [&](int64_t at, __m512 mi, __m512 vi) {
-                         update.advance_on_grid<T, Rounding, Eco>(p + at, g + at, w.grid.seed, base + at, mi, vi);
-                         update.record(mi, vi, m + at, v + at);
-                       });
-                       take_stats(update, s);
-#endif
-                       if (i == end) return;
-                       decode_state(w.m, base + i, end - i, false, m + i);
-                       decode_state(w.v, base + i, end - i, false, v + i);
-                       grid_lanes<T, Rounding, Eco>(p + i, g + i, base + i, w.h, w.grid.seed, end - i, m + i, v + i);
-                       float m_rest, v_rest;
-                       bool m_rest_ok, v_rest_ok;
-                       block_stats(m + i, v + i, end - i, m_rest, v_rest, m_rest_ok, v_rest_ok);
-                       s.merge(m_rest, v_rest, m_rest_ok, v_rest_ok);
-                     });
-                   });
+// update_blocks of a parameter with fp32 values: Update16's Adam step, update_values for the rest.
+void update_fp32_blocks(float* __restrict__ p, const float* __restrict__ g, const Param& w, int64_t base, int64_t n, float* __restrict__ m,
+                        float* __restrict__ v, BlockStats* stats) {
+  update_blocks(
+      w, base, n, m, v, stats, [&](auto& update, int64_t at, __m512 mi, __m512 vi) { update(p + at, g + at, mi, vi, m + at, v + at); },
+      [&](int64_t i, int64_t end) { update_values(p + i, g + i, w.h, end - i, m + i, v + i); });
 }
 
-// The step of a fast parameter's chunk ``index`` (whole blocks but its last): decoded, updated (update_blocks, or
+// update_blocks of a parameter on a weight grid: Update16::advance_on_grid, grid_lanes for the rest. Never inlined: its
+// loops (one per element type, rounding and feedback) inlined into step_block made the step of fp32 parameters 11 %
+// slower (one thread, int8).
+QSTATE_NOINLINE void update_grid_blocks(const Param& w, int64_t base, int64_t n, float* m, float* v, BlockStats* stats) {
+  with_grid_values(
+      w.dtype, w.grid, w.p, w.g, base, [&]<typename T, typename Rounding, bool Eco>(T* p, const T* g, Rounding, std::bool_constant<Eco>) {
+        update_blocks(
+            w, base, n, m, v, stats,
+            [&](auto& update, int64_t at, __m512 mi, __m512 vi) {
+              update.template advance_on_grid<T, Rounding, Eco>(p + at, g + at, w.grid.seed, base + at, mi, vi);
+              update.record(mi, vi, m + at, v + at);
+            },
+            [&](int64_t i, int64_t end) { grid_lanes<T, Rounding, Eco>(p + i, g + i, base + i, w.h, w.grid.seed, end - i, m + i, v + i); });
+      });
+}
+
+// The step of a fast parameter's chunk ``index`` (whole blocks but its last): decoded, updated (update_fp32_blocks, or
 // update_grid_blocks on a weight grid) and encoded in place block by block; its stall counts (8-bit codes only).
 void step_block(const Param& w, int64_t index, bool track, Scratch& scratch, Outcome& outcome) {
   const int64_t base = index * w.chunk, size = std::min(w.chunk, w.numel - base), block = w.m.block;
@@ -992,7 +975,7 @@ void step_block(const Param& w, int64_t index, bool track, Scratch& scratch, Out
   if (w.grid.active())
     update_grid_blocks(w, base, size, m, v, scratch.stats.data());
   else
-    update_blocks(static_cast<float*>(w.p) + base, static_cast<const float*>(w.g) + base, w, base, size, m, v, scratch.stats.data());
+    update_fp32_blocks(static_cast<float*>(w.p) + base, static_cast<const float*>(w.g) + base, w, base, size, m, v, scratch.stats.data());
   int64_t local[4] = {0, 0, 0, 0};
   bool ok = true;
   for (int64_t first = 0, j = 0; first < size; first += block, ++j) {
