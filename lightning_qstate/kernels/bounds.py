@@ -14,11 +14,13 @@ larger than exact Adam could take; in exact arithmetic the clamp never acts. See
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy
 
 
+@functools.lru_cache(maxsize=256)  # every step asks once per quantized parameter, mostly with one step count
 def moment_bound(beta1: float, beta2: float, steps_done: float) -> float:
     """``K_n (1 + 2^-8)`` for ``n = steps_done`` (the moments after ``n`` updates); ``inf`` where ``v`` does not accumulate
     (β2 = 1).

@@ -194,16 +194,16 @@ def _state_layout(fmt: StorageFormat) -> tuple[list[torch.Tensor], list[int], fl
     return [decode, entries, planes, levels, segments], ints, float(getattr(fmt, "max_value", 0.0))
 
 
-def _state_rows(states: list[QuantizedTensor], stochastic: bool) -> tuple[list[torch.Tensor], list[list[int]], list[float]]:
-    """The kernel's ``tables`` (five per state), ``ints`` rows (``_state_layout``'s, then the ``stochastic`` column)
-    and ``floats`` of ``states``, in order."""
-    tables, ints, floats = [], [], []
-    for q in states:
-        layout = _state_layout(q.format)
-        tables += layout[0]
-        ints.append([*layout[1], int(stochastic)])
-        floats.append(layout[2])
-    return tables, ints, floats
+@functools.lru_cache(maxsize=64)
+def _state_rows(formats: tuple[StorageFormat, ...], stochastic: bool) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+    """The kernel's ``tables`` (five per state), ``ints`` (``(len(formats), 13)`` int64: ``_state_layout``'s row, then
+    the ``stochastic`` column) and ``floats`` (``(len(formats),)`` fp32) of states in ``formats``, in order. Built once
+    per tuple of formats (formats hash by identity; the kernel only reads these): a model's parameters keep theirs from
+    step to step."""
+    layouts = [_state_layout(fmt) for fmt in formats]
+    tables = [table for layout in layouts for table in layout[0]]
+    ints = torch.tensor([[*layout[1], int(stochastic)] for layout in layouts], dtype=torch.int64).view(-1, 13)
+    return tables, ints, torch.tensor([layout[2] for layout in layouts], dtype=torch.float32)
 
 
 def _scales(q: QuantizedTensor) -> torch.Tensor:
@@ -259,7 +259,7 @@ def native_adam_steps(
     names = ("exp_avg", "exp_avg_sq")
     moments = [tuple(states[k][name] if quantized[k] else _fp32_cast(states[k][name]) for name in names) for k in coded]
     bounds = [moment_bound(float(beta1), float(beta2), float(states[k]["step"])) if quantized[k] else float("inf") for k in coded]
-    tables, ints, floats = _state_rows([q for pair in moments for q in pair], group["rounding"] == "stochastic")
+    tables, ints, floats = _state_rows(tuple(q.format for pair in moments for q in pair), group["rounding"] == "stochastic")
     rows = _function("adam_steps_u8")(
         params=[params[k] for k in coded],
         grads=[grads[k].contiguous() for k in coded],
@@ -268,8 +268,8 @@ def native_adam_steps(
         v_codes=[v.codes for _, v in moments],
         v_scales=[_scales(v) for _, v in moments],
         tables=tables,
-        ints=torch.tensor(ints, dtype=torch.int64).view(-1, 2, 13),
-        floats=torch.tensor(floats, dtype=torch.float32).view(-1, 2),
+        ints=ints.view(-1, 2, 13),
+        floats=floats.view(-1, 2),
         bounds=torch.tensor(bounds, dtype=torch.float32),
         grids=_grid_rows([weights[k] for k in coded], group),
         seeds=torch.tensor([[seeds[k], *moment_seeds[k]] for k in coded], dtype=torch.int64).view(-1, 3),
@@ -347,7 +347,7 @@ def native_momentum_steps(
         raise ValueError("the C++ kernel keeps only SGD's parameters on a weight grid (Muon's update is applied in torch)")
     coded = [isinstance(buffer, QuantizedTensor) for buffer in buffers]
     buffers = [buffer if quantized else _fp32_cast(buffer) for buffer, quantized in zip(buffers, coded, strict=True)]
-    tables, ints, floats = _state_rows(buffers, group["rounding"] == "stochastic")
+    tables, ints, floats = _state_rows(tuple(q.format for q in buffers), group["rounding"] == "stochastic")
     updates = [torch.empty(param.shape, dtype=torch.float32) for param in params] if muon else []
     rows = _function("momentum_steps")(
         params=params,
@@ -355,8 +355,8 @@ def native_momentum_steps(
         codes=[q.codes for q in buffers],
         scales=[_scales(q) for q in buffers],
         tables=tables,
-        ints=torch.tensor(ints, dtype=torch.int64).view(-1, 13),
-        floats=torch.tensor(floats, dtype=torch.float32),
+        ints=ints,
+        floats=floats,
         grids=_grid_rows(weights, group),
         seeds=torch.tensor(
             [[weight_seed, seed] for weight_seed, seed in zip(weight_seeds, seeds or [0] * count, strict=True)], dtype=torch.int64

@@ -552,10 +552,13 @@ class QuantizedStates:
 
     def weight_grid(self, group: dict, key: torch.Tensor, param: torch.Tensor | None = None) -> WeightGrid | None:
         """The grid parameter ``key`` (of ``group``) is kept on after a step (``optim.weights``); ``None``: torch's behaviour."""
-        overrides = self.__dict__.get("weight_overrides", {})
-        if key in overrides and overrides[key] is None:
-            return None
-        return weight_grid(overrides.get(key, group["weights"]), group, local_tensor(key) if param is None else param)
+        overrides = self.__dict__.get("weight_overrides")
+        weights = group["weights"]
+        if overrides:  # looked up only where there are some: a tensor key hashes in Python, and each step asks for every parameter
+            if key in overrides and overrides[key] is None:
+                return None
+            weights = overrides.get(key, weights)
+        return weight_grid(weights, group, local_tensor(key) if param is None else param)
 
     def _update_weights(
         self, group: dict, key: torch.Tensor, param: torch.Tensor, grad: torch.Tensor, states: dict, state: dict, grid: WeightGrid
