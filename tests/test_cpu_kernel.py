@@ -169,12 +169,14 @@ def test_kernel_encodes_like_the_reference(name, absmax, scale_dtype, v_block):
 
 @needs_kernel
 @pytest.mark.parametrize("m_block", [64, 256], ids=["register pass", "chunked pass"])
-@pytest.mark.parametrize("absmax", [1.0, 1.7e-3, 12345.678])
+@pytest.mark.parametrize("absmax", [1.0, 1.7e-3, 12345.678, 1e-40, 3e38], ids=["1", "1.7e-3", "12345.678", "subnormal", "2^127"])
 @pytest.mark.parametrize("name", ["int8 unsigned", "int8_linear unsigned"])
 def test_kernel_encodes_v_like_the_reference(name, absmax, m_block):
     """With betas (0, 0) and no weight decay the new ``v`` is ``grad * grad``: squares on or about an ulp from every
     rounding threshold of an unsigned map times each block's largest square give the reference's codes (the encoder of
-    non-negative values), beside an ``m`` of the same 64-value blocks (register pass) or of 256 (chunked pass)."""
+    non-negative values), beside an ``m`` of the same 64-value blocks (register pass) or of 256 (chunked pass). Also
+    for block scales whose reciprocal is not a normal float (a subnormal ``v``, from gradients of about 1e-20, and one
+    beyond 2^126): the kernel divides as the reference does."""
     fmt = BYTE_FORMATS[name]
     grad = blocks_led_by(hard_inputs(fmt) * absmax, absmax).sqrt()
     v_format = CodebookFormat(fmt.name, fmt.codebook, 64, signed=False, scale_dtype="fp32")

@@ -49,7 +49,7 @@ The codes and scales are those of the torch reference ``adam_reference.adam_step
 hyperparameters are rounded to fp32 from double as ``adam_reference.adam_hyper`` (and torch's AdamW) round them, the
 moments use the float operations of torch's vectorized CPU kernels in the same order (explicit FMAs where torch's
 ``add(alpha=)``/``lerp_``/``addcmul_`` use them, no other contraction: ``-ffp-contract=off``), the division by the
-block's stored scale is correctly rounded (Markstein's reciprocal-and-remainder form), and the encoder reproduces the
+block's stored scale is a true division, as the reference's, and the encoder reproduces the
 format's ``encode`` (``encode_codebook`` clamped up to ``min_code``) exactly. Without a weight grid the param update
 multiplies by reciprocals where the reference divides, so params are within a few ulps of the update of the
 reference's; on a weight grid (round to nearest) params and codes are the reference's bit for bit, ECO's too. With

@@ -81,11 +81,10 @@ QSTATE_INLINE int64_t codebook_bytes64(const State& s, int64_t first, uint8_t* _
 }
 #endif
 
-// formats.rounding.encode_codebook of x / divisor for one block of a byte codebook state s (RN, or SR with element
-// ``first + i`` drawing random_bits(s.seed, first + i)); a non-finite block encodes 0.0 everywhere. The quotient is
-// Markstein's: q = fma(x - q0 * divisor, r, q0) with q0 = x * r and r = 1 / divisor correctly rounded, which is the
-// correctly rounded x / divisor (|x| <= divisor here) down to quotients of about 2^-100, far below any code's rounding
-// threshold (so the codes are encode_codes' of its true division).
+// formats.rounding.encode_codebook of x / divisor (true division, as the reference's) for one block of a byte codebook
+// state s (RN, or SR with element ``first + i`` drawing random_bits(s.seed, first + i)); a non-finite block encodes 0.0
+// everywhere. (A reciprocal and Markstein's correction were no faster, and wrong for scales beyond [2^-126, 2^126]:
+// the reciprocal of a subnormal scale overflows, as a tiny v's does.)
 template <bool Nonnegative>
 void encode_block(const float* __restrict__ x, float divisor, bool finite, const State& s, uint8_t* __restrict__ out, int64_t n,
                   int64_t first) {
@@ -94,20 +93,16 @@ void encode_block(const float* __restrict__ x, float divisor, bool finite, const
     std::memset(out, encode_lane(0.0f, cb), n);
     return;
   }
-  const float reciprocal = 1.0f / divisor;
   int64_t i = 0;
 #ifdef QSTATE_AVX512
-  const __m512 d = _mm512_set1_ps(divisor), r = _mm512_set1_ps(reciprocal);
+  const __m512 d = _mm512_set1_ps(divisor);
 #ifdef QSTATE_VBMI
-  i = codebook_bytes64<Nonnegative>(s, first, out, n, [x, d, r, finite](int64_t j) {
-    const __m512 value = _mm512_loadu_ps(x + j), estimate = _mm512_mul_ps(value, r);
-    return finite ? _mm512_fmadd_ps(_mm512_fnmadd_ps(estimate, d, value), r, estimate) : _mm512_setzero_ps();
-  });
+  i = codebook_bytes64<Nonnegative>(
+      s, first, out, n, [x, d, finite](int64_t j) { return finite ? _mm512_div_ps(_mm512_loadu_ps(x + j), d) : _mm512_setzero_ps(); });
 #endif
   with_depth(cb.depth, [&]<int Depth>(std::integral_constant<int, Depth>) {
     for (; i + 16 <= n; i += 16) {
-      const __m512 value = _mm512_loadu_ps(x + i), estimate = _mm512_mul_ps(value, r);
-      const __m512 q = finite ? _mm512_fmadd_ps(_mm512_fnmadd_ps(estimate, d, value), r, estimate) : _mm512_setzero_ps();
+      const __m512 q = finite ? _mm512_div_ps(_mm512_loadu_ps(x + i), d) : _mm512_setzero_ps();
       const __m128i codes = s.stochastic
                                 ? codebook_stochastic16<Depth, Nonnegative>(q, cb, s.last, s.min_code, uniform16(s.seed, first + i))
                                 : _mm512_cvtepi32_epi8(codebook_codes16<Depth, Nonnegative>(q, cb));
@@ -115,11 +110,8 @@ void encode_block(const float* __restrict__ x, float divisor, bool finite, const
     }
   });
 #endif
-  for (; i < n; ++i) {
-    const float estimate = x[i] * reciprocal;
-    const float q = finite ? std::fma(std::fma(-estimate, divisor, x[i]), reciprocal, estimate) : 0.0f;
-    out[i] = static_cast<uint8_t>(s.encode(q, s.stochastic ? random_bits(s.seed, first + i) : 0));
-  }
+  for (; i < n; ++i)
+    out[i] = static_cast<uint8_t>(s.encode(finite ? x[i] / divisor : 0.0f, s.stochastic ? random_bits(s.seed, first + i) : 0));
 }
 
 // formats.count_stalls for one block: [stalled, moved] added to counts. ``old``: codes before the step.
@@ -478,7 +470,7 @@ void store_cast(const State& s, int64_t base, int64_t n, const float* __restrict
 
 // Block ``index`` of state s (its values from element ``base``: n of them) stored from the new values x (absmax ``top``,
 // all finite: ``ok``), as BlockFormat.quantize_reference: its scale (NaN where not ok), the codes of x / scale by
-// encode_block for 8-bit codebooks, else encode_codes (the same codes: both divide exactly). Returns the stored scale.
+// encode_block for 8-bit codebooks, else encode_codes. Returns the stored scale.
 template <bool Nonnegative>
 float encode_one_block(const State& s, int64_t index, int64_t base, int64_t n, const float* x, float top, bool ok) {
   const float scale = ok ? s.scales.representable(top) : NAN, divisor = (ok && scale > 0.0f) ? scale : 1.0f;
