@@ -50,9 +50,8 @@ hyperparameters are rounded to fp32 from double as ``adam_reference.adam_hyper``
 moments use the float operations of torch's vectorized CPU kernels in the same order (explicit FMAs where torch's
 ``add(alpha=)``/``lerp_``/``addcmul_`` use them, no other contraction: ``-ffp-contract=off``), the division by the
 block's stored scale is a true division, as the reference's, and the encoder reproduces the
-format's ``encode`` (``encode_codebook`` clamped up to ``min_code``) exactly. Without a weight grid the param update
-multiplies by reciprocals where the reference divides, so params are within a few ulps of the update of the
-reference's; on a weight grid (round to nearest) params and codes are the reference's bit for bit, ECO's too. With
+format's ``encode`` (``encode_codebook`` clamped up to ``min_code``) exactly; the param update divides as the reference
+does, so params are the reference's bit for bit too, also on a weight grid (round to nearest), ECO's too. With
 AVX-512 the body of each block runs 16 lanes at a time (table lookups by register permutes, not gathers; with VBMI,
 64 codes at a time from byte planes of the table, also the three table lookups of an 8-bit codebook's stochastic
 rounding, and moments of one block size decoded, updated and their block absmaxes taken in one pass, nibbles and dense

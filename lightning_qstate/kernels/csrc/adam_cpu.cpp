@@ -20,10 +20,10 @@ namespace {
 // ---- One block of one parameter ----
 
 // Adam on values [0, n) of a block of a parameter on a weight grid, param and gradient of type T (read as fp32), moments
-// decoded in m, v (updated in place), as adam_reference.adam_step_quantized: adam_lane_exact's new value rounded to the
+// decoded in m, v (updated in place), as adam_reference.adam_step_quantized: adam_lane's new value rounded to the
 // grid with Rounding (element ``first + i`` of the parameter: its SR draw) and stored in T (round to nearest, as torch's
 // copy_), and with Eco m = fma(eco * denom, updated - rounded, m) (the product rounded first, as eco_feedback). With
-// AVX-512, 16 at a time by Update16::advance_on_grid; the scalar loop has no branches, so the compiler vectorizes it
+// AVX-512, 16 at a time by Update16::advance; the scalar loop has no branches, so the compiler vectorizes it
 // (-fno-math-errno: sqrt without its errno check) for the CPU it is built for (AVX2 included).
 template <typename T, typename Rounding, bool Eco>
 QSTATE_FLATTEN void grid_lanes(T* __restrict__ p, const T* __restrict__ g, int64_t first, const Hyper h, uint64_t seed, int64_t n,
@@ -33,13 +33,13 @@ QSTATE_FLATTEN void grid_lanes(T* __restrict__ p, const T* __restrict__ g, int64
   const Update16 update(h);
   for (; i + 16 <= n; i += 16) {
     __m512 mi = _mm512_loadu_ps(m + i), vi = _mm512_loadu_ps(v + i);
-    update.advance_on_grid<T, Rounding, Eco>(p + i, g + i, seed, first + i, mi, vi);
+    update.advance<T, Rounding, Eco>(p + i, g + i, mi, vi, seed, first + i);
     _mm512_storeu_ps(m + i, mi), _mm512_storeu_ps(v + i, vi);
   }
 #endif
   for (; i < n; ++i) {
     float mi = m[i], vi = v[i], denom;
-    const float updated = adam_lane_exact(to_float(p[i]), to_float(g[i]), mi, vi, h, denom);
+    const float updated = adam_lane(to_float(p[i]), to_float(g[i]), mi, vi, h, denom);
     const float rounded = Rounding::round(updated, seed, first + i);
     if constexpr (Eco) mi = std::fma(h.eco * denom, updated - rounded, mi);
     p[i] = from_float<T>(rounded);
@@ -533,7 +533,7 @@ void count_values(const float* before, const float* before_units, const float* u
 
 // The group's hyperparameters: those of every step, and what the per-step ones (at) are computed from.
 struct Schedule {
-  Hyper constants;  // every field but step, inv_bc2, bc2, m_bound, hold_m and eco
+  Hyper constants;  // every field but step, bc2, m_bound, hold_m and eco
   double lr, beta1, beta2;
 
   // The hyperparameters of a parameter at its next step t = steps_done + 1: step size lr / (1 - beta1^t) and
@@ -544,7 +544,6 @@ struct Schedule {
     Hyper h = constants;
     h.step = static_cast<float>(lr / (1.0 - std::pow(beta1, t)));
     h.bc2 = static_cast<float>(std::pow(1.0 - std::pow(beta2, t), 0.5));
-    h.inv_bc2 = 1.0f / h.bc2;
     h.hold_m = hold_m;
     h.m_bound = hold_m ? m_bound : 0.0f;
     return h;
@@ -937,7 +936,7 @@ void update_fp32_blocks(float* __restrict__ p, const float* __restrict__ g, cons
       [&](int64_t i, int64_t end) { update_values(p + i, g + i, w.h, end - i, m + i, v + i); });
 }
 
-// update_blocks of a parameter on a weight grid: Update16::advance_on_grid, grid_lanes for the rest. Never inlined: its
+// update_blocks of a parameter on a weight grid: Update16::advance, grid_lanes for the rest. Never inlined: its
 // loops (one per element type, rounding and feedback) inlined into step_block made the step of fp32 parameters 11 %
 // slower (one thread, int8).
 QSTATE_NOINLINE void update_grid_blocks(const Param& w, int64_t base, int64_t n, float* m, float* v, BlockStats* stats) {
@@ -946,7 +945,7 @@ QSTATE_NOINLINE void update_grid_blocks(const Param& w, int64_t base, int64_t n,
         update_blocks(
             w, base, n, m, v, stats,
             [&](auto& update, int64_t at, __m512 mi, __m512 vi) {
-              update.template advance_on_grid<T, Rounding, Eco>(p + at, g + at, w.grid.seed, base + at, mi, vi);
+              update.template advance<T, Rounding, Eco>(p + at, g + at, mi, vi, w.grid.seed, base + at);
               update.record(mi, vi, m + at, v + at);
             },
             [&](int64_t i, int64_t end) { grid_lanes<T, Rounding, Eco>(p + i, g + i, base + i, w.h, w.grid.seed, end - i, m + i, v + i); });

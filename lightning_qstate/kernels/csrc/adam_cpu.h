@@ -55,28 +55,15 @@ constexpr int kScale = 128, kOffsetPositive = 144, kOffsetNegative = 160, kBase 
 
 // Adam(W) hyperparameters as fp32. The moments follow adam_reference.adam_math as torch's vectorized CPU kernels compute
 // them: add(alpha=) is fma(other, alpha, self), lerp_ is fma(coeff, end - self, base) (coeff = w, base = self if
-// |w| < 0.5, else w - 1 and end), addcmul_ is fma(value * t1, t2, self). adam_lane's param update multiplies by
-// reciprocals instead of dividing (by bias_correction2_sqrt, and by the denominator: its reciprocal to about an ulp), so
-// it is within a few ulps of the reference's update; adam_lane_exact divides, as the reference (parameters on a grid).
+// |w| < 0.5, else w - 1 and end), addcmul_ is fma(value * t1, t2, self); the param update divides by
+// bias_correction2_sqrt and by the denominator, as the reference and torch's addcdiv_ (a reciprocal and a Newton step
+// were no faster, and turned a v that overflows a cast state to inf, where the update is 0, into a NaN param).
 // m_bound: the decoded m of a coded parameter is first held to |m| <= m_bound * sqrt(v) (adam_reference.hold_moment; when hold_m).
 // bc2: bias_correction2_sqrt itself; eco: adam_reference.eco_coefficient of the step (parameters with ECO's feedback).
 struct Hyper {
-  float sign, l2, decay, lerp_coeff, b2, one_minus_b2, step, inv_bc2, eps, m_bound, bc2, eco;
+  float sign, l2, decay, lerp_coeff, b2, one_minus_b2, step, eps, m_bound, bc2, eco;
   bool lerp_from_end, hold_m, decoupled;
 };
-
-// One value of the Adam(W) update: param p and moments m, v (decoded) in place.
-inline void adam_lane(float& p, float g, float& m, float& v, const Hyper& h) {
-  if (h.hold_m) {
-    const float limit = std::sqrt(v) * h.m_bound;
-    m = m > limit ? limit : (m < -limit ? -limit : m);
-  }
-  const float gi = std::fma(p, h.l2, h.sign * g);
-  m = std::fma(h.lerp_coeff, gi - m, h.lerp_from_end ? gi : m);
-  v = std::fma(h.one_minus_b2 * gi, gi, v * h.b2);
-  const float denom = std::sqrt(v) * h.inv_bc2 + h.eps;
-  p = p * h.decay - (h.step * m) * (1.0f / denom);
-}
 
 inline uint32_t bits_of(float value) {
   uint32_t bits;
@@ -96,12 +83,13 @@ inline uint32_t mask_of(bool flag) { return 0u - static_cast<uint32_t>(flag); }
 inline uint32_t pick(uint32_t mask, uint32_t a, uint32_t b) { return (a & mask) | (b & ~mask); }
 inline float select(uint32_t mask, float a, float b) { return float_of(pick(mask, bits_of(a), bits_of(b))); }
 
-// adam_lane as adam_reference.adam_math rounds it, operation for operation (the stored values of a parameter on a weight
-// grid must be the reference's bit for bit): the weight decay only in its own form (the decoupled decay multiplies the
-// param, the L2 term is added to the gradient), true divisions by bias_correction2_sqrt and by the denominator. Moments
-// m, v in place; returns the new param value (before any grid) and sets Adam's denominator sqrt(v) / bc2 + eps.
-// Both sides of each choice computed, then selected, no branches: a loop over it vectorizes (grid_lanes).
-inline float adam_lane_exact(float p, float g, float& m, float& v, const Hyper& h, float& denom) {
+// One value of the Adam(W) update as adam_reference.adam_math rounds it, operation for operation (params and codes are
+// the reference's bit for bit, also on a weight grid): the decoded m held (hold_m), the weight decay only in its own
+// form (the decoupled decay multiplies the param, the L2 term is added to the gradient), true divisions by
+// bias_correction2_sqrt and by the denominator. Moments m, v (decoded) in place; returns the new param value (before any
+// grid) and sets Adam's denominator sqrt(v) / bc2 + eps. Both sides of each choice computed, then selected, no branches:
+// a loop over it vectorizes (grid_lanes, step_plain).
+inline float adam_lane(float p, float g, float& m, float& v, const Hyper& h, float& denom) {
   const uint32_t hold = mask_of(h.hold_m), decoupled = mask_of(h.decoupled), from_end = mask_of(h.lerp_from_end);
   const float limit = std::sqrt(v) * h.m_bound;
   m = select(hold, m > limit ? limit : (m < -limit ? -limit : m), m);
@@ -112,6 +100,12 @@ inline float adam_lane_exact(float p, float g, float& m, float& v, const Hyper& 
   v = std::fma(h.one_minus_b2 * gi, gi, v * h.b2);
   denom = std::sqrt(v) / h.bc2 + h.eps;
   return decayed - (h.step * m) / denom;
+}
+
+// adam_lane of a parameter without a weight grid: p in place.
+inline void adam_lane(float& p, float g, float& m, float& v, const Hyper& h) {
+  float denom;
+  p = adam_lane(p, g, m, v, h, denom);
 }
 
 // torch's lerp of fp32 values with weight w, as its vectorized CPU kernel computes it (Hyper above): fp32 w, then
@@ -893,9 +887,9 @@ QSTATE_INLINE __m512 round16(Fp16Stochastic, __m512 x, uint64_t seed, int64_t in
 }
 
 // The AVX-512 form of adam_lane and the block's running absmaxes / non-finite flags, for 16 values.
-// inside_bound: the hold's test; bc2, eco, decoupled: the exact update on a weight grid's.
+// inside_bound: the hold's test.
 struct Update16 {
-  __m512 sign, l2, decay, lerp_coeff, b2, one_minus_b2, step, inv_bc2, eps, m_bound, inside_bound, bc2, eco;
+  __m512 sign, l2, decay, lerp_coeff, b2, one_minus_b2, step, eps, m_bound, inside_bound, bc2, eco;
   bool lerp_from_end, hold_m, decoupled;
   __m512 m_top = _mm512_setzero_ps(), v_top = _mm512_setzero_ps();
   __mmask16 m_nonfinite = 0, v_nonfinite = 0;
@@ -908,7 +902,6 @@ struct Update16 {
         b2(_mm512_set1_ps(h.b2)),
         one_minus_b2(_mm512_set1_ps(h.one_minus_b2)),
         step(_mm512_set1_ps(h.step)),
-        inv_bc2(_mm512_set1_ps(h.inv_bc2)),
         eps(_mm512_set1_ps(h.eps)),
         m_bound(_mm512_set1_ps(h.m_bound)),
         inside_bound(_mm512_set1_ps(static_cast<float>(static_cast<double>(h.m_bound) * h.m_bound * (1.0 - 0x1p-20)))),
@@ -933,21 +926,6 @@ struct Update16 {
     mi = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(mi, negative, _CMP_LT_OQ), mi, negative);
   }
 
-  // p[0:16] updated in place, the decoded moments mi, vi updated in their registers.
-  QSTATE_INLINE void advance(float* p, const float* g, __m512& mi, __m512& vi) const {
-    __builtin_prefetch(p + PREFETCH_AHEAD);
-    __builtin_prefetch(g + PREFETCH_AHEAD);
-    hold(mi, vi);
-    const __m512 pi = _mm512_loadu_ps(p);
-    const __m512 gi = _mm512_fmadd_ps(pi, l2, _mm512_mul_ps(sign, _mm512_loadu_ps(g)));
-    mi = _mm512_fmadd_ps(lerp_coeff, _mm512_sub_ps(gi, mi), lerp_from_end ? gi : mi);
-    vi = _mm512_fmadd_ps(_mm512_mul_ps(one_minus_b2, gi), gi, _mm512_mul_ps(vi, b2));
-    const __m512 denom = _mm512_add_ps(_mm512_mul_ps(_mm512_sqrt_ps(vi), inv_bc2), eps);
-    const __m512 estimate = _mm512_rcp14_ps(denom);  // one Newton step: about an ulp
-    const __m512 reciprocal = _mm512_fmadd_ps(estimate, _mm512_fnmadd_ps(denom, estimate, _mm512_set1_ps(1.0f)), estimate);
-    _mm512_storeu_ps(p, _mm512_sub_ps(_mm512_mul_ps(pi, decay), _mm512_mul_ps(_mm512_mul_ps(step, mi), reciprocal)));
-  }
-
   // p[0:16] updated in place; the new moments (from decoded mi, vi) to m[0:16], v[0:16], and their absmaxes and flags.
   inline void operator()(float* p, const float* g, __m512 mi, __m512 vi, float* m, float* v) {
     advance(p, g, mi, vi);
@@ -964,11 +942,13 @@ struct Update16 {
     v_nonfinite |= _mm512_cmp_ps_mask(_mm512_sub_ps(vi, vi), _mm512_setzero_ps(), _CMP_UNORD_Q);
   }
 
-  // adam_lane_exact of 16 values of a parameter on a weight grid (element type T, from element ``index``: the SR
-  // draws of ``seed``), operation for operation (true divisions), the new value rounded to the grid (round16) and
-  // stored; ECO's feedback into mi where Eco; the decoded moments mi, vi updated in their registers.
-  template <typename T, typename Rounding, bool Eco>
-  QSTATE_INLINE void advance_on_grid(T* p, const T* g, uint64_t seed, int64_t index, __m512& mi, __m512& vi) const {
+  // adam_lane of 16 values p[0:16] (element type T, from element ``index`` of the parameter: the SR draws of ``seed``),
+  // operation for operation, the new value rounded to the weight grid (round16; KeepFp32: none) and stored; ECO's
+  // feedback into mi where Eco; the decoded moments mi, vi updated in their registers.
+  template <typename T = float, typename Rounding = KeepFp32, bool Eco = false>
+  QSTATE_INLINE void advance(T* p, const T* g, __m512& mi, __m512& vi, uint64_t seed = 0, int64_t index = 0) const {
+    __builtin_prefetch(p + PREFETCH_AHEAD);
+    __builtin_prefetch(g + PREFETCH_AHEAD);
     hold(mi, vi);
     const __m512 pi = load16(p), signed_g = _mm512_mul_ps(sign, load16(g));
     const __m512 gi = decoupled ? signed_g : _mm512_fmadd_ps(pi, l2, signed_g);
