@@ -268,6 +268,24 @@ def test_raise_names_the_parameters():
         lq.QAdamW(make_model().parameters(), nonfinite="skip_all")
 
 
+@pytest.mark.parametrize("cpu_compile", [True, False], ids=["fused steps", "reference path"])
+@pytest.mark.parametrize("optimizer", ["QAdamW", "QSGD"])
+def test_a_state_that_overflows_raises_floating_point_error_on_every_path(optimizer, cpu_compile):
+    """A finite gradient that takes a block-scaled state past fp32's range (Adam's ``v``, SGD's buffer at its second step):
+    ``FloatingPointError`` whichever path steps it (the reference path's format raised ``NonFiniteError``, a
+    ``ValueError``, where the fused steps raised ``FloatingPointError``)."""
+    weight = torch.nn.Parameter(torch.zeros(1000))
+    if optimizer == "QAdamW":
+        opt, grads = lq.QAdamW([weight], lr=0.01, min_quant_size=0), [1e21]
+    else:
+        opt, grads = lq.QSGD([weight], lr=0.01, momentum=0.9, min_quant_size=0), [3e38, 3e38]
+    opt.cpu_compile = cpu_compile
+    with pytest.raises(FloatingPointError, match="overflowed"):
+        for value in grads:
+            weight.grad = torch.full((1000,), value)
+            opt.step()
+
+
 # --- damaged checkpoints ----------------------------------------------------------------------------------------
 def saved_checkpoint():
     model = make_model()

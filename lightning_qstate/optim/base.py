@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from ..formats import QuantizedTensor, StorageFormat, count_stalls
+from ..formats import NonFiniteError, QuantizedTensor, StorageFormat, count_stalls
 from ..formats.weights import WeightGrid
 from ..kernels.dispatch import PER_PARAMETER_PATHS, Candidate, StepPath, plan_group
 from .policy import (
@@ -625,14 +625,25 @@ class QuantizedStates:
         """Write an updated state back in its format (the old state's, or the policy's for a new state). A quantized state
         decodes to ``dtype`` (default: the old state's, the parameter's for a new one; fp32 under a weight grid, whose
         update runs in fp32, so that fp32 checkpoints re-quantize it exactly); a plain state is ``value`` itself: in
-        the parameter's dtype as torch keeps it, or fp32 under a weight grid."""
+        the parameter's dtype as torch keeps it, or fp32 under a weight grid.
+
+        Raises:
+            FloatingPointError: the state holds inf/NaN (a block-scaled format stores no such block), as the fused
+                steps raise when a moment overflows.
+        """
         fmt = self._format_for(group, key, name, value, old)
         if fmt is None:
             return value
         dtype = dtype or (old.dtype if old is not None else local_tensor(key).dtype)
         local = local_tensor(value)
         generator = self.rounding_generator(key, name, local.device) if group["rounding"] == "stochastic" else None
-        stored = quantize_state(fmt, local, group["rounding"], generator)
+        try:
+            stored = quantize_state(fmt, local, group["rounding"], generator)
+        except NonFiniteError as error:
+            raise FloatingPointError(
+                f"{type(self).__name__}: state {name!r} of {self.param_names()[key]} overflowed to inf/NaN during the step; "
+                f"{fmt.name} cannot store it (lower the learning rate or clip the gradients)"
+            ) from error
         stored.dtype = dtype  # what it decodes to (quantized from fp32 values of a bf16 parameter's state)
         return stored
 
