@@ -264,6 +264,34 @@ def test_kernel_steps_past_a_cast_v_that_overflows_like_the_reference(name, larg
 
 
 @needs_kernel
+@pytest.mark.parametrize("scale", [1e-30, 1e-20, 1e-12, 1e15])
+@pytest.mark.parametrize("name", ["int8", "int4", "int6", "int8_linear", "fp8_e4m3", "fp8_e5m2", "bf16", "fp16"])
+def test_kernel_matches_the_reference_at_extreme_magnitudes(name, scale):
+    """Gradients of ``scale`` spread over about e^±7: block scales far from 1 (subnormal ones for ``v`` below about
+    1e-19), moments that underflow or overflow a cast (fp16's ``m`` and ``v`` at 1e15: the update inf / inf, a NaN
+    param). Over three steps the kernel's params and stored moments equal the reference's bit for bit, NaNs too."""
+    m_format, v_format = get_format(name), get_format(name, signed=False)
+    generator = torch.Generator().manual_seed(1)
+    param = torch.randn(1000, generator=generator)
+    state, reference = adam_state(m_format, v_format, 1000, 0), adam_state(m_format, v_format, 1000, 0)
+    reference_param, group = param.clone(), adam_group()
+    for step in (4.0, 5.0, 6.0):
+        grad = torch.randn(1000, generator=generator) * scale * torch.exp(torch.randn(1000, generator=generator) * 2)
+        native_adam_steps([param], [grad], [state], group, track_stalls=False)
+        m, v = reference["exp_avg"], reference["exp_avg_sq"]
+        adam_step_quantized(
+            reference_param, grad, m.codes, m.scales, v.codes, v.scales, adam_hyper(group, step), m_format, v_format, "nearest",
+            True, False, False,
+        )  # fmt: skip
+        for key in ("exp_avg", "exp_avg_sq"):
+            ours, theirs = state[key], reference[key]
+            assert torch.equal(ours.codes.view(torch.uint8), theirs.codes.view(torch.uint8)), (key, step)
+            if ours.scales is not None:
+                assert torch.equal(ours.scales.view(torch.uint8), theirs.scales.view(torch.uint8)), (key, step)
+        assert torch.equal(param.view(torch.int32), reference_param.view(torch.int32)), step
+
+
+@needs_kernel
 def test_kernel_holds_m_at_its_bound_like_the_reference():
     """The decoded ``m`` held to ``|m| <= sqrt(v) * bound`` (adam_reference.hold_moment): the kernel skips the square
     root where a product test proves every lane of 16 inside, so ``m`` is put within a few ulps of the limit, on both
