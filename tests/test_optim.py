@@ -527,28 +527,28 @@ def test_closure_is_called_with_grad_enabled():
     "states", ["int8", "int4", {"exp_avg": "int8", "exp_avg_sq": "bf16"}, {"exp_avg": "int4", "exp_avg_sq": "int6"}, "e3m2"]
 )  # the last two: dense 6-bit codes (v, and a signed minifloat m)
 def test_fast_cpu_paths_match_the_plain_step(states):
-    """Large CPU params take the C++ kernel (int8, RN) or the compiled step; both must match the plain path."""
+    """Large CPU params take the C++ kernel: its stored moments equal the plain path's bit for bit over several steps;
+    params within an ulp of the largest, since the plain path is torch's functional AdamW, whose eager CPU square root (MKL's) is
+    not always correctly rounded (the kernel's and ``adam_reference``'s are)."""
 
     def run(fast: bool):
         torch.manual_seed(0)
         weight = torch.nn.Parameter(torch.randn((1 << 17) + 77) * 0.1)  # a partial last block too
         optimizer = lq.QAdamW([weight], lr=1e-2, weight_decay=0.1, states=states)
         optimizer.cpu_compile = fast
-        for step in range(2):  # longer runs drift apart block-wise once a float tie flips a block's absmax code
+        for step in range(3):  # decoupled decay: m and v do not depend on the params, so an ulp there stays there
             weight.grad = torch.randn(weight.shape, generator=torch.Generator().manual_seed(step))
             optimizer.step()
         return weight.detach(), optimizer.state[weight]
 
     fast_weight, fast_state = run(True)
     plain_weight, plain_state = run(False)
-    # a float tie that rounds a stored moment the other way moves that parameter by ~0.5% of one update (lr=1e-2);
-    # one that rounds a block's absmax across a bf16 boundary rescales m's whole block: up to ~2% of one update
-    torch.testing.assert_close(fast_weight, plain_weight, rtol=1e-5, atol=3e-4)
-    assert float((fast_weight - plain_weight).abs().gt(1e-6).float().mean()) < 0.01
+    torch.testing.assert_close(fast_weight, plain_weight, rtol=2.5e-7, atol=6e-8)  # |params| < 0.6: an ulp is <= 6e-8
     for name in ("exp_avg", "exp_avg_sq"):
         fast, plain = fast_state[name], plain_state[name]
         assert fast.format is plain.format
-        assert float((fast.codes != plain.codes).float().mean()) < 1e-2  # the same codes but for float-rounding ties
+        assert torch.equal(fast.codes.view(torch.uint8), plain.codes.view(torch.uint8))
+        assert fast.scales is None or torch.equal(fast.scales.view(torch.uint8), plain.scales.view(torch.uint8))
 
 
 @pytest.mark.parametrize("states", ["int8", "int4"])
