@@ -527,9 +527,10 @@ def test_closure_is_called_with_grad_enabled():
     "states", ["int8", "int4", {"exp_avg": "int8", "exp_avg_sq": "bf16"}, {"exp_avg": "int4", "exp_avg_sq": "int6"}, "e3m2"]
 )  # the last two: dense 6-bit codes (v, and a signed minifloat m)
 def test_fast_cpu_paths_match_the_plain_step(states):
-    """Large CPU params take the C++ kernel: its stored moments equal the plain path's bit for bit over several steps;
-    params within an ulp of the largest, since the plain path is torch's functional AdamW, whose eager CPU square root (MKL's) is
-    not always correctly rounded (the kernel's and ``adam_reference``'s are)."""
+    """Large CPU params take the C++ kernel (the compiled step without a compiler): the stored moments equal the plain
+    path's bit for bit over three steps; params within an ulp of the largest, since the plain path is torch's
+    functional AdamW, whose eager CPU square root (MKL's) is not always correctly rounded (the fast paths' and
+    ``adam_reference``'s are)."""
 
     def run(fast: bool):
         torch.manual_seed(0)
