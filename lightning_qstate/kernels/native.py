@@ -40,7 +40,7 @@ with ``error_feedback="eco"`` the rounding error goes into ``m`` before ``m`` is
 element ``i`` are half of splitmix64's output ``i // 2 + 1`` from a per-parameter seed that Python draws for each step from
 ``optimizer.rounding_generator(param, "weights", cpu)``: counter-based, so they do not depend on the thread count.
 For these parameters the update, the rounding and the feedback run 16 values at a time with AVX-512
-(``Update16::advance_on_grid``: true divisions, the grid's rounding by the cast stores' vector forms); the scalar loop
+(``Update16::advance``: true divisions, the grid's rounding by the cast stores' vector forms); the scalar loop
 that runs the rest (the whole update on other CPUs) is written without branches (selects, ``-fno-math-errno``) and
 compiled once per parameter dtype, rounding and feedback, so that the compiler vectorizes it for the CPU it builds for
 (AVX2 or AVX-512; each lane's IEEE operations are the scalar code's, so the bits do not depend on it).

@@ -19,10 +19,11 @@ namespace {
 
 // ---- One block of one parameter ----
 
-// Adam on values [0, n) of a block of a parameter on a weight grid, param and gradient of type T (read as fp32), moments
-// decoded in m, v (updated in place), as adam_reference.adam_step_quantized: adam_lane's new value rounded to the
-// grid with Rounding (element ``first + i`` of the parameter: its SR draw) and stored in T (round to nearest, as torch's
-// copy_), and with Eco m = fma(eco * denom, updated - rounded, m) (the product rounded first, as eco_feedback). With
+// Adam on values [0, n) of a block of a parameter on a weight grid (KeepFp32: fp32 values, no grid), param and gradient
+// of type T (read as fp32), moments decoded in m, v (updated in place), as adam_reference.adam_step_quantized:
+// adam_lane's new value rounded to the grid with Rounding (element ``first + i`` of the parameter: its SR draw) and
+// stored in T (round to nearest, as torch's copy_), and with Eco m = fma(eco * denom, updated - rounded, m) (the
+// product rounded first, as eco_feedback). With
 // AVX-512, 16 at a time by Update16::advance; the scalar loop has no branches, so the compiler vectorizes it
 // (-fno-math-errno: sqrt without its errno check) for the CPU it is built for (AVX2 included).
 template <typename T, typename Rounding, bool Eco>
@@ -505,15 +506,11 @@ bool encode_state(const State& s, int64_t base, int64_t n, const float* __restri
   return all_ok;
 }
 
-// Adam on n fp32 values: param p updated in place, moments decoded in m, v (updated in place), as update_blocks.
+// Adam on n fp32 values without a weight grid: param p updated in place, moments decoded in m, v (updated in place);
+// grid_lanes with KeepFp32.
 void update_values(float* __restrict__ p, const float* __restrict__ g, const Hyper& h, int64_t n, float* __restrict__ m,
                    float* __restrict__ v) {
-  int64_t i = 0;
-#ifdef QSTATE_AVX512
-  Update16 update(h);
-  for (; i + 16 <= n; i += 16) update(p + i, g + i, _mm512_loadu_ps(m + i), _mm512_loadu_ps(v + i), m + i, v + i);
-#endif
-  for (; i < n; ++i) adam_lane(p[i], g[i], m[i], v[i], h);
+  grid_lanes<float, KeepFp32, false>(p, g, 0, h, 0, n, m, v);
 }
 
 // formats.count_stalls of one state's n values: [stalled, moved] added to counts.
@@ -1107,9 +1104,8 @@ bool step_plain(const torch::Tensor& param, const torch::Tensor& grad, const tor
     if (!all_finite(g + begin, end - begin)) bad.store(1, std::memory_order_relaxed);
   });
   if (bad.load()) return false;
-  at::parallel_for(0, numel, 1 << 16, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) adam_lane(p[i], g[i], m[i], v[i], h);
-  });
+  at::parallel_for(0, numel, 1 << 16,
+                   [&](int64_t begin, int64_t end) { update_values(p + begin, g + begin, h, end - begin, m + begin, v + begin); });
   return true;
 }
 

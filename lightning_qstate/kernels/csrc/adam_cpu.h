@@ -88,7 +88,7 @@ inline float select(uint32_t mask, float a, float b) { return float_of(pick(mask
 // form (the decoupled decay multiplies the param, the L2 term is added to the gradient), true divisions by
 // bias_correction2_sqrt and by the denominator. Moments m, v (decoded) in place; returns the new param value (before any
 // grid) and sets Adam's denominator sqrt(v) / bc2 + eps. Both sides of each choice computed, then selected, no branches:
-// a loop over it vectorizes (grid_lanes, step_plain).
+// a loop over it vectorizes (grid_lanes).
 inline float adam_lane(float p, float g, float& m, float& v, const Hyper& h, float& denom) {
   const uint32_t hold = mask_of(h.hold_m), decoupled = mask_of(h.decoupled), from_end = mask_of(h.lerp_from_end);
   const float limit = std::sqrt(v) * h.m_bound;
@@ -100,12 +100,6 @@ inline float adam_lane(float p, float g, float& m, float& v, const Hyper& h, flo
   v = std::fma(h.one_minus_b2 * gi, gi, v * h.b2);
   denom = std::sqrt(v) / h.bc2 + h.eps;
   return decayed - (h.step * m) / denom;
-}
-
-// adam_lane of a parameter without a weight grid: p in place.
-inline void adam_lane(float& p, float g, float& m, float& v, const Hyper& h) {
-  float denom;
-  p = adam_lane(p, g, m, v, h, denom);
 }
 
 // torch's lerp of fp32 values with weight w, as its vectorized CPU kernel computes it (Hyper above): fp32 w, then
