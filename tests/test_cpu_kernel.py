@@ -238,6 +238,27 @@ def test_kernel_step_matches_the_reference_step(options, threads):
         assert torch.equal(param, reference_param)
 
 
+def step_like_the_reference(m_format, v_format, param: torch.Tensor, grads: list[torch.Tensor]) -> dict:
+    """Steps 4, 5, ... of ``param`` (in place) with ``grads`` by the kernel and by ``adam_step_quantized`` from the same
+    states: after each, params, codes and scales equal bit for bit (NaNs too). Returns the kernel's state."""
+    state, reference = adam_state(m_format, v_format, param.numel(), 0), adam_state(m_format, v_format, param.numel(), 0)
+    reference_param, group = param.clone(), adam_group()
+    for step, grad in enumerate(grads, start=4):
+        native_adam_steps([param], [grad], [state], group, track_stalls=False)
+        m, v = reference["exp_avg"], reference["exp_avg_sq"]
+        adam_step_quantized(
+            reference_param, grad, m.codes, m.scales, v.codes, v.scales, adam_hyper(group, float(step)), m_format, v_format,
+            "nearest", True, False, False,
+        )  # fmt: skip
+        for key in ("exp_avg", "exp_avg_sq"):
+            ours, theirs = state[key], reference[key]
+            assert torch.equal(ours.codes.view(torch.uint8), theirs.codes.view(torch.uint8)), (key, step)
+            if ours.scales is not None:
+                assert torch.equal(ours.scales.view(torch.uint8), theirs.scales.view(torch.uint8)), (key, step)
+        assert torch.equal(param.view(torch.int32), reference_param.view(torch.int32)), step
+    return state
+
+
 @needs_kernel
 @pytest.mark.parametrize(("name", "large"), [("fp16", 1e4), ("bf16", 1e21)])
 def test_kernel_steps_past_a_cast_v_that_overflows_like_the_reference(name, large):
@@ -247,19 +268,10 @@ def test_kernel_steps_past_a_cast_v_that_overflows_like_the_reference(name, larg
     fmt = get_format(name)
     generator = torch.Generator().manual_seed(0)
     param = torch.randn(100, generator=generator)
-    state, reference = adam_state(fmt, fmt, 100, 0), adam_state(fmt, fmt, 100, 0)
-    reference_param, group = param.clone(), adam_group()
-    for step in (4.0, 5.0):
-        grad = torch.randn(100, generator=generator)
+    grads = [torch.randn(100, generator=generator) for _ in range(2)]
+    for grad in grads:
         grad[::7] = large
-        native_adam_steps([param], [grad], [state], group, track_stalls=False)
-        m, v = reference["exp_avg"], reference["exp_avg_sq"]
-        adam_step_quantized(
-            reference_param, grad, m.codes, m.scales, v.codes, v.scales, adam_hyper(group, step), fmt, fmt, "nearest", True, False, False
-        )
-        for key in ("exp_avg", "exp_avg_sq"):
-            assert torch.equal(state[key].codes.view(torch.int16), reference[key].codes.view(torch.int16)), key
-        assert torch.equal(param, reference_param)
+    state = step_like_the_reference(fmt, fmt, param, grads)
     assert state["exp_avg_sq"].dequantize()[::7].isinf().all() and param.isfinite().all()
 
 
@@ -270,25 +282,10 @@ def test_kernel_matches_the_reference_at_extreme_magnitudes(name, scale):
     """Gradients of ``scale`` spread over about e^±7: block scales far from 1 (subnormal ones for ``v`` below about
     1e-19), moments that underflow or overflow a cast (fp16's ``m`` and ``v`` at 1e15: the update inf / inf, a NaN
     param). Over three steps the kernel's params and stored moments equal the reference's bit for bit, NaNs too."""
-    m_format, v_format = get_format(name), get_format(name, signed=False)
     generator = torch.Generator().manual_seed(1)
     param = torch.randn(1000, generator=generator)
-    state, reference = adam_state(m_format, v_format, 1000, 0), adam_state(m_format, v_format, 1000, 0)
-    reference_param, group = param.clone(), adam_group()
-    for step in (4.0, 5.0, 6.0):
-        grad = torch.randn(1000, generator=generator) * scale * torch.exp(torch.randn(1000, generator=generator) * 2)
-        native_adam_steps([param], [grad], [state], group, track_stalls=False)
-        m, v = reference["exp_avg"], reference["exp_avg_sq"]
-        adam_step_quantized(
-            reference_param, grad, m.codes, m.scales, v.codes, v.scales, adam_hyper(group, step), m_format, v_format, "nearest",
-            True, False, False,
-        )  # fmt: skip
-        for key in ("exp_avg", "exp_avg_sq"):
-            ours, theirs = state[key], reference[key]
-            assert torch.equal(ours.codes.view(torch.uint8), theirs.codes.view(torch.uint8)), (key, step)
-            if ours.scales is not None:
-                assert torch.equal(ours.scales.view(torch.uint8), theirs.scales.view(torch.uint8)), (key, step)
-        assert torch.equal(param.view(torch.int32), reference_param.view(torch.int32)), step
+    grads = [torch.randn(1000, generator=generator) * scale * torch.exp(torch.randn(1000, generator=generator) * 2) for _ in range(3)]
+    step_like_the_reference(get_format(name), get_format(name, signed=False), param, grads)
 
 
 @needs_kernel
