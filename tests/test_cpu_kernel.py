@@ -92,6 +92,7 @@ def test_nearest_code_index_gives_the_reference_codes(name):
     assert (index.segments is not None) == (name in SEGMENTED)  # no zero code: no segments
     if index.segments is not None:  # the VBMI encoder's arithmetic
         assert torch.equal(index.segment_codes(x, fmt.min_code), fmt.encode(x, "nearest", None).to(torch.int64))
+        assert torch.equal(index.segment_floors(x, fmt.codebook.numel() - 1), held_floors(fmt.codebook, x))
     if fmt.min_code:
         assert not torch.equal(index.bucket_entries, NearestCodeIndex.build(fmt.codebook).bucket_entries)
         assert bool((encode_codebook(x, fmt.index, "nearest") < fmt.min_code).any())  # the clamp is exercised
@@ -100,19 +101,30 @@ def test_nearest_code_index_gives_the_reference_codes(name):
 SEGMENTED = ["int8", "int8 unsigned", "int8_linear", "int8_linear unsigned"]
 
 
+def held_floors(codebook: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """The code of the largest ``codebook`` value ``<= x``, held to ``[0, last - 1]``: stochastic rounding's lower
+    neighbour (``encode_codebook``'s ``low``)."""
+    values = codebook.float()
+    return (torch.searchsorted(values, x, right=True) - 1).clamp(0, values.numel() - 2)
+
+
 @pytest.mark.parametrize("name", SEGMENTED)
 def test_segment_codes_are_the_reference_codes_across_1_in_1009_floats(name):
-    """``NearestCodeIndex.segment_codes`` on every 1009th fp32 pattern of [0, 1] (and its negative for a signed map):
-    the reference codes (the whole range, every 7th pattern, was checked once: none differs)."""
+    """``NearestCodeIndex.segment_codes`` and ``segment_floors`` on every 1009th fp32 pattern of [0, 1] (and its
+    negative for a signed map): the reference codes and floors (the whole range, every 7th pattern, was checked once:
+    none differs)."""
     fmt = BYTE_FORMATS[name]
     x = torch.arange(0, 0x3F800001, 1009, dtype=torch.int64).to(torch.int32).view(torch.float32)
     x = torch.cat([x, -x]) if fmt.signed else x
-    assert torch.equal(nearest_index(fmt).segment_codes(x, fmt.min_code), fmt.encode(x, "nearest", None).to(torch.int64))
+    index = nearest_index(fmt)
+    assert torch.equal(index.segment_codes(x, fmt.min_code), fmt.encode(x, "nearest", None).to(torch.int64))
+    assert torch.equal(index.segment_floors(x, fmt.codebook.numel() - 1), held_floors(fmt.codebook, x))
 
 
 def test_segment_table_refuses_codebooks_it_cannot_encode_exactly():
-    """No segments without a zero code, for magnitudes that do not mirror, beyond 1, or in a run whose values are
-    thousands of spacings from zero (the biased floor's margin would not cover the rounding of the position)."""
+    """No segments without a zero code, for magnitudes that do not mirror, beyond 1, in a run whose values are
+    thousands of spacings from zero (the biased floor's margin would not cover the rounding of the position), or with a
+    negative threshold's magnitude above the positive one's (its values' candidate could pass the code)."""
     linear = torch.linspace(0, 1, 256, dtype=torch.float64)
     assert segment_table(linear, nearest_thresholds(linear)) is not None
     for codebook in (
@@ -122,6 +134,11 @@ def test_segment_table_refuses_codebooks_it_cannot_encode_exactly():
         torch.cat([torch.zeros(1, dtype=torch.float64), 0.9 + 1e-4 * torch.arange(255, dtype=torch.float64)]),  # far run
     ):
         assert segment_table(codebook, nearest_thresholds(codebook)) is None
+    mirrored = torch.cat([-linear[1:128].flip(0), linear[:128]])
+    thresholds = nearest_thresholds(mirrored)
+    assert segment_table(mirrored, thresholds) is not None
+    thresholds[100] = torch.nextafter(thresholds[100], torch.tensor(-2.0))  # a negative threshold beyond the positive one
+    assert segment_table(mirrored, thresholds) is None
 
 
 @needs_kernel

@@ -31,9 +31,12 @@ class NearestCodeIndex:
     // (2 * s)])`` built level by level (``search_codes``).
 
     An 8-bit codebook made of runs of equally spaced magnitudes (the dynamic maps, the linear ones; ``segments``,
-    ``segment_table``) is encoded by arithmetic instead of the bucket gather (``segment_codes``): the run of ``|x|``
-    from its binade (at most one run boundary per binade, for each sign), its code in the run by an affine map and a
-    floor biased so that the candidate ``c`` is the code or one below it, then ``c + (x >= t[c])``.
+    ``segment_table``) is encoded by arithmetic instead of the bucket gather (``segment_codes``), on magnitudes
+    whatever the sign: ``key = |x|``, or the largest float below ``|x|`` for ``x < 0`` (rounding ties go up: towards
+    the larger magnitude for ``x >= 0``, the smaller one for ``x < 0``); the run of ``key`` from its binade (at most one
+    run boundary per binade), its magnitude code in the run by an affine map and a floor biased down, so that the
+    candidate ``c`` is the magnitude code or one below it; then one compare with the signed threshold between the
+    codes of magnitudes ``c`` and ``c + 1``.
     """
 
     decode: torch.Tensor  # (256,) fp32 codebook values, padded with 0
@@ -75,24 +78,38 @@ class NearestCodeIndex:
 
     def segment_codes(self, x: torch.Tensor, min_code: int = 0) -> torch.Tensor:
         """The AVX-512 encoder's codes of fp32 ``x`` (int64, same shape) from ``segments`` (``segment_table``), computed
-        as the kernel computes them, clamped up to ``min_code``."""
+        as the kernel computes them (its byte arithmetic: indices wrap, codes saturate), clamped up to ``min_code``."""
+        negative, candidate = self._segment_candidates(x, _FIRST, _SPLIT, SEGMENT_RUNS)
+        zero = int(self.segments[_ZERO])
+        table = self.segments[_THRESHOLDS:_ZERO].contiguous().view(torch.uint8).view(4, 256).t().contiguous().view(torch.float32).view(-1)
+        index = torch.where(negative, zero - 1 - candidate, zero + candidate) % 256  # the threshold above magnitude c
+        rounded = candidate + ((x >= table[index]) != negative).to(torch.int64)
+        code = torch.where(negative, (zero - rounded).clamp(min=0), (zero + rounded).clamp(max=255))
+        return code.clamp(min=min_code)
+
+    def segment_floors(self, x: torch.Tensor, last: int) -> torch.Tensor:
+        """The AVX-512 stochastic encoder's floor codes of fp32 ``x`` (int64, same shape): the code of the largest
+        codebook value ``<= x``, held to ``[0, last - 1]`` (``last``: the last code), as ``encode_codebook`` holds it
+        before rounding up; from ``segments`` as the kernel computes it (its byte arithmetic)."""
+        negative, candidate = self._segment_candidates(x, _FLOOR_FIRST, _FLOOR_SPLIT, 2 * SEGMENT_RUNS)
+        zero = int(self.segments[_ZERO])
+        index = torch.where(negative, zero - 1 - candidate, zero + 1 + candidate) % 256  # the value of magnitude c + 1
+        floor = (candidate + ((x >= self.decode[index]) != negative).to(torch.int64)).clamp(max=255)
+        return torch.where(negative, (zero - 1 - floor).clamp(min=0), (zero + floor).clamp(max=min(255, last - 1)))
+
+    def _segment_candidates(self, x: torch.Tensor, first: int, split: int, offset: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x < 0`` and the candidate magnitude codes of ``key`` (the class docstring) from the runs and splits at
+        ``first``, ``split`` and the run offsets at ``_SCALE + offset`` (int64)."""
         table = self.segments
-        magnitude = x.abs()
-        bits = magnitude.view(torch.int32).to(torch.int64)
-        binade = ((bits >> 23) - SEGMENT_BINADE0).clamp(0, SEGMENT_BINADES - 1)
         negative = x < 0
-        side = torch.where(negative, 2 * SEGMENT_BINADES, 0)
-        segment = table[side + binade].to(torch.int64) + (bits >= table[side + SEGMENT_BINADES + binade]).to(torch.int64)
+        key = x.abs().view(torch.int32).to(torch.int64) - negative.to(torch.int64)
+        binade = ((key >> 23) - SEGMENT_BINADE0).clamp(0, SEGMENT_BINADES - 1)
+        run = table[first + binade].to(torch.int64) + (key >= table[split + binade]).to(torch.int64)
         floats = table[_SCALE:_BASE].view(torch.float32)
-        scale, offset = floats[segment], torch.where(negative, floats[2 * SEGMENT_RUNS + segment], floats[SEGMENT_RUNS + segment])
-        position = (magnitude.double() * scale.double() + offset.double()).float()  # fma: one rounding (here two, as good)
-        run = position.trunc().to(torch.int64).clamp(min=0)
-        run = torch.minimum(run, table[_LAST + segment].to(torch.int64))
-        zero = int(table[_ZERO])
-        code = torch.where(negative, zero - table[_BASE + segment] - run, zero + table[_BASE + segment] + run)
-        thresholds = table[_THRESHOLDS:_ZERO].contiguous().view(torch.uint8).view(4, 256).t().contiguous().view(torch.float32).view(-1)
-        code = code.clamp(0, 255)
-        return (code + (x >= thresholds[code]).to(torch.int64)).clamp(min=min_code)
+        magnitude = key.to(torch.int32).view(torch.float32)
+        position = (magnitude.double() * floats[run].double() + floats[offset + run].double()).float()  # fma: one rounding
+        step = torch.minimum(position.trunc().to(torch.int64).clamp(min=0), table[_LAST + run].to(torch.int64))
+        return negative, table[_BASE + run].to(torch.int64) + step
 
     def search_codes(self, x: torch.Tensor) -> torch.Tensor:
         """The AVX-512 encoder's codes of fp32 ``x`` (int64, same shape), from ``search_levels`` as the kernel searches."""
@@ -126,9 +143,10 @@ class NearestCodeIndex:
         return torch.cat([sides[0].flip(0), sides[1]]).to(torch.int32)
 
 
-# segment_table's layout (int32 entries): per sign (x >= 0, then x < 0) SEGMENT_BINADES runs at the binades' lower ends
-# and as many split patterns; per run (SEGMENT_RUNS) its scale and offsets (fp32 patterns; x >= 0, x < 0), first
-# magnitude code and last position; the thresholds' byte planes (as Codebook::planes); the code of zero.
+# segment_table's layout (int32 entries): SEGMENT_BINADES runs at the binades' lower ends and as many split patterns,
+# for the codes (boundaries: thresholds) and for the floors (boundaries: values); per run (SEGMENT_RUNS) its scale and
+# offsets (fp32 patterns; codes, floors), first magnitude code and last position; the signed thresholds' byte planes
+# (as Codebook::planes); the code of zero.
 SEGMENT_BINADES = 32  # binades 2**-31 .. 2**0 (fp32 exponent fields 96 .. 127); the first also holds every smaller |x|
 SEGMENT_BINADE0 = 96
 SEGMENT_RUNS = 16
@@ -136,6 +154,10 @@ SEGMENT_RUNS = 16
 # P * 2**-21 for |x| / h < P: runs whose |x| / h reach SEGMENT_POSITIONS are refused.
 SEGMENT_BIAS = 2.0**-8
 SEGMENT_POSITIONS = 2.0**12
+_FIRST = 0
+_SPLIT = SEGMENT_BINADES
+_FLOOR_FIRST = 2 * SEGMENT_BINADES
+_FLOOR_SPLIT = 3 * SEGMENT_BINADES
 _SCALE = 4 * SEGMENT_BINADES
 _BASE = _SCALE + 3 * SEGMENT_RUNS
 _LAST = _BASE + SEGMENT_RUNS
@@ -147,21 +169,25 @@ SEGMENT_TABLE = _ZERO + 1
 def segment_table(codebook: torch.Tensor, thresholds: torch.Tensor) -> torch.Tensor | None:
     """The arithmetic encoder's table of a sorted ``codebook`` of 129 to 256 values (8-bit codes)
     (``nearest_thresholds``: ``thresholds``), or ``None`` where it does not apply: no exact zero, negative magnitudes
-    not a mirror of the first positive ones, values beyond 1, more than ``SEGMENT_RUNS`` runs of equal spacing, a run
-    whose values reach ``SEGMENT_POSITIONS`` times its spacing (its positions' rounding would near the bias), or two run
-    boundaries in one binade.
+    not a mirror of the first positive ones, a negative threshold's magnitude not the positive one's or the float below
+    it, values beyond 1, more than ``SEGMENT_RUNS`` runs of equal spacing, a run whose values reach
+    ``SEGMENT_POSITIONS`` times its spacing (its positions' rounding would near the bias), or two run boundaries in one
+    binade.
 
     The positive magnitudes ``0 = a_0 < a_1 < ...`` are cut greedily into runs of equal spacing ``h`` from ``a_i``;
-    within a run, the code of ``|x|`` is near ``position = |x| / h + 1/2 - a_i / h``: its floor, biased down by
-    ``SEGMENT_BIAS`` for ``x >= 0`` and up for ``x < 0``, is the run's code or, across a rounding threshold near an
-    integer position, one below it in signed code order, which the compare with that code's threshold repairs. The run
-    of ``|x|`` is exact: the boundaries are the thresholds themselves (per sign: rounding ties go up), found in the
-    binade of ``|x|`` by one pattern compare."""
+    within a run, the magnitude code of ``key`` (``NearestCodeIndex``) is near ``position = key / h + 1/2 - a_i / h``:
+    its floor, biased down by ``SEGMENT_BIAS``, is the code or, across a rounding threshold near an integer position,
+    one below it, which the compare with the next threshold repairs. The run of ``key`` is exact: the boundaries are the
+    positive thresholds themselves, found in the binade of ``key`` by one pattern compare. For ``x < 0`` the magnitude
+    code of ``|x|`` counts the thresholds ``t`` between negative values with ``|t| < |x|``, that is ``|t| <= key``; with
+    ``|t|`` the positive threshold or the float below it, the positive one's candidate is still the code or one below."""
     if not 128 < codebook.numel() <= 256 or float(codebook.abs().max()) > 1.0 or int((codebook == 0).sum()) != 1:
         return None
     zero = int((codebook == 0).nonzero())
     positive, negative = codebook[zero:], -codebook[: zero + 1].flip(0)
-    if not torch.equal(negative, positive[: zero + 1]):
+    bits = thresholds.view(torch.int32).to(torch.int64)
+    below = bits[zero : 2 * zero] - (-thresholds[:zero].flip(0)).view(torch.int32).to(torch.int64)  # positive minus negative
+    if not torch.equal(negative, positive[: zero + 1]) or bool(((below < 0) | (below > 1)).any()):
         return None
     runs, start = [], 0
     while start < positive.numel():
@@ -182,27 +208,26 @@ def segment_table(codebook: torch.Tensor, thresholds: torch.Tensor) -> torch.Ten
     for k, (start, end) in enumerate(runs):
         if end > start:
             step = float(positive[start + 1] - positive[start])
-            floats[k], offset = 1.0 / step, 0.5 - float(positive[start]) / step
-            floats[SEGMENT_RUNS + k], floats[2 * SEGMENT_RUNS + k] = offset - SEGMENT_BIAS, offset + SEGMENT_BIAS
+            floats[k] = 1.0 / step
+            floats[SEGMENT_RUNS + k] = 0.5 - float(positive[start]) / step - SEGMENT_BIAS
+            floats[2 * SEGMENT_RUNS + k] = -float(positive[start]) / step - SEGMENT_BIAS
         else:
-            floats[SEGMENT_RUNS + k], floats[2 * SEGMENT_RUNS + k] = -SEGMENT_BIAS, SEGMENT_BIAS
+            floats[SEGMENT_RUNS + k] = floats[2 * SEGMENT_RUNS + k] = -SEGMENT_BIAS
         table[_BASE + k], table[_LAST + k] = start, end - start
     table[_SCALE:_BASE] = floats.view(torch.int32)
-    bits = thresholds.view(torch.int32).to(torch.int64)
-    splits = (
-        [int(bits[zero + end]) for _, end in runs[:-1]],  # x >= 0: the least x of the next run's first code
-        [int((-thresholds[zero - end - 1]).view(torch.int32)) + 1 for _, end in runs[:-1] if end + 1 <= zero],  # x < 0: |x| above
-    )
-    for side, patterns in enumerate(splits):
+    values = positive.float().view(torch.int32).to(torch.int64)
+    for first, split, patterns in (
+        (_FIRST, _SPLIT, [int(bits[zero + end]) for _, end in runs[:-1]]),  # the least key of the next run's first code
+        (_FLOOR_FIRST, _FLOOR_SPLIT, [int(values[end + 1]) for _, end in runs[:-1]]),  # the next run's first value
+    ):
         binades = [min(max((pattern >> 23) - SEGMENT_BINADE0, 0), SEGMENT_BINADES - 1) for pattern in patterns]
         if len(set(binades)) < len(binades) or any(pattern <= 0 for pattern in patterns):
             return None
-        base = 2 * SEGMENT_BINADES * side
-        table[base + SEGMENT_BINADES : base + 2 * SEGMENT_BINADES] = 0x7F800000  # no boundary: above every finite |x|
+        table[split : split + SEGMENT_BINADES] = 0x7F800000  # no boundary: above every finite |x|
         for binade, pattern in zip(binades, patterns, strict=True):
-            table[base + SEGMENT_BINADES + binade] = pattern
+            table[split + binade] = pattern
         for binade in range(SEGMENT_BINADES):
-            table[base + binade] = sum(1 for b in binades if b < binade)
+            table[first + binade] = sum(1 for b in binades if b < binade)
     padded = torch.cat([thresholds.float(), torch.full((256 - thresholds.numel(),), torch.inf)])
     table[_THRESHOLDS:_ZERO] = padded.view(torch.uint8).view(256, 4).t().contiguous().view(torch.int32).view(-1)
     table[_ZERO] = zero

@@ -330,20 +330,16 @@ void decode_state(const State& s, int64_t base, int64_t n, bool units, float* __
   }
 }
 
-// The absmax of x[0:n] (a NaN value is passed over, as update_blocks' compare does) and whether all are finite.
+// The absmax of x[0:n] (a NaN value is passed over) and whether all are finite (where not, the absmax is unused).
 void absmax(const float* __restrict__ x, int64_t n, float& top, bool& ok) {
   float value = 0.0f;
   bool bad = false;
   int64_t i = 0;
 #ifdef QSTATE_AVX512
-  __m512 running = _mm512_setzero_ps();
-  __mmask16 nonfinite = 0;
-  for (; i + 16 <= n; i += 16) {
-    const __m512 lanes = _mm512_loadu_ps(x + i);
-    running = _mm512_max_ps(_mm512_abs_ps(lanes), running);  // a NaN lane keeps the running max
-    nonfinite |= _mm512_cmp_ps_mask(_mm512_sub_ps(lanes, lanes), _mm512_setzero_ps(), _CMP_UNORD_Q);
-  }
-  value = _mm512_reduce_max_ps(running), bad = nonfinite != 0;
+  __m512i running = _mm512_setzero_si512();
+  for (; i + 16 <= n; i += 16) running = max_magnitude_bits(running, _mm512_loadu_ps(x + i));
+  bool finite;
+  value = top_of(running, finite), bad = !finite;
 #endif
   for (; i < n; ++i) {
     const float a = std::fabs(x[i]);
@@ -868,8 +864,10 @@ void for_each_block(const Param& w, int64_t base, int64_t n, BlockStats* stats, 
 #ifdef QSTATE_VBMI
 // The absmaxes and flags that update gathered (since its last take) merged into s; update's restarted.
 QSTATE_INLINE void take_stats(Update16& update, BlockStats& s) {
-  s.merge(_mm512_reduce_max_ps(update.m_top), _mm512_reduce_max_ps(update.v_top), update.m_nonfinite == 0, update.v_nonfinite == 0);
-  update.m_top = _mm512_setzero_ps(), update.v_top = _mm512_setzero_ps(), update.m_nonfinite = 0, update.v_nonfinite = 0;
+  bool m_finite, v_finite;
+  const float m_top = top_of(update.m_top, m_finite), v_top = top_of(update.v_top, v_finite);
+  s.merge(m_top, v_top, m_finite, v_finite);
+  update.m_top = _mm512_setzero_si512(), update.v_top = _mm512_setzero_si512();
 }
 #endif
 

@@ -49,8 +49,8 @@ struct Codebook {
 // code_index.segment_table's layout: offsets of its int32 entries.
 namespace segment {
 constexpr int kBinades = 32, kBinade0 = 96;  // binades 2^-31 .. 2^0; the first also holds every smaller |x|
-constexpr int kFirstPositive = 0, kSplitPositive = 32, kFirstNegative = 64, kSplitNegative = 96;
-constexpr int kScale = 128, kOffsetPositive = 144, kOffsetNegative = 160, kBase = 176, kLast = 192, kThresholds = 208, kZero = 464;
+constexpr int kFirst = 0, kSplit = 32, kFloorFirst = 64, kFloorSplit = 96, kScale = 128, kOffset = 144, kFloorOffset = 160;
+constexpr int kBase = 176, kLast = 192, kThresholds = 208, kZero = 464;
 }  // namespace segment
 
 // Adam(W) hyperparameters as fp32. The moments follow adam_reference.adam_math as torch's vectorized CPU kernels compute
@@ -625,49 +625,57 @@ QSTATE_INLINE __m512i bucket16(__m512 value, const Codebook& cb) {
 }
 
 #ifdef QSTATE_VBMI
-// NearestCodeIndex.segment_codes' candidate of 16 normalized values (int32 lanes): the code or one below it. The run of
-// |x| from its binade's first run and split (two-register permutes of 32 entries, per sign), its position in the run
-// by an fma, the floor biased by the run's offset (per sign), clamped to the run.
-template <bool Nonnegative>
-QSTATE_INLINE __m512i segment_candidate16(__m512 value, const int32_t* table) {
+// The 64-bit mask of four 16-bit ones (mask[r]: values 16r .. 16r + 15).
+QSTATE_INLINE __mmask64 mask64(const __mmask16 mask[4]) {
+  return _mm512_kunpackd(_mm512_kunpackw(mask[3], mask[2]), _mm512_kunpackw(mask[1], mask[0]));
+}
+
+// NearestCodeIndex.segment_codes' candidate magnitude code of 16 normalized values (int32 lanes) from the positive
+// runs: the magnitude code of |x| (of the largest float below |x| where x < 0: ``key``, as an fp32 pattern) or one
+// below it; with Floor, the largest magnitude <= key or one below it (segment_floors). The run of key from its
+// binade's first run and split (two-register permutes of 32 entries), its position in the run by an fma, the floor
+// biased down, clamped to the run. ``negative``: x < 0.
+template <bool Nonnegative, bool Floor = false>
+QSTATE_INLINE __m512i segment_candidate16(__m512 value, const int32_t* table, __mmask16& negative) {
   using namespace segment;
-  const __m512 magnitude = _mm512_abs_ps(value);
-  const __m512i bits = _mm512_castps_si512(magnitude);
-  __m512i binade = _mm512_sub_epi32(_mm512_srli_epi32(bits, 23), _mm512_set1_epi32(kBinade0));
+  negative = Nonnegative ? 0 : _mm512_cmp_ps_mask(value, _mm512_setzero_ps(), _CMP_LT_OQ);
+  const __m512i bits = _mm512_castps_si512(_mm512_abs_ps(value));
+  const __m512i key = Nonnegative ? bits : _mm512_mask_sub_epi32(bits, negative, bits, _mm512_set1_epi32(1));
+  __m512i binade = _mm512_sub_epi32(_mm512_srli_epi32(key, 23), _mm512_set1_epi32(kBinade0));
   binade = _mm512_min_epi32(_mm512_max_epi32(binade, _mm512_setzero_si512()), _mm512_set1_epi32(kBinades - 1));
   const auto table32 = [&](int offset) {
     return _mm512_permutex2var_epi32(_mm512_loadu_si512(table + offset), binade, _mm512_loadu_si512(table + offset + 16));
   };
-  __m512i first = table32(kFirstPositive), split = table32(kSplitPositive);
-  const __mmask16 negative = Nonnegative ? 0 : _mm512_cmp_ps_mask(value, _mm512_setzero_ps(), _CMP_LT_OQ);
-  if (!Nonnegative) {
-    first = _mm512_mask_blend_epi32(negative, first, table32(kFirstNegative));
-    split = _mm512_mask_blend_epi32(negative, split, table32(kSplitNegative));
-  }
-  const __m512i run = _mm512_mask_add_epi32(first, _mm512_cmpge_epi32_mask(bits, split), first, _mm512_set1_epi32(1));
+  const __m512i first = table32(Floor ? kFloorFirst : kFirst), split = table32(Floor ? kFloorSplit : kSplit);
+  const __m512i run = _mm512_mask_add_epi32(first, _mm512_cmpge_epi32_mask(key, split), first, _mm512_set1_epi32(1));
   const auto table16 = [&](int offset) { return _mm512_permutexvar_epi32(run, _mm512_loadu_si512(table + offset)); };
-  __m512 offset = _mm512_castsi512_ps(table16(kOffsetPositive));
-  if (!Nonnegative) offset = _mm512_mask_blend_ps(negative, offset, _mm512_castsi512_ps(table16(kOffsetNegative)));
-  const __m512 position = _mm512_fmadd_ps(magnitude, _mm512_castsi512_ps(table16(kScale)), offset);
+  const __m512 position = _mm512_fmadd_ps(_mm512_castsi512_ps(key), _mm512_castsi512_ps(table16(kScale)),
+                                          _mm512_castsi512_ps(table16(Floor ? kFloorOffset : kOffset)));
   const __m512i step = _mm512_min_epi32(_mm512_max_epi32(_mm512_cvttps_epi32(position), _mm512_setzero_si512()), table16(kLast));
-  const __m512i away = _mm512_add_epi32(table16(kBase), step), zero = _mm512_set1_epi32(table[kZero]);
-  return Nonnegative ? _mm512_add_epi32(zero, away) : _mm512_mask_sub_epi32(_mm512_add_epi32(zero, away), negative, zero, away);
+  return _mm512_add_epi32(table16(kBase), step);
 }
 
 // NearestCodeIndex.segment_codes of 64 normalized values (value[r]: values 16r .. 16r + 15) of a codebook with
-// segments, clamped up to min_code, as bytes in order: the candidates' thresholds by byte permutes (lookup64), one
-// compare each.
+// segments, clamped up to min_code, as bytes in order: the threshold between the signed codes of the candidate
+// magnitude c and of c + 1 by byte permutes (lookup64; its index wraps, as the code saturates, where c is beyond the
+// negative codes), one compare each (x beyond it: c + 1; x < 0: x below it).
 template <bool Nonnegative>
 QSTATE_INLINE __m512i segment_codes64(const __m512 value[4], const Codebook& cb, int32_t min_code) {
   __m512i candidate[4];
-  for (int r = 0; r < 4; ++r) candidate[r] = segment_candidate16<Nonnegative>(value[r], cb.segments);
-  const __m512i bytes = bytes64(candidate);
+  __mmask16 negative[4];
+  for (int r = 0; r < 4; ++r) candidate[r] = segment_candidate16<Nonnegative>(value[r], cb.segments, negative[r]);
+  const __mmask64 negative64 = mask64(negative);
+  const __m512i magnitude = bytes64(candidate), zero = _mm512_set1_epi8(static_cast<char>(cb.segments[segment::kZero]));
+  const __m512i index =
+      _mm512_mask_sub_epi8(_mm512_add_epi8(zero, magnitude), negative64, _mm512_sub_epi8(zero, magnitude), _mm512_set1_epi8(1));
   __m512 threshold[4];
-  lookup64(bytes, reinterpret_cast<const uint8_t*>(cb.segments + segment::kThresholds), threshold);
+  lookup64(index, reinterpret_cast<const uint8_t*>(cb.segments + segment::kThresholds), threshold);
   __mmask16 above[4];
   for (int r = 0; r < 4; ++r) above[r] = _mm512_cmp_ps_mask(value[r], threshold[r], _CMP_GE_OQ);
-  const __mmask64 up = _mm512_kunpackd(_mm512_kunpackw(above[3], above[2]), _mm512_kunpackw(above[1], above[0]));
-  return _mm512_max_epu8(_mm512_mask_add_epi8(bytes, up, bytes, _mm512_set1_epi8(1)), _mm512_set1_epi8(static_cast<char>(min_code)));
+  const __mmask64 up = mask64(above) ^ negative64;
+  const __m512i rounded = _mm512_mask_add_epi8(magnitude, up, magnitude, _mm512_set1_epi8(1));
+  const __m512i code = _mm512_mask_subs_epu8(_mm512_adds_epu8(zero, rounded), negative64, zero, rounded);
+  return _mm512_max_epu8(code, _mm512_set1_epi8(static_cast<char>(min_code)));
 }
 #endif
 
@@ -735,38 +743,57 @@ QSTATE_INLINE __m128i codebook_stochastic16(__m512 value, const Codebook& cb, in
 }
 
 #ifdef QSTATE_VBMI
+// codebook_stochastic's floor code (held to [0, last - 1]) of 64 normalized values (value[r]: values 16r .. 16r + 15)
+// of a codebook with segments, as bytes (NearestCodeIndex.segment_floors): the candidate magnitude c (Floor) and the
+// value of magnitude c + 1 on x's side by byte permutes (lookup64; its index wraps, as the floor saturates, where c is
+// beyond the codebook), one compare each.
+template <bool Nonnegative>
+QSTATE_INLINE __m512i segment_floors64(const __m512 value[4], const Codebook& cb, int32_t last) {
+  __m512i candidate[4];
+  __mmask16 negative[4];
+  for (int r = 0; r < 4; ++r) candidate[r] = segment_candidate16<Nonnegative, true>(value[r], cb.segments, negative[r]);
+  const __mmask64 negative64 = mask64(negative);
+  const __m512i magnitude = bytes64(candidate), zero = _mm512_set1_epi8(static_cast<char>(cb.segments[segment::kZero]));
+  const __m512i one = _mm512_set1_epi8(1), below_zero = _mm512_sub_epi8(zero, one);
+  const __m512i index = _mm512_mask_sub_epi8(_mm512_add_epi8(_mm512_add_epi8(zero, magnitude), one), negative64, below_zero, magnitude);
+  __m512 next[4];
+  lookup64(index, cb.planes, next);
+  __mmask16 reached[4];
+  for (int r = 0; r < 4; ++r) reached[r] = _mm512_cmp_ps_mask(value[r], next[r], _CMP_GE_OQ);
+  const __m512i floor = _mm512_mask_adds_epu8(magnitude, mask64(reached) ^ negative64, magnitude, one);
+  const __m512i positive = _mm512_min_epu8(_mm512_adds_epu8(zero, floor), _mm512_set1_epi8(static_cast<char>(last - 1)));
+  return _mm512_mask_subs_epu8(positive, negative64, below_zero, floor);
+}
+
 // codebook_stochastic16 of 64 values (value[r]: values 16r .. 16r + 15; uniform[r] their draws) of an 8-bit codebook,
-// as its 64 byte codes: the three table lookups per value by byte permutes of 64 codes at a time (lookup64), not by
-// lookup<8>'s 16 at a time.
+// as its 64 byte codes: the floor by segment_floors64 where the codebook has segments, else from the bucket gather's
+// nearest code; the table lookups by byte permutes of 64 codes at a time (lookup64), not by lookup<8>'s 16 at a time.
 template <bool Nonnegative>
 QSTATE_INLINE __m512i codebook_stochastic64(const __m512 value[4], const Codebook& cb, int32_t last, int32_t min_code,
                                             const __m512 uniform[4]) {
-  __m512i low[4];
-  __m512 nearest[4], low_value[4], high_value[4];
+  __m512i low;
   if (cb.segments != nullptr) {
-    const __m512i bytes = segment_codes64<Nonnegative>(value, cb, min_code);
-    low[0] = _mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(bytes, 0)), low[1] = _mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(bytes, 1));
-    low[2] = _mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(bytes, 2)), low[3] = _mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(bytes, 3));
-    lookup64(bytes, cb.planes, nearest);
+    low = segment_floors64<Nonnegative>(value, cb, last);
   } else {
-    for (int r = 0; r < 4; ++r) low[r] = bucket16<Nonnegative>(value[r], cb);
-    lookup64(bytes64(low), cb.planes, nearest);
+    __m512i nearest[4];
+    __m512 nearest_value[4];
+    for (int r = 0; r < 4; ++r) nearest[r] = bucket16<Nonnegative>(value[r], cb);
+    lookup64(bytes64(nearest), cb.planes, nearest_value);
+    for (int r = 0; r < 4; ++r) {
+      const __mmask16 above = _mm512_cmp_ps_mask(nearest_value[r], value[r], _CMP_GT_OQ);
+      const __m512i floor = _mm512_mask_sub_epi32(nearest[r], above, nearest[r], _mm512_set1_epi32(1));
+      nearest[r] = _mm512_min_epi32(_mm512_max_epi32(floor, _mm512_setzero_si512()), _mm512_set1_epi32(last - 1));
+    }
+    low = bytes64(nearest);
   }
-  for (int r = 0; r < 4; ++r) {
-    const __mmask16 above = _mm512_cmp_ps_mask(nearest[r], value[r], _CMP_GT_OQ);
-    const __m512i floor = _mm512_mask_sub_epi32(low[r], above, low[r], _mm512_set1_epi32(1));
-    low[r] = _mm512_min_epi32(_mm512_max_epi32(floor, _mm512_setzero_si512()), _mm512_set1_epi32(last - 1));
-  }
-  const __m512i low_bytes = bytes64(low);
-  lookup64(low_bytes, cb.planes, low_value);
-  lookup64(_mm512_add_epi8(low_bytes, _mm512_set1_epi8(1)), cb.planes, high_value);
-  __m512i code[4];
-  for (int r = 0; r < 4; ++r) {
-    const __mmask16 up = _mm512_cmp_ps_mask(_mm512_mul_ps(uniform[r], _mm512_sub_ps(high_value[r], low_value[r])),
-                                            _mm512_sub_ps(value[r], low_value[r]), _CMP_LT_OQ);
-    code[r] = _mm512_max_epi32(_mm512_mask_add_epi32(low[r], up, low[r], _mm512_set1_epi32(1)), _mm512_set1_epi32(min_code));
-  }
-  return bytes64(code);
+  __m512 low_value[4], high_value[4];
+  lookup64(low, cb.planes, low_value);
+  lookup64(_mm512_add_epi8(low, _mm512_set1_epi8(1)), cb.planes, high_value);
+  __mmask16 up[4];
+  for (int r = 0; r < 4; ++r)
+    up[r] = _mm512_cmp_ps_mask(_mm512_mul_ps(uniform[r], _mm512_sub_ps(high_value[r], low_value[r])), _mm512_sub_ps(value[r], low_value[r]),
+                               _CMP_LT_OQ);
+  return _mm512_max_epu8(_mm512_mask_add_epi8(low, mask64(up), low, _mm512_set1_epi8(1)), _mm512_set1_epi8(static_cast<char>(min_code)));
 }
 #endif
 
@@ -880,13 +907,26 @@ QSTATE_INLINE __m512 round16(Fp16Stochastic, __m512 x, uint64_t seed, int64_t in
   return _mm512_cvtph_ps(fp16_stochastic16(x, random16(seed, index)));
 }
 
+// The running absmax and non-finite flag of fp32 values in one: the lane-wise max of ``top`` and the magnitudes' bit
+// patterns (the patterns of |x| order as the values do; inf's and NaN's are above every finite one's). Reduced by
+// top_of.
+QSTATE_INLINE __m512i max_magnitude_bits(__m512i top, __m512 x) {
+  return _mm512_max_epu32(top, _mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(0x7FFFFFFF)));
+}
+
+// The absmax of the values max_magnitude_bits ran over (``top``), and whether all were finite (else 0).
+QSTATE_INLINE float top_of(__m512i top, bool& finite) {
+  const uint32_t bits = _mm512_reduce_max_epu32(top);
+  finite = bits < 0x7F800000u;
+  return finite ? float_of(bits) : 0.0f;
+}
+
 // The AVX-512 form of adam_lane and the block's running absmaxes / non-finite flags, for 16 values.
 // inside_bound: the hold's test.
 struct Update16 {
   __m512 sign, l2, decay, lerp_coeff, b2, one_minus_b2, step, eps, m_bound, inside_bound, bc2, eco;
   bool lerp_from_end, hold_m, decoupled;
-  __m512 m_top = _mm512_setzero_ps(), v_top = _mm512_setzero_ps();
-  __mmask16 m_nonfinite = 0, v_nonfinite = 0;
+  __m512i m_top = _mm512_setzero_si512(), v_top = _mm512_setzero_si512();  // running max_magnitude_bits
 
   explicit Update16(const Hyper& h)
       : sign(_mm512_set1_ps(h.sign)),
@@ -926,14 +966,11 @@ struct Update16 {
     record(mi, vi, m, v);
   }
 
-  // The new moments mi, vi to m[0:16], v[0:16], and their running absmaxes and non-finite flags.
+  // The new moments mi, vi to m[0:16], v[0:16], and their running absmaxes and non-finite flags (max_magnitude_bits).
   QSTATE_INLINE void record(__m512 mi, __m512 vi, float* m, float* v) {
     _mm512_storeu_ps(m, mi);
     _mm512_storeu_ps(v, vi);
-    m_top = _mm512_max_ps(_mm512_abs_ps(mi), m_top);  // a NaN lane keeps the running max, as the scalar compare does
-    v_top = _mm512_max_ps(_mm512_abs_ps(vi), v_top);
-    m_nonfinite |= _mm512_cmp_ps_mask(_mm512_sub_ps(mi, mi), _mm512_setzero_ps(), _CMP_UNORD_Q);
-    v_nonfinite |= _mm512_cmp_ps_mask(_mm512_sub_ps(vi, vi), _mm512_setzero_ps(), _CMP_UNORD_Q);
+    m_top = max_magnitude_bits(m_top, mi), v_top = max_magnitude_bits(v_top, vi);
   }
 
   // adam_lane of 16 values p[0:16] (element type T, from element ``index`` of the parameter: the SR draws of ``seed``),
