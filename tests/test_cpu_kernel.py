@@ -101,6 +101,18 @@ def test_nearest_code_index_gives_the_reference_codes(name):
 SEGMENTED = ["int8", "int8 unsigned", "int8_linear", "int8_linear unsigned"]
 
 
+@pytest.mark.parametrize("name", ["int4", "int4_linear", "int5", "int6", "int7"])
+@pytest.mark.parametrize("signed", [True, False])
+def test_search_of_the_values_gives_the_floors_of_codebooks_up_to_128_codes(name, signed):
+    """``NearestCodeIndex.search_codes(x, floors=True)``, held to ``last - 1``: stochastic rounding's floor (the
+    AVX-512 kernel's for codebooks of at most 128 values), at and beside every threshold and value."""
+    fmt = get_format(name, signed=signed)
+    index = nearest_index(fmt)
+    x = torch.cat([hard_inputs(fmt), torch.nextafter(fmt.codebook.float(), torch.tensor(-2.0))])
+    floors = index.search_codes(x, floors=True).clamp(max=fmt.codebook.numel() - 2)
+    assert index.depth <= 7 and torch.equal(floors, held_floors(fmt.codebook, x))
+
+
 def held_floors(codebook: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """The code of the largest ``codebook`` value ``<= x``, held to ``[0, last - 1]``: stochastic rounding's lower
     neighbour (``encode_codebook``'s ``low``)."""

@@ -28,7 +28,8 @@ class NearestCodeIndex:
     branch-free binary search over the thresholds padded with ``+inf`` to ``2**depth - 1`` (``depth``: the bits of
     the last code): ``search_levels`` holds, from offset ``2**L - 1``, the ``2**L`` thresholds level ``L`` may compare
     with, ``t[j * 2 * s + s - 1]`` for ``s = 2**(depth - 1 - L)``, and the code is ``sum over L of s * (x >= levels_L[code
-    // (2 * s)])`` built level by level (``search_codes``).
+    // (2 * s)])`` built level by level (``search_codes``). For a codebook of at most 128 values the same search over
+    its values above the first, from ``FLOOR_LEVELS``, gives stochastic rounding's floor (``search_codes(x, floors=True)``).
 
     An 8-bit codebook made of runs of equally spaced magnitudes (the dynamic maps, the linear ones; ``segments``,
     ``segment_table``) is encoded by arithmetic instead of the bucket gather (``segment_codes``), on magnitudes
@@ -63,12 +64,10 @@ class NearestCodeIndex:
         decode = torch.zeros(256)
         decode[: codebook.numel()] = codebook
         depth = (codebook.numel() - 1).bit_length()
-        padded = torch.full((2**depth - 1,), torch.inf)
-        padded[: thresholds.numel()] = thresholds
         levels = torch.zeros(256)
-        for level in range(depth):
-            step = 2 ** (depth - 1 - level)
-            levels[2**level - 1 : 2 ** (level + 1) - 1] = padded[step - 1 :: 2 * step]
+        levels[: 2**depth - 1] = _search_levels(thresholds, depth)
+        if depth <= 7:  # the floors' search: the values above the first
+            levels[FLOOR_LEVELS : FLOOR_LEVELS + 2**depth - 1] = _search_levels(codebook[1:].float(), depth)
         segments = segment_table(codebook, raw)  # its codes are clamped up to min_code after the threshold compare
         for key_bits in range(4, 16):
             entries = NearestCodeIndex._bucket_entries(thresholds, key_base, 23 - key_bits)
@@ -111,12 +110,15 @@ class NearestCodeIndex:
         step = torch.minimum(position.trunc().to(torch.int64).clamp(min=0), table[_LAST + run].to(torch.int64))
         return negative, table[_BASE + run].to(torch.int64) + step
 
-    def search_codes(self, x: torch.Tensor) -> torch.Tensor:
-        """The AVX-512 encoder's codes of fp32 ``x`` (int64, same shape), from ``search_levels`` as the kernel searches."""
+    def search_codes(self, x: torch.Tensor, floors: bool = False) -> torch.Tensor:
+        """The AVX-512 encoder's codes of fp32 ``x`` (int64, same shape), from ``search_levels`` as the kernel searches;
+        ``floors``: the count of values ``<= x`` above the first instead (codebooks of at most 128 values), the code of
+        the largest value ``<= x`` held up to 0, which stochastic rounding holds down to ``last - 1``."""
+        levels = self.search_levels[FLOOR_LEVELS:] if floors else self.search_levels
         code = torch.zeros(x.shape, dtype=torch.int64)
         for level in range(self.depth):
             step = 2 ** (self.depth - 1 - level)
-            threshold = self.search_levels[2**level - 1 + torch.div(code, 2 * step, rounding_mode="floor")]
+            threshold = levels[2**level - 1 + torch.div(code, 2 * step, rounding_mode="floor")]
             code = code + step * (threshold <= x).to(torch.int64)
         return code
 
@@ -141,6 +143,22 @@ class NearestCodeIndex:
             offset = torch.where(inside, magnitude_bits[first.clamp(max=thresholds.numel() - 1)] - start_bits, 0)
             sides.append(first + (inside.to(torch.int64) << 8) + (offset << 9))
         return torch.cat([sides[0].flip(0), sides[1]]).to(torch.int32)
+
+
+# Where a codebook of at most 128 values (depth <= 7) keeps the search of its values in ``search_levels``.
+FLOOR_LEVELS = 128
+
+
+def _search_levels(keys: torch.Tensor, depth: int) -> torch.Tensor:
+    """``(2**depth - 1,)`` fp32: the sorted ``keys`` (at most ``2**depth - 1``, padded with ``+inf``) in the order a
+    branch-free binary search of ``depth`` levels compares them: level ``L`` from offset ``2**L - 1``."""
+    padded = torch.full((2**depth - 1,), torch.inf)
+    padded[: keys.numel()] = keys
+    levels = torch.empty(2**depth - 1)
+    for level in range(depth):
+        step = 2 ** (depth - 1 - level)
+        levels[2**level - 1 : 2 ** (level + 1) - 1] = padded[step - 1 :: 2 * step]
+    return levels
 
 
 # segment_table's layout (int32 entries): SEGMENT_BINADES runs at the binades' lower ends and as many split patterns,

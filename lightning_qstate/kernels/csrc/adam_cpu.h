@@ -41,10 +41,14 @@ struct Codebook {
   const int32_t* entries;  // bucket -> first | inside << 8 | offset << 9
   int32_t key_base, key_shift, half;
   const uint8_t* planes;    // (4, 256): byte j of decode[c] at [j][c] (the VBMI decoder's tables)
-  const float* levels;      // (256,): the thresholds by level of the binary search (NearestCodeIndex.search_levels)
+  const float* levels;      // (256,): the thresholds by level of the binary search (NearestCodeIndex.search_levels),
+                            // from kFloorLevels the values' (codes < 128: stochastic rounding's floor)
   int32_t depth;            // its levels: codes < 2^depth (1 to 8)
   const int32_t* segments;  // NearestCodeIndex.segments (code_index.segment_table's layout), or nullptr
 };
+
+// Where Codebook::levels holds the search of a codebook's values (code_index.FLOOR_LEVELS; codes < 128).
+constexpr int kFloorLevels = 128;
 
 // code_index.segment_table's layout: offsets of its int32 entries.
 namespace segment {
@@ -726,14 +730,20 @@ QSTATE_INLINE __m128i encode_minifloat16(__m512 value, const Minifloat& mf, __m5
   return _mm512_cvtepi32_epi8(code);
 }
 
-// codebook_stochastic of 16 normalized values (a codebook of codes < 2^Depth): the floor from the round-to-nearest
-// code (codebook_codes16), then the rounding up between it and the next value.
+// codebook_stochastic of 16 normalized values (a codebook of codes < 2^Depth): the floor by a search of the values
+// (codes < 128: Codebook::levels from kFloorLevels), else from the round-to-nearest code (codebook_codes16), held to
+// [0, last - 1]; then the rounding up between it and the next value.
 template <int Depth, bool Nonnegative>
 QSTATE_INLINE __m128i codebook_stochastic16(__m512 value, const Codebook& cb, int32_t last, int32_t min_code, __m512 uniform) {
-  const __m512i code = codebook_codes16<Depth, Nonnegative>(value, cb);
-  const __mmask16 above = _mm512_cmp_ps_mask(lookup<Depth>(cb.decode, code), value, _CMP_GT_OQ);
-  const __m512i floor = _mm512_mask_sub_epi32(code, above, code, _mm512_set1_epi32(1));
-  const __m512i low = _mm512_min_epi32(_mm512_max_epi32(floor, _mm512_setzero_si512()), _mm512_set1_epi32(last - 1));
+  __m512i floor;
+  if constexpr (Depth < 8) {
+    floor = search16<Depth>(value, cb.levels + kFloorLevels);
+  } else {
+    const __m512i code = codebook_codes16<Depth, Nonnegative>(value, cb);
+    const __mmask16 above = _mm512_cmp_ps_mask(lookup<Depth>(cb.decode, code), value, _CMP_GT_OQ);
+    floor = _mm512_max_epi32(_mm512_mask_sub_epi32(code, above, code, _mm512_set1_epi32(1)), _mm512_setzero_si512());
+  }
+  const __m512i low = _mm512_min_epi32(floor, _mm512_set1_epi32(last - 1));
   const __m512 low_value = lookup<Depth>(cb.decode, low),
                high_value = lookup<Depth>(cb.decode, _mm512_add_epi32(low, _mm512_set1_epi32(1)));
   const __mmask16 up =
