@@ -198,7 +198,10 @@ def segment_table(codebook: torch.Tensor, thresholds: torch.Tensor) -> torch.Ten
     one below it, which the compare with the next threshold repairs. The run of ``key`` is exact: the boundaries are the
     positive thresholds themselves, found in the binade of ``key`` by one pattern compare. For ``x < 0`` the magnitude
     code of ``|x|`` counts the thresholds ``t`` between negative values with ``|t| < |x|``, that is ``|t| <= key``; with
-    ``|t|`` the positive threshold or the float below it, the positive one's candidate is still the code or one below."""
+    ``|t|`` the positive threshold or the float below it, the positive one's candidate is still the code or one below.
+    Stochastic rounding's floors (``segment_floors``) take the same runs with the values as boundaries and
+    ``position = key / h - a_i / h``: the largest magnitude ``<= key`` or one below it, repaired by one compare with the
+    next value."""
     if not 128 < codebook.numel() <= 256 or float(codebook.abs().max()) > 1.0 or int((codebook == 0).sum()) != 1:
         return None
     zero = int((codebook == 0).nonzero())
