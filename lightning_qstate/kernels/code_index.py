@@ -78,23 +78,32 @@ class NearestCodeIndex:
     def segment_codes(self, x: torch.Tensor, min_code: int = 0) -> torch.Tensor:
         """The AVX-512 encoder's codes of fp32 ``x`` (int64, same shape) from ``segments`` (``segment_table``), computed
         as the kernel computes them (its byte arithmetic: indices wrap, codes saturate), clamped up to ``min_code``."""
-        negative, candidate = self._segment_candidates(x, _FIRST, _SPLIT, SEGMENT_RUNS)
+        thresholds = self.segments[_THRESHOLDS:_ZERO].contiguous().view(torch.uint8).view(4, 256).t().contiguous().view(torch.float32)
+        negative, magnitude = self._segment_magnitudes(x, thresholds.view(-1), floors=False)
         zero = int(self.segments[_ZERO])
-        table = self.segments[_THRESHOLDS:_ZERO].contiguous().view(torch.uint8).view(4, 256).t().contiguous().view(torch.float32).view(-1)
-        index = torch.where(negative, zero - 1 - candidate, zero + candidate) % 256  # the threshold above magnitude c
-        rounded = candidate + ((x >= table[index]) != negative).to(torch.int64)
-        code = torch.where(negative, (zero - rounded).clamp(min=0), (zero + rounded).clamp(max=255))
+        code = torch.where(negative, (zero - magnitude).clamp(min=0), (zero + magnitude).clamp(max=255))
         return code.clamp(min=min_code)
 
     def segment_floors(self, x: torch.Tensor, last: int) -> torch.Tensor:
         """The AVX-512 stochastic encoder's floor codes of fp32 ``x`` (int64, same shape): the code of the largest
         codebook value ``<= x``, held to ``[0, last - 1]`` (``last``: the last code), as ``encode_codebook`` holds it
         before rounding up; from ``segments`` as the kernel computes it (its byte arithmetic)."""
-        negative, candidate = self._segment_candidates(x, _FLOOR_FIRST, _FLOOR_SPLIT, 2 * SEGMENT_RUNS)
+        negative, magnitude = self._segment_magnitudes(x, self.decode, floors=True)
         zero = int(self.segments[_ZERO])
-        index = torch.where(negative, zero - 1 - candidate, zero + 1 + candidate) % 256  # the value of magnitude c + 1
-        floor = (candidate + ((x >= self.decode[index]) != negative).to(torch.int64)).clamp(max=255)
-        return torch.where(negative, (zero - 1 - floor).clamp(min=0), (zero + floor).clamp(max=min(255, last - 1)))
+        return torch.where(negative, (zero - 1 - magnitude).clamp(min=0), (zero + magnitude).clamp(max=min(255, last - 1)))
+
+    def _segment_magnitudes(self, x: torch.Tensor, table: torch.Tensor, floors: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x < 0`` and the magnitude codes of ``x`` (``floors``: of its floors) as the kernel repairs its candidates:
+        one compare with ``table`` (256 fp32: the thresholds, or with ``floors`` the values) at the signed code of the
+        next magnitude's entry, ``zero + c`` (``+ 1`` with ``floors``) for ``x >= 0``, ``zero - 1 - c`` for ``x < 0``,
+        the index wrapping and the result saturating as the kernel's bytes do (int64)."""
+        if floors:
+            negative, candidate = self._segment_candidates(x, _FLOOR_FIRST, _FLOOR_SPLIT, 2 * SEGMENT_RUNS)
+        else:
+            negative, candidate = self._segment_candidates(x, _FIRST, _SPLIT, SEGMENT_RUNS)
+        zero = int(self.segments[_ZERO])
+        index = torch.where(negative, zero - 1 - candidate, zero + int(floors) + candidate) % 256
+        return negative, (candidate + ((x >= table[index]) != negative).to(torch.int64)).clamp(max=255)
 
     def _segment_candidates(self, x: torch.Tensor, first: int, split: int, offset: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``x < 0`` and the candidate magnitude codes of ``key`` (the class docstring) from the runs and splits at

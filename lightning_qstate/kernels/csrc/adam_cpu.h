@@ -659,26 +659,36 @@ QSTATE_INLINE __m512i segment_candidate16(__m512 value, const int32_t* table, __
   return _mm512_add_epi32(table16(kBase), step);
 }
 
+// The magnitude codes of 64 normalized values (value[r]: values 16r .. 16r + 15) of a codebook with segments, as bytes,
+// and which values are < 0 (``negative``): the candidates (segment_candidate16) repaired by one compare each with the
+// table entry (by byte permutes, lookup64) at the signed code of the next magnitude's rounding threshold or, with
+// Floor, of the next magnitude's value (``table``: the thresholds' or the values' byte planes): for x >= 0 code
+// zero + c (+ 1 with Floor), up where x reaches it; for x < 0 code zero - 1 - c, up where x is below it. The index
+// wraps, and the result saturates, where c is beyond the codebook's side (the signed code saturates there too).
+template <bool Nonnegative, bool Floor>
+QSTATE_INLINE __m512i segment_magnitudes64(const __m512 value[4], const Codebook& cb, const uint8_t* table, __mmask64& negative) {
+  __m512i candidate[4];
+  __mmask16 negative16[4], reached[4];
+  for (int r = 0; r < 4; ++r) candidate[r] = segment_candidate16<Nonnegative, Floor>(value[r], cb.segments, negative16[r]);
+  negative = mask64(negative16);
+  const __m512i magnitude = bytes64(candidate), zero = _mm512_set1_epi8(static_cast<char>(cb.segments[segment::kZero]));
+  const __m512i one = _mm512_set1_epi8(1), positive_index = _mm512_add_epi8(zero, Floor ? _mm512_add_epi8(magnitude, one) : magnitude);
+  const __m512i index = _mm512_mask_sub_epi8(positive_index, negative, _mm512_sub_epi8(zero, one), magnitude);
+  __m512 entry[4];
+  lookup64(index, table, entry);
+  for (int r = 0; r < 4; ++r) reached[r] = _mm512_cmp_ps_mask(value[r], entry[r], _CMP_GE_OQ);
+  return _mm512_mask_adds_epu8(magnitude, mask64(reached) ^ negative, magnitude, one);
+}
+
 // NearestCodeIndex.segment_codes of 64 normalized values (value[r]: values 16r .. 16r + 15) of a codebook with
-// segments, clamped up to min_code, as bytes in order: the threshold between the signed codes of the candidate
-// magnitude c and of c + 1 by byte permutes (lookup64; its index wraps, as the code saturates, where c is beyond the
-// negative codes), one compare each (x beyond it: c + 1; x < 0: x below it).
+// segments, clamped up to min_code, as bytes in order: zero +- the magnitude code (segment_magnitudes64).
 template <bool Nonnegative>
 QSTATE_INLINE __m512i segment_codes64(const __m512 value[4], const Codebook& cb, int32_t min_code) {
-  __m512i candidate[4];
-  __mmask16 negative[4];
-  for (int r = 0; r < 4; ++r) candidate[r] = segment_candidate16<Nonnegative>(value[r], cb.segments, negative[r]);
-  const __mmask64 negative64 = mask64(negative);
-  const __m512i magnitude = bytes64(candidate), zero = _mm512_set1_epi8(static_cast<char>(cb.segments[segment::kZero]));
-  const __m512i index =
-      _mm512_mask_sub_epi8(_mm512_add_epi8(zero, magnitude), negative64, _mm512_sub_epi8(zero, magnitude), _mm512_set1_epi8(1));
-  __m512 threshold[4];
-  lookup64(index, reinterpret_cast<const uint8_t*>(cb.segments + segment::kThresholds), threshold);
-  __mmask16 above[4];
-  for (int r = 0; r < 4; ++r) above[r] = _mm512_cmp_ps_mask(value[r], threshold[r], _CMP_GE_OQ);
-  const __mmask64 up = mask64(above) ^ negative64;
-  const __m512i rounded = _mm512_mask_add_epi8(magnitude, up, magnitude, _mm512_set1_epi8(1));
-  const __m512i code = _mm512_mask_subs_epu8(_mm512_adds_epu8(zero, rounded), negative64, zero, rounded);
+  __mmask64 negative;
+  const __m512i magnitude =
+      segment_magnitudes64<Nonnegative, false>(value, cb, reinterpret_cast<const uint8_t*>(cb.segments + segment::kThresholds), negative);
+  const __m512i zero = _mm512_set1_epi8(static_cast<char>(cb.segments[segment::kZero]));
+  const __m512i code = _mm512_mask_subs_epu8(_mm512_adds_epu8(zero, magnitude), negative, zero, magnitude);
   return _mm512_max_epu8(code, _mm512_set1_epi8(static_cast<char>(min_code)));
 }
 #endif
@@ -754,25 +764,15 @@ QSTATE_INLINE __m128i codebook_stochastic16(__m512 value, const Codebook& cb, in
 
 #ifdef QSTATE_VBMI
 // codebook_stochastic's floor code (held to [0, last - 1]) of 64 normalized values (value[r]: values 16r .. 16r + 15)
-// of a codebook with segments, as bytes (NearestCodeIndex.segment_floors): the candidate magnitude c (Floor) and the
-// value of magnitude c + 1 on x's side by byte permutes (lookup64; its index wraps, as the floor saturates, where c is
-// beyond the codebook), one compare each.
+// of a codebook with segments, as bytes (NearestCodeIndex.segment_floors): the largest magnitude <= key
+// (segment_magnitudes64 with Floor), zero + it for x >= 0, zero - 1 - it for x < 0.
 template <bool Nonnegative>
 QSTATE_INLINE __m512i segment_floors64(const __m512 value[4], const Codebook& cb, int32_t last) {
-  __m512i candidate[4];
-  __mmask16 negative[4];
-  for (int r = 0; r < 4; ++r) candidate[r] = segment_candidate16<Nonnegative, true>(value[r], cb.segments, negative[r]);
-  const __mmask64 negative64 = mask64(negative);
-  const __m512i magnitude = bytes64(candidate), zero = _mm512_set1_epi8(static_cast<char>(cb.segments[segment::kZero]));
-  const __m512i one = _mm512_set1_epi8(1), below_zero = _mm512_sub_epi8(zero, one);
-  const __m512i index = _mm512_mask_sub_epi8(_mm512_add_epi8(_mm512_add_epi8(zero, magnitude), one), negative64, below_zero, magnitude);
-  __m512 next[4];
-  lookup64(index, cb.planes, next);
-  __mmask16 reached[4];
-  for (int r = 0; r < 4; ++r) reached[r] = _mm512_cmp_ps_mask(value[r], next[r], _CMP_GE_OQ);
-  const __m512i floor = _mm512_mask_adds_epu8(magnitude, mask64(reached) ^ negative64, magnitude, one);
-  const __m512i positive = _mm512_min_epu8(_mm512_adds_epu8(zero, floor), _mm512_set1_epi8(static_cast<char>(last - 1)));
-  return _mm512_mask_subs_epu8(positive, negative64, below_zero, floor);
+  __mmask64 negative;
+  const __m512i magnitude = segment_magnitudes64<Nonnegative, true>(value, cb, cb.planes, negative);
+  const __m512i zero = _mm512_set1_epi8(static_cast<char>(cb.segments[segment::kZero]));
+  const __m512i positive = _mm512_min_epu8(_mm512_adds_epu8(zero, magnitude), _mm512_set1_epi8(static_cast<char>(last - 1)));
+  return _mm512_mask_subs_epu8(positive, negative, _mm512_sub_epi8(zero, _mm512_set1_epi8(1)), magnitude);
 }
 
 // codebook_stochastic16 of 64 values (value[r]: values 16r .. 16r + 15; uniform[r] their draws) of an 8-bit codebook,
