@@ -263,36 +263,35 @@ inline void pack_dense(const uint8_t* __restrict__ codes, int64_t count, int32_t
 }
 
 #ifdef QSTATE_AVX512
-// A bf16 or fp16 cast state's values 16 at a time: read as fp32 (exact) and stored as store_cast rounds them; its
-// fields copied (a loop that stores codes would reload them through the State: the stores could alias it).
+// A bf16 or fp16 cast state's values 16 at a time: read as fp32 (exact) and stored as store_cast rounds them
+// (``Rounding``: the state's dtype and rounding, a type so that a loop over them is compiled once per cast; cast_loop
+// testing them at run time was 10-20 % slower, one thread, bf16/fp16 RN); its fields copied (a loop that stores codes would reload them
+// through the State: the stores could alias it).
+template <typename Rounding>
 struct Cast16 {
-  uint16_t* codes;
-  bool bf16, stochastic, zero_free;
+  using Element = typename Rounding::Element;
+  Element* codes;
+  bool zero_free;
   uint64_t seed;
 
-  explicit Cast16(const State& s)
-      : codes(static_cast<uint16_t*>(s.codes)),
-        bf16(s.cast == Dtype::kBFloat16),
-        stochastic(s.stochastic),
-        zero_free(s.zero_free),
-        seed(s.seed) {}
+  explicit Cast16(const State& s) : codes(static_cast<Element*>(s.codes)), zero_free(s.zero_free), seed(s.seed) {}
 
   // Elements [index, index + 16).
-  QSTATE_INLINE __m512 load(int64_t index) const {
-    return bf16 ? load16(reinterpret_cast<const BFloat16*>(codes + index)) : load16(reinterpret_cast<const Float16*>(codes + index));
-  }
+  QSTATE_INLINE __m512 load(int64_t index) const { return load16(codes + index); }
   QSTATE_INLINE void store(int64_t index, __m512 value) const {
-    __m256i stored;
-    if (stochastic) {
-      const __m512i random = random16(seed, index);
-      stored = bf16 ? bf16_stochastic16(value, random) : fp16_stochastic16(value, random);
-    } else {
-      stored = bf16 ? bf16_nearest16(value) : fp16_nearest16(value);
-    }
+    __m256i stored = patterns16(Rounding{}, value, seed, index);
     if (zero_free) stored = lift_flushed16(value, stored);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + index), stored);
   }
 };
+
+// visit(Cast16<Rounding>(s)) for a bf16 or fp16 cast state s.
+template <typename Visit>
+void with_cast16(const State& s, Visit&& visit) {
+  with_rounding(s.cast, s.stochastic, [&]<typename Rounding>(Rounding) {
+    if constexpr (!std::is_same_v<Rounding, KeepFp32>) visit(Cast16<Rounding>(s));
+  });
+}
 #endif
 
 // A cast state's values [base, base + n) as fp32 (exact).
@@ -303,8 +302,9 @@ void decode_cast(const State& s, int64_t base, int64_t n, float* __restrict__ ou
   }
   int64_t i = 0;
 #ifdef QSTATE_AVX512
-  const Cast16 cast(s);
-  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(out + i, cast.load(base + i));
+  with_cast16(s, [&](const auto& cast) {
+    for (; i + 16 <= n; i += 16) _mm512_storeu_ps(out + i, cast.load(base + i));
+  });
 #endif
   const uint16_t* codes = static_cast<const uint16_t*>(s.codes) + base;
   for (; i < n; ++i) out[i] = s.cast == Dtype::kBFloat16 ? to_float(BFloat16{codes[i]}) : to_float(Float16{codes[i]});
@@ -452,8 +452,9 @@ void store_cast(const State& s, int64_t base, int64_t n, const float* __restrict
   }
   int64_t i = 0;
 #ifdef QSTATE_AVX512
-  const Cast16 cast(s);
-  for (; i + 16 <= n; i += 16) cast.store(base + i, _mm512_loadu_ps(x + i));
+  with_cast16(s, [&](const auto& cast) {
+    for (; i + 16 <= n; i += 16) cast.store(base + i, _mm512_loadu_ps(x + i));
+  });
 #endif
   uint16_t* out = static_cast<uint16_t*>(s.codes) + base;
   const bool bf16 = s.cast == Dtype::kBFloat16, zero_free = s.zero_free;
@@ -999,21 +1000,31 @@ void count_stored(const State& s, int64_t base, int64_t size, const float* befor
   count_values(before, before_units, updated, scratch.stored.data(), scratch.stored_units.data(), size, counts);
 }
 
+#ifdef QSTATE_AVX512
+// cast_registers' loop for the casts m, v (Cast16): one function per pair of casts (in one function with the others the
+// loops were 5-10 % slower).
+template <typename CastM, typename CastV>
+QSTATE_NOINLINE int64_t cast_loop(const Param& w, const CastM& m, const CastV& v, int64_t base, int64_t n) {
+  const Update16 update(w.h);
+  float* p = static_cast<float*>(w.p) + base;
+  const float* g = static_cast<const float*>(w.g) + base;
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    __m512 mi = m.load(base + i), vi = v.load(base + i);
+    update.advance(p + i, g + i, mi, vi);
+    m.store(base + i, mi), v.store(base + i, vi);
+  }
+  return i;
+}
+#endif
+
 // Values [base, base + n) of a parameter with fp32 values whose moments are both bf16/fp16 casts, each 16 decoded,
 // updated and stored in registers (as step_chunk's passes through scratch compute them); returns how many it stepped
 // (a multiple of 16; none without AVX-512).
 int64_t cast_registers(const Param& w, int64_t base, int64_t n) {
   int64_t i = 0;
 #ifdef QSTATE_AVX512
-  const Cast16 m(w.m), v(w.v);
-  const Update16 update(w.h);
-  float* p = static_cast<float*>(w.p) + base;
-  const float* g = static_cast<const float*>(w.g) + base;
-  for (; i + 16 <= n; i += 16) {
-    __m512 mi = m.load(base + i), vi = v.load(base + i);
-    update.advance(p + i, g + i, mi, vi);
-    m.store(base + i, mi), v.store(base + i, vi);
-  }
+  with_cast16(w.m, [&](const auto& m) { with_cast16(w.v, [&](const auto& v) { i = cast_loop(w, m, v, base, n); }); });
 #endif
   return i;
 }
@@ -1358,7 +1369,7 @@ torch::Tensor round_to_grid(const torch::Tensor& values, int64_t grid, bool stoc
   const float* x = values.data_ptr<float>();
   with_element(g.dtype, [&]<typename T>(T) {
     T* y = static_cast<T*>(out.data_ptr());
-    with_rounding(g, [&]<typename Rounding>(Rounding) {
+    with_rounding(g.dtype, g.stochastic, [&]<typename Rounding>(Rounding) {
       at::parallel_for(0, values.numel(), 1 << 14, [&](int64_t begin, int64_t end) {
         for (int64_t i = begin; i < end; ++i) y[i] = from_float<T>(Rounding::round(x[i], g.seed, i));
       });

@@ -322,26 +322,31 @@ struct KeepFp32 {
   static float round(float x, uint64_t, int64_t) { return x; }
 };
 struct Bf16Nearest {
+  using Element = BFloat16;
   static float round(float x, uint64_t, int64_t) { return to_float(BFloat16{bf16_nearest(x)}); }
 };
 struct Bf16Stochastic {
+  using Element = BFloat16;
   static float round(float x, uint64_t seed, int64_t index) { return bf16_stochastic(x, random_bits(seed, index)); }
 };
 struct Fp16Nearest {
+  using Element = Float16;
   static float round(float x, uint64_t, int64_t) { return fp16_nearest(x); }
 };
 struct Fp16Stochastic {
+  using Element = Float16;
   static float round(float x, uint64_t seed, int64_t index) { return fp16_stochastic(x, random_bits(seed, index)); }
 };
 
-// visit(Rounding{}) with the rounding of an active grid.
+// visit(Rounding{}) with the rounding to ``dtype`` (fp32: KeepFp32) to nearest or ``stochastic``: an active grid's, or
+// a cast state's.
 template <typename Visit>
-inline void with_rounding(const Grid& grid, Visit&& visit) {
-  switch (grid.dtype) {
+inline void with_rounding(Dtype dtype, bool stochastic, Visit&& visit) {
+  switch (dtype) {
     case Dtype::kBFloat16:
-      return grid.stochastic ? visit(Bf16Stochastic{}) : visit(Bf16Nearest{});
+      return stochastic ? visit(Bf16Stochastic{}) : visit(Bf16Nearest{});
     case Dtype::kFloat16:
-      return grid.stochastic ? visit(Fp16Stochastic{}) : visit(Fp16Nearest{});
+      return stochastic ? visit(Fp16Stochastic{}) : visit(Fp16Nearest{});
     default:  // fp32: every value is on the grid
       return visit(KeepFp32{});
   }
@@ -368,7 +373,7 @@ inline void with_grid_values(Dtype dtype, const Grid& grid, void* p, const void*
   with_element(dtype, [&]<typename T>(T) {
     T* values = static_cast<T*>(p) + base;
     const T* grads = static_cast<const T*>(g) + base;
-    with_rounding(grid, [&]<typename Rounding>(Rounding) {
+    with_rounding(grid.dtype, grid.stochastic, [&]<typename Rounding>(Rounding) {
       if (grid.eco)
         visit(values, grads, Rounding{}, std::true_type{});
       else
@@ -905,16 +910,21 @@ QSTATE_INLINE void store16(float* x, __m512 value) { _mm512_storeu_ps(x, value);
 QSTATE_INLINE void store16(BFloat16* x, __m512 value) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(x), bf16_nearest16(value)); }
 QSTATE_INLINE void store16(Float16* x, __m512 value) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(x), fp16_nearest16(value)); }
 
-// Rounding::round of 16 values (elements index .. index + 15 of their parameter: their SR draws), as fp32 (a NaN
-// stays a NaN, maybe quieted).
-QSTATE_INLINE __m512 round16(KeepFp32, __m512 x, uint64_t, int64_t) { return x; }
-QSTATE_INLINE __m512 round16(Bf16Nearest, __m512 x, uint64_t, int64_t) { return bf16_value16(bf16_nearest16(x)); }
-QSTATE_INLINE __m512 round16(Bf16Stochastic, __m512 x, uint64_t seed, int64_t index) {
-  return bf16_value16(bf16_stochastic16(x, random16(seed, index)));
+// Rounding::round of 16 values (elements index .. index + 15 of their parameter: their SR draws) as bf16 or fp16
+// patterns (bf16_nearest16 / fp16_nearest16 have NaN's), and as fp32 (round16: a NaN stays a NaN, maybe quieted).
+QSTATE_INLINE __m256i patterns16(Bf16Nearest, __m512 x, uint64_t, int64_t) { return bf16_nearest16(x); }
+QSTATE_INLINE __m256i patterns16(Bf16Stochastic, __m512 x, uint64_t seed, int64_t index) {
+  return bf16_stochastic16(x, random16(seed, index));
 }
-QSTATE_INLINE __m512 round16(Fp16Nearest, __m512 x, uint64_t, int64_t) { return _mm512_cvtph_ps(fp16_nearest16(x)); }
-QSTATE_INLINE __m512 round16(Fp16Stochastic, __m512 x, uint64_t seed, int64_t index) {
-  return _mm512_cvtph_ps(fp16_stochastic16(x, random16(seed, index)));
+QSTATE_INLINE __m256i patterns16(Fp16Nearest, __m512 x, uint64_t, int64_t) { return fp16_nearest16(x); }
+QSTATE_INLINE __m256i patterns16(Fp16Stochastic, __m512 x, uint64_t seed, int64_t index) {
+  return fp16_stochastic16(x, random16(seed, index));
+}
+QSTATE_INLINE __m512 round16(KeepFp32, __m512 x, uint64_t, int64_t) { return x; }
+template <typename Rounding>
+QSTATE_INLINE __m512 round16(Rounding rounding, __m512 x, uint64_t seed, int64_t index) {
+  const __m256i patterns = patterns16(rounding, x, seed, index);
+  return std::is_same_v<typename Rounding::Element, BFloat16> ? bf16_value16(patterns) : _mm512_cvtph_ps(patterns);
 }
 
 // The running absmax and non-finite flag of fp32 values in one: the lane-wise max of ``top`` and the magnitudes' bit
