@@ -392,6 +392,49 @@ def test_a_nonfinite_gradient_skips_only_its_parameter():
         strict.step()
 
 
+@needs_kernel
+@pytest.mark.parametrize("threads", [1, 2])
+def test_nonfinite_gradients_skip_their_parameters_in_a_batch_and_across_threads(threads):
+    """The kernel checks the gradients of parameters a thread steps whole a batch at a time, and those cut between
+    the threads' parts first: a NaN in a batched parameter and one in the second thread's part of the parameter cut
+    between parts (int8 chunks of 1024 values: 15 + 40 + 15 chunks, cut at the 35th) skip exactly those two; every
+    other parameter steps bit for bit as without them."""
+    sizes = [5000, 5000, 5000, 40_000, 5000, 5000, 5000]
+    generator = torch.Generator().manual_seed(0)
+    values = [torch.randn(n, generator=generator) for n in sizes]
+    grads = [[torch.randn(n, generator=generator) for n in sizes] for _ in range(2)]
+    bad = {1: 2, 3: 30_000}  # parameter: element with a NaN gradient at the second step
+
+    def run(indices: list[int]) -> tuple[list[torch.nn.Parameter], lq.QAdamW]:
+        params = [torch.nn.Parameter(values[k].clone()) for k in indices]
+        optimizer = lq.QAdamW(params, states="int8", min_quant_size=0)
+        for step in range(2):
+            for param, k in zip(params, indices, strict=True):
+                param.grad = grads[step][k].clone()
+                if step == 1 and k in bad:
+                    param.grad[bad[k]] = float("nan")
+            optimizer.step()
+        return params, optimizer
+
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with pytest.warns(RuntimeWarning, match="non-finite gradient"):
+            params, optimizer = run(list(range(len(sizes))))
+        finite = [k for k in range(len(sizes)) if k not in bad]
+        alone, alone_optimizer = run(finite)
+    finally:
+        torch.set_num_threads(saved)
+    assert set(optimizer.step_paths().values()) == {"native"}
+    assert optimizer.nonfinite_skips == 2
+    for k in bad:
+        assert float(optimizer.state[params[k]]["step"]) == 1.0
+    for param, reference in zip([params[k] for k in finite], alone, strict=True):
+        assert torch.equal(param.detach(), reference.detach())
+        for name in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(optimizer.state[param][name].codes, alone_optimizer.state[reference][name].codes)
+
+
 def test_the_build_is_said_on_stderr_only_when_not_cached(monkeypatch, tmp_path, capsys):
     """``build_extension`` prints its one line before a build, not when the extension's library is already in torch's
     extension directory (``load`` faked: no compiler runs)."""
