@@ -613,8 +613,9 @@ struct Outcome {
 constexpr int64_t kStateTables = 5;
 
 // A state's Codebook from its kStateTables tables and its row of ``ints``; ``index``: a codebook (its entries, levels
-// and segments are read), whose codes are at most ``last``.
-Codebook codebook(const torch::Tensor* tables, int64_t key_base, int64_t key_shift, int64_t half, bool index, int64_t last) {
+// and segments are read), whose codes are at most ``last`` and clamped up to ``min_code``.
+Codebook codebook(const torch::Tensor* tables, int64_t key_base, int64_t key_shift, int64_t half, bool index, int64_t last,
+                  int64_t min_code) {
   const torch::Tensor &decode = tables[0], &entries = tables[1], &planes = tables[2], &levels = tables[3], &segments = tables[4];
   TORCH_CHECK(segments.scalar_type() == torch::kInt && (segments.numel() == 0 || (index && segments.numel() == segment::kZero + 1)),
               "a state's segment table: empty, or a codebook's ", segment::kZero + 1, " int32 entries (code_index.segment_table)");
@@ -625,7 +626,11 @@ Codebook codebook(const torch::Tensor* tables, int64_t key_base, int64_t key_shi
               "a state's tables: 256 fp32 decode values, int32 bucket entries (2 * half for a codebook), (4, 256) uint8 byte planes, "
               "256 fp32 search levels; a codebook's codes 2 to 256");
   const int32_t depth = index ? 32 - __builtin_clz(static_cast<uint32_t>(last)) : 1;  // codes <= last < 2^depth
-  return Codebook{decode.data_ptr<float>(),
+  const float* values = decode.data_ptr<float>();
+  const float size = static_cast<float>(1 << depth);
+  bool on_grid = index && depth < 8 && last == (1 << depth) - 1 && min_code == 0;
+  for (int64_t c = 0; on_grid && c <= last; ++c) on_grid = values[c] == static_cast<float>(c + 1) / size;
+  return Codebook{values,
                   entries.data_ptr<int32_t>(),
                   static_cast<int32_t>(key_base),
                   static_cast<int32_t>(key_shift),
@@ -633,7 +638,8 @@ Codebook codebook(const torch::Tensor* tables, int64_t key_base, int64_t key_shi
                   planes.data_ptr<uint8_t>(),
                   levels.data_ptr<float>(),
                   depth,
-                  segments.numel() == 0 ? nullptr : segments.data_ptr<int32_t>()};
+                  segments.numel() == 0 ? nullptr : segments.data_ptr<int32_t>(),
+                  on_grid ? size : 0.0f};
 }
 
 Scales scales_of(const torch::Tensor& t, int64_t k) {
@@ -693,7 +699,7 @@ State state_of(const torch::Tensor& codes, const torch::Tensor& scales, const to
   s.block = ints[kBlock];
   s.codes = codes.data_ptr();
   s.zero_free = ints[kZeroFree] != 0;
-  s.cb = codebook(tables, ints[kKeyBase], ints[kKeyShift], ints[kHalf], s.kind == Kind::kCodebook, ints[kMaxCode]);
+  s.cb = codebook(tables, ints[kKeyBase], ints[kKeyShift], ints[kHalf], s.kind == Kind::kCodebook, ints[kMaxCode], ints[kMinCode]);
   s.mf.mantissa_bits = static_cast<int32_t>(ints[kMantissaBits]), s.mf.bias = static_cast<int32_t>(ints[kBias]);
   s.mf.max_code = static_cast<int32_t>(ints[kMaxCode]), s.mf.min_code = static_cast<int32_t>(ints[kMinCode]);
   s.mf.sign_shift = static_cast<int32_t>(ints[kBits] - 1), s.mf.has_sign = ints[kHasSign] != 0, s.mf.max_value = max_value;
