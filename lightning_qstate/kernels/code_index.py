@@ -30,6 +30,9 @@ class NearestCodeIndex:
     with, ``t[j * 2 * s + s - 1]`` for ``s = 2**(depth - 1 - L)``, and the code is ``sum over L of s * (x >= levels_L[code
     // (2 * s)])`` built level by level (``search_codes``). For a codebook of at most 128 values the same search over
     its values above the first, from ``FLOOR_LEVELS``, gives stochastic rounding's floor (``search_codes(x, floors=True)``).
+    Where the values are ``(c + 1) / 2**depth`` for every code ``c`` and ``min_code`` is 0 (int4's unsigned map), the
+    kernel computes both by arithmetic instead (``Codebook::grid``: ``floor(x * 2**depth - 0.5)`` and
+    ``floor(x * 2**depth) - 1``, held to the codes), the same counts.
 
     An 8-bit codebook made of runs of equally spaced magnitudes (the dynamic maps, the linear ones; ``segments``,
     ``segment_table``) is encoded by arithmetic instead of the bucket gather (``segment_codes``), on magnitudes
