@@ -264,9 +264,9 @@ inline void pack_dense(const uint8_t* __restrict__ codes, int64_t count, int32_t
 
 #ifdef QSTATE_AVX512
 // A bf16 or fp16 cast state's values 16 at a time: read as fp32 (exact) and stored as store_cast rounds them
-// (``Rounding``: the state's dtype and rounding, a type so that a loop over them is compiled once per cast; cast_loop
-// testing them at run time was 10-20 % slower, one thread, bf16/fp16 RN); its fields copied (a loop that stores codes would reload them
-// through the State: the stores could alias it).
+// (``Rounding``: the state's dtype and rounding as a type, so that a loop over them is compiled once per cast; testing
+// them at run time made cast_loop 10-20 % slower, one thread, bf16/fp16 RN); its fields copied (a loop that stores
+// codes would reload them through the State: the stores could alias it).
 template <typename Rounding>
 struct Cast16 {
   using Element = typename Rounding::Element;

@@ -46,7 +46,7 @@ struct Codebook {
   int32_t depth;            // its levels: codes < 2^depth (1 to 8)
   const int32_t* segments;  // NearestCodeIndex.segments (code_index.segment_table's layout), or nullptr
   float grid;               // 2^depth where its values are (c + 1) / 2^depth of every code c (int4's unsigned map) and
-                            // its min_code 0: codes by arithmetic (grid_codes16, grid_floors16); else 0
+                            // its min_code 0: codes and floors by arithmetic (grid_codes16); else 0
 };
 
 // Where Codebook::levels holds the search of a codebook's values (code_index.FLOOR_LEVELS; codes < 128).
@@ -700,25 +700,16 @@ QSTATE_INLINE __m512i segment_codes64(const __m512 value[4], const Codebook& cb,
 }
 #endif
 
-// The codes of 16 normalized values of a codebook on a grid (Codebook::grid: its values (c + 1) / grid): the count of
-// its thresholds, the midpoints (c + 1.5) / grid, that are <= value, i.e. floor(value * grid - 0.5) held to
-// [0, grid - 1] (the fma rounds nothing where the floor is >= 0: value * grid - 0.5 is then a multiple of
-// value * grid's ulp; a NaN or negative value gets code 0, as the search gives it).
-QSTATE_INLINE __m512i grid_codes16(__m512 value, float grid) {
-  const __m512 below = _mm512_fmsub_ps(value, _mm512_set1_ps(grid), _mm512_set1_ps(0.5f));
+// Counts of 16 normalized values of a codebook on a grid (Codebook::grid: its values (c + 1) / grid): floor(value * grid
+// - offset) held to [0, grid - 1]. Offset 0.5: the nearest code, the count of the thresholds (c + 1.5) / grid that
+// are <= value; offset 1: stochastic rounding's floor, the count of the values (c + 1) / grid, c >= 1, that are <=
+// value (search16 of Codebook::levels from kFloorLevels). The fma rounds nothing where the floor is >= 0 (value * grid
+// - offset is then a multiple of value * grid's ulp); a NaN or negative value counts 0, as in the searches.
+QSTATE_INLINE __m512i grid_codes16(__m512 value, float grid, float offset) {
+  const __m512 below = _mm512_fmsub_ps(value, _mm512_set1_ps(grid), _mm512_set1_ps(offset));
   const __m512 held =
       _mm512_min_ps(_mm512_max_ps(_mm512_roundscale_ps(below, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC), _mm512_setzero_ps()),
                     _mm512_set1_ps(grid - 1.0f));
-  return _mm512_cvttps_epi32(held);
-}
-
-// The floor codes of 16 normalized values of a codebook on a grid for stochastic rounding (search16 of its values from
-// kFloorLevels: the count of values (c + 1) / grid, c >= 1, that are <= value): floor(value * grid) - 1 held to
-// [0, grid - 1] (value * grid is exact).
-QSTATE_INLINE __m512i grid_floors16(__m512 value, float grid) {
-  const __m512 count = _mm512_roundscale_ps(_mm512_mul_ps(value, _mm512_set1_ps(grid)), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  const __m512 held =
-      _mm512_min_ps(_mm512_max_ps(_mm512_sub_ps(count, _mm512_set1_ps(1.0f)), _mm512_setzero_ps()), _mm512_set1_ps(grid - 1.0f));
   return _mm512_cvttps_epi32(held);
 }
 
@@ -730,7 +721,7 @@ QSTATE_INLINE __m512i codebook_codes16(__m512 value, const Codebook& cb) {
   if constexpr (Depth == 8)
     return bucket16<Nonnegative>(value, cb);
   else
-    return cb.grid != 0.0f ? grid_codes16(value, cb.grid) : search16<Depth>(value, cb.levels);
+    return cb.grid != 0.0f ? grid_codes16(value, cb.grid, 0.5f) : search16<Depth>(value, cb.levels);
 }
 
 // visit(std::integral_constant<int, D>{}) with D = depth (1 to 8; another depth visits nothing): a codebook's search
@@ -777,7 +768,7 @@ template <int Depth, bool Nonnegative>
 QSTATE_INLINE __m128i codebook_stochastic16(__m512 value, const Codebook& cb, int32_t last, int32_t min_code, __m512 uniform) {
   __m512i floor;
   if constexpr (Depth < 8) {
-    floor = cb.grid != 0.0f ? grid_floors16(value, cb.grid) : search16<Depth>(value, cb.levels + kFloorLevels);
+    floor = cb.grid != 0.0f ? grid_codes16(value, cb.grid, 1.0f) : search16<Depth>(value, cb.levels + kFloorLevels);
   } else {
     const __m512i code = codebook_codes16<Depth, Nonnegative>(value, cb);
     const __mmask16 above = _mm512_cmp_ps_mask(lookup<Depth>(cb.decode, code), value, _CMP_GT_OQ);
