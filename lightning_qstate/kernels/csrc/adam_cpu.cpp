@@ -82,6 +82,40 @@ QSTATE_INLINE int64_t codebook_bytes64(const State& s, int64_t first, uint8_t* _
 }
 #endif
 
+// code_lanes' loop: lane(q, j) of q = x[i] / divisor (0.0 where not ``finite``) and j = first + i, a byte each to out.
+// ivdep: the byte stores alias none of the tables the lanes read (the vectorizer cannot prove it).
+template <typename Lane>
+QSTATE_NOINLINE void code_loop(const float* __restrict__ x, float divisor, bool finite, int64_t first, int64_t n, uint8_t* __restrict__ out,
+                               Lane lane) {
+  const uint32_t keep = mask_of(finite);
+#pragma GCC ivdep
+  for (int64_t i = 0; i < n; ++i) out[i] = static_cast<uint8_t>(lane(select(keep, x[i] / divisor, 0.0f), first + i));
+}
+
+// The codes (Minifloat::encode, encode_lane, codebook_stochastic) of x[0:n] / divisor (true division, as the
+// reference's; 0.0 everywhere where not ``finite``) in block state s, a byte each to out; element ``first + i`` draws
+// random_bits(s.seed, first + i) under SR. One loop per kind and rounding over branch-free lanes, which the compiler
+// vectorizes for the CPU it builds for (AVX2: gathers for the tables); with AVX-512 the 16- and 64-value loops leave
+// only the tails to it.
+void code_lanes(const State& s, const float* __restrict__ x, float divisor, bool finite, int64_t first, int64_t n,
+                uint8_t* __restrict__ out) {
+  const Codebook cb = s.cb;
+  const Minifloat mf = s.mf;
+  const int32_t last = s.last, min_code = s.min_code;
+  const uint64_t seed = s.seed;
+  if (s.kind == Kind::kMinifloat && s.stochastic)
+    code_loop(x, divisor, finite, first, n, out,
+              [mf, seed](float q, int64_t j) { return mf.encode<true>(q, uniform_of(random_bits(seed, j))); });
+  else if (s.kind == Kind::kMinifloat)
+    code_loop(x, divisor, finite, first, n, out, [mf](float q, int64_t) { return mf.encode<false>(q); });
+  else if (s.stochastic)
+    code_loop(x, divisor, finite, first, n, out, [cb, last, min_code, seed](float q, int64_t j) {
+      return codebook_stochastic(q, cb, last, min_code, uniform_of(random_bits(seed, j)));
+    });
+  else
+    code_loop(x, divisor, finite, first, n, out, [cb](float q, int64_t) { return encode_lane(q, cb); });
+}
+
 // formats.rounding.encode_codebook of x / divisor (true division, as the reference's) for one block of a byte codebook
 // state s (RN, or SR with element ``first + i`` drawing random_bits(s.seed, first + i)); a non-finite block encodes 0.0
 // everywhere. (A reciprocal and Markstein's correction were no faster, and wrong for scales beyond [2^-126, 2^126]:
@@ -111,8 +145,7 @@ void encode_block(const float* __restrict__ x, float divisor, bool finite, const
     }
   });
 #endif
-  for (; i < n; ++i)
-    out[i] = static_cast<uint8_t>(s.encode(finite ? x[i] / divisor : 0.0f, s.stochastic ? random_bits(s.seed, first + i) : 0));
+  code_lanes(s, x + i, divisor, finite, first + i, n - i, out + i);
 }
 
 // formats.count_stalls for one block: [stalled, moved] added to counts. ``old``: codes before the step.
@@ -146,15 +179,16 @@ bool all_finite(const float* __restrict__ x, int64_t n) {
   bad = nonfinite != 0;
   done = parts * part;
 #endif
-  for (int64_t i = done; i < n; ++i) bad |= std::isnan(x[i] - x[i]);
-  return !bad;
+  uint32_t nonfinite = 0;  // a reduction the compiler vectorizes
+  for (int64_t i = done; i < n; ++i) nonfinite |= mask_of((bits_of(x[i]) & 0x7F800000u) == 0x7F800000u);
+  return !bad && nonfinite == 0;
 }
 
 // all_finite of bf16 or fp16 patterns: no exponent field (``exponent``: its mask) all ones.
 bool all_finite16(const uint16_t* __restrict__ x, int64_t n, uint16_t exponent) {
-  bool bad = false;
-  for (int64_t i = 0; i < n; ++i) bad |= (x[i] & exponent) == exponent;
-  return !bad;
+  uint32_t nonfinite = 0;
+  for (int64_t i = 0; i < n; ++i) nonfinite |= mask_of((x[i] & exponent) == exponent);
+  return nonfinite == 0;
 }
 
 // ---- Any moment storage (State): decode, update, encode ----
@@ -188,7 +222,14 @@ void decode_nibbles(const uint8_t* __restrict__ codes, const float* __restrict__
     _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_cvtepu8_epi32(index), table), factor));
   }
 #endif
-  for (; i < n; ++i) out[i] = decode[(codes[i / 2] >> (4 * (i & 1))) & 0x0F] * scale;
+  const uint8_t* __restrict__ pairs = codes + i / 2;  // i even
+  float* __restrict__ rest = out + i;
+#pragma GCC ivdep
+  for (int64_t j = 0; j < (n - i) / 2; ++j) {
+    rest[2 * j] = decode[pairs[j] & 0x0F] * scale;
+    rest[2 * j + 1] = decode[pairs[j] >> 4] * scale;
+  }
+  if ((n - i) % 2) out[n - 1] = decode[codes[(n - 1) / 2] & 0x0F] * scale;
 }
 
 #ifdef QSTATE_AVX512
@@ -245,20 +286,27 @@ void decode_dense(const uint8_t* __restrict__ codes, const float* __restrict__ d
     }
   });
 #endif
-  for (; group < n; group += 8) {
+  for (; group < n; group += 8) {  // 8 bytes read where another group follows (an exact memcpy is a call)
     uint64_t word = 0;
-    std::memcpy(&word, codes + group / 8 * bits, bits);
+    if (group + 8 < n)
+      std::memcpy(&word, codes + group / 8 * bits, 8);
+    else
+      std::memcpy(&word, codes + group / 8 * bits, bits);
     const int64_t size = std::min<int64_t>(8, n - group);
     for (int64_t j = 0; j < size; ++j) out[group + j] = decode[(word >> (j * bits)) & mask] * scale;
   }
 }
 
-// ``count`` codes (a multiple of 8, a byte each) packed densely at out: each group of 8 into ``bits`` bytes (State).
+// ``count`` codes (a multiple of 8, a byte each) packed densely at out: each group of 8 into ``bits`` bytes (State);
+// all 8 bytes of its word stored where another group follows (it overwrites the extra ones), the last one exactly.
 inline void pack_dense(const uint8_t* __restrict__ codes, int64_t count, int32_t bits, uint8_t* __restrict__ out) {
   for (int64_t group = 0; group < count; group += 8) {
     uint64_t word = 0;
     for (int64_t j = 0; j < 8; ++j) word |= static_cast<uint64_t>(codes[group + j]) << (j * bits);
-    std::memcpy(out + group / 8 * bits, &word, bits);
+    if (group + 8 < count)
+      std::memcpy(out + group / 8 * bits, &word, 8);
+    else
+      std::memcpy(out + group / 8 * bits, &word, bits);
   }
 }
 
@@ -330,23 +378,19 @@ void decode_state(const State& s, int64_t base, int64_t n, bool units, float* __
   }
 }
 
-// The absmax of x[0:n] (a NaN value is passed over) and whether all are finite (where not, the absmax is unused).
+// The absmax of x[0:n] and whether all are finite (where not, the absmax is unused: 0): the largest magnitude pattern
+// decides both (inf and NaN patterns lie above every finite one; max_magnitude_bits).
 void absmax(const float* __restrict__ x, int64_t n, float& top, bool& ok) {
-  float value = 0.0f;
-  bool bad = false;
+  uint32_t bits = 0;
   int64_t i = 0;
 #ifdef QSTATE_AVX512
   __m512i running = _mm512_setzero_si512();
   for (; i + 16 <= n; i += 16) running = max_magnitude_bits(running, _mm512_loadu_ps(x + i));
-  bool finite;
-  value = top_of(running, finite), bad = !finite;
+  bits = _mm512_reduce_max_epu32(running);
 #endif
-  for (; i < n; ++i) {
-    const float a = std::fabs(x[i]);
-    value = a > value ? a : value;
-    bad |= std::isnan(x[i] - x[i]);
-  }
-  top = value, ok = !bad;
+  for (; i < n; ++i) bits = std::max(bits, bits_of(x[i]) & 0x7FFFFFFFu);
+  ok = bits < 0x7F800000u;
+  top = ok ? float_of(bits) : 0.0f;
 }
 
 #ifdef QSTATE_AVX512
@@ -390,12 +434,16 @@ QSTATE_INLINE int64_t encode16(const float* __restrict__ x, __m512 d, bool finit
 // at out: a byte each, two per byte (value 2i in the low nibble; an odd last one: the high nibble 0) or dense (a last
 // group of fewer than 8 padded with code 0, as formats.packing.pack). A non-finite
 // block: the codes of 0.0. ``first``: the element index of x[0] in its parameter (its SR draw).
+// encode_codes' values per pass of code_lanes (a multiple of 8: whole dense groups).
+constexpr int64_t kCodeChunk = 256;
+
 template <bool Nonnegative>
 void encode_codes(const State& s, const float* __restrict__ x, float divisor, bool finite, uint8_t* __restrict__ out, int64_t n,
                   int64_t first) {
-  const bool nibbles = s.nibbles(), dense = s.dense(), minifloat = s.kind == Kind::kMinifloat;
+  const bool nibbles = s.nibbles(), dense = s.dense();
   int64_t i = 0;
 #ifdef QSTATE_AVX512
+  const bool minifloat = s.kind == Kind::kMinifloat;
   const __m512 d = _mm512_set1_ps(divisor);
 #ifdef QSTATE_VBMI
   i = codebook_bytes64<Nonnegative>(
@@ -419,25 +467,21 @@ void encode_codes(const State& s, const float* __restrict__ x, float divisor, bo
                      [cb = s.cb](__m512 q, int64_t) { return _mm512_cvtepi32_epi8(codebook_codes16<Depth, Nonnegative>(q, cb)); });
     });
 #endif
-  const auto code_of = [&](int64_t j) {
-    return static_cast<uint8_t>(s.encode(finite ? x[j] / divisor : 0.0f, s.stochastic ? random_bits(s.seed, first + j) : 0));
-  };
-  if (dense) {  // i: a multiple of 16 here
-    for (; i < n; i += 8) {
-      uint8_t lanes[8];
-      for (int64_t j = 0; j < 8; ++j) lanes[j] = i + j < n ? code_of(i + j) : 0;
-      pack_dense(lanes, 8, s.bits, out + i / 8 * s.bits);
+  uint8_t lanes[kCodeChunk];        // a byte per code, then packed
+  for (; i < n; i += kCodeChunk) {  // i even (0 or after 16-value groups)
+    const int64_t size = std::min(kCodeChunk, n - i);
+    code_lanes(s, x + i, divisor, finite, first + i, size, lanes);
+    if (dense) {
+      const int64_t padded = (size + 7) / 8 * 8;
+      std::memset(lanes + size, 0, padded - size);
+      pack_dense(lanes, padded, s.bits, out + i / 8 * s.bits);
+    } else if (nibbles) {
+      uint8_t* pairs = out + i / 2;
+      for (int64_t j = 0; j < size / 2; ++j) pairs[j] = static_cast<uint8_t>(lanes[2 * j] | (lanes[2 * j + 1] << 4));
+      if (size % 2) pairs[size / 2] = lanes[size - 1];
+    } else {
+      std::memcpy(out + i, lanes, size);
     }
-    return;
-  }
-  for (; i < n; ++i) {
-    const uint8_t code = code_of(i);
-    if (!nibbles)
-      out[i] = code;
-    else if (i % 2 == 0)
-      out[i / 2] = code;
-    else
-      out[i / 2] = static_cast<uint8_t>(out[i / 2] | (code << 4));
   }
 }
 
@@ -456,14 +500,16 @@ void store_cast(const State& s, int64_t base, int64_t n, const float* __restrict
     for (; i + 16 <= n; i += 16) cast.store(base + i, _mm512_loadu_ps(x + i));
   });
 #endif
-  uint16_t* out = static_cast<uint16_t*>(s.codes) + base;
-  const bool bf16 = s.cast == Dtype::kBFloat16, zero_free = s.zero_free;
-  for (; i < n; ++i) {
-    const uint32_t random = s.stochastic ? random_bits(s.seed, base + i) : 0;
-    const uint16_t stored = bf16 ? bf16_nearest(s.stochastic ? bf16_stochastic(x[i], random) : x[i])
-                                 : fp16_bits(s.stochastic ? fp16_stochastic(x[i], random) : fp16_nearest(x[i]));
-    out[i] = (zero_free && x[i] > 0.0f && stored == 0) ? 1 : stored;
-  }
+  uint16_t* __restrict__ out = static_cast<uint16_t*>(s.codes) + base;
+  const uint32_t zero_free = mask_of(s.zero_free);
+  const uint64_t seed = s.seed;
+  with_rounding(s.cast, s.stochastic, [&]<typename Rounding>(Rounding) {
+    if constexpr (!std::is_same_v<Rounding, KeepFp32>)
+      for (int64_t j = i; j < n; ++j) {  // branch-free: vectorized
+        const uint32_t stored = pattern_of(Rounding{}, x[j], seed, base + j);
+        out[j] = static_cast<uint16_t>(pick(zero_free & mask_of(x[j] > 0.0f) & mask_of(stored == 0), 1u, stored));
+      }
+  });
 }
 
 // Block ``index`` of state s (its values from element ``base``: n of them) stored from the new values x (absmax ``top``,

@@ -149,17 +149,15 @@ inline float muon_lane(float g, float& buf, const Momentum& h) {
   return select(mask_of(h.nesterov), h.nesterov_lerp(g, buf), buf);
 }
 
-// The code of a normalized value: its bucket's entry and at most one threshold compare.
+// The code of a normalized value: its bucket's entry and at most one threshold compare. Branch-free, one table read
+// (the bucket half - 1 - key of a negative value is half + ~key), so that a loop over it vectorizes (code_lanes).
 inline uint8_t encode_lane(float value, const Codebook& cb) {
-  const float magnitude = std::fabs(value);
-  int32_t bits;
-  std::memcpy(&bits, &magnitude, 4);
-  int32_t key = (bits - cb.key_base) >> cb.key_shift;
-  key = key < 0 ? 0 : (key > cb.half - 1 ? cb.half - 1 : key);
-  const bool negative = value < 0.0f;
-  const int32_t entry = cb.entries[negative ? cb.half - 1 - key : cb.half + key];
+  const int32_t bits = static_cast<int32_t>(bits_of(std::fabs(value)));
+  const int32_t key = std::min(std::max((bits - cb.key_base) >> cb.key_shift, 0), cb.half - 1);
+  const int32_t negative = -static_cast<int32_t>(value < 0.0f);
+  const int32_t entry = cb.entries[cb.half + (key ^ negative)];
   const int32_t threshold = cb.key_base + (key << cb.key_shift) + (entry >> 9);
-  const bool up = (entry & 0x100) && (negative ? bits <= threshold : bits >= threshold);
+  const bool up = ((entry & 0x100) != 0) & (negative ? bits <= threshold : bits >= threshold);
   return static_cast<uint8_t>((entry & 0xFF) + (up ? 1 : 0));
 }
 
@@ -236,7 +234,7 @@ inline uint16_t bf16_nearest(float x) {
 // (halfway past fp16's largest 65504) is inf; NaN stays NaN. x's binade (at least fp16's subnormal one, 2^-14) scaled to
 // [0, 2048): fp16's values there are the integers, so the scaled value (exact: a power of two) is rounded to an integer
 // (adding and subtracting 2^23: ties to even) and scaled back (exact).
-inline float fp16_nearest(float x) {
+QSTATE_INLINE float fp16_nearest(float x) {
   const float magnitude = std::fabs(x);
   const int32_t exponent = std::max(static_cast<int32_t>((bits_of(x) >> 23) & 0xFFu) - 127, -14);
   const float steps = (magnitude * pow2(10 - exponent) + 0x1p23f) - 0x1p23f;
@@ -340,6 +338,16 @@ struct Fp16Stochastic {
   static float round(float x, uint64_t seed, int64_t index) { return fp16_stochastic(x, random_bits(seed, index)); }
 };
 
+// The bf16 / fp16 pattern of x rounded by a cast state's Rounding (adam_cpu.cpp: store_cast; patterns16 for 16 values).
+inline uint32_t pattern_of(Bf16Nearest, float x, uint64_t, int64_t) { return bf16_nearest(x); }
+inline uint32_t pattern_of(Bf16Stochastic, float x, uint64_t seed, int64_t index) {
+  return bf16_nearest(bf16_stochastic(x, random_bits(seed, index)));
+}
+inline uint32_t pattern_of(Fp16Nearest, float x, uint64_t, int64_t) { return fp16_bits(fp16_nearest(x)); }
+inline uint32_t pattern_of(Fp16Stochastic, float x, uint64_t seed, int64_t index) {
+  return fp16_bits(fp16_stochastic(x, random_bits(seed, index)));
+}
+
 // visit(Rounding{}) with the rounding to ``dtype`` (fp32: KeepFp32) to nearest or ``stochastic``: an active grid's, or
 // a cast state's.
 template <typename Visit>
@@ -406,19 +414,20 @@ struct Minifloat {
 
   template <bool Stochastic>
   uint32_t encode(float normalized, float uniform = 0.0f) const {
-    const float magnitude = has_sign ? std::fabs(normalized) : select(mask_of(normalized > 0.0f), normalized, 0.0f);
+    const float magnitude = select(mask_of(has_sign), std::fabs(normalized), select(mask_of(normalized > 0.0f), normalized, 0.0f));
     const float scaled = magnitude * max_value;
     const int32_t exponent = std::max(static_cast<int32_t>((bits_of(scaled) >> 23) & 0xFFu) - 127, 1 - bias);
     const float mantissa = scaled * pow2(mantissa_bits - exponent);
     float rounded;
     if constexpr (Stochastic) {
-      const float low = std::floor(mantissa);
+      const float nearest = (mantissa + 0x1p23f) - 0x1p23f;                         // 0 <= mantissa < 2^(M + 1): its floor below, exact
+      const float low = nearest - select(mask_of(nearest > mantissa), 1.0f, 0.0f);  // (std::floor does not vectorize)
       rounded = low + (uniform < mantissa - low ? 1.0f : 0.0f);
     } else {
       rounded = (mantissa + 0x1p23f) - 0x1p23f;
     }
     const int32_t code = std::max(std::min(((exponent + bias - 1) << mantissa_bits) + static_cast<int32_t>(rounded), max_code), min_code);
-    return static_cast<uint32_t>(code) | pick(mask_of(has_sign && normalized < 0.0f), 1u << sign_shift, 0u);
+    return static_cast<uint32_t>(code) | pick(mask_of(has_sign) & mask_of(normalized < 0.0f), 1u << sign_shift, 0u);
   }
 };
 
@@ -461,12 +470,6 @@ struct State {
   int64_t code_byte(int64_t index) const { return nibbles() ? index / 2 : (dense() ? index / 8 * bits : index); }
   // The number of code bytes of ``numel`` values (formats.packing.packed_numel).
   int64_t code_bytes(int64_t numel) const { return nibbles() ? (numel + 1) / 2 : (dense() ? (numel + 7) / 8 * bits : numel); }
-  // The code of a normalized value (block formats; ``random``: its SR draw).
-  uint32_t encode(float normalized, uint32_t random) const {
-    if (!stochastic) return kind == Kind::kMinifloat ? mf.encode<false>(normalized) : encode_lane(normalized, cb);
-    const float uniform = uniform_of(random);
-    return kind == Kind::kMinifloat ? mf.encode<true>(normalized, uniform) : codebook_stochastic(normalized, cb, last, min_code, uniform);
-  }
 };
 
 // How far ahead (in values) the vector loops prefetch param, gradient and codes: a cold step waits on memory otherwise.
