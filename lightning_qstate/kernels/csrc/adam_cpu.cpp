@@ -82,38 +82,52 @@ QSTATE_INLINE int64_t codebook_bytes64(const State& s, int64_t first, uint8_t* _
 }
 #endif
 
-// code_lanes' loop: lane(q, j) of q = x[i] / divisor (0.0 where not ``finite``) and j = first + i, a byte each to out.
-// ivdep: the byte stores alias none of the tables the lanes read (the vectorizer cannot prove it).
+// Values per pass of code_lanes' SR loops and of encode_codes (a multiple of 8: whole dense groups).
+constexpr int64_t kCodeChunk = 256;
+
+// code_lanes' loop: lane(q, i) of q = x[i] / divisor (0.0 where not ``finite``), a byte each to out. ivdep: the byte
+// stores alias none of the tables the lanes read (the vectorizer cannot prove it).
 template <typename Lane>
-QSTATE_NOINLINE void code_loop(const float* __restrict__ x, float divisor, bool finite, int64_t first, int64_t n, uint8_t* __restrict__ out,
-                               Lane lane) {
+QSTATE_NOINLINE void code_loop(const float* __restrict__ x, float divisor, bool finite, int64_t n, uint8_t* __restrict__ out, Lane lane) {
   const uint32_t keep = mask_of(finite);
 #pragma GCC ivdep
-  for (int64_t i = 0; i < n; ++i) out[i] = static_cast<uint8_t>(lane(select(keep, x[i] / divisor, 0.0f), first + i));
+  for (int64_t i = 0; i < n; ++i) out[i] = static_cast<uint8_t>(lane(select(keep, x[i] / divisor, 0.0f), i));
 }
 
-// The codes (Minifloat::encode, encode_lane, codebook_stochastic) of x[0:n] / divisor (true division, as the
-// reference's; 0.0 everywhere where not ``finite``) in block state s, a byte each to out; element ``first + i`` draws
-// random_bits(s.seed, first + i) under SR. One loop per kind and rounding over branch-free lanes, which the compiler
-// vectorizes for the CPU it builds for (AVX2: gathers for the tables); with AVX-512 the 16- and 64-value loops leave
-// only the tails to it.
+// The codes (Minifloat::encode; encode_lane or grid_code; codebook_stochastic or stochastic_code) of x[0:n] / divisor
+// (true division, as the reference's; 0.0 everywhere where not ``finite``) in block state s, a byte each to out;
+// element ``first + i`` draws random_bits(s.seed, first + i) under SR (chunks_with_draws). One loop per kind and
+// rounding over branch-free lanes, which the compiler vectorizes for the CPU it builds for (AVX2: gathers for the
+// tables); with AVX-512 the 16- and 64-value loops leave only the tails to it.
 void code_lanes(const State& s, const float* __restrict__ x, float divisor, bool finite, int64_t first, int64_t n,
                 uint8_t* __restrict__ out) {
   const Codebook cb = s.cb;
+  if (!s.stochastic) {
+    if (s.kind == Kind::kMinifloat)
+      code_loop(x, divisor, finite, n, out, [mf = s.mf](float q, int64_t) { return mf.encode<false>(q); });
+    else if (cb.grid != 0.0f)
+      code_loop(x, divisor, finite, n, out, [grid = cb.grid](float q, int64_t) { return grid_code(q, grid, 0.5f); });
+    else
+      code_loop(x, divisor, finite, n, out, [cb](float q, int64_t) { return encode_lane(q, cb); });
+    return;
+  }
   const Minifloat mf = s.mf;
   const int32_t last = s.last, min_code = s.min_code;
-  const uint64_t seed = s.seed;
-  if (s.kind == Kind::kMinifloat && s.stochastic)
-    code_loop(x, divisor, finite, first, n, out,
-              [mf, seed](float q, int64_t j) { return mf.encode<true>(q, uniform_of(random_bits(seed, j))); });
-  else if (s.kind == Kind::kMinifloat)
-    code_loop(x, divisor, finite, first, n, out, [mf](float q, int64_t) { return mf.encode<false>(q); });
-  else if (s.stochastic)
-    code_loop(x, divisor, finite, first, n, out, [cb, last, min_code, seed](float q, int64_t j) {
-      return codebook_stochastic(q, cb, last, min_code, uniform_of(random_bits(seed, j)));
-    });
-  else
-    code_loop(x, divisor, finite, first, n, out, [cb](float q, int64_t) { return encode_lane(q, cb); });
+  uint32_t buffer[kCodeChunk + 2];
+  chunks_with_draws(s.seed, first, n, kCodeChunk, buffer, [&](int64_t done, int64_t size, const uint32_t* draws) {
+    const float* part = x + done;
+    uint8_t* codes = out + done;
+    if (s.kind == Kind::kMinifloat)
+      code_loop(part, divisor, finite, size, codes, [mf, draws](float q, int64_t i) { return mf.encode<true>(q, uniform_of(draws[i])); });
+    else if (cb.grid != 0.0f)
+      code_loop(part, divisor, finite, size, codes, [cb, last, min_code, draws](float q, int64_t i) {
+        return stochastic_code(q, cb, grid_code(q, cb.grid, 1.0f), last, min_code, uniform_of(draws[i]));
+      });
+    else
+      code_loop(part, divisor, finite, size, codes, [cb, last, min_code, draws](float q, int64_t i) {
+        return codebook_stochastic(q, cb, last, min_code, uniform_of(draws[i]));
+      });
+  });
 }
 
 // formats.rounding.encode_codebook of x / divisor (true division, as the reference's) for one block of a byte codebook
@@ -434,9 +448,6 @@ QSTATE_INLINE int64_t encode16(const float* __restrict__ x, __m512 d, bool finit
 // at out: a byte each, two per byte (value 2i in the low nibble; an odd last one: the high nibble 0) or dense (a last
 // group of fewer than 8 padded with code 0, as formats.packing.pack). A non-finite
 // block: the codes of 0.0. ``first``: the element index of x[0] in its parameter (its SR draw).
-// encode_codes' values per pass of code_lanes (a multiple of 8: whole dense groups).
-constexpr int64_t kCodeChunk = 256;
-
 template <bool Nonnegative>
 void encode_codes(const State& s, const float* __restrict__ x, float divisor, bool finite, uint8_t* __restrict__ out, int64_t n,
                   int64_t first) {
@@ -500,15 +511,27 @@ void store_cast(const State& s, int64_t base, int64_t n, const float* __restrict
     for (; i + 16 <= n; i += 16) cast.store(base + i, _mm512_loadu_ps(x + i));
   });
 #endif
-  uint16_t* __restrict__ out = static_cast<uint16_t*>(s.codes) + base;
+  uint16_t* __restrict__ out = static_cast<uint16_t*>(s.codes) + base + i;
+  const float* __restrict__ values = x + i;
   const uint32_t zero_free = mask_of(s.zero_free);
-  const uint64_t seed = s.seed;
+  // The patterns of values [0, size) from ``values``, to ``codes`` (draws[j]: value j's SR draw); branch-free: vectorized.
+  const auto store = [zero_free]<typename Rounding>(Rounding, const float* __restrict__ values, int64_t size, const uint32_t* draws,
+                                                    uint16_t* __restrict__ codes) {
+    constexpr bool stochastic = std::is_same_v<Rounding, Bf16Stochastic> || std::is_same_v<Rounding, Fp16Stochastic>;
+    for (int64_t j = 0; j < size; ++j) {
+      const uint32_t stored = pattern_of(Rounding{}, values[j], stochastic ? draws[j] : 0u);
+      codes[j] = static_cast<uint16_t>(pick(zero_free & mask_of(values[j] > 0.0f) & mask_of(stored == 0), 1u, stored));
+    }
+  };
   with_rounding(s.cast, s.stochastic, [&]<typename Rounding>(Rounding) {
-    if constexpr (!std::is_same_v<Rounding, KeepFp32>)
-      for (int64_t j = i; j < n; ++j) {  // branch-free: vectorized
-        const uint32_t stored = pattern_of(Rounding{}, x[j], seed, base + j);
-        out[j] = static_cast<uint16_t>(pick(zero_free & mask_of(x[j] > 0.0f) & mask_of(stored == 0), 1u, stored));
-      }
+    if constexpr (std::is_same_v<Rounding, Bf16Nearest> || std::is_same_v<Rounding, Fp16Nearest>) {
+      store(Rounding{}, values, n - i, nullptr, out);
+    } else if constexpr (!std::is_same_v<Rounding, KeepFp32>) {
+      uint32_t buffer[kCodeChunk + 2];
+      chunks_with_draws(s.seed, base + i, n - i, kCodeChunk, buffer, [&](int64_t done, int64_t size, const uint32_t* draws) {
+        store(Rounding{}, values + done, size, draws, out + done);
+      });
+    }
   });
 }
 

@@ -338,14 +338,27 @@ struct Fp16Stochastic {
   static float round(float x, uint64_t seed, int64_t index) { return fp16_stochastic(x, random_bits(seed, index)); }
 };
 
-// The bf16 / fp16 pattern of x rounded by a cast state's Rounding (adam_cpu.cpp: store_cast; patterns16 for 16 values).
-inline uint32_t pattern_of(Bf16Nearest, float x, uint64_t, int64_t) { return bf16_nearest(x); }
-inline uint32_t pattern_of(Bf16Stochastic, float x, uint64_t seed, int64_t index) {
-  return bf16_nearest(bf16_stochastic(x, random_bits(seed, index)));
-}
-inline uint32_t pattern_of(Fp16Nearest, float x, uint64_t, int64_t) { return fp16_bits(fp16_nearest(x)); }
-inline uint32_t pattern_of(Fp16Stochastic, float x, uint64_t seed, int64_t index) {
-  return fp16_bits(fp16_stochastic(x, random_bits(seed, index)));
+// The bf16 / fp16 pattern of x rounded by a cast state's Rounding (adam_cpu.cpp: store_cast; patterns16 for 16 values);
+// ``random``: x's SR draw (random_bits).
+inline uint32_t pattern_of(Bf16Nearest, float x, uint32_t) { return bf16_nearest(x); }
+inline uint32_t pattern_of(Bf16Stochastic, float x, uint32_t random) { return bf16_nearest(bf16_stochastic(x, random)); }
+inline uint32_t pattern_of(Fp16Nearest, float x, uint32_t) { return fp16_bits(fp16_nearest(x)); }
+inline uint32_t pattern_of(Fp16Stochastic, float x, uint32_t random) { return fp16_bits(fp16_stochastic(x, random)); }
+
+// visit(done, size, draws) over [0, n) in parts of at most ``chunk`` elements (an even number), with draws[i] =
+// random_bits(seed, first + done + i) for i < size: one splitmix64 output per pair of elements (a loop over a lane
+// that draws its own computes each twice), in ``buffer`` (chunk + 2 words).
+template <typename Visit>
+inline void chunks_with_draws(uint64_t seed, int64_t first, int64_t n, int64_t chunk, uint32_t* __restrict__ buffer, Visit&& visit) {
+  for (int64_t done = 0; done < n; done += chunk) {
+    const int64_t size = std::min(chunk, n - done), start = (first + done) & ~int64_t{1};
+    const int64_t pairs = (first + done + size - start + 1) / 2;
+    for (int64_t k = 0; k < pairs; ++k) {
+      const uint64_t z = splitmix64(seed, static_cast<uint64_t>(start / 2 + k) + 1);
+      buffer[2 * k] = static_cast<uint32_t>(z >> 32), buffer[2 * k + 1] = static_cast<uint32_t>(z);
+    }
+    visit(done, size, static_cast<const uint32_t*>(buffer + (first + done - start)));
+  }
 }
 
 // visit(Rounding{}) with the rounding to ``dtype`` (fp32: KeepFp32) to nearest or ``stochastic``: an active grid's, or
@@ -431,16 +444,31 @@ struct Minifloat {
   }
 };
 
-// formats.rounding.encode_codebook (SR) clamped up to min_code, from the round-to-nearest code (encode_lane): the floor
-// code (the largest value <= x) is it, or the one below where its value is above x; between the floor (held to
-// [0, last - 1]) and the next value, x rounds up where ``uniform`` times their gap is below x's distance from the floor.
-// (Where the clamp of the nearest code to min_code hides the floor, both neighbours are <= min_code: the clamped
-// result is min_code either way.)
-inline uint32_t codebook_stochastic(float x, const Codebook& cb, int32_t last, int32_t min_code, float uniform) {
-  const int32_t nearest = encode_lane(x, cb);
-  const int32_t low = std::min(std::max(nearest - (cb.decode[nearest] > x ? 1 : 0), 0), last - 1);
+// formats.rounding.encode_codebook (SR) clamped up to min_code, from x's floor code ``floor`` (the largest value <= x;
+// any code below 0 stands for 0): held to [0, last - 1], x rounds up between it and the next value where ``uniform``
+// times their gap is below x's distance from it. (Where the clamp to min_code hides the floor, both neighbours are
+// <= min_code: the clamped result is min_code either way.)
+inline uint32_t stochastic_code(float x, const Codebook& cb, int32_t floor, int32_t last, int32_t min_code, float uniform) {
+  const int32_t low = std::min(std::max(floor, 0), last - 1);
   const float low_value = cb.decode[low], high_value = cb.decode[low + 1];
   return static_cast<uint32_t>(std::max(low + (uniform * (high_value - low_value) < x - low_value ? 1 : 0), min_code));
+}
+
+// stochastic_code with the floor from the round-to-nearest code (encode_lane): it, or the one below where its value is
+// above x.
+inline uint32_t codebook_stochastic(float x, const Codebook& cb, int32_t last, int32_t min_code, float uniform) {
+  const int32_t nearest = encode_lane(x, cb);
+  return stochastic_code(x, cb, nearest - (cb.decode[nearest] > x ? 1 : 0), last, min_code, uniform);
+}
+
+// grid_codes16 of one normalized value: floor(x * grid - offset) held to [0, grid - 1] (offset 0.5: the nearest code of
+// a Codebook::grid codebook; 1: its floor code), the floor by adding and subtracting 2^23 (std::floor does not
+// vectorize) after holding the product to [-1, grid].
+inline int32_t grid_code(float x, float grid, float offset) {
+  const float below = std::min(std::max(std::fma(x, grid, -offset), -1.0f), grid);
+  const float nearest = (below + 0x1p23f) - 0x1p23f;
+  const float floor = nearest - select(mask_of(nearest > below), 1.0f, 0.0f);
+  return static_cast<int32_t>(std::min(std::max(floor, 0.0f), grid - 1.0f));
 }
 
 // One moment of a coded parameter as stored: ``codes`` holds a byte per 8-bit code, two codes of <= 4 bits per byte
