@@ -289,6 +289,17 @@ def model_specs(quick: bool) -> dict[str, ModelSpec]:
     }  # fmt: skip
 
 
+def cpu_description() -> str:
+    """The CPU's model name (``/proc/cpuinfo``, where there is one) and torch's vector capability (``AVX512``, ``AVX2``,
+    ...): the C++ step's speed depends on both (its AVX-512 loops against the compiler-vectorized ones)."""
+    try:
+        match = re.search(r"^model name\s*:\s*(.+)$", Path("/proc/cpuinfo").read_text(), re.M)
+    except OSError:
+        match = None
+    name = match.group(1).strip() if match else platform.processor() or "unknown CPU"
+    return f"{name}, torch CPU capability {torch.backends.cpu.get_cpu_capability()}"
+
+
 def make_model(spec: ModelSpec, seed: int) -> list[torch.nn.Parameter]:
     """The model's parameters, each with a fixed seeded random gradient."""
     torch.manual_seed(seed)
@@ -987,7 +998,7 @@ def render_report(
         f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}; runtime {runtime_s:.0f} s",
         f"- versions: python {platform.python_version()}, torch {torch.__version__}, "
         f"torchao {_version('torchao')}, bitsandbytes {_version('bitsandbytes')}, lightning_qstate source digest {digest}",
-        f"- machine: {platform.machine()}, {platform.system()}, CPUs {os.cpu_count()} (usable {affinity}), "
+        f"- machine: {platform.machine()} ({cpu_description()}), {platform.system()}, CPUs {os.cpu_count()} (usable {affinity}), "
         f"torch threads per worker {', '.join(map(str, threads)) or '?'}; shared machine, timings are noisy",
         f"- timing: `optimizer.step()` only (fixed seeded gradients), {args.warmup} untimed first/warm-up step(s), then "
         f"{args.repeats} round(s), all methods of a model interleaved (one step each per round, rotated order; a method sits out "

@@ -58,7 +58,11 @@ rounding, and moments of one block size decoded, updated and their block absmaxe
 codes unpacked 64 at a time by a byte permute and a multishift, a chunk of at least 1024 values per call; a codebook
 of at most 128 codes encoded by a branch-free binary search of its thresholds, ``NearestCodeIndex.search_levels``, one
 register permute per level, and an 8-bit one by its bucket table, a gather);
-the scalar code runs the rest and is the whole kernel on other CPUs.
+the scalar code runs the rest and is the whole kernel on other CPUs (AVX2, Arm). There it is written as loops over
+branch-free lanes, one per kind of state and rounding (``code_lanes``: the encoders, one bucket-table read per value;
+the cast stores; block absmaxes; the finite checks; the nibble and byte decoders), which the compiler vectorizes
+for the CPU it builds for (with AVX2, gathers for the tables; stochastic rounding's draws one splitmix64 output per
+pair of elements, into a buffer): the same IEEE operations per lane, so the same bits.
 
 ``momentum_steps`` (``native_momentum_steps``) is the same machinery for QSGD's and QMuon's ``momentum_buffer`` (any
 format above, either rounding, and a plain fp32 buffer on a weight grid as an fp32 cast; fp32 parameters, and QSGD's
