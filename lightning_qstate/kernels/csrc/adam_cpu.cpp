@@ -517,16 +517,17 @@ void store_cast(const State& s, int64_t base, int64_t n, const float* __restrict
   // The patterns of values [0, size) from ``values``, to ``codes`` (draws[j]: value j's SR draw); branch-free: vectorized.
   const auto store = [zero_free]<typename Rounding>(Rounding, const float* __restrict__ values, int64_t size, const uint32_t* draws,
                                                     uint16_t* __restrict__ codes) {
-    constexpr bool stochastic = std::is_same_v<Rounding, Bf16Stochastic> || std::is_same_v<Rounding, Fp16Stochastic>;
     for (int64_t j = 0; j < size; ++j) {
-      const uint32_t stored = pattern_of(Rounding{}, values[j], stochastic ? draws[j] : 0u);
+      const uint32_t stored = pattern_of(Rounding{}, values[j], Rounding::kStochastic ? draws[j] : 0u);
       codes[j] = static_cast<uint16_t>(pick(zero_free & mask_of(values[j] > 0.0f) & mask_of(stored == 0), 1u, stored));
     }
   };
   with_rounding(s.cast, s.stochastic, [&]<typename Rounding>(Rounding) {
-    if constexpr (std::is_same_v<Rounding, Bf16Nearest> || std::is_same_v<Rounding, Fp16Nearest>) {
+    if constexpr (std::is_same_v<Rounding, KeepFp32>) {
+      return;  // a cast state is bf16 or fp16 here
+    } else if constexpr (!Rounding::kStochastic) {
       store(Rounding{}, values, n - i, nullptr, out);
-    } else if constexpr (!std::is_same_v<Rounding, KeepFp32>) {
+    } else {
       uint32_t buffer[kCodeChunk + 2];
       chunks_with_draws(s.seed, base + i, n - i, kCodeChunk, buffer, [&](int64_t done, int64_t size, const uint32_t* draws) {
         store(Rounding{}, values + done, size, draws, out + done);

@@ -202,6 +202,18 @@ struct Scales {
 // 2^k as an fp32 value, for -126 <= k <= 127.
 inline float pow2(int32_t k) { return float_of(static_cast<uint32_t>(k + 127) << 23); }
 
+// x rounded to an integer, ties to even, for 0 <= x < 2^23 (adding 2^23 leaves no fraction bits; subtracting it is exact).
+inline float round_integer(float x) { return (x + 0x1p23f) - 0x1p23f; }
+
+// floor(x) for 0 <= x < 2^23, from round_integer (std::floor does not vectorize without -fno-trapping-math).
+inline float floor_integer(float x) {
+  const float nearest = round_integer(x);
+  return nearest - select(mask_of(nearest > x), 1.0f, 0.0f);
+}
+
+// The U[0, 1) draw of stochastic rounding from 32 random bits: the upper 24 times 2^-24 (as an fp32 uniform of torch).
+inline float uniform_of(uint32_t random) { return static_cast<float>(static_cast<int32_t>(random >> 8)) * 0x1p-24f; }
+
 // The dtype of a parameter (and its gradient), or of the grid it is rounded to: the codes kernels/native.py passes
 // (GRID_DTYPES); kNone: no grid.
 enum class Dtype : int32_t { kNone = 0, kFloat32 = 1, kBFloat16 = 2, kFloat16 = 3 };
@@ -233,11 +245,11 @@ inline uint16_t bf16_nearest(float x) {
 // The fp16 value nearest x (ties to even), as fp32: torch's x.to(torch.float16), subnormals included; |x| >= 65520
 // (halfway past fp16's largest 65504) is inf; NaN stays NaN. x's binade (at least fp16's subnormal one, 2^-14) scaled to
 // [0, 2048): fp16's values there are the integers, so the scaled value (exact: a power of two) is rounded to an integer
-// (adding and subtracting 2^23: ties to even) and scaled back (exact).
+// (round_integer: ties to even) and scaled back (exact).
 QSTATE_INLINE float fp16_nearest(float x) {
   const float magnitude = std::fabs(x);
   const int32_t exponent = std::max(static_cast<int32_t>((bits_of(x) >> 23) & 0xFFu) - 127, -14);
-  const float steps = (magnitude * pow2(10 - exponent) + 0x1p23f) - 0x1p23f;
+  const float steps = round_integer(magnitude * pow2(10 - exponent));
   const float rounded = std::copysign(steps * pow2(exponent - 10), x);
   return select(mask_of(magnitude < 65520.0f), rounded, std::isnan(x) ? x : std::copysign(INFINITY, x));
 }
@@ -298,10 +310,8 @@ inline float bf16_stochastic(float x, uint32_t random) {
 inline float fp16_stochastic(float x, uint32_t random) {
   const float magnitude = std::fabs(x);
   const int32_t exponent = std::max(static_cast<int32_t>((bits_of(x) >> 23) & 0xFFu) - 127, -14);
-  const float scaled = magnitude * pow2(10 - exponent), nearest = (scaled + 0x1p23f) - 0x1p23f;  // as fp16_nearest
-  const float low = nearest - select(mask_of(nearest > scaled), 1.0f, 0.0f);                     // floor (finite scaled < 2048)
-  const float uniform = static_cast<float>(static_cast<int32_t>(random >> 8)) * 0x1p-24f;
-  const float stepped = std::copysign((low + select(mask_of(uniform < scaled - low), 1.0f, 0.0f)) * pow2(exponent - 10), x);
+  const float scaled = magnitude * pow2(10 - exponent), low = floor_integer(scaled);  // finite scaled < 2048
+  const float stepped = std::copysign((low + select(mask_of(uniform_of(random) < scaled - low), 1.0f, 0.0f)) * pow2(exponent - 10), x);
   return select(mask_of(magnitude <= 65504.0f), stepped, fp16_nearest(x));
 }
 
@@ -317,24 +327,29 @@ struct Grid {
 };
 
 // The roundings of a grid, as types (Rounding::round(x, seed, index): x on the grid, as fp32; ``index``: the element's
-// position in its parameter, its random draw), so that a loop is compiled once per rounding.
+// position in its parameter, its random draw; kStochastic: whether it draws), so that a loop is compiled once per rounding.
 struct KeepFp32 {
+  static constexpr bool kStochastic = false;
   static float round(float x, uint64_t, int64_t) { return x; }
 };
 struct Bf16Nearest {
   using Element = BFloat16;
+  static constexpr bool kStochastic = false;
   static float round(float x, uint64_t, int64_t) { return to_float(BFloat16{bf16_nearest(x)}); }
 };
 struct Bf16Stochastic {
   using Element = BFloat16;
+  static constexpr bool kStochastic = true;
   static float round(float x, uint64_t seed, int64_t index) { return bf16_stochastic(x, random_bits(seed, index)); }
 };
 struct Fp16Nearest {
   using Element = Float16;
+  static constexpr bool kStochastic = false;
   static float round(float x, uint64_t, int64_t) { return fp16_nearest(x); }
 };
 struct Fp16Stochastic {
   using Element = Float16;
+  static constexpr bool kStochastic = true;
   static float round(float x, uint64_t seed, int64_t index) { return fp16_stochastic(x, random_bits(seed, index)); }
 };
 
@@ -411,9 +426,6 @@ inline void with_grid_values(Dtype dtype, const Grid& grid, void* p, const void*
 // encoded as formats.rounding.encode_minifloat), or a cast (bf16 / fp16 / fp32 values, no scales).
 enum class Kind : int32_t { kCodebook = 0, kMinifloat = 1, kCast = 2 };
 
-// The U[0, 1) draw of stochastic rounding from 32 random bits: the upper 24 times 2^-24 (as an fp32 uniform of torch).
-inline float uniform_of(uint32_t random) { return static_cast<float>(static_cast<int32_t>(random >> 8)) * 0x1p-24f; }
-
 // formats.block.MinifloatFormat.encode of a normalized value: |x| (max(x, 0) for an unsigned spec) times the format's
 // largest value, its binade exponent from the fp32 pattern (at least the subnormal binade's), the mantissa scaled to
 // an integer by a power of two and rounded (RN: to nearest even, adding and subtracting 2^23; SR: its floor, plus one
@@ -433,11 +445,10 @@ struct Minifloat {
     const float mantissa = scaled * pow2(mantissa_bits - exponent);
     float rounded;
     if constexpr (Stochastic) {
-      const float nearest = (mantissa + 0x1p23f) - 0x1p23f;                         // 0 <= mantissa < 2^(M + 1): its floor below, exact
-      const float low = nearest - select(mask_of(nearest > mantissa), 1.0f, 0.0f);  // (std::floor does not vectorize)
+      const float low = floor_integer(mantissa);  // 0 <= mantissa < 2^(M + 1)
       rounded = low + (uniform < mantissa - low ? 1.0f : 0.0f);
     } else {
-      rounded = (mantissa + 0x1p23f) - 0x1p23f;
+      rounded = round_integer(mantissa);
     }
     const int32_t code = std::max(std::min(((exponent + bias - 1) << mantissa_bits) + static_cast<int32_t>(rounded), max_code), min_code);
     return static_cast<uint32_t>(code) | pick(mask_of(has_sign) & mask_of(normalized < 0.0f), 1u << sign_shift, 0u);
@@ -462,13 +473,10 @@ inline uint32_t codebook_stochastic(float x, const Codebook& cb, int32_t last, i
 }
 
 // grid_codes16 of one normalized value: floor(x * grid - offset) held to [0, grid - 1] (offset 0.5: the nearest code of
-// a Codebook::grid codebook; 1: its floor code), the floor by adding and subtracting 2^23 (std::floor does not
-// vectorize) after holding the product to [-1, grid].
+// a Codebook::grid codebook; 1: its floor code); the product is held to [0, grid] first, for floor_integer.
 inline int32_t grid_code(float x, float grid, float offset) {
-  const float below = std::min(std::max(std::fma(x, grid, -offset), -1.0f), grid);
-  const float nearest = (below + 0x1p23f) - 0x1p23f;
-  const float floor = nearest - select(mask_of(nearest > below), 1.0f, 0.0f);
-  return static_cast<int32_t>(std::min(std::max(floor, 0.0f), grid - 1.0f));
+  const float below = std::min(std::max(std::fma(x, grid, -offset), 0.0f), grid);
+  return static_cast<int32_t>(std::min(floor_integer(below), grid - 1.0f));
 }
 
 // One moment of a coded parameter as stored: ``codes`` holds a byte per 8-bit code, two codes of <= 4 bits per byte
