@@ -178,15 +178,17 @@ def test_gpt_stale_config_logs_stall_rates_to_tensorboard(tmp_path):
 @pytest.mark.parametrize("period", ["auto", "100"])
 def test_gpt_stale_predicted_stall_rates_follow_the_measured_ones(tmp_path, period):
     """The config's own model and data, 300 steps: without a reset (the theory's period, 1000 steps, is longer) and
-    with one every 100 steps, the logged prediction stays within a few points of the measured rate at every logged
-    step, while v's measured rate climbs from ~0.25 and drops after each reset."""
+    with one every 100 steps, the logged prediction (from the step's measured ratios g²/v and g/m) stays within a
+    point of the measured rate at every logged step, while v's measured rate climbs from ~0.25 and drops after each
+    reset. (The Gaussian model with a per-layer centre was up to 6 points low: the tied embedding's rows of rare
+    tokens get tiny gradients, only decay, and stall at 0.72 where it said 0.37.)"""
     cli = fit(
         "gpt_stale.yaml", tmp_path, "--trainer.max_steps=300", "--trainer.log_every_n_steps=50", "--trainer.val_check_interval=300",
         f"--trainer.callbacks.init_args.period={period}", "--trainer.enable_checkpointing=false",
     )  # fmt: skip
     events = EventAccumulator(cli.trainer.log_dir)
     events.Reload()
-    for state, tolerance in (("exp_avg_sq", 0.06), ("exp_avg", 0.01)):
+    for state, tolerance in (("exp_avg_sq", 0.01), ("exp_avg", 0.01)):
         measured = [event.value for event in events.Scalars(f"qstate/stall/{state}")]
         predicted = [event.value for event in events.Scalars(f"qstate/stall_predicted/{state}")]
         assert len(measured) == len(predicted) == 6

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from lightning_qstate.formats import get_format
-from lightning_qstate.theory import half_staleness_age, relative_gaps, reset_period, stall_probability, state_decay
+from lightning_qstate.theory import half_staleness_age, relative_gaps, reset_period, stall_probability, state_decay, state_input
 
 SIMULATION = Path(__file__).resolve().parents[1] / "benchmarks" / "stall_simulation.py"
 
@@ -76,6 +76,73 @@ def test_first_moment_quadrature_matches_sampling(fmt, beta, rounding):
     assert predicted == pytest.approx(sampled_stall(rho, spread, rounding, "first"), abs=2e-3)
 
 
+def model_ratios(moment: str, beta: float, age: int | None, samples: int = 1_000_000) -> torch.Tensor:
+    """The ratios x/s that the noise model implies: g²/v with v = a·σ² (second), g/m with m ~ N(0, s²) (first)."""
+    gen = torch.Generator().manual_seed(1)
+    g = torch.randn(samples, generator=gen, dtype=torch.float64)
+    if moment == "second":
+        return g.square() / (1.0 if age is None else 1 - beta**age)
+    decay = 1.0 if age is None else 1 - beta ** (2 * age)
+    return g / (math.sqrt((1 - beta) * decay / (1 + beta)) * torch.randn(samples, generator=gen, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+@pytest.mark.parametrize(
+    "fmt, beta, age, moment",
+    [("bf16", 0.999, 300, "second"), ("bf16", 0.999, None, "second"), ("fp8_e4m3", 0.99, None, "second"), ("int8", 0.999, 100, "second"),
+     ("e2m2", 0.9, None, "first"), ("bf16", 0.9, 5, "first")],
+)  # fmt: skip
+def test_measured_ratios_drawn_from_the_noise_model_give_its_prediction(fmt, beta, age, moment, rounding):
+    """``ratios=`` swaps the noise model for a measured distribution: drawn from the model, it gives the model's value
+    (block formats with the scale's drift, their z' drawn from the same ratios)."""
+    expected = stall_probability(fmt, beta, rounding, age=age, moment=moment)
+    assert stall_probability(fmt, beta, rounding, moment=moment, ratios=model_ratios(moment, beta, age)) == pytest.approx(
+        expected, abs=3e-3
+    )
+
+
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_zero_inputs_decay_and_fresh_states_stall_where_written_as_zero(rounding):
+    """A zero input only decays the state (r = 0): bf16 v at β2 = 0.999 stalls always under RN (ρ > 1) and with
+    probability 1 - 1/(2ρ) under SR, far above the noise model's young state. A state written from zero (r = ∞) never
+    stalls in a cast; in a block format it stalls where its code stays 0, as quantizing fresh blocks shows."""
+    _, gap, _ = relative_gaps(get_format("bf16", signed=False))
+    rho = float(gap[0]) / (2 * 0.001)
+    zeros = torch.zeros(1000, dtype=torch.float64)
+    assert stall_probability("bf16", 0.999, rounding, ratios=zeros) == pytest.approx(1.0 if rounding == "nearest" else 1 - 1 / (2 * rho))
+    assert stall_probability("bf16", 0.999, rounding, ratios=torch.full((10,), torch.inf)) == 0.0
+    mixed = torch.cat([zeros, model_ratios("second", 0.999, 100, 3000)])
+    young = stall_probability("bf16", 0.999, rounding, age=100)
+    assert stall_probability("bf16", 0.999, rounding, ratios=mixed) == pytest.approx(
+        0.25 * stall_probability("bf16", 0.999, rounding, ratios=zeros) + 0.75 * young, abs=0.02
+    )
+    gen = torch.Generator().manual_seed(0)
+    for fmt, moment in (("e2m2", "first"), ("int4", "second")):
+        storage = get_format(fmt, signed=moment == "first")
+        g = torch.randn(storage.block_size * 400, generator=gen)
+        fresh = g if moment == "first" else g.square()
+        trials = 20 if rounding == "stochastic" else 1
+        zero = storage.quantize(torch.zeros_like(fresh)).unit_values()  # int4's v has no code 0: zero is its smallest code
+        written = [storage.quantize(fresh, rounding=rounding, generator=gen).unit_values() for _ in range(trials)]
+        kept_zero = sum(float((units == zero).double().mean()) for units in written) / trials
+        predicted = stall_probability(fmt, 0.9, rounding, moment=moment, ratios=torch.full((5,), torch.inf))
+        assert predicted == pytest.approx(kept_zero, abs=0.004), fmt
+
+
+def test_state_inputs_follow_the_optimizers_updates():
+    """x in s <- β·s + (1 - β)·x: SGD's b <- μ·b + (1 - dampening)·d is the EMA of (1 - dampening)·d/(1 - μ)."""
+    g, p = torch.tensor([1.0, -2.0]), torch.tensor([10.0, 10.0])
+    assert torch.equal(state_input({"betas": (0.9, 0.99), "weight_decay": 0.1, "decoupled_weight_decay": True}, "exp_avg", g, p), g)
+    coupled = {"betas": (0.9, 0.99), "weight_decay": 0.1, "decoupled_weight_decay": False, "maximize": True}
+    assert torch.allclose(state_input(coupled, "exp_avg", g, p), torch.tensor([0.0, 3.0]))
+    assert torch.allclose(state_input(coupled, "exp_avg_sq", g, p), torch.tensor([0.0, 9.0]))
+    sgd = {"momentum": 0.9, "dampening": 0.5, "weight_decay": 0.0}
+    assert torch.allclose(state_input(sgd, "momentum_buffer", g, p), g * 5)
+    muon = {"momentum": 0.95, "weight_decay": 0.1, "ns_steps": 5}  # Muon: buf.lerp_(g, 1 - μ), decay decoupled
+    assert torch.equal(state_input(muon, "momentum_buffer", g, p), g)
+    assert state_input({"momentum": 0}, "momentum_buffer", g, p) is None
+
+
 def test_codebook_gaps_and_occupancy():
     weights, up, down = relative_gaps(get_format("int8_linear", signed=False))
     assert float(weights.sum()) == pytest.approx(1.0)
@@ -124,6 +191,10 @@ def test_bad_arguments_raise_clear_errors():
         stall_probability("bf16", 0.9, moment="third")
     with pytest.raises(ValueError, match="unknown format 'bf17'"):
         stall_probability("bf17", 0.9)
+    with pytest.raises(ValueError, match="ratios= replaces age= and center="):
+        stall_probability("bf16", 0.9, age=3, ratios=torch.ones(4))
+    with pytest.raises(ValueError, match="ratios= must be a non-empty tensor"):
+        stall_probability("bf16", 0.9, ratios=torch.tensor([1.0, math.nan]))
 
 
 @pytest.fixture(scope="module")

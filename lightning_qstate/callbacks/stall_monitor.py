@@ -13,10 +13,12 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from ..formats import BlockFormat, QuantizedTensor
 from ..optim.base import local_tensor
-from ..theory import moment_of, stall_probability, state_decay
+from ..theory import moment_of, stall_probability, state_decay, state_input
 from .stall_counts import StallMeasurement, StateRow, collect_stalls, quantized_optimizers, request_stall_tracking, state_rows
 from .state_reset import StateResetScheduler
 from .tensorboard import log_scalars, write_layout
+
+MAX_RATIOS = 65536  # measured ratios per state that a prediction uses
 
 
 class StallMonitor(Callback):
@@ -29,13 +31,14 @@ class StallMonitor(Callback):
 
     - ``qstate/stall/<state>/<layer>``: the measured rate of one parameter's state (``per_layer``);
     - ``qstate/stall_predicted/<state>/<layer>``: :func:`lightning_qstate.theory.stall_probability` for its
-      format, decay (``β1``/``β2``/momentum) and rounding on the measured step. Second moments (``exp_avg_sq``)
-      use the measured ratio ``center = mean(v) / mean(g²)`` of that layer on that step (``v`` before the step,
-      ``g`` the gradient the optimizer receives, after the Trainer's clipping): it is ``1 - β^age`` for a state
-      zeroed ``age`` steps ago under stationary gradients, and it also follows gradients that shrink as training
-      goes (early in a run ``v`` lags them and stalls more than its age says). First moments use their age: the
-      optimizer steps since the state was zeroed (the start of training, or its layer's last reset by a
-      :class:`~lightning_qstate.callbacks.StateResetScheduler` among the Trainer's callbacks). So the prediction
+      format, decay (``β1``/``β2``/momentum) and rounding on the measured step, given how large that step's
+      inputs are against the states: the measured ratios ``g²/v`` (second moments) or ``g/m`` (first) of the layer's
+      moving entries (``v``, ``m`` before the step, ``g`` the gradient the optimizer receives, after the Trainer's
+      clipping; at most ``MAX_RATIOS`` of them, sampled) replace the theory's Gaussian gradients (``ratios=``).
+      Only the format's gaps, the rounding and the block-scale drift are then modelled. This follows what the
+      Gaussian model cannot: gradients that shrink as training goes (``v`` lags them), entries whose gradient is
+      zero or unusually small on a step (an embedding's rows: they only decay and stall at the steady-state rate
+      from the first steps), and each layer's own reset times. So the prediction
       climbs as a state ages and drops after every reset, as the measured rate does. Block-scaled formats weight
       the code gaps by the stored state's own code occupancy (``values=``): the format-only model assumes an
       occupancy that heavy-tailed states do not have;
@@ -85,7 +88,7 @@ class StallMonitor(Callback):
         self._last_logged = -1
         self._measured_step = 0  # optimizer steps done once the measured step has run
         self._last_resets: dict[str, int] = {}  # layer -> global step of its last reset, as of the measured step
-        self._centers: dict[tuple[str, str], float] = {}  # (layer, state) -> mean(v) / mean(g²) on the measured step
+        self._ratios: dict[tuple[str, str], torch.Tensor] = {}  # (layer, state) -> the measured step's g²/v or g/m
         self._previous_measured_step = 0
         self.last_rates: dict[str, float] = {}  # the last measurement's model-wide qstate/stall* scalars (RunSummary reads them)
 
@@ -122,7 +125,7 @@ class StallMonitor(Callback):
             self._measured_step = trainer.global_step + 1
             schedulers = [callback for callback in trainer.callbacks if isinstance(callback, StateResetScheduler)]
             self._last_resets = {layer: step for scheduler in schedulers for layer, step in scheduler.last_reset.items()}
-            self._centers = measured_centers(trainer)
+            self._ratios = measured_ratios(trainer)
 
     def age(self, row: StateRow) -> int:
         """Optimizer steps ``row``'s state has taken since it was zeroed, counting the measured step (a negative
@@ -148,14 +151,15 @@ class StallMonitor(Callback):
         if fmt is None or beta is None:
             return None
         rounding, moment = row.group["rounding"], moment_of(row.state)
-        center = self._centers.get((row.layer, row.state)) if moment == "second" else None
-        timing = {"center": center} if center is not None else {"age": age}
+        ratios = self._ratios.get((row.layer, row.state))
         stored = row.optimizer.state.get(row.param, {}).get(row.state)
-        if isinstance(fmt, BlockFormat) and isinstance(stored, QuantizedTensor) and stored.numel:
-            return stall_probability(fmt, beta, rounding, moment=moment, values=stored, **timing)
-        key = (fmt, beta, rounding, moment, age, center)
+        values = stored if isinstance(fmt, BlockFormat) and isinstance(stored, QuantizedTensor) and stored.numel else None
+        if ratios is not None or values is not None:
+            timing = {"ratios": ratios} if ratios is not None else {"age": age}
+            return stall_probability(fmt, beta, rounding, moment=moment, values=values, **timing)
+        key = (fmt, beta, rounding, moment, age)
         if key not in self._predictions:
-            self._predictions[key] = stall_probability(fmt, beta, rounding, moment=moment, **timing)
+            self._predictions[key] = stall_probability(fmt, beta, rounding, moment=moment, age=age)
         return self._predictions[key]
 
     def metrics(self, measurement: StallMeasurement) -> tuple[dict[str, float], dict[str, list[float]]]:
@@ -211,20 +215,22 @@ class StallMonitor(Callback):
                     logger.experiment.add_histogram(f"qstate/stall/{state}/layers", torch.tensor(rates), global_step=step)
 
 
-def measured_centers(trainer: pl.Trainer) -> dict[tuple[str, str], float]:
-    """``{(layer, state): mean(v) / mean(g²)}`` of every second-moment state this rank holds, before the step about to
-    run, with the gradients as the optimizer will see them (the Trainer's norm or value clipping applied); states not
-    yet created, empty shards and zero gradients are left out."""
+def measured_ratios(trainer: pl.Trainer) -> dict[tuple[str, str], torch.Tensor]:
+    """``{(layer, state): ratios}`` of every quantized EMA state this rank holds, before the step about to run: per
+    moving entry (state or input not zero), ``x/s`` (:func:`~lightning_qstate.theory.state_input`: ``g²/v`` for Adam's
+    second moment, ``g/m`` for its first), ``inf`` where the state is zero, with the gradients as the optimizer will
+    see them (the Trainer's norm or value clipping applied); states not yet created, empty shards and states without
+    a moving entry are left out."""
     clip, algorithm = trainer.gradient_clip_val, trainer.gradient_clip_algorithm
     norms: dict[int, float] = {}
-    centers = {}
+    ratios = {}
     for row in state_rows(trainer):
         stored = row.optimizer.state.get(row.param, {}).get(row.state) if row.is_state else None
         grad = row.param.grad
-        if stored is None or grad is None or moment_of(row.state) != "second":
+        if stored is None or grad is None:
             continue
-        values = stored.dequantize() if isinstance(stored, QuantizedTensor) else stored
-        grad = local_tensor(grad).float()
+        values = (stored.dequantize() if isinstance(stored, QuantizedTensor) else stored).float().reshape(-1)
+        grad = local_tensor(grad).float().reshape(-1)
         if values.numel() == 0 or grad.numel() != values.numel():
             continue
         if clip and getattr(algorithm, "value", algorithm) in ("norm", None):
@@ -237,10 +243,16 @@ def measured_centers(trainer: pl.Trainer) -> dict[tuple[str, str], float]:
             grad = grad * min(1.0, float(clip) / (norms[key] + 1e-6))
         elif clip:
             grad = grad.clamp(-float(clip), float(clip))
-        mean_square = float(grad.square().mean())
-        if mean_square > 0:
-            centers[row.layer, row.state] = float(values.float().mean()) / mean_square
-    return {key: value for key, value in centers.items() if value > 0}
+        inputs = state_input(row.group, row.state, grad, local_tensor(row.param).detach().float().reshape(-1))
+        moving = (inputs != 0) | (values != 0) if inputs is not None else None
+        if moving is None or not bool(moving.any()):
+            continue
+        inputs, values = inputs[moving], values[moving]
+        if inputs.numel() > MAX_RATIOS:  # a uniform sample bounds the cost: the rate's sampling error is ~0.2 points
+            sample = torch.randint(inputs.numel(), (MAX_RATIOS,), generator=torch.Generator().manual_seed(0)).to(inputs.device)
+            inputs, values = inputs[sample], values[sample]
+        ratios[row.layer, row.state] = torch.where(values != 0, inputs / values, torch.inf)
+    return ratios
 
 
 def _logged(row: StateRow) -> bool:

@@ -4,7 +4,7 @@ The adaptive bit-width planner is :mod:`lightning_qstate.adaptive`.
 """
 
 from .precision import COMPONENTS, DEFAULT_CONSTANTS, AdviceRow, PrecisionReport, advise, mantissa_bits, required_mantissa_bits
-from .stall import MOMENTS, Moment, half_staleness_age, moment_of, relative_gaps, reset_period, stall_probability, state_decay
+from .stall import MOMENTS, Moment, half_staleness_age, moment_of, relative_gaps, reset_period, stall_probability, state_decay, state_input
 
 __all__ = [
     "COMPONENTS",
@@ -22,4 +22,5 @@ __all__ = [
     "reset_period",
     "stall_probability",
     "state_decay",
+    "state_input",
 ]

@@ -46,6 +46,17 @@ uniformly in its grid cell), and the largest entry stays on its top code, so it 
 simulation this model is within 3 points for FP8 and off by up to 5.2 for int8 (``β`` 0.99 and 0.999, RN and
 SR). ``block_drift=False`` gives the paper's closed forms for every format.
 
+**Measured ratios** (ours). Only the ratio ``r`` of an entry's input to its state matters: ``r = g²/v`` (second
+moment, the window ``|r - 1| < ρ``) or ``r = g/m`` (first moment, the same window). The noise model draws ``r`` from
+``χ²₁/a`` or from ``g/m`` with Gaussian ``g`` and ``m``. Given the measured ``r`` of every moving entry of a layer on
+one step (``ratios=``), their empirical distribution replaces the model's and the rest (the gaps, RN's window, SR's
+tent, the block-scale drift with ``z'`` another draw of the same distribution) is unchanged. Real layers need this:
+entries whose gradient is zero on a step (``r = 0``: an embedding's rows) or much smaller than usual (a tied
+embedding's output rows of rare tokens) only decay and stall far more than a Gaussian gradient says. A state
+written from zero (``r = ∞``) stalls only where its code stays the one zero is stored as: never in a cast; in a
+block format, modelled with fresh i.i.d. blocks (``_fresh_stall``). The first moment's block-scale drift is not
+modelled (as without ``ratios``).
+
 The model ignores the correlation of ``v`` with past ``g`` and the drift of ``v`` under RN ratcheting;
 ``benchmarks/stall_simulation.py`` measures how far that matters.
 """
@@ -53,6 +64,7 @@ The model ignores the correlation of ``v`` with past ``g`` and the drift of ``v`
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Literal
 
 import torch
@@ -66,6 +78,8 @@ _HALF_NORMAL_POINTS = 4001  # quadrature over |m| for the first moment
 _HALF_NORMAL_RANGE = 9.0  # in standard deviations
 _CAST_FRACTION_BITS = {torch.float32: 23, torch.bfloat16: 7, torch.float16: 10}
 _SCALE_MANTISSAS = 8  # quadrature over a bf16 scale's mantissa (its grid step)
+_RATIO_QUANTILES = 256  # draws of a block scale's ratio from measured ratios
+_FRESH_QUANTILES = 512  # quadrature over a fresh block's largest entry
 
 
 def moment_of(state_name: str) -> Moment:
@@ -87,6 +101,25 @@ def state_decay(group: dict, state_name: str) -> float | None:
     if state_name == "square_avg" and "alpha" in group:
         return float(group["alpha"])
     return None
+
+
+def state_input(group: dict, state_name: str, grad: torch.Tensor, param: torch.Tensor) -> torch.Tensor | None:
+    """The input ``x`` of state ``state_name`` written as the EMA ``s ← β·s + (1 - β)·x`` (``β``: :func:`state_decay`),
+    from a parameter's gradient as torch's optimizers compute it (``None`` if not an EMA we know).
+
+    ``d = ±g`` (``maximize``) ``+ weight_decay·p`` unless the decay is decoupled (AdamW, Muon). Adam's ``exp_avg``: ``d``;
+    ``exp_avg_sq``/``max_exp_avg_sq`` and RMSprop's ``square_avg``: ``d²``; SGD's ``momentum_buffer``
+    (``b ← μ·b + (1 - dampening)·d``): ``(1 - dampening)·d / (1 - μ)``; Muon's (``b.lerp_(g, 1 - μ)``): ``g``.
+    """
+    beta = state_decay(group, state_name)
+    if beta is None:
+        return None
+    direction = -grad if group.get("maximize") else grad
+    coupled = group.get("weight_decay") and not group.get("decoupled_weight_decay") and "ns_steps" not in group
+    direction = direction + group["weight_decay"] * param if coupled else direction
+    if state_name == "momentum_buffer" and "dampening" in group:
+        return direction * ((1 - group["dampening"]) / (1 - beta))
+    return direction.square() if moment_of(state_name) == "second" else direction
 
 
 def resolve_format(fmt: str | StorageFormat | None, moment: Moment = "second") -> StorageFormat:
@@ -177,6 +210,30 @@ def _chi2_partial_mean(x: torch.Tensor) -> torch.Tensor:
     return _chi2_cdf(x) - torch.sqrt(2 * x / math.pi) * torch.exp(-x / 2)
 
 
+def _empirical(ratios: torch.Tensor) -> tuple[Callable, Callable, torch.Tensor]:
+    """The CDF and partial mean of the measured ``ratios`` (float64; ``inf`` counts in neither) and their finite values."""
+    ordered = torch.sort(ratios.detach().reshape(-1).to(torch.float64).cpu()).values
+    finite = ordered[torch.isfinite(ordered)]
+    sums = torch.cat([torch.zeros(1, dtype=torch.float64), torch.cumsum(finite, 0)])
+    count = ordered.numel()
+
+    def cdf(x: torch.Tensor) -> torch.Tensor:
+        return torch.searchsorted(finite, x.contiguous(), right=True).to(torch.float64) / count
+
+    def partial_mean(x: torch.Tensor) -> torch.Tensor:
+        return sums[torch.searchsorted(finite, x.contiguous(), right=True)] / count
+
+    return cdf, partial_mean, finite
+
+
+def _half_normal_cdf(x: torch.Tensor) -> torch.Tensor:
+    return torch.erf(x.clamp(min=0) / math.sqrt(2))
+
+
+def _half_normal_partial_mean(x: torch.Tensor) -> torch.Tensor:
+    return math.sqrt(2 / math.pi) * -torch.expm1(-x.clamp(min=0).square() / 2)
+
+
 def _normal_cdf(x: torch.Tensor) -> torch.Tensor:
     return torch.special.ndtr(x)
 
@@ -208,7 +265,14 @@ def _half_normal_grid(spread: float) -> tuple[torch.Tensor, torch.Tensor]:
     return grid, weights / weights.sum()
 
 
-def _check(beta: float, rounding: str, age: int | None, center: float | None = None, moment: str = "second") -> None:
+def _check(
+    beta: float, rounding: str, age: int | None, center: float | None = None, moment: str = "second", ratios: torch.Tensor | None = None
+) -> None:
+    if ratios is not None:
+        if age is not None or center is not None:
+            raise ValueError("ratios= replaces age= and center= (the measured ratios set the state's age and spread): give one of them")
+        if not isinstance(ratios, torch.Tensor) or ratios.numel() == 0 or bool(torch.isnan(ratios).any()):
+            raise ValueError("ratios= must be a non-empty tensor of the moving entries' g²/v (or g/m) ratios, without NaN")
     if not 0.0 < beta < 1.0:
         raise ValueError(f"beta={beta!r} must lie in (0, 1)")
     if rounding not in ROUNDINGS:
@@ -232,6 +296,7 @@ def stall_probability(
     values: torch.Tensor | QuantizedTensor | None = None,
     block_drift: bool = True,
     center: float | None = None,
+    ratios: torch.Tensor | None = None,
 ) -> float:
     """Probability that one entry of an EMA state stored in ``fmt`` stalls on one step.
 
@@ -248,13 +313,16 @@ def stall_probability(
         center: second moment only, instead of ``age``: the measured ``a = E[v] / E[g²]`` (the state's mean over
             the mean square of the gradients it is fed, e.g. over one layer at one step). Under a stationary
             gradient it is ``1 - β^age``; where the gradients shrink or grow (early training, schedules) the state
-            lags them and only the measured ratio gives the rate (``StallMonitor`` logs this prediction).
+            lags them and only the measured ratio gives the rate.
+        ratios: instead of ``age``/``center``: the measured ratios of the moving entries' inputs to their states on
+            one step, ``g²/v`` (second moment) or ``g/m`` (first), ``inf`` where the state is zero; their distribution
+            replaces the noise model (see the module docstring; ``StallMonitor`` logs this prediction).
 
     Returns:
         The probability in ``[0, 1]``; e.g. bf16 at ``β = 0.999``: 0.946 (RN), 0.825 (SR).
     """
-    _check(beta, rounding, age, center, moment)
-    return _stall_probability(resolve_format(fmt, moment), beta, rounding, age, moment, values, block_drift, center)
+    _check(beta, rounding, age, center, moment, ratios)
+    return _stall_probability(resolve_format(fmt, moment), beta, rounding, age, moment, values, block_drift, center, ratios)
 
 
 def _stall_probability(
@@ -266,12 +334,27 @@ def _stall_probability(
     values: torch.Tensor | QuantizedTensor | None,
     block_drift: bool,
     center: float | None = None,
+    ratios: torch.Tensor | None = None,
 ) -> float:
-    """:func:`stall_probability` for a resolved format and a real-valued ``age`` (or a measured second-moment ``center``)."""
+    """:func:`stall_probability` for a resolved format and a real-valued ``age`` (or a measured second-moment ``center``,
+    or measured ``ratios``)."""
     weights, gap_up, gap_down = relative_gaps(fmt, values)
     rho_up, rho_down = gap_up / (2 * (1 - beta)), gap_down / (2 * (1 - beta))
     drift = block_drift and isinstance(fmt, BlockFormat)
-    if moment == "second":
+    share = 1.0  # of the entries that the window model covers (the others: written from zero)
+    if ratios is not None:  # the window |r - 1| < ρ under the measured distribution of r
+        cdf, partial_mean, finite = _empirical(ratios)
+        share = finite.numel() / ratios.numel()
+        one = torch.ones((), dtype=torch.float64)
+        if drift and moment == "second" and finite.numel():  # the scale's draw z': the same distribution (quantiles)
+            draws = finite[((torch.arange(_RATIO_QUANTILES) + 0.5) * finite.numel() / _RATIO_QUANTILES).long()]
+            per_gap = torch.zeros_like(rho_up)
+            for window_center, center_weights in _drifted_centers(fmt, draws, one, beta):
+                stalls = _window_stall(window_center[:, None], rho_up, rho_down, rounding, cdf, partial_mean)
+                per_gap = per_gap + (stalls * center_weights[:, None]).sum(dim=0) / _RATIO_QUANTILES
+        else:
+            per_gap = _window_stall(one, rho_up, rho_down, rounding, cdf, partial_mean)
+    elif moment == "second":
         if center is None:
             center = 1.0 if age is None else -math.expm1(age * math.log(beta))
         center = torch.tensor(center, dtype=torch.float64)
@@ -289,12 +372,39 @@ def _stall_probability(
         m, m_weights = _half_normal_grid(spread)
         stalls = _window_stall(m[:, None], m[:, None] * rho_up, m[:, None] * rho_down, rounding, _normal_cdf, _normal_partial_mean)
         per_gap = (stalls * m_weights[:, None]).sum(dim=0)
-    probability = (weights * per_gap).sum()
+    probability = (weights * per_gap).sum()  # already weighted by ``share``
     if drift and fmt.scale_dtype == torch.float32:
         probability = probability * (1 - 1 / fmt.block_size)  # a block's largest entry is its scale, stored exactly
     elif drift and moment == "second":  # a bf16 scale: the slow largest entry stays on the top code as it moves
-        probability = probability * (1 - 1 / fmt.block_size) + 1 / fmt.block_size
+        probability = probability * (1 - 1 / fmt.block_size) + share / fmt.block_size
+    if share < 1:
+        probability = probability + (1 - share) * _fresh_stall(fmt, moment, rounding)
     return float(probability.clamp(0.0, 1.0))
+
+
+def _fresh_stall(fmt: StorageFormat, moment: Moment, rounding: Rounding) -> float:
+    """Stall probability of an entry written from zero (``r = ∞``): it stalls where its code stays the one of zero.
+
+    Casts never do (underflow aside). Block formats: the block holds ``B`` fresh i.i.d. entries (``|N(0, 1)|`` for the
+    first moment, ``χ²₁`` for the second), and an entry keeps the code of zero, ``k₀`` (0, or the smallest code of a
+    codebook without one, such as int4's ``v``), when it is written there: under RN below the midpoint to the next
+    code ``k₁``, under SR with probability 1 below ``k₀`` and ``(k₁ - u)/(k₁ - k₀)`` between (``u``: in units of the
+    block's absmax ``M``, which is then the maximum of the ``B - 1`` others: over its quantiles).
+    """
+    if not isinstance(fmt, BlockFormat):
+        return 0.0
+    codes = torch.unique(fmt.decode_values().to(torch.float64).abs())  # sorted; codes[0] is what zero is written as
+    others = ((torch.arange(_FRESH_QUANTILES, dtype=torch.float64) + 0.5) / _FRESH_QUANTILES) ** (1 / (fmt.block_size - 1))
+    if moment == "second":
+        cdf, partial_mean, maxima = _chi2_cdf, _chi2_partial_mean, 2 * torch.special.erfinv(others).square()
+    else:
+        cdf, partial_mean, maxima = _half_normal_cdf, _half_normal_partial_mean, math.sqrt(2) * torch.special.erfinv(others)
+    lower, upper = float(codes[0]) * maxima, float(codes[1]) * maxima
+    if rounding == "nearest":
+        kept = cdf((lower + upper) / 2)
+    else:
+        kept = cdf(lower) + (upper * (cdf(upper) - cdf(lower)) - (partial_mean(upper) - partial_mean(lower))) / (upper - lower)
+    return float(kept.mean())  # below a fraction of the others' maximum: never the largest entry itself
 
 
 def _drifted_centers(fmt: BlockFormat, draws: torch.Tensor, center: torch.Tensor, beta: float) -> list[tuple[torch.Tensor, torch.Tensor]]:
