@@ -94,7 +94,7 @@ QSTATE_NOINLINE void code_loop(const float* __restrict__ x, float divisor, bool 
   for (int64_t i = 0; i < n; ++i) out[i] = static_cast<uint8_t>(lane(select(keep, x[i] / divisor, 0.0f), i));
 }
 
-// The codes (Minifloat::encode; encode_lane or grid_code; codebook_stochastic or stochastic_code) of x[0:n] / divisor
+// The codes (Minifloat::encode; encode_lane or grid_code; codebook_stochastic or grid_stochastic) of x[0:n] / divisor
 // (true division, as the reference's; 0.0 everywhere where not ``finite``) in block state s, a byte each to out;
 // element ``first + i`` draws random_bits(s.seed, first + i) under SR (chunks_with_draws). One loop per kind and
 // rounding over branch-free lanes, which the compiler vectorizes for the CPU it builds for (AVX2: gathers for the
@@ -121,7 +121,7 @@ void code_lanes(const State& s, const float* __restrict__ x, float divisor, bool
       code_loop(part, divisor, finite, size, codes, [mf, draws](float q, int64_t i) { return mf.encode<true>(q, uniform_of(draws[i])); });
     else if (cb.grid != 0.0f)
       code_loop(part, divisor, finite, size, codes, [cb, last, min_code, draws](float q, int64_t i) {
-        return stochastic_code(q, cb, grid_code(q, cb.grid, 1.0f), last, min_code, uniform_of(draws[i]));
+        return grid_stochastic(q, cb.grid, grid_code(q, cb.grid, 1.0f), last, min_code, uniform_of(draws[i]));
       });
     else
       code_loop(part, divisor, finite, size, codes, [cb, last, min_code, draws](float q, int64_t i) {

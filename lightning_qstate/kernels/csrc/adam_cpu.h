@@ -455,21 +455,32 @@ struct Minifloat {
   }
 };
 
-// formats.rounding.encode_codebook (SR) clamped up to min_code, from x's floor code ``floor`` (the largest value <= x;
-// any code below 0 stands for 0): held to [0, last - 1], x rounds up between it and the next value where ``uniform``
-// times their gap is below x's distance from it. (Where the clamp to min_code hides the floor, both neighbours are
-// <= min_code: the clamped result is min_code either way.)
-inline uint32_t stochastic_code(float x, const Codebook& cb, int32_t floor, int32_t last, int32_t min_code, float uniform) {
-  const int32_t low = std::min(std::max(floor, 0), last - 1);
-  const float low_value = cb.decode[low], high_value = cb.decode[low + 1];
+// formats.rounding.encode_codebook (SR) clamped up to min_code, between code ``low`` (value low_value) and low + 1
+// (high_value): x rounds up where ``uniform`` times their gap is below x's distance from low_value.
+inline uint32_t stochastic_between(float x, int32_t low, float low_value, float high_value, int32_t min_code, float uniform) {
   return static_cast<uint32_t>(std::max(low + (uniform * (high_value - low_value) < x - low_value ? 1 : 0), min_code));
 }
 
-// stochastic_code with the floor from the round-to-nearest code (encode_lane): it, or the one below where its value is
-// above x.
+// stochastic_between from x's floor code ``floor`` (the largest value <= x; any code below 0 stands for 0) held to
+// [0, last - 1] in a Codebook::grid codebook, whose values (c + 1) / grid are exact by arithmetic (grid: a power of 2).
+// (Where the clamp to min_code hides the floor, both neighbours are <= min_code: the clamped result is min_code either
+// way.)
+inline uint32_t grid_stochastic(float x, float grid, int32_t floor, int32_t last, int32_t min_code, float uniform) {
+  const int32_t low = std::min(std::max(floor, 0), last - 1);
+  return stochastic_between(x, low, static_cast<float>(low + 1) / grid, static_cast<float>(low + 2) / grid, min_code, uniform);
+}
+
+// stochastic_between with the floor from the round-to-nearest code (encode_lane): it, or the one below where its value
+// is above x, held to [0, last - 1]. That pair of codes holds the nearest one on either side (the clamps only move a
+// floor of -1 up to it, or keep ``last`` below it), so one more table read gives the other value.
 inline uint32_t codebook_stochastic(float x, const Codebook& cb, int32_t last, int32_t min_code, float uniform) {
   const int32_t nearest = encode_lane(x, cb);
-  return stochastic_code(x, cb, nearest - (cb.decode[nearest] > x ? 1 : 0), last, min_code, uniform);
+  const float nearest_value = cb.decode[nearest];
+  const int32_t low = std::min(std::max(nearest - (nearest_value > x ? 1 : 0), 0), last - 1);
+  const uint32_t from_nearest = mask_of(low == nearest);
+  const float other = cb.decode[low + (low == nearest ? 1 : 0)];
+  return stochastic_between(x, low, select(from_nearest, nearest_value, other), select(from_nearest, other, nearest_value), min_code,
+                            uniform);
 }
 
 // grid_codes16 of one normalized value: floor(x * grid - offset) held to [0, grid - 1] (offset 0.5: the nearest code of
