@@ -89,6 +89,24 @@ def test_monitor_measures_one_step_per_interval_and_logs_measured_and_predicted(
     assert "qstate/stall_predicted/exp_avg_sq" in logger.records[-1][1]
 
 
+def test_monitor_samples_the_ratios_of_large_states(tmp_path, monkeypatch):
+    """Above MAX_RATIOS moving entries a state's ratios are a uniform sample: the same run predicts within sampling
+    error of its prediction from all of them (net.0.weight: 7200 entries)."""
+    from lightning_qstate.callbacks import stall_monitor
+
+    def predictions(folder: str) -> tuple[list[float], StallMonitor]:
+        logger, monitor = MemoryLogger(), StallMonitor(per_layer=True, log_every_n_steps=4)
+        fit(tmp_path / folder, max_steps=12, callbacks=[monitor], logger=logger)
+        return logger.values("qstate/stall_predicted/exp_avg_sq/net.0.weight"), monitor
+
+    full, _ = predictions("full")
+    monkeypatch.setattr(stall_monitor, "MAX_RATIOS", 1024)
+    sampled, monitor = predictions("sampled")
+    assert max(ratios.numel() for ratios in monitor._ratios.values()) == 1024
+    assert len(full) == len(sampled) == 3 and full != sampled
+    assert max(abs(a - b) for a, b in zip(full, sampled, strict=True)) < 0.05, (full, sampled)
+
+
 def test_monitor_rates_equal_the_counts_of_the_step(tmp_path):
     """The logged rate is the optimizer's in-step count of that very step, checked against a recount."""
     monitor, logger = StallMonitor(log_every_n_steps=3, per_layer=True, histograms=False), MemoryLogger()
