@@ -341,31 +341,24 @@ def _stall_probability(
     weights, gap_up, gap_down = relative_gaps(fmt, values)
     rho_up, rho_down = gap_up / (2 * (1 - beta)), gap_down / (2 * (1 - beta))
     drift = block_drift and isinstance(fmt, BlockFormat)
-    share = 1.0  # of the entries that the window model covers (the others: written from zero)
-    if ratios is not None:  # the window |r - 1| < ρ under the measured distribution of r
-        cdf, partial_mean, finite = _empirical(ratios)
-        share = finite.numel() / ratios.numel()
-        one = torch.ones((), dtype=torch.float64)
-        if drift and moment == "second" and finite.numel():  # the scale's draw z': the same distribution (quantiles)
-            draws = finite[((torch.arange(_RATIO_QUANTILES) + 0.5) * finite.numel() / _RATIO_QUANTILES).long()]
-            per_gap = torch.zeros_like(rho_up)
-            for window_center, center_weights in _drifted_centers(fmt, draws, one, beta):
-                stalls = _window_stall(window_center[:, None], rho_up, rho_down, rounding, cdf, partial_mean)
-                per_gap = per_gap + (stalls * center_weights[:, None]).sum(dim=0) / _RATIO_QUANTILES
+    share, finite = 1.0, None  # share: of the entries that the window model covers (the others: written from zero)
+    if ratios is not None or moment == "second":  # the window around the state's centre, by the noise's CDF
+        if ratios is not None:  # r under its measured distribution: the window |r - 1| < ρ
+            cdf, partial_mean, finite = _empirical(ratios)
+            share, center = finite.numel() / ratios.numel(), 1.0
         else:
-            per_gap = _window_stall(one, rho_up, rho_down, rounding, cdf, partial_mean)
-    elif moment == "second":
-        if center is None:
-            center = 1.0 if age is None else -math.expm1(age * math.log(beta))
+            cdf, partial_mean = _chi2_cdf, _chi2_partial_mean
+            if center is None:
+                center = 1.0 if age is None else -math.expm1(age * math.log(beta))
         center = torch.tensor(center, dtype=torch.float64)
-        if drift:  # the largest entry's own draw z' = t², t ~ |N(0, 1)|, moves the scale, and the window follows it
-            t, t_weights = _half_normal_grid(1.0)
+        if drift and moment == "second":  # the largest entry's own draw z' moves the scale, and the window follows it
+            draws, draw_weights = _scale_draws(finite)
             per_gap = torch.zeros_like(rho_up)
-            for window_center, center_weights in _drifted_centers(fmt, t * t, center, beta):
-                stalls = _window_stall(window_center[:, None], center * rho_up, center * rho_down, rounding, _chi2_cdf, _chi2_partial_mean)
-                per_gap = per_gap + (stalls * (t_weights * center_weights)[:, None]).sum(dim=0)
+            for window_center, center_weights in _drifted_centers(fmt, draws, center, beta):
+                stalls = _window_stall(window_center[:, None], center * rho_up, center * rho_down, rounding, cdf, partial_mean)
+                per_gap = per_gap + (stalls * (draw_weights * center_weights)[:, None]).sum(dim=0)
         else:
-            per_gap = _window_stall(center, center * rho_up, center * rho_down, rounding, _chi2_cdf, _chi2_partial_mean)
+            per_gap = _window_stall(center, center * rho_up, center * rho_down, rounding, cdf, partial_mean)
     else:
         decay = 1.0 if age is None else -math.expm1(2 * age * math.log(beta))
         spread = math.sqrt((1 - beta) * decay / (1 + beta))
@@ -380,6 +373,17 @@ def _stall_probability(
     if share < 1:
         probability = probability + (1 - share) * _fresh_stall(fmt, moment, rounding)
     return float(probability.clamp(0.0, 1.0))
+
+
+def _scale_draws(finite: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The block's largest entry's draws ``z'`` and their weights: ``t²``, ``t ~ |N(0, 1)|`` by quadrature, or
+    ``_RATIO_QUANTILES`` quantiles of the measured finite ratios ``finite`` (none where it is empty)."""
+    if finite is None:
+        t, weights = _half_normal_grid(1.0)
+        return t * t, weights
+    index = ((torch.arange(_RATIO_QUANTILES) + 0.5) * finite.numel() / _RATIO_QUANTILES).long()
+    draws = finite[index] if finite.numel() else finite
+    return draws, torch.full_like(draws, 1 / _RATIO_QUANTILES)
 
 
 def _fresh_stall(fmt: StorageFormat, moment: Moment, rounding: Rounding) -> float:
