@@ -58,11 +58,16 @@ rounding, and moments of one block size decoded, updated and their block absmaxe
 codes unpacked 64 at a time by a byte permute and a multishift, a chunk of at least 1024 values per call; a codebook
 of at most 128 codes encoded by a branch-free binary search of its thresholds, ``NearestCodeIndex.search_levels``, one
 register permute per level, and an 8-bit one by its bucket table, a gather);
-the scalar code runs the rest and is the whole kernel on other CPUs (AVX2, Arm). There it is written as loops over
+with AVX2 (and FMA, F16C; no AVX-512) the update runs 8 lanes at a time (``Update8``, the same operations as
+``Update16``) where the parameter is fp32: for two bf16/fp16 casts decoded, updated and stored in one pass
+(``cast_lanes``), for two block states of 8- or 4-bit codes decoded (gathers), updated and their absmaxes taken in one
+pass; and splitmix64 draws four outputs at a time (``splitmix64x4``, its 64-bit multiplies from 32-bit ones).
+The scalar code runs the rest and is the whole kernel on other CPUs (Arm, x86 without AVX2). There it is written as loops over
 branch-free lanes, one per kind of state and rounding (``code_lanes``: the encoders, one bucket-table read per value;
-the cast stores; block absmaxes; the finite checks; the nibble and byte decoders), which the compiler vectorizes
-for the CPU it builds for (with AVX2, gathers for the tables; stochastic rounding's draws one splitmix64 output per
-pair of elements, into a buffer): the same IEEE operations per lane, so the same bits.
+the cast stores; block absmaxes; the finite checks; the nibble and byte decoders; Adam's update, its hold of ``m``
+skipped a chunk at a time where a test without square roots proves that it keeps every value: ``held_inside``),
+which the compiler vectorizes for the CPU it builds for (with AVX2, gathers for the tables; stochastic rounding's
+draws one splitmix64 output per pair of elements, into a buffer): the same IEEE operations per lane, so the same bits.
 
 ``momentum_steps`` (``native_momentum_steps``) is the same machinery for QSGD's and QMuon's ``momentum_buffer`` (any
 format above, either rounding, and a plain fp32 buffer on a weight grid as an fp32 cast; fp32 parameters, and QSGD's

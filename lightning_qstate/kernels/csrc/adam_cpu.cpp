@@ -19,13 +19,31 @@ namespace {
 
 // ---- One block of one parameter ----
 
+// Values per pass of the portable loops that draw (code_lanes' SR loops, cast_lanes), check the hold (grid_lanes,
+// cast_lanes) or pack (encode_codes): a multiple of 8 (whole dense groups).
+constexpr int64_t kCodeChunk = 256;
+
+// grid_lanes' portable loop over values [0, n) (Hold: adam_lane's).
+template <typename T, typename Rounding, bool Eco, bool Hold>
+QSTATE_INLINE void grid_loop(T* __restrict__ p, const T* __restrict__ g, int64_t first, const Hyper& h, uint64_t seed, int64_t n,
+                             float* __restrict__ m, float* __restrict__ v) {
+  for (int64_t i = 0; i < n; ++i) {
+    float mi = m[i], vi = v[i], denom;
+    const float updated = adam_lane<Hold>(to_float(p[i]), to_float(g[i]), mi, vi, h, denom);
+    const float rounded = Rounding::round(updated, seed, first + i);
+    if constexpr (Eco) mi = std::fma(h.eco * denom, updated - rounded, mi);
+    p[i] = from_float<T>(rounded);
+    m[i] = mi, v[i] = vi;
+  }
+}
+
 // Adam on values [0, n) of a block of a parameter on a weight grid (KeepFp32: fp32 values, no grid), param and gradient
 // of type T (read as fp32), moments decoded in m, v (updated in place), as adam_reference.adam_step_quantized:
 // adam_lane's new value rounded to the grid with Rounding (element ``first + i`` of the parameter: its SR draw) and
 // stored in T (round to nearest, as torch's copy_), and with Eco m = fma(eco * denom, updated - rounded, m) (the
-// product rounded first, as eco_feedback). With
-// AVX-512, 16 at a time by Update16::advance; the scalar loop has no branches, so the compiler vectorizes it
-// (-fno-math-errno: sqrt without its errno check) for the CPU it is built for (AVX2 included).
+// product rounded first, as eco_feedback). With AVX-512, 16 at a time by Update16::advance; else kCodeChunk at a time
+// by grid_loop, without the hold where held_inside proves it keeps them: its loop has no branches, so the compiler
+// vectorizes it (-fno-math-errno: sqrt without its errno check) for the CPU it is built for (AVX2 included).
 template <typename T, typename Rounding, bool Eco>
 QSTATE_FLATTEN void grid_lanes(T* __restrict__ p, const T* __restrict__ g, int64_t first, const Hyper h, uint64_t seed, int64_t n,
                                float* __restrict__ m, float* __restrict__ v) {
@@ -38,13 +56,12 @@ QSTATE_FLATTEN void grid_lanes(T* __restrict__ p, const T* __restrict__ g, int64
     _mm512_storeu_ps(m + i, mi), _mm512_storeu_ps(v + i, vi);
   }
 #endif
-  for (; i < n; ++i) {
-    float mi = m[i], vi = v[i], denom;
-    const float updated = adam_lane(to_float(p[i]), to_float(g[i]), mi, vi, h, denom);
-    const float rounded = Rounding::round(updated, seed, first + i);
-    if constexpr (Eco) mi = std::fma(h.eco * denom, updated - rounded, mi);
-    p[i] = from_float<T>(rounded);
-    m[i] = mi, v[i] = vi;
+  for (; i < n; i += kCodeChunk) {
+    const int64_t size = std::min(kCodeChunk, n - i);
+    if (held_inside(m + i, v + i, size, h))
+      grid_loop<T, Rounding, Eco, false>(p + i, g + i, first + i, h, seed, size, m + i, v + i);
+    else
+      grid_loop<T, Rounding, Eco, true>(p + i, g + i, first + i, h, seed, size, m + i, v + i);
   }
 }
 
@@ -81,9 +98,6 @@ QSTATE_INLINE int64_t codebook_bytes64(const State& s, int64_t first, uint8_t* _
   return i;
 }
 #endif
-
-// Values per pass of code_lanes' SR loops and of encode_codes (a multiple of 8: whole dense groups).
-constexpr int64_t kCodeChunk = 256;
 
 // code_lanes' loop: lane(q, i) of q = x[i] / divisor (0.0 where not ``finite``), a byte each to out. ivdep: the byte
 // stores alias none of the tables the lanes read (the vectorizer cannot prove it).
@@ -517,10 +531,7 @@ void store_cast(const State& s, int64_t base, int64_t n, const float* __restrict
   // The patterns of values [0, size) from ``values``, to ``codes`` (draws[j]: value j's SR draw); branch-free: vectorized.
   const auto store = [zero_free]<typename Rounding>(Rounding, const float* __restrict__ values, int64_t size, const uint32_t* draws,
                                                     uint16_t* __restrict__ codes) {
-    for (int64_t j = 0; j < size; ++j) {
-      const uint32_t stored = pattern_of(Rounding{}, values[j], Rounding::kStochastic ? draws[j] : 0u);
-      codes[j] = static_cast<uint16_t>(pick(zero_free & mask_of(values[j] > 0.0f) & mask_of(stored == 0), 1u, stored));
-    }
+    for (int64_t j = 0; j < size; ++j) codes[j] = cast_pattern<Rounding>(values[j], Rounding::kStochastic ? draws[j] : 0u, zero_free);
   };
   with_rounding(s.cast, s.stochastic, [&]<typename Rounding>(Rounding) {
     if constexpr (std::is_same_v<Rounding, KeepFp32>) {
@@ -610,6 +621,7 @@ struct Schedule {
     h.bc2 = static_cast<float>(std::pow(1.0 - std::pow(beta2, t), 0.5));
     h.hold_m = hold_m;
     h.m_bound = hold_m ? m_bound : 0.0f;
+    h.inside_bound = static_cast<float>(static_cast<double>(h.m_bound) * h.m_bound * (1.0 - 0x1p-20));
     return h;
   }
 };
@@ -1004,9 +1016,57 @@ QSTATE_INLINE void update_blocks(const Param& w, int64_t base, int64_t n, float*
   });
 }
 
-// update_blocks of a parameter with fp32 values: Update16's Adam step, update_values for the rest.
+#ifdef QSTATE_AVX2
+// 8 values of a block state of 8-bit (Nibbles: 4-bit) codes from element ``index`` (a multiple of 8), decoded as
+// decode_bytes / decode_nibbles do: their table's values (a gather) times the block's scale.
+template <bool Nibbles>
+QSTATE_INLINE __m256 decode8(const State& s, int64_t index, __m256 scale) {
+  const uint8_t* codes = static_cast<const uint8_t*>(s.codes);
+  __m128i bytes;
+  if constexpr (Nibbles) {  // 4 bytes: low and high nibbles interleaved into 8 codes
+    uint32_t word;
+    std::memcpy(&word, codes + index / 2, 4);
+    const __m128i pairs = _mm_cvtsi32_si128(static_cast<int32_t>(word)), nibble = _mm_set1_epi8(0x0F);
+    bytes = _mm_unpacklo_epi8(_mm_and_si128(pairs, nibble), _mm_and_si128(_mm_srli_epi16(pairs, 4), nibble));
+  } else {
+    bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + index));
+  }
+  return _mm256_mul_ps(_mm256_i32gather_ps(s.cb.decode, _mm256_cvtepu8_epi32(bytes), 4), scale);
+}
+
+// update_fp32_blocks with AVX2, both moments of 8- or 4-bit codes (MNibbles, VNibbles): each block's values 8 at a time
+// decoded (decode8), stepped by Update8 and recorded with their absmaxes; the rest of a block by update_rest.
+template <bool MNibbles, bool VNibbles>
+QSTATE_NOINLINE void update_fp32_blocks8(float* __restrict__ p, const float* __restrict__ g, const Param& w, int64_t base, int64_t n,
+                                         float* __restrict__ m, float* __restrict__ v, BlockStats* stats) {
+  Update8 update(w.h);
+  for_each_block(w, base, n, stats, [&](int64_t first, int64_t end, BlockStats& s) {
+    const __m256 m_scale = _mm256_set1_ps(s.m_scale), v_scale = _mm256_set1_ps(s.v_scale);
+    int64_t i = first;
+    for (; i + 8 <= end; i += 8)
+      update(p + i, g + i, decode8<MNibbles>(w.m, base + i, m_scale), decode8<VNibbles>(w.v, base + i, v_scale), m + i, v + i);
+    bool m_finite, v_finite;
+    const float m_top = top_of8(update.m_top, m_finite), v_top = top_of8(update.v_top, v_finite);
+    s.merge(m_top, v_top, m_finite, v_finite);
+    update.m_top = _mm256_setzero_si256(), update.v_top = _mm256_setzero_si256();
+    update_rest(w, base, i, end, m, v, s, [&] { update_values(p + i, g + i, w.h, end - i, m + i, v + i); });
+  });
+}
+#endif
+
+// update_blocks of a parameter with fp32 values: Update16's Adam step, update_values for the rest (with AVX2 and
+// moments of 8- or 4-bit codes: update_fp32_blocks8).
 void update_fp32_blocks(float* __restrict__ p, const float* __restrict__ g, const Param& w, int64_t base, int64_t n, float* __restrict__ m,
                         float* __restrict__ v, BlockStats* stats) {
+#ifdef QSTATE_AVX2
+  if (!w.m.dense() && !w.v.dense()) {
+    const bool m_nibbles = w.m.nibbles(), v_nibbles = w.v.nibbles();
+    if (m_nibbles && v_nibbles) return update_fp32_blocks8<true, true>(p, g, w, base, n, m, v, stats);
+    if (m_nibbles) return update_fp32_blocks8<true, false>(p, g, w, base, n, m, v, stats);
+    if (v_nibbles) return update_fp32_blocks8<false, true>(p, g, w, base, n, m, v, stats);
+    return update_fp32_blocks8<false, false>(p, g, w, base, n, m, v, stats);
+  }
+#endif
   update_blocks(
       w, base, n, m, v, stats, [&](auto& update, int64_t at, __m512 mi, __m512 vi) { update(p + at, g + at, mi, vi, m + at, v + at); },
       [&](int64_t i, int64_t end) { update_values(p + i, g + i, w.h, end - i, m + i, v + i); });
@@ -1099,15 +1159,72 @@ QSTATE_NOINLINE int64_t cast_loop(const Param& w, const CastM& m, const CastV& v
 }
 #endif
 
-// Values [base, base + n) of a parameter with fp32 values whose moments are both bf16/fp16 casts, each 16 decoded,
-// updated and stored in registers (as step_chunk's passes through scratch compute them); returns how many it stepped
-// (a multiple of 16; none without AVX-512).
-int64_t cast_registers(const Param& w, int64_t base, int64_t n) {
+// cast_registers' loop without AVX-512 (and for its last values with it): values [base, base + n) of the parameter,
+// its moments' casts rounded by RoundingM and RoundingV, kCodeChunk at a time (SR draws by draws_of): with AVX2 8 at a
+// time by Update8, the rest decoded (and the hold checked: held_inside), then updated (adam_lane) and stored in one
+// branch-free loop, which the compiler vectorizes (as step_chunk's passes through scratch compute them).
+template <typename RoundingM, typename RoundingV>
+QSTATE_NOINLINE void cast_lanes(const Param& w, int64_t base, int64_t n) {
+  using M = typename RoundingM::Element;
+  using V = typename RoundingV::Element;
+  const Hyper h = w.h;
+  const uint32_t m_zero_free = mask_of(w.m.zero_free), v_zero_free = mask_of(w.v.zero_free);
+#ifdef QSTATE_AVX2
+  const Update8 update(h);
+#endif
+  float m[kCodeChunk], v[kCodeChunk];
+  uint32_t m_buffer[kCodeChunk + 2], v_buffer[kCodeChunk + 2];
+  for (int64_t done = 0; done < n; done += kCodeChunk) {
+    int64_t size = std::min(kCodeChunk, n - done);
+    float* __restrict__ p = static_cast<float*>(w.p) + base + done;
+    const float* __restrict__ g = static_cast<const float*>(w.g) + base + done;
+    M* __restrict__ mc = static_cast<M*>(w.m.codes) + base + done;
+    V* __restrict__ vc = static_cast<V*>(w.v.codes) + base + done;
+    const uint32_t* __restrict__ m_draws = RoundingM::kStochastic ? draws_of(w.m.seed, base + done, size, m_buffer) : nullptr;
+    const uint32_t* __restrict__ v_draws = RoundingV::kStochastic ? draws_of(w.v.seed, base + done, size, v_buffer) : nullptr;
+#ifdef QSTATE_AVX2
+    const int64_t whole = size / 8 * 8;
+    for (int64_t j = 0; j < whole; j += 8) {
+      __m256 mi = load8(mc + j), vi = load8(vc + j);
+      update.advance(p + j, g + j, mi, vi);
+      store_cast8<RoundingM>(mc + j, mi, m_draws, j, w.m.zero_free);
+      store_cast8<RoundingV>(vc + j, vi, v_draws, j, w.v.zero_free);
+    }
+    p += whole, g += whole, mc += whole, vc += whole, size -= whole;
+    if (RoundingM::kStochastic) m_draws += whole;
+    if (RoundingV::kStochastic) v_draws += whole;
+#endif
+    for (int64_t j = 0; j < size; ++j) m[j] = to_float(mc[j]), v[j] = to_float(vc[j]);
+    const auto step = [&]<bool Hold>(std::bool_constant<Hold>) {
+      for (int64_t j = 0; j < size; ++j) {
+        float mi = m[j], vi = v[j], denom;
+        p[j] = adam_lane<Hold>(p[j], g[j], mi, vi, h, denom);
+        mc[j] = M{cast_pattern<RoundingM>(mi, RoundingM::kStochastic ? m_draws[j] : 0u, m_zero_free)};
+        vc[j] = V{cast_pattern<RoundingV>(vi, RoundingV::kStochastic ? v_draws[j] : 0u, v_zero_free)};
+      }
+    };
+    if (held_inside(m, v, size, h))
+      step(std::false_type{});
+    else
+      step(std::true_type{});
+  }
+}
+
+// Values [base, base + n) of a parameter with fp32 values whose moments are both bf16/fp16 casts, each value decoded,
+// updated and stored in registers (as step_chunk's passes through scratch compute them): with AVX-512 16 at a time,
+// cast_lanes for the rest.
+void cast_registers(const Param& w, int64_t base, int64_t n) {
   int64_t i = 0;
 #ifdef QSTATE_AVX512
   with_cast16(w.m, [&](const auto& m) { with_cast16(w.v, [&](const auto& v) { i = cast_loop(w, m, v, base, n); }); });
 #endif
-  return i;
+  if (i == n) return;
+  with_rounding(w.m.cast, w.m.stochastic, [&]<typename RoundingM>(RoundingM) {
+    with_rounding(w.v.cast, w.v.stochastic, [&]<typename RoundingV>(RoundingV) {
+      if constexpr (!std::is_same_v<RoundingM, KeepFp32> && !std::is_same_v<RoundingV, KeepFp32>)
+        cast_lanes<RoundingM, RoundingV>(w, base + i, n - i);
+    });
+  });
 }
 
 // The per-chunk step of any other parameter: chunk ``index`` of w (both moments' blocks whole, but the parameter's
@@ -1115,12 +1232,11 @@ int64_t cast_registers(const Param& w, int64_t base, int64_t n) {
 // block (encode_state); and its stall counts. Two bf16/fp16 casts of fp32 values without stall counts: cast_registers,
 // scratch for the rest.
 QSTATE_NOINLINE void step_chunk(const Param& w, int64_t index, bool track, Scratch& scratch, Outcome& outcome) {
-  int64_t base = index * w.chunk, size = std::min(w.chunk, w.numel - base);
+  const int64_t base = index * w.chunk, size = std::min(w.chunk, w.numel - base);
   const auto short_cast = [](const State& s) { return s.kind == Kind::kCast && s.cast != Dtype::kFloat32; };
   if (!track && !w.grid.active() && short_cast(w.m) && short_cast(w.v)) {
-    const int64_t done = cast_registers(w, base, size);
-    base += done, size -= done;
-    if (size == 0) return;
+    cast_registers(w, base, size);
+    return;
   }
   scratch.m.resize(size), scratch.v.resize(size);
   float *m = scratch.m.data(), *v = scratch.v.data();

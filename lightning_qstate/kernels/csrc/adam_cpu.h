@@ -1,7 +1,7 @@
 // The value-level pieces of the C++ CPU kernels (adam_cpu.cpp): a state's codebook and its round-to-nearest encoder,
 // Adam's and SGD's / Muon's momentum update of one value, stored block scales, parameter values in fp32/bf16/fp16 and
-// the weight grids they are rounded to without master weights (RN and counter-based SR), and the AVX-512 forms of the
-// fp32 update. Plain C++ on raw pointers.
+// the weight grids they are rounded to without master weights (RN and counter-based SR), and the AVX-512 and AVX2
+// forms of the fp32 update. Plain C++ on raw pointers.
 #pragma once
 
 #include <algorithm>
@@ -17,6 +17,9 @@
 #if defined(__AVX512VBMI__)
 #define QSTATE_VBMI 1
 #endif
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define QSTATE_AVX2 1
 #endif
 
 // Every call inside the function inlined (where the compiler would call some): a call in a loop keeps it from
@@ -64,10 +67,11 @@ constexpr int kBase = 176, kLast = 192, kThresholds = 208, kZero = 464;
 // |w| < 0.5, else w - 1 and end), addcmul_ is fma(value * t1, t2, self); the param update divides by
 // bias_correction2_sqrt and by the denominator, as the reference and torch's addcdiv_ (a reciprocal and a Newton step
 // were no faster, and turned a v that overflows a cast state to inf, where the update is 0, into a NaN param).
-// m_bound: the decoded m of a coded parameter is first held to |m| <= m_bound * sqrt(v) (adam_reference.hold_moment; when hold_m).
+// m_bound: the decoded m of a coded parameter is first held to |m| <= m_bound * sqrt(v) (adam_reference.hold_moment; when hold_m);
+// inside_bound: m_bound^2 less 2^-20 of it, the test that proves a value inside (held_inside).
 // bc2: bias_correction2_sqrt itself; eco: adam_reference.eco_coefficient of the step (parameters with ECO's feedback).
 struct Hyper {
-  float sign, l2, decay, lerp_coeff, b2, one_minus_b2, step, eps, m_bound, bc2, eco;
+  float sign, l2, decay, lerp_coeff, b2, one_minus_b2, step, eps, m_bound, inside_bound, bc2, eco;
   bool lerp_from_end, hold_m, decoupled;
 };
 
@@ -94,11 +98,15 @@ inline float select(uint32_t mask, float a, float b) { return float_of(pick(mask
 // form (the decoupled decay multiplies the param, the L2 term is added to the gradient), true divisions by
 // bias_correction2_sqrt and by the denominator. Moments m, v (decoded) in place; returns the new param value (before any
 // grid) and sets Adam's denominator sqrt(v) / bc2 + eps. Both sides of each choice computed, then selected, no branches:
-// a loop over it vectorizes (grid_lanes).
+// a loop over it vectorizes (grid_lanes). Hold: false where held_inside proved that the hold keeps every m of the loop
+// (its square root saved).
+template <bool Hold>
 inline float adam_lane(float p, float g, float& m, float& v, const Hyper& h, float& denom) {
-  const uint32_t hold = mask_of(h.hold_m), decoupled = mask_of(h.decoupled), from_end = mask_of(h.lerp_from_end);
-  const float limit = std::sqrt(v) * h.m_bound;
-  m = select(hold, m > limit ? limit : (m < -limit ? -limit : m), m);
+  const uint32_t decoupled = mask_of(h.decoupled), from_end = mask_of(h.lerp_from_end);
+  if constexpr (Hold) {
+    const float limit = std::sqrt(v) * h.m_bound;
+    m = select(mask_of(h.hold_m), m > limit ? limit : (m < -limit ? -limit : m), m);
+  }
   const float signed_g = h.sign * g;
   const float gi = select(decoupled, signed_g, std::fma(p, h.l2, signed_g));
   const float decayed = select(decoupled, p * h.decay, p);
@@ -106,6 +114,18 @@ inline float adam_lane(float p, float g, float& m, float& v, const Hyper& h, flo
   v = std::fma(h.one_minus_b2 * gi, gi, v * h.b2);
   denom = std::sqrt(v) / h.bc2 + h.eps;
   return decayed - (h.step * m) / denom;
+}
+
+// Whether adam_lane's hold keeps each of the decoded m[0:n] as it is, proved without square roots (or it is off): every
+// m * m < v * inside_bound (m_bound^2 less 2^-20, far more than the products' and the limit's roundings; m * m taken as
+// at least 2^-100, so no underflow passes) implies |m| < fl(fl(sqrt(v)) * m_bound); a NaN fails the test. A reduction
+// the compiler vectorizes: cheaper than the square roots it saves where it holds (nearly always: exact Adam stays
+// inside by the bound's 2^-8 margin).
+inline bool held_inside(const float* __restrict__ m, const float* __restrict__ v, int64_t n, const Hyper& h) {
+  if (!h.hold_m) return true;
+  uint32_t outside = 0;
+  for (int64_t i = 0; i < n; ++i) outside |= ~mask_of(std::max(m[i] * m[i], 0x1p-100f) < v[i] * h.inside_bound);
+  return outside == 0;
 }
 
 // torch's lerp of fp32 values with weight w, as its vectorized CPU kernel computes it (Hyper above): fp32 w, then
@@ -360,19 +380,57 @@ inline uint32_t pattern_of(Bf16Stochastic, float x, uint32_t random) { return bf
 inline uint32_t pattern_of(Fp16Nearest, float x, uint32_t) { return fp16_bits(fp16_nearest(x)); }
 inline uint32_t pattern_of(Fp16Stochastic, float x, uint32_t random) { return fp16_bits(fp16_stochastic(x, random)); }
 
-// visit(done, size, draws) over [0, n) in parts of at most ``chunk`` elements (an even number), with draws[i] =
-// random_bits(seed, first + done + i) for i < size: one splitmix64 output per pair of elements (a loop over a lane
-// that draws its own computes each twice), in ``buffer`` (chunk + 2 words).
+// A cast state's stored pattern of x (pattern_of); ``zero_free`` (all ones: State::zero_free): a positive x the cast
+// flushes to 0 is stored as the dtype's smallest subnormal (CastFormat.lift_flushed; pattern 1).
+template <typename Rounding>
+inline uint16_t cast_pattern(float x, uint32_t random, uint32_t zero_free) {
+  const uint32_t stored = pattern_of(Rounding{}, x, random);
+  return static_cast<uint16_t>(pick(zero_free & mask_of(x > 0.0f) & mask_of(stored == 0), 1u, stored));
+}
+
+#ifdef QSTATE_AVX2
+// The low 64 bits of a * b in each 64-bit lane (AVX2 has no 64-bit multiply): from three 32 x 32-bit products.
+inline __m256i multiply64(__m256i a, uint64_t b) {
+  const __m256i low = _mm256_set1_epi64x(static_cast<int64_t>(b & 0xFFFFFFFFu)), high = _mm256_set1_epi64x(static_cast<int64_t>(b >> 32));
+  const __m256i cross = _mm256_add_epi64(_mm256_mul_epu32(_mm256_srli_epi64(a, 32), low), _mm256_mul_epu32(a, high));
+  return _mm256_add_epi64(_mm256_mul_epu32(a, low), _mm256_slli_epi64(cross, 32));
+}
+
+// splitmix64(seed, n + k) of k = 0..3, each as random_bits' two draws: its upper half, then its lower half.
+inline __m256i splitmix64x4(uint64_t seed, uint64_t n) {
+  constexpr uint64_t gamma = 0x9E3779B97F4A7C15ull;
+  __m256i z = _mm256_add_epi64(
+      _mm256_set1_epi64x(static_cast<int64_t>(seed + n * gamma)),
+      _mm256_setr_epi64x(0, static_cast<int64_t>(gamma), static_cast<int64_t>(2 * gamma), static_cast<int64_t>(3 * gamma)));
+  z = multiply64(_mm256_xor_si256(z, _mm256_srli_epi64(z, 30)), 0xBF58476D1CE4E5B9ull);
+  z = multiply64(_mm256_xor_si256(z, _mm256_srli_epi64(z, 27)), 0x94D049BB133111EBull);
+  return _mm256_shuffle_epi32(_mm256_xor_si256(z, _mm256_srli_epi64(z, 31)), 0xB1);
+}
+#endif
+
+// draws[i] = random_bits(seed, first + i) for i < size: one splitmix64 output per pair of elements (a loop over a lane
+// that draws its own computes each twice; with AVX2 four at a time, splitmix64x4), in ``buffer`` (size + 2 words);
+// returns draws.
+inline const uint32_t* draws_of(uint64_t seed, int64_t first, int64_t size, uint32_t* __restrict__ buffer) {
+  const int64_t start = first & ~int64_t{1}, pairs = (first + size - start + 1) / 2;
+  int64_t k = 0;
+#ifdef QSTATE_AVX2
+  for (; k + 4 <= pairs; k += 4) _mm256_storeu_si256(reinterpret_cast<__m256i*>(buffer + 2 * k), splitmix64x4(seed, start / 2 + k + 1));
+#endif
+  for (; k < pairs; ++k) {
+    const uint64_t z = splitmix64(seed, static_cast<uint64_t>(start / 2 + k) + 1);
+    buffer[2 * k] = static_cast<uint32_t>(z >> 32), buffer[2 * k + 1] = static_cast<uint32_t>(z);
+  }
+  return buffer + (first - start);
+}
+
+// visit(done, size, draws) over [0, n) in parts of at most ``chunk`` elements, with draws[i] =
+// random_bits(seed, first + done + i) for i < size (draws_of, in ``buffer``: chunk + 2 words).
 template <typename Visit>
 inline void chunks_with_draws(uint64_t seed, int64_t first, int64_t n, int64_t chunk, uint32_t* __restrict__ buffer, Visit&& visit) {
   for (int64_t done = 0; done < n; done += chunk) {
-    const int64_t size = std::min(chunk, n - done), start = (first + done) & ~int64_t{1};
-    const int64_t pairs = (first + done + size - start + 1) / 2;
-    for (int64_t k = 0; k < pairs; ++k) {
-      const uint64_t z = splitmix64(seed, static_cast<uint64_t>(start / 2 + k) + 1);
-      buffer[2 * k] = static_cast<uint32_t>(z >> 32), buffer[2 * k + 1] = static_cast<uint32_t>(z);
-    }
-    visit(done, size, static_cast<const uint32_t*>(buffer + (first + done - start)));
+    const int64_t size = std::min(chunk, n - done);
+    visit(done, size, draws_of(seed, first + done, size, buffer));
   }
 }
 
@@ -1024,17 +1082,15 @@ struct Update16 {
         step(_mm512_set1_ps(h.step)),
         eps(_mm512_set1_ps(h.eps)),
         m_bound(_mm512_set1_ps(h.m_bound)),
-        inside_bound(_mm512_set1_ps(static_cast<float>(static_cast<double>(h.m_bound) * h.m_bound * (1.0 - 0x1p-20)))),
+        inside_bound(_mm512_set1_ps(h.inside_bound)),
         bc2(_mm512_set1_ps(h.bc2)),
         eco(_mm512_set1_ps(h.eco)),
         lerp_from_end(h.lerp_from_end),
         hold_m(h.hold_m),
         decoupled(h.decoupled) {}
 
-  // adam_lane's hold of the decoded mi, skipped where every lane is provably inside: m * m < v * inside_bound (bound^2
-  // less 2^-20, far more than the products' and the limit's roundings; m * m taken as at least 2^-100, so no underflow
-  // passes) implies |m| < fl(fl(sqrt(v)) * bound); a NaN v fails the test (a NaN m is kept either way). -limit by
-  // flipping the sign bit, as the scalar negation does (also for 0).
+  // adam_lane's hold of the decoded mi, skipped where every lane is provably inside (held_inside's test; a NaN m is kept
+  // either way). -limit by flipping the sign bit, as the scalar negation does (also for 0).
   QSTATE_INLINE void hold(__m512& mi, __m512 vi) const {
     if (!hold_m) return;
     const __m512 square = _mm512_max_ps(_mm512_mul_ps(mi, mi), _mm512_set1_ps(0x1p-100f));
@@ -1080,5 +1136,159 @@ struct Update16 {
   }
 };
 #endif
+
+#ifdef QSTATE_AVX2
+// ---- AVX2 (without AVX-512): the fp32 update 8 values at a time, bf16/fp16 casts, running absmaxes ----
+// The same operations as the scalar lanes and the AVX-512 forms (Update16 and its helpers), lane by lane: the same bits.
+
+// 8 bf16 patterns (in 16-bit lanes) as fp32, exact; 8 fp16 patterns as fp32 (the hardware's exact conversion).
+QSTATE_INLINE __m256 bf16_value8(__m128i patterns) { return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(patterns), 16)); }
+QSTATE_INLINE __m256 load8(const BFloat16* x) { return bf16_value8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x))); }
+QSTATE_INLINE __m256 load8(const Float16* x) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x))); }
+
+// The low 16 bits of 8 32-bit lanes (each < 2^16) as 8 16-bit lanes.
+QSTATE_INLINE __m128i narrow8(__m256i lanes) { return _mm_packus_epi32(_mm256_castsi256_si128(lanes), _mm256_extracti128_si256(lanes, 1)); }
+
+// A lane mask of 8 fp32 compares as 8 16-bit lane masks.
+QSTATE_INLINE __m128i narrow_mask8(__m256 mask) {
+  const __m256i lanes = _mm256_castps_si256(mask);
+  return _mm_packs_epi32(_mm256_castsi256_si128(lanes), _mm256_extracti128_si256(lanes, 1));
+}
+
+// bf16_nearest of 8 values (round to nearest even; NaN quieted), as bf16 patterns.
+QSTATE_INLINE __m128i bf16_nearest8(__m256 x) {
+  const __m256i bits = _mm256_castps_si256(x);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(bits, _mm256_set1_epi32(0x7FFF)), lsb), 16);
+  const __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(0x40));
+  return narrow8(_mm256_blendv_epi8(rounded, quiet, _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q))));
+}
+
+// bf16_nearest(bf16_stochastic(x)) of 8 values with their draws (bf16_stochastic16).
+QSTATE_INLINE __m128i bf16_stochastic8(__m256 x, __m256i random) {
+  const __m256i bits = _mm256_castps_si256(x);
+  const __m256 magnitude = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), x);
+  const __m256i finite = _mm256_castps_si256(_mm256_cmp_ps(magnitude, _mm256_set1_ps(INFINITY), _CMP_LT_OQ));
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+  const __m256i upper = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_and_si256(finite, _mm256_srli_epi32(random, 16))), 16);
+  return narrow8(_mm256_or_si256(upper, _mm256_and_si256(nan, _mm256_set1_epi32(0x40))));
+}
+
+// fp16_bits(fp16_nearest(x)) of 8 values (fp16_nearest16): the hardware's conversion, NaN as the quiet 0x7E00 with x's sign.
+QSTATE_INLINE __m128i fp16_nearest8(__m256 x) {
+  const __m128i converted = _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m128i sign = narrow8(_mm256_srli_epi32(_mm256_and_si256(_mm256_castps_si256(x), _mm256_set1_epi32(INT32_MIN)), 16));
+  return _mm_blendv_epi8(converted, _mm_or_si128(sign, _mm_set1_epi16(0x7E00)), narrow_mask8(_mm256_cmp_ps(x, x, _CMP_UNORD_Q)));
+}
+
+// fp16_bits(fp16_stochastic(x)) of 8 values with their draws (fp16_stochastic16).
+QSTATE_INLINE __m128i fp16_stochastic8(__m256 x, __m256i random) {
+  const __m256 magnitude = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), x);
+  const __m256i exponent = _mm256_max_epi32(_mm256_sub_epi32(_mm256_srli_epi32(_mm256_castps_si256(magnitude), 23), _mm256_set1_epi32(127)),
+                                            _mm256_set1_epi32(-14));
+  const auto pow2_of = [](__m256i k) { return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(k, _mm256_set1_epi32(127)), 23)); };
+  const __m256 scaled = _mm256_mul_ps(magnitude, pow2_of(_mm256_sub_epi32(_mm256_set1_epi32(10), exponent)));
+  const __m256 low = _mm256_round_ps(scaled, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  const __m256 uniform = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(random, 8)), _mm256_set1_ps(0x1p-24f));
+  const __m256 up = _mm256_cmp_ps(uniform, _mm256_sub_ps(scaled, low), _CMP_LT_OQ);
+  const __m256 stepped = _mm256_mul_ps(_mm256_add_ps(low, _mm256_and_ps(up, _mm256_set1_ps(1.0f))),
+                                       pow2_of(_mm256_sub_epi32(exponent, _mm256_set1_epi32(10))));
+  const __m256 signed_stepped = _mm256_or_ps(stepped, _mm256_and_ps(x, _mm256_set1_ps(-0.0f)));
+  const __m256 in_range = _mm256_cmp_ps(magnitude, _mm256_set1_ps(65504.0f), _CMP_LE_OQ);
+  const __m128i stored = _mm256_cvtps_ph(signed_stepped, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  return _mm256_movemask_ps(in_range) == 0xFF ? stored : _mm_blendv_epi8(fp16_nearest8(x), stored, narrow_mask8(in_range));
+}
+
+// A cast's 8 stored patterns of x by its Rounding (draws[at:at + 8]: their random_bits under SR); zero_free: a positive value stored as 0
+// becomes pattern 1, the smallest subnormal (CastFormat.lift_flushed).
+QSTATE_INLINE __m128i patterns8(Bf16Nearest, __m256 x, __m256i) { return bf16_nearest8(x); }
+QSTATE_INLINE __m128i patterns8(Bf16Stochastic, __m256 x, __m256i random) { return bf16_stochastic8(x, random); }
+QSTATE_INLINE __m128i patterns8(Fp16Nearest, __m256 x, __m256i) { return fp16_nearest8(x); }
+QSTATE_INLINE __m128i patterns8(Fp16Stochastic, __m256 x, __m256i random) { return fp16_stochastic8(x, random); }
+template <typename Rounding>
+QSTATE_INLINE void store_cast8(typename Rounding::Element* out, __m256 x, const uint32_t* draws, int64_t at, bool zero_free) {
+  __m256i random = _mm256_setzero_si256();
+  if constexpr (Rounding::kStochastic) random = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(draws + at));
+  __m128i stored = patterns8(Rounding{}, x, random);
+  if (zero_free) {
+    const __m128i flushed =
+        _mm_and_si128(narrow_mask8(_mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_GT_OQ)), _mm_cmpeq_epi16(stored, _mm_setzero_si128()));
+    stored = _mm_blendv_epi8(stored, _mm_set1_epi16(1), flushed);
+  }
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out), stored);
+}
+
+// max_magnitude_bits and top_of of 8 lanes.
+QSTATE_INLINE __m256i max_magnitude_bits8(__m256i top, __m256 x) {
+  return _mm256_max_epu32(top, _mm256_and_si256(_mm256_castps_si256(x), _mm256_set1_epi32(0x7FFFFFFF)));
+}
+QSTATE_INLINE float top_of8(__m256i top, bool& finite) {
+  __m128i half = _mm_max_epu32(_mm256_castsi256_si128(top), _mm256_extracti128_si256(top, 1));
+  half = _mm_max_epu32(half, _mm_shuffle_epi32(half, 0x4E));
+  half = _mm_max_epu32(half, _mm_shuffle_epi32(half, 0xB1));
+  const uint32_t bits = static_cast<uint32_t>(_mm_cvtsi128_si32(half));
+  finite = bits < 0x7F800000u;
+  return finite ? float_of(bits) : 0.0f;
+}
+
+// Update16 on 8 lanes, for parameters with fp32 values (no weight grid).
+struct Update8 {
+  __m256 sign, l2, decay, lerp_coeff, b2, one_minus_b2, step, eps, m_bound, inside_bound, bc2;
+  bool lerp_from_end, hold_m, decoupled;
+  __m256i m_top = _mm256_setzero_si256(), v_top = _mm256_setzero_si256();  // running max_magnitude_bits8
+
+  explicit Update8(const Hyper& h)
+      : sign(_mm256_set1_ps(h.sign)),
+        l2(_mm256_set1_ps(h.l2)),
+        decay(_mm256_set1_ps(h.decay)),
+        lerp_coeff(_mm256_set1_ps(h.lerp_coeff)),
+        b2(_mm256_set1_ps(h.b2)),
+        one_minus_b2(_mm256_set1_ps(h.one_minus_b2)),
+        step(_mm256_set1_ps(h.step)),
+        eps(_mm256_set1_ps(h.eps)),
+        m_bound(_mm256_set1_ps(h.m_bound)),
+        inside_bound(_mm256_set1_ps(h.inside_bound)),
+        bc2(_mm256_set1_ps(h.bc2)),
+        lerp_from_end(h.lerp_from_end),
+        hold_m(h.hold_m),
+        decoupled(h.decoupled) {}
+
+  // adam_lane's hold of the decoded mi, skipped where every lane is provably inside (held_inside's test).
+  QSTATE_INLINE void hold(__m256& mi, __m256 vi) const {
+    if (!hold_m) return;
+    const __m256 square = _mm256_max_ps(_mm256_mul_ps(mi, mi), _mm256_set1_ps(0x1p-100f));
+    if (_mm256_movemask_ps(_mm256_cmp_ps(square, _mm256_mul_ps(vi, inside_bound), _CMP_LT_OQ)) == 0xFF) return;
+    const __m256 limit = _mm256_mul_ps(_mm256_sqrt_ps(vi), m_bound);
+    const __m256 negative = _mm256_xor_ps(limit, _mm256_set1_ps(-0.0f));
+    mi = _mm256_blendv_ps(mi, limit, _mm256_cmp_ps(mi, limit, _CMP_GT_OQ));
+    mi = _mm256_blendv_ps(mi, negative, _mm256_cmp_ps(mi, negative, _CMP_LT_OQ));
+  }
+
+  // adam_lane of 8 values p[0:8] (fp32, updated in place), the decoded moments mi, vi updated in their registers.
+  QSTATE_INLINE void advance(float* p, const float* g, __m256& mi, __m256& vi) const {
+    __builtin_prefetch(p + PREFETCH_AHEAD);
+    __builtin_prefetch(g + PREFETCH_AHEAD);
+    hold(mi, vi);
+    const __m256 pi = _mm256_loadu_ps(p), signed_g = _mm256_mul_ps(sign, _mm256_loadu_ps(g));
+    const __m256 gi = decoupled ? signed_g : _mm256_fmadd_ps(pi, l2, signed_g);
+    const __m256 decayed = decoupled ? _mm256_mul_ps(pi, decay) : pi;
+    mi = _mm256_fmadd_ps(lerp_coeff, _mm256_sub_ps(gi, mi), lerp_from_end ? gi : mi);
+    vi = _mm256_fmadd_ps(_mm256_mul_ps(one_minus_b2, gi), gi, _mm256_mul_ps(vi, b2));
+    const __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(vi), bc2), eps);
+    _mm256_storeu_ps(p, _mm256_sub_ps(decayed, _mm256_div_ps(_mm256_mul_ps(step, mi), denom)));
+  }
+
+  // The new moments mi, vi to m[0:8], v[0:8], and their running absmaxes and non-finite flags.
+  QSTATE_INLINE void record(__m256 mi, __m256 vi, float* m, float* v) {
+    _mm256_storeu_ps(m, mi);
+    _mm256_storeu_ps(v, vi);
+    m_top = max_magnitude_bits8(m_top, mi), v_top = max_magnitude_bits8(v_top, vi);
+  }
+  QSTATE_INLINE void operator()(float* p, const float* g, __m256 mi, __m256 vi, float* m, float* v) {
+    advance(p, g, mi, vi);
+    record(mi, vi, m, v);
+  }
+};
+#endif  // QSTATE_AVX2
 
 }  // namespace lightning_qstate
