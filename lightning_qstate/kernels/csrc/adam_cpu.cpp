@@ -458,6 +458,45 @@ QSTATE_INLINE int64_t encode16(const float* __restrict__ x, __m512 d, bool finit
 }
 #endif
 
+#ifdef QSTATE_AVX2
+// encode_codes' AVX2 loop over values [i, n) of x, 8 at a time (returns where it stopped; dense codes: it leaves them
+// to code_lanes): x / d (zeros where not finite) coded by codes8(q, j) (q: the values from j) and stored at out, a
+// byte each (``bits`` 8) or two per byte (up to 4; with_codes8's encoders: codes of up to 4 bits).
+template <typename Codes8>
+QSTATE_INLINE int64_t encode8(const float* __restrict__ x, __m256 d, bool finite, uint8_t* __restrict__ out, int64_t i, int64_t n,
+                              int32_t bits, Codes8 codes8) {
+  const auto loop = [&]<bool Nibbles>(std::bool_constant<Nibbles>) {
+    for (; i + 8 <= n; i += 8) {
+      const __m256 q = finite ? _mm256_div_ps(_mm256_loadu_ps(x + i), d) : _mm256_setzero_ps();
+      store_codes8<Nibbles>(codes8(q, i), Nibbles ? out + i / 2 : out + i);
+    }
+  };
+  if (bits <= 4)
+    loop(std::true_type{});
+  else if (bits == 8)
+    loop(std::false_type{});
+  return i;
+}
+
+// visit(codes8) with the 8-value encoder of block state s where it has one (a codebook of at most 16 codes:
+// codebook_codes8, codebook_stochastic8), codes8(q, j) the codes of the normalized values q of elements first + j ..
+// first + j + 7 (their SR draws); else nothing.
+template <typename Visit>
+QSTATE_INLINE void with_codes8(const State& s, int64_t first, Visit&& visit) {
+  if (s.kind != Kind::kCodebook || s.cb.depth > 4) return;
+  with_depth(s.cb.depth, [&]<int Depth>(std::integral_constant<int, Depth>) {
+    if constexpr (Depth <= 4) {
+      if (s.stochastic)
+        visit([cb = s.cb, last = s.last, min_code = s.min_code, seed = s.seed, first](__m256 q, int64_t j) {
+          return codebook_stochastic8<Depth>(q, cb, last, min_code, uniform8(seed, first + j));
+        });
+      else
+        visit([cb = s.cb](__m256 q, int64_t) { return codebook_codes8<Depth>(q, cb); });
+    }
+  });
+}
+#endif
+
 // The codes of x[0:n] / divisor (true division: correctly rounded, as the reference's) in a block state s, stored
 // at out: a byte each, two per byte (value 2i in the low nibble; an odd last one: the high nibble 0) or dense (a last
 // group of fewer than 8 padded with code 0, as formats.packing.pack). A non-finite
@@ -492,8 +531,11 @@ void encode_codes(const State& s, const float* __restrict__ x, float divisor, bo
                      [cb = s.cb](__m512 q, int64_t) { return _mm512_cvtepi32_epi8(codebook_codes16<Depth, Nonnegative>(q, cb)); });
     });
 #endif
+#ifdef QSTATE_AVX2
+  with_codes8(s, first, [&](auto codes8) { i = encode8(x, _mm256_set1_ps(divisor), finite, out, 0, n, s.bits, codes8); });
+#endif
   uint8_t lanes[kCodeChunk];        // a byte per code, then packed
-  for (; i < n; i += kCodeChunk) {  // i even (0 or after 16-value groups)
+  for (; i < n; i += kCodeChunk) {  // i even (0 or after 8- or 16-value groups)
     const int64_t size = std::min(kCodeChunk, n - i);
     code_lanes(s, x + i, divisor, finite, first + i, size, lanes);
     if (dense) {
