@@ -146,6 +146,23 @@ def build_extension():
     )
 
 
+def check_compiles(march: str) -> None:
+    """Compile the kernel's source for the CPU ``march`` names (gcc's ``-march=``, e.g. ``icelake-server``), syntax only,
+    with this build's flags otherwise: a build compiles only its own CPU's branches (AVX-512 with or without VBMI,
+    AVX2, neither), so ``make lint`` checks the others this way. Raises ``RuntimeError`` with the compiler's output."""
+    import subprocess
+    import sysconfig
+
+    from torch.utils import cpp_extension
+
+    includes = [*cpp_extension.include_paths(), sysconfig.get_paths()["include"], str(CSRC)]
+    flags = [flag for flag in CFLAGS if not flag.startswith("-march=")]
+    command = [os.environ.get("CXX", "c++"), "-std=c++20", f"-march={march}", *flags, "-fsyntax-only", "-DTORCH_EXTENSION_NAME=check"]
+    result = subprocess.run([*command, *(f"-I{path}" for path in includes), str(SOURCES[0])], capture_output=True, text=True)
+    if result.returncode != 0:
+        raise RuntimeError(f"the C++ kernel does not compile for -march={march}:\n{result.stderr[-4000:]}")
+
+
 @functools.cache
 def _kernel():
     """The compiled extension module, or ``None`` when it cannot be built here (warns once)."""

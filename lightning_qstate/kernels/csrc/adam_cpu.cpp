@@ -207,9 +207,9 @@ bool all_finite(const float* __restrict__ x, int64_t n) {
   bad = nonfinite != 0;
   done = parts * part;
 #endif
-  uint32_t nonfinite = 0;  // a reduction the compiler vectorizes
-  for (int64_t i = done; i < n; ++i) nonfinite |= mask_of((bits_of(x[i]) & 0x7F800000u) == 0x7F800000u);
-  return !bad && nonfinite == 0;
+  uint32_t rest_nonfinite = 0;  // a reduction the compiler vectorizes
+  for (int64_t i = done; i < n; ++i) rest_nonfinite |= mask_of((bits_of(x[i]) & 0x7F800000u) == 0x7F800000u);
+  return !bad && rest_nonfinite == 0;
 }
 
 // all_finite of bf16 or fp16 patterns: no exponent field (``exponent``: its mask) all ones.
