@@ -996,13 +996,15 @@ void for_each_block(const Param& w, int64_t base, int64_t n, BlockStats* stats, 
   }
 }
 
-#ifdef QSTATE_VBMI
-// The absmaxes and flags that update gathered (since its last take) merged into s; update's restarted.
-QSTATE_INLINE void take_stats(Update16& update, BlockStats& s) {
+#if defined(QSTATE_VBMI) || defined(QSTATE_AVX2)
+// The absmaxes and flags that update (Update16 or Update8) gathered (since its last take) merged into s; update's
+// restarted.
+template <typename Update>
+QSTATE_INLINE void take_stats(Update& update, BlockStats& s) {
   bool m_finite, v_finite;
   const float m_top = top_of(update.m_top, m_finite), v_top = top_of(update.v_top, v_finite);
   s.merge(m_top, v_top, m_finite, v_finite);
-  update.m_top = _mm512_setzero_si512(), update.v_top = _mm512_setzero_si512();
+  update.m_top = decltype(update.m_top){}, update.v_top = decltype(update.v_top){};
 }
 #endif
 
@@ -1087,10 +1089,7 @@ QSTATE_NOINLINE void update_fp32_blocks8(float* __restrict__ p, const float* __r
     int64_t i = first;
     for (; i + 8 <= end; i += 8)
       update(p + i, g + i, decode8<MNibbles>(w.m, base + i, m_scale), decode8<VNibbles>(w.v, base + i, v_scale), m + i, v + i);
-    bool m_finite, v_finite;
-    const float m_top = top_of8(update.m_top, m_finite), v_top = top_of8(update.v_top, v_finite);
-    s.merge(m_top, v_top, m_finite, v_finite);
-    update.m_top = _mm256_setzero_si256(), update.v_top = _mm256_setzero_si256();
+    take_stats(update, s);
     update_rest(w, base, i, end, m, v, s, [&] { update_values(p + i, g + i, w.h, end - i, m + i, v + i); });
   });
 }

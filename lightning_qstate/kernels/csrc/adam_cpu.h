@@ -1218,11 +1218,11 @@ QSTATE_INLINE void store_cast8(typename Rounding::Element* out, __m256 x, const 
   _mm_storeu_si128(reinterpret_cast<__m128i*>(out), stored);
 }
 
-// max_magnitude_bits and top_of of 8 lanes.
+// max_magnitude_bits and top_of on 8 lanes.
 QSTATE_INLINE __m256i max_magnitude_bits8(__m256i top, __m256 x) {
   return _mm256_max_epu32(top, _mm256_and_si256(_mm256_castps_si256(x), _mm256_set1_epi32(0x7FFFFFFF)));
 }
-QSTATE_INLINE float top_of8(__m256i top, bool& finite) {
+QSTATE_INLINE float top_of(__m256i top, bool& finite) {
   __m128i half = _mm_max_epu32(_mm256_castsi256_si128(top), _mm256_extracti128_si256(top, 1));
   half = _mm_max_epu32(half, _mm_shuffle_epi32(half, 0x4E));
   half = _mm_max_epu32(half, _mm_shuffle_epi32(half, 0xB1));
