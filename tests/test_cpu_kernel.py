@@ -450,6 +450,16 @@ def test_the_build_is_said_on_stderr_only_when_not_cached(monkeypatch, tmp_path,
     assert capsys.readouterr().err == ""
     assert [call["name"] for call in calls] == [name, name] and calls[0]["build_directory"] == str(tmp_path)
     assert calls[0]["extra_include_paths"] == [str(native.CSRC)] and calls[0]["extra_cflags"] == native.CFLAGS
+    assert calls[0]["sources"] == [str(native.CSRC / "adam_cpu.cpp"), str(native.CSRC / "bindings.cpp")]  # compiled in parallel
+
+
+def test_only_the_bindings_include_torchs_python_headers():
+    """The kernel's files include ATen's tensor headers, not ``torch/extension.h`` or pybind11 (whose parsing alone took
+    30 s of the build): those are ``bindings.cpp``'s, which compiles beside the kernel."""
+    includes = {path.name: re.findall(r"#include [<\"](.+?)[>\"]", path.read_text()) for path in native.SOURCES}
+    python_headers = {name for name, found in includes.items() if any(h.startswith(("torch/", "pybind11", "Python")) for h in found)}
+    assert python_headers == {"bindings.cpp"}
+    assert "steps.h" in includes["bindings.cpp"] and "steps.h" in includes["adam_cpu.cpp"]
 
 
 def test_the_extension_name_hashes_sources_and_flags(monkeypatch):

@@ -8,11 +8,16 @@
 #include "adam_cpu.h"
 
 #include <ATen/Parallel.h>
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <c10/util/Exception.h>
 
 #include <array>
 #include <atomic>
 #include <vector>
+
+#include "steps.h"
 
 namespace lightning_qstate {
 namespace {
@@ -684,12 +689,12 @@ Schedule schedule(double lr, double weight_decay, double beta1, double beta2, do
 }
 
 // A step counter: a 0-d fp32 or fp64 CPU tensor.
-double steps_done(const torch::Tensor& step) {
-  return step.scalar_type() == torch::kFloat ? static_cast<double>(*step.data_ptr<float>()) : *step.data_ptr<double>();
+double steps_done(const at::Tensor& step) {
+  return step.scalar_type() == at::kFloat ? static_cast<double>(*step.data_ptr<float>()) : *step.data_ptr<double>();
 }
 
-void count_step(const torch::Tensor& step) {
-  if (step.scalar_type() == torch::kFloat)
+void count_step(const at::Tensor& step) {
+  if (step.scalar_type() == at::kFloat)
     *step.data_ptr<float>() += 1.0f;
   else
     *step.data_ptr<double>() += 1.0;
@@ -738,15 +743,13 @@ constexpr int64_t kStateTables = 5;
 
 // A state's Codebook from its kStateTables tables and its row of ``ints``; ``index``: a codebook (its entries, levels
 // and segments are read), whose codes are at most ``last`` and clamped up to ``min_code``.
-Codebook codebook(const torch::Tensor* tables, int64_t key_base, int64_t key_shift, int64_t half, bool index, int64_t last,
-                  int64_t min_code) {
-  const torch::Tensor &decode = tables[0], &entries = tables[1], &planes = tables[2], &levels = tables[3], &segments = tables[4];
-  TORCH_CHECK(segments.scalar_type() == torch::kInt && (segments.numel() == 0 || (index && segments.numel() == segment::kZero + 1)),
+Codebook codebook(const at::Tensor* tables, int64_t key_base, int64_t key_shift, int64_t half, bool index, int64_t last, int64_t min_code) {
+  const at::Tensor &decode = tables[0], &entries = tables[1], &planes = tables[2], &levels = tables[3], &segments = tables[4];
+  TORCH_CHECK(segments.scalar_type() == at::kInt && (segments.numel() == 0 || (index && segments.numel() == segment::kZero + 1)),
               "a state's segment table: empty, or a codebook's ", segment::kZero + 1, " int32 entries (code_index.segment_table)");
-  TORCH_CHECK(decode.numel() == 256 && decode.scalar_type() == torch::kFloat && planes.numel() == 1024 &&
-                  planes.scalar_type() == torch::kUInt8 && entries.scalar_type() == torch::kInt &&
-                  (!index || entries.numel() == 2 * half) && levels.numel() == 256 && levels.scalar_type() == torch::kFloat &&
-                  (!index || (last >= 1 && last <= 255)),
+  TORCH_CHECK(decode.numel() == 256 && decode.scalar_type() == at::kFloat && planes.numel() == 1024 && planes.scalar_type() == at::kByte &&
+                  entries.scalar_type() == at::kInt && (!index || entries.numel() == 2 * half) && levels.numel() == 256 &&
+                  levels.scalar_type() == at::kFloat && (!index || (last >= 1 && last <= 255)),
               "a state's tables: 256 fp32 decode values, int32 bucket entries (2 * half for a codebook), (4, 256) uint8 byte planes, "
               "256 fp32 search levels; a codebook's codes 2 to 256");
   const int32_t depth = index ? 32 - __builtin_clz(static_cast<uint32_t>(last)) : 1;  // codes <= last < 2^depth
@@ -766,19 +769,19 @@ Codebook codebook(const torch::Tensor* tables, int64_t key_base, int64_t key_shi
                   on_grid ? size : 0.0f};
 }
 
-Scales scales_of(const torch::Tensor& t, int64_t k) {
-  TORCH_CHECK(t.scalar_type() == torch::kFloat || t.scalar_type() == torch::kBFloat16, "parameter ", k, ": scales must be fp32 or bf16");
-  return Scales{t.data_ptr(), t.scalar_type() == torch::kBFloat16};
+Scales scales_of(const at::Tensor& t, int64_t k) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16, "parameter ", k, ": scales must be fp32 or bf16");
+  return Scales{t.data_ptr(), t.scalar_type() == at::kBFloat16};
 }
 
 // The Dtype of an fp32, bf16 or fp16 tensor (kNone for any other).
-Dtype dtype_of(const torch::Tensor& t) {
+Dtype dtype_of(const at::Tensor& t) {
   switch (t.scalar_type()) {
-    case torch::kFloat:
+    case at::kFloat:
       return Dtype::kFloat32;
-    case torch::kBFloat16:
+    case at::kBFloat16:
       return Dtype::kBFloat16;
-    case torch::kHalf:
+    case at::kHalf:
       return Dtype::kFloat16;
     default:
       return Dtype::kNone;
@@ -812,7 +815,7 @@ enum StateColumn {
 
 // One moment of parameter k: its codes and scales, its tables (decode, entries, planes, levels) and its row of ``ints``, its
 // minifloat's largest value; sizes checked against the parameter's numel.
-State state_of(const torch::Tensor& codes, const torch::Tensor& scales, const torch::Tensor* tables, const int64_t* ints, float max_value,
+State state_of(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor* tables, const int64_t* ints, float max_value,
                int64_t seed, int64_t numel, int64_t k) {
   State s{};
   s.stochastic = ints[kStochastic] != 0, s.seed = static_cast<uint64_t>(seed);
@@ -834,9 +837,9 @@ State state_of(const torch::Tensor& codes, const torch::Tensor& scales, const to
     s.smallest = s.cast == Dtype::kBFloat16 ? 0x1p-133f : (s.cast == Dtype::kFloat16 ? 0x1p-24f : 0.0f);
     return s;
   }
-  TORCH_CHECK(codes.scalar_type() == torch::kUInt8 && s.bits >= 1 && s.bits <= 8 && s.block >= (s.dense() ? 8 : 2) &&
-                  (s.block & (s.block - 1)) == 0,
-              "parameter ", k, ": block codes are uint8 of 1 to 8 bits, blocks a power of two >= 2 (>= 8 for dense 5-7-bit codes)");
+  TORCH_CHECK(
+      codes.scalar_type() == at::kByte && s.bits >= 1 && s.bits <= 8 && s.block >= (s.dense() ? 8 : 2) && (s.block & (s.block - 1)) == 0,
+      "parameter ", k, ": block codes are uint8 of 1 to 8 bits, blocks a power of two >= 2 (>= 8 for dense 5-7-bit codes)");
   TORCH_CHECK(s.kind != Kind::kMinifloat || (s.mf.max_code < (1 << s.bits) && s.mf.mantissa_bits >= 0 && s.mf.bias >= 0), "parameter ", k,
               ": a minifloat's codes must fit its bits");
   const int64_t blocks = (numel + s.block - 1) / s.block;
@@ -846,28 +849,27 @@ State state_of(const torch::Tensor& codes, const torch::Tensor& scales, const to
 }
 
 // The coded parameters' pointers, codebooks and hyperparameters, their sizes checked (arguments as adam_steps_u8's).
-std::vector<Param> coded_params(const std::vector<torch::Tensor>& params, const std::vector<torch::Tensor>& grads,
-                                const std::vector<torch::Tensor>& m_codes, const std::vector<torch::Tensor>& m_scales,
-                                const std::vector<torch::Tensor>& v_codes, const std::vector<torch::Tensor>& v_scales,
-                                const std::vector<torch::Tensor>& tables, const torch::Tensor& ints, const torch::Tensor& floats,
-                                const torch::Tensor& bounds, const torch::Tensor& grids, const torch::Tensor& seeds,
-                                const torch::Tensor& eco, const std::vector<torch::Tensor>& steps, const Schedule& group) {
+std::vector<Param> coded_params(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
+                                const std::vector<at::Tensor>& m_codes, const std::vector<at::Tensor>& m_scales,
+                                const std::vector<at::Tensor>& v_codes, const std::vector<at::Tensor>& v_scales,
+                                const std::vector<at::Tensor>& tables, const at::Tensor& ints, const at::Tensor& floats,
+                                const at::Tensor& bounds, const at::Tensor& grids, const at::Tensor& seeds, const at::Tensor& eco,
+                                const std::vector<at::Tensor>& steps, const Schedule& group) {
   const int64_t n = static_cast<int64_t>(params.size());
   TORCH_CHECK(grads.size() == params.size() && m_codes.size() == params.size() && m_scales.size() == params.size() &&
                   v_codes.size() == params.size() && v_scales.size() == params.size(),
               "grads, codes and scales: one per coded parameter");
   TORCH_CHECK(static_cast<int64_t>(tables.size()) == 2 * kStateTables * n, "tables: ", 2 * kStateTables, " per coded parameter");
-  TORCH_CHECK(
-      ints.scalar_type() == torch::kLong && ints.dim() == 3 && ints.size(0) == n && ints.size(1) == 2 && ints.size(2) == kStateColumns,
-      "ints: (n, 2, ", static_cast<int>(kStateColumns), ") int64");
-  TORCH_CHECK(floats.scalar_type() == torch::kFloat && floats.numel() == 2 * n, "floats: (n, 2) fp32");
-  TORCH_CHECK(bounds.scalar_type() == torch::kFloat && bounds.numel() == n, "bounds: one fp32 moment bound per coded parameter");
-  TORCH_CHECK(grids.scalar_type() == torch::kLong && grids.dim() == 2 && grids.size(0) == n && grids.size(1) == 3,
+  TORCH_CHECK(ints.scalar_type() == at::kLong && ints.dim() == 3 && ints.size(0) == n && ints.size(1) == 2 && ints.size(2) == kStateColumns,
+              "ints: (n, 2, ", static_cast<int>(kStateColumns), ") int64");
+  TORCH_CHECK(floats.scalar_type() == at::kFloat && floats.numel() == 2 * n, "floats: (n, 2) fp32");
+  TORCH_CHECK(bounds.scalar_type() == at::kFloat && bounds.numel() == n, "bounds: one fp32 moment bound per coded parameter");
+  TORCH_CHECK(grids.scalar_type() == at::kLong && grids.dim() == 2 && grids.size(0) == n && grids.size(1) == 3,
               "grids: (n, 3) int64 [grid dtype code, stochastic, eco]");
-  TORCH_CHECK(seeds.scalar_type() == torch::kLong && seeds.dim() == 2 && seeds.size(0) == n && seeds.size(1) == 3,
+  TORCH_CHECK(seeds.scalar_type() == at::kLong && seeds.dim() == 2 && seeds.size(0) == n && seeds.size(1) == 3,
               "seeds: (n, 3) int64 [weights, m, v]");
-  TORCH_CHECK(eco.scalar_type() == torch::kFloat && eco.numel() == n, "eco: one fp32 ECO coefficient per coded parameter");
-  const torch::Tensor ints_c = ints.contiguous(), floats_c = floats.contiguous();
+  TORCH_CHECK(eco.scalar_type() == at::kFloat && eco.numel() == n, "eco: one fp32 ECO coefficient per coded parameter");
+  const at::Tensor ints_c = ints.contiguous(), floats_c = floats.contiguous();
   const int64_t* ints_p = ints_c.data_ptr<int64_t>();
   const float* floats_p = floats_c.data_ptr<float>();
   const auto grids_a = grids.accessor<int64_t, 2>();
@@ -1351,8 +1353,8 @@ std::vector<Outcome> step_blocks(const std::vector<Work>& work, Step&& step) {
 
 // (rows, 2 + stalls) int64, its first rows per parameter [grad_finite, states_finite, its first ``stalls`` stall counts]
 // from ``outcomes``, the rest 0.
-torch::Tensor outcome_rows(const std::vector<Outcome>& outcomes, int64_t rows, int stalls) {
-  auto result = torch::zeros({rows, 2 + stalls}, torch::kInt64);
+at::Tensor outcome_rows(const std::vector<Outcome>& outcomes, int64_t rows, int stalls) {
+  auto result = at::zeros({rows, 2 + stalls}, at::kLong);
   auto out = result.accessor<int64_t, 2>();
   for (size_t k = 0; k < outcomes.size(); ++k) {
     out[k][0] = outcomes[k].grad_bad.load() ? 0 : 1;
@@ -1366,8 +1368,7 @@ torch::Tensor outcome_rows(const std::vector<Outcome>& outcomes, int64_t rows, i
 
 // One fp32-state parameter (a small one, as a rule): the same gradient check and update, moments stored as they are.
 // Returns whether its gradient was finite (else nothing changed).
-bool step_plain(const torch::Tensor& param, const torch::Tensor& grad, const torch::Tensor& exp_avg, const torch::Tensor& exp_avg_sq,
-                const Hyper& h) {
+bool step_plain(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq, const Hyper& h) {
   float* p = param.data_ptr<float>();
   const float* g = grad.data_ptr<float>();
   float *m = exp_avg.data_ptr<float>(), *v = exp_avg_sq.data_ptr<float>();
@@ -1482,26 +1483,26 @@ void momentum_chunk(const MomentumParam& w, const Momentum& h, int64_t index, bo
 }
 
 // The momentum parameters' pointers and buffers, their sizes checked (arguments as momentum_steps').
-std::vector<MomentumParam> momentum_params(const std::vector<torch::Tensor>& params, const std::vector<torch::Tensor>& grads,
-                                           const std::vector<torch::Tensor>& codes, const std::vector<torch::Tensor>& scales,
-                                           const std::vector<torch::Tensor>& tables, const torch::Tensor& ints, const torch::Tensor& floats,
-                                           const torch::Tensor& grids, const torch::Tensor& seeds, const torch::Tensor& eco,
-                                           const torch::Tensor& created, const std::vector<torch::Tensor>& updates) {
+std::vector<MomentumParam> momentum_params(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
+                                           const std::vector<at::Tensor>& codes, const std::vector<at::Tensor>& scales,
+                                           const std::vector<at::Tensor>& tables, const at::Tensor& ints, const at::Tensor& floats,
+                                           const at::Tensor& grids, const at::Tensor& seeds, const at::Tensor& eco,
+                                           const at::Tensor& created, const std::vector<at::Tensor>& updates) {
   const size_t n = params.size();
   TORCH_CHECK(grads.size() == n && codes.size() == n && scales.size() == n && (updates.empty() || updates.size() == n),
               "grads, codes, scales (and Muon's updates): one per parameter");
-  TORCH_CHECK(grids.scalar_type() == torch::kLong && grids.dim() == 2 && grids.size(0) == static_cast<int64_t>(n) && grids.size(1) == 3,
+  TORCH_CHECK(grids.scalar_type() == at::kLong && grids.dim() == 2 && grids.size(0) == static_cast<int64_t>(n) && grids.size(1) == 3,
               "grids: (n, 3) int64 [grid dtype code, stochastic, eco]");
-  TORCH_CHECK(eco.scalar_type() == torch::kFloat && eco.numel() == static_cast<int64_t>(n), "eco: one fp32 ECO coefficient per parameter");
-  TORCH_CHECK(created.scalar_type() == torch::kBool && created.numel() == static_cast<int64_t>(n), "created: one bool per parameter");
+  TORCH_CHECK(eco.scalar_type() == at::kFloat && eco.numel() == static_cast<int64_t>(n), "eco: one fp32 ECO coefficient per parameter");
+  TORCH_CHECK(created.scalar_type() == at::kBool && created.numel() == static_cast<int64_t>(n), "created: one bool per parameter");
   TORCH_CHECK(static_cast<int64_t>(tables.size()) == kStateTables * static_cast<int64_t>(n), "tables: ", kStateTables, " per parameter");
   TORCH_CHECK(
-      ints.scalar_type() == torch::kLong && ints.dim() == 2 && ints.size(0) == static_cast<int64_t>(n) && ints.size(1) == kStateColumns,
+      ints.scalar_type() == at::kLong && ints.dim() == 2 && ints.size(0) == static_cast<int64_t>(n) && ints.size(1) == kStateColumns,
       "ints: (n, ", static_cast<int>(kStateColumns), ") int64");
-  TORCH_CHECK(floats.scalar_type() == torch::kFloat && floats.numel() == static_cast<int64_t>(n), "floats: (n,) fp32");
-  TORCH_CHECK(seeds.scalar_type() == torch::kLong && seeds.dim() == 2 && seeds.size(0) == static_cast<int64_t>(n) && seeds.size(1) == 2,
+  TORCH_CHECK(floats.scalar_type() == at::kFloat && floats.numel() == static_cast<int64_t>(n), "floats: (n,) fp32");
+  TORCH_CHECK(seeds.scalar_type() == at::kLong && seeds.dim() == 2 && seeds.size(0) == static_cast<int64_t>(n) && seeds.size(1) == 2,
               "seeds: (n, 2) int64 [weights, buffer]");
-  const torch::Tensor ints_c = ints.contiguous(), floats_c = floats.contiguous();
+  const at::Tensor ints_c = ints.contiguous(), floats_c = floats.contiguous();
   const auto grids_a = grids.accessor<int64_t, 2>(), seeds_a = seeds.accessor<int64_t, 2>();
   const auto eco_a = eco.accessor<float, 1>();
   const auto created_a = created.accessor<bool, 1>();
@@ -1514,9 +1515,7 @@ std::vector<MomentumParam> momentum_params(const std::vector<torch::Tensor>& par
     w.created = created_a[k];
     TORCH_CHECK(!w.created || updates.empty(), "parameter ", k, ": only SGD's buffers are created by the kernel (Muon's start at zero)");
     w.dtype = dtype_of(params[k]);
-    const auto held = [&w](const torch::Tensor& t, Dtype dtype) {
-      return dtype_of(t) == dtype && t.is_contiguous() && t.numel() == w.numel;
-    };
+    const auto held = [&w](const at::Tensor& t, Dtype dtype) { return dtype_of(t) == dtype && t.is_contiguous() && t.numel() == w.numel; };
     TORCH_CHECK(
         (w.dtype == Dtype::kFloat32 || (w.dtype != Dtype::kNone && w.grid.active() && updates.empty())) && held(params[k], w.dtype) &&
             held(grads[k], w.dtype) && (updates.empty() || held(updates[k], Dtype::kFloat32)),
@@ -1547,23 +1546,22 @@ std::vector<MomentumParam> momentum_params(const std::vector<torch::Tensor>& par
 // 0-d fp32/fp64 step count, incremented here unless its gradient holds inf/NaN (then the parameter is left untouched).
 // Returns (n + plain, 6) int64 [grad_finite, moments_finite, stalled_m, moved_m, stalled_v, moved_v] (stall columns 0
 // unless ``track``; moments_finite 1 for fp32 states).
-torch::Tensor adam_steps_u8(const std::vector<torch::Tensor>& params, const std::vector<torch::Tensor>& grads,
-                            const std::vector<torch::Tensor>& m_codes, const std::vector<torch::Tensor>& m_scales,
-                            const std::vector<torch::Tensor>& v_codes, const std::vector<torch::Tensor>& v_scales,
-                            const std::vector<torch::Tensor>& tables, const torch::Tensor& ints, const torch::Tensor& floats,
-                            const torch::Tensor& bounds, const torch::Tensor& grids, const torch::Tensor& seeds, const torch::Tensor& eco,
-                            const std::vector<torch::Tensor>& plain, const std::vector<torch::Tensor>& steps, double lr,
-                            double weight_decay, double beta1, double beta2, double eps, bool decoupled, bool maximize, bool track) {
+at::Tensor adam_steps_u8(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
+                         const std::vector<at::Tensor>& m_codes, const std::vector<at::Tensor>& m_scales,
+                         const std::vector<at::Tensor>& v_codes, const std::vector<at::Tensor>& v_scales,
+                         const std::vector<at::Tensor>& tables, const at::Tensor& ints, const at::Tensor& floats, const at::Tensor& bounds,
+                         const at::Tensor& grids, const at::Tensor& seeds, const at::Tensor& eco, const std::vector<at::Tensor>& plain,
+                         const std::vector<at::Tensor>& steps, double lr, double weight_decay, double beta1, double beta2, double eps,
+                         bool decoupled, bool maximize, bool track) {
   const int64_t n = static_cast<int64_t>(params.size()), n_plain = static_cast<int64_t>(plain.size()) / 4;
   TORCH_CHECK(static_cast<int64_t>(plain.size()) == 4 * n_plain && static_cast<int64_t>(steps.size()) == n + n_plain,
               "steps: one per parameter");
-  for (const torch::Tensor& step : steps)
-    TORCH_CHECK(
-        step.numel() == 1 && step.device().is_cpu() && (step.scalar_type() == torch::kFloat || step.scalar_type() == torch::kDouble),
-        "steps: 0-d fp32/fp64 CPU tensors");
+  for (const at::Tensor& step : steps)
+    TORCH_CHECK(step.numel() == 1 && step.device().is_cpu() && (step.scalar_type() == at::kFloat || step.scalar_type() == at::kDouble),
+                "steps: 0-d fp32/fp64 CPU tensors");
   for (int64_t j = 0; j < n_plain; ++j)
     for (int c = 0; c < 4; ++c)
-      TORCH_CHECK(plain[4 * j + c].is_contiguous() && plain[4 * j + c].scalar_type() == torch::kFloat &&
+      TORCH_CHECK(plain[4 * j + c].is_contiguous() && plain[4 * j + c].scalar_type() == at::kFloat &&
                       plain[4 * j + c].numel() == plain[4 * j].numel(),
                   "fp32-state parameter ", j, ": param, grad and moments must be contiguous fp32 tensors of one size");
   const Schedule group = schedule(lr, weight_decay, beta1, beta2, eps, decoupled, maximize);
@@ -1577,7 +1575,7 @@ torch::Tensor adam_steps_u8(const std::vector<torch::Tensor>& params, const std:
     else
       step_chunk(w, index, track, scratch, outcome);
   });
-  torch::Tensor result = outcome_rows(outcomes, n + n_plain, 4);
+  at::Tensor result = outcome_rows(outcomes, n + n_plain, 4);
   auto out = result.accessor<int64_t, 2>();
 
   // fp32-state parameters, one after another (each threaded over its values).
@@ -1604,12 +1602,11 @@ torch::Tensor adam_steps_u8(const std::vector<torch::Tensor>& params, const std:
 // bool, SGD's buffers this step creates (torch's first step: buf = d, not read; codes and scales allocated for all
 // values). A parameter whose gradient holds inf/NaN is left untouched.
 // Returns (n, 4) int64 [grad_finite, buffer_finite, stalled, moved] (stall columns 0 unless ``track``).
-torch::Tensor momentum_steps(const std::vector<torch::Tensor>& params, const std::vector<torch::Tensor>& grads,
-                             const std::vector<torch::Tensor>& codes, const std::vector<torch::Tensor>& scales,
-                             const std::vector<torch::Tensor>& tables, const torch::Tensor& ints, const torch::Tensor& floats,
-                             const torch::Tensor& grids, const torch::Tensor& seeds, const torch::Tensor& eco, const torch::Tensor& created,
-                             const std::vector<torch::Tensor>& updates, double lr, double weight_decay, double momentum, double dampening,
-                             bool nesterov, bool maximize, bool track) {
+at::Tensor momentum_steps(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& codes,
+                          const std::vector<at::Tensor>& scales, const std::vector<at::Tensor>& tables, const at::Tensor& ints,
+                          const at::Tensor& floats, const at::Tensor& grids, const at::Tensor& seeds, const at::Tensor& eco,
+                          const at::Tensor& created, const std::vector<at::Tensor>& updates, double lr, double weight_decay,
+                          double momentum, double dampening, bool nesterov, bool maximize, bool track) {
   const std::vector<MomentumParam> work =
       momentum_params(params, grads, codes, scales, tables, ints, floats, grids, seeds, eco, created, updates);
   const Momentum h = momentum_of(lr, weight_decay, momentum, dampening, nesterov, maximize);
@@ -1623,13 +1620,13 @@ torch::Tensor momentum_steps(const std::vector<torch::Tensor>& params, const std
 // fp32 ``values`` rounded to a weight grid (code 1 fp32, 2 bf16, 3 fp16; under SR element i takes draw i of ``seed``) and
 // stored in its dtype: the kernel's rounding of new parameter values on its own (the Rounding types and from_float
 // grid_lanes uses), threaded as the step is (tests).
-torch::Tensor round_to_grid(const torch::Tensor& values, int64_t grid, bool stochastic, int64_t seed) {
-  TORCH_CHECK(values.scalar_type() == torch::kFloat && values.is_contiguous() && values.device().is_cpu(),
+at::Tensor round_to_grid(const at::Tensor& values, int64_t grid, bool stochastic, int64_t seed) {
+  TORCH_CHECK(values.scalar_type() == at::kFloat && values.is_contiguous() && values.device().is_cpu(),
               "values: a contiguous fp32 CPU tensor");
   const Grid g = grid_of(grid, stochastic, 0, seed, 0);
   TORCH_CHECK(g.active(), "grid: 1 fp32, 2 bf16 or 3 fp16");
-  const auto dtype = g.dtype == Dtype::kFloat32 ? torch::kFloat : (g.dtype == Dtype::kBFloat16 ? torch::kBFloat16 : torch::kHalf);
-  torch::Tensor out = torch::empty(values.sizes(), values.options().dtype(dtype));
+  const auto dtype = g.dtype == Dtype::kFloat32 ? at::kFloat : (g.dtype == Dtype::kBFloat16 ? at::kBFloat16 : at::kHalf);
+  at::Tensor out = at::empty(values.sizes(), values.options().dtype(dtype));
   const float* x = values.data_ptr<float>();
   with_element(g.dtype, [&]<typename T>(T) {
     T* y = static_cast<T*>(out.data_ptr());
@@ -1643,19 +1640,3 @@ torch::Tensor round_to_grid(const torch::Tensor& values, int64_t grid, bool stoc
 }
 
 }  // namespace lightning_qstate
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
-  namespace py = pybind11;
-  module.def("adam_steps_u8", &lightning_qstate::adam_steps_u8, "Adam(W) step of one param group (coded and fp32 moments)", py::kw_only(),
-             py::arg("params"), py::arg("grads"), py::arg("m_codes"), py::arg("m_scales"), py::arg("v_codes"), py::arg("v_scales"),
-             py::arg("tables"), py::arg("ints"), py::arg("floats"), py::arg("bounds"), py::arg("grids"), py::arg("seeds"), py::arg("eco"),
-             py::arg("plain"), py::arg("steps"), py::arg("lr"), py::arg("weight_decay"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),
-             py::arg("decoupled"), py::arg("maximize"), py::arg("track"));
-  module.def("momentum_steps", &lightning_qstate::momentum_steps, "SGD's step or Muon's momentum of one param group (coded buffers)",
-             py::kw_only(), py::arg("params"), py::arg("grads"), py::arg("codes"), py::arg("scales"), py::arg("tables"), py::arg("ints"),
-             py::arg("floats"), py::arg("grids"), py::arg("seeds"), py::arg("eco"), py::arg("created"), py::arg("updates"), py::arg("lr"),
-             py::arg("weight_decay"), py::arg("momentum"), py::arg("dampening"), py::arg("nesterov"), py::arg("maximize"),
-             py::arg("track"));
-  module.def("round_to_grid", &lightning_qstate::round_to_grid, "The kernel's rounding of fp32 values to a weight grid", py::kw_only(),
-             py::arg("values"), py::arg("grid"), py::arg("stochastic"), py::arg("seed"));
-}
