@@ -1064,33 +1064,43 @@ QSTATE_INLINE void update_blocks(const Param& w, int64_t base, int64_t n, float*
 
 #ifdef QSTATE_AVX2
 // 8 values of a block state of 8-bit (Nibbles: 4-bit) codes from element ``index`` (a multiple of 8), decoded as
-// decode_bytes / decode_nibbles do: their table's values (a gather) times the block's scale.
+// decode_bytes / decode_nibbles do: their table's values times the block's scale; 8-bit codes by a gather, 4-bit ones
+// by register permutes of the table's first 16 values, held here (lookup16).
 template <bool Nibbles>
-QSTATE_INLINE __m256 decode8(const State& s, int64_t index, __m256 scale) {
-  const uint8_t* codes = static_cast<const uint8_t*>(s.codes);
-  __m128i bytes;
-  if constexpr (Nibbles) {  // 4 bytes: low and high nibbles interleaved into 8 codes
-    uint32_t word;
-    std::memcpy(&word, codes + index / 2, 4);
-    const __m128i pairs = _mm_cvtsi32_si128(static_cast<int32_t>(word)), nibble = _mm_set1_epi8(0x0F);
-    bytes = _mm_unpacklo_epi8(_mm_and_si128(pairs, nibble), _mm_and_si128(_mm_srli_epi16(pairs, 4), nibble));
-  } else {
-    bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + index));
+struct Decode8 {
+  const uint8_t* codes;
+  const float* table;
+  __m256 low, high;  // table[0:8], table[8:16] (Nibbles)
+
+  explicit Decode8(const State& s)
+      : codes(static_cast<const uint8_t*>(s.codes)), table(s.cb.decode), low(_mm256_loadu_ps(table)), high(_mm256_loadu_ps(table + 8)) {}
+
+  QSTATE_INLINE __m256 operator()(int64_t index, __m256 scale) const {
+    if constexpr (Nibbles) {  // 4 bytes: low and high nibbles interleaved into 8 codes
+      uint32_t word;
+      std::memcpy(&word, codes + index / 2, 4);
+      const __m128i pairs = _mm_cvtsi32_si128(static_cast<int32_t>(word)), nibble = _mm_set1_epi8(0x0F);
+      const __m128i bytes = _mm_unpacklo_epi8(_mm_and_si128(pairs, nibble), _mm_and_si128(_mm_srli_epi16(pairs, 4), nibble));
+      return _mm256_mul_ps(lookup16(low, high, _mm256_cvtepu8_epi32(bytes)), scale);
+    } else {
+      const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + index));
+      return _mm256_mul_ps(_mm256_i32gather_ps(table, _mm256_cvtepu8_epi32(bytes), 4), scale);
+    }
   }
-  return _mm256_mul_ps(_mm256_i32gather_ps(s.cb.decode, _mm256_cvtepu8_epi32(bytes), 4), scale);
-}
+};
 
 // update_fp32_blocks with AVX2, both moments of 8- or 4-bit codes (MNibbles, VNibbles): each block's values 8 at a time
-// decoded (decode8), stepped by Update8 and recorded with their absmaxes; the rest of a block by update_rest.
+// decoded (Decode8), stepped by Update8 and recorded with their absmaxes; the rest of a block by update_rest.
 template <bool MNibbles, bool VNibbles>
 QSTATE_NOINLINE void update_fp32_blocks8(float* __restrict__ p, const float* __restrict__ g, const Param& w, int64_t base, int64_t n,
                                          float* __restrict__ m, float* __restrict__ v, BlockStats* stats) {
   Update8 update(w.h);
+  const Decode8<MNibbles> m_codes(w.m);
+  const Decode8<VNibbles> v_codes(w.v);
   for_each_block(w, base, n, stats, [&](int64_t first, int64_t end, BlockStats& s) {
     const __m256 m_scale = _mm256_set1_ps(s.m_scale), v_scale = _mm256_set1_ps(s.v_scale);
     int64_t i = first;
-    for (; i + 8 <= end; i += 8)
-      update(p + i, g + i, decode8<MNibbles>(w.m, base + i, m_scale), decode8<VNibbles>(w.v, base + i, v_scale), m + i, v + i);
+    for (; i + 8 <= end; i += 8) update(p + i, g + i, m_codes(base + i, m_scale), v_codes(base + i, v_scale), m + i, v + i);
     take_stats(update, s);
     update_rest(w, base, i, end, m, v, s, [&] { update_values(p + i, g + i, w.h, end - i, m + i, v + i); });
   });

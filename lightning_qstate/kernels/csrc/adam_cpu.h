@@ -1245,20 +1245,23 @@ QSTATE_INLINE __m256 uniform8(uint64_t seed, int64_t index) {
   return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(random8(seed, index), 8)), _mm256_set1_ps(0x1p-24f));
 }
 
+// A 16-entry table held in two registers (entries 0-7, 8-15) at 8 indices in [0, 16): two permutes and a blend.
+QSTATE_INLINE __m256 lookup16(__m256 low, __m256 high, __m256i index) {
+  const __m256 upper = _mm256_castsi256_ps(_mm256_slli_epi32(index, 28));  // bit 3 as the sign: blendv's selector
+  return _mm256_blendv_ps(_mm256_permutevar8x32_ps(low, index), _mm256_permutevar8x32_ps(high, index), upper);
+}
+
 // table[index] of 8 indices in [0, 2^Log2), Log2 <= 4: a broadcast for one entry, a register permute up to 8, two and
-// a blend for 16. Reads at least 8 values from ``table`` (one, for a broadcast).
+// a blend for 16 (lookup16). Reads at least 8 values from ``table`` (one, for a broadcast).
 template <int Log2>
 QSTATE_INLINE __m256 lookup8(const float* table, __m256i index) {
   static_assert(Log2 >= 0 && Log2 <= 4);
-  if constexpr (Log2 == 0) {
+  if constexpr (Log2 == 0)
     return _mm256_set1_ps(table[0]);
-  } else if constexpr (Log2 <= 3) {
+  else if constexpr (Log2 <= 3)
     return _mm256_permutevar8x32_ps(_mm256_loadu_ps(table), index);
-  } else {
-    const __m256 high = _mm256_castsi256_ps(_mm256_slli_epi32(index, 28));  // bit 3 as the sign: blendv's selector
-    return _mm256_blendv_ps(_mm256_permutevar8x32_ps(_mm256_loadu_ps(table), index),
-                            _mm256_permutevar8x32_ps(_mm256_loadu_ps(table + 8), index), high);
-  }
+  else
+    return lookup16(_mm256_loadu_ps(table), _mm256_loadu_ps(table + 8), index);
 }
 
 // search16 on 8 values (codes < 2^Depth, Depth <= 4: every level's thresholds in one register).
