@@ -393,6 +393,24 @@ def test_a_nonfinite_gradient_skips_only_its_parameter():
 
 
 @needs_kernel
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
+def test_a_nonfinite_value_anywhere_in_a_gradient_is_found(value):
+    """The vector check reads eight far-apart parts of a gradient side by side, then the rest one by one: a non-finite
+    value at either end of every part, and in the rest, skips the parameter (9000 values: parts of 1120, rest 40)."""
+    torch.manual_seed(0)
+    param = torch.nn.Parameter(torch.randn(9000))
+    optimizer = lq.QAdamW([param], states="int8", min_quant_size=0)
+    part = 9000 // 8 // 8 * 8
+    positions = [index for k in range(8) for index in (k * part, k * part + part - 1)] + [8 * part, 8999]
+    for position in positions:
+        param.grad = torch.randn_like(param)
+        param.grad[position] = value
+        with pytest.warns(RuntimeWarning, match="non-finite gradient"):
+            optimizer.step()
+    assert optimizer.nonfinite_skips == len(positions) and set(optimizer.step_paths().values()) == {"native"}
+
+
+@needs_kernel
 @pytest.mark.parametrize("threads", [1, 2])
 def test_nonfinite_gradients_skip_their_parameters_in_a_batch_and_across_threads(threads):
     """The kernel checks the gradients of parameters a thread steps whole a batch at a time, and those cut between

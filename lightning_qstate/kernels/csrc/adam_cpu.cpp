@@ -195,8 +195,8 @@ void count_block(const uint8_t* __restrict__ old, float old_scale, const uint8_t
   counts[1] += moved;
 }
 
-// Whether every value of x[0:n] is finite (x - x is 0, not NaN). The vector loop reads eight far-apart parts of x
-// side by side: a single stream leaves the memory system idle between cache misses.
+// Whether every value of x[0:n] is finite (x - x is 0, not NaN). The vector loop (AVX-512 or AVX2) reads eight
+// far-apart parts of x side by side: a single stream leaves the memory system idle between cache misses.
 bool all_finite(const float* __restrict__ x, int64_t n) {
   int64_t done = 0;
   bool bad = false;
@@ -210,6 +210,17 @@ bool all_finite(const float* __restrict__ x, int64_t n) {
       nonfinite |= _mm512_cmp_ps_mask(_mm512_sub_ps(value, value), _mm512_setzero_ps(), _CMP_UNORD_Q);
     }
   bad = nonfinite != 0;
+  done = parts * part;
+#elif defined(QSTATE_AVX2)
+  constexpr int parts = 8;
+  const int64_t part = n / parts / 8 * 8;
+  __m256 nonfinite = _mm256_setzero_ps();
+  for (int64_t i = 0; i < part; i += 8)
+    for (int k = 0; k < parts; ++k) {
+      const __m256 value = _mm256_loadu_ps(x + k * part + i);
+      nonfinite = _mm256_or_ps(nonfinite, _mm256_cmp_ps(_mm256_sub_ps(value, value), _mm256_setzero_ps(), _CMP_UNORD_Q));
+    }
+  bad = _mm256_movemask_ps(nonfinite) != 0;
   done = parts * part;
 #endif
   uint32_t rest_nonfinite = 0;  // a reduction the compiler vectorizes
