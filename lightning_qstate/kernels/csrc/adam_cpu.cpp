@@ -1074,25 +1074,72 @@ QSTATE_INLINE void update_blocks(const Param& w, int64_t base, int64_t n, float*
 }
 
 #ifdef QSTATE_AVX2
-// 8 values of a block state of 8-bit (Nibbles: 4-bit) codes from element ``index`` (a multiple of 8), decoded as
-// decode_bytes / decode_nibbles do: their table's values times the block's scale; 8-bit codes by a gather, 4-bit ones
-// by register permutes of the table's first 16 values, held here (lookup16).
-template <bool Nibbles>
+// How a block state's codes are packed (formats.packing): a byte each, two per byte (up to 4 bits), or dense groups of
+// 8 codes in ``bits`` bytes (5 to 7 bits); with_packing visits it as a type (std::integral_constant).
+enum class Packing { kBytes, kNibbles, kDense };
+
+template <typename Visit>
+QSTATE_INLINE void with_packing(const State& s, Visit&& visit) {
+  if (s.nibbles())
+    visit(std::integral_constant<Packing, Packing::kNibbles>{});
+  else if (s.dense())
+    visit(std::integral_constant<Packing, Packing::kDense>{});
+  else
+    visit(std::integral_constant<Packing, Packing::kBytes>{});
+}
+
+// 8 values of a block state from element ``index`` (a multiple of 8), decoded as decode_bytes / decode_nibbles /
+// decode_dense do: their table's values times the block's scale. 4-bit codes by register permutes of the table's first
+// 16 values (lookup16), the others by a gather; a dense group's 8 codes from its word by a byte shuffle (the two bytes
+// each code spans), a shift and a mask per lane.
+template <Packing P>
 struct Decode8 {
   const uint8_t* codes;
   const float* table;
-  __m256 low, high;  // table[0:8], table[8:16] (Nibbles)
+  __m256 low, high;              // table[0:8], table[8:16] (kNibbles)
+  int32_t bits;                  // kDense: bits per code
+  int64_t whole_words;           // kDense: the groups whose 8-byte word lies inside the codes (the others read exactly)
+  __m256i spans, offsets, mask;  // kDense, per code j: the bytes of its span in the word, its first bit in them, its mask
 
-  explicit Decode8(const State& s)
-      : codes(static_cast<const uint8_t*>(s.codes)), table(s.cb.decode), low(_mm256_loadu_ps(table)), high(_mm256_loadu_ps(table + 8)) {}
+  // s: a block state of a parameter of ``numel`` values.
+  Decode8(const State& s, int64_t numel)
+      : codes(static_cast<const uint8_t*>(s.codes)),
+        table(s.cb.decode),
+        low(_mm256_loadu_ps(table)),
+        high(_mm256_loadu_ps(table + 8)),
+        bits(s.bits) {
+    if constexpr (P == Packing::kDense) {
+      const int64_t bytes = s.code_bytes(numel);
+      whole_words = bytes >= 8 ? (bytes - 8) / bits + 1 : 0;
+      alignas(32) int32_t span[8], offset[8];
+      for (int j = 0; j < 8; ++j) {
+        const int32_t first = j * bits / 8;  // within each 128-bit lane: the word is broadcast to every 64-bit one
+        span[j] = static_cast<int32_t>(0x80800000u | (first + 1) << 8 | first);  // bytes 2, 3: zero
+        offset[j] = j * bits % 8;
+      }
+      spans = _mm256_load_si256(reinterpret_cast<const __m256i*>(span));
+      offsets = _mm256_load_si256(reinterpret_cast<const __m256i*>(offset));
+      mask = _mm256_set1_epi32((1 << bits) - 1);
+    }
+  }
 
   QSTATE_INLINE __m256 operator()(int64_t index, __m256 scale) const {
-    if constexpr (Nibbles) {  // 4 bytes: low and high nibbles interleaved into 8 codes
+    if constexpr (P == Packing::kNibbles) {  // 4 bytes: low and high nibbles interleaved into 8 codes
       uint32_t word;
       std::memcpy(&word, codes + index / 2, 4);
       const __m128i pairs = _mm_cvtsi32_si128(static_cast<int32_t>(word)), nibble = _mm_set1_epi8(0x0F);
       const __m128i bytes = _mm_unpacklo_epi8(_mm_and_si128(pairs, nibble), _mm_and_si128(_mm_srli_epi16(pairs, 4), nibble));
       return _mm256_mul_ps(lookup16(low, high, _mm256_cvtepu8_epi32(bytes)), scale);
+    } else if constexpr (P == Packing::kDense) {
+      const int64_t group = index / 8;
+      uint64_t word = 0;
+      if (group < whole_words)
+        std::memcpy(&word, codes + group * bits, 8);
+      else
+        std::memcpy(&word, codes + group * bits, bits);
+      const __m256i spanned = _mm256_shuffle_epi8(_mm256_set1_epi64x(static_cast<int64_t>(word)), spans);
+      const __m256i code = _mm256_and_si256(_mm256_srlv_epi32(spanned, offsets), mask);
+      return _mm256_mul_ps(_mm256_i32gather_ps(table, code, 4), scale);
     } else {
       const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + index));
       return _mm256_mul_ps(_mm256_i32gather_ps(table, _mm256_cvtepu8_epi32(bytes), 4), scale);
@@ -1100,14 +1147,14 @@ struct Decode8 {
   }
 };
 
-// update_fp32_blocks with AVX2, both moments of 8- or 4-bit codes (MNibbles, VNibbles): each block's values 8 at a time
-// decoded (Decode8), stepped by Update8 and recorded with their absmaxes; the rest of a block by update_rest.
-template <bool MNibbles, bool VNibbles>
+// update_fp32_blocks with AVX2 (moments packed as MPacking, VPacking): each block's values 8 at a time decoded (Decode8),
+// stepped by Update8 and recorded with their absmaxes; the rest of a block by update_rest.
+template <Packing MPacking, Packing VPacking>
 QSTATE_NOINLINE void update_fp32_blocks8(float* __restrict__ p, const float* __restrict__ g, const Param& w, int64_t base, int64_t n,
                                          float* __restrict__ m, float* __restrict__ v, BlockStats* stats) {
   Update8 update(w.h);
-  const Decode8<MNibbles> m_codes(w.m);
-  const Decode8<VNibbles> v_codes(w.v);
+  const Decode8<MPacking> m_codes(w.m, w.numel);
+  const Decode8<VPacking> v_codes(w.v, w.numel);
   for_each_block(w, base, n, stats, [&](int64_t first, int64_t end, BlockStats& s) {
     const __m256 m_scale = _mm256_set1_ps(s.m_scale), v_scale = _mm256_set1_ps(s.v_scale);
     int64_t i = first;
@@ -1118,22 +1165,19 @@ QSTATE_NOINLINE void update_fp32_blocks8(float* __restrict__ p, const float* __r
 }
 #endif
 
-// update_blocks of a parameter with fp32 values: Update16's Adam step, update_values for the rest (with AVX2 and
-// moments of 8- or 4-bit codes: update_fp32_blocks8).
+// update_blocks of a parameter with fp32 values: Update16's Adam step, update_values for the rest (with AVX2:
+// update_fp32_blocks8).
 void update_fp32_blocks(float* __restrict__ p, const float* __restrict__ g, const Param& w, int64_t base, int64_t n, float* __restrict__ m,
                         float* __restrict__ v, BlockStats* stats) {
 #ifdef QSTATE_AVX2
-  if (!w.m.dense() && !w.v.dense()) {
-    const bool m_nibbles = w.m.nibbles(), v_nibbles = w.v.nibbles();
-    if (m_nibbles && v_nibbles) return update_fp32_blocks8<true, true>(p, g, w, base, n, m, v, stats);
-    if (m_nibbles) return update_fp32_blocks8<true, false>(p, g, w, base, n, m, v, stats);
-    if (v_nibbles) return update_fp32_blocks8<false, true>(p, g, w, base, n, m, v, stats);
-    return update_fp32_blocks8<false, false>(p, g, w, base, n, m, v, stats);
-  }
-#endif
+  with_packing(w.m, [&](auto m_packing) {
+    with_packing(w.v, [&](auto v_packing) { update_fp32_blocks8<m_packing(), v_packing()>(p, g, w, base, n, m, v, stats); });
+  });
+#else
   update_blocks(
       w, base, n, m, v, stats, [&](auto& update, int64_t at, __m512 mi, __m512 vi) { update(p + at, g + at, mi, vi, m + at, v + at); },
       [&](int64_t i, int64_t end) { update_values(p + i, g + i, w.h, end - i, m + i, v + i); });
+#endif
 }
 
 // update_blocks of a parameter on a weight grid: Update16::advance, grid_lanes for the rest. Never inlined: its
