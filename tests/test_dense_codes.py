@@ -96,7 +96,7 @@ def regression(states, steps: int = 150) -> tuple[float, lq.QAdamW]:
         loss = torch.nn.functional.mse_loss(model(x), y)
         loss.backward()
         optimizer.step()
-    return float(loss), optimizer
+    return float(loss.detach()), optimizer
 
 
 def test_dense_states_train_like_int8_and_cost_their_bits():

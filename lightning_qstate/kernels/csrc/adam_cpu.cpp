@@ -7,10 +7,9 @@
 // block scales, parameter dtypes and weight grids, the AVX-512 forms): adam_cpu.h.
 #include "adam_cpu.h"
 
+#include <ATen/EmptyTensor.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
-#include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
 
 #include <array>
@@ -1419,12 +1418,15 @@ std::vector<Outcome> step_blocks(const std::vector<Work>& work, Step&& step) {
 // (rows, 2 + stalls) int64, its first rows per parameter [grad_finite, states_finite, its first ``stalls`` stall counts]
 // from ``outcomes``, the rest 0.
 at::Tensor outcome_rows(const std::vector<Outcome>& outcomes, int64_t rows, int stalls) {
-  auto result = at::zeros({rows, 2 + stalls}, at::kLong);
-  auto out = result.accessor<int64_t, 2>();
+  const int64_t columns = 2 + stalls;
+  at::Tensor result(at::detail::empty_cpu({rows, columns}, at::kLong));
+  int64_t* out = result.data_ptr<int64_t>();
+  std::fill(out, out + rows * columns, int64_t{0});
   for (size_t k = 0; k < outcomes.size(); ++k) {
-    out[k][0] = outcomes[k].grad_bad.load() ? 0 : 1;
-    out[k][1] = outcomes[k].moments_bad.load() ? 0 : 1;
-    for (int c = 0; c < stalls; ++c) out[k][2 + c] = outcomes[k].stalls[c].load();
+    int64_t* row = out + static_cast<int64_t>(k) * columns;
+    row[0] = outcomes[k].grad_bad.load() ? 0 : 1;
+    row[1] = outcomes[k].moments_bad.load() ? 0 : 1;
+    for (int c = 0; c < stalls; ++c) row[2 + c] = outcomes[k].stalls[c].load();
   }
   return result;
 }
@@ -1691,7 +1693,7 @@ at::Tensor round_to_grid(const at::Tensor& values, int64_t grid, bool stochastic
   const Grid g = grid_of(grid, stochastic, 0, seed, 0);
   TORCH_CHECK(g.active(), "grid: 1 fp32, 2 bf16 or 3 fp16");
   const auto dtype = g.dtype == Dtype::kFloat32 ? at::kFloat : (g.dtype == Dtype::kBFloat16 ? at::kBFloat16 : at::kHalf);
-  at::Tensor out = at::empty(values.sizes(), values.options().dtype(dtype));
+  at::Tensor out(at::detail::empty_cpu(values.sizes(), dtype));
   const float* x = values.data_ptr<float>();
   with_element(g.dtype, [&]<typename T>(T) {
     T* y = static_cast<T*>(out.data_ptr());
