@@ -1,5 +1,5 @@
 # `make demo` runs the main job, `make test` the test suite, `make lint` ruff (check and format) and clang-format (C++),
-# `make kernel-check` the C++ kernel compiled (syntax only) for other x86 CPUs than this one (~100 s; CI runs it);
+# `make kernel-check` the C++ kernel compiled (syntax only) for other x86 CPUs than this one (~35 s; CI runs it);
 # each creates and fills its own venv first.
 VENV ?= .venv
 PYTHON ?= python3

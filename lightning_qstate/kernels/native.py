@@ -60,9 +60,11 @@ of at most 128 codes encoded by a branch-free binary search of its thresholds, `
 register permute per level, and an 8-bit one by its bucket table, a gather);
 with AVX2 (and FMA, F16C; no AVX-512) the update runs 8 lanes at a time (``Update8``, the same operations as
 ``Update16``) where the parameter is fp32: for two bf16/fp16 casts decoded, updated and stored in one pass
-(``cast_lanes``), for two block states of 8- or 4-bit codes decoded (gathers), updated and their absmaxes taken in one
-pass; codebooks of at most 16 codes (int4's) are encoded 8 at a time by a register search of their thresholds, and
-splitmix64 draws four outputs at a time (``splitmix64x4``, its 64-bit multiplies from 32-bit ones).
+(``cast_lanes``), for two block states of one block size decoded (``Decode8``: 4-bit codes by register permutes of
+their 16 values, 8-bit and dense 5-7-bit ones by gathers, a dense group's codes by a byte shuffle and lane shifts),
+updated and their absmaxes taken in one pass; codebooks of at most 16 codes (int4's) are encoded 8 at a time by a
+register search of their thresholds, splitmix64 draws four outputs at a time (``splitmix64x4``, its 64-bit multiplies
+from 32-bit ones), and the gradient check reads eight far-apart parts of a gradient side by side.
 The scalar code runs the rest and is the whole kernel on other CPUs (Arm, x86 without AVX2). There it is written as loops over
 branch-free lanes, one per kind of state and rounding (``code_lanes``: the encoders, one bucket-table read per value;
 the cast stores; block absmaxes; the finite checks; the nibble and byte decoders; Adam's update, its hold of ``m``
