@@ -1,10 +1,11 @@
-// The C++ CPU Adam(W) kernel for coded states (round-to-nearest): 8-bit and 4-bit codebook and minifloat codes in
-// blocks (m and v of any block sizes), bf16/fp16 casts; with optional stall counts, and parameters
+// The C++ CPU Adam(W) kernel for coded states: codebook and minifloat codes of 1 to 8 bits in blocks (m and v of any
+// block sizes) and bf16/fp16 casts, rounded to nearest or stochastically; with optional stall counts, and parameters
 // kept on a weight grid without master weights (fp32/bf16/fp16 values, RN or SR, ECO's feedback into m): adam_steps_u8
 // steps every parameter of a param group in one call; momentum_steps does the same for SGD's and Muon's coded momentum
 // buffers. What they compute and how they match the torch reference (kernels/adam_reference.py, torch's sgd and muon)
 // bit for bit: kernels/native.py. The value-level pieces (codebooks, Adam's and the momentum's update of one value,
-// block scales, parameter dtypes and weight grids, the AVX-512 forms): adam_cpu.h.
+// block scales, parameter dtypes and weight grids, the AVX-512 and AVX2 forms): adam_cpu.h. The entry points are
+// declared in steps.h and bound to Python in bindings.cpp: this file includes no Python headers (it compiles beside them).
 #include "adam_cpu.h"
 
 #include <ATen/EmptyTensor.h>
