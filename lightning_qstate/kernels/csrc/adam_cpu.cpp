@@ -1175,7 +1175,7 @@ void update_fp32_blocks(float* __restrict__ p, const float* __restrict__ g, cons
   });
 #else
   update_blocks(
-      w, base, n, m, v, stats, [&](auto& update, int64_t at, __m512 mi, __m512 vi) { update(p + at, g + at, mi, vi, m + at, v + at); },
+      w, base, n, m, v, stats, [&](auto& update, int64_t at, auto mi, auto vi) { update(p + at, g + at, mi, vi, m + at, v + at); },
       [&](int64_t i, int64_t end) { update_values(p + i, g + i, w.h, end - i, m + i, v + i); });
 #endif
 }
@@ -1188,7 +1188,7 @@ QSTATE_NOINLINE void update_grid_blocks(const Param& w, int64_t base, int64_t n,
       w.dtype, w.grid, w.p, w.g, base, [&]<typename T, typename Rounding, bool Eco>(T* p, const T* g, Rounding, std::bool_constant<Eco>) {
         update_blocks(
             w, base, n, m, v, stats,
-            [&](auto& update, int64_t at, __m512 mi, __m512 vi) {
+            [&](auto& update, int64_t at, auto mi, auto vi) {
               update.template advance<T, Rounding, Eco>(p + at, g + at, mi, vi, w.grid.seed, base + at);
               update.record(mi, vi, m + at, v + at);
             },
