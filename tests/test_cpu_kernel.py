@@ -471,6 +471,31 @@ def test_the_build_is_said_on_stderr_only_when_not_cached(monkeypatch, tmp_path,
     assert calls[0]["sources"] == [str(native.CSRC / "adam_cpu.cpp"), str(native.CSRC / "bindings.cpp")]  # compiled in parallel
 
 
+def test_no_x86_vector_type_outside_the_simd_sections():
+    """Outside the ``#if``/``#ifdef`` sections on AVX-512 or AVX2 (``QSTATE_AVX512``, ``QSTATE_VBMI``, ``QSTATE_AVX2``),
+    the kernel names no x86 vector type or intrinsic: elsewhere (Arm) ``immintrin.h`` is not there. An x86 build
+    without AVX2 (``make kernel-check``'s ``x86-64``) sees such a name only where torch's headers happen to include it;
+    the fallback lambdas once took ``__m512`` parameters that way."""
+    simd = re.compile(r"QSTATE_AVX|QSTATE_VBMI|__AVX")
+    x86 = re.compile(r"__m(128|256|512)|_mm(256|512)?_|_pdep_|_pext_")
+    found = []
+    for path in (native.CSRC / "adam_cpu.h", native.CSRC / "adam_cpu.cpp"):
+        guarded: list[bool] = []  # per open #if: whether its current branch is a SIMD one
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            text = line.strip()
+            if text.startswith("#if"):
+                guarded.append(bool(simd.search(text)))
+            elif text.startswith("#elif"):
+                guarded[-1] = bool(simd.search(text))
+            elif text.startswith("#else"):
+                guarded[-1] = False
+            elif text.startswith("#endif"):
+                guarded.pop()
+            elif not any(guarded) and not text.startswith("//") and x86.search(text.split("//")[0]):
+                found.append(f"{path.name}:{number}: {text}")
+    assert not found, "\n".join(found)
+
+
 def test_only_the_bindings_include_torchs_python_headers():
     """The kernel's files include ATen's tensor headers, not ``torch/extension.h`` or pybind11 (whose parsing alone took
     30 s of the build): those are ``bindings.cpp``'s, which compiles beside the kernel."""
