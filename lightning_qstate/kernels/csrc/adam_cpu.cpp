@@ -200,27 +200,29 @@ void count_block(const uint8_t* __restrict__ old, float old_scale, const uint8_t
 bool all_finite(const float* __restrict__ x, int64_t n) {
   int64_t done = 0;
   bool bad = false;
-#ifdef QSTATE_AVX512
-  constexpr int parts = 8;
-  const int64_t part = n / parts / 16 * 16;
+#if defined(QSTATE_AVX512) || defined(QSTATE_AVX2)
+#ifdef QSTATE_AVX512  // per vector of ``lanes`` values: the lanes that are inf/NaN, and whether any flag is set
+  constexpr int64_t lanes = 16;
   __mmask16 nonfinite = 0;
-  for (int64_t i = 0; i < part; i += 16)
-    for (int k = 0; k < parts; ++k) {
-      const __m512 value = _mm512_loadu_ps(x + k * part + i);
-      nonfinite |= _mm512_cmp_ps_mask(_mm512_sub_ps(value, value), _mm512_setzero_ps(), _CMP_UNORD_Q);
-    }
-  bad = nonfinite != 0;
-  done = parts * part;
-#elif defined(QSTATE_AVX2)
+  const auto nonfinite_of = [](const float* at) {
+    const __m512 value = _mm512_loadu_ps(at);
+    return _mm512_cmp_ps_mask(_mm512_sub_ps(value, value), _mm512_setzero_ps(), _CMP_UNORD_Q);
+  };
+  const auto any = [](__mmask16 flags) { return flags != 0; };
+#else
+  constexpr int64_t lanes = 8;
+  __m256i nonfinite = _mm256_setzero_si256();
+  const auto nonfinite_of = [](const float* at) {
+    const __m256 value = _mm256_loadu_ps(at);
+    return _mm256_castps_si256(_mm256_cmp_ps(_mm256_sub_ps(value, value), _mm256_setzero_ps(), _CMP_UNORD_Q));
+  };
+  const auto any = [](__m256i flags) { return !_mm256_testz_si256(flags, flags); };
+#endif
   constexpr int parts = 8;
-  const int64_t part = n / parts / 8 * 8;
-  __m256 nonfinite = _mm256_setzero_ps();
-  for (int64_t i = 0; i < part; i += 8)
-    for (int k = 0; k < parts; ++k) {
-      const __m256 value = _mm256_loadu_ps(x + k * part + i);
-      nonfinite = _mm256_or_ps(nonfinite, _mm256_cmp_ps(_mm256_sub_ps(value, value), _mm256_setzero_ps(), _CMP_UNORD_Q));
-    }
-  bad = _mm256_movemask_ps(nonfinite) != 0;
+  const int64_t part = n / parts / lanes * lanes;
+  for (int64_t i = 0; i < part; i += lanes)
+    for (int k = 0; k < parts; ++k) nonfinite |= nonfinite_of(x + k * part + i);
+  bad = any(nonfinite);
   done = parts * part;
 #endif
   uint32_t rest_nonfinite = 0;  // a reduction the compiler vectorizes
