@@ -269,6 +269,29 @@ NATIVE_JOIN: tuple[Requirement, ...] = (
 )
 
 
+# The param-group options the requirements read (tested): with ``plan_inputs``, what a group's plan is made from.
+PLAN_OPTIONS = ("amsgrad", "capturable", "differentiable", "fused", "error_feedback", "momentum")
+
+
+def plan_inputs(
+    param: torch.Tensor, grad: torch.Tensor, state: dict, weights: WeightGrid | None, created: Mapping[str, StorageFormat | None]
+) -> tuple:
+    """What the requirements read of one parameter (a ``Candidate``'s fields but its group and the optimizer's
+    switches), as a tuple equal for two parameters exactly where every requirement decides alike: the local tensor's
+    dtype, device, size and layout, the gradient's dtype, the weight grid, the states the step creates, and per state
+    its name, type, dtype, and a ``QuantizedTensor``'s format or a tensor's layout. A requirement that reads more must
+    add it here: an optimizer reuses a group's plan while these (and the group's ``PLAN_OPTIONS``) stay equal."""
+    states = [
+        (name, value.format, value.dtype)
+        if isinstance(value, QuantizedTensor)
+        else (name, value.dtype, value.is_contiguous())
+        if isinstance(value, torch.Tensor)
+        else (name, type(value))
+        for name, value in state.items()
+    ]
+    return (param.dtype, param.device, param.numel(), param.is_contiguous(), grad.dtype, weights, tuple(created.items()), *states)
+
+
 def meets(candidate: Candidate, requirements: tuple[Requirement, ...]) -> bool:
     """Whether ``candidate`` meets every one of ``requirements``, checked left to right (a plain loop: a generator
     under ``all`` costs more than the checks themselves, and the step plans every parameter each step)."""

@@ -243,9 +243,25 @@ def _scales(q: QuantizedTensor) -> torch.Tensor:
     return _NO_SCALES if q.scales is None else q.scales
 
 
+@functools.lru_cache(maxsize=64)
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zero tensor the kernel only reads, made once per shape: its option rows where no parameter of a call has
+    that option (no weight grid, no seed, no ECO coefficient), so a plain step builds none of them."""
+    return torch.zeros(shape, dtype=dtype)
+
+
+def _rows(values: list, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """``values`` (numbers, or lists of them) as a tensor of ``shape``; the shared ``_zeros`` where all are zero."""
+    if not any(map(any, values) if shape[1:] else values):
+        return _zeros(shape, dtype)
+    return torch.tensor(values, dtype=dtype).view(shape)
+
+
 def _grid_rows(weights: list[WeightGrid | None], group: dict) -> torch.Tensor:
     """The kernel's ``grids``: ``(n, 3)`` int64, per parameter ``[grid dtype code (GRID_DTYPES; 0: none), stochastic,
     eco]`` from its weight grid and ``group``'s ``weight_rounding`` and ``error_feedback``."""
+    if not any(weights):
+        return _zeros((len(weights), 3), torch.int64)
     stochastic, eco = group.get("weight_rounding") == "stochastic", group.get("error_feedback") == "eco"
     rows = [(GRID_DTYPES.index(grid.cast_dtype), stochastic, eco) if grid is not None else (0, 0, 0) for grid in weights]
     return torch.tensor(rows, dtype=torch.int64).view(-1, 3)
@@ -304,8 +320,8 @@ def native_adam_steps(
         floats=floats.view(-1, 2),
         bounds=torch.tensor(bounds, dtype=torch.float32),
         grids=_grid_rows([weights[k] for k in coded], group),
-        seeds=torch.tensor([[seeds[k], *moment_seeds[k]] for k in coded], dtype=torch.int64).view(-1, 3),
-        eco=torch.tensor(eco_coefficients, dtype=torch.float32),
+        seeds=_rows([[seeds[k], *moment_seeds[k]] for k in coded], (len(coded), 3), torch.int64),
+        eco=_rows(eco_coefficients, (len(coded),), torch.float32),
         plain=[t for k in plain for t in (params[k], grads[k].contiguous(), states[k]["exp_avg"], states[k]["exp_avg_sq"])],
         steps=[states[k]["step"] for k in order],
         lr=float(group["lr"]),
@@ -390,11 +406,9 @@ def native_momentum_steps(
         ints=ints,
         floats=floats,
         grids=_grid_rows(weights, group),
-        seeds=torch.tensor(
-            [[weight_seed, seed] for weight_seed, seed in zip(weight_seeds, seeds or [0] * count, strict=True)], dtype=torch.int64
-        ).view(-1, 2),
-        eco=torch.tensor(eco, dtype=torch.float32),  # read only where a grid row's eco column is set
-        created=torch.tensor(created or [False] * count, dtype=torch.bool),
+        seeds=_rows([list(pair) for pair in zip(weight_seeds, seeds or [0] * count, strict=True)], (count, 2), torch.int64),
+        eco=_rows(eco, (count,), torch.float32),  # read only where a grid row's eco column is set
+        created=_rows(created or [False] * count, (count,), torch.bool),
         updates=updates,
         lr=float(group["lr"]),
         weight_decay=float(group["weight_decay"]),

@@ -20,7 +20,8 @@ from torch.distributed.tensor import DTensor
 
 from ..formats import NonFiniteError, QuantizedTensor, StorageFormat, count_stalls
 from ..formats.weights import WeightGrid
-from ..kernels.dispatch import PER_PARAMETER_PATHS, Candidate, StepPath, plan_group
+from ..kernels import dispatch
+from ..kernels.dispatch import PER_PARAMETER_PATHS, PLAN_OPTIONS, Candidate, StepPath, plan_group, plan_inputs
 from .policy import (
     GROUP_OPTIONS,
     POLICY_DEFAULTS,
@@ -454,22 +455,12 @@ class QuantizedStates:
 
     def _step_params(self) -> None:
         """Step every parameter that has a gradient: each param group's parameters are planned onto their paths
-        (``kernels.dispatch.plan_group`` over ``step_path_table``) and each path runs once per group (``_run_path``)."""
+        (``_planned_paths``) and each path runs once per group (``_run_path``)."""
         taken: dict[torch.Tensor, StepPath] = {}
-        for group in self.param_groups:
+        for index, group in enumerate(self.param_groups):
             keys = self._params_with_grads(group)
-            candidates = []
-            for key in keys:
-                param, state = local_tensor(key), self.state[key]
-                if not state:
-                    self._init_state(group, key, param, state)
-                weights = self.weight_grid(group, key, param)
-                created = self._created_states(group, key, state)
-                candidates.append(
-                    Candidate(param, local_tensor(key.grad), group, state, self.cpu_compile, weights, self.track_stalls, created)
-                )
             by_path: dict[StepPath, list[torch.Tensor]] = {}
-            for key, path in zip(keys, plan_group(self.step_path_table, candidates), strict=True):
+            for key, path in zip(keys, self._planned_paths(index, group, keys), strict=True):
                 by_path.setdefault(path, []).append(key)
                 taken[key] = path
             for path, members in by_path.items():
@@ -478,6 +469,34 @@ class QuantizedStates:
                 if not self.state[key]:
                     del self.state[key]
         self._taken_paths = taken
+
+    def _planned_paths(self, index: int, group: dict, keys: list[torch.Tensor]) -> list[StepPath]:
+        """The paths of ``keys`` (of ``group``, ``param_groups[index]``) by ``kernels.dispatch.plan_group`` over
+        ``step_path_table``: planned again only where what the requirements read differs from the group's last plan
+        (each parameter's ``dispatch.plan_inputs``, the group's ``PLAN_OPTIONS``, the optimizer's switches, the
+        dispatch module's), else the last plan (planning every parameter each step costs more than a small one's step)."""
+        rows = []
+        for key in keys:
+            param, state = local_tensor(key), self.state[key]
+            if not state:
+                self._init_state(group, key, param, state)
+            rows.append(
+                (param, local_tensor(key.grad), state, self.weight_grid(group, key, param), self._created_states(group, key, state))
+            )
+        inputs = (
+            self.step_path_table, self.cpu_compile, self.track_stalls, dispatch.TRITON_DEVICE_TYPES, dispatch.FUSED_MIN_NUMEL,
+            dispatch.native_kernel_available, *(group.get(option) for option in PLAN_OPTIONS), *(plan_inputs(*row) for row in rows),
+        )  # fmt: skip
+        plans = self.__dict__.setdefault("_plans", {})
+        if index in plans and plans[index][0] == inputs:
+            return plans[index][1]
+        candidates = [
+            Candidate(param, grad, group, state, self.cpu_compile, weights, self.track_stalls, created)
+            for param, grad, state, weights, created in rows
+        ]
+        paths = plan_group(self.step_path_table, candidates)
+        plans[index] = (inputs, paths)
+        return paths
 
     def _created_states(self, group: dict, key: torch.Tensor, state: dict) -> dict[str, StorageFormat | None]:
         """The states that stepping parameter ``key`` (of ``group``, with its initialized ``state``) creates, with the
