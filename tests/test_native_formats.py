@@ -10,6 +10,7 @@ native path.
 
 from __future__ import annotations
 
+import copy
 import numpy as np
 import pytest
 import torch
@@ -391,15 +392,19 @@ def test_kernel_codebook_stochastic_rounding_uses_the_documented_draws(name, v_n
 
 @pytest.mark.parametrize("states", ["int8", "int4", "int7", "fp8_e4m3", "bf16"])
 def test_the_optimizer_steps_stochastic_rounding_on_the_native_path_and_resumes_exactly(states):
-    """SR on the native path (seeds from the optimizer's ``rounding_generator(key, "moments")``): a run resumed from a
-    checkpoint after step 2 rounds steps 3-4 as the uninterrupted run does, and the rounding is unbiased in effect
-    (the states track the fp32 AdamW ones)."""
+    """SR on the native path (seeds from the optimizer's seed and step count: ``_kernel_seeds(key, "moments", 2)``): a
+    run resumed from a checkpoint after step 2 rounds steps 3-4 as the uninterrupted run does, also in an optimizer of
+    another seed that stepped before it loaded the checkpoint, and the rounding is unbiased in effect (the states track
+    the fp32 AdamW ones)."""
 
-    def run(steps, resume_from=None):
+    def run(steps, resume_from=None, seed=3):
         weight = torch.nn.Parameter(torch.randn(70_000, generator=torch.Generator().manual_seed(0)))
         optimizer = lq.QAdamW(
-            [weight], lr=1e-3, states=states, rounding="stochastic", min_quant_size=0, generator=torch.Generator().manual_seed(3)
+            [weight], lr=1e-3, states=states, rounding="stochastic", min_quant_size=0, generator=torch.Generator().manual_seed(seed)
         )
+        if seed != 3:  # its own seeds are made before it loads the checkpoint's
+            weight.grad = torch.ones_like(weight)
+            optimizer.step()
         if resume_from is not None:
             weight.data.copy_(resume_from[0])
             optimizer.load_state_dict(resume_from[1])
@@ -412,7 +417,8 @@ def test_the_optimizer_steps_stochastic_rounding_on_the_native_path_and_resumes_
     full_weight, full = run(range(4))
     half_weight, half = run(range(2))
     checkpoint = (half_weight.detach().clone(), half.state_dict())
-    resumed_weight, resumed = run(range(2, 4), resume_from=checkpoint)
-    assert torch.equal(full_weight, resumed_weight)
-    for key in ("exp_avg", "exp_avg_sq"):
-        assert same_bits(full.state[full_weight][key].codes, resumed.state[resumed_weight][key].codes), key
+    for seed in (3, 11):
+        resumed_weight, resumed = run(range(2, 4), resume_from=copy.deepcopy(checkpoint), seed=seed)  # steps in place, as torch's
+        assert torch.equal(full_weight, resumed_weight)
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert same_bits(full.state[full_weight][key].codes, resumed.state[resumed_weight][key].codes), key

@@ -25,7 +25,7 @@ reference's. Under round to nearest its codes are the reference's bit for bit. S
 reference's rules (``encode_codebook``'s floor code and gap, ``encode_minifloat``'s floor mantissa, ``bf16_stochastic``,
 ``fp16_stochastic``) with counter-based draws: element ``i`` of a moment draws half of splitmix64 output ``i // 2 + 1``
 of that moment's seed (the upper half for an even ``i``, the lower for an odd one: one 64-bit output per two elements),
-which the optimizer draws per step from its ``rounding_generator(param, "moments")`` (reproducible, independent of the
+which the optimizer derives per step (``QuantizedStates._kernel_seeds(param, "moments", 2)``; reproducible, independent of the
 thread count, and resumed exactly from a checkpoint); the U[0, 1) draw is the upper 24 bits times
 2^-24, as an fp32 uniform of torch. Unbiased as the reference, not its bits (another generator).
 
@@ -37,8 +37,8 @@ inf; or stochastic: bf16 as ``formats.rounding.bf16_stochastic``, 16 random bits
 unbiased, as ``formats.cast.fp16_stochastic``) and written in the parameter's dtype (round to nearest, as ``copy_``);
 with ``error_feedback="eco"`` the rounding error goes into ``m`` before ``m`` is encoded
 (``adam_reference.eco_feedback``: ``fma(eco_coefficient * denom, updated - rounded, m)``). The random bits of
-element ``i`` are half of splitmix64's output ``i // 2 + 1`` from a per-parameter seed that Python draws for each step from
-``optimizer.rounding_generator(param, "weights", cpu)``: counter-based, so they do not depend on the thread count.
+element ``i`` are half of splitmix64's output ``i // 2 + 1`` from a per-parameter seed that Python derives for each step
+(``optimizer._kernel_seeds(param, "weights")``): counter-based, so they do not depend on the thread count.
 For these parameters the update, the rounding and the feedback run 16 values at a time with AVX-512
 (``Update16::advance``: true divisions, the grid's rounding by the cast stores' vector forms); the scalar loop
 that runs the rest (the whole update on other CPUs) is written without branches (selects, ``-fno-math-errno``) and
@@ -83,7 +83,7 @@ as an FMA; weight decay, dampening, nesterov, maximize; the param updated in the
 (``buf.lerp_(grad, 1 - momentum)`` and the update ``grad.lerp(buf, momentum)`` or ``buf``, as torch's lerp kernel
 rounds them, into an fp32 tensor that QMuon orthogonalizes with torch's own Newton–Schulz and applies as ``muon``
 does). Round to nearest, codes, scales and params are the reference path's bit for bit; stochastic rounding draws
-half of splitmix64 output ``i // 2 + 1`` of a seed per buffer and step from ``rounding_generator(param, "momentum_buffer")``. The
+half of splitmix64 output ``i // 2 + 1`` of a seed per buffer and step (``_kernel_seeds(param, "momentum_buffer")``). The
 loop over the values is branch-free scalar code that the compiler vectorizes.
 
 It is built on first use with ``torch.utils.cpp_extension.load`` (needs a C++ compiler and ninja; said on stderr):

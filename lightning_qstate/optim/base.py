@@ -426,17 +426,28 @@ class QuantizedStates:
         stores the seed and the step count. Replicated parameters (DDP) draw the same stream on every rank, so their
         replicas round alike and stay identical.
         """
+        seed = mix64(self._rounding_seed, self._rounding_step, self._position(key), self._shard_index(key), *name.encode())
+        return torch.Generator(device=device).manual_seed(seed)
+
+    def _position(self, key: torch.Tensor) -> int:
+        """``key``'s position among all the parameters of all param groups, in order."""
         positions = self.__dict__.get("_positions")
         if positions is None or key not in positions:  # built once, and again after add_param_group
             positions = self._positions = {p: i for i, p in enumerate(p for group in self.param_groups for p in group["params"])}
-        seed = mix64(self._rounding_seed, self._rounding_step, positions[key], self._shard_index(key), *name.encode())
-        return torch.Generator(device=device).manual_seed(seed)
+        return positions[key]
 
     def _kernel_seeds(self, key: torch.Tensor, name: str, count: int = 1) -> list[int]:
         """``count`` seeds of the C++ kernel's counter-based stochastic rounding of state ``name`` of parameter ``key`` at
-        this step, drawn from its ``rounding_generator`` (the stream the other paths draw from: a resumed run rounds
-        alike)."""
-        return torch.randint(2**62, (count,), generator=self.rounding_generator(key, name, torch.device("cpu"))).tolist()
+        this step: ``mix64`` of the stream's base (``mix64`` of the optimizer's seed, the parameter's position and shard
+        index and the name, as ``rounding_generator`` mixes them; made once per stream and seed), the step count and the
+        seed's index. Reproducible from the seed alone and resumed exactly from a checkpoint, as the generator's draws
+        (a few µs per parameter less than drawing from a generator, which the native path would pay every step)."""
+        bases = self.__dict__.setdefault("_stream_bases", {})
+        base = bases.get((key, name))
+        if base is None or base[0] != self._rounding_seed:
+            mixed = mix64(self._rounding_seed, self._position(key), self._shard_index(key), *name.encode())
+            base = bases[key, name] = (self._rounding_seed, mixed)
+        return [mix64(base[1], self._rounding_step, index) for index in range(count)]
 
     def _shard_index(self, key: torch.Tensor) -> int:
         """Which shard of ``key`` this rank holds: 0 for a replicated parameter (DDP, a DTensor's ``Replicate`` mesh

@@ -98,9 +98,9 @@ class _AdamStates(QuantizedStates):
 
     def _native_steps(self, group: dict, keys: list[torch.Tensor]) -> None:
         """The ``native`` path: one C++ call for ``keys`` (``kernels.native``), with each parameter's weight grid and,
-        for stochastic weight rounding, a seed per parameter drawn from its ``rounding_generator(key, "weights")``; for
-        stochastic rounding of the moments, seeds of ``m`` and ``v`` drawn from its ``rounding_generator(key, "moments")``
-        (the streams the other paths draw from: a resumed run rounds alike)."""
+        for stochastic weight rounding, a seed per parameter (``_kernel_seeds(key, "weights")``); for stochastic
+        rounding of the moments, seeds of ``m`` and ``v`` (``_kernel_seeds(key, "moments", 2)``): reproducible from the
+        optimizer's seed, a resumed run rounds alike."""
         states = [self.state[key] for key in keys]
         params, grads = [local_tensor(key) for key in keys], [local_tensor(key.grad) for key in keys]
         weights = [self.weight_grid(group, key, param) for key, param in zip(keys, params, strict=True)]
@@ -358,10 +358,10 @@ class _MomentumStates(QuantizedStates):
 
     def _native_steps(self, group: dict, keys: list[torch.Tensor]) -> None:
         """The ``native`` path: one C++ call for ``keys`` (SGD's first step creates the buffer there, in the policy's
-        format, kept only if the parameter steps); for stochastic rounding, a seed per buffer drawn from its
-        ``rounding_generator(key, "momentum_buffer")`` (the reference path's stream: a resumed run rounds alike), and
-        for SGD's parameters on a weight grid, its seed of stochastic weight rounding from ``rounding_generator(key,
-        "weights")`` and ECO's coefficient (``optim.weights.sgd_feedback_coefficient``). QMuon's parameters on a weight
+        format, kept only if the parameter steps); for stochastic rounding, a seed per buffer
+        (``_kernel_seeds(key, "momentum_buffer")``: reproducible from the optimizer's seed, a resumed run rounds alike), and
+        for SGD's parameters on a weight grid, its seed of stochastic weight rounding (``_kernel_seeds(key,
+        "weights")``) and ECO's coefficient (``optim.weights.sgd_feedback_coefficient``). QMuon's parameters on a weight
         grid (no ECO: QMuon refuses ``"eco"``) take the kernel's momentum and update, then ``_apply_update`` on fp32
         copies rounded onto the grid (``_round_to_grid``), as the reference path's ``_update_weights``."""
         params, grads = [local_tensor(key) for key in keys], [local_tensor(key.grad) for key in keys]
