@@ -11,6 +11,7 @@ native path.
 from __future__ import annotations
 
 import copy
+
 import numpy as np
 import pytest
 import torch
@@ -139,6 +140,36 @@ def assert_m_stored_like_the_reference(fmt, grad: torch.Tensor) -> None:
     reference_step(torch.zeros(grad.numel()), grad, reference, group, track=False)
     assert torch.equal(state["exp_avg"].codes, reference["exp_avg"].codes)
     assert torch.equal(state["exp_avg"].scales, reference["exp_avg"].scales)
+
+
+@pytest.mark.parametrize(
+    ("m_name", "v_name"),
+    [("fp8_e4m3", "fp8_e4m3"), ("fp8_e5m2", "e5m3"), ("e4m3", "e4m4"), ("e6m1", "e6m2"), ("e3m4", "fp8_e5m2")],
+)
+def test_kernel_decodes_every_8_bit_minifloat_code_as_its_table(m_name, v_name):
+    """Every code of 8-bit minifloat moments (those above the largest one and the negative zero included) is decoded
+    as the table says: the AVX2 step reads tables whose values are powers of two apart by register permutes and
+    exponent arithmetic (``exponent_decode``), the others by a gather. The step from such moments equals the reference's
+    (``v``: every code whose value is not negative; an 8-bit ``signed=False`` table may hold negative ones)."""
+    m_format, v_format = get_format(m_name), get_format(v_name, signed=False)
+    assert m_format.bits == 8 and v_format.bits == 8
+    numel = 4 * 256 + 8
+    state, reference = (adam_state(m_format, v_format, numel, 0) for _ in range(2))
+    every_code = torch.arange(numel).remainder(256).to(torch.uint8)
+    nonnegative = (v_format.decode_values() >= 0).nonzero().flatten()
+    v_codes = nonnegative[torch.arange(numel).remainder(nonnegative.numel())].roll(37).to(torch.uint8)
+    for moments in (state, reference):
+        moments["exp_avg"].codes.copy_(every_code)
+        moments["exp_avg_sq"].codes.copy_(v_codes)
+    group = adam_group()
+    param, grad = torch.randn(numel, generator=torch.Generator().manual_seed(1)), torch.randn(numel) * 0.1
+    reference_param = param.clone()
+    assert native_adam_steps([param], [grad], [state], group, track_stalls=False)[0][:2] == [1, 1]
+    reference_step(reference_param, grad, reference, group, track=False)
+    for key in ("exp_avg", "exp_avg_sq"):
+        assert same_bits(state[key].codes, reference[key].codes), key
+        assert same_bits(state[key].scales, reference[key].scales), key
+    assert same_bits(param, reference_param)
 
 
 @pytest.mark.parametrize("name", ["fp8_e4m3", "fp8_e5m2", "e2m1", "e3m0", "e4m3"])

@@ -858,6 +858,7 @@ State state_of(const at::Tensor& codes, const at::Tensor& scales, const at::Tens
   const int64_t blocks = (numel + s.block - 1) / s.block;
   TORCH_CHECK(codes.numel() == s.code_bytes(numel) && scales.numel() == blocks, "parameter ", k, ": codes or scales of the wrong size");
   s.scales = scales_of(scales, k);
+  s.by_exponent = s.kind == Kind::kMinifloat && decodes_by_exponent(s.cb.decode, s.mf, s.bits);
   return s;
 }
 
@@ -1092,16 +1093,20 @@ QSTATE_INLINE void with_packing(const State& s, Visit&& visit) {
 
 // 8 values of a block state from element ``index`` (a multiple of 8), decoded as decode_bytes / decode_nibbles /
 // decode_dense do: their table's values times the block's scale. 4-bit codes by register permutes of the table's first
-// 16 values (lookup16), the others by a gather; a dense group's 8 codes from its word by a byte shuffle (the two bytes
-// each code spans), a shift and a mask per lane.
+// 16 values (lookup16), as 8-bit minifloat codes whose table allows it (State::by_exponent: exponent_decode, those 16
+// values raised by powers of two), the others by a gather; a dense group's 8 codes from its word by a byte shuffle (the
+// two bytes each code spans), a shift and a mask per lane.
 template <Packing P>
 struct Decode8 {
   const uint8_t* codes;
   const float* table;
-  __m256 low, high;              // table[0:8], table[8:16] (kNibbles)
-  int32_t bits;                  // kDense: bits per code
-  int64_t whole_words;           // kDense: the groups whose 8-byte word lies inside the codes (the others read exactly)
-  __m256i spans, offsets, mask;  // kDense, per code j: the bytes of its span in the word, its first bit in them, its mask
+  __m256 low, high;                            // table[0:8], table[8:16] (kNibbles; kBytes by exponent)
+  int32_t bits;                                // kDense: bits per code
+  int64_t whole_words;                         // kDense: the groups whose 8-byte word lies inside the codes (the others read exactly)
+  __m256i spans, offsets, mask;                // kDense, per code j: the bytes of its span in the word, its first bit in them, its mask
+  bool by_exponent;                            // kBytes: State::by_exponent, with
+  __m256i sign_bit, magnitude_mask, max_code;  // the codes' sign bit (0: unsigned), the bits below it, the largest magnitude
+  __m128i mantissa_bits;                       // and its mantissa bits (a shift count)
 
   // s: a block state of a parameter of ``numel`` values.
   Decode8(const State& s, int64_t numel)
@@ -1109,7 +1114,14 @@ struct Decode8 {
         table(s.cb.decode),
         low(_mm256_loadu_ps(table)),
         high(_mm256_loadu_ps(table + 8)),
-        bits(s.bits) {
+        bits(s.bits),
+        by_exponent(P == Packing::kBytes && s.by_exponent) {
+    if (by_exponent) {
+      sign_bit = _mm256_set1_epi32(s.mf.has_sign ? 0x80 : 0);
+      magnitude_mask = _mm256_set1_epi32(s.mf.has_sign ? 0x7F : 0xFF);
+      max_code = _mm256_set1_epi32(s.mf.max_code);
+      mantissa_bits = _mm_cvtsi32_si128(s.mf.mantissa_bits);
+    }
     if constexpr (P == Packing::kDense) {
       const int64_t bytes = s.code_bytes(numel);
       whole_words = bytes >= 8 ? (bytes - 8) / bits + 1 : 0;
@@ -1143,8 +1155,15 @@ struct Decode8 {
       const __m256i code = _mm256_and_si256(_mm256_srlv_epi32(spanned, offsets), mask);
       return _mm256_mul_ps(_mm256_i32gather_ps(table, code, 4), scale);
     } else {
-      const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + index));
-      return _mm256_mul_ps(_mm256_i32gather_ps(table, _mm256_cvtepu8_epi32(bytes), 4), scale);
+      const __m256i code = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + index)));
+      if (!by_exponent) return _mm256_mul_ps(_mm256_i32gather_ps(table, code, 4), scale);
+      const __m256i one = _mm256_set1_epi32(1);  // exponent_decode on 8 lanes
+      const __m256i magnitude = _mm256_min_epi32(_mm256_and_si256(code, magnitude_mask), max_code);
+      const __m256i raised = _mm256_sub_epi32(_mm256_max_epi32(_mm256_srl_epi32(magnitude, mantissa_bits), one), one);
+      const __m256 first = lookup16(low, high, _mm256_sub_epi32(magnitude, _mm256_sll_epi32(raised, mantissa_bits)));
+      const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(code, sign_bit), 24);
+      const __m256i pattern = _mm256_or_si256(_mm256_add_epi32(_mm256_castps_si256(first), _mm256_slli_epi32(raised, 23)), sign);
+      return _mm256_mul_ps(_mm256_castsi256_ps(pattern), scale);
     }
   }
 };

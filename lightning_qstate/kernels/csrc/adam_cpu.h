@@ -513,6 +513,27 @@ struct Minifloat {
   }
 };
 
+// The fp32 pattern of code ``code``'s value in a minifloat's decode table (its codes' values / max_value), computed from
+// the table's first 2^(M + 1) values: the magnitude code min(code without its sign bit, max_code) with exponent field e
+// and mantissa m reads decode[e ? 2^M + m : m] (e = 0, 1: itself) times 2^max(e - 1, 0) (its exponent bits raised), and
+// takes the code's sign. Equal to the table where its values are exact powers of two apart (decodes_by_exponent).
+inline uint32_t exponent_decode(const float* decode, const Minifloat& mf, int32_t bits, uint32_t code) {
+  const uint32_t magnitude_mask = mf.has_sign ? (1u << mf.sign_shift) - 1u : (1u << bits) - 1u;
+  const int32_t magnitude = std::min(static_cast<int32_t>(code & magnitude_mask), mf.max_code);
+  const int32_t raised = std::max(magnitude >> mf.mantissa_bits, 1) - 1;
+  const uint32_t sign = mf.has_sign ? (code >> mf.sign_shift) & 1u : 0u;
+  return (bits_of(decode[magnitude - (raised << mf.mantissa_bits)]) + (static_cast<uint32_t>(raised) << 23)) | sign << 31;
+}
+
+// Whether every code of ``bits`` bits reads the same pattern from exponent_decode as from the table (8-bit minifloats of
+// up to 3 mantissa bits only: their 16 first values fit the AVX2 decoder's registers, Decode8).
+inline bool decodes_by_exponent(const float* decode, const Minifloat& mf, int32_t bits) {
+  if (bits != 8 || mf.mantissa_bits > 3) return false;
+  for (uint32_t code = 0; code < 256; ++code)
+    if (exponent_decode(decode, mf, bits, code) != bits_of(decode[code])) return false;
+  return true;
+}
+
 // formats.rounding.encode_codebook (SR) clamped up to min_code, between code ``low`` (value low_value) and low + 1
 // (high_value): x rounds up where ``uniform`` times their gap is below x's distance from low_value.
 inline uint32_t stochastic_between(float x, int32_t low, float low_value, float high_value, int32_t min_code, float uniform) {
@@ -568,6 +589,7 @@ struct State {
   int32_t min_code;  // a codebook's min_code
   bool stochastic;   // SR, element i drawing random_bits(seed, i)
   uint64_t seed;
+  bool by_exponent;  // a minifloat whose decode table is exponent_decode's (decodes_by_exponent)
 
   bool nibbles() const { return kind != Kind::kCast && bits <= 4; }
   bool dense() const { return kind != Kind::kCast && bits > 4 && bits < 8; }
