@@ -166,3 +166,21 @@ def test_a_plan_is_made_again_when_the_dispatch_module_changes(monkeypatch):
     assert _stepped(optimizer, [param]) == {"param0": "native"}
     monkeypatch.setattr(dispatch, "native_kernel_available", lambda: False)
     assert _stepped(optimizer, [param]) == {"param0": "compiled" if dispatch.FUSED_MIN_NUMEL <= 5000 else "reference"}
+
+
+@needs_kernel
+def test_the_shared_zero_option_rows_stay_zero():
+    """The native calls' all-zero option rows (``native._zeros``: grids, seeds, ECO coefficients, created buffers) are
+    shared between calls and optimizers: the kernel only reads them."""
+    params = [torch.nn.Parameter(torch.randn(5000)) for _ in range(2)]
+    optimizers = [
+        lq.QAdamW(params, states="int8", min_quant_size=0),
+        lq.QSGD(params, lr=1e-2, momentum=0.9, states="int8", min_quant_size=0),
+    ]
+    for optimizer in optimizers:
+        _stepped(optimizer, params, steps=2)
+        assert set(optimizer.step_paths().values()) == {"native"}
+    made = native._zeros.cache_info().misses
+    for shape, dtype in [((2, 3), torch.int64), ((2,), torch.float32), ((2, 2), torch.int64), ((2,), torch.bool)]:
+        assert not native._zeros(shape, dtype).any(), (shape, dtype)
+    assert native._zeros.cache_info().misses == made  # the rows the steps used, not new ones
