@@ -10,6 +10,7 @@ from lightning_qstate.formats import QuantizedTensor, get_format
 from lightning_qstate.kernels import dispatch, native
 from lightning_qstate.kernels.dispatch import ADAM_PATHS, MOMENTUM_PATHS, PLAN_OPTIONS, Candidate, plan_group, plan_inputs
 from lightning_qstate.optim import base
+from lightning_qstate.optim.weights import weight_grid
 
 needs_kernel = pytest.mark.skipif(not native.native_kernel_available(), reason="no C++ compiler here: the optimizer uses another path")
 # What ``plan_inputs`` records of a tensor and of a ``QuantizedTensor``.
@@ -60,21 +61,19 @@ def _candidates(momentum: bool) -> list[Candidate]:
         zeros = torch.zeros(5000)
         if states == "int8":
             q = int8.quantize(zeros)
-            coded = [_RecordingState(q.format, q.codes, q.scales, q.shape, q.dtype) for _ in range(2)]
-        plain = [zeros.clone().as_subclass(_RecordingTensor) for _ in range(2)]
-        moments = coded if states == "int8" else plain
+            moments = [_RecordingState(q.format, q.codes, q.scales, q.shape, q.dtype) for _ in range(2)]
+        else:
+            moments = [zeros.clone().as_subclass(_RecordingTensor) for _ in range(2)]
         state = {"step": torch.tensor(1.0)}
         state.update({"momentum_buffer": moments[0]} if momentum else {"exp_avg": moments[0], "exp_avg_sq": moments[1]})
         group = _RecordingGroup(
             lr=1e-3, weight_decay=0.0, amsgrad=False, capturable=False, differentiable=False, fused=None, error_feedback=None,
             momentum=0.9, rounding="nearest", weights=weights,
         )  # fmt: skip
-        grid = base.weight_grid(weights, {"error_feedback": None, "weight_block": "row"}, zeros)
+        grid = weight_grid(weights, {"error_feedback": None, "weight_block": "row"}, zeros)
         recorded.append(Candidate(param, grad, group, state, True, grid, False, {}))
         if momentum:  # SGD's first step: the buffer is created by the step
-            created = dict(state, momentum_buffer=None)
-            del created["momentum_buffer"]
-            recorded.append(Candidate(param, grad, group, created, True, grid, False, {"momentum_buffer": int8}))
+            recorded.append(Candidate(param, grad, group, {"step": state["step"]}, True, grid, False, {"momentum_buffer": int8}))
     return recorded
 
 

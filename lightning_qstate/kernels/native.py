@@ -61,7 +61,9 @@ register permute per level, and an 8-bit one by its bucket table, a gather);
 with AVX2 (and FMA, F16C; no AVX-512) the update runs 8 lanes at a time (``Update8``, the same operations as
 ``Update16``) where the parameter is fp32: for two bf16/fp16 casts decoded, updated and stored in one pass
 (``cast_lanes``), for two block states of one block size decoded (``Decode8``: 4-bit codes by register permutes of
-their 16 values, 8-bit and dense 5-7-bit ones by gathers, a dense group's codes by a byte shuffle and lane shifts),
+their 16 values, 8-bit minifloat codes by those permutes and exponent arithmetic where the table allows it
+(``exponent_decode``), other 8-bit and dense 5-7-bit ones by gathers, a dense group's codes by a byte shuffle and lane
+shifts),
 updated and their absmaxes taken in one pass; codebooks of at most 16 codes (int4's) are encoded 8 at a time by a
 register search of their thresholds, splitmix64 draws four outputs at a time (``splitmix64x4``, its 64-bit multiplies
 from 32-bit ones), and the gradient check reads eight far-apart parts of a gradient side by side.
@@ -260,11 +262,9 @@ def _rows(values: list, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Ten
 def _grid_rows(weights: list[WeightGrid | None], group: dict) -> torch.Tensor:
     """The kernel's ``grids``: ``(n, 3)`` int64, per parameter ``[grid dtype code (GRID_DTYPES; 0: none), stochastic,
     eco]`` from its weight grid and ``group``'s ``weight_rounding`` and ``error_feedback``."""
-    if not any(weights):
-        return _zeros((len(weights), 3), torch.int64)
     stochastic, eco = group.get("weight_rounding") == "stochastic", group.get("error_feedback") == "eco"
     rows = [(GRID_DTYPES.index(grid.cast_dtype), stochastic, eco) if grid is not None else (0, 0, 0) for grid in weights]
-    return torch.tensor(rows, dtype=torch.int64).view(-1, 3)
+    return _rows(rows, (len(weights), 3), torch.int64)
 
 
 def native_adam_steps(
