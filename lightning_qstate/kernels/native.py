@@ -62,17 +62,19 @@ with AVX2 (and FMA, F16C; no AVX-512) the update runs 8 lanes at a time (``Updat
 ``Update16``) where the parameter is fp32: for two bf16/fp16 casts decoded, updated and stored in one pass
 (``cast_lanes``), for two block states of one block size decoded (``Decode8``: 4-bit codes by register permutes of
 their 16 values, 8-bit minifloat codes by those permutes and exponent arithmetic where the table allows it
-(``exponent_decode``), other 8-bit and dense 5-7-bit ones by gathers, a dense group's codes by a byte shuffle and lane
-shifts),
+(``exponent_decode``), other 8-bit and dense 5-7-bit ones by table reads lane by lane (``gather8``: on an AMD Zen 3
+about twice the rate of a gather instruction), a dense group's codes by a byte shuffle and lane shifts),
 updated and their absmaxes taken in one pass; codebooks of at most 16 codes (int4's) are encoded 8 at a time by a
-register search of their thresholds, splitmix64 draws four outputs at a time (``splitmix64x4``, its 64-bit multiplies
-from 32-bit ones), and the gradient check reads eight far-apart parts of a gradient side by side.
+register search of their thresholds, larger ones (int8's, the dense codes') by their bucket table read the same way
+(``bucket_codes8``; stochastic rounding's neighbours from one 4-value read per lane, ``bucket_stochastic8``),
+splitmix64 draws four outputs at a time (``splitmix64x4``, its 64-bit multiplies from 32-bit ones), and the gradient
+check reads eight far-apart parts of a gradient side by side.
 The scalar code runs the rest and is the whole kernel on other CPUs (Arm, x86 without AVX2). There it is written as loops over
 branch-free lanes, one per kind of state and rounding (``code_lanes``: the encoders, one bucket-table read per value;
 the cast stores; block absmaxes; the finite checks; the nibble and byte decoders; Adam's update, its hold of ``m``
 skipped a chunk at a time where a test without square roots proves that it keeps every value: ``held_inside``),
-which the compiler vectorizes for the CPU it builds for (with AVX2, gathers for the tables; stochastic rounding's
-draws one splitmix64 output per pair of elements, into a buffer): the same IEEE operations per lane, so the same bits.
+which the compiler vectorizes for the CPU it builds for (stochastic rounding's draws one splitmix64 output per pair of
+elements, into a buffer): the same IEEE operations per lane, so the same bits.
 
 ``momentum_steps`` (``native_momentum_steps``) is the same machinery for QSGD's and QMuon's ``momentum_buffer`` (any
 format above, either rounding, and a plain fp32 buffer on a weight grid as an fp32 cast; fp32 parameters, and QSGD's

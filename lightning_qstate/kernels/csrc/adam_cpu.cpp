@@ -113,21 +113,59 @@ QSTATE_NOINLINE void code_loop(const float* __restrict__ x, float divisor, bool 
   for (int64_t i = 0; i < n; ++i) out[i] = static_cast<uint8_t>(lane(select(keep, x[i] / divisor, 0.0f), i));
 }
 
+#ifdef QSTATE_AVX2
+// code_lanes' AVX2 loop for a codebook of more than 16 codes (bucket_codes8, bucket_stochastic8; the others have
+// search8 or arithmetic): the codes of x[0:n] / divisor (0.0 where not ``finite``) 8 at a time, a byte each to out,
+// draws[i]: value i's SR draw. Returns the number of values coded (a multiple of 8).
+template <bool Stochastic>
+QSTATE_NOINLINE int64_t bucket_loop(const State& s, const float* __restrict__ x, float divisor, bool finite, int64_t n,
+                                    uint8_t* __restrict__ out, const uint32_t* __restrict__ draws) {
+  const Codebook cb = s.cb;
+  const int32_t last = s.last, min_code = s.min_code;
+  const __m256 d = _mm256_set1_ps(divisor);
+  const auto codes8 = [&](int64_t i) {
+    const __m256 q = finite ? _mm256_div_ps(_mm256_loadu_ps(x + i), d) : _mm256_setzero_ps();
+    if constexpr (Stochastic) {
+      const __m256i random = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(draws + i));
+      const __m256 uniform = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(random, 8)), _mm256_set1_ps(0x1p-24f));
+      return bucket_stochastic8(q, cb, last, min_code, uniform);
+    } else {
+      return bucket_codes8(q, cb);
+    }
+  };
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) store_codes8<false>(codes8(i), out + i);
+  return i;
+}
+#endif
+
 // The codes (Minifloat::encode; encode_lane or grid_code; codebook_stochastic or grid_stochastic) of x[0:n] / divisor
 // (true division, as the reference's; 0.0 everywhere where not ``finite``) in block state s, a byte each to out;
 // element ``first + i`` draws random_bits(s.seed, first + i) under SR (chunks_with_draws). One loop per kind and
-// rounding over branch-free lanes, which the compiler vectorizes for the CPU it builds for (AVX2: gathers for the
-// tables); with AVX-512 the 16- and 64-value loops leave only the tails to it.
+// rounding over branch-free lanes, which the compiler vectorizes for the CPU it builds for; with AVX2 codebooks of
+// more than 16 codes go through bucket_loop first (the compiler's loop gathers), with AVX-512 the 16- and 64-value
+// loops leave only the tails to it.
 void code_lanes(const State& s, const float* __restrict__ x, float divisor, bool finite, int64_t first, int64_t n,
                 uint8_t* __restrict__ out) {
   const Codebook cb = s.cb;
+  // bucket_loop's share of values [0, size) from x (draws[i]: value i's draw), where it applies; else 0
+  const auto buckets = [&]<bool Stochastic>(std::bool_constant<Stochastic>, const float* x, int64_t size, uint8_t* codes,
+                                            const uint32_t* draws) -> int64_t {
+#ifdef QSTATE_AVX2
+    if (s.kind == Kind::kCodebook && cb.grid == 0.0f && cb.depth > 4)
+      return bucket_loop<Stochastic>(s, x, divisor, finite, size, codes, draws);
+#endif
+    return 0;
+  };
   if (!s.stochastic) {
-    if (s.kind == Kind::kMinifloat)
+    if (s.kind == Kind::kMinifloat) {
       code_loop(x, divisor, finite, n, out, [mf = s.mf](float q, int64_t) { return mf.encode<false>(q); });
-    else if (cb.grid != 0.0f)
+    } else if (cb.grid != 0.0f) {
       code_loop(x, divisor, finite, n, out, [grid = cb.grid](float q, int64_t) { return grid_code(q, grid, 0.5f); });
-    else
-      code_loop(x, divisor, finite, n, out, [cb](float q, int64_t) { return encode_lane(q, cb); });
+    } else {
+      const int64_t i = buckets(std::false_type{}, x, n, out, nullptr);
+      code_loop(x + i, divisor, finite, n - i, out + i, [cb](float q, int64_t) { return encode_lane(q, cb); });
+    }
     return;
   }
   const Minifloat mf = s.mf;
@@ -136,16 +174,18 @@ void code_lanes(const State& s, const float* __restrict__ x, float divisor, bool
   chunks_with_draws(s.seed, first, n, kCodeChunk, buffer, [&](int64_t done, int64_t size, const uint32_t* draws) {
     const float* part = x + done;
     uint8_t* codes = out + done;
-    if (s.kind == Kind::kMinifloat)
+    if (s.kind == Kind::kMinifloat) {
       code_loop(part, divisor, finite, size, codes, [mf, draws](float q, int64_t i) { return mf.encode<true>(q, uniform_of(draws[i])); });
-    else if (cb.grid != 0.0f)
+    } else if (cb.grid != 0.0f) {
       code_loop(part, divisor, finite, size, codes, [cb, last, min_code, draws](float q, int64_t i) {
         return grid_stochastic(q, cb.grid, grid_code(q, cb.grid, 1.0f), last, min_code, uniform_of(draws[i]));
       });
-    else
-      code_loop(part, divisor, finite, size, codes, [cb, last, min_code, draws](float q, int64_t i) {
-        return codebook_stochastic(q, cb, last, min_code, uniform_of(draws[i]));
+    } else {
+      const int64_t i = buckets(std::true_type{}, part, size, codes, draws);
+      code_loop(part + i, divisor, finite, size - i, codes + i, [cb, last, min_code, rest = draws + i](float q, int64_t j) {
+        return codebook_stochastic(q, cb, last, min_code, uniform_of(rest[j]));
       });
+    }
   });
 }
 
@@ -1094,8 +1134,8 @@ QSTATE_INLINE void with_packing(const State& s, Visit&& visit) {
 // 8 values of a block state from element ``index`` (a multiple of 8), decoded as decode_bytes / decode_nibbles /
 // decode_dense do: their table's values times the block's scale. 4-bit codes by register permutes of the table's first
 // 16 values (lookup16), as 8-bit minifloat codes whose table allows it (State::by_exponent: exponent_decode, those 16
-// values raised by powers of two), the others by a gather; a dense group's 8 codes from its word by a byte shuffle (the
-// two bytes each code spans), a shift and a mask per lane.
+// values raised by powers of two), the others by gather_bytes8 (from the bytes) or gather8; a dense group's 8 codes
+// from its word by a byte shuffle (the two bytes each code spans), a shift and a mask per lane.
 template <Packing P>
 struct Decode8 {
   const uint8_t* codes;
@@ -1153,10 +1193,10 @@ struct Decode8 {
         std::memcpy(&word, codes + group * bits, bits);
       const __m256i spanned = _mm256_shuffle_epi8(_mm256_set1_epi64x(static_cast<int64_t>(word)), spans);
       const __m256i code = _mm256_and_si256(_mm256_srlv_epi32(spanned, offsets), mask);
-      return _mm256_mul_ps(_mm256_i32gather_ps(table, code, 4), scale);
+      return _mm256_mul_ps(gather8(table, code), scale);
     } else {
+      if (!by_exponent) return _mm256_mul_ps(gather_bytes8(table, codes + index), scale);
       const __m256i code = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + index)));
-      if (!by_exponent) return _mm256_mul_ps(_mm256_i32gather_ps(table, code, 4), scale);
       const __m256i one = _mm256_set1_epi32(1);  // exponent_decode on 8 lanes
       const __m256i magnitude = _mm256_min_epi32(_mm256_and_si256(code, magnitude_mask), max_code);
       const __m256i raised = _mm256_sub_epi32(_mm256_max_epi32(_mm256_srl_epi32(magnitude, mantissa_bits), one), one);
