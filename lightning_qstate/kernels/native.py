@@ -66,9 +66,9 @@ their 16 values, 8-bit minifloat codes by those permutes and exponent arithmetic
 about twice the rate of a gather instruction), a dense group's codes by a byte shuffle and lane shifts),
 updated and their absmaxes taken in one pass; codebooks of at most 16 codes (int4's) are encoded 8 at a time by a
 register search of their thresholds, larger ones (int8's, the dense codes') by their bucket table read the same way
-(``bucket_codes8``; stochastic rounding's neighbours from one 4-value read per lane, ``bucket_stochastic8``),
-splitmix64 draws four outputs at a time (``splitmix64x4``, its 64-bit multiplies from 32-bit ones), and the gradient
-check reads eight far-apart parts of a gradient side by side.
+(``bucket_codes8``; stochastic rounding's neighbours from one 4-value read per lane, ``bucket_stochastic8``) and
+minifloats by arithmetic (``encode_minifloat8``), splitmix64 draws four outputs at a time (``splitmix64x4``, its
+64-bit multiplies from 32-bit ones), and the gradient check reads eight far-apart parts of a gradient side by side.
 The scalar code runs the rest and is the whole kernel on other CPUs (Arm, x86 without AVX2). There it is written as loops over
 branch-free lanes, one per kind of state and rounding (``code_lanes``: the encoders, one bucket-table read per value;
 the cast stores; block absmaxes; the finite checks; the nibble and byte decoders; Adam's update, its hold of ``m``

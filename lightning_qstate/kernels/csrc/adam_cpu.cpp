@@ -114,27 +114,23 @@ QSTATE_NOINLINE void code_loop(const float* __restrict__ x, float divisor, bool 
 }
 
 #ifdef QSTATE_AVX2
-// code_lanes' AVX2 loop for a codebook of more than 16 codes (bucket_codes8, bucket_stochastic8; the others have
-// search8 or arithmetic): the codes of x[0:n] / divisor (0.0 where not ``finite``) 8 at a time, a byte each to out,
-// draws[i]: value i's SR draw. Returns the number of values coded (a multiple of 8).
-template <bool Stochastic>
-QSTATE_NOINLINE int64_t bucket_loop(const State& s, const float* __restrict__ x, float divisor, bool finite, int64_t n,
-                                    uint8_t* __restrict__ out, const uint32_t* __restrict__ draws) {
-  const Codebook cb = s.cb;
-  const int32_t last = s.last, min_code = s.min_code;
+// code_lanes' AVX2 loop: the codes8(q, uniform) of q = x[i:i+8] / divisor (0.0 where not ``finite``; uniform: their
+// draws' uniform_of, draws[i]: value i's draw, under SR) for values [0, n), a byte each to out. Returns the number of
+// values coded (a multiple of 8).
+template <bool Stochastic, typename Codes8>
+QSTATE_NOINLINE int64_t lanes8_loop(const float* __restrict__ x, float divisor, bool finite, int64_t n, uint8_t* __restrict__ out,
+                                    const uint32_t* __restrict__ draws, Codes8 codes8) {
   const __m256 d = _mm256_set1_ps(divisor);
-  const auto codes8 = [&](int64_t i) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
     const __m256 q = finite ? _mm256_div_ps(_mm256_loadu_ps(x + i), d) : _mm256_setzero_ps();
+    __m256 uniform = _mm256_setzero_ps();
     if constexpr (Stochastic) {
       const __m256i random = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(draws + i));
-      const __m256 uniform = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(random, 8)), _mm256_set1_ps(0x1p-24f));
-      return bucket_stochastic8(q, cb, last, min_code, uniform);
-    } else {
-      return bucket_codes8(q, cb);
+      uniform = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(random, 8)), _mm256_set1_ps(0x1p-24f));
     }
-  };
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) store_codes8<false>(codes8(i), out + i);
+    store_codes8<false>(codes8(q, uniform), out + i);
+  }
   return i;
 }
 #endif
@@ -142,50 +138,58 @@ QSTATE_NOINLINE int64_t bucket_loop(const State& s, const float* __restrict__ x,
 // The codes (Minifloat::encode; encode_lane or grid_code; codebook_stochastic or grid_stochastic) of x[0:n] / divisor
 // (true division, as the reference's; 0.0 everywhere where not ``finite``) in block state s, a byte each to out;
 // element ``first + i`` draws random_bits(s.seed, first + i) under SR (chunks_with_draws). One loop per kind and
-// rounding over branch-free lanes, which the compiler vectorizes for the CPU it builds for; with AVX2 codebooks of
-// more than 16 codes go through bucket_loop first (the compiler's loop gathers), with AVX-512 the 16- and 64-value
-// loops leave only the tails to it.
+// rounding over branch-free lanes, which the compiler vectorizes for the CPU it builds for; with AVX2 minifloats and
+// codebooks of more than 16 codes go through lanes8_loop first (encode_minifloat8, bucket_codes8, bucket_stochastic8:
+// the compiler's loops gather), with AVX-512 the 16- and 64-value loops leave only the tails to it.
 void code_lanes(const State& s, const float* __restrict__ x, float divisor, bool finite, int64_t first, int64_t n,
                 uint8_t* __restrict__ out) {
   const Codebook cb = s.cb;
-  // bucket_loop's share of values [0, size) from x (draws[i]: value i's draw), where it applies; else 0
-  const auto buckets = [&]<bool Stochastic>(std::bool_constant<Stochastic>, const float* x, int64_t size, uint8_t* codes,
-                                            const uint32_t* draws) -> int64_t {
+  const Minifloat mf = s.mf;
+  const int32_t last = s.last, min_code = s.min_code;
+  // lanes8_loop's share of values [0, size) from x (draws[i]: value i's draw) where it has an encoder; else 0
+  const auto lanes8 = [&]<bool Stochastic>(std::bool_constant<Stochastic>, const float* x, int64_t size, uint8_t* codes,
+                                           const uint32_t* draws) -> int64_t {
 #ifdef QSTATE_AVX2
-    if (s.kind == Kind::kCodebook && cb.grid == 0.0f && cb.depth > 4)
-      return bucket_loop<Stochastic>(s, x, divisor, finite, size, codes, draws);
+    if (s.kind == Kind::kMinifloat)
+      return lanes8_loop<Stochastic>(x, divisor, finite, size, codes, draws,
+                                     [mf](__m256 q, __m256 uniform) { return encode_minifloat8<Stochastic>(q, mf, uniform); });
+    if (cb.grid == 0.0f && cb.depth > 4)
+      return lanes8_loop<Stochastic>(x, divisor, finite, size, codes, draws, [cb, last, min_code](__m256 q, __m256 uniform) {
+        if constexpr (Stochastic)
+          return bucket_stochastic8(q, cb, last, min_code, uniform);
+        else
+          return bucket_codes8(q, cb);
+      });
 #endif
     return 0;
   };
   if (!s.stochastic) {
-    if (s.kind == Kind::kMinifloat) {
-      code_loop(x, divisor, finite, n, out, [mf = s.mf](float q, int64_t) { return mf.encode<false>(q); });
-    } else if (cb.grid != 0.0f) {
-      code_loop(x, divisor, finite, n, out, [grid = cb.grid](float q, int64_t) { return grid_code(q, grid, 0.5f); });
-    } else {
-      const int64_t i = buckets(std::false_type{}, x, n, out, nullptr);
+    const int64_t i = lanes8(std::false_type{}, x, n, out, nullptr);
+    if (s.kind == Kind::kMinifloat)
+      code_loop(x + i, divisor, finite, n - i, out + i, [mf](float q, int64_t) { return mf.encode<false>(q); });
+    else if (cb.grid != 0.0f)
+      code_loop(x + i, divisor, finite, n - i, out + i, [grid = cb.grid](float q, int64_t) { return grid_code(q, grid, 0.5f); });
+    else
       code_loop(x + i, divisor, finite, n - i, out + i, [cb](float q, int64_t) { return encode_lane(q, cb); });
-    }
     return;
   }
-  const Minifloat mf = s.mf;
-  const int32_t last = s.last, min_code = s.min_code;
   uint32_t buffer[kCodeChunk + 2];
-  chunks_with_draws(s.seed, first, n, kCodeChunk, buffer, [&](int64_t done, int64_t size, const uint32_t* draws) {
-    const float* part = x + done;
-    uint8_t* codes = out + done;
-    if (s.kind == Kind::kMinifloat) {
-      code_loop(part, divisor, finite, size, codes, [mf, draws](float q, int64_t i) { return mf.encode<true>(q, uniform_of(draws[i])); });
-    } else if (cb.grid != 0.0f) {
-      code_loop(part, divisor, finite, size, codes, [cb, last, min_code, draws](float q, int64_t i) {
-        return grid_stochastic(q, cb.grid, grid_code(q, cb.grid, 1.0f), last, min_code, uniform_of(draws[i]));
+  chunks_with_draws(s.seed, first, n, kCodeChunk, buffer, [&](int64_t done, int64_t size, const uint32_t* all_draws) {
+    const int64_t i = lanes8(std::true_type{}, x + done, size, out + done, all_draws);
+    const float* part = x + done + i;
+    uint8_t* codes = out + done + i;
+    const uint32_t* draws = all_draws + i;
+    if (s.kind == Kind::kMinifloat)
+      code_loop(part, divisor, finite, size - i, codes,
+                [mf, draws](float q, int64_t j) { return mf.encode<true>(q, uniform_of(draws[j])); });
+    else if (cb.grid != 0.0f)
+      code_loop(part, divisor, finite, size - i, codes, [cb, last, min_code, draws](float q, int64_t j) {
+        return grid_stochastic(q, cb.grid, grid_code(q, cb.grid, 1.0f), last, min_code, uniform_of(draws[j]));
       });
-    } else {
-      const int64_t i = buckets(std::true_type{}, part, size, codes, draws);
-      code_loop(part + i, divisor, finite, size - i, codes + i, [cb, last, min_code, rest = draws + i](float q, int64_t j) {
-        return codebook_stochastic(q, cb, last, min_code, uniform_of(rest[j]));
+    else
+      code_loop(part, divisor, finite, size - i, codes, [cb, last, min_code, draws](float q, int64_t j) {
+        return codebook_stochastic(q, cb, last, min_code, uniform_of(draws[j]));
       });
-    }
   });
 }
 

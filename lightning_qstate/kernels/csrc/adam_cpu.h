@@ -1358,6 +1358,32 @@ QSTATE_INLINE __m256i codebook_stochastic8(__m256 value, const Codebook& cb, int
   return _mm256_max_epi32(_mm256_sub_epi32(low, up), _mm256_set1_epi32(min_code));
 }
 
+// encode_minifloat16 on 8 values: Minifloat::encode's codes as int32 lanes.
+template <bool Stochastic>
+QSTATE_INLINE __m256i encode_minifloat8(__m256 value, const Minifloat& mf, __m256 uniform) {
+  const __m256 magnitude = mf.has_sign ? _mm256_andnot_ps(_mm256_set1_ps(-0.0f), value) : _mm256_max_ps(value, _mm256_setzero_ps());
+  const __m256 scaled = _mm256_mul_ps(magnitude, _mm256_set1_ps(mf.max_value));
+  const __m256i field = _mm256_and_si256(_mm256_srli_epi32(_mm256_castps_si256(scaled), 23), _mm256_set1_epi32(0xFF));
+  const __m256i exponent = _mm256_max_epi32(_mm256_sub_epi32(field, _mm256_set1_epi32(127)), _mm256_set1_epi32(1 - mf.bias));
+  const __m256i power = _mm256_slli_epi32(_mm256_sub_epi32(_mm256_set1_epi32(mf.mantissa_bits + 127), exponent), 23);  // pow2(M - e)
+  const __m256 mantissa = _mm256_mul_ps(scaled, _mm256_castsi256_ps(power));
+  __m256 rounded;
+  if constexpr (Stochastic) {
+    const __m256 low = _mm256_round_ps(mantissa, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    const __m256 up = _mm256_cmp_ps(uniform, _mm256_sub_ps(mantissa, low), _CMP_LT_OQ);
+    rounded = _mm256_add_ps(low, _mm256_and_ps(up, _mm256_set1_ps(1.0f)));
+  } else {
+    const __m256 magic = _mm256_set1_ps(0x1p23f);
+    rounded = _mm256_sub_ps(_mm256_add_ps(mantissa, magic), magic);
+  }
+  const __m256i binade = _mm256_sll_epi32(_mm256_add_epi32(exponent, _mm256_set1_epi32(mf.bias - 1)), _mm_cvtsi32_si128(mf.mantissa_bits));
+  __m256i code = _mm256_add_epi32(binade, _mm256_cvttps_epi32(rounded));
+  code = _mm256_max_epi32(_mm256_min_epi32(code, _mm256_set1_epi32(mf.max_code)), _mm256_set1_epi32(mf.min_code));
+  if (!mf.has_sign) return code;
+  const __m256i negative = _mm256_castps_si256(_mm256_cmp_ps(value, _mm256_setzero_ps(), _CMP_LT_OQ));
+  return _mm256_or_si256(code, _mm256_and_si256(negative, _mm256_set1_epi32(1 << mf.sign_shift)));
+}
+
 // encode_lane on 8 values: the bucket entries by gather8.
 QSTATE_INLINE __m256i bucket_codes8(__m256 value, const Codebook& cb) {
   const __m128i shift = _mm_cvtsi32_si128(cb.key_shift);
