@@ -402,8 +402,8 @@ def test_kernel_codebook_stochastic_rounding_uses_the_documented_draws(name, v_n
     """SR codes of codebook moments are ``encode_codebook``'s with the kernel's draws (the U[0, 1) of element ``i``: the
     upper 24 bits of ``random_bits(seed, i)`` times 2^-24), bit for bit: with betas (0, 0) ``m`` is the gradient and
     ``v`` its square, divided by the stored scales. Blocks of 256 and 64 with a partial last block: 8-bit codebooks
-    take the 64-value loop (byte-permute lookups), then 16 values and the scalar tail; ``v`` of another format puts
-    ``m`` on the chunked pass, of the same on the register pass (8-bit pairs)."""
+    take the 64-value loop (VBMI: byte-permute lookups), then 16 values (AVX-512) or 8 (AVX2) and the scalar tail;
+    ``v`` of another format puts ``m`` on the chunked pass, of the same on the register pass (8-bit pairs)."""
     numel, seeds = 256 * 9 + 64 + 37, (1234567, 7654321)
     generator = torch.Generator().manual_seed(5)
     grad = torch.randn(numel, generator=generator) * 10.0 ** (-2 * torch.rand(numel, generator=generator))
@@ -419,6 +419,33 @@ def test_kernel_codebook_stochastic_rounding_uses_the_documented_draws(name, v_n
         divisor = torch.where(q.scales > 0, q.scales, torch.ones_like(q.scales)).float().repeat_interleave(fmt.block_size)[:numel]
         expected = encode_codebook(target / divisor, fmt.index, "stochastic", uniform).clamp(min=fmt.min_code)
         assert torch.equal(unpack(q.codes, fmt.bits, numel).to(torch.int32), expected), key
+
+
+@pytest.mark.parametrize(("name", "signed"), [("int8", True), ("int8", False), ("int8_linear", True), ("int6", True), ("int5", False)])
+def test_kernel_codebook_stochastic_rounding_from_every_code(name, signed):
+    """SR from every code of a codebook of more than 16 codes, its first and last included (with AVX2 each lane reads
+    the 4 table values around its nearest code, held inside the table at its ends): each value, the floats either side
+    of it and the midpoints, 4 times each (other draws), in blocks led by 1.0 (the scale), give ``encode_codebook``'s
+    codes with the kernel's draws, as ``m`` (betas (0, 0): ``m`` is the gradient)."""
+    fmt = get_format(name, signed=signed, block_size=256)
+    values = fmt.codebook.float()
+    points = torch.cat(
+        [values, torch.nextafter(values, torch.tensor(2.0)), torch.nextafter(values, torch.tensor(-2.0)), (values[1:] + values[:-1]) / 2]
+    )
+    points = points.clamp(-1.0 if signed else 0.0, 1.0).repeat(4)
+    blocks = torch.nn.functional.pad(points, (0, -points.numel() % 255)).view(-1, 255)
+    grad = torch.cat([torch.ones(blocks.shape[0], 1), blocks], dim=1).flatten()
+    numel, seed = grad.numel(), 97531
+    state = adam_state(fmt, get_format("int8", signed=False), numel, 0)
+    group = adam_group(betas=(0.0, 0.0), weight_decay=0.0)
+    group["rounding"] = "stochastic"
+    rows = native_adam_steps([torch.zeros(numel)], [grad], [state], group, False, moment_seeds=[(seed, 1)])
+    assert rows[0][:2] == [1, 1] and bool((state["exp_avg"].scales == 1.0).all())
+    uniform = torch.from_numpy((splitmix64_bits(seed, numel) >> np.uint32(8)).astype(np.float32)) * 2.0**-24
+    expected = encode_codebook(grad, fmt.index, "stochastic", uniform).clamp(min=fmt.min_code)
+    codes = unpack(state["exp_avg"].codes, fmt.bits, numel).to(torch.int32)
+    assert torch.equal(codes, expected)
+    assert {fmt.min_code, fmt.codebook.numel() - 1} <= set(codes.tolist())  # the table's ends were reached
 
 
 @pytest.mark.parametrize("states", ["int8", "int4", "int7", "fp8_e4m3", "bf16"])
