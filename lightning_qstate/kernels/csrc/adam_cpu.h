@@ -1339,8 +1339,8 @@ QSTATE_INLINE __m256i grid_codes8(__m256 value, float grid, float offset) {
 }
 
 // codebook_codes16 on 8 values of a codebook of codes < 2^Depth, Depth <= 4: arithmetic on a grid, else the search of
-// its thresholds (one register per level). (Deeper codebooks and minifloats: the compiler's vectorized code_lanes,
-// measured as fast as the same operations written with AVX2 gathers on an AMD Zen 3.)
+// its thresholds (one register per level). (Deeper codebooks: bucket_codes8 and bucket_stochastic8; minifloats:
+// encode_minifloat8; both in code_lanes' lanes8_loop.)
 template <int Depth>
 QSTATE_INLINE __m256i codebook_codes8(__m256 value, const Codebook& cb) {
   return cb.grid != 0.0f ? grid_codes8(value, cb.grid, 0.5f) : search8<Depth>(value, cb.levels);
