@@ -149,8 +149,9 @@ def assert_m_stored_like_the_reference(fmt, grad: torch.Tensor) -> None:
 def test_kernel_decodes_every_8_bit_minifloat_code_as_its_table(m_name, v_name):
     """Every code of 8-bit minifloat moments (those above the largest one and the negative zero included) is decoded
     as the table says: the AVX2 step reads tables whose values are powers of two apart by register permutes and
-    exponent arithmetic (``exponent_decode``), the others by a gather. The step from such moments equals the reference's
-    (``v``: every code whose value is not negative; an 8-bit ``signed=False`` table may hold negative ones)."""
+    exponent arithmetic (``exponent_decode``), the others value by value (``gather_bytes8``). The step from such
+    moments equals the reference's (``v``: every code whose value is not negative; an 8-bit ``signed=False`` table may
+    hold negative ones)."""
     m_format, v_format = get_format(m_name), get_format(v_name, signed=False)
     assert m_format.bits == 8 and v_format.bits == 8
     numel = 4 * 256 + 8
@@ -356,6 +357,11 @@ def splitmix64_bits(seed: int, count: int) -> np.ndarray:
     return np.where(index % np.uint64(2) == 0, z >> np.uint64(32), z & np.uint64(0xFFFFFFFF)).astype(np.uint32)
 
 
+def splitmix64_uniforms(seed: int, count: int) -> torch.Tensor:
+    """The kernel's U[0, 1) of element ``i < count`` (``uniform_of``): the upper 24 bits of its draw times 2^-24."""
+    return torch.from_numpy((splitmix64_bits(seed, count) >> np.uint32(8)).astype(np.float32)) * 2.0**-24
+
+
 def cast_rounding_inputs(numel: int) -> torch.Tensor:
     """``numel`` gradients over many binades, led by the casts' hard cases: zero, fp16's largest value and those past
     it (up to inf after rounding), its smallest normal and subnormals, fp32 subnormals, values on a grid."""
@@ -415,7 +421,7 @@ def test_kernel_codebook_stochastic_rounding_uses_the_documented_draws(name, v_n
     assert rows[0][:2] == [1, 1]
     for key, fmt, target, seed in (("exp_avg", m_format, grad, seeds[0]), ("exp_avg_sq", v_format, grad * grad, seeds[1])):
         q = state[key]
-        uniform = torch.from_numpy((splitmix64_bits(seed, numel) >> np.uint32(8)).astype(np.float32)) * 2.0**-24
+        uniform = splitmix64_uniforms(seed, numel)
         divisor = torch.where(q.scales > 0, q.scales, torch.ones_like(q.scales)).float().repeat_interleave(fmt.block_size)[:numel]
         expected = encode_codebook(target / divisor, fmt.index, "stochastic", uniform).clamp(min=fmt.min_code)
         assert torch.equal(unpack(q.codes, fmt.bits, numel).to(torch.int32), expected), key
@@ -441,7 +447,7 @@ def test_kernel_codebook_stochastic_rounding_from_every_code(name, signed):
     group["rounding"] = "stochastic"
     rows = native_adam_steps([torch.zeros(numel)], [grad], [state], group, False, moment_seeds=[(seed, 1)])
     assert rows[0][:2] == [1, 1] and bool((state["exp_avg"].scales == 1.0).all())
-    uniform = torch.from_numpy((splitmix64_bits(seed, numel) >> np.uint32(8)).astype(np.float32)) * 2.0**-24
+    uniform = splitmix64_uniforms(seed, numel)
     expected = encode_codebook(grad, fmt.index, "stochastic", uniform).clamp(min=fmt.min_code)
     codes = unpack(state["exp_avg"].codes, fmt.bits, numel).to(torch.int32)
     assert torch.equal(codes, expected)

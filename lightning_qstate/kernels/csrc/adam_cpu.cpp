@@ -125,10 +125,7 @@ QSTATE_NOINLINE int64_t lanes8_loop(const float* __restrict__ x, float divisor, 
   for (; i + 8 <= n; i += 8) {
     const __m256 q = finite ? _mm256_div_ps(_mm256_loadu_ps(x + i), d) : _mm256_setzero_ps();
     __m256 uniform = _mm256_setzero_ps();
-    if constexpr (Stochastic) {
-      const __m256i random = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(draws + i));
-      uniform = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(random, 8)), _mm256_set1_ps(0x1p-24f));
-    }
+    if constexpr (Stochastic) uniform = uniform_of8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(draws + i)));
     store_codes8<false>(codes8(q, uniform), out + i);
   }
   return i;

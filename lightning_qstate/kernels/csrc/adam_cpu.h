@@ -1168,6 +1168,11 @@ QSTATE_INLINE __m256 bf16_value8(__m128i patterns) { return _mm256_castsi256_ps(
 QSTATE_INLINE __m256 load8(const BFloat16* x) { return bf16_value8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x))); }
 QSTATE_INLINE __m256 load8(const Float16* x) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x))); }
 
+// uniform_of of 8 draws.
+QSTATE_INLINE __m256 uniform_of8(__m256i random) {
+  return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(random, 8)), _mm256_set1_ps(0x1p-24f));
+}
+
 // The low 16 bits of 8 32-bit lanes (each < 2^16) as 8 16-bit lanes.
 QSTATE_INLINE __m128i narrow8(__m256i lanes) { return _mm_packus_epi32(_mm256_castsi256_si128(lanes), _mm256_extracti128_si256(lanes, 1)); }
 
@@ -1211,8 +1216,7 @@ QSTATE_INLINE __m128i fp16_stochastic8(__m256 x, __m256i random) {
   const auto pow2_of = [](__m256i k) { return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(k, _mm256_set1_epi32(127)), 23)); };
   const __m256 scaled = _mm256_mul_ps(magnitude, pow2_of(_mm256_sub_epi32(_mm256_set1_epi32(10), exponent)));
   const __m256 low = _mm256_round_ps(scaled, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  const __m256 uniform = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(random, 8)), _mm256_set1_ps(0x1p-24f));
-  const __m256 up = _mm256_cmp_ps(uniform, _mm256_sub_ps(scaled, low), _CMP_LT_OQ);
+  const __m256 up = _mm256_cmp_ps(uniform_of8(random), _mm256_sub_ps(scaled, low), _CMP_LT_OQ);
   const __m256 stepped = _mm256_mul_ps(_mm256_add_ps(low, _mm256_and_ps(up, _mm256_set1_ps(1.0f))),
                                        pow2_of(_mm256_sub_epi32(exponent, _mm256_set1_epi32(10))));
   const __m256 signed_stepped = _mm256_or_ps(stepped, _mm256_and_ps(x, _mm256_set1_ps(-0.0f)));
@@ -1262,15 +1266,25 @@ QSTATE_INLINE __m256i random8(uint64_t seed, int64_t index) {
   return _mm256_load_si256(reinterpret_cast<const __m256i*>(random));
 }
 
-// uniform_of of 8 draws.
-QSTATE_INLINE __m256 uniform8(uint64_t seed, int64_t index) {
-  return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(random8(seed, index), 8)), _mm256_set1_ps(0x1p-24f));
-}
+// uniform_of of the 8 draws from ``index``.
+QSTATE_INLINE __m256 uniform8(uint64_t seed, int64_t index) { return uniform_of8(random8(seed, index)); }
+
+// The 8 lanes of ``index`` (non-negative int32) in general registers, two per 64-bit word; at(k): lane k.
+struct Lanes8 {
+  uint64_t pairs[4];
+  explicit Lanes8(__m256i index) {
+    const __m128i low = _mm256_castsi256_si128(index), high = _mm256_extracti128_si256(index, 1);
+    pairs[0] = _mm_cvtsi128_si64(low), pairs[1] = _mm_extract_epi64(low, 1);
+    pairs[2] = _mm_cvtsi128_si64(high), pairs[3] = _mm_extract_epi64(high, 1);
+  }
+  uint32_t at(int k) const { return static_cast<uint32_t>(pairs[k / 2] >> (32 * (k % 2))); }
+};
 
 // table[index] of 8 lanes without a gather instruction: each index in a general register, its value loaded and
 // inserted. An AMD Zen 3 runs vpgatherdd of 8 lanes at about half the rate of these loads and inserts (8-bit codes
 // decoded from a 256-value table: 0.63 vs 0.31 ns per value, one thread); gather8 takes the indices from a register
-// (non-negative int32 lanes), gather_bytes8 reads 8 byte indices from memory.
+// (Lanes8), gather_bytes8 reads 8 byte indices from memory. An int32 table's values are inserted as integers: through
+// the float inserts int8's encoder was 2-3 % slower (measured).
 QSTATE_INLINE __m256 table8(const float* table, uint32_t i0, uint32_t i1, uint32_t i2, uint32_t i3, uint32_t i4, uint32_t i5, uint32_t i6,
                             uint32_t i7) {
   __m128 low = _mm_load_ss(table + i0), high = _mm_load_ss(table + i4);
@@ -1282,21 +1296,17 @@ QSTATE_INLINE __m256 table8(const float* table, uint32_t i0, uint32_t i1, uint32
 QSTATE_INLINE __m256 gather_bytes8(const float* table, const uint8_t* codes) {
   return table8(table, codes[0], codes[1], codes[2], codes[3], codes[4], codes[5], codes[6], codes[7]);
 }
-template <typename T>  // float or int32_t
-QSTATE_INLINE auto gather8(const T* table, __m256i index) {
-  const __m128i low = _mm256_castsi256_si128(index), high = _mm256_extracti128_si256(index, 1);
-  const uint64_t i01 = _mm_cvtsi128_si64(low), i23 = _mm_extract_epi64(low, 1), i45 = _mm_cvtsi128_si64(high),
-                 i67 = _mm_extract_epi64(high, 1);
-  const auto at = [](uint64_t pair, int half) { return static_cast<uint32_t>(pair >> (32 * half)); };
-  if constexpr (std::is_same_v<T, float>) {
-    return table8(table, at(i01, 0), at(i01, 1), at(i23, 0), at(i23, 1), at(i45, 0), at(i45, 1), at(i67, 0), at(i67, 1));
-  } else {
-    __m128i a = _mm_cvtsi32_si128(table[at(i01, 0)]), b = _mm_cvtsi32_si128(table[at(i45, 0)]);
-    a = _mm_insert_epi32(a, table[at(i01, 1)], 1), b = _mm_insert_epi32(b, table[at(i45, 1)], 1);
-    a = _mm_insert_epi32(a, table[at(i23, 0)], 2), b = _mm_insert_epi32(b, table[at(i67, 0)], 2);
-    a = _mm_insert_epi32(a, table[at(i23, 1)], 3), b = _mm_insert_epi32(b, table[at(i67, 1)], 3);
-    return _mm256_set_m128i(b, a);
-  }
+QSTATE_INLINE __m256 gather8(const float* table, __m256i index) {
+  const Lanes8 lanes(index);
+  return table8(table, lanes.at(0), lanes.at(1), lanes.at(2), lanes.at(3), lanes.at(4), lanes.at(5), lanes.at(6), lanes.at(7));
+}
+QSTATE_INLINE __m256i gather8(const int32_t* table, __m256i index) {
+  const Lanes8 lanes(index);
+  __m128i low = _mm_cvtsi32_si128(table[lanes.at(0)]), high = _mm_cvtsi32_si128(table[lanes.at(4)]);
+  low = _mm_insert_epi32(low, table[lanes.at(1)], 1), high = _mm_insert_epi32(high, table[lanes.at(5)], 1);
+  low = _mm_insert_epi32(low, table[lanes.at(2)], 2), high = _mm_insert_epi32(high, table[lanes.at(6)], 2);
+  low = _mm_insert_epi32(low, table[lanes.at(3)], 3), high = _mm_insert_epi32(high, table[lanes.at(7)], 3);
+  return _mm256_set_m128i(high, low);
 }
 
 // A 16-entry table held in two registers (entries 0-7, 8-15) at 8 indices in [0, 16): two permutes and a blend.
@@ -1415,15 +1425,11 @@ QSTATE_INLINE __m256i bucket_stochastic8(__m256 value, const Codebook& cb, int32
   const __m256i nearest = bucket_codes8(value, cb);
   const __m256i w =
       _mm256_min_epi32(_mm256_max_epi32(_mm256_sub_epi32(nearest, _mm256_set1_epi32(1)), _mm256_setzero_si256()), _mm256_set1_epi32(252));
-  const __m128i low_w = _mm256_castsi256_si128(w), high_w = _mm256_extracti128_si256(w, 1);
-  const uint64_t w01 = _mm_cvtsi128_si64(low_w), w23 = _mm_extract_epi64(low_w, 1), w45 = _mm_cvtsi128_si64(high_w),
-                 w67 = _mm_extract_epi64(high_w, 1);
-  const float* d = cb.decode;
-  const auto row = [d](uint64_t a, uint64_t b) {  // rows a (lanes 0-3) and b (4-7) in one register
-    return _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_loadu_ps(d + static_cast<uint32_t>(a))),
-                                _mm_loadu_ps(d + static_cast<uint32_t>(b)), 1);
+  const Lanes8 lanes(w);
+  const auto row = [&lanes, d = cb.decode](int k) {  // rows k (of lanes 0-3) and k + 4 in one register
+    return _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_loadu_ps(d + lanes.at(k))), _mm_loadu_ps(d + lanes.at(k + 4)), 1);
   };
-  const __m256 r0 = row(w01, w45), r1 = row(w01 >> 32, w45 >> 32), r2 = row(w23, w67), r3 = row(w23 >> 32, w67 >> 32);
+  const __m256 r0 = row(0), r1 = row(1), r2 = row(2), r3 = row(3);
   const __m256 t0 = _mm256_unpacklo_ps(r0, r1), t1 = _mm256_unpackhi_ps(r0, r1), t2 = _mm256_unpacklo_ps(r2, r3),
                t3 = _mm256_unpackhi_ps(r2, r3);
   const __m256 c0 = _mm256_shuffle_ps(t0, t2, 0x44), c1 = _mm256_shuffle_ps(t0, t2, 0xEE), c2 = _mm256_shuffle_ps(t1, t3, 0x44),
