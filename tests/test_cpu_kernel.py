@@ -16,6 +16,7 @@ import warnings
 import pytest
 import torch
 from test_adam_reference import correctly_rounded_torch_sqrt, torch_rounds_once
+from test_native_formats import cast_stochastic_rounding
 from torch.utils import cpp_extension
 
 import lightning_qstate as lq
@@ -467,7 +468,7 @@ def test_the_build_is_said_on_stderr_only_when_not_cached(monkeypatch, tmp_path,
     native.build_extension()
     assert capsys.readouterr().err == ""
     assert [call["name"] for call in calls] == [name, name] and calls[0]["build_directory"] == str(tmp_path)
-    assert calls[0]["extra_include_paths"] == [str(native.CSRC)] and calls[0]["extra_cflags"] == native.CFLAGS
+    assert calls[0]["extra_include_paths"] == [str(native.CSRC)] and calls[0]["extra_cflags"] == native.build_flags()
     assert calls[0]["sources"] == [str(native.CSRC / "adam_cpu.cpp"), str(native.CSRC / "bindings.cpp")]  # compiled in parallel
 
 
@@ -511,6 +512,32 @@ def test_the_extension_name_hashes_sources_and_flags(monkeypatch):
     assert {path.name for path in native.SOURCES} == {path.name for path in native.CSRC.iterdir()}  # every file in csrc/
     monkeypatch.setattr(native, "CFLAGS", [*native.CFLAGS, "-DQSTATE_TEST"])
     assert native.extension_name() != name
+
+
+def test_an_emulated_build_has_its_own_flags_and_name(monkeypatch, tmp_path):
+    """LIGHTNING_QSTATE_KERNEL_EMULATE (``make kernel-emulate``): each emulation's flags replace ``-march=native``
+    (the AVX-512 ones with SIMDe's include directory) under their own extension name; an unknown emulation, or an
+    AVX-512 one without SIMDe's headers, raises naming what to set."""
+    monkeypatch.delenv("LIGHTNING_QSTATE_KERNEL_EMULATE", raising=False)
+    assert native.build_flags() == native.CFLAGS
+    names = {native.extension_name()}
+    (tmp_path / "simde" / "x86").mkdir(parents=True)
+    (tmp_path / "simde" / "x86" / "avx512.h").touch()
+    monkeypatch.setenv("LIGHTNING_QSTATE_SIMDE", str(tmp_path))
+    for emulation, defines in native.EMULATIONS.items():
+        monkeypatch.setenv("LIGHTNING_QSTATE_KERNEL_EMULATE", emulation)
+        flags = native.build_flags()
+        assert [flag for flag in flags if flag.startswith("-march=")] == [defines[0]] and set(defines) <= set(flags)
+        assert (f"-I{tmp_path}" in flags) == (emulation != "portable")
+        names.add(native.extension_name())
+    assert len(names) == 1 + len(native.EMULATIONS)
+    monkeypatch.setenv("LIGHTNING_QSTATE_KERNEL_EMULATE", "avx1024")
+    with pytest.raises(ValueError, match="valid values are avx512, avx512-vbmi, avx512-vbmi-dq, portable"):
+        native.build_flags()
+    monkeypatch.setenv("LIGHTNING_QSTATE_KERNEL_EMULATE", "avx512")
+    monkeypatch.setenv("LIGHTNING_QSTATE_SIMDE", str(tmp_path / "nowhere"))
+    with pytest.raises(ValueError, match="needs SIMDe's headers: set LIGHTNING_QSTATE_SIMDE"):
+        native.build_flags()
 
 
 def test_a_failed_build_warns_and_leaves_no_kernel(monkeypatch, tmp_path):
@@ -709,8 +736,9 @@ def test_kernel_stochastic_rounding_is_unbiased(case):
 @needs_kernel
 @pytest.mark.parametrize("grid_name", ["bf16", "fp16"])
 def test_kernel_stochastic_weights_step(grid_name):
-    """SR of the weights in the step: each new param is one of the two grid neighbours of the reference's fp32 update
-    (``m`` and ``v`` are the reference's, no ECO), reproducible from the seed on 1 or 2 threads."""
+    """SR of the weights in the step: each new param is the reference's fp32 update rounded with the kernel's draws of
+    its seed (``cast_bits``: ``test_native_formats.cast_stochastic_rounding``), bit for bit (``m`` and ``v`` are the
+    reference's, no ECO), so one of its two grid neighbours; the same on 1 or 2 threads, others with another seed."""
     group, grid, dtype = grid_group(False, "stochastic"), get_weight_grid(grid_name), DTYPES[grid_name]
     m_format, v_format, numel = get_format("int8"), get_format("int8", signed=False), 50_000
     start, grad = grid_param(numel, dtype, seed=0), (torch.randn(numel, generator=torch.Generator().manual_seed(1)) * 0.1).to(dtype)
@@ -730,6 +758,7 @@ def test_kernel_stochastic_weights_step(grid_name):
         torch.set_num_threads(saved)
     assert torch.equal(runs[0].view(torch.int16), runs[1].view(torch.int16))
     assert not torch.equal(runs[0].view(torch.int16), runs[2].view(torch.int16))
+    assert torch.equal(runs[0].view(torch.int16), cast_stochastic_rounding(grid_name, updated, 77).view(torch.int16))
     nearest = updated.to(dtype)
     toward = torch.nextafter(nearest, torch.where(nearest.float() < updated, torch.inf, -torch.inf).to(dtype))
     param = runs[0]

@@ -345,16 +345,29 @@ def test_kernel_stochastic_rounding_depends_on_the_seed_only():
     assert torch.equal(results[0], results[1]) and not torch.equal(results[1], results[2])
 
 
-def splitmix64_bits(seed: int, count: int) -> np.ndarray:
-    """The kernel's draws ``random_bits(seed, i)``, ``i < count`` (``csrc/adam_cpu.h``): splitmix64 output
-    ``i // 2 + 1``, its upper 32 bits for an even ``i``, its lower 32 bits for an odd one."""
-    index = np.arange(count, dtype=np.uint64)
+def splitmix64_outputs(seed: int, outputs: np.ndarray) -> np.ndarray:
+    """splitmix64's outputs number ``outputs`` (uint64) from state ``seed`` (``csrc/adam_cpu.h``: ``splitmix64``)."""
     with np.errstate(over="ignore"):
-        z = np.uint64(seed) + (index // np.uint64(2) + np.uint64(1)) * np.uint64(0x9E3779B97F4A7C15)
+        z = np.uint64(seed) + outputs * np.uint64(0x9E3779B97F4A7C15)
         z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
         z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        z = z ^ (z >> np.uint64(31))
+        return z ^ (z >> np.uint64(31))
+
+
+def splitmix64_bits(seed: int, count: int) -> np.ndarray:
+    """The kernel's draws ``random_bits(seed, i)``, ``i < count`` (codebooks and minifloats): splitmix64 output
+    ``i // 2 + 1``, its upper 32 bits for an even ``i``, its lower 32 bits for an odd one."""
+    index = np.arange(count, dtype=np.uint64)
+    z = splitmix64_outputs(seed, index // np.uint64(2) + np.uint64(1))
     return np.where(index % np.uint64(2) == 0, z >> np.uint64(32), z & np.uint64(0xFFFFFFFF)).astype(np.uint32)
+
+
+def splitmix64_quarters(seed: int, count: int) -> np.ndarray:
+    """The kernel's draws ``cast_bits(seed, i)``, ``i < count`` (bf16/fp16 casts and weight grids): bits
+    ``16 * (i % 4)`` to ``16 * (i % 4) + 15`` of splitmix64 output ``i // 4 + 1``, in the upper half of a word."""
+    index = np.arange(count, dtype=np.uint64)
+    z = splitmix64_outputs(seed, index // np.uint64(4) + np.uint64(1))
+    return (((z >> (np.uint64(16) * (index % np.uint64(4)))) & np.uint64(0xFFFF)) << np.uint64(16)).astype(np.uint32)
 
 
 def splitmix64_uniforms(seed: int, count: int) -> torch.Tensor:
@@ -372,14 +385,27 @@ def cast_rounding_inputs(numel: int) -> torch.Tensor:
     return torch.cat([torch.tensor(hard), torch.randn(numel - len(hard), generator=generator) * scales])
 
 
+def cast_stochastic_rounding(name: str, target: torch.Tensor, seed: int) -> torch.Tensor:
+    """fp32 ``target`` rounded stochastically to ``name`` (``"bf16"``, ``"fp16"``) with the kernel's draws of ``seed``
+    (``splitmix64_quarters``): bf16 adds element ``i``'s 16 bits to the fp32 pattern and truncates (inf/NaN pass);
+    fp16 rounds up where their U[0, 1) is below the dropped fraction (``formats.cast.fp16_stochastic``)."""
+    from lightning_qstate.formats.cast import fp16_stochastic
+
+    bits = splitmix64_quarters(seed, target.numel())
+    if name == "fp16":
+        return fp16_stochastic(target, torch.from_numpy((bits >> np.uint32(8)).astype(np.int32)).float() * 2.0**-24)
+    pattern = target.numpy().view(np.uint32)
+    rounded = np.where(np.isfinite(target.numpy()), (pattern.astype(np.uint64) + (bits >> np.uint32(16))) >> np.uint64(16), pattern >> 16)
+    return torch.from_numpy(rounded.astype(np.uint16).view(np.int16)).view(torch.bfloat16)
+
+
 @pytest.mark.parametrize("name", ["bf16", "fp16"])
 def test_kernel_cast_stochastic_rounding_uses_the_documented_draws(name):
     """bf16 / fp16 moments with betas (0, 0) are SR of the gradient (``m``) and of its square (``v``, zero-free) with
-    the kernel's draws, bit for bit, whether the vector (AVX-512) or the scalar loop drew them (4,117 values: both
-    run): bf16 adds the upper 16 bits of its element's splitmix64 draw to the fp32 pattern and truncates
-    (``bf16_stochastic``); fp16 rounds up where the draw's U[0, 1) is below the fraction (``fp16_stochastic``)."""
-    from lightning_qstate.formats.cast import fp16_stochastic
-
+    the kernel's draws (16 bits each, four per splitmix64 output: ``cast_bits``), bit for bit, whether the vector
+    (AVX-512, AVX2) or the scalar loop drew them (4,117 values: both run): bf16 adds its element's 16 bits to the fp32
+    pattern and truncates (``bf16_stochastic``); fp16 rounds up where the draw's U[0, 1) (on steps of 2^-16) is below
+    the fraction (``fp16_stochastic``)."""
     numel, seeds = 4096 + 21, (987654321, 123456789)
     grad = cast_rounding_inputs(numel)
     state = adam_state(get_format(name), get_format(name, signed=False), numel, 0)
@@ -387,16 +413,7 @@ def test_kernel_cast_stochastic_rounding_uses_the_documented_draws(name):
     group["rounding"] = "stochastic"
     native_adam_steps([torch.zeros(numel)], [grad], [state], group, False, moment_seeds=[seeds])
     for key, target, seed, signed in (("exp_avg", grad, seeds[0], True), ("exp_avg_sq", grad * grad, seeds[1], False)):
-        bits = splitmix64_bits(seed, numel)
-        if name == "bf16":
-            pattern = target.numpy().view(np.uint32).astype(np.uint64) + (bits >> np.uint32(16))
-            finite = np.isfinite(target.numpy())
-            rounded = np.where(finite, (pattern & np.uint64(0xFFFF0000)) >> np.uint64(16), target.numpy().view(np.uint32) >> 16)
-            expected = torch.from_numpy(rounded.astype(np.uint16).view(np.int16)).view(torch.bfloat16)
-        else:
-            uniform = torch.from_numpy((bits >> np.uint32(8)).astype(np.int32)).float() * 2.0**-24
-            expected = fp16_stochastic(target, uniform)
-        expected = get_format(name, signed=signed).lift_flushed(target, expected)
+        expected = get_format(name, signed=signed).lift_flushed(target, cast_stochastic_rounding(name, target, seed))
         stored = state[key].codes
         assert torch.equal(stored.view(torch.int16), expected.view(torch.int16)), (name, key)
     assert name == "bf16" or (torch.isinf(state["exp_avg"].codes[6]) and torch.isinf(state["exp_avg_sq"].codes[18]))  # past 65504

@@ -23,11 +23,15 @@ update, then each moment encoded block by block. Either way a codebook encodes w
 reference's. Under round to nearest its codes are the reference's bit for bit. Stochastic rounding
 (``group["rounding"] == "stochastic"``, any of these formats, on either pass, with the same codes on both) follows the
 reference's rules (``encode_codebook``'s floor code and gap, ``encode_minifloat``'s floor mantissa, ``bf16_stochastic``,
-``fp16_stochastic``) with counter-based draws: element ``i`` of a moment draws half of splitmix64 output ``i // 2 + 1``
-of that moment's seed (the upper half for an even ``i``, the lower for an odd one: one 64-bit output per two elements),
-which the optimizer derives per step (``QuantizedStates._kernel_seeds(param, "moments", 2)``; reproducible, independent of the
-thread count, and resumed exactly from a checkpoint); the U[0, 1) draw is the upper 24 bits times
-2^-24, as an fp32 uniform of torch. Unbiased as the reference, not its bits (another generator).
+``fp16_stochastic``) with counter-based draws from that moment's seed, which the optimizer derives per step
+(``QuantizedStates._kernel_seeds(param, "moments", 2)``; reproducible, independent of the thread count, and resumed
+exactly from a checkpoint): element ``i`` of a codebook or minifloat moment draws half of splitmix64 output
+``i // 2 + 1`` (the upper half for an even ``i``, the lower for an odd one: ``random_bits``), its U[0, 1) the upper 24
+bits times 2^-24, as an fp32 uniform of torch; element ``i`` of a bf16/fp16 cast draws 16 bits, quarter ``i % 4`` of
+output ``i // 4 + 1`` (bits ``16 * (i % 4)`` up: ``cast_bits``; one output per four elements, half the draws' work),
+which bf16 adds as the reference adds its 16 random bits and fp16 reads as a U[0, 1) on steps of 2^-16 (exactly
+unbiased where fp16 is normal: its rounding drops at most 13 bits there). Unbiased as the reference, not its bits
+(another generator).
 
 Without master weights (``optim/weights.py``) a coded parameter may be kept on a weight grid (a cast format's:
 fp32, bf16 or fp16 values); the parameter and its gradient are then fp32, bf16 or fp16 (read as fp32, the math is
@@ -37,8 +41,9 @@ inf; or stochastic: bf16 as ``formats.rounding.bf16_stochastic``, 16 random bits
 unbiased, as ``formats.cast.fp16_stochastic``) and written in the parameter's dtype (round to nearest, as ``copy_``);
 with ``error_feedback="eco"`` the rounding error goes into ``m`` before ``m`` is encoded
 (``adam_reference.eco_feedback``: ``fma(eco_coefficient * denom, updated - rounded, m)``). The random bits of
-element ``i`` are half of splitmix64's output ``i // 2 + 1`` from a per-parameter seed that Python derives for each step
-(``optimizer._kernel_seeds(param, "weights")``): counter-based, so they do not depend on the thread count.
+element ``i`` are a cast's (``cast_bits``: 16 bits of splitmix64's output ``i // 4 + 1``) from a per-parameter seed
+that Python derives for each step (``optimizer._kernel_seeds(param, "weights")``): counter-based, so they do not
+depend on the thread count.
 For these parameters the update, the rounding and the feedback run 16 values at a time with AVX-512
 (``Update16::advance``: true divisions, the grid's rounding by the cast stores' vector forms); the scalar loop
 that runs the rest (the whole update on other CPUs) is written without branches (selects, ``-fno-math-errno``) and
@@ -73,8 +78,8 @@ The scalar code runs the rest and is the whole kernel on other CPUs (Arm, x86 wi
 branch-free lanes, one per kind of state and rounding (``code_lanes``: the encoders, one bucket-table read per value;
 the cast stores; block absmaxes; the finite checks; the nibble and byte decoders; Adam's update, its hold of ``m``
 skipped a chunk at a time where a test without square roots proves that it keeps every value: ``held_inside``),
-which the compiler vectorizes for the CPU it builds for (stochastic rounding's draws one splitmix64 output per pair of
-elements, into a buffer): the same IEEE operations per lane, so the same bits.
+which the compiler vectorizes for the CPU it builds for (stochastic rounding's draws one splitmix64 output per two
+elements, or four of a cast, into a buffer): the same IEEE operations per lane, so the same bits.
 
 ``momentum_steps`` (``native_momentum_steps``) is the same machinery for QSGD's and QMuon's ``momentum_buffer`` (any
 format above, either rounding, and a plain fp32 buffer on a weight grid as an fp32 cast; fp32 parameters, and QSGD's
@@ -87,7 +92,8 @@ as an FMA; weight decay, dampening, nesterov, maximize; the param updated in the
 (``buf.lerp_(grad, 1 - momentum)`` and the update ``grad.lerp(buf, momentum)`` or ``buf``, as torch's lerp kernel
 rounds them, into an fp32 tensor that QMuon orthogonalizes with torch's own Newton–Schulz and applies as ``muon``
 does). Round to nearest, codes, scales and params are the reference path's bit for bit; stochastic rounding draws
-half of splitmix64 output ``i // 2 + 1`` of a seed per buffer and step (``_kernel_seeds(param, "momentum_buffer")``). The
+as the moments' (``random_bits``; a bf16/fp16 buffer ``cast_bits``) from a seed per buffer and step
+(``_kernel_seeds(param, "momentum_buffer")``). The
 loop over the values is branch-free scalar code that the compiler vectorizes.
 
 It is built on first use with ``torch.utils.cpp_extension.load`` (needs a C++ compiler and ninja; said on stderr):
@@ -117,22 +123,56 @@ from .code_index import nearest_index
 CSRC = Path(__file__).with_name("csrc")
 # The compiled files (the kernel, which alone depends on the CPU, first; the Python bindings, the only file with torch's
 # Python headers: the two compile in parallel), then the headers they include.
-SOURCES = (CSRC / "adam_cpu.cpp", CSRC / "bindings.cpp", CSRC / "adam_cpu.h", CSRC / "steps.h")
+SOURCES = (CSRC / "adam_cpu.cpp", CSRC / "bindings.cpp", CSRC / "adam_cpu.h", CSRC / "steps.h", CSRC / "simde_avx512.h")
 # -fno-math-errno: sqrt without a branch to set errno (never read), so that loops over it vectorize; results unchanged
 CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-fno-math-errno", "-fopenmp"]
 LDFLAGS = ["-fopenmp"]
+# A development check (``make kernel-emulate``): with the environment's LIGHTNING_QSTATE_KERNEL_EMULATE set to one of
+# these, the kernel is built with the SIMD branches of another CPU than this one, so that the native tests check them
+# here: the AVX-512 ones (with VBMI, and AVX512DQ's draws) emulated by SIMDe, whose headers LIGHTNING_QSTATE_SIMDE
+# names (csrc/simde_avx512.h; a build takes ~4 min), or none (the portable loops alone, as on Arm). Its flags in place
+# of -march=native.
+EMULATIONS = {
+    "avx512": ["-march=native", "-DQSTATE_EMULATE_AVX512"],
+    "avx512-vbmi": ["-march=native", "-DQSTATE_EMULATE_AVX512", "-DQSTATE_EMULATE_VBMI"],
+    "avx512-vbmi-dq": ["-march=native", "-DQSTATE_EMULATE_AVX512", "-DQSTATE_EMULATE_VBMI", "-DQSTATE_EMULATE_DQ"],
+    "portable": ["-march=x86-64"],
+}
+
+
+def build_flags() -> list[str]:
+    """The compiler flags of this process's build: ``CFLAGS``, or with LIGHTNING_QSTATE_KERNEL_EMULATE an
+    ``EMULATIONS`` entry's in place of ``-march=native`` (and SIMDe's include directory). Raises ``ValueError``
+    for an unknown emulation or one without SIMDe's headers."""
+    emulation = os.environ.get("LIGHTNING_QSTATE_KERNEL_EMULATE", "")
+    if not emulation:
+        return list(CFLAGS)
+    if emulation not in EMULATIONS:
+        raise ValueError(f"LIGHTNING_QSTATE_KERNEL_EMULATE={emulation!r}: valid values are {', '.join(EMULATIONS)} (or unset)")
+    flags = [flag for flag in CFLAGS if not flag.startswith("-march=")] + EMULATIONS[emulation]
+    if "-DQSTATE_EMULATE_AVX512" in flags:
+        simde = os.environ.get("LIGHTNING_QSTATE_SIMDE", "")
+        if not (Path(simde) / "simde" / "x86" / "avx512.h").is_file():
+            raise ValueError(
+                f"LIGHTNING_QSTATE_KERNEL_EMULATE={emulation!r} needs SIMDe's headers: set LIGHTNING_QSTATE_SIMDE to the "
+                f"directory holding simde/x86/avx512.h (make kernel-emulate fetches them); got {simde!r}"
+            )
+        flags.append(f"-I{simde}")
+    return flags
+
+
 # The kernel's codes of a weight grid's dtype (index; 0: no grid) and the dtypes it reads parameters and gradients in.
 GRID_DTYPES = (None, torch.float32, torch.bfloat16, torch.float16)
 VALUE_DTYPES = GRID_DTYPES[1:]
 
 
 def extension_name() -> str:
-    """``lightning_qstate_cpu_adam_<12 hex>``: a sha256 of ``SOURCES`` and the compiler flags, so an edit
-    to either builds a new extension."""
+    """``lightning_qstate_cpu_adam_<12 hex>``: a sha256 of ``SOURCES`` and the compiler flags (``build_flags``), so
+    an edit to either builds a new extension."""
     digest = hashlib.sha256()
     for path in SOURCES:
         digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
-    digest.update(" ".join(CFLAGS + ["--"] + LDFLAGS).encode())
+    digest.update(" ".join(build_flags() + ["--"] + LDFLAGS).encode())
     return f"lightning_qstate_cpu_adam_{digest.hexdigest()[:12]}"
 
 
@@ -148,7 +188,7 @@ def build_extension():
     return cpp_extension.load(
         name=name,
         sources=[str(path) for path in SOURCES if path.suffix == ".cpp"],
-        extra_cflags=list(CFLAGS),  # copies: load appends torch's libraries to the list it is given
+        extra_cflags=build_flags(),  # a new list: load appends torch's libraries to the list it is given
         extra_ldflags=list(LDFLAGS),
         extra_include_paths=[str(CSRC)],
         build_directory=build_directory,
@@ -175,7 +215,9 @@ def check_compiles(march: str) -> None:
 
 @functools.cache
 def _kernel():
-    """The compiled extension module, or ``None`` when it cannot be built here (warns once)."""
+    """The compiled extension module, or ``None`` when it cannot be built here (warns once; a wrong
+    LIGHTNING_QSTATE_KERNEL_EMULATE raises: ``build_flags``)."""
+    build_flags()
     try:
         return build_extension()
     except Exception as error:  # no compiler or ninja: another path takes over

@@ -170,8 +170,8 @@ void code_lanes(const State& s, const float* __restrict__ x, float divisor, bool
       code_loop(x + i, divisor, finite, n - i, out + i, [cb](float q, int64_t) { return encode_lane(q, cb); });
     return;
   }
-  uint32_t buffer[kCodeChunk + 2];
-  chunks_with_draws(s.seed, first, n, kCodeChunk, buffer, [&](int64_t done, int64_t size, const uint32_t* all_draws) {
+  uint32_t buffer[kCodeChunk + kDrawSlack];
+  chunks_with_draws<2>(s.seed, first, n, kCodeChunk, buffer, [&](int64_t done, int64_t size, const uint32_t* all_draws) {
     const int64_t i = lanes8(std::true_type{}, x + done, size, out + done, all_draws);
     const float* part = x + done + i;
     uint8_t* codes = out + done + i;
@@ -612,7 +612,7 @@ void encode_codes(const State& s, const float* __restrict__ x, float divisor, bo
 }
 
 // A cast state's values [base, base + n): x rounded in its dtype, to nearest (as torch's casts) or stochastically
-// (element i drawing random_bits(seed, base + i): bf16_stochastic, fp16_stochastic, as CastFormat.stochastic_reference);
+// (element i drawing cast_bits(seed, base + i): bf16_stochastic, fp16_stochastic, as CastFormat.stochastic_reference);
 // ``zero_free``: a positive value the cast flushes to 0 is stored as the dtype's smallest subnormal
 // (CastFormat.lift_flushed; pattern 1).
 void store_cast(const State& s, int64_t base, int64_t n, const float* __restrict__ x) {
@@ -640,8 +640,8 @@ void store_cast(const State& s, int64_t base, int64_t n, const float* __restrict
     } else if constexpr (!Rounding::kStochastic) {
       store(Rounding{}, values, n - i, nullptr, out);
     } else {
-      uint32_t buffer[kCodeChunk + 2];
-      chunks_with_draws(s.seed, base + i, n - i, kCodeChunk, buffer, [&](int64_t done, int64_t size, const uint32_t* draws) {
+      uint32_t buffer[kCodeChunk + kDrawSlack];
+      chunks_with_draws<4>(s.seed, base + i, n - i, kCodeChunk, buffer, [&](int64_t done, int64_t size, const uint32_t* draws) {
         store(Rounding{}, values + done, size, draws, out + done);
       });
     }
@@ -1343,15 +1343,15 @@ QSTATE_NOINLINE void cast_lanes(const Param& w, int64_t base, int64_t n) {
   const Update8 update(h);
 #endif
   float m[kCodeChunk], v[kCodeChunk];
-  uint32_t m_buffer[kCodeChunk + 2], v_buffer[kCodeChunk + 2];
+  uint32_t m_buffer[kCodeChunk + kDrawSlack], v_buffer[kCodeChunk + kDrawSlack];
   for (int64_t done = 0; done < n; done += kCodeChunk) {
     int64_t size = std::min(kCodeChunk, n - done);
     float* __restrict__ p = static_cast<float*>(w.p) + base + done;
     const float* __restrict__ g = static_cast<const float*>(w.g) + base + done;
     M* __restrict__ mc = static_cast<M*>(w.m.codes) + base + done;
     V* __restrict__ vc = static_cast<V*>(w.v.codes) + base + done;
-    const uint32_t* __restrict__ m_draws = RoundingM::kStochastic ? draws_of(w.m.seed, base + done, size, m_buffer) : nullptr;
-    const uint32_t* __restrict__ v_draws = RoundingV::kStochastic ? draws_of(w.v.seed, base + done, size, v_buffer) : nullptr;
+    const uint32_t* __restrict__ m_draws = RoundingM::kStochastic ? draws_of<4>(w.m.seed, base + done, size, m_buffer) : nullptr;
+    const uint32_t* __restrict__ v_draws = RoundingV::kStochastic ? draws_of<4>(w.v.seed, base + done, size, v_buffer) : nullptr;
 #ifdef QSTATE_AVX2
     const int64_t whole = size / 8 * 8;
     for (int64_t j = 0; j < whole; j += 8) {
@@ -1667,7 +1667,7 @@ std::vector<MomentumParam> momentum_params(const std::vector<at::Tensor>& params
 // bits, or bf16/fp16/fp32 casts: State), then ``plain`` ones with fp32 moments. ``tables``: per coded parameter
 // [m_decode, m_entries, m_planes, m_levels, m_segments, v_decode, v_entries, v_planes, v_levels, v_segments]; ``ints``: (n, 2, 13) int64,
 // per moment [kind, bits, block, key_base, key_shift, half, mantissa_bits, bias, max_code (a codebook: its last code), min_code, has_sign,
-// zero_free, stochastic] (StateColumn; stochastic: SR, element i drawing random_bits(seed, i));
+// zero_free, stochastic] (StateColumn; stochastic: SR, element i drawing random_bits(seed, i), a cast cast_bits);
 // ``floats``: (n, 2) fp32, per moment a minifloat's largest value; ``bounds``: (n,) fp32 moment bounds;
 // ``grids``: (n, 3) int64 [grid dtype code (0 none, 1 fp32, 2 bf16, 3 fp16), stochastic, eco] (a coded parameter and
 // its gradient are fp32, or of one of fp32/bf16/fp16 with a grid), ``seeds``: (n, 3) int64 SR seeds of the weights, m and v,

@@ -11,11 +11,25 @@
 #include <type_traits>
 #include <utility>
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+// The SIMD branches compiled (QSTATE_AVX512 and QSTATE_VBMI; QSTATE_AVX2; else none): the build CPU's, or with
+// QSTATE_EMULATE_AVX512 (make kernel-emulate, a development check) the AVX-512 ones under emulation (simde_avx512.h).
+#if defined(QSTATE_EMULATE_AVX512)
+#include "simde_avx512.h"
+#define QSTATE_AVX512 1
+#if defined(QSTATE_EMULATE_VBMI)
+#define QSTATE_VBMI 1
+#endif
+#if defined(QSTATE_EMULATE_DQ)
+#define QSTATE_AVX512DQ 1
+#endif
+#elif defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
 #define QSTATE_AVX512 1
 #if defined(__AVX512VBMI__)
 #define QSTATE_VBMI 1
+#endif
+#if defined(__AVX512DQ__)
+#define QSTATE_AVX512DQ 1
 #endif
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
@@ -309,12 +323,30 @@ inline uint64_t splitmix64(uint64_t seed, uint64_t n) {
   return z ^ (z >> 31);
 }
 
+// Element ``index``'s part of splitmix64 output z (the output index / PerOutput + 1 of its seed), as the word a
+// rounding reads: PerOutput 2, the 32 random bits of codebooks' and minifloats' stochastic rounding (random_bits);
+// PerOutput 4, the 16 of a bf16/fp16 cast's or grid's (cast_bits), in the upper half of the word.
+template <int PerOutput>
+inline uint32_t draw_of(uint64_t z, int64_t index) {
+  if constexpr (PerOutput == 2) return static_cast<uint32_t>(z >> ((index & 1) ? 0 : 32));
+  return static_cast<uint32_t>(static_cast<uint16_t>(z >> (16 * (index & 3)))) << 16;
+}
+
 // The counter-based random source of stochastic rounding: 32 random bits for element ``index`` of the parameter whose
 // step has seed ``seed`` (drawn in Python from optimizer.rounding_generator): half of splitmix64's output number
 // index / 2 + 1 from state ``seed``, its upper half for an even index and its lower half for an odd one (each output
 // serves two elements), so a draw depends on (seed, index) only, not on which thread steps the element.
 inline uint32_t random_bits(uint64_t seed, int64_t index) {
-  return static_cast<uint32_t>(splitmix64(seed, static_cast<uint64_t>(index) / 2 + 1) >> ((index & 1) ? 0 : 32));
+  return draw_of<2>(splitmix64(seed, static_cast<uint64_t>(index) / 2 + 1), index);
+}
+
+// The draws of a bf16/fp16 cast's or weight grid's stochastic rounding: 16 random bits for element ``index``, quarter
+// index % 4 of splitmix64's output index / 4 + 1 (bits 16 * (index % 4) up; each output serves four elements), in the
+// upper half of the word, so that bf16_stochastic adds them as they are and uniform_of reads them as a U[0, 1) on
+// steps of 2^-16: fp16_stochastic drops at most 13 bits of a normal fp16's binade, so its rounding is exactly unbiased
+// there (within 2^-16 of an ulp below 2^-14).
+inline uint32_t cast_bits(uint64_t seed, int64_t index) {
+  return draw_of<4>(splitmix64(seed, static_cast<uint64_t>(index) / 4 + 1), index);
 }
 
 // Stochastic rounding to bf16 as formats.rounding.bf16_stochastic: the upper 16 random bits added to the fp32 pattern,
@@ -360,7 +392,7 @@ struct Bf16Nearest {
 struct Bf16Stochastic {
   using Element = BFloat16;
   static constexpr bool kStochastic = true;
-  static float round(float x, uint64_t seed, int64_t index) { return bf16_stochastic(x, random_bits(seed, index)); }
+  static float round(float x, uint64_t seed, int64_t index) { return bf16_stochastic(x, cast_bits(seed, index)); }
 };
 struct Fp16Nearest {
   using Element = Float16;
@@ -370,11 +402,11 @@ struct Fp16Nearest {
 struct Fp16Stochastic {
   using Element = Float16;
   static constexpr bool kStochastic = true;
-  static float round(float x, uint64_t seed, int64_t index) { return fp16_stochastic(x, random_bits(seed, index)); }
+  static float round(float x, uint64_t seed, int64_t index) { return fp16_stochastic(x, cast_bits(seed, index)); }
 };
 
 // The bf16 / fp16 pattern of x rounded by a cast state's Rounding (adam_cpu.cpp: store_cast; patterns16 for 16 values);
-// ``random``: x's SR draw (random_bits).
+// ``random``: x's SR draw (cast_bits).
 inline uint32_t pattern_of(Bf16Nearest, float x, uint32_t) { return bf16_nearest(x); }
 inline uint32_t pattern_of(Bf16Stochastic, float x, uint32_t random) { return bf16_nearest(bf16_stochastic(x, random)); }
 inline uint32_t pattern_of(Fp16Nearest, float x, uint32_t) { return fp16_bits(fp16_nearest(x)); }
@@ -388,7 +420,7 @@ inline uint16_t cast_pattern(float x, uint32_t random, uint32_t zero_free) {
   return static_cast<uint16_t>(pick(zero_free & mask_of(x > 0.0f) & mask_of(stored == 0), 1u, stored));
 }
 
-#ifdef QSTATE_AVX2
+#if defined(QSTATE_AVX2) || defined(QSTATE_AVX512)
 // The low 64 bits of a * b in each 64-bit lane (AVX2 has no 64-bit multiply): from three 32 x 32-bit products.
 inline __m256i multiply64(__m256i a, uint64_t b) {
   const __m256i low = _mm256_set1_epi64x(static_cast<int64_t>(b & 0xFFFFFFFFu)), high = _mm256_set1_epi64x(static_cast<int64_t>(b >> 32));
@@ -396,7 +428,7 @@ inline __m256i multiply64(__m256i a, uint64_t b) {
   return _mm256_add_epi64(_mm256_mul_epu32(a, low), _mm256_slli_epi64(cross, 32));
 }
 
-// splitmix64(seed, n + k) of k = 0..3, each as random_bits' two draws: its upper half, then its lower half.
+// splitmix64(seed, n + k) of k = 0..3 in 64-bit lanes.
 inline __m256i splitmix64x4(uint64_t seed, uint64_t n) {
   constexpr uint64_t gamma = 0x9E3779B97F4A7C15ull;
   __m256i z = _mm256_add_epi64(
@@ -404,33 +436,51 @@ inline __m256i splitmix64x4(uint64_t seed, uint64_t n) {
       _mm256_setr_epi64x(0, static_cast<int64_t>(gamma), static_cast<int64_t>(2 * gamma), static_cast<int64_t>(3 * gamma)));
   z = multiply64(_mm256_xor_si256(z, _mm256_srli_epi64(z, 30)), 0xBF58476D1CE4E5B9ull);
   z = multiply64(_mm256_xor_si256(z, _mm256_srli_epi64(z, 27)), 0x94D049BB133111EBull);
-  return _mm256_shuffle_epi32(_mm256_xor_si256(z, _mm256_srli_epi64(z, 31)), 0xB1);
+  return _mm256_xor_si256(z, _mm256_srli_epi64(z, 31));
+}
+
+// The draws four splitmix64 outputs (``outputs``, splitmix64x4) give, to out (draw_of<PerOutput> of each in order):
+// PerOutput 2, each output's upper half, then its lower half (8 words); 4, its 16-bit quarters from the lowest, each
+// in the upper half of a word (16 words).
+template <int PerOutput>
+QSTATE_INLINE void store_draws4(__m256i outputs, uint32_t* out) {
+  if constexpr (PerOutput == 2) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm256_shuffle_epi32(outputs, 0xB1));
+  } else {
+    const auto words = [](__m128i quarters) { return _mm256_slli_epi32(_mm256_cvtepu16_epi32(quarters), 16); };
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), words(_mm256_castsi256_si128(outputs)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 8), words(_mm256_extracti128_si256(outputs, 1)));
+  }
 }
 #endif
 
-// draws[i] = random_bits(seed, first + i) for i < size: one splitmix64 output per pair of elements (a loop over a lane
-// that draws its own computes each twice; with AVX2 four at a time, splitmix64x4), in ``buffer`` (size + 2 words);
-// returns draws.
+// Words of slack a draws_of buffer needs past its ``size`` draws (the draws of whole outputs around them).
+constexpr int64_t kDrawSlack = 6;
+
+// draws[i] = draw_of<PerOutput> of element first + i for i < size (random_bits, PerOutput 2; cast_bits, 4): each
+// splitmix64 output computed once for its PerOutput elements (a loop over a lane that draws its own computes it
+// PerOutput times; with AVX2 four at a time, splitmix64x4), in ``buffer`` (size + kDrawSlack words); returns draws.
+template <int PerOutput>
 inline const uint32_t* draws_of(uint64_t seed, int64_t first, int64_t size, uint32_t* __restrict__ buffer) {
-  const int64_t start = first & ~int64_t{1}, pairs = (first + size - start + 1) / 2;
+  const int64_t start = first / PerOutput * PerOutput, outputs = (first + size - start + PerOutput - 1) / PerOutput;
   int64_t k = 0;
 #ifdef QSTATE_AVX2
-  for (; k + 4 <= pairs; k += 4) _mm256_storeu_si256(reinterpret_cast<__m256i*>(buffer + 2 * k), splitmix64x4(seed, start / 2 + k + 1));
+  for (; k + 4 <= outputs; k += 4) store_draws4<PerOutput>(splitmix64x4(seed, start / PerOutput + k + 1), buffer + PerOutput * k);
 #endif
-  for (; k < pairs; ++k) {
-    const uint64_t z = splitmix64(seed, static_cast<uint64_t>(start / 2 + k) + 1);
-    buffer[2 * k] = static_cast<uint32_t>(z >> 32), buffer[2 * k + 1] = static_cast<uint32_t>(z);
+  for (; k < outputs; ++k) {
+    const uint64_t z = splitmix64(seed, static_cast<uint64_t>(start / PerOutput + k) + 1);
+    for (int j = 0; j < PerOutput; ++j) buffer[PerOutput * k + j] = draw_of<PerOutput>(z, j);
   }
   return buffer + (first - start);
 }
 
-// visit(done, size, draws) over [0, n) in parts of at most ``chunk`` elements, with draws[i] =
-// random_bits(seed, first + done + i) for i < size (draws_of, in ``buffer``: chunk + 2 words).
-template <typename Visit>
+// visit(done, size, draws) over [0, n) in parts of at most ``chunk`` elements, with draws[i] the draw_of<PerOutput>
+// of element first + done + i for i < size (draws_of, in ``buffer``: chunk + kDrawSlack words).
+template <int PerOutput, typename Visit>
 inline void chunks_with_draws(uint64_t seed, int64_t first, int64_t n, int64_t chunk, uint32_t* __restrict__ buffer, Visit&& visit) {
   for (int64_t done = 0; done < n; done += chunk) {
     const int64_t size = std::min(chunk, n - done);
-    visit(done, size, draws_of(seed, first + done, size, buffer));
+    visit(done, size, draws_of<PerOutput>(seed, first + done, size, buffer));
   }
 }
 
@@ -587,7 +637,7 @@ struct State {
   Minifloat mf;      // minifloats
   int32_t last;      // a codebook's last code (its values - 1)
   int32_t min_code;  // a codebook's min_code
-  bool stochastic;   // SR, element i drawing random_bits(seed, i)
+  bool stochastic;   // SR, element i drawing random_bits(seed, i) (a cast: cast_bits)
   uint64_t seed;
   bool by_exponent;  // a minifloat whose decode table is exponent_decode's (decodes_by_exponent)
 
@@ -969,7 +1019,7 @@ inline void pack16(__m128i codes, uint8_t* out) {
 // index / 2 + 8 in 64-bit lanes (their states by one scalar multiply and a vector add; AVX512DQ's 64-bit multiply
 // for the mixing), their halves swapped (lane 2k: the upper half of output k); else lane by lane.
 QSTATE_INLINE __m512i random16(uint64_t seed, int64_t index) {
-#if defined(__AVX512DQ__)
+#ifdef QSTATE_AVX512DQ
   if (index % 2 == 0) {
     constexpr uint64_t gamma = 0x9E3779B97F4A7C15ull;  // output n's state: seed + n * gamma
     alignas(64) static constexpr uint64_t lane_steps[8] = {0, gamma, 2 * gamma, 3 * gamma, 4 * gamma, 5 * gamma, 6 * gamma, 7 * gamma};
@@ -982,6 +1032,15 @@ QSTATE_INLINE __m512i random16(uint64_t seed, int64_t index) {
 #endif
   alignas(64) uint32_t random[16];
   for (int k = 0; k < 16; ++k) random[k] = random_bits(seed, index + k);
+  return _mm512_load_si512(random);
+}
+
+// cast_bits(seed, index + k) of k = 0..15, bit for bit: for an index that is a multiple of 4, the quarters of
+// splitmix64's outputs index / 4 + 1 to index / 4 + 4 (splitmix64x4) widened to words; else lane by lane.
+QSTATE_INLINE __m512i cast_random16(uint64_t seed, int64_t index) {
+  if (index % 4 == 0) return _mm512_slli_epi32(_mm512_cvtepu16_epi32(splitmix64x4(seed, static_cast<uint64_t>(index) / 4 + 1)), 16);
+  alignas(64) uint32_t random[16];
+  for (int k = 0; k < 16; ++k) random[k] = cast_bits(seed, index + k);
   return _mm512_load_si512(random);
 }
 
@@ -1060,11 +1119,11 @@ QSTATE_INLINE void store16(Float16* x, __m512 value) { _mm256_storeu_si256(reint
 // patterns (bf16_nearest16 / fp16_nearest16 have NaN's), and as fp32 (round16: a NaN stays a NaN, maybe quieted).
 QSTATE_INLINE __m256i patterns16(Bf16Nearest, __m512 x, uint64_t, int64_t) { return bf16_nearest16(x); }
 QSTATE_INLINE __m256i patterns16(Bf16Stochastic, __m512 x, uint64_t seed, int64_t index) {
-  return bf16_stochastic16(x, random16(seed, index));
+  return bf16_stochastic16(x, cast_random16(seed, index));
 }
 QSTATE_INLINE __m256i patterns16(Fp16Nearest, __m512 x, uint64_t, int64_t) { return fp16_nearest16(x); }
 QSTATE_INLINE __m256i patterns16(Fp16Stochastic, __m512 x, uint64_t seed, int64_t index) {
-  return fp16_stochastic16(x, random16(seed, index));
+  return fp16_stochastic16(x, cast_random16(seed, index));
 }
 QSTATE_INLINE __m512 round16(KeepFp32, __m512 x, uint64_t, int64_t) { return x; }
 template <typename Rounding>
@@ -1225,7 +1284,7 @@ QSTATE_INLINE __m128i fp16_stochastic8(__m256 x, __m256i random) {
   return _mm256_movemask_ps(in_range) == 0xFF ? stored : _mm_blendv_epi8(fp16_nearest8(x), stored, narrow_mask8(in_range));
 }
 
-// A cast's 8 stored patterns of x by its Rounding (draws[at:at + 8]: their random_bits under SR); zero_free: a positive value stored as 0
+// A cast's 8 stored patterns of x by its Rounding (draws[at:at + 8]: their cast_bits under SR); zero_free: a positive value stored as 0
 // becomes pattern 1, the smallest subnormal (CastFormat.lift_flushed).
 QSTATE_INLINE __m128i patterns8(Bf16Nearest, __m256 x, __m256i) { return bf16_nearest8(x); }
 QSTATE_INLINE __m128i patterns8(Bf16Stochastic, __m256 x, __m256i random) { return bf16_stochastic8(x, random); }
@@ -1258,9 +1317,9 @@ QSTATE_INLINE float top_of(__m256i top, bool& finite) {
 }
 
 // The SR draws of 8 elements from ``index`` (random_bits(seed, index + k), k < 8): four splitmix64 outputs for an even
-// index (splitmix64x4), else element by element.
+// index (splitmix64x4, each one's upper half, then its lower half), else element by element.
 QSTATE_INLINE __m256i random8(uint64_t seed, int64_t index) {
-  if (index % 2 == 0) return splitmix64x4(seed, static_cast<uint64_t>(index) / 2 + 1);
+  if (index % 2 == 0) return _mm256_shuffle_epi32(splitmix64x4(seed, static_cast<uint64_t>(index) / 2 + 1), 0xB1);
   alignas(32) uint32_t random[8];
   for (int k = 0; k < 8; ++k) random[k] = random_bits(seed, index + k);
   return _mm256_load_si256(reinterpret_cast<const __m256i*>(random));
