@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_native_formats import check_unbiased, same_bits
+from test_native_formats import cast_stochastic_rounding, check_unbiased, same_bits
 
 import lightning_qstate as lq
 from lightning_qstate.formats import get_format
+from lightning_qstate.formats.weights import get_weight_grid
 from lightning_qstate.kernels import dispatch, native
 from lightning_qstate.kernels.native import native_momentum_steps
 
@@ -312,6 +313,26 @@ def test_stochastic_rounding_reproduces_across_threads_and_resumes_exactly(case,
     params with 1 and 2 threads, and a run resumed from a state dict after step 2 rounds steps 3-4 as the
     uninterrupted run does."""
     check_threads_and_resume(lambda steps, resume_from=None: run(case, states, steps, rounding="stochastic", resume_from=resume_from))
+
+
+@pytest.mark.parametrize("name", ["bf16", "fp16"])
+def test_sgd_weight_grid_stochastic_rounding_uses_the_documented_draws(name):
+    """QSGD's parameters on a bf16 / fp16 grid, rounded stochastically: from a zero fp32 buffer with lr a power of two
+    the new value ``p - lr * g`` is exact before its rounding, which takes the kernel's draws of the weight seed
+    (``cast_bits``: ``test_native_formats.cast_stochastic_rounding``) bit for bit, over many chunks of draws."""
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[name]
+    numel, seed, lr = 5 * 1024 + 3, 24680, 2.0**-6
+    generator = torch.Generator().manual_seed(7)
+    param, grad = torch.randn(numel, generator=generator).to(dtype), torch.randn(numel, generator=generator).to(dtype)
+    updated = param.float() - grad.float() * lr
+    group = {"lr": lr, "weight_decay": 0.0, "momentum": 0.9, "dampening": 0.0, "nesterov": False, "rounding": "nearest"}
+    group["weight_rounding"] = "stochastic"
+    rows, _ = native_momentum_steps(
+        [param], [grad], [torch.zeros(numel)], group, False, False, weights=[get_weight_grid(name)], weight_seeds=[seed]
+    )
+    assert rows[0][:2] == [1, 1]
+    assert torch.equal(param.view(torch.int16), cast_stochastic_rounding(name, updated, seed).view(torch.int16))
+    assert 0.1 < float((param != updated.to(dtype)).float().mean()) < 0.6  # SR leaves the nearest value often
 
 
 @pytest.mark.parametrize("muon", [False, True], ids=["sgd", "muon"])

@@ -28,14 +28,25 @@ namespace {
 // cast_lanes) or pack (encode_codes): a multiple of 8 (whole dense groups).
 constexpr int64_t kCodeChunk = 256;
 
-// grid_lanes' portable loop over values [0, n) (Hold: adam_lane's).
+// visit(done, size, draws) over [0, n) in parts of at most kCodeChunk elements, with draws[i] = cast_bits(seed, first +
+// done + i) where Rounding draws (draws_of), else nullptr: a grid loop's parts.
+template <typename Rounding, typename Visit>
+inline void grid_chunks(uint64_t seed, int64_t first, int64_t n, Visit&& visit) {
+  uint32_t buffer[kCodeChunk + kDrawSlack];
+  for (int64_t done = 0; done < n; done += kCodeChunk) {
+    const int64_t size = std::min(kCodeChunk, n - done);
+    visit(done, size, Rounding::kStochastic ? draws_of<4>(seed, first + done, size, buffer) : nullptr);
+  }
+}
+
+// grid_lanes' portable loop over values [0, n) (Hold: adam_lane's; draws[i]: value i's SR draw where Rounding draws).
 template <typename T, typename Rounding, bool Eco, bool Hold>
-QSTATE_INLINE void grid_loop(T* __restrict__ p, const T* __restrict__ g, int64_t first, const Hyper& h, uint64_t seed, int64_t n,
+QSTATE_INLINE void grid_loop(T* __restrict__ p, const T* __restrict__ g, const uint32_t* __restrict__ draws, const Hyper& h, int64_t n,
                              float* __restrict__ m, float* __restrict__ v) {
   for (int64_t i = 0; i < n; ++i) {
     float mi = m[i], vi = v[i], denom;
     const float updated = adam_lane<Hold>(to_float(p[i]), to_float(g[i]), mi, vi, h, denom);
-    const float rounded = Rounding::round(updated, seed, first + i);
+    const float rounded = Rounding::round(updated, Rounding::kStochastic ? draws[i] : 0u);
     if constexpr (Eco) mi = std::fma(h.eco * denom, updated - rounded, mi);
     p[i] = from_float<T>(rounded);
     m[i] = mi, v[i] = vi;
@@ -47,8 +58,9 @@ QSTATE_INLINE void grid_loop(T* __restrict__ p, const T* __restrict__ g, int64_t
 // adam_lane's new value rounded to the grid with Rounding (element ``first + i`` of the parameter: its SR draw) and
 // stored in T (round to nearest, as torch's copy_), and with Eco m = fma(eco * denom, updated - rounded, m) (the
 // product rounded first, as eco_feedback). With AVX-512, 16 at a time by Update16::advance; else kCodeChunk at a time
-// by grid_loop, without the hold where held_inside proves it keeps them: its loop has no branches, so the compiler
-// vectorizes it (-fno-math-errno: sqrt without its errno check) for the CPU it is built for (AVX2 included).
+// (grid_chunks: SR draws by draws_of) by grid_loop, without the hold where held_inside proves it keeps them: its loop
+// has no branches, so the compiler vectorizes it (-fno-math-errno: sqrt without its errno check) for the CPU it is
+// built for (AVX2 included).
 template <typename T, typename Rounding, bool Eco>
 QSTATE_FLATTEN void grid_lanes(T* __restrict__ p, const T* __restrict__ g, int64_t first, const Hyper h, uint64_t seed, int64_t n,
                                float* __restrict__ m, float* __restrict__ v) {
@@ -61,13 +73,13 @@ QSTATE_FLATTEN void grid_lanes(T* __restrict__ p, const T* __restrict__ g, int64
     _mm512_storeu_ps(m + i, mi), _mm512_storeu_ps(v + i, vi);
   }
 #endif
-  for (; i < n; i += kCodeChunk) {
-    const int64_t size = std::min(kCodeChunk, n - i);
-    if (held_inside(m + i, v + i, size, h))
-      grid_loop<T, Rounding, Eco, false>(p + i, g + i, first + i, h, seed, size, m + i, v + i);
+  grid_chunks<Rounding>(seed, first + i, n - i, [&](int64_t done, int64_t size, const uint32_t* draws) {
+    const int64_t at = i + done;
+    if (held_inside(m + at, v + at, size, h))
+      grid_loop<T, Rounding, Eco, false>(p + at, g + at, draws, h, size, m + at, v + at);
     else
-      grid_loop<T, Rounding, Eco, true>(p + i, g + i, first + i, h, seed, size, m + i, v + i);
-  }
+      grid_loop<T, Rounding, Eco, true>(p + at, g + at, draws, h, size, m + at, v + at);
+  });
 }
 
 // The SR draws of 16 elements from ``first`` (random_bits(seed, first + j)) as U[0, 1) (uniform_of).
@@ -1550,21 +1562,30 @@ QSTATE_FLATTEN void sgd_lanes(float* __restrict__ p, const float* __restrict__ g
   for (int64_t i = 0; i < n; ++i) p[i] = sgd_lane(p[i], g[i], buf[i], h);
 }
 
-// SGD's step on values [0, n) of a parameter on a weight grid, param and gradient of type T (read as fp32), the decoded
-// buffer in place, as the reference path's QSGD with ``weights``: sgd_lane's new value rounded to the grid with
-// Rounding (element ``first + i``: its SR draw) and stored in T, and with Eco buf = buf + eco * (updated - rounded) (the
-// product rounded first, as QSGD._feed_back_error). Branch-free (as grid_lanes).
+// sgd_grid_lanes' loop over values [0, n) (draws[i]: value i's SR draw where Rounding draws).
 template <typename T, typename Rounding, bool Eco>
-QSTATE_FLATTEN void sgd_grid_lanes(T* __restrict__ p, const T* __restrict__ g, int64_t first, const Momentum h, uint64_t seed, float eco,
-                                   int64_t n, float* __restrict__ buf) {
+QSTATE_INLINE void sgd_grid_loop(T* __restrict__ p, const T* __restrict__ g, const uint32_t* __restrict__ draws, const Momentum& h,
+                                 float eco, int64_t n, float* __restrict__ buf) {
   for (int64_t i = 0; i < n; ++i) {
     float b = buf[i];
     const float updated = sgd_lane(to_float(p[i]), to_float(g[i]), b, h);
-    const float rounded = Rounding::round(updated, seed, first + i);
+    const float rounded = Rounding::round(updated, Rounding::kStochastic ? draws[i] : 0u);
     if constexpr (Eco) b = b + eco * (updated - rounded);
     p[i] = from_float<T>(rounded);
     buf[i] = b;
   }
+}
+
+// SGD's step on values [0, n) of a parameter on a weight grid, param and gradient of type T (read as fp32), the decoded
+// buffer in place, as the reference path's QSGD with ``weights``: sgd_lane's new value rounded to the grid with
+// Rounding (element ``first + i``: its SR draw) and stored in T, and with Eco buf = buf + eco * (updated - rounded) (the
+// product rounded first, as QSGD._feed_back_error). kCodeChunk at a time (grid_chunks), branch-free (as grid_lanes).
+template <typename T, typename Rounding, bool Eco>
+QSTATE_FLATTEN void sgd_grid_lanes(T* __restrict__ p, const T* __restrict__ g, int64_t first, const Momentum h, uint64_t seed, float eco,
+                                   int64_t n, float* __restrict__ buf) {
+  grid_chunks<Rounding>(seed, first, n, [&](int64_t done, int64_t size, const uint32_t* draws) {
+    sgd_grid_loop<T, Rounding, Eco>(p + done, g + done, draws, h, eco, size, buf + done);
+  });
 }
 
 // SGD's step on values [base, base + size) of w: sgd_lanes, or on a weight grid sgd_grid_lanes for w's element type,
@@ -1762,7 +1783,8 @@ at::Tensor round_to_grid(const at::Tensor& values, int64_t grid, bool stochastic
     T* y = static_cast<T*>(out.data_ptr());
     with_rounding(g.dtype, g.stochastic, [&]<typename Rounding>(Rounding) {
       at::parallel_for(0, values.numel(), 1 << 14, [&](int64_t begin, int64_t end) {
-        for (int64_t i = begin; i < end; ++i) y[i] = from_float<T>(Rounding::round(x[i], g.seed, i));
+        for (int64_t i = begin; i < end; ++i)
+          y[i] = from_float<T>(Rounding::round(x[i], Rounding::kStochastic ? cast_bits(g.seed, i) : 0u));
       });
     });
   });

@@ -378,31 +378,32 @@ struct Grid {
   bool active() const { return dtype != Dtype::kNone; }
 };
 
-// The roundings of a grid, as types (Rounding::round(x, seed, index): x on the grid, as fp32; ``index``: the element's
-// position in its parameter, its random draw; kStochastic: whether it draws), so that a loop is compiled once per rounding.
+// The roundings of a grid, as types (Rounding::round(x, random): x on the grid, as fp32; ``random``: the element's SR
+// draw, cast_bits of its position in its parameter, read only where kStochastic), so that a loop is compiled once per
+// rounding.
 struct KeepFp32 {
   static constexpr bool kStochastic = false;
-  static float round(float x, uint64_t, int64_t) { return x; }
+  static float round(float x, uint32_t) { return x; }
 };
 struct Bf16Nearest {
   using Element = BFloat16;
   static constexpr bool kStochastic = false;
-  static float round(float x, uint64_t, int64_t) { return to_float(BFloat16{bf16_nearest(x)}); }
+  static float round(float x, uint32_t) { return to_float(BFloat16{bf16_nearest(x)}); }
 };
 struct Bf16Stochastic {
   using Element = BFloat16;
   static constexpr bool kStochastic = true;
-  static float round(float x, uint64_t seed, int64_t index) { return bf16_stochastic(x, cast_bits(seed, index)); }
+  static float round(float x, uint32_t random) { return bf16_stochastic(x, random); }
 };
 struct Fp16Nearest {
   using Element = Float16;
   static constexpr bool kStochastic = false;
-  static float round(float x, uint64_t, int64_t) { return fp16_nearest(x); }
+  static float round(float x, uint32_t) { return fp16_nearest(x); }
 };
 struct Fp16Stochastic {
   using Element = Float16;
   static constexpr bool kStochastic = true;
-  static float round(float x, uint64_t seed, int64_t index) { return fp16_stochastic(x, cast_bits(seed, index)); }
+  static float round(float x, uint32_t random) { return fp16_stochastic(x, random); }
 };
 
 // The bf16 / fp16 pattern of x rounded by a cast state's Rounding (adam_cpu.cpp: store_cast; patterns16 for 16 values);
