@@ -28,14 +28,14 @@ namespace {
 // cast_lanes) or pack (encode_codes): a multiple of 8 (whole dense groups).
 constexpr int64_t kCodeChunk = 256;
 
-// visit(done, size, draws) over [0, n) in parts of at most kCodeChunk elements, with draws[i] = cast_bits(seed, first +
-// done + i) where Rounding draws (draws_of), else nullptr: a grid loop's parts.
-template <typename Rounding, typename Visit>
-inline void grid_chunks(uint64_t seed, int64_t first, int64_t n, Visit&& visit) {
+// visit(done, size, draws) over [0, n) in parts of at most kCodeChunk elements, with draws[i] the draw_of<PerOutput>
+// of element first + done + i for i < size (draws_of: random_bits, PerOutput 2; cast_bits, 4) where Draw, else nullptr.
+template <int PerOutput, bool Draw, typename Visit>
+inline void chunks_with_draws(uint64_t seed, int64_t first, int64_t n, Visit&& visit) {
   uint32_t buffer[kCodeChunk + kDrawSlack];
   for (int64_t done = 0; done < n; done += kCodeChunk) {
     const int64_t size = std::min(kCodeChunk, n - done);
-    visit(done, size, Rounding::kStochastic ? draws_of<4>(seed, first + done, size, buffer) : nullptr);
+    visit(done, size, Draw ? draws_of<PerOutput>(seed, first + done, size, buffer) : nullptr);
   }
 }
 
@@ -58,9 +58,9 @@ QSTATE_INLINE void grid_loop(T* __restrict__ p, const T* __restrict__ g, const u
 // adam_lane's new value rounded to the grid with Rounding (element ``first + i`` of the parameter: its SR draw) and
 // stored in T (round to nearest, as torch's copy_), and with Eco m = fma(eco * denom, updated - rounded, m) (the
 // product rounded first, as eco_feedback). With AVX-512, 16 at a time by Update16::advance; else kCodeChunk at a time
-// (grid_chunks: SR draws by draws_of) by grid_loop, without the hold where held_inside proves it keeps them: its loop
-// has no branches, so the compiler vectorizes it (-fno-math-errno: sqrt without its errno check) for the CPU it is
-// built for (AVX2 included).
+// (chunks_with_draws) by grid_loop, without the hold where held_inside proves it keeps them: its loop has no branches,
+// so the compiler vectorizes it (-fno-math-errno: sqrt without its errno check) for the CPU it is built for (AVX2
+// included).
 template <typename T, typename Rounding, bool Eco>
 QSTATE_FLATTEN void grid_lanes(T* __restrict__ p, const T* __restrict__ g, int64_t first, const Hyper h, uint64_t seed, int64_t n,
                                float* __restrict__ m, float* __restrict__ v) {
@@ -73,7 +73,7 @@ QSTATE_FLATTEN void grid_lanes(T* __restrict__ p, const T* __restrict__ g, int64
     _mm512_storeu_ps(m + i, mi), _mm512_storeu_ps(v + i, vi);
   }
 #endif
-  grid_chunks<Rounding>(seed, first + i, n - i, [&](int64_t done, int64_t size, const uint32_t* draws) {
+  chunks_with_draws<4, Rounding::kStochastic>(seed, first + i, n - i, [&](int64_t done, int64_t size, const uint32_t* draws) {
     const int64_t at = i + done;
     if (held_inside(m + at, v + at, size, h))
       grid_loop<T, Rounding, Eco, false>(p + at, g + at, draws, h, size, m + at, v + at);
@@ -182,8 +182,7 @@ void code_lanes(const State& s, const float* __restrict__ x, float divisor, bool
       code_loop(x + i, divisor, finite, n - i, out + i, [cb](float q, int64_t) { return encode_lane(q, cb); });
     return;
   }
-  uint32_t buffer[kCodeChunk + kDrawSlack];
-  chunks_with_draws<2>(s.seed, first, n, kCodeChunk, buffer, [&](int64_t done, int64_t size, const uint32_t* all_draws) {
+  chunks_with_draws<2, true>(s.seed, first, n, [&](int64_t done, int64_t size, const uint32_t* all_draws) {
     const int64_t i = lanes8(std::true_type{}, x + done, size, out + done, all_draws);
     const float* part = x + done + i;
     uint8_t* codes = out + done + i;
@@ -652,8 +651,7 @@ void store_cast(const State& s, int64_t base, int64_t n, const float* __restrict
     } else if constexpr (!Rounding::kStochastic) {
       store(Rounding{}, values, n - i, nullptr, out);
     } else {
-      uint32_t buffer[kCodeChunk + kDrawSlack];
-      chunks_with_draws<4>(s.seed, base + i, n - i, kCodeChunk, buffer, [&](int64_t done, int64_t size, const uint32_t* draws) {
+      chunks_with_draws<4, true>(s.seed, base + i, n - i, [&](int64_t done, int64_t size, const uint32_t* draws) {
         store(Rounding{}, values + done, size, draws, out + done);
       });
     }
@@ -1579,11 +1577,11 @@ QSTATE_INLINE void sgd_grid_loop(T* __restrict__ p, const T* __restrict__ g, con
 // SGD's step on values [0, n) of a parameter on a weight grid, param and gradient of type T (read as fp32), the decoded
 // buffer in place, as the reference path's QSGD with ``weights``: sgd_lane's new value rounded to the grid with
 // Rounding (element ``first + i``: its SR draw) and stored in T, and with Eco buf = buf + eco * (updated - rounded) (the
-// product rounded first, as QSGD._feed_back_error). kCodeChunk at a time (grid_chunks), branch-free (as grid_lanes).
+// product rounded first, as QSGD._feed_back_error). kCodeChunk at a time (chunks_with_draws), branch-free (as grid_lanes).
 template <typename T, typename Rounding, bool Eco>
 QSTATE_FLATTEN void sgd_grid_lanes(T* __restrict__ p, const T* __restrict__ g, int64_t first, const Momentum h, uint64_t seed, float eco,
                                    int64_t n, float* __restrict__ buf) {
-  grid_chunks<Rounding>(seed, first, n, [&](int64_t done, int64_t size, const uint32_t* draws) {
+  chunks_with_draws<4, Rounding::kStochastic>(seed, first, n, [&](int64_t done, int64_t size, const uint32_t* draws) {
     sgd_grid_loop<T, Rounding, Eco>(p + done, g + done, draws, h, eco, size, buf + done);
   });
 }

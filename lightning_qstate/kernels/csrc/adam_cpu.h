@@ -475,16 +475,6 @@ inline const uint32_t* draws_of(uint64_t seed, int64_t first, int64_t size, uint
   return buffer + (first - start);
 }
 
-// visit(done, size, draws) over [0, n) in parts of at most ``chunk`` elements, with draws[i] the draw_of<PerOutput>
-// of element first + done + i for i < size (draws_of, in ``buffer``: chunk + kDrawSlack words).
-template <int PerOutput, typename Visit>
-inline void chunks_with_draws(uint64_t seed, int64_t first, int64_t n, int64_t chunk, uint32_t* __restrict__ buffer, Visit&& visit) {
-  for (int64_t done = 0; done < n; done += chunk) {
-    const int64_t size = std::min(chunk, n - done);
-    visit(done, size, draws_of<PerOutput>(seed, first + done, size, buffer));
-  }
-}
-
 // visit(Rounding{}) with the rounding to ``dtype`` (fp32: KeepFp32) to nearest or ``stochastic``: an active grid's, or
 // a cast state's.
 template <typename Visit>
