@@ -388,12 +388,16 @@ def cast_rounding_inputs(numel: int) -> torch.Tensor:
 def cast_stochastic_rounding(name: str, target: torch.Tensor, seed: int) -> torch.Tensor:
     """fp32 ``target`` rounded stochastically to ``name`` (``"bf16"``, ``"fp16"``) with the kernel's draws of ``seed``
     (``splitmix64_quarters``): bf16 adds element ``i``'s 16 bits to the fp32 pattern and truncates (inf/NaN pass);
-    fp16 rounds up where their U[0, 1) is below the dropped fraction (``formats.cast.fp16_stochastic``)."""
-    from lightning_qstate.formats.cast import fp16_stochastic
-
+    fp16 adds 8191 less their upper 13 bits to the 13 bits of ``|x|``'s pattern below fp16's mantissa (of the fp32 sum
+    ``|x| + 2^-14`` below 2^-14) and truncates there, the RN cast past 65504 and for inf/NaN (``fp16_stochastic``)."""
     bits = splitmix64_quarters(seed, target.numel())
     if name == "fp16":
-        return fp16_stochastic(target, torch.from_numpy((bits >> np.uint32(8)).astype(np.int32)).float() * 2.0**-24)
+        magnitude = np.abs(target.numpy())
+        small = magnitude < np.float32(2.0**-14)
+        lifted = np.where(small, magnitude + np.float32(2.0**-14), magnitude).view(np.uint32).astype(np.int64)
+        pattern = ((lifted + (~bits >> np.uint32(19))) >> 13) - np.where(small, 113 << 10, 112 << 10)
+        signed = (pattern | (np.signbit(target.numpy()).astype(np.int64) << 15)).astype(np.uint16).view(np.int16)
+        return torch.where(target.abs() <= 65504.0, torch.from_numpy(signed).view(torch.float16), target.to(torch.float16))
     pattern = target.numpy().view(np.uint32)
     rounded = np.where(np.isfinite(target.numpy()), (pattern.astype(np.uint64) + (bits >> np.uint32(16))) >> np.uint64(16), pattern >> 16)
     return torch.from_numpy(rounded.astype(np.uint16).view(np.int16)).view(torch.bfloat16)
@@ -404,8 +408,8 @@ def test_kernel_cast_stochastic_rounding_uses_the_documented_draws(name):
     """bf16 / fp16 moments with betas (0, 0) are SR of the gradient (``m``) and of its square (``v``, zero-free) with
     the kernel's draws (16 bits each, four per splitmix64 output: ``cast_bits``), bit for bit, whether the vector
     (AVX-512, AVX2) or the scalar loop drew them (4,117 values: both run): bf16 adds its element's 16 bits to the fp32
-    pattern and truncates (``bf16_stochastic``); fp16 rounds up where the draw's U[0, 1) (on steps of 2^-16) is below
-    the fraction (``fp16_stochastic``)."""
+    pattern and truncates (``bf16_stochastic``); fp16 adds 13 of them below its mantissa and truncates
+    (``fp16_stochastic``)."""
     numel, seeds = 4096 + 21, (987654321, 123456789)
     grad = cast_rounding_inputs(numel)
     state = adam_state(get_format(name), get_format(name, signed=False), numel, 0)

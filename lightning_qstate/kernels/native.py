@@ -29,16 +29,17 @@ exactly from a checkpoint): element ``i`` of a codebook or minifloat moment draw
 ``i // 2 + 1`` (the upper half for an even ``i``, the lower for an odd one: ``random_bits``), its U[0, 1) the upper 24
 bits times 2^-24, as an fp32 uniform of torch; element ``i`` of a bf16/fp16 cast draws 16 bits, quarter ``i % 4`` of
 output ``i // 4 + 1`` (bits ``16 * (i % 4)`` up: ``cast_bits``; one output per four elements, half the draws' work),
-which bf16 adds as the reference adds its 16 random bits and fp16 reads as a U[0, 1) on steps of 2^-16 (exactly
-unbiased where fp16 is normal: its rounding drops at most 13 bits there). Unbiased as the reference, not its bits
-(another generator).
+which bf16 adds as the reference adds its 16 random bits, and fp16 as 13 (8191 less their upper 13) added below its
+mantissa (``fp16_stochastic``: exactly unbiased where fp16 is normal, where it drops 13 bits; below 2^-14 the bits of
+the fp32 sum ``|x| + 2^-14``, unbiased within 2^-14 of an ulp). Unbiased as the reference, not its bits (another
+generator).
 
 Without master weights (``optim/weights.py``) a coded parameter may be kept on a weight grid (a cast format's:
 fp32, bf16 or fp16 values); the parameter and its gradient are then fp32, bf16 or fp16 (read as fp32, the math is
 fp32). Its new values are computed as ``adam_reference.adam_math`` computes them, operation for operation (true
 divisions), rounded to the grid (round to nearest even, as torch's casts: fp16 with its subnormals and overflow to
 inf; or stochastic: bf16 as ``formats.rounding.bf16_stochastic``, 16 random bits added to the fp32 pattern; fp16
-unbiased, as ``formats.cast.fp16_stochastic``) and written in the parameter's dtype (round to nearest, as ``copy_``);
+as the moments' casts, 13 bits added below its mantissa) and written in the parameter's dtype (round to nearest, as ``copy_``);
 with ``error_feedback="eco"`` the rounding error goes into ``m`` before ``m`` is encoded
 (``adam_reference.eco_feedback``: ``fma(eco_coefficient * denom, updated - rounded, m)``). The random bits of
 element ``i`` are a cast's (``cast_bits``: 16 bits of splitmix64's output ``i // 4 + 1``) from a per-parameter seed

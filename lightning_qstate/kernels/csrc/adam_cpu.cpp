@@ -623,7 +623,7 @@ void encode_codes(const State& s, const float* __restrict__ x, float divisor, bo
 }
 
 // A cast state's values [base, base + n): x rounded in its dtype, to nearest (as torch's casts) or stochastically
-// (element i drawing cast_bits(seed, base + i): bf16_stochastic, fp16_stochastic, as CastFormat.stochastic_reference);
+// (element i drawing cast_bits(seed, base + i): bf16_stochastic, fp16_stochastic, unbiased as CastFormat.stochastic_reference);
 // ``zero_free``: a positive value the cast flushes to 0 is stored as the dtype's smallest subnormal
 // (CastFormat.lift_flushed; pattern 1).
 void store_cast(const State& s, int64_t base, int64_t n, const float* __restrict__ x) {

@@ -342,9 +342,8 @@ inline uint32_t random_bits(uint64_t seed, int64_t index) {
 
 // The draws of a bf16/fp16 cast's or weight grid's stochastic rounding: 16 random bits for element ``index``, quarter
 // index % 4 of splitmix64's output index / 4 + 1 (bits 16 * (index % 4) up; each output serves four elements), in the
-// upper half of the word, so that bf16_stochastic adds them as they are and uniform_of reads them as a U[0, 1) on
-// steps of 2^-16: fp16_stochastic drops at most 13 bits of a normal fp16's binade, so its rounding is exactly unbiased
-// there (within 2^-16 of an ulp below 2^-14).
+// upper half of the word, so that bf16_stochastic adds them as they are and fp16_stochastic their upper 13 (it drops
+// 13 bits of a normal fp16's binade: exactly unbiased there).
 inline uint32_t cast_bits(uint64_t seed, int64_t index) {
   return draw_of<4>(splitmix64(seed, static_cast<uint64_t>(index) / 4 + 1), index);
 }
@@ -356,15 +355,16 @@ inline float bf16_stochastic(float x, uint32_t random) {
   return select(mask_of(std::fabs(x) < INFINITY), rounded, x);
 }
 
-// Stochastic rounding to fp16 as formats.cast.fp16_stochastic (subnormals included): x's binade scaled to [0, 2048)
-// as in fp16_nearest, rounded up where a uniform draw (the upper 24 random bits, as the reference's fp32 uniform) is
-// below its fraction: unbiased to within 2^-24 of an ulp. |x| > 65504 and inf/NaN: fp16_nearest, as there.
+// Stochastic rounding to fp16 (subnormals included), additive as bf16_stochastic: 13 random bits (8191 less the draw's
+// upper 13) added to the 13 bits of |x|'s fp32 pattern below the fp16 mantissa, which are then cleared: rounds up with
+// probability equal to the dropped fraction of an ulp, exactly unbiased for fp16's normals (the decision a U[0, 1) on
+// steps of 2^-16 below that fraction makes: (q >> 3) < d where q < 8d). Below 2^-14, where fp16's grid is 2^-24 in
+// every binade, the pattern is that of |x| + 2^-14 (an fp32 sum, rounded to 2^-37: unbiased within 2^-14 of fp16's ulp
+// there), whose 13 low bits are the dropped ones. |x| > 65504 and inf/NaN: fp16_nearest.
 inline float fp16_stochastic(float x, uint32_t random) {
-  const float magnitude = std::fabs(x);
-  const int32_t exponent = std::max(static_cast<int32_t>((bits_of(x) >> 23) & 0xFFu) - 127, -14);
-  const float scaled = magnitude * pow2(10 - exponent), low = floor_integer(scaled);  // finite scaled < 2048
-  const float stepped = std::copysign((low + select(mask_of(uniform_of(random) < scaled - low), 1.0f, 0.0f)) * pow2(exponent - 10), x);
-  return select(mask_of(magnitude <= 65504.0f), stepped, fp16_nearest(x));
+  const float magnitude = std::fabs(x), lift = select(mask_of(magnitude < 0x1p-14f), 0x1p-14f, 0.0f);
+  const float stepped = float_of((bits_of(magnitude + lift) + (~random >> 19)) & ~0x1FFFu) - lift;  // exact
+  return select(mask_of(magnitude <= 65504.0f), std::copysign(stepped, x), fp16_nearest(x));
 }
 
 // The grid a parameter's new values are rounded to (formats.weights.WeightGrid of a cast format): fp32, bf16 or fp16
@@ -1074,23 +1074,18 @@ inline __m256i fp16_nearest16(__m512 x) {
   return _mm256_mask_mov_epi16(converted, nan, _mm256_or_si256(sign, _mm256_set1_epi16(0x7E00)));
 }
 
-// fp16_bits(fp16_stochastic(x)) of 16 values with their draws, the same fp32 operations lane by lane (the floor by
-// roundscale), the stepped value (one fp16 represents) converted exactly; |x| > 65504 and inf/NaN: fp16_nearest16.
+// fp16_bits(fp16_stochastic(x)) of 16 values with their draws, the same integer sum lane by lane, rebased from fp32's
+// exponent bias to fp16's (less the lift's own 2^-14 below 2^-14); |x| > 65504 and inf/NaN: fp16_nearest16.
 inline __m256i fp16_stochastic16(__m512 x, __m512i random) {
   const __m512 magnitude = _mm512_abs_ps(x);
-  const __m512i exponent = _mm512_max_epi32(_mm512_sub_epi32(_mm512_srli_epi32(_mm512_castps_si512(magnitude), 23), _mm512_set1_epi32(127)),
-                                            _mm512_set1_epi32(-14));
-  const auto pow2_of = [](__m512i k) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(k, _mm512_set1_epi32(127)), 23)); };
-  const __m512 scaled = _mm512_mul_ps(magnitude, pow2_of(_mm512_sub_epi32(_mm512_set1_epi32(10), exponent)));
-  const __m512 low = _mm512_roundscale_ps(scaled, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  const __m512 uniform = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(random, 8)), _mm512_set1_ps(0x1p-24f));
-  const __mmask16 up = _mm512_cmp_ps_mask(uniform, _mm512_sub_ps(scaled, low), _CMP_LT_OQ);
-  const __m512 stepped =
-      _mm512_mul_ps(_mm512_mask_add_ps(low, up, low, _mm512_set1_ps(1.0f)), pow2_of(_mm512_sub_epi32(exponent, _mm512_set1_epi32(10))));
-  const __m512 signed_stepped = _mm512_castsi512_ps(  // x's sign on the (non-negative) stepped value
-      _mm512_or_si512(_mm512_castps_si512(stepped), _mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(INT32_MIN))));
+  const __mmask16 small = _mm512_cmp_ps_mask(magnitude, _mm512_set1_ps(0x1p-14f), _CMP_LT_OQ);
+  const __m512i lifted = _mm512_castps_si512(_mm512_mask_add_ps(magnitude, small, magnitude, _mm512_set1_ps(0x1p-14f)));
+  const __m512i noise = _mm512_srli_epi32(_mm512_xor_si512(random, _mm512_set1_epi32(-1)), 19);
+  const __m512i rebase = _mm512_mask_blend_epi32(small, _mm512_set1_epi32(112 << 10), _mm512_set1_epi32(113 << 10));
+  const __m512i pattern = _mm512_sub_epi32(_mm512_srli_epi32(_mm512_add_epi32(lifted, noise), 13), rebase);
+  const __m512i sign = _mm512_srli_epi32(_mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(INT32_MIN)), 16);
+  const __m256i stored = _mm512_cvtepi32_epi16(_mm512_or_si512(pattern, sign));
   const __mmask16 in_range = _mm512_cmp_ps_mask(magnitude, _mm512_set1_ps(65504.0f), _CMP_LE_OQ);
-  const __m256i stored = _mm512_cvtps_ph(signed_stepped, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   return in_range == 0xFFFF ? stored : _mm256_mask_mov_epi16(fp16_nearest16(x), in_range, stored);
 }
 
@@ -1261,17 +1256,15 @@ QSTATE_INLINE __m128i fp16_nearest8(__m256 x) {
 // fp16_bits(fp16_stochastic(x)) of 8 values with their draws (fp16_stochastic16).
 QSTATE_INLINE __m128i fp16_stochastic8(__m256 x, __m256i random) {
   const __m256 magnitude = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), x);
-  const __m256i exponent = _mm256_max_epi32(_mm256_sub_epi32(_mm256_srli_epi32(_mm256_castps_si256(magnitude), 23), _mm256_set1_epi32(127)),
-                                            _mm256_set1_epi32(-14));
-  const auto pow2_of = [](__m256i k) { return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(k, _mm256_set1_epi32(127)), 23)); };
-  const __m256 scaled = _mm256_mul_ps(magnitude, pow2_of(_mm256_sub_epi32(_mm256_set1_epi32(10), exponent)));
-  const __m256 low = _mm256_round_ps(scaled, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  const __m256 up = _mm256_cmp_ps(uniform_of8(random), _mm256_sub_ps(scaled, low), _CMP_LT_OQ);
-  const __m256 stepped = _mm256_mul_ps(_mm256_add_ps(low, _mm256_and_ps(up, _mm256_set1_ps(1.0f))),
-                                       pow2_of(_mm256_sub_epi32(exponent, _mm256_set1_epi32(10))));
-  const __m256 signed_stepped = _mm256_or_ps(stepped, _mm256_and_ps(x, _mm256_set1_ps(-0.0f)));
+  const __m256 small = _mm256_cmp_ps(magnitude, _mm256_set1_ps(0x1p-14f), _CMP_LT_OQ);
+  const __m256i lifted = _mm256_castps_si256(_mm256_add_ps(magnitude, _mm256_and_ps(small, _mm256_set1_ps(0x1p-14f))));
+  const __m256i noise = _mm256_srli_epi32(_mm256_xor_si256(random, _mm256_set1_epi32(-1)), 19);
+  const __m256i rebase =
+      _mm256_add_epi32(_mm256_set1_epi32(112 << 10), _mm256_and_si256(_mm256_castps_si256(small), _mm256_set1_epi32(1 << 10)));
+  const __m256i pattern = _mm256_sub_epi32(_mm256_srli_epi32(_mm256_add_epi32(lifted, noise), 13), rebase);
+  const __m256i sign = _mm256_srli_epi32(_mm256_and_si256(_mm256_castps_si256(x), _mm256_set1_epi32(INT32_MIN)), 16);
+  const __m128i stored = narrow8(_mm256_or_si256(pattern, sign));
   const __m256 in_range = _mm256_cmp_ps(magnitude, _mm256_set1_ps(65504.0f), _CMP_LE_OQ);
-  const __m128i stored = _mm256_cvtps_ph(signed_stepped, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   return _mm256_movemask_ps(in_range) == 0xFF ? stored : _mm_blendv_epi8(fp16_nearest8(x), stored, narrow_mask8(in_range));
 }
 
