@@ -1211,6 +1211,7 @@ struct Update16 {
 // 8 bf16 patterns (in 16-bit lanes) as fp32, exact; 8 fp16 patterns as fp32 (the hardware's exact conversion).
 QSTATE_INLINE __m256 bf16_value8(__m128i patterns) { return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(patterns), 16)); }
 QSTATE_INLINE __m256 load8(const BFloat16* x) { return bf16_value8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x))); }
+QSTATE_INLINE __m256 load8(const float* x) { return _mm256_loadu_ps(x); }
 QSTATE_INLINE __m256 load8(const Float16* x) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x))); }
 
 // uniform_of of 8 draws.
@@ -1274,6 +1275,34 @@ QSTATE_INLINE __m128i patterns8(Bf16Nearest, __m256 x, __m256i) { return bf16_ne
 QSTATE_INLINE __m128i patterns8(Bf16Stochastic, __m256 x, __m256i random) { return bf16_stochastic8(x, random); }
 QSTATE_INLINE __m128i patterns8(Fp16Nearest, __m256 x, __m256i) { return fp16_nearest8(x); }
 QSTATE_INLINE __m128i patterns8(Fp16Stochastic, __m256 x, __m256i random) { return fp16_stochastic8(x, random); }
+
+// 8 fp32 values stored in an element type T (store16).
+QSTATE_INLINE void store8(float* x, __m256 value) { _mm256_storeu_ps(x, value); }
+QSTATE_INLINE void store8(BFloat16* x, __m256 value) { _mm_storeu_si128(reinterpret_cast<__m128i*>(x), bf16_nearest8(value)); }
+QSTATE_INLINE void store8(Float16* x, __m256 value) { _mm_storeu_si128(reinterpret_cast<__m128i*>(x), fp16_nearest8(value)); }
+
+// 8 new parameter values x rounded to the weight grid (round16; draws[0:8]: their cast_bits under SR) and stored in T
+// at p (a parameter of the grid's own dtype: the rounding's patterns as they are, which store8 of their values would
+// give again); returns the rounded values.
+template <typename T>
+QSTATE_INLINE __m256 round_store8(KeepFp32, T* p, __m256 x, const uint32_t*) {
+  store8(p, x);
+  return x;
+}
+template <typename T, typename Rounding>
+QSTATE_INLINE __m256 round_store8(Rounding rounding, T* p, __m256 x, const uint32_t* draws) {
+  using Element = typename Rounding::Element;
+  __m256i random = _mm256_setzero_si256();
+  if constexpr (Rounding::kStochastic) random = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(draws));
+  const __m128i patterns = patterns8(rounding, x, random);
+  const __m256 rounded = std::is_same_v<Element, BFloat16> ? bf16_value8(patterns) : _mm256_cvtph_ps(patterns);
+  if constexpr (std::is_same_v<T, Element>)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), patterns);
+  else
+    store8(p, rounded);
+  return rounded;
+}
+
 template <typename Rounding>
 QSTATE_INLINE void store_cast8(typename Rounding::Element* out, __m256 x, const uint32_t* draws, int64_t at, bool zero_free) {
   __m256i random = _mm256_setzero_si256();
@@ -1502,9 +1531,9 @@ QSTATE_INLINE void store_codes8(__m256i codes, uint8_t* out) {
   }
 }
 
-// Update16 on 8 lanes, for parameters with fp32 values (no weight grid).
+// Update16 on 8 lanes.
 struct Update8 {
-  __m256 sign, l2, decay, lerp_coeff, b2, one_minus_b2, step, eps, m_bound, inside_bound, bc2;
+  __m256 sign, l2, decay, lerp_coeff, b2, one_minus_b2, step, eps, m_bound, inside_bound, bc2, eco;
   bool lerp_from_end, hold_m, decoupled;
   __m256i m_top = _mm256_setzero_si256(), v_top = _mm256_setzero_si256();  // running max_magnitude_bits8
 
@@ -1520,6 +1549,7 @@ struct Update8 {
         m_bound(_mm256_set1_ps(h.m_bound)),
         inside_bound(_mm256_set1_ps(h.inside_bound)),
         bc2(_mm256_set1_ps(h.bc2)),
+        eco(_mm256_set1_ps(h.eco)),
         lerp_from_end(h.lerp_from_end),
         hold_m(h.hold_m),
         decoupled(h.decoupled) {}
@@ -1535,18 +1565,21 @@ struct Update8 {
     mi = _mm256_blendv_ps(mi, negative, _mm256_cmp_ps(mi, negative, _CMP_LT_OQ));
   }
 
-  // adam_lane of 8 values p[0:8] (fp32, updated in place), the decoded moments mi, vi updated in their registers.
-  QSTATE_INLINE void advance(float* p, const float* g, __m256& mi, __m256& vi) const {
+  // Update16::advance on 8 values p[0:8] (element type T; draws[0:8]: their SR draws where Rounding draws).
+  template <typename T = float, typename Rounding = KeepFp32, bool Eco = false>
+  QSTATE_INLINE void advance(T* p, const T* g, __m256& mi, __m256& vi, const uint32_t* draws = nullptr) const {
     __builtin_prefetch(p + PREFETCH_AHEAD);
     __builtin_prefetch(g + PREFETCH_AHEAD);
     hold(mi, vi);
-    const __m256 pi = _mm256_loadu_ps(p), signed_g = _mm256_mul_ps(sign, _mm256_loadu_ps(g));
+    const __m256 pi = load8(p), signed_g = _mm256_mul_ps(sign, load8(g));
     const __m256 gi = decoupled ? signed_g : _mm256_fmadd_ps(pi, l2, signed_g);
     const __m256 decayed = decoupled ? _mm256_mul_ps(pi, decay) : pi;
     mi = _mm256_fmadd_ps(lerp_coeff, _mm256_sub_ps(gi, mi), lerp_from_end ? gi : mi);
     vi = _mm256_fmadd_ps(_mm256_mul_ps(one_minus_b2, gi), gi, _mm256_mul_ps(vi, b2));
     const __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(vi), bc2), eps);
-    _mm256_storeu_ps(p, _mm256_sub_ps(decayed, _mm256_div_ps(_mm256_mul_ps(step, mi), denom)));
+    const __m256 updated = _mm256_sub_ps(decayed, _mm256_div_ps(_mm256_mul_ps(step, mi), denom));
+    const __m256 rounded = round_store8(Rounding{}, p, updated, draws);
+    if constexpr (Eco) mi = _mm256_fmadd_ps(_mm256_mul_ps(eco, denom), _mm256_sub_ps(updated, rounded), mi);
   }
 
   // The new moments mi, vi to m[0:8], v[0:8], and their running absmaxes and non-finite flags.
