@@ -46,10 +46,11 @@ element ``i`` are a cast's (``cast_bits``: 16 bits of splitmix64's output ``i //
 that Python derives for each step (``optimizer._kernel_seeds(param, "weights")``): counter-based, so they do not
 depend on the thread count.
 For these parameters the update, the rounding and the feedback run 16 values at a time with AVX-512
-(``Update16::advance``: true divisions, the grid's rounding by the cast stores' vector forms); the scalar loop
-that runs the rest (the whole update on other CPUs) is written without branches (selects, ``-fno-math-errno``) and
-compiled once per parameter dtype, rounding and feedback, so that the compiler vectorizes it for the CPU it builds for
-(AVX2 or AVX-512; each lane's IEEE operations are the scalar code's, so the bits do not depend on it).
+(``Update16::advance``: true divisions, the grid's rounding by the cast stores' vector forms), 8 at a time with AVX2
+(``Update8::advance``, the same operations); the scalar loop that runs the rest (the whole update on other CPUs) is
+written without branches (selects, ``-fno-math-errno``) and compiled once per parameter dtype, rounding and feedback,
+so that the compiler vectorizes it for the CPU it builds for (each lane's IEEE operations are the scalar code's, so
+the bits do not depend on it).
 
 The codes and scales are those of the torch reference ``adam_reference.adam_step_quantized`` bit for bit: the
 hyperparameters are rounded to fp32 from double as ``adam_reference.adam_hyper`` (and torch's AdamW) round them, the
