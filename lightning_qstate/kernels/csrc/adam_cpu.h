@@ -1531,6 +1531,15 @@ QSTATE_INLINE void store_codes8(__m256i codes, uint8_t* out) {
   }
 }
 
+// sgd_lane of 8 values: buf (decoded; ignored where h.created) in place; returns the new param values.
+QSTATE_INLINE __m256 sgd8(__m256 p, __m256 g, __m256& buf, const Momentum& h) {
+  const __m256 signed_g = _mm256_mul_ps(_mm256_set1_ps(h.sign), g);
+  const __m256 d = h.has_weight_decay ? _mm256_fmadd_ps(p, _mm256_set1_ps(h.weight_decay), signed_g) : signed_g;
+  const __m256 momentum = _mm256_set1_ps(h.momentum);
+  buf = h.created ? d : _mm256_fmadd_ps(d, _mm256_set1_ps(h.dampened), _mm256_mul_ps(buf, momentum));
+  return _mm256_fmadd_ps(h.nesterov ? _mm256_fmadd_ps(buf, momentum, d) : buf, _mm256_set1_ps(h.neg_lr), p);
+}
+
 // Update16 on 8 lanes.
 struct Update8 {
   __m256 sign, l2, decay, lerp_coeff, b2, one_minus_b2, step, eps, m_bound, inside_bound, bc2, eco;
