@@ -1269,12 +1269,19 @@ QSTATE_INLINE __m128i fp16_stochastic8(__m256 x, __m256i random) {
   return _mm256_movemask_ps(in_range) == 0xFF ? stored : _mm_blendv_epi8(fp16_nearest8(x), stored, narrow_mask8(in_range));
 }
 
-// A cast's 8 stored patterns of x by its Rounding (draws[at:at + 8]: their cast_bits under SR); zero_free: a positive value stored as 0
-// becomes pattern 1, the smallest subnormal (CastFormat.lift_flushed).
+// The bf16 / fp16 patterns of 8 values x by a Rounding (random: their draws under SR; patterns16).
 QSTATE_INLINE __m128i patterns8(Bf16Nearest, __m256 x, __m256i) { return bf16_nearest8(x); }
 QSTATE_INLINE __m128i patterns8(Bf16Stochastic, __m256 x, __m256i random) { return bf16_stochastic8(x, random); }
 QSTATE_INLINE __m128i patterns8(Fp16Nearest, __m256 x, __m256i) { return fp16_nearest8(x); }
 QSTATE_INLINE __m128i patterns8(Fp16Stochastic, __m256 x, __m256i random) { return fp16_stochastic8(x, random); }
+
+// patterns8 of x by Rounding with the draws draws[at:at + 8] (read only where Rounding draws).
+template <typename Rounding>
+QSTATE_INLINE __m128i drawn_patterns8(__m256 x, const uint32_t* draws, int64_t at) {
+  __m256i random = _mm256_setzero_si256();
+  if constexpr (Rounding::kStochastic) random = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(draws + at));
+  return patterns8(Rounding{}, x, random);
+}
 
 // 8 fp32 values stored in an element type T (store16).
 QSTATE_INLINE void store8(float* x, __m256 value) { _mm256_storeu_ps(x, value); }
@@ -1290,11 +1297,9 @@ QSTATE_INLINE __m256 round_store8(KeepFp32, T* p, __m256 x, const uint32_t*) {
   return x;
 }
 template <typename T, typename Rounding>
-QSTATE_INLINE __m256 round_store8(Rounding rounding, T* p, __m256 x, const uint32_t* draws) {
+QSTATE_INLINE __m256 round_store8(Rounding, T* p, __m256 x, const uint32_t* draws) {
   using Element = typename Rounding::Element;
-  __m256i random = _mm256_setzero_si256();
-  if constexpr (Rounding::kStochastic) random = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(draws));
-  const __m128i patterns = patterns8(rounding, x, random);
+  const __m128i patterns = drawn_patterns8<Rounding>(x, draws, 0);
   const __m256 rounded = std::is_same_v<Element, BFloat16> ? bf16_value8(patterns) : _mm256_cvtph_ps(patterns);
   if constexpr (std::is_same_v<T, Element>)
     _mm_storeu_si128(reinterpret_cast<__m128i*>(p), patterns);
@@ -1303,11 +1308,11 @@ QSTATE_INLINE __m256 round_store8(Rounding rounding, T* p, __m256 x, const uint3
   return rounded;
 }
 
+// A cast's 8 stored patterns of x by its Rounding (draws[at:at + 8]: their cast_bits under SR); zero_free: a positive
+// value stored as 0 becomes pattern 1, the smallest subnormal (CastFormat.lift_flushed).
 template <typename Rounding>
 QSTATE_INLINE void store_cast8(typename Rounding::Element* out, __m256 x, const uint32_t* draws, int64_t at, bool zero_free) {
-  __m256i random = _mm256_setzero_si256();
-  if constexpr (Rounding::kStochastic) random = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(draws + at));
-  __m128i stored = patterns8(Rounding{}, x, random);
+  __m128i stored = drawn_patterns8<Rounding>(x, draws, at);
   if (zero_free) {
     const __m128i flushed =
         _mm_and_si128(narrow_mask8(_mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_GT_OQ)), _mm_cmpeq_epi16(stored, _mm_setzero_si128()));
