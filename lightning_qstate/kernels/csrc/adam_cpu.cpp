@@ -57,12 +57,11 @@ QSTATE_INLINE void grid_loop(T* __restrict__ p, const T* __restrict__ g, const u
 // of type T (read as fp32), moments decoded in m, v (updated in place), as adam_reference.adam_step_quantized:
 // adam_lane's new value rounded to the grid with Rounding (element ``first + i`` of the parameter: its SR draw) and
 // stored in T (round to nearest, as torch's copy_), and with Eco m = fma(eco * denom, updated - rounded, m) (the
-// product rounded first, as eco_feedback). With AVX-512, 16 at a time by Update16::advance; with AVX2, 8 at a time by
-// Update8::advance, its draws a chunk at a time (chunks_with_draws; the compiler's loop below took 1.4-1.8 times as long
-// for fp16 values and grids, whose conversions it spelled out in integer operations); the rest, and everything
-// without either, kCodeChunk at a time by grid_loop, without the hold where held_inside proves it keeps them: its loop
-// has no branches, so the compiler vectorizes it (-fno-math-errno: sqrt without its errno check) for the CPU it is
-// built for.
+// product rounded first, as eco_feedback). With AVX-512, 16 at a time by Update16::advance; the rest kCodeChunk at a
+// time (chunks_with_draws): with AVX2 8 at a time by Update8::advance (the compiler's loop took 1.4-1.8 times as long
+// for fp16 values and grids, whose conversions it spelled out in integer operations), the remainder, and everything
+// without either, by grid_loop, without the hold where held_inside proves it keeps them: its loop has no branches, so
+// the compiler vectorizes it (-fno-math-errno: sqrt without its errno check) for the CPU it is built for.
 template <typename T, typename Rounding, bool Eco>
 QSTATE_FLATTEN void grid_lanes(T* __restrict__ p, const T* __restrict__ g, int64_t first, const Hyper h, uint64_t seed, int64_t n,
                                float* __restrict__ m, float* __restrict__ v) {
@@ -76,21 +75,21 @@ QSTATE_FLATTEN void grid_lanes(T* __restrict__ p, const T* __restrict__ g, int64
   }
 #elif defined(QSTATE_AVX2)
   const Update8 update(h);
-  i = n & ~int64_t{7};
-  chunks_with_draws<4, Rounding::kStochastic>(seed, first, i, [&](int64_t done, int64_t size, const uint32_t* draws) {
-    for (int64_t j = done; j < done + size; j += 8) {
-      __m256 mi = _mm256_loadu_ps(m + j), vi = _mm256_loadu_ps(v + j);
-      update.advance<T, Rounding, Eco>(p + j, g + j, mi, vi, draws == nullptr ? nullptr : draws + (j - done));
-      _mm256_storeu_ps(m + j, mi), _mm256_storeu_ps(v + j, vi);
-    }
-  });
 #endif
   chunks_with_draws<4, Rounding::kStochastic>(seed, first + i, n - i, [&](int64_t done, int64_t size, const uint32_t* draws) {
-    const int64_t at = i + done;
-    if (held_inside(m + at, v + at, size, h))
-      grid_loop<T, Rounding, Eco, false>(p + at, g + at, draws, h, size, m + at, v + at);
+    int64_t at = i + done, j = 0;
+#ifdef QSTATE_AVX2
+    for (; j + 8 <= size; j += 8, at += 8) {
+      __m256 mi = _mm256_loadu_ps(m + at), vi = _mm256_loadu_ps(v + at);
+      update.advance<T, Rounding, Eco>(p + at, g + at, mi, vi, draws == nullptr ? nullptr : draws + j);
+      _mm256_storeu_ps(m + at, mi), _mm256_storeu_ps(v + at, vi);
+    }
+#endif
+    const uint32_t* rest = draws == nullptr ? nullptr : draws + j;
+    if (held_inside(m + at, v + at, size - j, h))
+      grid_loop<T, Rounding, Eco, false>(p + at, g + at, rest, h, size - j, m + at, v + at);
     else
-      grid_loop<T, Rounding, Eco, true>(p + at, g + at, draws, h, size, m + at, v + at);
+      grid_loop<T, Rounding, Eco, true>(p + at, g + at, rest, h, size - j, m + at, v + at);
   });
 }
 

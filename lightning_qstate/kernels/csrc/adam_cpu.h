@@ -1208,10 +1208,11 @@ struct Update16 {
 // ---- AVX2 (without AVX-512): the fp32 update 8 values at a time, bf16/fp16 casts, running absmaxes ----
 // The same operations as the scalar lanes and the AVX-512 forms (Update16 and its helpers), lane by lane: the same bits.
 
-// 8 bf16 patterns (in 16-bit lanes) as fp32, exact; 8 fp16 patterns as fp32 (the hardware's exact conversion).
+// 8 bf16 patterns (in 16-bit lanes) as fp32, exact; 8 values of an element type T as fp32 (load16; fp16: the
+// hardware's exact conversion).
 QSTATE_INLINE __m256 bf16_value8(__m128i patterns) { return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(patterns), 16)); }
-QSTATE_INLINE __m256 load8(const BFloat16* x) { return bf16_value8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x))); }
 QSTATE_INLINE __m256 load8(const float* x) { return _mm256_loadu_ps(x); }
+QSTATE_INLINE __m256 load8(const BFloat16* x) { return bf16_value8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x))); }
 QSTATE_INLINE __m256 load8(const Float16* x) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x))); }
 
 // uniform_of of 8 draws.
