@@ -1588,11 +1588,23 @@ QSTATE_INLINE void sgd_grid_loop(T* __restrict__ p, const T* __restrict__ g, con
 // SGD's step on values [0, n) of a parameter on a weight grid, param and gradient of type T (read as fp32), the decoded
 // buffer in place, as the reference path's QSGD with ``weights``: sgd_lane's new value rounded to the grid with
 // Rounding (element ``first + i``: its SR draw) and stored in T, and with Eco buf = buf + eco * (updated - rounded) (the
-// product rounded first, as QSGD._feed_back_error). kCodeChunk at a time (chunks_with_draws): with AVX2 8 values at a
-// time by sgd8 and round_store8 (as grid_lanes), the rest by the branch-free loop the compiler vectorizes.
+// product rounded first, as QSGD._feed_back_error). As grid_lanes: with AVX-512 16 values at a time by sgd16 and
+// round_store16; the rest kCodeChunk at a time (chunks_with_draws), with AVX2 8 at a time by sgd8 and round_store8, the
+// remainder by the branch-free loop the compiler vectorizes.
 template <typename T, typename Rounding, bool Eco>
 QSTATE_FLATTEN void sgd_grid_lanes(T* __restrict__ p, const T* __restrict__ g, int64_t first, const Momentum h, uint64_t seed, float eco,
                                    int64_t n, float* __restrict__ buf) {
+#ifdef QSTATE_AVX512
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    __m512 b = _mm512_loadu_ps(buf + i);
+    const __m512 updated = sgd16(load16(p + i), load16(g + i), b, h);
+    const __m512 rounded = round_store16(Rounding{}, p + i, updated, seed, first + i);
+    if constexpr (Eco) b = _mm512_add_ps(b, _mm512_mul_ps(_mm512_set1_ps(eco), _mm512_sub_ps(updated, rounded)));
+    _mm512_storeu_ps(buf + i, b);
+  }
+  p += i, g += i, buf += i, first += i, n -= i;
+#endif
   chunks_with_draws<4, Rounding::kStochastic>(seed, first, n, [&](int64_t done, int64_t size, const uint32_t* draws) {
     int64_t j = 0;
 #ifdef QSTATE_AVX2

@@ -1102,7 +1102,7 @@ QSTATE_INLINE void store16(BFloat16* x, __m512 value) { _mm256_storeu_si256(rein
 QSTATE_INLINE void store16(Float16* x, __m512 value) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(x), fp16_nearest16(value)); }
 
 // Rounding::round of 16 values (elements index .. index + 15 of their parameter: their SR draws) as bf16 or fp16
-// patterns (bf16_nearest16 / fp16_nearest16 have NaN's), and as fp32 (round16: a NaN stays a NaN, maybe quieted).
+// patterns (bf16_nearest16 / fp16_nearest16 have NaN's).
 QSTATE_INLINE __m256i patterns16(Bf16Nearest, __m512 x, uint64_t, int64_t) { return bf16_nearest16(x); }
 QSTATE_INLINE __m256i patterns16(Bf16Stochastic, __m512 x, uint64_t seed, int64_t index) {
   return bf16_stochastic16(x, cast_random16(seed, index));
@@ -1111,11 +1111,25 @@ QSTATE_INLINE __m256i patterns16(Fp16Nearest, __m512 x, uint64_t, int64_t) { ret
 QSTATE_INLINE __m256i patterns16(Fp16Stochastic, __m512 x, uint64_t seed, int64_t index) {
   return fp16_stochastic16(x, cast_random16(seed, index));
 }
-QSTATE_INLINE __m512 round16(KeepFp32, __m512 x, uint64_t, int64_t) { return x; }
-template <typename Rounding>
-QSTATE_INLINE __m512 round16(Rounding rounding, __m512 x, uint64_t seed, int64_t index) {
+
+// 16 new parameter values x rounded to the weight grid by Rounding (elements index .. index + 15: their SR draws of
+// ``seed``) and stored in T at p (a parameter of the grid's own dtype: the rounding's patterns as they are, which
+// store16 of their values would give again; round_store8's form); returns the rounded values (a NaN stays a NaN).
+template <typename T>
+QSTATE_INLINE __m512 round_store16(KeepFp32, T* p, __m512 x, uint64_t, int64_t) {
+  store16(p, x);
+  return x;
+}
+template <typename T, typename Rounding>
+QSTATE_INLINE __m512 round_store16(Rounding rounding, T* p, __m512 x, uint64_t seed, int64_t index) {
+  using Element = typename Rounding::Element;
   const __m256i patterns = patterns16(rounding, x, seed, index);
-  return std::is_same_v<typename Rounding::Element, BFloat16> ? bf16_value16(patterns) : _mm512_cvtph_ps(patterns);
+  const __m512 rounded = std::is_same_v<Element, BFloat16> ? bf16_value16(patterns) : _mm512_cvtph_ps(patterns);
+  if constexpr (std::is_same_v<T, Element>)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), patterns);
+  else
+    store16(p, rounded);
+  return rounded;
 }
 
 // The running absmax and non-finite flag of fp32 values in one: the lane-wise max of ``top`` and the magnitudes' bit
@@ -1183,7 +1197,7 @@ struct Update16 {
   }
 
   // adam_lane of 16 values p[0:16] (element type T, from element ``index`` of the parameter: the SR draws of ``seed``),
-  // operation for operation, the new value rounded to the weight grid (round16; KeepFp32: none) and stored; ECO's
+  // operation for operation, the new value rounded to the weight grid and stored (round_store16; KeepFp32: as it is); ECO's
   // feedback into mi where Eco; the decoded moments mi, vi updated in their registers.
   template <typename T = float, typename Rounding = KeepFp32, bool Eco = false>
   QSTATE_INLINE void advance(T* p, const T* g, __m512& mi, __m512& vi, uint64_t seed = 0, int64_t index = 0) const {
@@ -1197,11 +1211,19 @@ struct Update16 {
     vi = _mm512_fmadd_ps(_mm512_mul_ps(one_minus_b2, gi), gi, _mm512_mul_ps(vi, b2));
     const __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(vi), bc2), eps);
     const __m512 updated = _mm512_sub_ps(decayed, _mm512_div_ps(_mm512_mul_ps(step, mi), denom));
-    const __m512 rounded = round16(Rounding{}, updated, seed, index);
+    const __m512 rounded = round_store16(Rounding{}, p, updated, seed, index);
     if constexpr (Eco) mi = _mm512_fmadd_ps(_mm512_mul_ps(eco, denom), _mm512_sub_ps(updated, rounded), mi);
-    store16(p, rounded);
   }
 };
+
+// sgd_lane of 16 values (sgd8's form): buf (decoded; ignored where h.created) in place; returns the new param values.
+QSTATE_INLINE __m512 sgd16(__m512 p, __m512 g, __m512& buf, const Momentum& h) {
+  const __m512 signed_g = _mm512_mul_ps(_mm512_set1_ps(h.sign), g);
+  const __m512 d = h.has_weight_decay ? _mm512_fmadd_ps(p, _mm512_set1_ps(h.weight_decay), signed_g) : signed_g;
+  const __m512 momentum = _mm512_set1_ps(h.momentum);
+  buf = h.created ? d : _mm512_fmadd_ps(d, _mm512_set1_ps(h.dampened), _mm512_mul_ps(buf, momentum));
+  return _mm512_fmadd_ps(h.nesterov ? _mm512_fmadd_ps(buf, momentum, d) : buf, _mm512_set1_ps(h.neg_lr), p);
+}
 #endif
 
 #ifdef QSTATE_AVX2
@@ -1289,7 +1311,7 @@ QSTATE_INLINE void store8(float* x, __m256 value) { _mm256_storeu_ps(x, value); 
 QSTATE_INLINE void store8(BFloat16* x, __m256 value) { _mm_storeu_si128(reinterpret_cast<__m128i*>(x), bf16_nearest8(value)); }
 QSTATE_INLINE void store8(Float16* x, __m256 value) { _mm_storeu_si128(reinterpret_cast<__m128i*>(x), fp16_nearest8(value)); }
 
-// 8 new parameter values x rounded to the weight grid (round16; draws[0:8]: their cast_bits under SR) and stored in T
+// 8 new parameter values x rounded to the weight grid (round_store16; draws[0:8]: their cast_bits under SR) and stored in T
 // at p (a parameter of the grid's own dtype: the rounding's patterns as they are, which store8 of their values would
 // give again); returns the rounded values.
 template <typename T>
