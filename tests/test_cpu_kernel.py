@@ -114,6 +114,36 @@ def test_search_of_the_values_gives_the_floors_of_codebooks_up_to_128_codes(name
     assert index.depth <= 7 and torch.equal(floors, held_floors(fmt.codebook, x))
 
 
+# Codebooks the AVX2 kernel rounds stochastically through floor windows (codes of more than 4 bits; int4's too: the
+# table is built for every codebook)
+FLOOR_WINDOW_FORMATS = {
+    **BYTE_FORMATS,
+    **{
+        f"{name}{'' if signed else ' unsigned'}": get_format(name, signed=signed)
+        for name in ("int4", "int5", "int6", "int7")
+        for signed in (True, False)
+    },
+}
+
+
+@pytest.mark.parametrize("name", list(FLOOR_WINDOW_FORMATS))
+def test_floor_windows_give_the_floors_and_their_values(name):
+    """``NearestCodeIndex.floor_window_codes`` and ``window_values``, as the AVX2 stochastic encoder reads them
+    (``bucket_stochastic8``: one 16-byte window per value): the floor held to ``[0, last - 1]`` and the values of it and
+    of the next code, at and beside every threshold and value (zero-free formats too: their key base is taken below
+    their smallest value, which lies below their smallest threshold)."""
+    fmt = FLOOR_WINDOW_FORMATS[name]
+    index = nearest_index(fmt)
+    values = fmt.codebook.float()
+    x = torch.cat([hard_inputs(fmt), torch.nextafter(values, torch.tensor(-2.0)), torch.nextafter(values, torch.tensor(2.0))])
+    x = x if fmt.signed else x.abs()
+    floors = held_floors(fmt.codebook, x)
+    low, high = index.window_values(x)
+    assert index.floor_windows.shape == (2 * index.half, 4)
+    assert torch.equal(index.floor_window_codes(x), floors)
+    assert torch.equal(low, values[floors]) and torch.equal(high, values[floors + 1])
+
+
 def held_floors(codebook: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """The code of the largest ``codebook`` value ``<= x``, held to ``[0, last - 1]``: stochastic rounding's lower
     neighbour (``encode_codebook``'s ``low``)."""

@@ -34,6 +34,14 @@ class NearestCodeIndex:
     kernel computes both by arithmetic instead (``Codebook::grid``: ``floor(x * 2**depth - 0.5)`` and
     ``floor(x * 2**depth) - 1``, held to the codes), the same counts.
 
+    Stochastic rounding's floor (the code of the largest value ``<= x``, held to ``[0, last - 1]``) comes from the
+    same buckets over the values ``codebook[1:last]`` instead of the thresholds (``build`` takes ``key_base`` at or
+    below the smallest magnitude of either and key bits at which both tables hold at most one boundary per bucket):
+    ``floor = first + (inside and ...)`` as above. ``floor_windows``
+    holds per bucket that floor entry and the fp32 patterns of ``decode[first]``, ``decode[first + 1]`` and
+    ``decode[first + 2]`` (the pairs of either floor), so that the AVX2 kernel reads the floor and both neighbours'
+    values with one 16-byte load per value (``floor_window_codes``).
+
     An 8-bit codebook made of runs of equally spaced magnitudes (the dynamic maps, the linear ones; ``segments``,
     ``segment_table``) is encoded by arithmetic instead of the bucket gather (``segment_codes``), on magnitudes
     whatever the sign: ``key = |x|``, or the largest float below ``|x|`` for ``x < 0`` (rounding ties go up: towards
@@ -50,6 +58,7 @@ class NearestCodeIndex:
     half: int
     search_levels: torch.Tensor  # (256,) fp32, level L from offset 2**L - 1
     depth: int
+    floor_windows: torch.Tensor  # (2 * half, 4) int32: floor entry, patterns of decode[first : first + 3]
     segments: torch.Tensor | None = None  # (SEGMENT_TABLE,) int32: segment_table's layout
 
     @staticmethod
@@ -61,9 +70,12 @@ class NearestCodeIndex:
         raw = nearest_thresholds(codebook)
         thresholds = raw.clone()
         thresholds[:min_code] = -torch.inf
-        smallest = thresholds.abs()[thresholds != 0].min()
+        last = codebook.numel() - 1
+        floors = codebook[1:last].float()  # the boundaries of stochastic rounding's floors
+        boundaries = torch.cat([thresholds, floors]).abs()
+        smallest = boundaries[boundaries != 0].min()
         exponent = max(int(torch.floor(torch.log2(smallest.double()))), -126)
-        key_base = (exponent + 127) << 23  # fp32 pattern of the binade start at or below the smallest |threshold|
+        key_base = (exponent + 127) << 23  # fp32 pattern of the binade start at or below the smallest |boundary|
         decode = torch.zeros(256)
         decode[: codebook.numel()] = codebook
         depth = (codebook.numel() - 1).bit_length()
@@ -74,9 +86,35 @@ class NearestCodeIndex:
         segments = segment_table(codebook, raw)  # its codes are clamped up to min_code after the threshold compare
         for key_bits in range(4, 16):
             entries = NearestCodeIndex._bucket_entries(thresholds, key_base, 23 - key_bits)
-            if entries is not None:
-                return NearestCodeIndex(decode, entries, key_base, 23 - key_bits, entries.numel() // 2, levels, depth, segments)
+            floor_entries = NearestCodeIndex._bucket_entries(floors, key_base, 23 - key_bits)
+            if entries is not None and floor_entries is not None:
+                first = (floor_entries & 0xFF).to(torch.int64)
+                neighbours = decode.view(torch.int32)[(first[:, None] + torch.arange(3)).clamp(max=255)]
+                windows = torch.cat([floor_entries[:, None], neighbours], dim=1)
+                return NearestCodeIndex(decode, entries, key_base, 23 - key_bits, entries.numel() // 2, levels, depth, windows, segments)
         return None
+
+    def floor_window_codes(self, x: torch.Tensor) -> torch.Tensor:
+        """The AVX2 stochastic encoder's floor codes of fp32 ``x`` (int64, same shape), as it reads them from
+        ``floor_windows``: the code of the largest codebook value ``<= x`` held to ``[0, last - 1]``; with
+        ``window_values`` the values of that code and the next."""
+        return self._floor_windows(x)[0]
+
+    def window_values(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The fp32 values of ``floor_window_codes(x)`` and of the code after it, read from the same window."""
+        return self._floor_windows(x)[1:]
+
+    def _floor_windows(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        magnitude = x.abs().view(torch.int32).to(torch.int64)
+        key = ((magnitude - self.key_base) >> self.key_shift).clamp(0, self.half - 1)
+        negative = x < 0
+        window = self.floor_windows[torch.where(negative, self.half - 1 - key, self.half + key)].to(torch.int64)
+        entry = window[..., 0]
+        threshold = self.key_base + (key << self.key_shift) + (entry >> 9)
+        up = (entry & 0x100).bool() & torch.where(negative, magnitude <= threshold, magnitude >= threshold)
+        values = window[..., 1:].to(torch.int32).view(torch.float32)
+        low, high = torch.where(up, values[..., 1], values[..., 0]), torch.where(up, values[..., 2], values[..., 1])
+        return (entry & 0xFF) + up.to(torch.int64), low, high
 
     def segment_codes(self, x: torch.Tensor, min_code: int = 0) -> torch.Tensor:
         """The AVX-512 encoder's codes of fp32 ``x`` (int64, same shape) from ``segments`` (``segment_table``), computed

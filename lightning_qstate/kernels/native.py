@@ -73,7 +73,8 @@ their 16 values, 8-bit minifloat codes by those permutes and exponent arithmetic
 about twice the rate of a gather instruction), a dense group's codes by a byte shuffle and lane shifts),
 updated and their absmaxes taken in one pass; codebooks of at most 16 codes (int4's) are encoded 8 at a time by a
 register search of their thresholds, larger ones (int8's, the dense codes') by their bucket table read the same way
-(``bucket_codes8``; stochastic rounding's neighbours from one 4-value read per lane, ``bucket_stochastic8``) and
+(``bucket_codes8``; stochastic rounding's floor and both its values from one 16-byte read per lane of the bucket's
+floor window, ``NearestCodeIndex.floor_windows``, ``bucket_stochastic8``) and
 minifloats by arithmetic (``encode_minifloat8``), splitmix64 draws four outputs at a time (``splitmix64x4``, its
 64-bit multiplies from 32-bit ones), and the gradient check reads eight far-apart parts of a gradient side by side.
 The scalar code runs the rest and is the whole kernel on other CPUs (Arm, x86 without AVX2). There it is written as loops over
@@ -242,23 +243,25 @@ _NO_SCALES = torch.zeros(0)  # a cast state's scales
 _FP32 = CastFormat("fp32", torch.float32)  # the cast an fp32-state parameter on a weight grid joins the coded ones as
 _NO_LEVELS = torch.zeros(256)  # a minifloat's or cast's search levels
 _NO_SEGMENTS = torch.zeros(0, dtype=torch.int32)  # no segment table (NearestCodeIndex.segments)
+_NO_WINDOWS = torch.zeros(0, dtype=torch.int32)  # a minifloat's or cast's floor windows
 
 
 @functools.cache
 def _state_layout(fmt: StorageFormat) -> tuple[list[torch.Tensor], list[int], float]:
     """The kernel's description of one moment format (``State`` in ``csrc/adam_cpu.h``): tables ``[decode, entries,
-    planes, levels, segments]`` (decode: ``(256,)`` fp32 values of the codes; entries: the ``NearestCodeIndex`` buckets
+    planes, levels, segments, windows]`` (decode: ``(256,)`` fp32 values of the codes; entries: the ``NearestCodeIndex`` buckets
     of a codebook, for the scalar encoder and the AVX-512 one of 8-bit codes; planes: ``(4, 256)`` uint8, byte ``j`` of
     every decode value in row ``j``, for the VBMI decoder; levels: a codebook's ``NearestCodeIndex.search_levels``, for
     the AVX-512 encoder of up to 7-bit codes; segments: its ``NearestCodeIndex.segments`` or an empty tensor, for the
-    VBMI encoder of 8-bit codes), the integers
+    VBMI encoder of 8-bit codes; windows: a codebook's ``NearestCodeIndex.floor_windows``, for the AVX2 stochastic
+    encoder of codes of more than 4 bits), the integers
     ``[kind, bits, block, key_base, key_shift, half, mantissa_bits, bias, max_code, min_code, has_sign, zero_free]``
     and a minifloat's largest value (a codebook's ``max_code`` column: its last code; the kernel appends the
     ``stochastic`` column)."""
-    decode, entries, levels, segments, ints = torch.zeros(256), _NO_ENTRIES, _NO_LEVELS, _NO_SEGMENTS, [0] * 12
+    decode, entries, levels, segments, windows, ints = torch.zeros(256), _NO_ENTRIES, _NO_LEVELS, _NO_SEGMENTS, _NO_WINDOWS, [0] * 12
     if isinstance(fmt, CodebookFormat):
         index = nearest_index(fmt)
-        decode, entries, levels = index.decode, index.bucket_entries, index.search_levels
+        decode, entries, levels, windows = index.decode, index.bucket_entries, index.search_levels, index.floor_windows.view(-1)
         segments = _NO_SEGMENTS if index.segments is None else index.segments
         ints[:6] = [CODEBOOK, fmt.bits, fmt.block_size, index.key_base, index.key_shift, index.half]
         ints[8:10] = [fmt.codebook.numel() - 1, fmt.min_code]
@@ -271,12 +274,12 @@ def _state_layout(fmt: StorageFormat) -> tuple[list[torch.Tensor], list[int], fl
         ints[:3] = [CAST, fmt.bits, 0]
         ints[11] = int(fmt.zero_free)
     planes = decode.view(torch.uint8).view(256, 4).t().contiguous()
-    return [decode, entries, planes, levels, segments], ints, float(getattr(fmt, "max_value", 0.0))
+    return [decode, entries, planes, levels, segments, windows], ints, float(getattr(fmt, "max_value", 0.0))
 
 
 @functools.lru_cache(maxsize=64)
 def _state_rows(formats: tuple[StorageFormat, ...], stochastic: bool) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
-    """The kernel's ``tables`` (five per state), ``ints`` (``(len(formats), 13)`` int64: ``_state_layout``'s row, then
+    """The kernel's ``tables`` (six per state), ``ints`` (``(len(formats), 13)`` int64: ``_state_layout``'s row, then
     the ``stochastic`` column) and ``floats`` (``(len(formats),)`` fp32) of states in ``formats``, in order. Built once
     per tuple of formats (formats hash by identity; the kernel only reads these): a model's parameters keep theirs from
     step to step."""

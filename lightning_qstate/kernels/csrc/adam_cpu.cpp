@@ -174,9 +174,9 @@ void code_lanes(const State& s, const float* __restrict__ x, float divisor, bool
       return lanes8_loop<Stochastic>(x, divisor, finite, size, codes, draws,
                                      [mf](__m256 q, __m256 uniform) { return encode_minifloat8<Stochastic>(q, mf, uniform); });
     if (cb.grid == 0.0f && cb.depth > 4)
-      return lanes8_loop<Stochastic>(x, divisor, finite, size, codes, draws, [cb, last, min_code](__m256 q, __m256 uniform) {
+      return lanes8_loop<Stochastic>(x, divisor, finite, size, codes, draws, [cb, min_code](__m256 q, __m256 uniform) {
         if constexpr (Stochastic)
-          return bucket_stochastic8(q, cb, last, min_code, uniform);
+          return bucket_stochastic8(q, cb, min_code, uniform);
         else
           return bucket_codes8(q, cb);
       });
@@ -814,12 +814,13 @@ struct Outcome {
 };
 
 // The tables of one state (kernels/native.py: _state_layout): decode, entries, planes, levels, segments.
-constexpr int64_t kStateTables = 5;
+constexpr int64_t kStateTables = 6;
 
 // A state's Codebook from its kStateTables tables and its row of ``ints``; ``index``: a codebook (its entries, levels
 // and segments are read), whose codes are at most ``last`` and clamped up to ``min_code``.
 Codebook codebook(const at::Tensor* tables, int64_t key_base, int64_t key_shift, int64_t half, bool index, int64_t last, int64_t min_code) {
-  const at::Tensor &decode = tables[0], &entries = tables[1], &planes = tables[2], &levels = tables[3], &segments = tables[4];
+  const at::Tensor &decode = tables[0], &entries = tables[1], &planes = tables[2], &levels = tables[3], &segments = tables[4],
+                   &windows = tables[5];
   TORCH_CHECK(segments.scalar_type() == at::kInt && (segments.numel() == 0 || (index && segments.numel() == segment::kZero + 1)),
               "a state's segment table: empty, or a codebook's ", segment::kZero + 1, " int32 entries (code_index.segment_table)");
   TORCH_CHECK(decode.numel() == 256 && decode.scalar_type() == at::kFloat && planes.numel() == 1024 && planes.scalar_type() == at::kByte &&
@@ -827,6 +828,8 @@ Codebook codebook(const at::Tensor* tables, int64_t key_base, int64_t key_shift,
                   levels.scalar_type() == at::kFloat && (!index || (last >= 1 && last <= 255)),
               "a state's tables: 256 fp32 decode values, int32 bucket entries (2 * half for a codebook), (4, 256) uint8 byte planes, "
               "256 fp32 search levels; a codebook's codes 2 to 256");
+  TORCH_CHECK(windows.scalar_type() == at::kInt && windows.numel() == (index ? 8 * half : 0),
+              "a state's floor windows: a codebook's (2 * half, 4) int32 (code_index.NearestCodeIndex.floor_windows), else none");
   const int32_t depth = index ? 32 - __builtin_clz(static_cast<uint32_t>(last)) : 1;  // codes <= last < 2^depth
   const float* values = decode.data_ptr<float>();
   const float size = static_cast<float>(1 << depth);
@@ -834,6 +837,7 @@ Codebook codebook(const at::Tensor* tables, int64_t key_base, int64_t key_shift,
   for (int64_t c = 0; on_grid && c <= last; ++c) on_grid = values[c] == static_cast<float>(c + 1) / size;
   return Codebook{values,
                   entries.data_ptr<int32_t>(),
+                  index ? windows.data_ptr<int32_t>() : nullptr,
                   static_cast<int32_t>(key_base),
                   static_cast<int32_t>(key_shift),
                   static_cast<int32_t>(half),
@@ -888,8 +892,8 @@ enum StateColumn {
   kStateColumns
 };
 
-// One moment of parameter k: its codes and scales, its tables (decode, entries, planes, levels) and its row of ``ints``, its
-// minifloat's largest value; sizes checked against the parameter's numel.
+// One moment of parameter k: its codes and scales, its tables (decode, entries, planes, levels, segments, windows) and its row of ``ints``,
+// its minifloat's largest value; sizes checked against the parameter's numel.
 State state_of(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor* tables, const int64_t* ints, float max_value,
                int64_t seed, int64_t numel, int64_t k) {
   State s{};

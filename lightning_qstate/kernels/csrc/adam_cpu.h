@@ -56,6 +56,8 @@ namespace lightning_qstate {
 struct Codebook {
   const float* decode;     // (256,) value of every code
   const int32_t* entries;  // bucket -> first | inside << 8 | offset << 9
+  const int32_t* windows;  // bucket -> its floor entry and the fp32 patterns of decode[first .. first + 2]
+                           // (NearestCodeIndex.floor_windows: stochastic rounding's floor and its values)
   int32_t key_base, key_shift, half;
   const uint8_t* planes;    // (4, 256): byte j of decode[c] at [j][c] (the VBMI decoder's tables)
   const float* levels;      // (256,): the thresholds by level of the binary search (NearestCodeIndex.search_levels),
@@ -1494,55 +1496,65 @@ QSTATE_INLINE __m256i encode_minifloat8(__m256 value, const Minifloat& mf, __m25
   return _mm256_or_si256(code, _mm256_and_si256(negative, _mm256_set1_epi32(1 << mf.sign_shift)));
 }
 
+// The buckets of 8 values (encode_lane's: half + key, or half - 1 - key for a negative value) and what the compare with
+// their entries' thresholds reads.
+struct Buckets8 {
+  __m256i bits, key, negative, index;  // |value|'s pattern, the key, value < 0 (a lane mask), the bucket
+  Buckets8(__m256 value, const Codebook& cb)
+      : bits(_mm256_castps_si256(_mm256_andnot_ps(_mm256_set1_ps(-0.0f), value))),
+        key(_mm256_min_epi32(
+            _mm256_max_epi32(_mm256_sra_epi32(_mm256_sub_epi32(bits, _mm256_set1_epi32(cb.key_base)), _mm_cvtsi32_si128(cb.key_shift)),
+                             _mm256_setzero_si256()),
+            _mm256_set1_epi32(cb.half - 1))),
+        negative(_mm256_castps_si256(_mm256_cmp_ps(value, _mm256_setzero_ps(), _CMP_LT_OQ))),
+        index(_mm256_add_epi32(_mm256_set1_epi32(cb.half), _mm256_xor_si256(key, negative))) {}
+
+  // A lane mask of the values past the threshold inside their bucket (entry: first | inside << 8 | offset << 9;
+  // negative: |value| <= threshold, else |value| >= threshold); encode_lane's code: first, plus one there.
+  QSTATE_INLINE __m256i past(__m256i entry, const Codebook& cb) const {
+    const __m256i start = _mm256_add_epi32(_mm256_set1_epi32(cb.key_base), _mm256_sll_epi32(key, _mm_cvtsi32_si128(cb.key_shift)));
+    const __m256i threshold = _mm256_add_epi32(start, _mm256_srai_epi32(entry, 9));
+    const __m256i beyond = _mm256_blendv_epi8(_mm256_cmpgt_epi32(threshold, bits), _mm256_cmpgt_epi32(bits, threshold), negative);
+    const __m256i inside = _mm256_cmpeq_epi32(_mm256_and_si256(entry, _mm256_set1_epi32(0x100)), _mm256_set1_epi32(0x100));
+    return _mm256_andnot_si256(beyond, inside);
+  }
+  QSTATE_INLINE __m256i code(__m256i entry, const Codebook& cb) const {
+    return _mm256_sub_epi32(_mm256_and_si256(entry, _mm256_set1_epi32(0xFF)), past(entry, cb));
+  }
+};
+
 // encode_lane on 8 values: the bucket entries by gather8.
 QSTATE_INLINE __m256i bucket_codes8(__m256 value, const Codebook& cb) {
-  const __m128i shift = _mm_cvtsi32_si128(cb.key_shift);
-  const __m256i key_base = _mm256_set1_epi32(cb.key_base);
-  const __m256i bits = _mm256_castps_si256(_mm256_andnot_ps(_mm256_set1_ps(-0.0f), value));
-  const __m256i key = _mm256_min_epi32(_mm256_max_epi32(_mm256_sra_epi32(_mm256_sub_epi32(bits, key_base), shift), _mm256_setzero_si256()),
-                                       _mm256_set1_epi32(cb.half - 1));
-  const __m256i negative = _mm256_castps_si256(_mm256_cmp_ps(value, _mm256_setzero_ps(), _CMP_LT_OQ));
-  const __m256i entry = gather8(cb.entries, _mm256_add_epi32(_mm256_set1_epi32(cb.half), _mm256_xor_si256(key, negative)));
-  const __m256i threshold = _mm256_add_epi32(_mm256_add_epi32(key_base, _mm256_sll_epi32(key, shift)), _mm256_srai_epi32(entry, 9));
-  // negative: |value| <= threshold, else |value| >= threshold: not beyond it on the other side
-  const __m256i beyond = _mm256_blendv_epi8(_mm256_cmpgt_epi32(threshold, bits), _mm256_cmpgt_epi32(bits, threshold), negative);
-  const __m256i inside = _mm256_cmpeq_epi32(_mm256_and_si256(entry, _mm256_set1_epi32(0x100)), _mm256_set1_epi32(0x100));
-  const __m256i up = _mm256_andnot_si256(beyond, inside);
-  return _mm256_sub_epi32(_mm256_and_si256(entry, _mm256_set1_epi32(0xFF)), up);
+  const Buckets8 buckets(value, cb);
+  return buckets.code(gather8(cb.entries, buckets.index), cb);
 }
 
-// Column k[i] of 8 rows of 4 values (rows i in lanes; k in [0, 4)), from the columns c0..c3.
-QSTATE_INLINE __m256 column8(__m256 c0, __m256 c1, __m256 c2, __m256 c3, __m256i k) {
-  const __m256 odd = _mm256_castsi256_ps(_mm256_slli_epi32(k, 31)), high = _mm256_castsi256_ps(_mm256_slli_epi32(k, 30));
-  return _mm256_blendv_ps(_mm256_blendv_ps(c0, c1, odd), _mm256_blendv_ps(c2, c3, odd), high);
-}
-
-// codebook_stochastic on 8 values (uniform: their draws' uniform_of) from bucket_codes8's nearest codes: each lane's
-// decode[w : w + 4] (w: the nearest code less one, held to [0, 252]) read at once and transposed into columns, which
-// hold the nearest code's value and both of the pair's (a pair from code ``last`` - 1 at most) for column8 to pick:
-// one load per lane where gathering the values one by one takes three dependent lookups.
-QSTATE_INLINE __m256i bucket_stochastic8(__m256 value, const Codebook& cb, int32_t last, int32_t min_code, __m256 uniform) {
-  const __m256i nearest = bucket_codes8(value, cb);
-  const __m256i w =
-      _mm256_min_epi32(_mm256_max_epi32(_mm256_sub_epi32(nearest, _mm256_set1_epi32(1)), _mm256_setzero_si256()), _mm256_set1_epi32(252));
-  const Lanes8 lanes(w);
-  const auto row = [&lanes, d = cb.decode](int k) {  // rows k (of lanes 0-3) and k + 4 in one register
-    return _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_loadu_ps(d + lanes.at(k))), _mm_loadu_ps(d + lanes.at(k + 4)), 1);
+// codebook_stochastic on 8 values (uniform: their draws' uniform_of) from their buckets' floor windows
+// (NearestCodeIndex.floor_windows): each lane's 16 bytes read at once and transposed into columns, the floor entry and
+// the values of codes first, first + 1 and first + 2; the floor (held to [0, last - 1] by the table) is first, or first + 1
+// past the entry's threshold, and its value and the next one's are picked from the columns by that compare. One load
+// per value, where the nearest code's entry and then its neighbours' values took two dependent reads.
+QSTATE_INLINE __m256i bucket_stochastic8(__m256 value, const Codebook& cb, int32_t min_code, __m256 uniform) {
+  const Buckets8 buckets(value, cb);
+  const Lanes8 lanes(buckets.index);
+  const auto row = [&lanes, windows = reinterpret_cast<const float*>(cb.windows)](int k) {  // lanes k and k + 4
+    return _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_loadu_ps(windows + 4 * static_cast<int64_t>(lanes.at(k)))),
+                                _mm_loadu_ps(windows + 4 * static_cast<int64_t>(lanes.at(k + 4))), 1);
   };
   const __m256 r0 = row(0), r1 = row(1), r2 = row(2), r3 = row(3);
   const __m256 t0 = _mm256_unpacklo_ps(r0, r1), t1 = _mm256_unpackhi_ps(r0, r1), t2 = _mm256_unpacklo_ps(r2, r3),
                t3 = _mm256_unpackhi_ps(r2, r3);
-  const __m256 c0 = _mm256_shuffle_ps(t0, t2, 0x44), c1 = _mm256_shuffle_ps(t0, t2, 0xEE), c2 = _mm256_shuffle_ps(t1, t3, 0x44),
-               c3 = _mm256_shuffle_ps(t1, t3, 0xEE);
-  const __m256 nearest_value = column8(c0, c1, c2, c3, _mm256_sub_epi32(nearest, w));
-  const __m256i above = _mm256_castps_si256(_mm256_cmp_ps(nearest_value, value, _CMP_GT_OQ));
-  const __m256i low =
-      _mm256_min_epi32(_mm256_max_epi32(_mm256_add_epi32(nearest, above), _mm256_setzero_si256()), _mm256_set1_epi32(last - 1));
-  const __m256i k = _mm256_sub_epi32(low, w);
-  const __m256 low_value = column8(c0, c1, c2, c3, k), high_value = column8(c1, c2, c3, c3, k);
+  const __m256i entry = _mm256_castps_si256(_mm256_shuffle_ps(t0, t2, 0x44));
+  const __m256 first_value = _mm256_shuffle_ps(t0, t2, 0xEE), second_value = _mm256_shuffle_ps(t1, t3, 0x44),
+               third_value = _mm256_shuffle_ps(t1, t3, 0xEE);
+  const __m256i past = buckets.past(entry, cb);
+  const __m256i floor = _mm256_sub_epi32(_mm256_and_si256(entry, _mm256_set1_epi32(0xFF)), past);
+  const __m256 second = _mm256_castsi256_ps(past);  // the floor is first + 1
+  const __m256 low_value = _mm256_blendv_ps(first_value, second_value, second),
+               high_value = _mm256_blendv_ps(second_value, third_value, second);
   const __m256i up = _mm256_castps_si256(
       _mm256_cmp_ps(_mm256_mul_ps(uniform, _mm256_sub_ps(high_value, low_value)), _mm256_sub_ps(value, low_value), _CMP_LT_OQ));
-  return _mm256_max_epi32(_mm256_sub_epi32(low, up), _mm256_set1_epi32(min_code));
+  return _mm256_max_epi32(_mm256_sub_epi32(floor, up), _mm256_set1_epi32(min_code));
 }
 
 // 8 codes (int32 lanes, each < 256) stored as bytes, or (Nibbles: each < 16) two per byte, code 2i in the low nibble.
