@@ -123,6 +123,7 @@ FLOOR_WINDOW_FORMATS = {
         for name in ("int4", "int5", "int6", "int7")
         for signed in (True, False)
     },
+    "two codes": CodebookFormat("two codes", torch.tensor([-1.0, 1.0], dtype=torch.float64), 64, signed=True),  # no floor above the first
 }
 
 

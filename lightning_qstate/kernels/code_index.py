@@ -175,6 +175,8 @@ class NearestCodeIndex:
     @staticmethod
     def _bucket_entries(thresholds: torch.Tensor, key_base: int, key_shift: int) -> torch.Tensor | None:
         keys = torch.arange(((0x3F800000 - key_base) >> key_shift) + 2, dtype=torch.int64)  # the last bucket: above 1
+        if thresholds.numel() == 0:  # no boundary (the floors of a codebook of two values): every entry 0
+            return torch.zeros(2 * keys.numel(), dtype=torch.int32)
         start_bits = key_base + (keys << key_shift)
         starts = start_bits[1:].to(torch.int32).view(torch.float32).double()
         lower = torch.cat([torch.zeros(1, dtype=torch.float64), starts])  # |x| in [lower, upper)
