@@ -129,7 +129,7 @@ FLOOR_WINDOW_FORMATS = {
 
 @pytest.mark.parametrize("name", list(FLOOR_WINDOW_FORMATS))
 def test_floor_windows_give_the_floors_and_their_values(name):
-    """``NearestCodeIndex.floor_window_codes`` and ``window_values``, as the AVX2 stochastic encoder reads them
+    """``NearestCodeIndex.floor_window_reads``, as the AVX2 stochastic encoder reads them
     (``bucket_stochastic8``: one 16-byte window per value): the floor held to ``[0, last - 1]`` and the values of it and
     of the next code, at and beside every threshold and value (zero-free formats too: their key base is taken below
     their smallest value, which lies below their smallest threshold)."""
@@ -139,9 +139,9 @@ def test_floor_windows_give_the_floors_and_their_values(name):
     x = torch.cat([hard_inputs(fmt), torch.nextafter(values, torch.tensor(-2.0)), torch.nextafter(values, torch.tensor(2.0))])
     x = x if fmt.signed else x.abs()
     floors = held_floors(fmt.codebook, x)
-    low, high = index.window_values(x)
+    codes, low, high = index.floor_window_reads(x)
     assert index.floor_windows.shape == (2 * index.half, 4)
-    assert torch.equal(index.floor_window_codes(x), floors)
+    assert torch.equal(codes, floors)
     assert torch.equal(low, values[floors]) and torch.equal(high, values[floors + 1])
 
 

@@ -37,10 +37,10 @@ class NearestCodeIndex:
     Stochastic rounding's floor (the code of the largest value ``<= x``, held to ``[0, last - 1]``) comes from the
     same buckets over the values ``codebook[1:last]`` instead of the thresholds (``build`` takes ``key_base`` at or
     below the smallest magnitude of either and key bits at which both tables hold at most one boundary per bucket):
-    ``floor = first + (inside and ...)`` as above. ``floor_windows``
-    holds per bucket that floor entry and the fp32 patterns of ``decode[first]``, ``decode[first + 1]`` and
-    ``decode[first + 2]`` (the pairs of either floor), so that the AVX2 kernel reads the floor and both neighbours'
-    values with one 16-byte load per value (``floor_window_codes``).
+    ``floor = first + (inside and ...)`` as above. ``floor_windows`` holds per bucket that floor entry and the fp32
+    patterns of ``decode[first]``, ``decode[first + 1]`` and ``decode[first + 2]`` (the pairs of either floor), so
+    that the AVX2 kernel reads the floor and both neighbours' values with one 16-byte load per value
+    (``floor_window_reads``).
 
     An 8-bit codebook made of runs of equally spaced magnitudes (the dynamic maps, the linear ones; ``segments``,
     ``segment_table``) is encoded by arithmetic instead of the bucket gather (``segment_codes``), on magnitudes
@@ -94,17 +94,10 @@ class NearestCodeIndex:
                 return NearestCodeIndex(decode, entries, key_base, 23 - key_bits, entries.numel() // 2, levels, depth, windows, segments)
         return None
 
-    def floor_window_codes(self, x: torch.Tensor) -> torch.Tensor:
-        """The AVX2 stochastic encoder's floor codes of fp32 ``x`` (int64, same shape), as it reads them from
-        ``floor_windows``: the code of the largest codebook value ``<= x`` held to ``[0, last - 1]``; with
-        ``window_values`` the values of that code and the next."""
-        return self._floor_windows(x)[0]
-
-    def window_values(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The fp32 values of ``floor_window_codes(x)`` and of the code after it, read from the same window."""
-        return self._floor_windows(x)[1:]
-
-    def _floor_windows(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def floor_window_reads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """What the AVX2 stochastic encoder reads from ``floor_windows`` for fp32 ``x`` (same shape each): the code of
+        the largest codebook value ``<= x`` held to ``[0, last - 1]`` (int64), and the fp32 values of that code and of
+        the next."""
         magnitude = x.abs().view(torch.int32).to(torch.int64)
         key = ((magnitude - self.key_base) >> self.key_shift).clamp(0, self.half - 1)
         negative = x < 0
