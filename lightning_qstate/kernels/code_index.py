@@ -94,20 +94,32 @@ class NearestCodeIndex:
                 return NearestCodeIndex(decode, entries, key_base, 23 - key_bits, entries.numel() // 2, levels, depth, windows, segments)
         return None
 
+    def bucket_codes(self, x: torch.Tensor) -> torch.Tensor:
+        """The bucket encoder's codes of fp32 ``x`` (int64, same shape), as the scalar and AVX2 kernels read them from
+        ``bucket_entries``: the nearest code, clamped up to the format's ``min_code``."""
+        entry, up = self._bucket_reads(x, self.bucket_entries)
+        return (entry & 0xFF) + up.to(torch.int64)
+
     def floor_window_reads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """What the AVX2 stochastic encoder reads from ``floor_windows`` for fp32 ``x`` (same shape each): the code of
         the largest codebook value ``<= x`` held to ``[0, last - 1]`` (int64), and the fp32 values of that code and of
         the next."""
+        window, up = self._bucket_reads(x, self.floor_windows)
+        values = window[..., 1:].to(torch.int32).view(torch.float32)
+        low, high = torch.where(up, values[..., 1], values[..., 0]), torch.where(up, values[..., 2], values[..., 1])
+        return (window[..., 0] & 0xFF) + up.to(torch.int64), low, high
+
+    def _bucket_reads(self, x: torch.Tensor, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows of ``table`` (``bucket_entries``, or ``floor_windows`` with the entry in column 0) at the buckets
+        of fp32 ``x`` (int64), and whether ``x`` is past the threshold inside its bucket (bool, the shape of ``x``):
+        ``|x| >= |t|`` for ``x >= 0``, ``|x| <= |t|`` for ``x < 0``, where the entry's ``inside`` bit is set."""
         magnitude = x.abs().view(torch.int32).to(torch.int64)
         key = ((magnitude - self.key_base) >> self.key_shift).clamp(0, self.half - 1)
         negative = x < 0
-        window = self.floor_windows[torch.where(negative, self.half - 1 - key, self.half + key)].to(torch.int64)
-        entry = window[..., 0]
+        rows = table[torch.where(negative, self.half - 1 - key, self.half + key)].to(torch.int64)
+        entry = rows if table.dim() == 1 else rows[..., 0]
         threshold = self.key_base + (key << self.key_shift) + (entry >> 9)
-        up = (entry & 0x100).bool() & torch.where(negative, magnitude <= threshold, magnitude >= threshold)
-        values = window[..., 1:].to(torch.int32).view(torch.float32)
-        low, high = torch.where(up, values[..., 1], values[..., 0]), torch.where(up, values[..., 2], values[..., 1])
-        return (entry & 0xFF) + up.to(torch.int64), low, high
+        return rows, (entry & 0x100).bool() & torch.where(negative, magnitude <= threshold, magnitude >= threshold)
 
     def segment_codes(self, x: torch.Tensor, min_code: int = 0) -> torch.Tensor:
         """The AVX-512 encoder's codes of fp32 ``x`` (int64, same shape) from ``segments`` (``segment_table``), computed
