@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import re
+import shutil
 import types
 import warnings
 
@@ -537,6 +538,18 @@ def test_the_extension_name_hashes_sources_and_flags(monkeypatch):
     assert {path.name for path in native.SOURCES} == {path.name for path in native.CSRC.iterdir()}  # every file in csrc/
     monkeypatch.setattr(native, "CFLAGS", [*native.CFLAGS, "-DQSTATE_TEST"])
     assert native.extension_name() != name
+
+
+def test_another_directorys_sources_build_under_their_own_name(tmp_path):
+    """``extension_name(csrc)`` of a copy of the sources (another revision's: benchmarks/kernel_ab.py) differs from the
+    package's, so that its build never replaces the package's; an edit to the copy changes it again."""
+    for path in native.SOURCES:
+        shutil.copy(path, tmp_path / path.name)
+    copied = native.extension_name(tmp_path)
+    assert re.fullmatch(r"lightning_qstate_cpu_adam_[0-9a-f]{12}", copied) and copied != native.extension_name()
+    assert native.extension_name(native.CSRC) == native.extension_name()
+    (tmp_path / "steps.h").write_text((tmp_path / "steps.h").read_text() + "\n// edited\n")
+    assert native.extension_name(tmp_path) != copied
 
 
 def test_an_emulated_build_has_its_own_flags_and_name(monkeypatch, tmp_path):

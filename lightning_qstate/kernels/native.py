@@ -169,31 +169,33 @@ GRID_DTYPES = (None, torch.float32, torch.bfloat16, torch.float16)
 VALUE_DTYPES = GRID_DTYPES[1:]
 
 
-def extension_name() -> str:
-    """``lightning_qstate_cpu_adam_<12 hex>``: a sha256 of ``SOURCES`` and the compiler flags (``build_flags``), so
-    an edit to either builds a new extension."""
-    digest = hashlib.sha256()
+def extension_name(csrc: Path = CSRC) -> str:
+    """``lightning_qstate_cpu_adam_<12 hex>``: a sha256 of ``SOURCES`` (their namesakes in ``csrc``) and the compiler
+    flags (``build_flags``), so an edit to either builds a new extension; and of ``csrc`` where it is not this
+    package's, so that another revision's build (its own build directory) never replaces this package's."""
+    digest = hashlib.sha256(b"" if csrc == CSRC else str(csrc.resolve()).encode())
     for path in SOURCES:
-        digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+        digest.update(path.name.encode() + b"\0" + (csrc / path.name).read_bytes() + b"\0")
     digest.update(" ".join(build_flags() + ["--"] + LDFLAGS).encode())
     return f"lightning_qstate_cpu_adam_{digest.hexdigest()[:12]}"
 
 
-def build_extension():
-    """The compiled extension module, built first where torch's extension directory has no copy (said on stderr)."""
+def build_extension(csrc: Path = CSRC):
+    """The compiled extension module of the sources in ``csrc`` (this package's, or another revision's copy of them:
+    ``benchmarks/kernel_ab.py``), built first where torch's extension directory has no copy (said on stderr)."""
     from torch.utils import cpp_extension
 
-    name = extension_name()
+    name = extension_name(csrc)
     build_directory = cpp_extension._get_build_directory(name, verbose=False)
     if not os.path.exists(os.path.join(build_directory, name + cpp_extension.LIB_EXT)):
         message = f"lightning_qstate: building the C++ CPU Adam kernel once for this machine (~45 s; cached in {build_directory})"
         print(message, file=sys.stderr, flush=True)
     return cpp_extension.load(
         name=name,
-        sources=[str(path) for path in SOURCES if path.suffix == ".cpp"],
+        sources=[str(csrc / path.name) for path in SOURCES if path.suffix == ".cpp"],
         extra_cflags=build_flags(),  # a new list: load appends torch's libraries to the list it is given
         extra_ldflags=list(LDFLAGS),
-        extra_include_paths=[str(CSRC)],
+        extra_include_paths=[str(csrc)],
         build_directory=build_directory,
         verbose=False,
     )
