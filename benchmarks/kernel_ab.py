@@ -87,14 +87,14 @@ def build_optimizer(params: list[torch.nn.Parameter], fmt: str) -> QAdamW:
 
 
 def make_params(model: str, numel: int) -> list[torch.nn.Parameter]:
-    """optim.py's model ``model`` (its seeded parameters and gradients), or ``param``: one of ``numel`` values."""
+    """optim.py's model ``model``, or ``param``: one parameter of ``numel`` values; seeded parameters and gradients as
+    optim.py's ``make_model`` makes them."""
     optim = _optim_module()
-    if model != "param":
-        return optim.make_model(optim.model_specs(False)[model], 0)
-    generator = torch.Generator().manual_seed(0)
-    param = torch.nn.Parameter(torch.randn(numel, generator=generator))
-    param.grad = torch.randn(numel, generator=generator) * 1e-2
-    return [param]
+    if model == "param":
+        spec = optim.ModelSpec("param", f"one parameter of {numel} values", lambda: torch.nn.ParameterList([torch.randn(numel)]))
+    else:
+        spec = optim.model_specs(False)[model]
+    return optim.make_model(spec, 0)
 
 
 def _state_tensors(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
