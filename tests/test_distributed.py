@@ -1,10 +1,10 @@
 """Multi-process Lightning tests on CPU (gloo, 2 ranks): DDP, FSDP1 (``CPUFSDPStrategy``) and FSDP2 (``ModelParallelStrategy``).
 
-Lightning re-executes ``sys.argv`` to start the second rank, so each run is ``tests/distributed_worker.py``
-launched as a subprocess; it writes the gathered weights and every rank's optimizer states (formats, block
-sizes, hashes of the codes) into a folder that the tests below read. Launching costs most of the time
-(importing Lightning twice), so one launch runs several phases: an uninterrupted run to step 6 and a run
-saving a checkpoint at step 3 (for each checkpoint kind), then, in a second launch, the resume to step 6.
+Each run is ``tests/distributed_worker.py`` launched on two ranks, as ``torchrun`` launches them (the DDP run: as
+``python script.py``, where Lightning re-executes ``sys.argv`` for the second rank); it writes the gathered weights and
+every rank's optimizer states (formats, block sizes, hashes of the codes) into a folder that the tests below read.
+Launching costs most of the time (importing Lightning), so one launch runs several phases: an uninterrupted run to
+step 6 and a run saving a checkpoint at step 3 (for each checkpoint kind), then, in a second launch, the resume to step 6.
 
 Round-to-nearest states resume bit-exactly under every strategy: DDP checkpoints hold the packed codes,
 FSDP1/FSDP2 ones fp32 values that re-quantize to the very same codes and scales.
@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -54,6 +55,7 @@ class RunSpec:
     quantized: tuple[str, ...] = ("net.0.weight",)  # parameters whose states must be quantized (on every rank holding a part)
     callbacks: str = "[]"  # JSON list of lightning_qstate callbacks (see the worker's --callbacks)
     log_every: int = 1
+    by_lightning: bool = False  # start rank 0 alone and let Lightning start rank 1 (else both at once, as torchrun does)
 
     def args(self) -> list[str]:
         return [
@@ -82,6 +84,7 @@ RUNS = {
         quantized=("net.0.weight", "net.3.weight"),
         fresh_resume=False,
         callbacks=STALL_CALLBACKS_JSON,
+        by_lightning=True,
     ),
     # hidden=301: uneven flat shards. net.0.weight (19264 values) falls on rank 0 (11296 values) and rank 1 (7968):
     # min_quant_size=8192 lies between, so deciding from the local numel would quantize it on rank 0 only.
@@ -144,7 +147,8 @@ STALL_RUNS = {
 }
 
 
-LAUNCHER_VARIABLES = ("LOCAL_RANK", "NODE_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")  # the worker must launch its own ranks
+LAUNCHER_VARIABLES = ("LOCAL_RANK", "NODE_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")  # set by launch() alone
+RANKS = 2
 
 
 def kill_group(pgid: int) -> None:
@@ -154,29 +158,59 @@ def kill_group(pgid: int) -> None:
         pass
 
 
-def launch(out: Path, args: list[str], timeout: float = LAUNCH_TIMEOUT, worker: Path = WORKER) -> float:
-    """Run ``worker`` (it starts the second rank itself) in its own session; fail with its output on error."""
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def launch(out: Path, args: list[str], timeout: float = LAUNCH_TIMEOUT, worker: Path = WORKER, by_lightning: bool = False) -> float:
+    """Run ``worker`` on 2 ranks in a session of their own; fail with their output on error.
+
+    By default both ranks start at once, as ``torchrun`` starts them (``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_PORT`` in
+    their environment), so their imports (~10 s each, Lightning's torchmetrics import pulls in transformers and scipy) run
+    side by side. ``by_lightning=True`` starts rank 0 alone and lets Lightning re-execute it for rank 1 (``python
+    script.py`` with ``devices=2``), one import after the other.
+    """
     env = {key: value for key, value in os.environ.items() if key not in LAUNCHER_VARIABLES}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(TESTS), *filter(None, [os.environ.get("PYTHONPATH")])])
     env.setdefault("OMP_NUM_THREADS", "1")
+    env["PYTHONUNBUFFERED"] = "1"  # a rank killed on a failure or timeout leaves all it printed
     command = [sys.executable, str(worker), "--out", str(out), *args]
+    ranks = [{}] if by_lightning else [
+        {"LOCAL_RANK": str(rank), "NODE_RANK": "0", "WORLD_SIZE": str(RANKS), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        for port in [free_port()]
+        for rank in range(RANKS)
+    ]  # fmt: skip
+    out.mkdir(parents=True, exist_ok=True)
+    logs = [out / f"launch{len(list(out.glob('launch*-rank0.log')))}-rank{rank}.log" for rank in range(len(ranks))]
     start = time.perf_counter()
-    # its own session: on failure or timeout the whole process group (rank 1 included) is killed
-    process = subprocess.Popen(
-        command, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
-    )
+    processes: list[subprocess.Popen] = []
     try:
-        output, _ = process.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        kill_group(process.pid)
-        output, _ = process.communicate()
-        pytest.fail(f"{' '.join(command)} timed out after {timeout} s:\n{output[-8000:]}")
+        for rank_env, log in zip(ranks, logs, strict=True):
+            with log.open("w") as stream:  # its own session: on failure or timeout its process group is killed
+                processes.append(
+                    subprocess.Popen(
+                        command, env={**env, **rank_env}, cwd=REPO, stdout=stream, stderr=subprocess.STDOUT, start_new_session=True
+                    )
+                )
+        while None in (codes := [process.poll() for process in processes]) and not any(codes):  # until all end or one fails
+            if time.perf_counter() - start > timeout:
+                pytest.fail(f"{' '.join(command)} timed out after {timeout} s:\n{tails(logs)}")
+            time.sleep(0.1)
     finally:
-        kill_group(process.pid)  # a rank left behind by a failure
-    if process.returncode != 0:
+        for process in processes:
+            kill_group(process.pid)  # a rank left behind by a failure (with Lightning's rank 1 in rank 0's group)
+            process.wait()
+    codes = [process.returncode for process in processes]
+    if any(codes):
         finished = sorted(str(path.relative_to(out)) for path in out.rglob("done*"))  # the phases each rank completed
-        pytest.fail(f"{' '.join(command)} exited with {process.returncode} (finished: {finished}):\n{output[-8000:]}")
+        pytest.fail(f"{' '.join(command)} exited with {codes} (finished: {finished}):\n{tails(logs)}")
     return time.perf_counter() - start
+
+
+def tails(logs: list[Path], chars: int = 8000) -> str:
+    return "\n".join(f"--- {log.name}\n{log.read_text()[-chars:]}" for log in logs)
 
 
 @dataclass
@@ -228,10 +262,10 @@ def executed(name: str, tmp_path_factory) -> Run:
 def launch_run(spec: RunSpec, out: Path) -> Run:
     result = Run(spec, out)
     if spec.fresh_resume:
-        result.seconds.append(launch(result.out, [*spec.args(), "--mode", "straight,first"]))
-        result.seconds.append(launch(result.out, [*spec.args(), "--mode", "resume"]))
+        result.seconds.append(launch(result.out, [*spec.args(), "--mode", "straight,first"], by_lightning=spec.by_lightning))
+        result.seconds.append(launch(result.out, [*spec.args(), "--mode", "resume"], by_lightning=spec.by_lightning))
     else:
-        result.seconds.append(launch(result.out, [*spec.args(), "--mode", "straight,first,resume"]))
+        result.seconds.append(launch(result.out, [*spec.args(), "--mode", "straight,first,resume"], by_lightning=spec.by_lightning))
     for phase in result.phases():
         for rank in (0, 1):
             assert (result.out / phase / f"done{rank}").is_file(), f"rank {rank} did not finish {phase}"
@@ -310,6 +344,16 @@ def test_uneven_shards(run):
         assert info[0]["net.3.weight"]["local_shape"] == [0] and info[0]["net.3.weight"]["states"] == {}
     else:
         assert weight[0]["local_shape"] == weight[1]["local_shape"] == [300, 64]
+
+
+def test_a_failing_rank_ends_the_launch_at_once_with_every_ranks_output(tmp_path):
+    worker = tmp_path / "worker.py"  # rank 1 fails at once while rank 0 would wait for it (in a collective) for a minute
+    worker.write_text("import os, sys, time\nprint('rank', os.environ['LOCAL_RANK'], 'of', os.environ['WORLD_SIZE'])\n"
+                      "sys.exit(3) if os.environ['LOCAL_RANK'] == '1' else time.sleep(60)\n")  # fmt: skip
+    start = time.perf_counter()
+    with pytest.raises(pytest.fail.Exception, match=r"exited with \[-9, 3\][\s\S]*rank 0 of 2[\s\S]*rank 1 of 2"):
+        launch(tmp_path / "out", [], timeout=30, worker=worker)
+    assert time.perf_counter() - start < 20
 
 
 def test_ddp_states_are_identical_on_both_ranks(ddp_run):
