@@ -282,7 +282,8 @@ def test_wrong_weight_options_raise():
 
 def test_apply_keeps_the_papers_selection():
     """``policy.apply(optimizer, module)`` with ``weights``: linear layers inside repeated blocks get it; the embedding,
-    norms, biases and head keep their dtype; a ``weight_overrides`` pattern wins; one that matches nothing raises."""
+    norms, biases and head keep their dtype; a ``weight_overrides`` pattern wins; one that matches nothing raises, and so
+    does ``weights`` where it would reach no parameter."""
 
     class Block(torch.nn.Module):
         def __init__(self):
@@ -308,3 +309,16 @@ def test_apply_keeps_the_papers_selection():
     assert grids["head.weight"].name == "bf16" and grids["blocks.1.fc.weight"].name == "fp8_e4m3"
     with pytest.raises(ValueError, match=r"weight_overrides pattern '\*lm_head\*' matches no parameter"):
         QuantizationPolicy(weights="bf16", weight_overrides={"*lm_head*": None}).apply(torch.optim.AdamW(Net().parameters()), Net())
+
+    # a module without repeated blocks: weights= would reach no parameter, so it raises instead of doing nothing
+    mlp = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 16))
+    with pytest.raises(
+        ValueError, match=r"weights='fp8_e4m3' would put no parameter of Sequential on its grid.*0\.weight.*weight_overrides"
+    ):
+        QuantizationPolicy(weights="fp8_e4m3").apply(torch.optim.AdamW(mlp.parameters()), mlp)
+    with pytest.raises(ValueError, match=r"no parameter of Net on its grid"):  # every block weight overridden to its dtype
+        QuantizationPolicy(weights="bf16", weight_overrides={"blocks.*": None}).apply(torch.optim.AdamW(net.parameters()), net)
+    optimizer = QuantizationPolicy(weights="fp8_e4m3", weight_overrides={"*.weight": "fp8_e4m3"}).apply(
+        torch.optim.AdamW(mlp.parameters()), mlp
+    )
+    assert [name for name, p in mlp.named_parameters() if optimizer.weight_grid(optimizer.param_groups[0], p)] == ["0.weight", "2.weight"]

@@ -353,7 +353,8 @@ class QuantizationPolicy:
         weight of a linear layer inside a repeated block (``optim.weights.block_linear_weight_names``: ``None``, its dtype).
 
         Raises:
-            ValueError: a pattern matches no name of ``named``.
+            ValueError: a pattern matches no name of ``named``; ``weights`` set and, given a ``module``, no parameter left
+                on its grid (the module has no linear layer inside a repeated block, and no override names one).
         """
         from .weights import block_linear_weight_names
 
@@ -361,6 +362,13 @@ class QuantizationPolicy:
         if module is not None and self.weights is not None:
             in_blocks = {clean_parameter_name(name) for name in block_linear_weight_names(module)}
             matched.update({param: None for name, param in named if param not in matched and name not in in_blocks})
+            if named and all(matched.get(param, self.weights) is None for _, param in named):
+                raise ValueError(
+                    f"QuantizationPolicy: weights={self.weights!r} would put no parameter of {owner} on its grid: given the "
+                    "module, it goes to the weights of linear layers inside repeated blocks (under a numbered child, as "
+                    f"transformer.h.3.attn.c_attn.weight), and {owner} has none ({_name_summary(named)}); name the parameters "
+                    f"with weight_overrides (e.g. {{'*.weight': {self.weights!r}}}), or, calling apply yourself, pass no module"
+                )
         return matched
 
     def overrides_for(self, named: list[tuple[str, torch.Tensor]], owner: str, option: str = "overrides") -> dict[torch.Tensor, Any]:
