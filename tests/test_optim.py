@@ -129,8 +129,30 @@ def test_per_group_overrides_and_min_quant_size():
     assert fmt.name == "int4" and fmt.block_size == 64
     assert optimizer.state_format(second.weight, "exp_avg_sq") is None  # unnamed in the mapping: fp32
     assert optimizer.state_format(second.bias, "exp_avg") is None  # 16 elements < min_quant_size
-    assert not optimizer.state_format(second.weight, "exp_avg").signed or True
+    assert fmt.signed  # m is signed; v (exp_avg_sq) takes the unsigned maps
     assert optimizer.param_groups[1]["block_size"] == 64
+
+
+@pytest.mark.parametrize("build", ["qadamw", "wrapper"])
+def test_a_min_quant_size_above_every_parameter_warns_once(build):
+    """states= asks for int8, and min_quant_size (the default 4096) keeps every parameter of a small model fp32: the first
+    step says so once; nothing is said where some state is quantized, or where states= asks for fp32 only."""
+    model = make_model()  # weights of 2048 and 1024 values, biases
+
+    def optimizer(**options):
+        if build == "wrapper":
+            return lq.quantize_optimizer(torch.optim.Adagrad(model.parameters()), **options)
+        return lq.QAdamW(model.parameters(), **options)
+
+    with pytest.warns(
+        UserWarning, match=r"no state will be quantized: each of the 4 parameter\(s\).*largest: 2048\) than min_quant_size=4096"
+    ) as caught:
+        train(model, optimizer(states="int8"), 3)
+    assert sum("no state will be quantized" in str(w.message) for w in caught) == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for options in [{"states": "int8", "min_quant_size": 500}, {"states": "fp32"}, {"states": "int8", "min_quant_size": 0}]:
+            train(model, optimizer(**options), 1)
 
 
 def test_v_states_use_unsigned_maps():

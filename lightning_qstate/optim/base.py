@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, Literal
 
 import torch
@@ -296,9 +296,36 @@ class QuantizedStates:
     def step(self, closure=None):
         """One optimization step, parameter by parameter; ``closure`` re-evaluates the loss under grad mode."""
         loss = self._evaluate(closure)
+        self._check_min_quant_size()
         with self._nonfinite_policy():
             self._step_params()
         return loss
+
+    def _check_min_quant_size(self) -> None:
+        """At the first step: warn where ``states=`` asks for a format and ``min_quant_size`` keeps every parameter it
+        names in fp32 (a small model under the default 4096: bitsandbytes and torchao keep such states in fp32 silently).
+        Decided from the full parameter sizes (``full_numels``: FSDP1's views), so every rank warns alike; the warning
+        points at the caller of ``step`` (through torch's two wrappers of it)."""
+        if self._rounding_step != 0:
+            return
+        asked = [(group, p) for group in self.param_groups for p in group["params"] if self._states_asked(group, p)]
+        numels = [self.full_numels.get(p, p.numel()) for _, p in asked]
+        if not asked or any(numel >= group["min_quant_size"] for (group, _), numel in zip(asked, numels, strict=True)):
+            return
+        limits = sorted({group["min_quant_size"] for group, _ in asked})
+        warnings.warn(
+            f"{type(self).__name__}: no state will be quantized: each of the {len(asked)} parameter(s) whose states= name a "
+            f"format has fewer values (the largest: {max(numels)}) than min_quant_size={' / '.join(map(str, limits))}, "
+            "so all states stay fp32; pass a smaller min_quant_size (0: every parameter) to quantize them",
+            UserWarning,
+            stacklevel=5,
+        )
+
+    def _states_asked(self, group: dict, param: torch.Tensor) -> bool:
+        """Whether ``param``'s ``states=`` (its group's, or its override) name a format other than fp32 for any state."""
+        override = self.state_overrides.get(param)
+        spec = group["states"] if override is None else override
+        return any(name != "fp32" for name in (spec.values() if isinstance(spec, Mapping) else [spec]))
 
     @staticmethod
     def _evaluate(closure):
