@@ -1,6 +1,6 @@
 # `make demo` runs the main job, `make test` the test suite, `make lint` ruff (check and format) and clang-format (C++),
 # `make kernel-check` the C++ kernel compiled (syntax only) for other x86 CPUs than this one (~35 s; CI runs it), `make
-# kernel-emulate` its tests against their SIMD branches (emulated: ~9 min; CI runs it);
+# kernel-emulate` its tests against their SIMD branches (emulated: ~5 min; CI runs it);
 # each creates and fills its own venv first.
 VENV ?= .venv
 PYTHON ?= python3
@@ -33,7 +33,7 @@ kernel-check: $(VENV)/.installed
 
 # `make kernel-emulate` the native kernel's tests against the SIMD branches of other x86 CPUs than this one: the
 # AVX-512 ones (with VBMI and AVX512DQ's draws, and without VBMI) emulated by SIMDe (headers only, fetched from PyPI's
-# simde-py), and the portable loops alone (kernels/native.py: EMULATIONS; ~9 min on 2 cores)
+# simde-py), and the portable loops alone (kernels/native.py: EMULATIONS; ~5 min on 2 cores)
 SIMDE_VERSION := 0.8.2.post1
 SIMDE := $(VENV)/simde/simde_py-$(SIMDE_VERSION)/simde_py/simde
 KERNEL_EMULATIONS := avx512-vbmi-dq avx512 portable
