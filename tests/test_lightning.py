@@ -43,6 +43,29 @@ def test_plugin_converts_and_matches_the_callback(tmp_path):
     assert first.lr_scheduler_configs[0].scheduler.get_last_lr()[0] == pytest.approx(1e-2 * 0.7**2)
 
 
+def test_options_an_already_quantized_optimizer_would_ignore_raise(tmp_path):
+    """A plugin and a callback, or a quantized optimizer from configure_optimizers and a plugin: the one that comes second
+    finds the optimizer quantized and leaves it; where it was given options of its own that differ, that raises (they
+    would be ignored), and options it shares with the optimizer are accepted."""
+
+    class OwnQAdamW(Regressor):
+        def configure_optimizers(self):
+            return QAdamW(self.parameters(), lr=1e-2, states="bf16")
+
+    with pytest.raises(ValueError, match=r"QAdamW of .* has quantized states already .*, so states='int4' would be ignored"):
+        trainer(tmp_path, plugins=[QStatePrecision(states="int4")]).fit(OwnQAdamW(), regression_data())
+    plugin = QStatePrecision(states="int8", min_quant_size=0, rounding="stochastic")
+    with pytest.raises(ValueError, match=r"AdamW of Regressor has quantized states already .*, so states='int4' would be ignored"):
+        callback = QuantizedOptimizerStates(states="int4", min_quant_size=0, rounding="stochastic", log_stats=False)
+        trainer(tmp_path, plugins=[plugin], callbacks=[callback]).fit(Regressor(), regression_data())
+    for agreeing in (QStatePrecision(states="bf16"), QStatePrecision()):  # the optimizer's own states; the defaults
+        fitted = trainer(tmp_path, max_steps=1, plugins=[agreeing])
+        fitted.fit(OwnQAdamW(), regression_data())
+        assert fitted.strategy.optimizers[0].param_groups[0]["states"] == "bf16"
+    callback = QuantizedOptimizerStates(states="int8", min_quant_size=0, rounding="stochastic", log_stats=False)
+    trainer(tmp_path, max_steps=1, plugins=[plugin], callbacks=[callback]).fit(Regressor(), regression_data())
+
+
 def test_precision_variants():
     assert type(QStatePrecision("bf16-mixed")) is QStateMixedPrecision
     assert type(QStatePrecision("bf16-true")) is QStateHalfPrecision

@@ -280,7 +280,8 @@ class QuantizationPolicy:
         return cls(**options, owner=owner)
 
     def apply(self, optimizer: torch.optim.Optimizer, module: torch.nn.Module | None = None) -> torch.optim.Optimizer:
-        """The quantized form of ``optimizer`` (converted in place where possible); an already quantized one is returned as is.
+        """The quantized form of ``optimizer`` (converted in place where possible); an already quantized one is returned as is
+        (the options this policy sets must then be its own: ``_check_held_by``).
 
         ``module`` supplies parameter names for ``overrides`` (else the groups' ``param_names``, where every group has them).
         Under ``torch.distributed`` every rank must call it (the Lightning plugins and callback do): rank 0's
@@ -288,22 +289,24 @@ class QuantizationPolicy:
 
         Raises:
             ValueError: ``overrides`` without names, a pattern that matches no parameter, or an override naming a
-                state the quantized optimizer does not have (checked before ``optimizer`` is converted).
+                state the quantized optimizer does not have (checked before ``optimizer`` is converted); an already
+                quantized ``optimizer`` whose options differ from those this policy sets.
         """
         from torch.distributed.fsdp import FullyShardedDataParallel
 
         from .base import QuantizedStates
         from .wrap import QUANTIZED_EQUIVALENTS, QuantizedOptimizerWrapper, fsdp_full_numels, quantize_optimizer
 
-        if isinstance(optimizer, QuantizedStates):
-            _share_rounding_seed(optimizer)
-            return optimizer
         names = None if module is None else [(clean_parameter_name(name), param) for name, param in module.named_parameters()]
         if names is None and all(group.get("param_names") for group in optimizer.param_groups):
             names = [
                 (name, param) for group in optimizer.param_groups for name, param in zip(group["param_names"], group["params"], strict=True)
             ]
         owner = type(module).__name__ if module is not None else type(optimizer).__name__
+        if isinstance(optimizer, QuantizedStates):
+            self._check_held_by(optimizer, names, owner, module)
+            _share_rounding_seed(optimizer)
+            return optimizer
         given = [name for name in NAME_PATTERN_FIELDS if getattr(self, name)]
         if given and names is None:
             raise ValueError(
@@ -326,6 +329,37 @@ class QuantizationPolicy:
             quantized.checkpoint_mode = "fp32"  # FSDP1 gathers and reshapes state tensors like its flat shards
             quantized.full_numels = fsdp_full_numels(module)  # its parameters are local 1-D views: decide from the full sizes
         return quantized
+
+    def _check_held_by(
+        self, optimizer: QuantizedStates, names: list[tuple[str, torch.Tensor]] | None, owner: str, module: torch.nn.Module | None
+    ) -> None:
+        """An optimizer quantized already (built as one, or converted by another plugin or callback) keeps its options:
+        raise where an option this policy sets (one not at its default) is not the optimizer's, since ``apply`` would
+        ignore it. Group options are compared with every group's, ``track_stalls`` and ``nonfinite`` with the optimizer's,
+        the override patterns by the parameters they give."""
+        ignored = []
+        for name in POLICY_FIELDS:
+            value = getattr(self, name)
+            if value == POLICY_DEFAULTS[name]:
+                continue
+            if name in GROUP_OPTIONS:
+                held = all(group.get(name) == value for group in optimizer.param_groups)
+            elif name in NAME_PATTERN_FIELDS:
+                chosen = None
+                if names is not None:
+                    chosen = self.overrides_for(names, owner) if name == "overrides" else self.weight_overrides_for(names, owner, module)
+                given = optimizer.state_overrides if name == "overrides" else optimizer.weight_overrides
+                held = chosen is not None and {id(p): v for p, v in chosen.items()} == {id(p): v for p, v in given.items()}
+            else:
+                held = getattr(optimizer, name) == value
+            if not held:
+                ignored.append(f"{name}={value!r}")
+        if ignored:
+            raise ValueError(
+                f"QuantizationPolicy: {type(optimizer).__name__} of {owner} has quantized states already (built as a quantized "
+                f"optimizer, or converted by another plugin or callback), so {', '.join(ignored)} would be ignored; give "
+                "them where it is built (its constructor, or the one plugin or callback that converts it), or leave them out here"
+            )
 
     def attach_overrides(self, optimizer: QuantizedStates) -> None:
         """Set ``optimizer.state_overrides`` and ``weight_overrides`` from the names in its groups (``param_names``), for
