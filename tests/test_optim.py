@@ -344,6 +344,26 @@ def test_reencode_changes_format_and_keeps_values():
         optimizer.reencode_state(weight, "momentum", "int8")
 
 
+def test_a_tensor_of_another_optimizer_is_refused_and_leaves_the_state_dict_intact():
+    """state_format, reencode_state and reset_states name a parameter: one that is not the optimizer's raises instead of
+    entering its state (a defaultdict), where state_dict() then failed with a bare KeyError."""
+    model = make_model()
+    optimizer = lq.QAdamW(model.parameters(), states="int8", min_quant_size=0)
+    train(model, optimizer, 1)
+    stranger = torch.nn.Parameter(torch.zeros(3))
+    for call in (
+        lambda: optimizer.state_format(stranger, "exp_avg"),
+        lambda: optimizer.reencode_state(stranger, "exp_avg", "int4"),
+        lambda: optimizer.reset_states(stranger, ["exp_avg"]),
+    ):
+        with pytest.raises(ValueError, match=r"QAdamW: a tensor of shape \(3,\) is not one of this optimizer's parameters"):
+            call()
+    assert len(optimizer.state) == 4 and len(optimizer.state_dict()["state"]) == 4
+    fresh = lq.QAdamW(model.parameters(), states="int8", min_quant_size=0)  # its own parameter before the first step
+    assert fresh.state_format(model[0].weight, "exp_avg") is None and fresh.reset_states(model[0].weight, ["exp_avg"]) == []
+    assert len(fresh.state) == 0
+
+
 # --- wrapping ---------------------------------------------------------------------------------------------
 
 

@@ -838,7 +838,7 @@ class QuantizedStates:
         an FSDP2 shard (a shard whose rows allow no aligned block stays fp32) and FSDP1's full parameter size,
         so that every rank and world size re-encodes alike.
         """
-        state = self.state[param]
+        state = self._state_of(param)
         if name not in state:
             raise KeyError(f"{type(self).__name__}: parameter has no state {name!r} yet (states: {sorted(state)})")
         group = next(g for g in self.param_groups if any(p is param for p in g["params"]))
@@ -850,11 +850,12 @@ class QuantizedStates:
     def reset_states(self, param: torch.Tensor, names: Iterable[str], restart_step: bool = False) -> list[str]:
         """Zero the states ``names`` of ``param`` in place, each keeping its format; returns the names it zeroed.
 
-        States the parameter does not have (yet) are skipped. ``restart_step`` also zeroes ``state["step"]``
+        States the parameter does not have (yet) are skipped; a tensor that is not one of the optimizer's parameters
+        raises ``ValueError`` (as for ``reencode_state`` and ``state_format``). ``restart_step`` also zeroes ``state["step"]``
         (Adam's bias correction starts over); without it the first Adam step after a reset is about
         ``(1 - β1) / sqrt(1 - β2)`` times a normal one (3.16 at ``β = (0.9, 0.999)``).
         """
-        state = self.state.get(param, {})
+        state = self._state_of(param)
         zeroed = []
         for name in names:
             value = state.get(name)
@@ -872,8 +873,20 @@ class QuantizedStates:
 
     def state_format(self, param: torch.Tensor, name: str) -> StorageFormat | None:
         """The format state ``name`` of ``param`` is stored in; ``None`` for a plain tensor."""
-        value = self.state[param].get(name)
+        value = self._state_of(param).get(name)
         return value.format if isinstance(value, QuantizedTensor) else None
+
+    def _state_of(self, param: torch.Tensor) -> dict[str, Any]:
+        """``param``'s state (``{}`` before its first step); raises ``ValueError`` for a tensor that is not one of this
+        optimizer's parameters, where ``self.state[param]`` (a defaultdict) would add it, and ``state_dict`` then fail."""
+        if param in self.state:
+            return self.state[param]
+        if not any(p is param for group in self.param_groups for p in group["params"]):
+            raise ValueError(
+                f"{type(self).__name__}: a tensor of shape {tuple(param.shape)} is not one of this optimizer's parameters; "
+                "pass one of its param_groups' params (under FSDP/DDP, the parameter the strategy's model holds)"
+            )
+        return {}
 
     # --- checkpoints ------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
