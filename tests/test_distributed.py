@@ -261,11 +261,8 @@ def executed(name: str, tmp_path_factory) -> Run:
 
 def launch_run(spec: RunSpec, out: Path) -> Run:
     result = Run(spec, out)
-    if spec.fresh_resume:
-        result.seconds.append(launch(result.out, [*spec.args(), "--mode", "straight,first"], by_lightning=spec.by_lightning))
-        result.seconds.append(launch(result.out, [*spec.args(), "--mode", "resume"], by_lightning=spec.by_lightning))
-    else:
-        result.seconds.append(launch(result.out, [*spec.args(), "--mode", "straight,first,resume"], by_lightning=spec.by_lightning))
+    for modes in ["straight,first", "resume"] if spec.fresh_resume else ["straight,first,resume"]:
+        result.seconds.append(launch(result.out, [*spec.args(), "--mode", modes], by_lightning=spec.by_lightning))
     for phase in result.phases():
         for rank in (0, 1):
             assert (result.out / phase / f"done{rank}").is_file(), f"rank {rank} did not finish {phase}"

@@ -881,11 +881,13 @@ class QuantizedStates:
         optimizer's parameters, where ``self.state[param]`` (a defaultdict) would add it, and ``state_dict`` then fail."""
         if param in self.state:
             return self.state[param]
-        if not any(p is param for group in self.param_groups for p in group["params"]):
+        try:
+            self._position(param)
+        except KeyError:
             raise ValueError(
                 f"{type(self).__name__}: a tensor of shape {tuple(param.shape)} is not one of this optimizer's parameters; "
                 "pass one of its param_groups' params (under FSDP/DDP, the parameter the strategy's model holds)"
-            )
+            ) from None
         return {}
 
     # --- checkpoints ------------------------------------------------------------------------------------
