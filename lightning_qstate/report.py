@@ -282,17 +282,28 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> Path
 
     Raises:
         FileNotFoundError: ``run_dir`` is not a directory, or holds no TensorBoard event files.
+        ValueError: its event files lie in several directories (several runs: their series would mix), none holds a
+            value (damaged, or not TensorBoard's), or ``out_dir`` is a file.
     """
     from .callbacks.tensorboard import describe
 
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise FileNotFoundError(f"{run_dir}: no such directory; pass a run's log_dir (e.g. runs/gpt_demo/version_0)")
-    if not event_files(run_dir):
+    files = event_files(run_dir)
+    if not files:
         raise FileNotFoundError(f"{run_dir}: no TensorBoard event files (events.out.tfevents.*) here or below; pass a run's log_dir")
+    runs = sorted({str(path.parent) for path in files})
+    if len(runs) > 1:
+        raise ValueError(f"{run_dir} holds the event files of {len(runs)} runs ({', '.join(runs)}); pass one of them")
     out = Path(out_dir) if out_dir is not None else run_dir
-    out.mkdir(parents=True, exist_ok=True)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is a file; pass a directory (made if missing)")
     scalars, texts = load_scalars(run_dir), load_texts(run_dir)
+    if not scalars and not texts:
+        names = ", ".join(path.name for path in files)
+        raise ValueError(f"{run_dir}: its event files ({names}) hold no values: damaged, or not TensorBoard's")
+    out.mkdir(parents=True, exist_ok=True)
     figure, drawn = render(scalars, f"lightning_qstate run report: {run_dir}")
     png = out / "report.png"
     figure.savefig(png, dpi=100)
@@ -369,7 +380,8 @@ td,th{{padding:2px 8px;text-align:left;border-bottom:1px solid #ddd}} th{{backgr
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``lightning-qstate report RUN_DIR [--out DIR]``; returns the exit status: 0, or 2 for a usage error (a RUN_DIR
-    that is not a directory or holds no event files, or bad arguments)."""
+    that is not a directory, holds no event files, none with values, or several runs' files; an OUT that is a file; bad
+    arguments)."""
     parser = argparse.ArgumentParser(
         prog="lightning-qstate report", description="Write report.png and report.html from a run's TensorBoard event files."
     )
@@ -381,7 +393,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exit_.code if isinstance(exit_.code, int) else 2
     try:
         path = write_report(args.run_dir, args.out)
-    except FileNotFoundError as error:
+    except (FileNotFoundError, ValueError) as error:
         print(f"lightning-qstate report: error: {error}", file=sys.stderr)
         return 2
     print(f"report: {path} (and {path.with_name('report.png')})")

@@ -88,9 +88,15 @@ def test_a_plain_torch_loop_drives_the_planner():
     assert planner.metrics()["qstate/adaptive/transitions"] == changes
 
 
-def test_the_cap_holds_at_every_check():
+@pytest.mark.parametrize("frozen", [False, True], ids=["trainable", "first-layer-frozen"])
+def test_the_cap_holds_at_every_check(frozen: bool):
+    """The plan is the stored bytes. A frozen layer left in the optimizer has no states: it is not planned (priced, its
+    cheap formats lent the trainable layers bits: 5.6 stored bits under a 5.1 cap)."""
     model, optimizer = mlp_and_optimizer()
+    if frozen:
+        model[0].requires_grad_(False)
     planner = BitWidthPlanner(optimizer, model, target_bits=5.1, **OPTIONS)
+    assert set(planner.decisions()) == {name for name, param in model.named_parameters() if param.requires_grad}
     averages = []
 
     def check(step: int) -> None:
@@ -167,6 +173,10 @@ def test_bad_optimizers_and_options_are_refused():
         BitWidthPlanner(optimizer, target_bits=1.0)
     planner = BitWidthPlanner(optimizer, target_bits=None)
     assert set(planner.decisions()) == {"param0", "param1"}  # without a module: the optimizer's names
+    model.requires_grad_(False)
+    with pytest.raises(ValueError, match=r"BitWidthPlanner: every parameter of the optimizer is frozen"):
+        BitWidthPlanner(optimizer)
+    model.requires_grad_(True)
     with pytest.raises(ValueError, match=r"BitWidthPlanner: checkpoint state version 2, expected 1"):
         planner.load_state_dict({**planner.state_dict(), "version": 2})
 

@@ -63,6 +63,15 @@ def test_other_bad_options():
         get_format("e5m11")
     with pytest.raises(ValueError, match="nonfinite='drop'.*raise"):
         get_format("int8", nonfinite="drop")
+    for name in ("int8", "bf16"):  # casts ignore these options, and still refuse values that are none
+        with pytest.raises(ValueError, match="signed='false' must be True or False"):
+            get_format(name, signed="false")  # a non-empty string would read as True
+        with pytest.raises(ValueError, match="nonfinite='skip' is not a policy"):
+            get_format(name, nonfinite="skip")
+        with pytest.raises(ValueError, match="scale_dtype='fp64' is not a scale type"):
+            get_format(name, scale_dtype="fp64")
+        with pytest.raises(ValueError, match="block_size=3 must be a power of two"):
+            get_format(name, block_size=3)
     with pytest.raises(ValueError, match="rounding='up'.*nearest.*stochastic"):
         get_format("int8").quantize(torch.ones(4), rounding="up")
     with pytest.raises(TypeError, match="float32, bfloat16 or float16.*int64"):

@@ -10,7 +10,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 
-from lightning_qstate import QSGD, QAdamW
+from lightning_qstate import QSGD, QAdamW, callbacks
 from lightning_qstate.callbacks import QuantizedOptimizerStates
 from lightning_qstate.formats import QuantizedTensor
 from lightning_qstate.optim import QuantizedOptimizerWrapper
@@ -73,6 +73,9 @@ def test_precision_variants():
     assert isinstance(QStateFSDPPrecision("32-true"), QStatePrecision.__mro__[1])
     with pytest.raises(ValueError, match="precision='64-true'.*32-true"):
         QStatePrecision("64-true")
+    for variant, other in ((QStateHalfPrecision, "bf16-mixed"), (QStateMixedPrecision, "32-true")):  # not trained as fp16
+        with pytest.raises(ValueError, match=f"precision='{other}'"):
+            variant(other)
     with pytest.raises(ValueError, match="unknown format 'int9'"):
         QStatePrecision(states="int9")
     with pytest.raises(ValueError, match=r"overrides\['\*norm\*'\].*unknown format"):
@@ -201,3 +204,28 @@ def test_stale_optimizer_parameters_are_refused(tmp_path):
 
     with pytest.raises(RuntimeError, match="not in the model the strategy set up"):
         trainer(tmp_path, plugins=[QStatePrecision()]).fit(Stale(), regression_data())
+
+
+@pytest.mark.parametrize(
+    ("callback", "kwargs", "message"),
+    [
+        ("StateResetScheduler", {"reset_step": "no"}, "reset_step='no' must be True or False"),  # "no" read as True
+        ("StateResetScheduler", {"stagger": 5}, "stagger=5 must be True or False"),
+        ("StateResetScheduler", {"include_fp32": None}, "include_fp32=None must be True or False"),
+        ("StateResetScheduler", {"check_every_n_steps": True}, "check_every_n_steps=True must be a positive int"),
+        ("StateResetScheduler", {"threshold": "x"}, r"threshold='x' must lie in \(0, 1\]"),
+        ("StallMonitor", {"per_layer": "yes"}, "per_layer='yes' must be True or False"),
+        ("StallMonitor", {"histograms": 3}, "histograms=3 must be True or False"),
+        ("QuantizedOptimizerStates", {"log_stats": "no"}, "log_stats='no' must be True or False"),
+        ("QuantizedOptimizerStates", {"track_stalls": "yes"}, "track_stalls='yes' must be True or False"),
+        ("AdaptiveBitWidth", {"fill_budget": "no"}, "fill_budget='no' must be True or False"),
+        ("AdaptiveBitWidth", {"anneal_steps": True}, "anneal_steps=True must be an int >= 1"),
+    ],
+)
+def test_flags_and_counts_of_another_type_are_refused(callback, kwargs, message):
+    """A string or number where a flag belongs (``"no"`` would read as true), or a bool where a count belongs, raises at
+    construction, naming the argument."""
+    with pytest.raises(ValueError, match=f"{callback}: {message}"):
+        getattr(callbacks, callback)(**kwargs)
+    with pytest.raises(ValueError, match="QStatePrecision: track_stalls=1 must be True or False"):
+        QStatePrecision(track_stalls=1)

@@ -147,6 +147,8 @@ def test_constants_are_the_sweeps_calibration():
         (("grads", 0), r"steps=0 must be an int >= 1"),
         (("grads", 10.5), r"steps=10.5 must be an int >= 1"),
         (("exp_avg_sq", 1000, "muon"), r"muon has no second moment.*use one of \('grads', 'exp_avg', 'weights'\)"),
+        (("exp_avg_sq", 1000, "adam", "nearest", math.nan), r"constant=nan must be a finite number"),  # max(0, nan) was 0
+        (("exp_avg_sq", 1000, "adam", "nearest", "3"), r"constant='3' must be a finite number"),
     ],
 )
 def test_required_bits_argument_errors(arguments, message):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import doctest
 import importlib
 import math
+import warnings
 
 import pytest
 import torch
@@ -71,6 +72,18 @@ def test_fake_quantize_keeps_dtype_shape_and_takes_any_format():
     assert torch.equal(fake_quantize(x, "bf16"), x) and fake_quantize(x, None) is x
     e2m1 = fake_quantize(torch.tensor([[6.0, 1.2, -2.6, 0.2]]), "e2m1")  # FP4: max 6, values 0, .5, 1, 1.5, 2, 3, 4, 6
     assert e2m1.tolist() == [[6.0, 1.0, -3.0, 0.0]]
+    for empty in (torch.empty(0), torch.empty(3, 0)):
+        assert fake_quantize(empty, "int4").shape == empty.shape
+
+
+@pytest.mark.parametrize("fmt", ["int4", "int8", "int8_dynamic", "fp8_e4m3"])
+def test_a_non_finite_value_makes_its_scale_group_non_finite(fmt):
+    """As a cast does (and an fp16 overflow in an activation): the group of an inf or NaN comes out non-finite, the
+    others as without it (the codebook grids used to index past their tables: IndexError)."""
+    x = torch.tensor([[1.0, math.nan, 0.5], [1.0, 2.0, 3.0], [math.inf, 1.0, 2.0]])
+    y = fake_quantize(x, fmt)
+    assert not y[0].isfinite().any() and not y[2].isfinite().any()
+    assert torch.equal(y[1], fake_quantize(x[1:2], fmt)[0])
 
 
 @pytest.mark.parametrize(
@@ -107,6 +120,41 @@ def test_ptq_is_w4a4_on_every_linear_layer_and_restores_exactly():
     with pytest.raises(RuntimeError, match="inside"), ptq(model):
         raise RuntimeError("inside")
     assert all(param is before[name][0] for name, param in model.named_parameters())  # restored after an error too
+
+
+def test_ptq_refuses_what_it_would_quantize_wrongly_before_changing_anything():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    with pytest.raises(ValueError, match=r"modules=\[\] selects no linear layer"), ptq(model, modules=[]):
+        pass
+    with pytest.raises(ValueError, match="rounding='up' is not valid"), ptq(model, None, "int8", rounding="up"):
+        pass
+    torch.nn.utils.parametrizations.weight_norm(model[2])
+    with pytest.raises(ValueError, match=r"the weights of \['2'\] are parametrized"), ptq(model):
+        pass
+    assert not model[0]._forward_pre_hooks and isinstance(model[0]._parameters["weight"], torch.nn.Parameter)
+    with ptq(model, modules=["0"]):  # leaving it out works
+        model(torch.randn(2, 4))
+
+
+def test_ptq_warns_where_a_layer_runs_only_through_its_weight():
+    """nn.MultiheadAttention calls F.linear on out_proj's weight: its weight is quantized, its input cannot be."""
+    layer = torch.nn.TransformerEncoderLayer(8, 2, 16, batch_first=True, dropout=0.0)
+    encoder = torch.nn.TransformerEncoder(layer, 1, enable_nested_tensor=False).eval()
+    x = torch.randn(2, 3, 8, generator=torch.Generator().manual_seed(0))
+    with pytest.warns(UserWarning, match=r"inputs of \['layers.0.self_attn.out_proj'\] were not quantized"), ptq(encoder):
+        encoder(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with ptq(encoder, activations=None):  # weights only: nothing is missed
+            encoder(x)
+        with ptq(encoder):  # no forward: nothing to say
+            pass
+    with pytest.raises(ValueError, match=r"did not run as modules.*layers=False"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        abc_decomposition(encoder, x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert abc_decomposition(encoder, x, layers=False).R_L > 0
 
 
 def test_ptq_recipes_patterns_and_conv1d_output_channels():
@@ -192,6 +240,19 @@ def test_abc_refuses_what_is_not_a_chain():
         abc_decomposition(torch.nn.Sequential(shared, shared), torch.randn(2, 4), units=["0"])
     with pytest.raises(ValueError, match=r"did not run"):
         abc_decomposition(torch.nn.Sequential(torch.nn.Linear(4, 4)), torch.randn(2, 4), units=["0"], forward=lambda m, b: None)
+    with pytest.raises(ValueError, match=r"units=\[\] gives no chain"):
+        abc_decomposition(torch.nn.Sequential(torch.nn.Linear(4, 4)), torch.randn(2, 4), units=[])
+
+
+def test_abc_reads_modules_once_and_restores_every_modules_mode():
+    """A generator for ``modules`` selects as its list does (it was read twice: the second read quantized nothing,
+    R_L = 0); a submodule in eval inside a training model (a frozen norm) is in eval again afterwards."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 2))
+    model[1].eval()
+    x = torch.randn(16, 4, generator=torch.Generator().manual_seed(0))
+    listed = abc_decomposition(model, x, modules=["0", "2"]).R_L
+    assert listed > 0 and abc_decomposition(model, x, modules=(name for name in ["0", "2"])).R_L == listed
+    assert model.training and model[0].training and not model[1].training
 
 
 # --- metrics ---------------------------------------------------------------------------------------------------
@@ -211,6 +272,11 @@ def test_mmr_kurtosis_and_sqnr_known_values():
     x = torch.randn(100, generator=generator)
     assert sqnr(x, x) == math.inf
     assert sqnr(x, x + 0.01 * x) == pytest.approx(40.0)
+    with pytest.raises(ValueError, match=r"x \(100, 1\) and y \(1, 100\) must have the same shape"):
+        sqnr(x.view(100, 1), x.view(1, 100))  # broadcasting would compare every pair
+    for metric in (mmr, kurtosis):
+        with pytest.raises(ValueError, match=r"x of shape \(0,\) has no values"):
+            metric(torch.empty(0))
 
 
 def test_linear_input_statistics_are_those_of_each_layers_input():

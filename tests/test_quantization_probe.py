@@ -22,6 +22,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from examples.data import ByteTextDataModule  # noqa: E402
 from examples.gpt import GPTModule  # noqa: E402
 
+from lightning_models import Regressor, flat_weights, quiet_trainer, regression_data  # noqa: E402
+
 warnings.filterwarnings("ignore", ".*does not have many workers.*")
 warnings.filterwarnings("ignore", ".*GPU available but not used.*")
 
@@ -107,6 +109,8 @@ def test_a_validation_step_without_the_loss_key_is_an_error(tmp_path):
         ({"activations": "int4", "block": 100}, "weight_block"),
         ({"per_token": "yes"}, "per_token='yes' must be True or False"),
         ({"loss_fn": "val_loss"}, "loss_fn='val_loss' must be callable"),
+        ({"units": []}, r"units=\[\] must be module names"),
+        ({"units": [0, 1]}, r"units=\[0, 1\] must be module names"),
     ],
 )
 def test_bad_arguments_are_refused_up_front(kwargs, message):
@@ -119,3 +123,28 @@ def test_patterns_and_units_that_match_nothing_fail_at_fit_start(tmp_path):
         fit(tmp_path, [QuantizationProbe(modules=["*.typo"], log_images=False)])
     with pytest.raises(AttributeError, match="nope"):
         fit(tmp_path, [QuantizationProbe(units=["model.nope"], log_images=False)])
+
+
+class BlocklessRegressor(Regressor):
+    """A module whose layers are neither transformer blocks nor a Sequential of its own (``self.net`` is one)."""
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", torch.nn.functional.mse_loss(self(x), y))
+
+
+def test_default_units_that_do_not_exist_fail_before_training(tmp_path):
+    """The default units (transformer blocks, or the module's Sequential children) are resolved at fit start and at
+    validate start, not at the end of the first validation; ``units`` may name one module as a string."""
+    trainer = quiet_trainer(tmp_path, max_steps=3, callbacks=[QuantizationProbe(log_images=False)], num_sanity_val_steps=0)
+    model = BlocklessRegressor()
+    before = flat_weights(model).clone()
+    with pytest.raises(ValueError, match=r"QuantizationProbe: BlocklessRegressor has no transformer blocks.*units="):
+        trainer.fit(model, regression_data(), regression_data())
+    assert torch.equal(flat_weights(model), before)  # no step was taken
+    with pytest.raises(ValueError, match=r"QuantizationProbe: BlocklessRegressor has no transformer blocks"):
+        quiet_trainer(tmp_path, max_steps=3, callbacks=[QuantizationProbe(log_images=False)]).validate(model, regression_data())
+    probe = QuantizationProbe(units="net", log_images=False)
+    assert probe.units == ["net"]
+    quiet_trainer(tmp_path, max_steps=3, callbacks=[probe]).validate(model, regression_data())
+    assert len(probe.history) == 1 and math.isfinite(probe.history[0].R_L)

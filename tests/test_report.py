@@ -118,6 +118,29 @@ def test_usage_errors_exit_2_and_say_why(tmp_path, capsys):
     assert not (tmp_path / "report.html").exists()
 
 
+def test_runs_mixed_damaged_files_and_an_out_file_are_usage_errors(tmp_path, capsys):
+    """A directory above several runs (their series would interleave by step into one), event files that hold nothing
+    readable, and ``--out`` naming a file exit 2 with the reason; nothing is written."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    for version, value in enumerate((1.0, 2.0)):
+        with SummaryWriter(tmp_path / "runs" / f"version_{version}") as writer:
+            writer.add_scalar("train_loss", value, 0)
+    assert main([str(tmp_path / "runs")]) == 2
+    error = capsys.readouterr().err
+    assert "holds the event files of 2 runs" in error and "version_0" in error and "version_1" in error
+    (tmp_path / "report.html").write_text("")
+    assert main([str(tmp_path / "runs" / "version_0"), "--out", str(tmp_path / "report.html")]) == 2
+    assert "report.html is a file; pass a directory" in capsys.readouterr().err
+    damaged = tmp_path / "damaged"
+    damaged.mkdir()
+    (damaged / "events.out.tfevents.1.host").write_text("not an event file")
+    assert main([str(damaged)]) == 2 and "hold no values: damaged" in capsys.readouterr().err
+    assert not (damaged / "report.html").exists()
+    assert main([str(tmp_path / "runs" / "version_1")]) == 0
+    assert load_scalars(tmp_path / "runs" / "version_1") == {"train_loss": [(0, 2.0)]}
+
+
 def test_the_cli_dispatches_report(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["report", str(tmp_path)])

@@ -195,6 +195,17 @@ def test_bad_arguments_raise_clear_errors():
         stall_probability("bf16", 0.9, age=3, ratios=torch.ones(4))
     with pytest.raises(ValueError, match="ratios= must be a non-empty tensor"):
         stall_probability("bf16", 0.9, ratios=torch.tensor([1.0, math.nan]))
+    for beta in ("0.999", None, True):
+        with pytest.raises(ValueError, match=f"beta={beta!r} must be a number in"):
+            stall_probability("bf16", beta)
+    with pytest.raises(ValueError, match="age=True must be None"):
+        stall_probability("bf16", 0.9, age=True)
+    for values in (torch.zeros(10), torch.empty(0)):  # no occupancy: the empty sum used to predict 0
+        with pytest.raises(ValueError, match="values= has no positive value"):
+            stall_probability("int8", 0.999, values=values)
+    for horizons in (math.nan, math.inf, 0):
+        with pytest.raises(ValueError, match=f"horizons={horizons!r} must be a finite number > 0"):
+            reset_period("bf16", 0.999, horizons=horizons)
 
 
 @pytest.fixture(scope="module")

@@ -60,6 +60,7 @@ def check_options(
     v_formats: Mapping[str, str] | None,
     max_history: int,
     floor_formats: Mapping[str, str] | None = None,
+    fill_budget: bool = True,
 ) -> tuple[dict[str, dict[str, str]], dict[str, str]]:
     """Check the planner's options (errors start with ``owner``); returns ``({state: {zone: format name}}, {state: floor
     format name})`` for m and v, the defaults filled in (``floor_formats=None``: ``DEFAULT_FLOOR_FORMATS``; a state it
@@ -69,6 +70,8 @@ def check_options(
     for option, value in (("interval", interval), ("hysteresis", hysteresis), ("max_history", max_history)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{owner}: {option}={value!r} must be an int >= 1")
+    if not isinstance(fill_budget, bool):
+        raise ValueError(f"{owner}: fill_budget={fill_budget!r} must be True or False")
     if not (isinstance(ema_decay, (int, float)) and 0 <= ema_decay < 1):
         raise ValueError(f"{owner}: ema_decay={ema_decay!r} must be in [0, 1)")
     if reference not in REFERENCES:
@@ -227,6 +230,7 @@ class BitWidthPlanner:
             v_formats=v_formats,
             max_history=max_history,
             floor_formats=floor_formats,
+            fill_budget=fill_budget,
         )
         if not isinstance(anneal_steps, int) or isinstance(anneal_steps, bool) or anneal_steps < 1:
             raise ValueError(f"BitWidthPlanner: anneal_steps={anneal_steps!r} must be an int >= 1")
@@ -245,7 +249,7 @@ class BitWidthPlanner:
         self.threshold = AnnealedThreshold(float(threshold_start), float(threshold_end), anneal_steps)
         self.reference = reference
         self.max_history = max_history
-        self.fill_budget = bool(fill_budget)
+        self.fill_budget = fill_budget
         self.layers = self._collect_layers(module)
         self.global_rms: float | None = None
         self.global_dispersion: float | None = None
@@ -278,13 +282,16 @@ class BitWidthPlanner:
             )
 
     def _collect_layers(self, module: torch.nn.Module | None) -> list[Layer]:
-        """Every parameter of the optimizer, named as ``module`` names it, with its candidates priced."""
+        """Every trainable parameter of the optimizer, named as ``module`` names it, with its candidates priced. A frozen one
+        (``requires_grad=False``) gets no gradient, hence no states: priced, it would lend the others bits over the cap."""
         optimizer = self.optimizer
         names = {} if module is None else {param: clean_parameter_name(name) for name, param in module.named_parameters()}
         fallback = optimizer.param_names()
         layers = []
         for group in optimizer.param_groups:
             for param in group["params"]:
+                if not param.requires_grad:
+                    continue
                 numel = optimizer.full_numels.get(param, param.numel())
                 override = optimizer.state_overrides.get(param)
                 pinned = None
@@ -298,6 +305,8 @@ class BitWidthPlanner:
                         for name in self.candidates(state)
                     }
                 layers.append(layer)
+        if not layers:
+            raise ValueError("BitWidthPlanner: every parameter of the optimizer is frozen (requires_grad=False); there is nothing to plan")
         return layers
 
     # --- checks ------------------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 
 from ..adaptive import ADAPTED_STATES, STATE_DICT_VERSION, BitWidthPlanner
 from ..adaptive.planner import check_options
+from .arguments import is_positive_int
 from .tensorboard import log_scalars, write_layout
 
 
@@ -61,7 +62,8 @@ class AdaptiveBitWidth(Callback):
 
     Decisions, EMAs, hysteresis counters and the history are in ``state_dict()`` (so in checkpoints); a
     resumed run continues exactly as an uninterrupted one. Needs one ``QAdam``/``QAdamW`` (plugin or
-    callback-quantized) without ``amsgrad``.
+    callback-quantized) without ``amsgrad``; one instance per Trainer (Lightning refuses a second: the state is
+    checkpointed under the class name). Frozen parameters (``requires_grad=False``) hold no states and are not planned.
 
     Logged by global rank 0 at the Trainer's logging interval: ``qstate/adaptive/avg_bits``,
     ``qstate/adaptive/bytes_saved`` (versus fp32 m and v), ``qstate/adaptive/zone_<zone>`` (layer counts),
@@ -126,11 +128,12 @@ class AdaptiveBitWidth(Callback):
             v_formats=v_formats,
             max_history=max_history,
             floor_formats=floor_formats,
+            fill_budget=fill_budget,
         )
         check_options("AdaptiveBitWidth", **options)
-        if anneal_steps is not None and (not isinstance(anneal_steps, int) or anneal_steps < 1):
+        if anneal_steps is not None and not is_positive_int(anneal_steps):
             raise ValueError(f"AdaptiveBitWidth: anneal_steps={anneal_steps!r} must be an int >= 1 or None (the Trainer's max_steps)")
-        self.planner_options: dict[str, Any] = {**options, "fill_budget": fill_budget}  # BitWidthPlanner's, but anneal_steps
+        self.planner_options: dict[str, Any] = options  # BitWidthPlanner's, but anneal_steps
         self.anneal_steps = anneal_steps
         self.planner: BitWidthPlanner | None = None
         self.overhead_seconds = 0.0  # this fit's time in the hooks: checks (statistics, collective, decisions, re-encoding), logging

@@ -19,6 +19,7 @@ from typing_extensions import override
 from ..formats import ROUNDINGS
 from ..optim import WEIGHT_STALLS, QuantizedStates, clean_parameter_name
 from ..theory.precision import COMPONENTS, DEFAULT_CONSTANTS, OPTIMIZERS, AdviceRow, PrecisionReport, advise
+from .arguments import check_flags, is_positive_int
 from .stall_counts import StallMeasurement, collect_stalls, quantized_optimizers, request_stall_tracking
 from .tensorboard import log_scalars
 
@@ -100,15 +101,13 @@ class PrecisionAdvisor(Callback):
         constants: Mapping[tuple[str, str, str], float] | None = None,
         verbose: bool = True,
     ) -> None:
-        if steps is not None and not _is_positive_int(steps):
+        if steps is not None and not is_positive_int(steps):
             raise ValueError(
                 f"PrecisionAdvisor: steps={steps!r} must be a positive int (the run's optimizer steps), or None for the Trainer's"
             )
-        if not _is_positive_int(log_every_n_steps) and log_every_n_steps is not None:
+        if not is_positive_int(log_every_n_steps) and log_every_n_steps is not None:
             raise ValueError(f"PrecisionAdvisor: log_every_n_steps={log_every_n_steps!r} must be a positive int, or None for the Trainer's")
-        for name, value in (("strict", strict), ("log_weight_stalls", log_weight_stalls), ("per_layer", per_layer), ("verbose", verbose)):
-            if not isinstance(value, bool):
-                raise ValueError(f"PrecisionAdvisor: {name}={value!r} must be True or False")
+        check_flags("PrecisionAdvisor", strict=strict, log_weight_stalls=log_weight_stalls, per_layer=per_layer, verbose=verbose)
         self.steps = steps
         self.strict = strict
         self.log_weight_stalls = log_weight_stalls
@@ -255,10 +254,6 @@ def _describe(label: str, row: AdviceRow, steps: int) -> str:
         f"{label} group {row.group} {row.component} in {row.format} (M = {row.mantissa_bits:.1f}, needs {row.required_bits:.1f} "
         f"over {steps} steps) is {row.verdict}"
     )
-
-
-def _is_positive_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
 def _checked_constants(constants: Mapping[tuple[str, str, str], float] | None) -> dict[tuple[str, str, str], float] | None:

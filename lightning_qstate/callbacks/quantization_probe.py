@@ -14,11 +14,13 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning_utilities.core.apply_func import apply_to_collection
 from typing_extensions import override
 
 from ..formats.weights import WeightBlock
-from ..probes import ABCResult, ABCRow, abc_decomposition, linear_input_statistics, linear_modules, probe_grid, ptq
+from ..probes import ABCResult, ABCRow, abc_decomposition, default_units, linear_input_statistics, linear_modules, probe_grid, ptq
+from .arguments import check_flags, is_positive_int
 from .tensorboard import write_layout
 
 PROBE_TAG = "qstate/probe"  # scalars "<tag>/<figure>", images "<tag>/abc"
@@ -75,7 +77,9 @@ class QuantizationProbe(Callback):
     ``R_L``, ``mmr``, ``kurtosis``, ``kurtosis_channel_rms`` and ``seconds`` (the probe's cost: it runs after
     validation, off the training path; about ``2 + 2·(units + layers)`` forwards per batch). With ``log_images``, rank 0
     adds to every TensorBoard logger a figure ``qstate/probe/abc``: A, B and C stacked per unit and layer, R marked, and
-    the gain G below. Each result is kept in :attr:`history`.
+    the gain G below. Each result is kept in :attr:`history`. One instance per Trainer (Lightning refuses a second: its
+    count of validations is checkpointed under the class name); for another recipe on the same model call
+    :func:`~lightning_qstate.probes.ptq` or :meth:`probe` yourself.
 
     **Loss.** By default the module's own ``validation_step`` on the batch, with its ``self.log`` calls caught (nothing
     reaches the loggers): the value logged as ``loss_key`` (default ``"val_loss"``), else a returned scalar or a
@@ -98,7 +102,8 @@ class QuantizationProbe(Callback):
         batches: validation batches per probe.
         loss_fn: ``loss_fn(pl_module, batch)``, a scalar tensor; default the module's ``validation_step`` (above).
         loss_key: the name ``validation_step`` logs its loss under.
-        units: the ABC decomposition's chain of module names (default: transformer blocks, or a ``Sequential``'s children).
+        units: the ABC decomposition's chain of module names, or one name (default: transformer blocks, or a ``Sequential``'s
+            children; a module with neither is refused at fit start).
         modules: ``fnmatch`` patterns of the linear layers to quantize and measure (default: all).
         block: scale groups (``"row"`` or a power of two); per_token: the ABC's per-token estimator.
         log_images: add the ABC figure to TensorBoard loggers (needs matplotlib).
@@ -126,7 +131,7 @@ class QuantizationProbe(Callback):
         verbose: bool = False,
     ) -> None:
         for name, value in (("every_n_val_epochs", every_n_val_epochs), ("batches", batches)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            if not is_positive_int(value):
                 raise ValueError(f"QuantizationProbe: {name}={value!r} must be a positive int")
         if weights is None and activations is None:
             raise ValueError("QuantizationProbe: weights=None and activations=None quantize nothing; give at least one format")
@@ -136,9 +141,7 @@ class QuantizationProbe(Callback):
                     probe_grid(value, block)
                 except ValueError as error:
                     raise ValueError(f"QuantizationProbe: {name}: {error}") from None
-        for name, value in (("per_token", per_token), ("log_images", log_images), ("verbose", verbose)):
-            if not isinstance(value, bool):
-                raise ValueError(f"QuantizationProbe: {name}={value!r} must be True or False")
+        check_flags("QuantizationProbe", per_token=per_token, log_images=log_images, verbose=verbose)
         if loss_fn is not None and not callable(loss_fn):
             raise ValueError(f"QuantizationProbe: loss_fn={loss_fn!r} must be callable as loss_fn(pl_module, batch)")
         if not isinstance(loss_key, str):
@@ -156,7 +159,10 @@ class QuantizationProbe(Callback):
         self.batches = batches
         self.loss_fn = loss_fn
         self.loss_key = loss_key
-        self.units = None if units is None else list(units)
+        units = None if units is None else ([units] if isinstance(units, str) else list(units))
+        if units is not None and (not units or not all(isinstance(name, str) for name in units)):
+            raise ValueError(f"QuantizationProbe: units={units!r} must be module names in forward order, e.g. ['blocks.0', 'blocks.1']")
+        self.units = units
         self.modules = None if modules is None else ([modules] if isinstance(modules, str) else list(modules))
         self.block = block
         self.per_token = per_token
@@ -178,10 +184,24 @@ class QuantizationProbe(Callback):
                 f"QuantizationProbe: {type(trainer.strategy).__name__} shards the parameters and the probe runs the unwrapped "
                 "module; use it with a single device or DDP (e.g. on a checkpoint of this run)"
             )
-        linear_modules(pl_module, self.modules)  # a typo in a pattern is an error now, not after an epoch
+        self._check_module(pl_module)
+        self._batches, self._validations = [], 0
+
+    @override
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.state.fn == TrainerFn.VALIDATING:  # trainer.validate(): no fit start
+            self._check_module(pl_module)
+
+    def _check_module(self, pl_module: pl.LightningModule) -> None:
+        """Raise now, not after an epoch, where ``modules`` or ``units`` (given or default) match nothing in the module."""
+        linear_modules(pl_module, self.modules)
+        if self.units is None:
+            try:
+                default_units(pl_module)
+            except ValueError as error:
+                raise ValueError(f"QuantizationProbe: {error}") from None
         for name in self.units or ():
             pl_module.get_submodule(name)  # AttributeError naming the missing module
-        self._batches, self._validations = [], 0
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

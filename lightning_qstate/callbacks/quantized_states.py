@@ -19,6 +19,7 @@ from ..optim import (
     check_optimizer_parameters,
     state_summary,
 )
+from .arguments import check_flags
 from .tensorboard import log_scalars
 
 
@@ -71,6 +72,7 @@ class QuantizedOptimizerStates(Callback):
         log_stats: bool = True,
     ) -> None:
         self.policy = QuantizationPolicy.from_arguments(type(self).__name__, policy, locals())
+        check_flags(type(self).__name__, log_stats=log_stats)
         self.log_stats = log_stats
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

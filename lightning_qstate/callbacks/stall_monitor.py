@@ -14,6 +14,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from ..formats import BlockFormat, QuantizedTensor
 from ..optim.base import local_tensor
 from ..theory import moment_of, stall_probability, state_decay, state_input
+from .arguments import check_flags, is_positive_int
 from .stall_counts import StallMeasurement, StateRow, collect_stalls, quantized_optimizers, request_stall_tracking, state_rows
 from .state_reset import StateResetScheduler
 from .tensorboard import log_scalars, write_layout
@@ -77,10 +78,9 @@ class StallMonitor(Callback):
     """
 
     def __init__(self, log_every_n_steps: int | None = None, per_layer: bool = False, histograms: bool = True) -> None:
-        if log_every_n_steps is not None and (
-            not isinstance(log_every_n_steps, int) or isinstance(log_every_n_steps, bool) or log_every_n_steps < 1
-        ):
+        if log_every_n_steps is not None and not is_positive_int(log_every_n_steps):
             raise ValueError(f"StallMonitor: log_every_n_steps={log_every_n_steps!r} must be a positive int, or None for the Trainer's")
+        check_flags("StallMonitor", per_layer=per_layer, histograms=histograms)
         self.log_every_n_steps = log_every_n_steps
         self.per_layer = per_layer
         self.histograms = histograms
@@ -145,15 +145,16 @@ class StallMonitor(Callback):
 
     def predicted(self, row: StateRow, age: int | None = None) -> float | None:
         """The prediction for ``row``'s format, decay and rounding at ``age`` steps since it was zeroed (``None``: the
-        steady state); block-scaled formats weighted by the stored state's code occupancy. ``None`` for plain states,
-        unknown decays and the weights' row."""
+        steady state); block-scaled formats weighted by the stored state's code occupancy (where it is not all zero).
+        ``None`` for plain states, unknown decays and the weights' row."""
         fmt, beta = row.format, state_decay(row.group, row.state)
         if fmt is None or beta is None:
             return None
         rounding, moment = row.group["rounding"], moment_of(row.state)
         ratios = self._ratios.get((row.layer, row.state))
         stored = row.optimizer.state.get(row.param, {}).get(row.state)
-        values = stored if isinstance(fmt, BlockFormat) and isinstance(stored, QuantizedTensor) and stored.numel else None
+        block = isinstance(fmt, BlockFormat) and isinstance(stored, QuantizedTensor) and stored.numel
+        values = stored if block and bool(stored.scales.any()) else None  # all zero: no occupancy to weight by
         if ratios is not None or values is not None:
             timing = {"ratios": ratios} if ratios is not None else {"age": age}
             return stall_probability(fmt, beta, rounding, moment=moment, values=values, **timing)

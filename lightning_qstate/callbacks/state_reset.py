@@ -13,6 +13,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from ..formats import StorageFormat
 from ..theory import moment_of, reset_period, state_decay
+from .arguments import check_flags, is_positive_int
 from .stall_counts import StateRow, collect_stalls, quantized_optimizers, request_stall_tracking, state_rows
 from .tensorboard import log_scalars
 
@@ -48,7 +49,8 @@ class StateResetScheduler(Callback):
     Resets happen after the optimizer step, identically on every rank (from the global step and
     rank-summed measurements). Logged from rank 0 at every reset: ``qstate/reset/layers`` (layers reset at
     that step) and ``qstate/reset/total``. The schedule (last reset of each layer, history) is saved in
-    checkpoints, so a resumed run resets at the same steps.
+    checkpoints, so a resumed run resets at the same steps. One instance per Trainer (Lightning refuses a second: the
+    schedule is checkpointed under the class name).
 
     Example::
 
@@ -78,18 +80,20 @@ class StateResetScheduler(Callback):
         stagger: bool = False,
         include_fp32: bool = False,
     ) -> None:
-        if not (period == "auto" or period is None or (isinstance(period, int) and not isinstance(period, bool) and period >= 1)):
+        if not (period == "auto" or period is None or is_positive_int(period)):
             raise ValueError(f"StateResetScheduler: period={period!r} is not valid; use 'auto', a positive int, or None (threshold only)")
-        if threshold is not None and not 0.0 < float(threshold) <= 1.0:
+        is_rate = isinstance(threshold, int | float) and not isinstance(threshold, bool) and 0.0 < threshold <= 1.0
+        if threshold is not None and not is_rate:
             raise ValueError(f"StateResetScheduler: threshold={threshold!r} must lie in (0, 1] (a stall rate), or be None")
         if period is None and threshold is None:
             raise ValueError("StateResetScheduler: period=None needs a threshold; give period='auto', an int, or a threshold")
-        if not isinstance(check_every_n_steps, int) or check_every_n_steps < 1:
+        if not is_positive_int(check_every_n_steps):
             raise ValueError(f"StateResetScheduler: check_every_n_steps={check_every_n_steps!r} must be a positive int")
         if states is not None and (isinstance(states, str) or not states or not all(isinstance(name, str) for name in states)):
             raise ValueError(
                 f"StateResetScheduler: states={states!r} must be a non-empty list of state names, e.g. ['exp_avg', 'exp_avg_sq']"
             )
+        check_flags("StateResetScheduler", reset_step=reset_step, stagger=stagger, include_fp32=include_fp32)
         if include_fp32:
             rank_zero_warn(
                 "StateResetScheduler(include_fp32=True): resetting fp32 states slightly hurts training (arXiv 2603.16731); "

@@ -41,6 +41,7 @@ from .block import (
     MinifloatFormat,
     NonFinitePolicy,
     ScaleDtype,
+    check_block_options,
     check_block_size,
 )
 from .cast import CastFormat
@@ -114,9 +115,16 @@ def get_format(
             Ignored by casts.
 
     Raises:
-        ValueError: unknown name, a block size that is not a power of two, or an unknown
-            ``nonfinite`` or ``scale_dtype``.
+        ValueError: unknown name, a block size that is not a power of two, an unknown
+            ``nonfinite`` or ``scale_dtype`` (also for casts, which ignore valid ones), or a
+            ``signed`` that is not a bool.
     """
+    if not isinstance(signed, bool):
+        raise ValueError(f"signed={signed!r} must be True or False (False: a non-negative state such as Adam's v)")
+    if name in _CAST_DTYPES:  # the options casts ignore are still checked: a wrong one is never silently accepted
+        check_block_options(nonfinite, scale_dtype)
+        if block_size is not None:
+            check_block_size(block_size)
     fmt = _build_format(name, block_size, signed, nonfinite, scale_dtype)
     if isinstance(fmt, BlockFormat):
         scale_dtype = SCALE_DTYPE_NAMES[fmt.scale_dtype]  # recorded resolved: checkpoints never follow a changed default

@@ -75,6 +75,16 @@ def round_up_to_bf16(magnitude: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isfinite(magnitude), rounded.clamp(max=BF16_MAX), magnitude)
 
 
+def check_block_options(nonfinite: str, scale_dtype: str | None) -> None:
+    """Raise ``ValueError`` for a ``nonfinite`` policy or ``scale_dtype`` that is not one (``None``: the default scale)."""
+    if nonfinite not in NONFINITE_POLICIES:
+        raise ValueError(f"nonfinite={nonfinite!r} is not a policy; use one of {NONFINITE_POLICIES}")
+    if scale_dtype is not None and scale_dtype not in SCALE_DTYPES:
+        raise ValueError(
+            f"scale_dtype={scale_dtype!r} is not a scale type; use one of {tuple(SCALE_DTYPES)} or None (bf16 if signed, else fp32)"
+        )
+
+
 def check_block_size(block_size: int) -> int:
     if not isinstance(block_size, int) or block_size < 2 or block_size & (block_size - 1):
         raise ValueError(f"block_size={block_size!r} must be a power of two >= 2 (e.g. 64, 128, 256)")
@@ -105,14 +115,9 @@ class BlockFormat(StorageFormat):
         zero_free: bool,
     ) -> None:
         """``nonnegative``: the format is made for a non-negative (second-moment) state; it picks the default ``scale_dtype``."""
-        if nonfinite not in NONFINITE_POLICIES:
-            raise ValueError(f"nonfinite={nonfinite!r} is not a policy; use one of {NONFINITE_POLICIES}")
+        check_block_options(nonfinite, scale_dtype)
         if scale_dtype is None:
             scale_dtype = "fp32" if nonnegative else "bf16"  # see the module docstring
-        if scale_dtype not in SCALE_DTYPES:
-            raise ValueError(
-                f"scale_dtype={scale_dtype!r} is not a scale type; use one of {tuple(SCALE_DTYPES)} or None (bf16 if signed, else fp32)"
-            )
         self.name = name
         self.bits = bits
         self.block_size = check_block_size(block_size)

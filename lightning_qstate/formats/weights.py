@@ -55,11 +55,14 @@ class WeightGrid:
     def round(self, values: torch.Tensor, rounding: Rounding, generator: torch.Generator | None = None) -> torch.Tensor:
         """fp32 ``values`` (a parameter's shape) rounded to the grid (RN, or SR drawing from ``generator``): fp32, same shape.
 
-        Zero-mean under SR except where a block-scaled value reaches its group's absmax (stored exactly).
+        Zero-mean under SR except where a block-scaled value reaches its group's absmax (stored exactly). A block-scaled
+        group holding inf or NaN comes out non-finite as a whole (its scale is), as a cast format's values do.
         """
         flat = values.detach().reshape(-1).float()
         if isinstance(self.format, CastFormat):
             return self.format.quantize_reference(flat, rounding, generator)[0].float().view(values.shape)
+        if not flat.numel():
+            return flat.view(values.shape)
         groups = self._groups(flat, values)
         decode = self.format.tables(flat.device)["decode"]
         # each side's extreme onto the code table's end of that side (signed dynamic maps stop at -0.993 or -0.8875):
@@ -67,7 +70,7 @@ class WeightGrid:
         scale = torch.maximum(
             groups.amax(dim=1, keepdim=True).clamp(min=0) / decode.max(), groups.amin(dim=1, keepdim=True).clamp(max=0) / decode.min()
         )
-        normalized = groups / torch.where(scale > 0, scale, 1.0)
+        normalized = torch.where(scale.isfinite(), groups / torch.where(scale > 0, scale, 1.0), 0.0)  # encoded: finite codes
         uniform = uniform_like(normalized, generator) if rounding == "stochastic" else None
         codes = self.format.encode(normalized, rounding, uniform)
         grid = lookup(decode, codes) * scale

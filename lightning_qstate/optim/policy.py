@@ -240,6 +240,8 @@ class QuantizationPolicy:
     def validate(self, owner: str, state_names: tuple[str, ...] | None = None) -> None:
         """Check every option; errors name ``owner`` and the option. ``state_names``: the optimizer's (``None``: any)."""
         validate_policy(self.group_options(), state_names, owner)
+        if not isinstance(self.track_stalls, bool):
+            raise ValueError(f"{owner}: track_stalls={self.track_stalls!r} must be True or False")
         if self.nonfinite not in NONFINITE_GRAD_POLICIES:
             raise ValueError(f"{owner}: nonfinite={self.nonfinite!r} is not valid; use one of {NONFINITE_GRAD_POLICIES}")
         if not isinstance(self.overrides, Mapping):

@@ -208,6 +208,11 @@ class QStateHalfPrecision(QStatePrecision, HalfPrecision):
         grads: str | None = None,
         policy: QuantizationPolicy | None = None,
     ) -> None:
+        if precision not in ("16-true", "bf16-true"):  # HalfPrecision takes any other string for fp16
+            raise ValueError(
+                f"QStateHalfPrecision: precision={precision!r} is not supported; use '16-true' or 'bf16-true' "
+                "(or QStatePrecision(precision), which picks the variant for any precision)"
+            )
         HalfPrecision.__init__(self, precision)
         self._set_policy(policy, locals())
 

@@ -160,7 +160,11 @@ def _record(model: torch.nn.Module, names: list[str], run: Callable[[], Any]) ->
             handle.remove()
     missing = [name for name in names if name not in calls]
     if missing:
-        raise ValueError(f"modules {missing} did not run in the forward; pass units= that the forward calls")
+        raise ValueError(
+            f"modules {missing} did not run as modules in the forward (a unit the forward does not call, or a linear layer "
+            "its parent uses only through its weight, as nn.MultiheadAttention does its out_proj); pass units= that the "
+            "forward calls, and layers=False or modules= without such layers"
+        )
     return calls
 
 
@@ -216,16 +220,19 @@ def abc_decomposition(
         :class:`ABCResult`; its ``R_L`` is the last unit's ``R``.
 
     Raises:
-        ValueError: unknown formats, units that do not run once, or ``modules`` matching no linear layer.
+        ValueError: unknown formats, no units or units that do not run once, or ``modules`` matching no linear layer.
     """
     unit_names = list(default_units(model) if units is None else units)
+    if not unit_names:
+        raise ValueError("units=[] gives no chain to decompose; pass module names in forward order, or None for the default")
+    modules = None if modules is None else ([modules] if isinstance(modules, str) else list(modules))  # read twice below
     quantized_layers = linear_modules(model, modules)
     inner = {
         unit: [f"{unit}.{sub}" for sub, module in model.get_submodule(unit).named_modules() if sub and is_linear(module)] if layers else []
         for unit in unit_names
     }
     names = unit_names + [name for unit in unit_names for name in inner[unit]]
-    was_training = model.training
+    modes = {module: module.training for module in model.modules()}  # each its own (a frozen norm stays in eval)
     model.eval()
     try:
         with torch.no_grad():
@@ -235,7 +242,8 @@ def abc_decomposition(
                 fq_h = {name: clean[name].again(model.get_submodule(name)) for name in names}
             f_hq = {name: quantized[name].again(model.get_submodule(name)) for name in names}
     finally:
-        model.train(was_training)
+        for module, training in modes.items():
+            module.training = training
     rows = []
     for unit in unit_names:
         for name in (unit, *inner[unit]):

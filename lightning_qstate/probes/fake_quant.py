@@ -84,6 +84,8 @@ def fake_quantize(
     if rounding not in ROUNDINGS:
         raise ValueError(f"rounding={rounding!r} is not valid; use one of {ROUNDINGS}")
     grid = probe_grid(fmt, block)
+    if not x.numel():
+        return x.clone()
     rows = x.movedim(dim, -1) if x.ndim else x.reshape(1)
     if isinstance(block, int) and rows.shape[-1] % block:
         raise ValueError(f"block={block} does not divide the {rows.shape[-1]} values of each row; use a divisor or 'row'")

@@ -32,7 +32,13 @@ KURTOSIS_VARIANTS: tuple[str, ...] = ("elements", "channel_rms")
 
 
 def _rows(x: torch.Tensor, dim: int) -> torch.Tensor:
-    """``x`` as float64 rows ``(n, x.shape[dim])``."""
+    """``x`` as float64 rows ``(n, x.shape[dim])``.
+
+    Raises:
+        ValueError: ``x`` has no values (no maximum, median or moments).
+    """
+    if not x.numel():
+        raise ValueError(f"x of shape {tuple(x.shape)} has no values to measure")
     x = x.detach().double()
     return x.movedim(dim, -1).reshape(-1, x.shape[dim]) if x.ndim else x.reshape(1, 1)
 
@@ -71,7 +77,13 @@ def kurtosis(x: torch.Tensor, variant: KurtosisVariant = "elements", dim: int = 
 
 def sqnr(x: torch.Tensor, y: torch.Tensor) -> float:
     """Signal-to-quantization-noise ratio of ``y`` as an approximation of ``x`` in dB: ``20·log10(‖x‖ / ‖x − y‖)``
-    (torchao's ``compute_error``); ``inf`` where they are equal."""
+    (torchao's ``compute_error``); ``inf`` where they are equal.
+
+    Raises:
+        ValueError: ``x`` and ``y`` differ in shape (broadcasting would compare other values).
+    """
+    if x.shape != y.shape:
+        raise ValueError(f"sqnr: x {tuple(x.shape)} and y {tuple(y.shape)} must have the same shape")
     x, y = x.detach().double(), y.detach().double()
     noise = torch.linalg.vector_norm(x - y)
     return math.inf if noise == 0 else float(20 * torch.log10(torch.linalg.vector_norm(x) / noise))

@@ -16,13 +16,15 @@ Example::
 from __future__ import annotations
 
 import fnmatch
+import warnings
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from functools import partial
 
 import torch
+from torch.nn.utils.parametrize import is_parametrized
 
-from ..formats.rounding import Rounding
+from ..formats.rounding import ROUNDINGS, Rounding
 from ..formats.weights import WeightBlock
 from .fake_quant import fake_quantize, probe_grid
 
@@ -48,7 +50,8 @@ def linear_modules(model: torch.nn.Module, modules: Iterable[str] | None = None)
     one of the ``fnmatch`` patterns in ``modules`` (e.g. ``"*.mlp.*"``; exact names match themselves).
 
     Raises:
-        ValueError: a pattern that matches no linear layer (a typo is never silently ignored), or a model without any.
+        ValueError: a pattern that matches no linear layer (a typo is never silently ignored), no pattern, or a model
+            without any linear layer.
     """
     layers = {name: module for name, module in model.named_modules() if is_linear(module)}
     if not layers:
@@ -56,13 +59,16 @@ def linear_modules(model: torch.nn.Module, modules: Iterable[str] | None = None)
     if modules is None:
         return layers
     patterns = [modules] if isinstance(modules, str) else list(modules)
+    if not patterns:
+        raise ValueError(f"modules={patterns} selects no linear layer; pass patterns, or None for every linear layer")
     unmatched = [pattern for pattern in patterns if not any(fnmatch.fnmatchcase(name, pattern) for name in layers)]
     if unmatched:
         raise ValueError(f"modules={unmatched} match no linear layer of {type(model).__name__}; its linear layers are {list(layers)}")
     return {name: module for name, module in layers.items() if any(fnmatch.fnmatchcase(name, pattern) for pattern in patterns)}
 
 
-def _quantize_input(module, args, *, fmt: str, block: WeightBlock, rounding: Rounding):
+def _quantize_input(module, args, *, fmt: str, block: WeightBlock, rounding: Rounding, ran: set[torch.nn.Module]):
+    ran.add(module)
     return (fake_quantize(args[0], fmt, block=block, rounding=rounding), *args[1:])
 
 
@@ -82,7 +88,9 @@ def ptq(
     with ``block="row"``) and its input is fake-quantized on every call (one scale per token); the layer's original
     ``Parameter`` objects are put back on exit, untouched, so the model, its optimizer and tied weights (GPT-2's
     ``lm_head`` shares the embedding, which stays unquantized) are exactly as before. Non-linear modules (norms,
-    embeddings, attention's softmax) keep the model's precision. Yields the quantized layers by name.
+    embeddings, attention's softmax) keep the model's precision. Yields the quantized layers by name. A selected layer
+    that the forward never calls as a module while others run (``nn.MultiheadAttention`` uses its ``out_proj``'s weight
+    directly) has its weight quantized but not its input: a warning on exit names it.
 
     Args:
         weights, activations: PTQ format names (:mod:`lightning_qstate.probes.fake_quant`), ``None`` to keep that
@@ -91,14 +99,23 @@ def ptq(
         block, rounding: as :func:`fake_quantize`.
 
     Raises:
-        ValueError: an unknown format or block, or ``modules`` matching no linear layer.
+        ValueError: an unknown format, block or rounding, ``modules`` matching no linear layer, or a selected layer whose
+            weight is parametrized (``torch.nn.utils.parametrize``, ``weight_norm``).
     """
     for fmt in (weights, activations):
         if fmt is not None:
             probe_grid(fmt, block)  # errors before anything changes
+    if rounding not in ROUNDINGS:
+        raise ValueError(f"rounding={rounding!r} is not valid; use one of {ROUNDINGS}")
     layers = linear_modules(model, modules)
+    parametrized = [name for name, module in layers.items() if weights is not None and is_parametrized(module, "weight")]
+    if parametrized:
+        raise ValueError(
+            f"the weights of {parametrized} are parametrized (torch.nn.utils.parametrize, weight_norm), which ptq cannot swap; "
+            "remove the parametrization (parametrize.remove_parametrizations) or leave them out with modules="
+        )
     swapped: list[tuple[torch.nn.Module, torch.nn.Parameter]] = []
-    handles = []
+    handles, ran = [], set()
     try:
         for module in layers.values():
             if weights is not None:
@@ -108,8 +125,17 @@ def ptq(
                 module._parameters["weight"] = torch.nn.Parameter(rounded, requires_grad=original.requires_grad)
                 swapped.append((module, original))
             if activations is not None:
-                handles.append(module.register_forward_pre_hook(partial(_quantize_input, fmt=activations, block=block, rounding=rounding)))
+                hook = partial(_quantize_input, fmt=activations, block=block, rounding=rounding, ran=ran)
+                handles.append(module.register_forward_pre_hook(hook))
         yield layers
+        skipped = [name for name, module in layers.items() if module not in ran]
+        if ran and skipped:
+            warnings.warn(
+                f"ptq: the inputs of {skipped} were not quantized: the forward never called them as modules (their parent uses "
+                "their weight directly, as nn.MultiheadAttention does its out_proj); their weights were",
+                UserWarning,
+                stacklevel=3,
+            )
     finally:
         for module, original in reversed(swapped):
             module._parameters["weight"] = original

@@ -149,6 +149,8 @@ def required_mantissa_bits(
         raise ValueError(f"{optimizer} has no second moment: component={component!r} is not valid for it; use one of {valid}")
     if constant is None:
         constant = DEFAULT_CONSTANTS[optimizer, component, rounding]
+    elif isinstance(constant, bool) or not isinstance(constant, int | float) or not math.isfinite(constant):
+        raise ValueError(f"constant={constant!r} must be a finite number (the c of slope·log2(steps) + c), or None for the default")
     return max(0.0, SLOPES[optimizer, component] * math.log2(steps) + float(constant))
 
 

@@ -171,6 +171,8 @@ def relative_gaps(
     else:
         weights = _occupancy(fmt, codes, values)
     keep = weights > 0
+    if not keep.any():
+        raise ValueError("values= has no positive value to take the code occupancy from (empty, or all zero); pass a state that has moved")
     weights = weights[keep]
     return weights / weights.sum(), up[keep] / codes[keep], down[keep] / codes[keep]
 
@@ -273,11 +275,11 @@ def _check(
             raise ValueError("ratios= replaces age= and center= (the measured ratios set the state's age and spread): give one of them")
         if not isinstance(ratios, torch.Tensor) or ratios.numel() == 0 or bool(torch.isnan(ratios).any()):
             raise ValueError("ratios= must be a non-empty tensor of the moving entries' g²/v (or g/m) ratios, without NaN")
-    if not 0.0 < beta < 1.0:
-        raise ValueError(f"beta={beta!r} must lie in (0, 1)")
+    if isinstance(beta, bool) or not isinstance(beta, int | float) or not 0.0 < beta < 1.0:
+        raise ValueError(f"beta={beta!r} must be a number in (0, 1)")
     if rounding not in ROUNDINGS:
         raise ValueError(f"rounding={rounding!r} is not valid; use one of {ROUNDINGS}")
-    if age is not None and (not isinstance(age, int) or age < 1):
+    if age is not None and (isinstance(age, bool) or not isinstance(age, int) or age < 1):
         raise ValueError(f"age={age!r} must be None (steady state) or an int >= 1 (steps since the state was zeroed)")
     if center is not None:
         if age is not None or moment != "second":
@@ -488,8 +490,8 @@ def reset_period(
         moment: ``"second"`` (``exp_avg_sq``) or ``"first"`` (``exp_avg``, momentum).
     """
     _check(beta2, rounding, None)
-    if horizons <= 0 or not 0.0 <= min_stall <= 1.0:
-        raise ValueError(f"horizons={horizons!r} must be > 0 and min_stall={min_stall!r} in [0, 1]")
+    if not (isinstance(horizons, int | float) and math.isfinite(horizons) and horizons > 0) or not 0.0 <= min_stall <= 1.0:
+        raise ValueError(f"horizons={horizons!r} must be a finite number > 0 and min_stall={min_stall!r} in [0, 1]")
     if stall_probability(fmt, beta2, rounding, moment=moment) < min_stall:
         return None
     period = math.sqrt(half_staleness_age(fmt, beta2, moment=moment) * horizons / (1 - beta2))
