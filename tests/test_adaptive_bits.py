@@ -465,7 +465,13 @@ def test_resume_continues_exactly(tmp_path):
 
     resumed_model, resumed_callback = Regressor(), AdaptiveBitWidth(target_bits=TARGET, fill_budget=False, **FAST)
     resumed = trainer(tmp_path / "c", plugins=[plugin()], callbacks=[resumed_callback])
-    resumed.fit(resumed_model, regression_data(), ckpt_path=str(path))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        resumed.fit(resumed_model, regression_data(), ckpt_path=str(path))
+    assert not [w for w in caught if "keep the checkpoint's formats" in str(w.message)]  # the callback set its plan first
+    without = trainer(tmp_path / "d", plugins=[plugin()])  # resumed without the callback: its formats stay, and it says so
+    with pytest.warns(UserWarning, match=r"loaded state\(s\) keep the checkpoint's formats.*\(configured: int8\).*AdaptiveBitWidth"):
+        without.fit(Regressor(), regression_data(), ckpt_path=str(path))
 
     assert torch.equal(flat_weights(straight_model), flat_weights(resumed_model))
     assert resumed_callback.state_dict() == straight_callback.state_dict()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import io
 import warnings
 
@@ -153,6 +154,65 @@ def test_a_min_quant_size_above_every_parameter_warns_once(build):
         warnings.simplefilter("error")
         for options in [{"states": "int8", "min_quant_size": 500}, {"states": "fp32"}, {"states": "int8", "min_quant_size": 0}]:
             train(model, optimizer(**options), 1)
+
+
+@pytest.mark.parametrize("build", ["qadamw", "wrapper"])
+def test_loaded_states_that_keep_formats_the_policy_does_not_give_are_warned_about_once(build):
+    """A checkpoint's per-parameter formats (AdaptiveBitWidth's plan, a reencode_state) are kept on load; where the
+    configured policy does not give them (a resume without the callback), the first step after the load says so, once.
+    A plain resume, and a resume after which the formats are the policy's again, say nothing."""
+    model = make_model()
+
+    def optimizer():
+        if build == "wrapper":
+            return lq.quantize_optimizer(torch.optim.Adagrad(model.parameters()), states="int8", min_quant_size=0)
+        return lq.QAdamW(model.parameters(), states="int8", min_quant_size=0)
+
+    saved = optimizer()
+    train(model, saved, 2)
+    name = "sum" if build == "wrapper" else "exp_avg"  # Adagrad's state, Adam's first moment
+    plain = copy.deepcopy(saved.state_dict())  # as saved to disk: a state dict shares the optimizer's tensors
+    saved.reencode_state(model[0].weight, name, "int4")
+    for checkpoint, warns in ((plain, False), (copy.deepcopy(saved.state_dict()), True)):
+        resumed = optimizer()
+        resumed.load_state_dict(checkpoint)
+        assert resumed.state_format(model[0].weight, name).name == ("int4" if warns else "int8")  # kept
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            train(model, resumed, 2)
+        messages = [str(w.message) for w in caught if "keep the checkpoint's formats" in str(w.message)]
+        assert messages == ([f"{type(resumed).__name__}: 1 loaded state(s) keep the checkpoint's formats, which the configured "
+                             "policy does not give them: 1 in int4 (configured: int8). The run that saved them chose them "
+                             "(AdaptiveBitWidth, reencode_state); resume with the AdaptiveBitWidth callback to go on adapting "
+                             "them, or call reencode_state to convert them"] if warns else [])  # fmt: skip
+    resumed = optimizer()
+    resumed.load_state_dict(copy.deepcopy(saved.state_dict()))
+    # what AdaptiveBitWidth sets before the first step
+    resumed.state_overrides[model[0].weight] = {"sum": "int4"} if build == "wrapper" else {"exp_avg": "int4", "exp_avg_sq": "int8"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        train(model, resumed, 1)
+
+
+@pytest.mark.parametrize("mode", ["packed", "fp32"])
+def test_a_state_re_encoded_to_fp32_stays_fp32_on_resume(mode):
+    """A state kept plain by choice (``reencode_state(..., "fp32")``) is saved with a marker, so that loading keeps it
+    plain (it was quantized per the policy, as a plain torch checkpoint's state, and the resumed run differed); the
+    first step says that it differs from the policy. The resumed run is the uninterrupted one."""
+    straight_model, resumed_model = make_model(), make_model()
+    straight = lq.QAdamW(straight_model.parameters(), states="int8", min_quant_size=0)
+    train(straight_model, straight, 2)
+    straight.reencode_state(straight_model[0].weight, "exp_avg", "fp32")
+    straight.checkpoint_mode = mode
+    saved = copy.deepcopy(straight.state_dict())
+    resumed_model.load_state_dict(straight_model.state_dict())
+    resumed = lq.QAdamW(resumed_model.parameters(), states="int8", min_quant_size=0)
+    resumed.load_state_dict(saved)
+    assert type(resumed.state[resumed_model[0].weight]["exp_avg"]) is torch.Tensor
+    with pytest.warns(UserWarning, match=r"1 loaded state\(s\) keep the checkpoint's formats.*1 in fp32 \(configured: int8\)"):
+        train(resumed_model, resumed, 2)
+    train(straight_model, straight, 2)
+    assert all(torch.equal(a, b) for a, b in zip(straight_model.parameters(), resumed_model.parameters(), strict=True))
 
 
 def test_v_states_use_unsigned_maps():
@@ -342,6 +402,22 @@ def test_reencode_changes_format_and_keeps_values():
     assert isinstance(optimizer.state[weight]["exp_avg_sq"], torch.Tensor)  # stays in the chosen format
     with pytest.raises(KeyError, match="no state 'momentum'"):
         optimizer.reencode_state(weight, "momentum", "int8")
+    with pytest.raises(ValueError, match=r"state 'step' is not a per-value state.*re-encode one of \['exp_avg', 'exp_avg_sq'\]"):
+        optimizer.reencode_state(weight, "step", "int8")  # a QuantizedTensor step count broke the next step()
+
+
+def test_a_param_group_the_checks_refuse_is_not_added():
+    """As torch's own checks do: a group with an invalid option raises and is not left in param_groups (where the next
+    step ran with it, or failed at every step)."""
+    model = make_model()
+    optimizer = lq.QAdamW(model[0].parameters(), min_quant_size=0)
+    for bad in ({"rounding": "up"}, {"min_quant_size": -1}, {"block_size": 100}, {"states": "int9"}):
+        with pytest.raises(ValueError):
+            optimizer.add_param_group({"params": list(model[2].parameters()), **bad})
+        assert len(optimizer.param_groups) == 1
+    optimizer.add_param_group({"params": list(model[2].parameters()), "states": "int4"})
+    train(model, optimizer, 1)
+    assert optimizer.state_format(model[2].weight, "exp_avg").name == "int4"
 
 
 def test_a_tensor_of_another_optimizer_is_refused_and_leaves_the_state_dict_intact():
@@ -533,7 +609,9 @@ def test_fp32_state_params_step_together_with_the_same_gradient_policy():
         ({"rounding": "down"}, ValueError, "rounding='down'"),
         ({"block_size": 100}, ValueError, "block_size=100.*power of two"),
         ({"min_quant_size": -1}, ValueError, "min_quant_size=-1"),
+        ({"min_quant_size": True}, ValueError, "min_quant_size=True must be an int"),
         ({"nonfinite": "ignore"}, ValueError, "nonfinite='ignore'.*skip"),
+        ({"generator": "x"}, TypeError, "generator= must be a torch.Generator"),  # was an AttributeError at the first step
     ],
 )
 def test_bad_configuration_is_explained(kwargs, error, match):

@@ -260,10 +260,21 @@ def test_skip_step_skips_every_parameter():
     assert not torch.equal(before[1], model[0].bias)
 
 
-def test_raise_names_the_parameters():
-    _, optimizer = named_model_and_optimizer(nonfinite="raise")
+@pytest.mark.parametrize("cpu_compile", [True, False], ids=["fused steps", "reference path"])
+def test_raise_names_the_parameters_before_anything_changes(cpu_compile):
+    """``"raise"`` checks every gradient before any parameter or state is written, on every path (the C++ step had
+    updated the parameters before the bad one, or all others, and QMuon's buffers without their parameters)."""
+    model, optimizer = named_model_and_optimizer(nonfinite="raise")
+    optimizer.cpu_compile = cpu_compile
+    before = [p.detach().clone() for p in model.parameters()], copy.deepcopy(optimizer.state_dict())
     with pytest.raises(FloatingPointError, match=r"0.weight"):
         optimizer.step()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before[0], strict=True))
+    for index, entries in optimizer.state_dict()["state"].items():
+        for name, value in entries.items():
+            saved = before[1]["state"][index][name]
+            pairs = [(value["codes"], saved["codes"]), (value["scales"], saved["scales"])] if isinstance(value, dict) else [(value, saved)]
+            assert all(torch.equal(a, b) for a, b in pairs), (index, name)
     with pytest.raises(ValueError, match="nonfinite='skip_all' is not valid.*'skip_step'"):
         lq.QAdamW(make_model().parameters(), nonfinite="skip_all")
 
@@ -284,6 +295,19 @@ def test_a_state_that_overflows_raises_floating_point_error_on_every_path(optimi
         for value in grads:
             weight.grad = torch.full((1000,), value)
             opt.step()
+    # no NaN stays in the packed states (the fused steps, which write in place, zero them; the reference path keeps the
+    # states of before the step), so the checkpoint loads and training goes on
+    for name, value in opt.state[weight].items():
+        if isinstance(value, QuantizedTensor):
+            assert torch.isfinite(value.scales).all() and torch.isfinite(value.dequantize()).all(), name
+    type(opt)([weight], lr=0.01, **({"momentum": 0.9} if optimizer == "QSGD" else {}), min_quant_size=0).load_state_dict(
+        roundtrip(opt.state_dict())
+    )
+    with torch.no_grad():
+        weight.zero_()
+    weight.grad = torch.ones(1000)
+    opt.step()
+    assert torch.isfinite(weight).all()
 
 
 # --- damaged checkpoints ----------------------------------------------------------------------------------------
@@ -300,6 +324,10 @@ def test_flipped_bytes_in_packed_codes_are_detected():
     where = torch.randperm(codes.numel(), generator=torch.Generator().manual_seed(0))[:2000]
     codes.view(-1)[where] ^= 0x5A
     with pytest.raises(ValueError, match=r"state 0 \('exp_avg'\): the checkpoint is damaged.*checksum"):
+        lq.QAdamW(model.parameters(), min_quant_size=0).load_state_dict(saved)
+    model, saved = saved_checkpoint()
+    del saved["state"][0]["exp_avg"]["shape"]  # was a bare KeyError
+    with pytest.raises(ValueError, match=r"state 0 \('exp_avg'\): the checkpoint is damaged: its packed state lacks \['shape'\]"):
         lq.QAdamW(model.parameters(), min_quant_size=0).load_state_dict(saved)
 
 

@@ -34,7 +34,7 @@ from ..formats.weights import WeightGrid
 from . import TRITON_AVAILABLE
 from .adam_reference import adam_hyper
 from .compiled import compiled_cpu_step
-from .native import VALUE_DTYPES, native_format, native_formats, native_kernel_available
+from .native import VALUE_DTYPES, StateOverflowError, native_format, native_formats, native_kernel_available
 
 if TRITON_AVAILABLE:
     from . import adam_step_supported, draw_seed, triton_adam_step
@@ -338,7 +338,7 @@ def fused_adam_step(
     cast format's, ``fused_weight_update``) and ECO's feedback where the group asks for them.
 
     Raises:
-        FloatingPointError: a moment overflowed to inf/NaN (its block scale is not finite).
+        StateOverflowError: a moment overflowed to inf/NaN (its block scale is not finite; its codes written in place).
     """
     m, v = state["exp_avg"], state["exp_avg_sq"]
     state["step"] += 1
@@ -357,5 +357,5 @@ def fused_adam_step(
         counts = compiled_cpu_step(param, grad, m, v, hyper, group, track_stalls, weights)
     scales = [q.scales for q in (m, v) if q.scales is not None]
     if scales and not bool(torch.stack([torch.isfinite(s).all() for s in scales]).all()):  # one host sync
-        raise FloatingPointError("an Adam moment overflowed to inf/NaN during the step; its packed codes were not trusted")
+        raise StateOverflowError("an Adam moment overflowed to inf/NaN during the step", [0])
     return counts

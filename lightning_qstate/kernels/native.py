@@ -318,6 +318,15 @@ def _grid_rows(weights: list[WeightGrid | None], group: dict) -> torch.Tensor:
     return _rows(rows, (len(weights), 3), torch.int64)
 
 
+class StateOverflowError(FloatingPointError):
+    """A state the C++ step wrote in place overflowed fp32 (a block scale that is not finite); ``overflowed``: the
+    positions, among the parameters given, of those whose codes and scales are not to be trusted (the caller zeroes them)."""
+
+    def __init__(self, message: str, overflowed: list[int]) -> None:
+        super().__init__(message)
+        self.overflowed = overflowed
+
+
 def native_adam_steps(
     params: list[torch.Tensor],
     grads: list[torch.Tensor],
@@ -384,8 +393,9 @@ def native_adam_steps(
         maximize=group["maximize"],
         track=track_stalls,
     ).tolist()
-    if not all(row[1] for row in rows if row[0]):
-        raise FloatingPointError("an Adam moment overflowed to inf/NaN during the step; its packed codes were not trusted")
+    overflowed = [k for k, row in zip(order, rows, strict=False) if row[0] and not row[1]]
+    if overflowed:
+        raise StateOverflowError("an Adam moment overflowed to inf/NaN during the step", overflowed)
     by_param = [None] * len(states)
     for k, row in zip(order, rows, strict=False):
         by_param[k] = row if quantized[k] else row[:2] + [0, 0, 0, 0]
@@ -438,7 +448,7 @@ def native_momentum_steps(
     and scales are written, not read: ``StorageFormat.allocate``).
 
     Raises:
-        FloatingPointError: a buffer overflowed to inf/NaN (its block scale is not finite).
+        StateOverflowError: a buffer overflowed to inf/NaN (its block scale is not finite).
     """
     count = len(params)
     weights, weight_seeds, eco = weights or [None] * count, weight_seeds or [0] * count, eco or [0.0] * count
@@ -469,8 +479,9 @@ def native_momentum_steps(
         maximize=bool(group.get("maximize", False)),
         track=track_stalls,
     ).tolist()
-    if not all(row[1] for row in rows if row[0]):
-        raise FloatingPointError("a momentum buffer overflowed to inf/NaN during the step; its packed codes were not trusted")
+    overflowed = [k for k, row in enumerate(rows) if row[0] and not row[1]]
+    if overflowed:
+        raise StateOverflowError("a momentum buffer overflowed to inf/NaN during the step", overflowed)
     rows = [row if quantized else row[:2] + [0, 0] for row, quantized in zip(rows, coded, strict=True)]
     return rows, updates or [None] * len(params)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, Literal
 
@@ -22,6 +23,7 @@ from ..formats import NonFiniteError, QuantizedTensor, StorageFormat, count_stal
 from ..formats.weights import WeightGrid
 from ..kernels import dispatch
 from ..kernels.dispatch import PER_PARAMETER_PATHS, PLAN_OPTIONS, Candidate, StepPath, plan_group, plan_inputs
+from ..kernels.native import StateOverflowError
 from .policy import (
     GROUP_OPTIONS,
     POLICY_DEFAULTS,
@@ -33,6 +35,7 @@ from .policy import (
 )
 from .serialization import (
     FORMAT_SUFFIX,
+    PLAIN_MARKER,
     STATE_FORMAT_VERSION,
     VERSION_KEY,
     exact_values,
@@ -55,7 +58,7 @@ ROUNDING_KEY = "qstate_rounding_seed"
 QSTATE_ATTRIBUTES = (
     "track_stalls", "nonfinite", "generator", "nonfinite_skips", "skipped_steps", "state_overrides", "module_names", "full_numels",
     "checkpoint_mode", "weight_overrides", "_stall_counts", "_step_supports_amp_scaling", "_rounding_seed", "_rounding_step",
-    "_policy_ready",
+    "_policy_ready", "_kept_formats_unchecked",
 )  # fmt: skip
 MASK64 = (1 << 64) - 1
 # The stall counts of ECO's momentum corrections (``error_feedback="eco"``, ``track_stalls=True``).
@@ -229,7 +232,11 @@ class QuantizedStates:
         for group in self.param_groups:
             self._complete_group(group)
         self._policy_ready = True
-        self.track_stalls = bool(policy.track_stalls)
+        if generator is not None and not isinstance(generator, torch.Generator):
+            raise TypeError(
+                f"{type(self).__name__}: generator= must be a torch.Generator (the stochastic-rounding seed) or None, got {generator!r}"
+            )
+        self.track_stalls = policy.track_stalls
         self.nonfinite = policy.nonfinite
         self.generator = generator
         self.nonfinite_skips = 0
@@ -246,6 +253,7 @@ class QuantizedStates:
         seed_source = torch.randint(2**62, (1,), generator=generator, device=generator.device if generator is not None else "cpu")
         self._rounding_seed = int(seed_source)
         self._rounding_step = 0
+        self._kept_formats_unchecked = False  # set by load_state_dict: _check_kept_formats at the next step
         policy.attach_overrides(self)
 
     def __getstate__(self) -> dict[str, Any]:
@@ -255,10 +263,15 @@ class QuantizedStates:
         return state
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """torch's ``add_param_group``, then the same checks and policy defaults as the constructor's groups."""
+        """torch's ``add_param_group``, then the same checks and policy defaults as the constructor's groups; a group
+        they refuse is not added (as torch's own checks do not add it)."""
         super().add_param_group(param_group)
         if getattr(self, "_policy_ready", False):  # during torch's __init__ the policy defaults are not set yet
-            self._complete_group(self.param_groups[-1])
+            try:
+                self._complete_group(self.param_groups[-1])
+            except (ValueError, TypeError):
+                self.param_groups.pop()
+                raise
 
     def _complete_group(self, group: dict) -> None:
         for key in GROUP_OPTIONS:
@@ -296,10 +309,43 @@ class QuantizedStates:
     def step(self, closure=None):
         """One optimization step, parameter by parameter; ``closure`` re-evaluates the loss under grad mode."""
         loss = self._evaluate(closure)
-        self._check_min_quant_size()
+        self._check_before_stepping()
         with self._nonfinite_policy():
             self._step_params()
         return loss
+
+    def _check_before_stepping(self) -> None:
+        """The warnings of a step that follows a start or a load (each check returns at once otherwise)."""
+        self._check_min_quant_size()
+        self._check_kept_formats()
+
+    def _check_kept_formats(self) -> None:
+        """At the first step after ``load_state_dict``: warn where a loaded state kept a format (by name) that the configured
+        policy (``states=``, ``overrides``, ``state_overrides``) does not give it. A checkpoint's per-parameter formats
+        (``AdaptiveBitWidth``'s plan, a ``reencode_state``) are kept on load, so that the callback, which sets its plan
+        only at the start of training, resumes exactly; resumed without it, those states would keep them for good."""
+        if not self._kept_formats_unchecked:
+            return
+        self._kept_formats_unchecked = False
+        kept: Counter[tuple[str, str]] = Counter()
+        for group in self.param_groups:
+            for key in group["params"]:
+                for name, value in self.state.get(key, {}).items():
+                    if isinstance(value, QuantizedTensor) or self._per_value_state(key, name, value):
+                        target = self._policy_format(group, key, name)
+                        configured = "fp32" if target is None else target.name  # a version 1 state's fp32 scales pass
+                        stored = value.format.name if isinstance(value, QuantizedTensor) else "fp32"
+                        if configured != stored:
+                            kept[stored, configured] += 1
+        if kept:
+            counts = ", ".join(f"{count} in {stored} (configured: {configured})" for (stored, configured), count in sorted(kept.items()))
+            warnings.warn(
+                f"{type(self).__name__}: {sum(kept.values())} loaded state(s) keep the checkpoint's formats, which the configured "
+                f"policy does not give them: {counts}. The run that saved them chose them (AdaptiveBitWidth, reencode_state); "
+                "resume with the AdaptiveBitWidth callback to go on adapting them, or call reencode_state to convert them",
+                UserWarning,
+                stacklevel=5,
+            )
 
     def _check_min_quant_size(self) -> None:
         """At the first step: warn where ``states=`` asks for a format and ``min_quant_size`` keeps every parameter it
@@ -372,8 +418,8 @@ class QuantizedStates:
     def _withheld_by_policy(self) -> list[torch.Tensor]:
         """Parameters whose gradients the whole-step or cross-rank check withholds from this step (counted as skipped)."""
         sharded = dist.is_available() and dist.is_initialized() and (bool(self.full_numels) or self._has_dtensors())
-        if self.nonfinite != "skip_step" and not sharded:
-            return []  # each path checks its own gradients
+        if self.nonfinite == "skip" and not sharded:
+            return []  # each path checks its own gradients ("raise" and "skip_step": before any parameter is written)
         params = [p for group in self.param_groups for p in group["params"]]
         finite = self._finite_flags(params)
         if sharded:
@@ -841,11 +887,44 @@ class QuantizedStates:
         state = self._state_of(param)
         if name not in state:
             raise KeyError(f"{type(self).__name__}: parameter has no state {name!r} yet (states: {sorted(state)})")
+        per_value = [key for key, value in state.items() if self._per_value_state(param, key, value)]
+        if name not in per_value:
+            raise ValueError(
+                f"{type(self).__name__}: state {name!r} is not a per-value state of the parameter (such as Adam's step count); "
+                f"re-encode one of {per_value}"
+            )
         group = next(g for g in self.param_groups if any(p is param for p in g["params"]))
         if isinstance(fmt, str):
             fmt = resolve_format({**group, "states": fmt, "min_quant_size": 0}, name, param, self.full_numels.get(param))
         value = dequantized(state[name])
         state[name] = value if fmt is None else quantize_state(fmt, value)
+
+    @contextlib.contextmanager
+    def _zeroing_overflowed(self, keys: list[torch.Tensor]) -> Iterator[None]:
+        """Around a fused step of ``keys`` (C++, compiled, Triton): where a state overflowed fp32, the step had already
+        written its codes and scales in place (NaN); the parameter's quantized states are zeroed, keeping their formats
+        (as a reset), so that no NaN stays in them and the next steps run, and the ``FloatingPointError`` is raised,
+        naming the parameters."""
+        try:
+            yield
+        except StateOverflowError as error:
+            names = self.param_names()
+            overflowed = [keys[k] for k in error.overflowed]
+            for key in overflowed:
+                self.reset_states(key, [name for name, value in self.state[key].items() if isinstance(value, QuantizedTensor)])
+            raise FloatingPointError(
+                f"{type(self).__name__}: {error} ({[names[key] for key in overflowed]}); the fused step had written its packed codes "
+                "in place, so the quantized states of these parameters were zeroed (as a reset). Lower the learning rate or clip "
+                "the gradients"
+            ) from error
+
+    def _per_value_state(self, param: torch.Tensor, name: str, value: Any) -> bool:
+        """Whether state ``name`` holds one value per parameter value: stored (quantized), or a floating tensor of the
+        parameter's local shape; one of the optimizer's ``state_names`` where it names them."""
+        if self.state_names and name not in self.state_names:
+            return False
+        plain = isinstance(value, torch.Tensor) and value.is_floating_point() and local_tensor(value).shape == local_tensor(param).shape
+        return isinstance(value, QuantizedTensor) or plain
 
     def reset_states(self, param: torch.Tensor, names: Iterable[str], restart_step: bool = False) -> list[str]:
         """Zero the states ``names`` of ``param`` in place, each keeping its format; returns the names it zeroed.
@@ -898,18 +977,20 @@ class QuantizedStates:
         shaped like the parameter (a DTensor under FSDP2, the flat shard under FSDP1) plus a
         ``"<name>.qstate_format"`` string, for strategies that reshard optimizer state; loading re-quantizes it into
         the same format, and with the same block layout (same world size) into the same codes and scales (see
-        ``exact_values``). DTensor parameters always use ``"fp32"``: per-rank packed buffers would load on the wrong
-        rank; for the same reason their plain states, held as local shards, are exported as DTensors. The
-        stochastic-rounding seed and step count ride in param group 0. Hooks registered with
+        ``exact_values``; but for a block stochastic rounding left below its bf16 scale). DTensor parameters always
+        use ``"fp32"``: per-rank packed buffers would load on the wrong rank; for the same reason their plain states,
+        held as local shards, are exported as DTensors. A per-value state kept plain where the policy would quantize it
+        gets the marker ``PLAIN_MARKER`` (both modes), so that loading keeps it plain. The stochastic-rounding seed and
+        step count ride in param group 0. Hooks registered with
         ``register_state_dict_pre_hook``/``_post_hook`` see the optimizer before and the finished dict after.
         """
         for hook in self._optimizer_state_dict_pre_hooks.values():
             hook(self)
         with suspended_hooks(self, "_optimizer_state_dict_pre_hooks", "_optimizer_state_dict_post_hooks"):
             state_dict = super().state_dict()
-        params = [p for group in self.param_groups for p in group["params"]]
+        params = [(group, p) for group in self.param_groups for p in group["params"]]
         state_dict["state"] = {
-            index: self._export_entries(params[index], entries) if isinstance(index, int) else entries
+            index: self._export_entries(*params[index], entries) if isinstance(index, int) else entries
             for index, entries in state_dict["state"].items()
         }
         state_dict[VERSION_KEY] = STATE_FORMAT_VERSION
@@ -919,10 +1000,15 @@ class QuantizedStates:
             state_dict = hook(self, state_dict) or state_dict
         return state_dict
 
-    def _export_entries(self, key: torch.Tensor, entries: dict[str, Any]) -> dict[str, Any]:
+    def _export_entries(self, group: dict, key: torch.Tensor, entries: dict[str, Any]) -> dict[str, Any]:
+        kept_plain = {
+            name + FORMAT_SUFFIX: PLAIN_MARKER
+            for name, value in entries.items()
+            if isinstance(value, torch.Tensor) and self._per_value_state(key, name, value) and self._policy_format(group, key, name)
+        }
         if self.checkpoint_mode == "packed" and not isinstance(key, DTensor):
-            return {name: export_state(value) for name, value in entries.items()}
-        exported: dict[str, Any] = {}
+            return {**{name: export_state(value) for name, value in entries.items()}, **kept_plain}
+        exported: dict[str, Any] = dict(kept_plain)
         for name, value in entries.items():
             if isinstance(value, QuantizedTensor):
                 exported[name + FORMAT_SUFFIX] = format_marker(value.format)
@@ -967,15 +1053,19 @@ class QuantizedStates:
                 where = f"{type(self).__name__} state {index} ({name!r})"
                 # checked against the local shard: a full-shape packed state (a DDP checkpoint) never loads into a DTensor shard
                 self.state[params[index]][name] = import_state(entry, local_tensor(params[index]), where)
+        kept_plain = set()
         for index, entries in ((i, e) for i, e in markers.items() if e):
             key = params[index]
             grid = self.weight_grid(groups_by_param[key], key) if key in groups_by_param else None
             for name, marker in entries.items():
+                if marker == PLAIN_MARKER:
+                    kept_plain.add((key, name))
+                    continue
                 state = self.state[key]
                 state[name] = quantize_state(format_from_marker(marker), local_tensor(state[name]))
                 state[name].dtype = torch.float32 if grid is not None else local_tensor(key).dtype  # as ``_store`` labels it
         changed = self._keep_configured_policy(configured)
-        reencoded = self._apply_policy_on_load(changed)
+        reencoded = self._apply_policy_on_load(changed, kept_plain)
         if reencoded:
             warnings.warn(
                 f"{type(self).__name__}: the checkpoint's storage policy differs from the configured one ({reencoded}); "
@@ -983,6 +1073,7 @@ class QuantizedStates:
                 UserWarning,
                 stacklevel=2,
             )
+        self._kept_formats_unchecked = True
         groups = state_dict["param_groups"]
         if groups and ROUNDING_KEY in groups[0]:
             self._rounding_seed, self._rounding_step = (int(v) for v in groups[0][ROUNDING_KEY])
@@ -1034,9 +1125,10 @@ class QuantizedStates:
             )
         return changes
 
-    def _apply_policy_on_load(self, changes: list[str]) -> str:
-        """Quantize plain loaded states per the policy, and re-encode quantized ones of groups whose policy changed.
-        Returns a description of the re-encoding (``""`` if nothing was re-encoded)."""
+    def _apply_policy_on_load(self, changes: list[str], kept_plain: set[tuple[torch.Tensor, str]]) -> str:
+        """Quantize plain loaded states per the policy (but those ``kept_plain``: saved plain by choice, ``PLAIN_MARKER``),
+        and re-encode quantized ones of groups whose policy changed. Returns a description of the re-encoding (``""`` if
+        nothing was re-encoded)."""
         reencoded = []
         for group, change in zip(self.param_groups, changes, strict=False):
             count = 0
@@ -1045,7 +1137,9 @@ class QuantizedStates:
                 for name, value in state.items():
                     if name not in self.state_names and self.state_names:
                         continue
-                    if isinstance(value, torch.Tensor):
+                    if isinstance(value, torch.Tensor) and (key, name) in kept_plain:
+                        state[name] = local_tensor(value)
+                    elif isinstance(value, torch.Tensor):
                         fmt = self._format_for(group, key, name, local_tensor(value), None)
                         state[name] = local_tensor(value) if fmt is None else quantize_state(fmt, local_tensor(value))
                     elif isinstance(value, QuantizedTensor) and change:

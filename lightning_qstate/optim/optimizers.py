@@ -115,7 +115,8 @@ class _AdamStates(QuantizedStates):
             for key in keys
         ]
         targets = self._weight_targets(group, keys)
-        rows = native_adam_steps(params, grads, states, group, self.track_stalls, weights, seeds, moment_seeds)
+        with self._zeroing_overflowed(keys):
+            rows = native_adam_steps(params, grads, states, group, self.track_stalls, weights, seeds, moment_seeds)
         for key, state, row in zip(keys, states, rows, strict=True):
             if not row[0]:
                 self._skip_nonfinite_grad(key)
@@ -135,7 +136,8 @@ class _AdamStates(QuantizedStates):
         with torch.random.fork_rng(devices=[], enabled=on_cpu):
             if on_cpu:
                 torch.manual_seed(int(torch.randint(2**62, (1,), generator=generator)))
-            counts = fused_adam_step(param, grad, state, group, self.track_stalls, generator, weights)
+            with self._zeroing_overflowed([key]):
+                counts = fused_adam_step(param, grad, state, group, self.track_stalls, generator, weights)
         if self.track_stalls:
             self._add_stall_counts(key, "exp_avg", counts[:2])
             self._add_stall_counts(key, "exp_avg_sq", counts[2:])
@@ -384,7 +386,8 @@ class _MomentumStates(QuantizedStates):
                 for param, grid in zip(params, weights, strict=True)
             ]
             fp32_grads = [grad if grad.dtype == torch.float32 else grad.float() for grad in grads]
-            rows, updates = native_momentum_steps(masters, fp32_grads, buffers, group, True, self.track_stalls, seeds)
+            with self._zeroing_overflowed(keys):
+                rows, updates = native_momentum_steps(masters, fp32_grads, buffers, group, True, self.track_stalls, seeds)
         else:  # SGD's whole step, onto its weight grid too
             weight_stochastic = group["weight_rounding"] == "stochastic"
             weight_seeds = [
@@ -393,9 +396,10 @@ class _MomentumStates(QuantizedStates):
             ]
             feedback = group["error_feedback"] == "eco"
             eco = [sgd_feedback_coefficient(group) if grid is not None and feedback else 0.0 for grid in weights]
-            rows, updates = native_momentum_steps(
-                params, grads, buffers, group, False, self.track_stalls, seeds, weights, weight_seeds, eco, created
-            )
+            with self._zeroing_overflowed(keys):
+                rows, updates = native_momentum_steps(
+                    params, grads, buffers, group, False, self.track_stalls, seeds, weights, weight_seeds, eco, created
+                )
         for key, param, master, grid, row, update, buffer, new in zip(
             keys, params, masters, weights, rows, updates, buffers, created, strict=True
         ):

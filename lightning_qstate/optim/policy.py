@@ -71,7 +71,7 @@ def validate_policy(group: Mapping[str, Any], state_names: tuple[str, ...] | Non
         except ValueError as error:
             raise ValueError(f"{owner}: {error}") from None
     min_size = group["min_quant_size"]
-    if not isinstance(min_size, int) or min_size < 0:
+    if not isinstance(min_size, int) or isinstance(min_size, bool) or min_size < 0:
         raise ValueError(f"{owner}: min_quant_size={min_size!r} must be an int >= 0")
     validate_weight_options(group, owner)
     validate_grads_option(group, owner)

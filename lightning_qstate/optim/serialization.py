@@ -32,6 +32,9 @@ from ..formats import BlockFormat, QuantizedTensor, StorageFormat, get_format
 STATE_FORMAT_VERSION = 3
 VERSION_KEY = "qstate_version"
 FORMAT_SUFFIX = ".qstate_format"  # "<state>.qstate_format" holds the format of a state exported as fp32
+# The marker of a per-value state kept plain where the policy would quantize it (``reencode_state(..., "fp32")``, a
+# plan's fp32): loading keeps it plain instead of quantizing it as a plain torch checkpoint's state.
+PLAIN_MARKER = "fp32"
 
 
 def export_state(value: Any) -> Any:
@@ -74,6 +77,9 @@ def import_state(entry: dict, param: torch.Tensor, where: str) -> QuantizedTenso
             of another rank's shard or another model never loads silently); a checksum that does not match the
             codes and scales, or non-finite scales (a damaged checkpoint).
     """
+    missing = sorted({"format", "codes", "scales", "shape", "dtype"} - set(entry))
+    if missing:
+        raise ValueError(f"{where}: the checkpoint is damaged: its packed state lacks {missing}")
     version = entry[VERSION_KEY]
     fmt = versioned_format(version, entry["format"], where)
     shape = torch.Size(entry["shape"])
@@ -87,7 +93,10 @@ def import_state(entry: dict, param: torch.Tensor, where: str) -> QuantizedTenso
             f"for shape {tuple(shape)}"
         )
     if version >= 3 and ("checksum" not in entry or checksum(codes, scales) != int(entry["checksum"])):
-        raise ValueError(f"{where}: the checkpoint is damaged: its codes and scales do not match their checksum")
+        raise ValueError(
+            f"{where}: the checkpoint is damaged: its codes and scales do not match their checksum (or, a state dict held in "
+            "memory, the optimizer stepped its tensors since: state_dict() shares them, as torch's does; copy.deepcopy it)"
+        )
     if scales is not None and getattr(fmt, "nonfinite", "raise") == "raise" and not bool(torch.isfinite(scales).all()):
         raise ValueError(f"{where}: the checkpoint is damaged: {int((~torch.isfinite(scales)).sum())} block scale(s) are inf or NaN")
     device = param.device
@@ -108,7 +117,8 @@ def exact_values(value: QuantizedTensor) -> torch.Tensor:
     holding the block's largest code magnitude is exported as a value ``t`` that re-quantizes to the same scale
     and code: the largest ``t <= scale`` whose scale is this one (for a bf16 scale, above the previous bf16
     value) and whose code is that one, found by bisection over its fp32 bit pattern. Every other value is
-    exactly its dequantized value.
+    exactly its dequantized value. Where no such ``t`` exists (stochastic rounding took a block's largest value to a
+    code whose values all lie below the previous bf16 scale), the block re-quantizes to a new scale.
     """
     values = value.dequantize(torch.float32)
     fmt = value.format

@@ -177,7 +177,7 @@ class QuantizedOptimizerWrapper(QuantizedStates, torch.optim.Optimizer):
         format rounds the gradients of that first evaluation, before the check.
         """
         loss = self._evaluate(closure)
-        self._check_min_quant_size()
+        self._check_before_stepping()
         with self._nonfinite_policy():
             held_back = {}
             for group in self.param_groups:
