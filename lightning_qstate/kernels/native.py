@@ -319,8 +319,9 @@ def _grid_rows(weights: list[WeightGrid | None], group: dict) -> torch.Tensor:
 
 
 class StateOverflowError(FloatingPointError):
-    """A state the C++ step wrote in place overflowed fp32 (a block scale that is not finite); ``overflowed``: the
-    positions, among the parameters given, of those whose codes and scales are not to be trusted (the caller zeroes them)."""
+    """A state a fused step (C++ here; ``dispatch.fused_adam_step``'s compiled and Triton steps too) wrote in place overflowed
+    fp32 (a block scale that is not finite); ``overflowed``: the positions, among the parameters given, of those whose
+    codes and scales are not to be trusted (the optimizer zeroes them: ``QuantizedStates._zeroing_overflowed``)."""
 
     def __init__(self, message: str, overflowed: list[int]) -> None:
         super().__init__(message)
