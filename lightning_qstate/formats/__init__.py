@@ -46,7 +46,7 @@ from .block import (
 )
 from .cast import CastFormat
 from .codebooks import CodebookIndex, MinifloatSpec, dynamic_map, linear_map
-from .rounding import ROUNDINGS, Rounding
+from .rounding import ROUNDINGS, Rounding, check_rounding
 
 FORMAT_NAMES: tuple[str, ...] = (
     "fp32", "bf16", "fp16", "fp8_e4m3", "fp8_e5m2", "int8", "int7", "int6", "int5", "int4",
@@ -186,6 +186,7 @@ __all__ = [
     "ScaleDtype",
     "StorageFormat",
     "check_block_size",
+    "check_rounding",
     "count_stalls",
     "default_block_size",
     "dynamic_map",

@@ -21,6 +21,13 @@ from .codebooks import CodebookIndex, MinifloatSpec
 Rounding = Literal["nearest", "stochastic"]
 ROUNDINGS: tuple[str, ...] = ("nearest", "stochastic")
 
+
+def check_rounding(rounding: str) -> None:
+    """Raise ``ValueError`` naming the valid values where ``rounding`` is not one of :data:`ROUNDINGS`."""
+    if rounding not in ROUNDINGS:
+        raise ValueError(f"rounding={rounding!r} is not valid; use one of {ROUNDINGS}")
+
+
 _RNE_MAGIC = 8388608.0  # 2**23: adding then subtracting it rounds |q| < 2**22 to the nearest even integer
 
 

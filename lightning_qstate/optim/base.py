@@ -331,7 +331,7 @@ class QuantizedStates:
         for group in self.param_groups:
             for key in group["params"]:
                 for name, value in self.state.get(key, {}).items():
-                    if isinstance(value, QuantizedTensor) or self._per_value_state(key, name, value):
+                    if self._per_value_state(key, name, value):
                         target = self._policy_format(group, key, name)
                         configured = "fp32" if target is None else target.name  # a version 1 state's fp32 scales pass
                         stored = value.format.name if isinstance(value, QuantizedTensor) else "fp32"
@@ -1137,10 +1137,8 @@ class QuantizedStates:
                 for name, value in state.items():
                     if name not in self.state_names and self.state_names:
                         continue
-                    if isinstance(value, torch.Tensor) and (key, name) in kept_plain:
-                        state[name] = local_tensor(value)
-                    elif isinstance(value, torch.Tensor):
-                        fmt = self._format_for(group, key, name, local_tensor(value), None)
+                    if isinstance(value, torch.Tensor):
+                        fmt = None if (key, name) in kept_plain else self._format_for(group, key, name, local_tensor(value), None)
                         state[name] = local_tensor(value) if fmt is None else quantize_state(fmt, local_tensor(value))
                     elif isinstance(value, QuantizedTensor) and change:
                         target = self._policy_format(group, key, name)

@@ -25,7 +25,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel
 
 from ..formats import BlockFormat, QuantizedTensor, StorageFormat, get_format
 from ..formats.weights import WeightBlock
-from .base import QuantizedStates, StateValue, dequantized, like_param, local_tensor
+from .base import QuantizedStates, StateValue, dequantized, like_param
 from .optimizers import QSGD, QAdam, QAdamW, QMuon
 from .policy import ErrorFeedback, NonFiniteGradPolicy, QuantizationPolicy, StatesSpec
 
@@ -154,9 +154,7 @@ class QuantizedOptimizerWrapper(QuantizedStates, torch.optim.Optimizer):
                         self.state[param][name] = self._store(group, param, name, value, None)
 
     def _format_for(self, group: dict, key: torch.Tensor, name: str, value: torch.Tensor, old: StateValue | None) -> StorageFormat | None:
-        if old is None and (
-            not isinstance(value, torch.Tensor) or not value.is_floating_point() or local_tensor(value).shape != local_tensor(key).shape
-        ):
+        if old is None and not (isinstance(value, torch.Tensor) and self._per_value_state(key, name, value)):
             return None
         fmt = super()._format_for(group, key, name, value, old)
         if isinstance(fmt, BlockFormat) and not fmt.signed and bool((value < 0).any()):

@@ -25,7 +25,7 @@ from functools import cache
 import torch
 
 from ..formats import FORMAT_NAMES
-from ..formats.rounding import ROUNDINGS, Rounding
+from ..formats.rounding import Rounding, check_rounding
 from ..formats.weights import WeightBlock, WeightGrid, get_weight_grid
 
 # PTQ names that differ from the optimizer-state formats of the same name (module docstring)
@@ -81,8 +81,7 @@ def fake_quantize(
     """
     if fmt is None:
         return x
-    if rounding not in ROUNDINGS:
-        raise ValueError(f"rounding={rounding!r} is not valid; use one of {ROUNDINGS}")
+    check_rounding(rounding)
     grid = probe_grid(fmt, block)
     if not x.numel():
         return x.clone()

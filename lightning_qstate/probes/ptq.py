@@ -24,7 +24,7 @@ from functools import partial
 import torch
 from torch.nn.utils.parametrize import is_parametrized
 
-from ..formats.rounding import ROUNDINGS, Rounding
+from ..formats.rounding import Rounding, check_rounding
 from ..formats.weights import WeightBlock
 from .fake_quant import fake_quantize, probe_grid
 
@@ -105,8 +105,7 @@ def ptq(
     for fmt in (weights, activations):
         if fmt is not None:
             probe_grid(fmt, block)  # errors before anything changes
-    if rounding not in ROUNDINGS:
-        raise ValueError(f"rounding={rounding!r} is not valid; use one of {ROUNDINGS}")
+    check_rounding(rounding)
     layers = linear_modules(model, modules)
     parametrized = [name for name, module in layers.items() if weights is not None and is_parametrized(module, "weight")]
     if parametrized:

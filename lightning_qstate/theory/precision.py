@@ -41,7 +41,7 @@ from typing import Literal
 
 import torch
 
-from ..formats import ROUNDINGS, BlockFormat, StorageFormat, get_format
+from ..formats import BlockFormat, StorageFormat, check_rounding, get_format
 from ..optim import QuantizedOptimizerWrapper, QuantizedStates
 from ..optim.base import local_tensor
 from .stall import fraction_bits, moment_of, relative_gaps, reset_period, stall_probability, state_decay
@@ -140,8 +140,7 @@ def required_mantissa_bits(
         raise ValueError(f"component={component!r} is not valid; use one of {COMPONENTS}")
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer={optimizer!r} is not valid; use one of {OPTIMIZERS}")
-    if rounding not in ROUNDINGS:
-        raise ValueError(f"rounding={rounding!r} is not valid; use one of {ROUNDINGS}")
+    check_rounding(rounding)
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps={steps!r} must be an int >= 1 (the run's optimizer steps)")
     if (optimizer, component) not in SLOPES:

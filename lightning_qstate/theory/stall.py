@@ -69,7 +69,7 @@ from typing import Literal
 
 import torch
 
-from ..formats import ROUNDINGS, BlockFormat, CastFormat, MinifloatFormat, QuantizedTensor, Rounding, StorageFormat, get_format
+from ..formats import BlockFormat, CastFormat, MinifloatFormat, QuantizedTensor, Rounding, StorageFormat, check_rounding, get_format
 from ..optim import NONNEGATIVE_STATES
 
 Moment = Literal["first", "second"]
@@ -277,8 +277,7 @@ def _check(
             raise ValueError("ratios= must be a non-empty tensor of the moving entries' g²/v (or g/m) ratios, without NaN")
     if isinstance(beta, bool) or not isinstance(beta, int | float) or not 0.0 < beta < 1.0:
         raise ValueError(f"beta={beta!r} must be a number in (0, 1)")
-    if rounding not in ROUNDINGS:
-        raise ValueError(f"rounding={rounding!r} is not valid; use one of {ROUNDINGS}")
+    check_rounding(rounding)
     if age is not None and (isinstance(age, bool) or not isinstance(age, int) or age < 1):
         raise ValueError(f"age={age!r} must be None (steady state) or an int >= 1 (steps since the state was zeroed)")
     if center is not None:
