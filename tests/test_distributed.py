@@ -12,6 +12,7 @@ FSDP1/FSDP2 ones fp32 values that re-quantize to the very same codes and scales.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import signal
@@ -28,7 +29,7 @@ import torch
 from lightning_qstate import QAdamW
 from lightning_qstate.adaptive import DEFAULT_M_FORMATS, DEFAULT_V_FORMATS
 from lightning_qstate.formats import QuantizedTensor, get_format
-from lightning_qstate.optim.serialization import exact_values
+from lightning_qstate.optim.serialization import quantize_exactly
 from lightning_qstate.theory import stall_probability
 
 TESTS = Path(__file__).resolve().parent
@@ -545,40 +546,67 @@ def test_fp32_checkpoint_requantizes_to_the_same_codes(states):
         assert torch.equal(after.codes, before.codes) and torch.equal(after.scales, before.scales)
 
 
-def test_exact_values_differ_from_dequantize_only_at_negative_block_maxima():
-    """fp32 scales: only the signed map's short negative end (-0.993) needs a pinned value."""
+def test_quantize_exactly_finds_the_scales_round_to_nearest_misses():
+    """fp32 scales: round-to-nearest re-quantization of the decoded values misses the scale of exactly the blocks whose
+    absmax was negative (the signed map ends at -0.993) and no positive value took code 1; quantize_exactly recovers them."""
     fmt = get_format("int8", block_size=64, scale_dtype="fp32")
     values = torch.randn(64 * 50, generator=torch.Generator().manual_seed(0))
     quantized = fmt.quantize(values)
-    exact, plain = exact_values(quantized), quantized.dequantize()
-    changed = (exact != plain).view(50, 64)
-    assert changed.sum(dim=1).le(1).all() and changed.any()
+    decoded = quantized.dequantize()
+    missed = fmt.quantize(decoded).scales != quantized.scales
     negative_max = values.view(50, 64).gather(1, values.view(50, 64).abs().argmax(1, keepdim=True)).squeeze(1) < 0
-    assert not (changed.any(dim=1) & ~negative_max).any()  # only blocks whose absmax was negative ...
-    short = plain.view(50, 64).abs().amax(dim=1) < quantized.scales
-    assert torch.equal(changed.any(dim=1), short) and short.any()  # ... and whose decoded values fall short of the scale
-    assert torch.equal(exact.view(50, 64).abs().amax(dim=1), quantized.scales)
-    assert torch.equal(exact.view(50, 64)[changed], -quantized.scales[changed.any(dim=1)])
-    again = fmt.quantize(exact)
+    assert missed.any() and not (missed & ~negative_max).any()
+    again = quantize_exactly(fmt, decoded)
     assert torch.equal(again.codes, quantized.codes) and torch.equal(again.scales, quantized.scales)
-    assert not torch.equal(fmt.quantize(plain).scales, quantized.scales)  # what re-quantizing dequantize() would give
 
 
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
 @pytest.mark.parametrize("scale_dtype", ["bf16", "fp32"])
-@pytest.mark.parametrize("name", ["int8", "int4", "int8_linear", "int4_linear", "fp8_e4m3", "fp8_e5m2", "e2m2", "e5m10"])
+@pytest.mark.parametrize("name", ["int8", "int4", "int8_linear", "int4_linear", "int6", "fp8_e4m3", "fp8_e5m2", "e2m2", "e5m10"])
 @pytest.mark.parametrize("signed", [True, False])
-def test_exact_values_requantize_to_the_same_codes_and_scales(name, signed, scale_dtype):
-    """Every format and scale type, values from 1 down to 1e-12: at most one pinned value per block, and re-quantizing
-    gives the same scales and stored values (bf16 scales are rounded up, so a block's largest value may decode short of
-    its scale with any map)."""
+def test_quantize_exactly_restores_every_block(name, signed, scale_dtype, rounding):
+    """Every format, scale type and rounding, values from 1 down to 1e-12: the decoded values re-quantize to the same
+    scales and the same values (a bf16 scale is the absmax rounded up, so a block's largest value may decode short of
+    it with any map; stochastic rounding may take it a code further down)."""
     fmt = get_format(name, signed=signed, scale_dtype=scale_dtype, block_size=64)
     generator = torch.Generator().manual_seed(0)
     for magnitude in (1.0, 1e-3, 1e-6, 1e-12):
         values = torch.randn(64 * 200 + 7, generator=generator) * torch.rand(64 * 200 + 7, generator=generator) ** 4 * magnitude
-        values = values if signed else values.abs()
-        quantized = fmt.quantize(values)
-        exact, plain = exact_values(quantized), quantized.dequantize()
-        changed = torch.nn.functional.pad(exact != plain, (0, 64 - 7)).view(-1, 64)
-        assert changed.sum(dim=1).le(1).all()
-        again = fmt.quantize(exact)
-        assert torch.equal(again.scales, quantized.scales) and torch.equal(again.dequantize(), plain), magnitude
+        quantized = fmt.quantize(values if signed else values.abs(), rounding=rounding, generator=generator)
+        decoded = quantized.dequantize()
+        again = quantize_exactly(fmt, decoded)
+        assert torch.equal(again.scales, quantized.scales) and torch.equal(again.dequantize(), decoded), magnitude
+
+
+@pytest.mark.parametrize("states", ["int8", "e2m2", "int4"])
+def test_fp32_checkpoint_resumes_stochastic_rounding_exactly(states):
+    """The fp32 export of stochastically rounded states (bf16 scales for m) resumes the uninterrupted run bit for bit:
+    a block whose largest value rounded down a code gets its scale back (it was rescaled on load)."""
+    torch.manual_seed(0)
+    straight_model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Tanh(), torch.nn.Linear(256, 64))
+    resumed_model = copy.deepcopy(straight_model)
+    options = dict(states=states, rounding="stochastic", min_quant_size=0)
+    straight = QAdamW(straight_model.parameters(), generator=torch.Generator().manual_seed(1), **options)
+    inputs = [torch.randn(16, 64, generator=torch.Generator().manual_seed(i)) for i in range(8)]
+
+    def train(model, optimizer, batches):
+        for batch in batches:
+            optimizer.zero_grad()
+            model(batch).square().mean().backward()
+            optimizer.step()
+
+    train(straight_model, straight, inputs[:4])
+    straight.checkpoint_mode = "fp32"
+    saved = copy.deepcopy(straight.state_dict())
+    resumed_model.load_state_dict(straight_model.state_dict())
+    resumed = QAdamW(resumed_model.parameters(), **options)
+    resumed.load_state_dict(saved)
+    short = 0
+    for p, q in zip(straight_model.parameters(), resumed_model.parameters(), strict=True):
+        value, after = straight.state[p]["exp_avg"], resumed.state[q]
+        short += int((value.format.quantize(value.dequantize()).scales != value.scales).sum())
+        assert torch.equal(after["exp_avg"].scales, value.scales) and torch.equal(after["exp_avg"].dequantize(), value.dequantize())
+    assert short  # blocks that round-to-nearest re-quantization rescales were there
+    train(straight_model, straight, inputs[4:])
+    train(resumed_model, resumed, inputs[4:])
+    assert all(torch.equal(a, b) for a, b in zip(straight_model.parameters(), resumed_model.parameters(), strict=True))

@@ -38,12 +38,12 @@ from .serialization import (
     PLAIN_MARKER,
     STATE_FORMAT_VERSION,
     VERSION_KEY,
-    exact_values,
     export_state,
     format_from_marker,
     format_marker,
     import_state,
     is_exported,
+    quantize_exactly,
 )
 from .weights import ERROR_STATE, grid_units, weight_grid
 
@@ -975,9 +975,9 @@ class QuantizedStates:
 
         ``"packed"`` (default): a versioned dict of codes, scales and a checksum, bit-exact. ``"fp32"``: a tensor
         shaped like the parameter (a DTensor under FSDP2, the flat shard under FSDP1) plus a
-        ``"<name>.qstate_format"`` string, for strategies that reshard optimizer state; loading re-quantizes it into
-        the same format, and with the same block layout (same world size) into the same codes and scales (see
-        ``exact_values``; but for a block stochastic rounding left below its bf16 scale). DTensor parameters always
+        ``"<name>.qstate_format"`` string, for strategies that reshard optimizer state: the decoded values, which
+        loading re-quantizes into the same format and, with the same block layout (same world size), into the same
+        values, whatever the rounding (``quantize_exactly``). DTensor parameters always
         use ``"fp32"``: per-rank packed buffers would load on the wrong rank; for the same reason their plain states,
         held as local shards, are exported as DTensors. A per-value state kept plain where the policy would quantize it
         gets the marker ``PLAIN_MARKER`` (both modes), so that loading keeps it plain. The stochastic-rounding seed and
@@ -1012,7 +1012,7 @@ class QuantizedStates:
         for name, value in entries.items():
             if isinstance(value, QuantizedTensor):
                 exported[name + FORMAT_SUFFIX] = format_marker(value.format)
-                value = like_param(exact_values(value), key)  # re-quantizes to the same codes: resume is exact
+                value = like_param(value.dequantize(torch.float32), key)  # quantize_exactly loads these values: resume is exact
             elif isinstance(key, DTensor) and _is_local_shard(value, key):
                 value = like_param(value, key)  # a plain state held as a local shard: as a DTensor, each rank saves and loads its own
             exported[name] = value
@@ -1062,7 +1062,7 @@ class QuantizedStates:
                     kept_plain.add((key, name))
                     continue
                 state = self.state[key]
-                state[name] = quantize_state(format_from_marker(marker), local_tensor(state[name]))
+                state[name] = quantize_exactly(format_from_marker(marker), local_tensor(state[name]).float())
                 state[name].dtype = torch.float32 if grid is not None else local_tensor(key).dtype  # as ``_store`` labels it
         changed = self._keep_configured_policy(configured)
         reencoded = self._apply_policy_on_load(changed, kept_plain)

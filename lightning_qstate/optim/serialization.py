@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from ..formats import BlockFormat, QuantizedTensor, StorageFormat, get_format
+from ..formats.packing import pack, unpack
 
 STATE_FORMAT_VERSION = 3
 VERSION_KEY = "qstate_version"
@@ -106,62 +107,57 @@ def import_state(entry: dict, param: torch.Tensor, where: str) -> QuantizedTenso
     return QuantizedTensor(fmt, codes, None if scales is None else scales.to(device), shape, getattr(torch, entry["dtype"]))
 
 
-def exact_values(value: QuantizedTensor) -> torch.Tensor:
-    """The values of ``value`` as an fp32 tensor (whatever dtype it decodes to: a bf16 parameter's states are quantized
-    from fp32 values) that re-quantizes (round-to-nearest) to the very same codes and scales.
+def quantize_exactly(fmt: StorageFormat, values: torch.Tensor) -> QuantizedTensor:
+    """``values`` (the fp32 export of a state of format ``fmt``, ``checkpoint_mode="fp32"``) quantized back into codes
+    and scales that decode to exactly them, whatever rounding made the state.
 
-    This is what the ``"fp32"`` checkpoint mode exports. ``dequantize()`` alone does not round-trip where a
-    block's largest stored value is below its scale, for re-quantizing would rescale the block and move codes:
-    signed dynamic maps stop short of -1 (``int8`` at -0.993, ``int4`` at -0.8875), and a bf16 scale is the
-    absmax rounded up, so the absmax itself may have rounded to a code below 1. In such a block the first value
-    holding the block's largest code magnitude is exported as a value ``t`` that re-quantizes to the same scale
-    and code: the largest ``t <= scale`` whose scale is this one (for a bf16 scale, above the previous bf16
-    value) and whose code is that one, found by bisection over its fp32 bit pattern. Every other value is
-    exactly its dequantized value. Where no such ``t`` exists (stochastic rounding took a block's largest value to a
-    code whose values all lie below the previous bf16 scale), the block re-quantizes to a new scale.
+    Round-to-nearest re-quantization recovers a block's scale from its largest value, and misses it where that value's
+    code is below 1: signed dynamic maps stop short of -1 (``int8`` at -0.993, ``int4`` at -0.8875), and a bf16 scale is
+    the absmax rounded up, so round-to-nearest or stochastic rounding may have taken the absmax to a lower code. Such a
+    block's scale is the largest value over one of the codes near the top of its side: each candidate (three codes per
+    side; for fp32 scales, two fp32 spacings either way) whose codes decode to the block's values exactly replaces the
+    re-quantized block. A block no scale fits (values of another block layout or of an older export) keeps
+    round-to-nearest's codes and scale.
     """
-    values = value.dequantize(torch.float32)
-    fmt = value.format
-    if not isinstance(fmt, BlockFormat) or value.scales is None or value.numel == 0:
-        return values
-    block, blocks = fmt.block_size, value.scales.numel()
-    flat = torch.nn.functional.pad(values.reshape(-1).float(), (0, blocks * block - value.numel)).view(blocks, block)
-    scales = value.scales.float()
-    largest = flat.abs().amax(dim=1)
-    short = torch.isfinite(scales) & (scales > 0) & (largest < scales)
-    for sign in (-1.0, 1.0):
-        holds = (flat * sign == largest[:, None]) & (largest > 0)[:, None]
-        rows = (short & holds.any(dim=1)).nonzero().view(-1)
+    quantized = fmt.quantize(values, rounding="nearest")
+    if not isinstance(fmt, BlockFormat) or quantized.scales is None or quantized.numel == 0:
+        return quantized
+    block, blocks, numel = fmt.block_size, quantized.scales.numel(), quantized.numel
+    padding = blocks * block - numel
+    target = torch.nn.functional.pad(values.reshape(-1).float(), (0, padding)).view(blocks, block)
+    valid = torch.nn.functional.pad(torch.ones(numel, dtype=torch.bool, device=values.device), (0, padding)).view(blocks, block)
+    codes = torch.nn.functional.pad(unpack(quantized.codes, fmt.bits, numel), (0, padding)).view(blocks, block)
+    scales = quantized.scales.clone()
+    decode = fmt.tables(values.device)["decode"]
+    missed = ((decode[codes.long()] * scales.float()[:, None] != target) & valid).any(dim=1) & torch.isfinite(scales)
+    rows = missed.nonzero().view(-1)
+    if rows.numel() == 0:
+        return quantized
+    largest = (target[rows] * valid[rows]).abs().amax(dim=1)
+    int_type = torch.int16 if fmt.scale_dtype == torch.bfloat16 else torch.int32
+    spacings = (0,) if fmt.scale_dtype == torch.bfloat16 else (0, -1, 1, -2, 2)
+    for top, sign, spacing in _top_codes(decode, spacings):
         if rows.numel() == 0:
-            continue
-        columns = holds[rows].int().argmax(dim=1)
-        pinned = _same_code_value(fmt, flat[rows, columns], scales[rows])
-        found = ~torch.isnan(pinned)
-        flat[rows[found], columns[found]] = pinned[found]
-        short[rows[found]] = False
-    return flat.view(-1)[: value.numel].view(values.shape)
+            break
+        scale = ((largest / top).to(fmt.scale_dtype).view(int_type) + spacing).view(fmt.scale_dtype)
+        usable = torch.isfinite(scale) & (scale > 0) & (target[rows] == sign * largest[:, None]).any(dim=1)
+        divisor = torch.where(usable, scale.float(), 1.0)
+        trial = fmt.encode((target[rows] / divisor[:, None]).clamp(-1.0, 1.0), "nearest", None)
+        fits = usable & ((decode[trial.long()] * divisor[:, None] == target[rows]) | ~valid[rows]).all(dim=1)
+        codes[rows[fits]], scales[rows[fits]] = trial[fits], scale[fits]
+        rows, largest = rows[~fits], largest[~fits]
+    return QuantizedTensor(fmt, pack(codes.view(-1)[:numel], fmt.bits), scales, quantized.shape, quantized.dtype)
 
 
-def _same_code_value(fmt: BlockFormat, stored: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """Per entry, the largest-magnitude ``t`` (sign of ``stored``) with ``fmt.stored_scale(|t|) == scale`` and the
-    code of ``stored / scale``; NaN where none exists. ``stored``, ``scales``: ``(k,)`` fp32."""
-    target = fmt.encode(stored / scales, "nearest", None)
-    decode = fmt.tables(stored.device)["decode"]
-    target_units = decode[target.long()].abs()
-    top = scales.view(torch.int32)
-    high = top.clone()
-    low = top - 0xFFFF if fmt.scale_dtype == torch.bfloat16 else top.clone()  # smallest pattern whose scale is this one
-    found = torch.full_like(stored, float("nan"))
-    sign = torch.where(stored < 0, -1.0, 1.0)
-    for _ in range(18):  # the pattern range holds at most 2**16 values
-        searching = low <= high
-        middle = torch.where(searching, low + torch.div(high - low, 2, rounding_mode="floor"), top)
-        candidate = sign * middle.view(torch.float32)
-        units = decode[fmt.encode(candidate / scales, "nearest", None).long()].abs()
-        found = torch.where(searching & (units == target_units), candidate, found)
-        low = torch.where(searching & (units <= target_units), middle + 1, low)  # look higher for the largest hit
-        high = torch.where(searching & (units > target_units), middle - 1, high)
-    return found
+def _top_codes(decode: torch.Tensor, spacings: tuple[int, ...]) -> list[tuple[float, float, int]]:
+    """The (magnitude, sign, scale spacing) of every code that can hold a block's largest value, largest first.
+
+    The block's absmax, in units of its scale, is above ``1 - 2**-7`` (a bf16 scale is the absmax rounded up) and rounds
+    to a code at least the largest one at or below that (the top of a side that ends short of it included)."""
+    sides = [(decode * sign, sign) for sign in (1.0, -1.0) if bool((decode * sign > 0).any())]
+    lowest = min(float(values[(values > 0) & (values <= 1 - 2**-7)].max()) for values, _ in sides)
+    tops = [(float(c), sign, spacing) for values, sign in sides for c in values[values >= lowest].tolist() for spacing in spacings]
+    return sorted(tops, key=lambda top: -top[0])
 
 
 def format_marker(fmt: StorageFormat) -> str:
