@@ -77,3 +77,22 @@ def test_two_format_pairs_compile_once_each_with_their_own_dynamic_state() -> No
                     assert entry.scalar is not pgo.auto_dynamic, (name, entry.render())
     identities = {(code.co_filename, code.co_firstlineno, code.co_name) for code in codes}
     assert len(identities) == len(PAIRS)
+
+
+def test_a_block_larger_than_the_parameter_steps_eagerly() -> None:
+    """A valid block size above the parameter's size leaves no whole block to compile for: the parameter steps eagerly
+    (it raised reshaping the empty head), with the reference's codes."""
+    pair = ("int8", "int8")
+    param = torch.randn(1000)
+    generator = torch.Generator().manual_seed(0)
+    grad = torch.randn(param.shape, generator=generator) * 1e-2
+    m, v = (
+        get_format(name, signed=signed, block_size=2048).quantize(torch.zeros(1000))
+        for name, signed in zip(pair, (True, False), strict=True)
+    )
+    reference = [t.clone() for t in (param, m.codes, m.scales, v.codes, v.scales)]
+    hyper = adam_hyper(GROUP, 1.0)
+    compiled.compiled_cpu_step(param, grad, m, v, hyper, GROUP, False)
+    adam_step_quantized(reference[0], grad, *reference[1:], hyper, m.format, v.format, "nearest", True, False, False)
+    for ours, theirs in zip((param, m.codes, m.scales, v.codes, v.scales), reference, strict=True):
+        assert torch.equal(ours, theirs)

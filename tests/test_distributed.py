@@ -20,6 +20,7 @@ import socket
 import subprocess
 import sys
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -610,3 +611,68 @@ def test_fp32_checkpoint_resumes_stochastic_rounding_exactly(states):
     train(straight_model, straight, inputs[4:])
     train(resumed_model, resumed, inputs[4:])
     assert all(torch.equal(a, b) for a, b in zip(straight_model.parameters(), resumed_model.parameters(), strict=True))
+
+
+def test_fp32_checkpoint_refuses_a_state_of_another_shape():
+    """The fp32 form is checked against the local parameter as the packed form is: a state of another shape (another
+    rank's uneven shard, another world size under FSDP1) raises at load, not at the next step."""
+    saved, _ = trained_optimizer((32, 64))
+    saved.checkpoint_mode = "fp32"
+    target, _ = trained_optimizer((31, 64))
+    with pytest.raises(
+        ValueError, match=r"state 0 \('exp_avg'\): checkpoint state has shape \(32, 64\) but the parameter has shape \(31, 64\)"
+    ):
+        target.load_state_dict(saved.state_dict())
+
+
+def test_fp32_checkpoint_tells_of_blocks_no_scale_fits():
+    """The fp32 form has no checksum; a changed value seldom decodes from any code and scale of its block, so loading
+    says how many blocks it had to re-quantize to nearest (damage, or another block layout: FSDP1 at another world size)."""
+    saved, _ = trained_optimizer((32, 64))
+    saved.checkpoint_mode = "fp32"
+    state_dict = copy.deepcopy(saved.state_dict())
+    target, _ = trained_optimizer((32, 64))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        target.load_state_dict(copy.deepcopy(state_dict))  # as saved: every block fits
+    state_dict["state"][0]["exp_avg"].view(-1)[5] *= 1.0001
+    with pytest.warns(UserWarning, match=r"state 0 \('exp_avg'\): 1 of 8 blocks of 256 values \(int8\) decode from no code and scale"):
+        target.load_state_dict(state_dict)
+
+
+def test_betas_given_back_as_a_list_are_the_same_betas():
+    """torch's ``set_optimizer_state_dict`` (FSDP2 full checkpoints) gives the groups back with lists: no warning."""
+    saved, _ = trained_optimizer((32, 64))
+    state_dict = saved.state_dict()
+    state_dict["param_groups"][0]["betas"] = list(state_dict["param_groups"][0]["betas"])
+    target, _ = trained_optimizer((32, 64))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        target.load_state_dict(state_dict)
+
+
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="needs torch.distributed")
+def test_apply_under_fsdp1_fits_an_optimizer_built_quantized_and_refuses_eco_exact():
+    """An optimizer built quantized (``configure_optimizers``) gets FSDP1's fp32 checkpoints and full sizes as a converted
+    one does (its packed codes made every save fail). FSDP1 gathers every state name over all parameters of a flat
+    parameter: eco_exact's error buffer, held by the parameters on a grid only, made every save fail. Refused."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    from lightning_qstate.optim import QuantizationPolicy
+
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = FullyShardedDataParallel(
+            torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)), device_id=torch.device("cpu"), use_orig_params=True
+        )
+        built = QuantizationPolicy().apply(QAdamW(model.parameters(), states="int8", min_quant_size=0), model)
+        assert built.checkpoint_mode == "fp32" and built.full_numels
+        policy = QuantizationPolicy(weights="bf16", error_feedback="eco_exact", weight_overrides={"0.weight": "bf16"})
+        with pytest.raises(ValueError, match=r"AdamW: error_feedback='eco_exact' is not supported under FSDP1.*use FSDP2|Use FSDP2"):
+            policy.apply(torch.optim.AdamW(model.parameters()), model)
+    finally:
+        if created:
+            dist.destroy_process_group()

@@ -17,6 +17,7 @@ import lightning_qstate as lq
 from lightning_qstate.formats import get_format
 from lightning_qstate.formats.weights import WeightGrid, get_weight_grid
 from lightning_qstate.kernels import dispatch
+from lightning_qstate.kernels.bounds import MOMENT_BOUND_STATE
 from lightning_qstate.optim import ERROR_STATE, QuantizationPolicy, block_linear_weight_names
 
 L, BETA, LR, SIGMA = 1.0, 0.9, 0.05, 0.01
@@ -183,7 +184,7 @@ def test_weights_stay_on_their_grid_and_nothing_fp32_is_kept():
             param.grad = torch.randn_like(param)
             optimizer.step()
             assert torch.equal(grid.round(param.detach(), "nearest"), param.detach())
-        assert set(optimizer.state[param]) == {"step", "exp_avg", "exp_avg_sq"} | extra
+        assert set(optimizer.state[param]) == {"step", "exp_avg", "exp_avg_sq", MOMENT_BOUND_STATE} | extra  # K_n², 0-d float64
         rows = param.detach().abs().amax(dim=1)
         assert torch.equal(((param.detach() / rows[:, None]) * 448).abs().amax(dim=1), torch.full((32,), 448.0))
 
@@ -274,6 +275,13 @@ def test_wrong_weight_options_raise():
         (lambda: lq.QMuon([param], error_feedback="eco"), ValueError, r"QMuon: error_feedback='eco' is not supported here"),
         (lambda: lq.quantize_optimizer(torch.optim.RMSprop([param]), weights="bf16"), ValueError, r"weights= and error_feedback= need"),
         (lambda: QuantizationPolicy(weight_overrides={"*": "fp9"}), ValueError, r"weight_overrides\['\*'\]: weights='fp9'"),
+        (lambda: lq.QAdamW([param], weights=""), ValueError, r"QAdamW: weights='' is not a format"),
+        (lambda: QuantizationPolicy(weight_overrides={"*": ""}), ValueError, r"weight_overrides\['\*'\]: weights='' is not a format"),
+        # a grid the parameter's dtype cannot hold: every update would be rounded to nearest on the way back
+        (lambda: lq.QAdamW([torch.nn.Parameter(param.bfloat16())], weights="fp32"), ValueError, r"shape \(8, 8\): weights='fp32' needs"),
+        (lambda: lq.QSGD([torch.nn.Parameter(param.bfloat16())], momentum=0.9, weights="fp16"), ValueError, r"torch.bfloat16 parameter"),
+        (lambda: lq.QAdamW([torch.nn.Parameter(param.half())], weights="bf16"), ValueError, r"use weights='fp16'"),
+        (lambda: lq.QAdamW([torch.nn.Parameter(param.double())], error_feedback="eco"), TypeError, r"QAdamW: .*error_feedback needs"),
     ]
     for build, error, message in cases:
         with pytest.raises(error, match=message):
@@ -322,3 +330,71 @@ def test_apply_keeps_the_papers_selection():
         torch.optim.AdamW(mlp.parameters()), mlp
     )
     assert [name for name, p in mlp.named_parameters() if optimizer.weight_grid(optimizer.param_groups[0], p)] == ["0.weight", "2.weight"]
+
+
+def test_a_grid_dtype_not_held_is_refused_through_weight_overrides():
+    """The check of ``weights=`` against each parameter's dtype covers the per-parameter grids ``apply`` sets."""
+    model = torch.nn.Sequential(torch.nn.Sequential(torch.nn.Linear(8, 8)), torch.nn.Sequential(torch.nn.Linear(8, 8))).bfloat16()
+    policy = QuantizationPolicy(weights="bf16", weight_overrides={"1.0.weight": "fp16"})
+    with pytest.raises(ValueError, match=r"AdamW: parameter of shape \(8, 8\): weights='fp16' needs parameters that can hold"):
+        policy.apply(torch.optim.AdamW(model.parameters()), model)
+
+
+@pytest.mark.parametrize("mode", ["packed", "fp32"])
+def test_a_gridded_checkpoint_loads_into_an_optimizer_without_weights(mode):
+    """States saved under a weight grid decode to fp32 (the update runs in fp32); loaded where no grid is configured they
+    decode to the parameter's dtype again, and the step runs (it failed in torch's Adam: fp32 moments, bf16 gradient)."""
+    torch.manual_seed(0)
+    param = torch.nn.Parameter(torch.randn(64, 96).bfloat16())
+    gridded = lq.QAdamW([param], weights="fp8_e4m3", error_feedback="eco", min_quant_size=0)
+    param.grad = torch.randn_like(param)
+    gridded.step()
+    gridded.checkpoint_mode = mode
+    plain = lq.QAdamW([param], min_quant_size=0)
+    with pytest.warns(UserWarning, match=r"weights='fp8_e4m3' -> None, error_feedback='eco' -> None"):
+        plain.load_state_dict(gridded.state_dict())
+    assert all(plain.state[param][name].dtype == torch.bfloat16 for name in ("exp_avg", "exp_avg_sq"))
+    plain.step()
+    assert torch.isfinite(param).all()
+
+
+def test_eco_exact_buffer_is_dropped_where_the_resumed_run_does_not_use_it():
+    """Resuming an ``eco_exact`` run with ``eco``: the fp32 error buffer would stay, unused, in every later checkpoint
+    (and come back, stale, with a later ``eco_exact``). It is dropped, and the change of policy is warned about."""
+    torch.manual_seed(0)
+    param = torch.nn.Parameter(torch.randn(64, 96).bfloat16())
+    exact = lq.QAdamW([param], weights="bf16", error_feedback="eco_exact", min_quant_size=0)
+    param.grad = torch.randn_like(param)
+    exact.step()
+    assert ERROR_STATE in exact.state[param]
+    eco = lq.QAdamW([param], weights="bf16", error_feedback="eco", min_quant_size=0)
+    with pytest.warns(UserWarning, match=r"group 0: error_feedback='eco_exact' -> 'eco'; eco_exact's error dropped for 1 parameters"):
+        eco.load_state_dict(exact.state_dict())
+    assert ERROR_STATE not in eco.state[param] and ERROR_STATE not in eco.state_dict()["state"][0]
+    again = lq.QAdamW([param], weights="bf16", error_feedback="eco_exact", min_quant_size=0)
+    again.load_state_dict(exact.state_dict())  # the same policy: kept, nothing to say
+    assert torch.equal(again.state[param][ERROR_STATE], exact.state[param][ERROR_STATE])
+
+
+def test_weight_stalls_of_empty_parameters():
+    """``track_weight_stalls`` (what PrecisionAdvisor turns on) with a block-scaled grid on empty parameters."""
+    params = [torch.nn.Parameter(torch.zeros(5, 0)), torch.nn.Parameter(torch.zeros(0, 5))]
+    for param, block in zip(params, ["row", "tensor"], strict=True):
+        optimizer = lq.QAdamW([param], weights="int8", weight_block=block, error_feedback="eco", track_stalls=True, min_quant_size=0)
+        optimizer.track_weight_stalls = True
+        param.grad = torch.zeros_like(param)
+        optimizer.step()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_muon_on_a_grid_takes_the_native_step_from_the_first(dtype):
+    """A gridded parameter's coded momentum decodes to fp32 from its creation, so its first step is native too."""
+    if not dispatch.native_kernel_available():
+        pytest.skip("no C++ kernel")
+    torch.manual_seed(0)
+    param = torch.nn.Parameter(torch.randn(64, 64).to(dtype))
+    optimizer = lq.QMuon([param], states="int8", weights="bf16" if dtype == torch.bfloat16 else "fp16", min_quant_size=0)
+    for _ in range(2):
+        param.grad = torch.randn_like(param)
+        optimizer.step()
+        assert optimizer.step_paths()["param0"] == "native"

@@ -180,6 +180,15 @@ def test_callback_quantizes_the_weights_as_the_plugin_does(tmp_path):
         assert (error is not None and error.dtype == torch.float32) == (name in BLOCK_WEIGHTS), name
 
 
+def test_callback_puts_the_weights_of_an_optimizer_the_module_built_on_their_grid(tmp_path):
+    """A quantized optimizer with ``weights=`` built in ``configure_optimizers`` (every parameter on the bf16 grid) under
+    the callback and Lightning's own precision: on the grid at the first step, as under the plugin (it was left off)."""
+    start = OnGridAtStart()
+    trainer = quiet_trainer(tmp_path, 1, callbacks=[QuantizedOptimizerStates(log_stats=False), start])
+    trainer.fit(EcoModule(optimizer="qadamw"), eco_data())
+    assert start.on_grid and all(start.on_grid.values()), start.on_grid
+
+
 RESUME_CASES = [
     pytest.param("bf16-true", "bf16", "eco", id="bf16-true-bf16-eco"),
     pytest.param("32-true", "fp8_e4m3", "eco_exact", id="32-true-fp8-eco_exact"),

@@ -280,6 +280,25 @@ def test_in_place_conversion_keeps_the_class_name(torch_class, quantized_class):
         assert_states_equal(copied, converted)
 
 
+@pytest.mark.parametrize("refused", ["complex", "differentiable"])
+def test_a_refused_conversion_leaves_the_torch_optimizer_as_it_was(refused):
+    """The class is swapped before the groups are checked: a refusal used to leave a half-built InPlaceQAdamW whose next
+    step failed (no ``_rounding_step``), with the policy's options in its defaults and groups."""
+    param = torch.nn.Parameter(torch.randn(8, 8, dtype=torch.complex64) if refused == "complex" else torch.randn(8, 8))
+    optimizer = torch.optim.AdamW([param], lr=1e-2, differentiable=refused == "differentiable")
+    param.grad = torch.ones_like(param)
+    if refused == "complex":  # (a differentiable AdamW steps non-leaf parameters only)
+        optimizer.step()
+    before = (dict(optimizer.defaults), [dict(group) for group in optimizer.param_groups], dict(optimizer.state[param]))
+    with pytest.raises(ValueError, match="not supported"):
+        lq.quantize_optimizer(optimizer, min_quant_size=0)
+    assert type(optimizer) is torch.optim.AdamW and not hasattr(optimizer, "_rounding_step")
+    after = (optimizer.defaults, optimizer.param_groups, optimizer.state[param])
+    assert after[0] == before[0] and after[1] == before[1] and after[2].keys() == before[2].keys()
+    if refused == "complex":
+        optimizer.step()  # still torch's AdamW
+
+
 def test_muon_in_place_keeps_its_name():
     converted = lq.quantize_optimizer(torch.optim.Muon([torch.nn.Parameter(torch.randn(64, 64))]), min_quant_size=0)
     assert type(converted).__name__ == "Muon" and isinstance(converted, lq.QMuon)

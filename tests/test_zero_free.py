@@ -19,7 +19,7 @@ from lightning_qstate.formats import BlockFormat, CastFormat, CodebookFormat, ge
 from lightning_qstate.formats.packing import as_blocks, pack, unpack
 from lightning_qstate.formats.rounding import encode_codebook
 from lightning_qstate.kernels import dispatch
-from lightning_qstate.kernels.bounds import moment_bound
+from lightning_qstate.kernels.bounds import MOMENT_BOUND_STATE, held_moment_bound, moment_bound
 from lightning_qstate.kernels.native import native_kernel_available
 
 NONNEGATIVE_FORMATS = ["int8", "int4", "int8_linear", "int4_linear", "fp8_e4m3", "fp8_e5m2", "e2m2", "e3m0", "e4m3", "bf16", "fp16"]
@@ -270,3 +270,51 @@ def test_moment_bound_is_adams_own(beta1, beta2):
     m = sum((1 - beta1) * beta1 ** (n - k) * g for k, g in enumerate(grads, start=1))
     v = sum((1 - beta2) * beta2 ** (n - k) * g * g for k, g in enumerate(grads, start=1))
     assert abs(m) == pytest.approx(moment_bound(beta1, beta2, n) / (1 + 2**-8) * v**0.5, rel=1e-6)
+
+
+def test_the_bound_follows_betas_that_change():
+    """``K_n²`` advanced with each update's betas (``held_moment_bound``) bounds exact moments under any schedule of
+    betas, and is the closed form ``moment_bound`` while they stay (the closed form assumes this update's betas since
+    the first update: after a β1 warm-up it fell below exact moments)."""
+    generator = torch.Generator().manual_seed(0)
+    for _trial in range(100):
+        state: dict = {}
+        m = v = 0.0
+        for n in range(40):
+            beta1, beta2 = float(torch.rand((), generator=generator)) * 0.99, 0.5 + float(torch.rand((), generator=generator)) * 0.4999
+            held_moment_bound(state, beta1, beta2, n)
+            g = float(torch.randn((), generator=generator)) * 10 ** float(6 * torch.rand((), generator=generator))
+            m, v = beta1 * m + (1 - beta1) * g, beta2 * v + (1 - beta2) * g * g
+            assert abs(m) <= state[MOMENT_BOUND_STATE] ** 0.5 * v**0.5 * (1 + 1e-12)
+    state = {}
+    assert [held_moment_bound(state, 0.9, 0.999, n) for n in range(50)] == [moment_bound(0.9, 0.999, n) for n in range(50)]
+
+
+def test_a_betas_warm_up_leaves_exact_moments_alone():
+    """β1 at 0 for three steps, then 0.9, set on ``param_groups`` (a momentum warm-up): with bf16 states every path
+    follows torch's AdamW to bf16's precision (the last update was 75 % off: the hold clamped exact moments)."""
+    init = torch.randn(8192, generator=torch.Generator().manual_seed(0))
+
+    def last_update(make):
+        param = torch.nn.Parameter(init.clone())
+        optimizer = make([param])
+        for step in range(6):
+            optimizer.param_groups[0]["betas"] = (0.0 if step < 3 else 0.9, 0.999)
+            before = param.detach().clone()
+            param.grad = torch.randn(param.shape, generator=torch.Generator().manual_seed(step))
+            optimizer.step()
+        return param.detach() - before
+
+    expected = last_update(lambda params: torch.optim.AdamW(params, lr=1e-3))
+    for compile_cpu in (True, False):
+        optimizer = None
+
+        def make(params, compile_cpu=compile_cpu):
+            nonlocal optimizer
+            optimizer = lq.QAdamW(params, lr=1e-3, states="bf16", min_quant_size=0)
+            optimizer.cpu_compile = compile_cpu
+            return optimizer
+
+        update = last_update(make)
+        assert float((update - expected).norm() / expected.norm()) < 0.01, compile_cpu
+        assert set(optimizer.step_paths().values()) == ({"native"} if compile_cpu and native_kernel_available() else {"reference"})

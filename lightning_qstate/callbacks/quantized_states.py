@@ -19,6 +19,7 @@ from ..optim import (
     check_optimizer_parameters,
     state_summary,
 )
+from ..plugins.precision import QStatePolicyMixin, put_weights_on_grid
 from .arguments import check_flags
 from .tensorboard import log_scalars
 
@@ -30,9 +31,9 @@ class QuantizedOptimizerStates(Callback):
     ``trainer.strategy`` are converted (in place for Adam/AdamW/SGD/Muon, wrapped otherwise), before
     any checkpoint is restored, so resuming loads straight into the quantized optimizers. Optimizers a
     :class:`~lightning_qstate.plugins.QStatePrecision` already converted are left as they are; the
-    callback then only logs. With ``weights=`` (training without fp32 master weights, ECO), the parameters of the
-    optimizers it converts are rounded onto their weight grid there too (round to nearest), before a checkpoint's
-    weights (on the grid already) are restored.
+    callback then only logs. With ``weights=`` (training without fp32 master weights, ECO; its own or that of a quantized
+    optimizer ``configure_optimizers`` built), the parameters are rounded onto their weight grid there too (round to
+    nearest), before a checkpoint's weights (on the grid already) are restored; under a QState plugin, the plugin did.
 
     At the Trainer's logging interval (``log_every_n_steps``) it logs, summed over ranks:
     ``qstate/state_bytes``, ``qstate/bits_per_value`` (average, scales included),
@@ -78,11 +79,9 @@ class QuantizedOptimizerStates(Callback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         model = trainer.strategy.model if trainer.strategy.model is not None else pl_module
         check_optimizer_parameters(model, trainer.strategy.optimizers)
-        converted = [not isinstance(optimizer, QuantizedStates) for optimizer in trainer.strategy.optimizers]  # (in place too)
         trainer.strategy.optimizers = [self.policy.apply(optimizer, model) for optimizer in trainer.strategy.optimizers]
-        for optimizer, new in zip(trainer.strategy.optimizers, converted, strict=True):
-            if new and isinstance(optimizer, QuantizedStates):  # a plugin's optimizers got theirs in its connect()
-                optimizer.quantize_weights()  # weights=: onto the grid, round to nearest (a checkpoint's weights come later)
+        if not isinstance(trainer.strategy.precision_plugin, QStatePolicyMixin):  # a plugin's connect() put them on their grids
+            put_weights_on_grid(trainer.strategy.optimizers)  # weights=: round to nearest (a checkpoint's weights come later)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         if not self.log_stats or not trainer._logger_connector.should_update_logs:

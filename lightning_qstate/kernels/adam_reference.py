@@ -98,14 +98,15 @@ def adam_denominator(exp_avg_sq: torch.Tensor, hyper: dict[str, torch.Tensor]) -
     return sqrt_rn(exp_avg_sq) / hyper["bias_correction2_sqrt"] + hyper["eps"]
 
 
-def adam_hyper(group: dict, step: float) -> dict[str, torch.Tensor]:
+def adam_hyper(group: dict, step: float, bound: float | None = None) -> dict[str, torch.Tensor]:
     """The 0-d fp32 tensors ``adam_math`` takes (names and meaning: ``kernels.triton_adam.COEFFICIENTS``), for
     ``group``'s options at step ``step`` (1 for the first step).
 
     Each is computed as torch's AdamW computes it (``1 - lr * weight_decay``, ``1 - beta1``, ``1 - beta2``,
     ``lr / (1 - beta1**step)``, ``(1 - beta2**step) ** 0.5``: in Python floats, in float64, or in a tensor
-    hyperparameter's dtype) and rounded to fp32 once, where torch's kernels round it; ``moment_bound`` is
-    ``kernels.bounds.moment_bound`` after ``step - 1`` updates, which the decoded ``m`` is held to.
+    hyperparameter's dtype) and rounded to fp32 once, where torch's kernels round it; ``moment_bound`` is ``bound``,
+    which the decoded ``m`` is held to (an optimizer's ``kernels.bounds.held_moment_bound``; default: the closed form
+    ``moment_bound`` after ``step - 1`` updates, all with these betas).
     """
     lr, weight_decay = group["lr"], group["weight_decay"]
     beta1, beta2 = group["betas"]
@@ -118,7 +119,7 @@ def adam_hyper(group: dict, step: float) -> dict[str, torch.Tensor]:
         "eps": group["eps"],
         "step_size": lr / (1 - beta1**step),
         "bias_correction2_sqrt": (1 - beta2**step) ** 0.5,
-        "moment_bound": moment_bound(float(beta1), float(beta2), step - 1),
+        "moment_bound": moment_bound(float(beta1), float(beta2), step - 1) if bound is None else bound,
         "eco_coefficient": eco_coefficient(group, step),
     }
     return {name: torch.as_tensor(value, dtype=torch.float32) for name, value in values.items()}

@@ -10,6 +10,11 @@ stochastic rounding sends up to a coarse format's smallest code, beside a ``v`` 
 make a step many times Adam's largest. Clamping the decoded ``m`` to ``K_n sqrt(v)`` before the update restores the
 invariant (the recursion ``K_{n+1}² = r K_n² + (1 - β1)² / (1 - β2)`` carries it through the update), so no step is
 larger than exact Adam could take; in exact arithmetic the clamp never acts. See docs/algorithms.md, "Zero-free formats".
+
+The recursion holds for betas that change between updates too (a warm-up of ``β1``, a schedule of ``β2``), where the
+closed form, which assumes this update's betas since the first, can fall below exact moments. So each parameter's
+state carries ``K_n²`` under ``MOMENT_BOUND_STATE``, advanced with the betas of each update (``held_moment_bound``); a
+state without it (a checkpoint of an earlier version, a reset) starts from the closed form.
 """
 
 from __future__ import annotations
@@ -18,24 +23,39 @@ import functools
 import math
 
 import numpy
+import torch
+
+MOMENT_BOUND_STATE = "moment_bound_sq"  # K_n² of a parameter whose moments are quantized: a 0-d float64 CPU tensor
 
 
-@functools.lru_cache(maxsize=256)  # every step asks once per quantized parameter, mostly with one step count
-def moment_bound(beta1: float, beta2: float, steps_done: float) -> float:
-    """``K_n (1 + 2^-8)`` for ``n = steps_done`` (the moments after ``n`` updates); ``inf`` where ``v`` does not accumulate
-    (β2 = 1).
+def held_moment_bound(state: dict, beta1: float, beta2: float, steps_done: float) -> float:
+    """The bound this update holds the decoded ``m`` to (as ``moment_bound``: ``K_n (1 + 2^-8)``, fp32) for a parameter
+    whose ``state`` has taken ``steps_done`` updates; advances ``state[MOMENT_BOUND_STATE]`` to ``K_{n+1}²`` with this
+    update's betas."""
+    kept = state.get(MOMENT_BOUND_STATE)
+    square = bound_square(beta1, beta2, steps_done) if kept is None else float(kept)
+    state[MOMENT_BOUND_STATE] = torch.tensor(next_bound_square(square, beta1, beta2), dtype=torch.float64)
+    return _with_margin(square)
 
-    The margin keeps the clamp off moments that meet the bound exactly up to float rounding (after one update
-    ``|m| = K_1 sqrt(v)``), so exact moments are never changed; it is returned as the fp32 value at or above it.
-    """
+
+def next_bound_square(square: float, beta1: float, beta2: float) -> float:
+    """``K_{n+1}² = (β1² / β2) K_n² + (1 - β1)² / (1 - β2)`` from ``square = K_n²`` (``inf`` where ``v`` does not
+    accumulate; with ``β2 = 0``, ``v`` holds the last gradient only: ``m`` is bounded by it while it has no memory)."""
+    if beta2 >= 1.0 or math.isinf(square):
+        return math.inf
+    if beta2 <= 0.0:
+        return (1.0 - beta1) ** 2 if square == 0.0 or beta1 == 0.0 else math.inf
+    return beta1 * beta1 / beta2 * square + (1.0 - beta1) ** 2 / (1.0 - beta2)
+
+
+@functools.lru_cache(maxsize=256)  # a state without K_n² asks once per quantized parameter, mostly with one step count
+def bound_square(beta1: float, beta2: float, steps_done: float) -> float:
+    """``K_n²`` for ``n = steps_done`` updates, all with these betas (the closed form of ``next_bound_square``)."""
     n = float(steps_done)
     if beta2 >= 1.0:
         return math.inf
-    if beta2 <= 0.0:  # v holds the last gradient only: m is bounded by it after one update, or with no memory (β1 = 0)
-        if n > 1 and beta1 != 0.0:
-            return math.inf
-        terms = min(n, 1.0)
-        return _fp32_at_or_above((1.0 - beta1) * math.sqrt(terms) * (1.0 + 2.0**-8))
+    if beta2 <= 0.0:
+        return (1.0 - beta1) ** 2 * min(n, 1.0) if n <= 1 or beta1 == 0.0 else math.inf
     ratio = beta1 * beta1 / beta2
     if ratio == 0.0:
         terms = 1.0 if n > 0 else 0.0
@@ -43,7 +63,22 @@ def moment_bound(beta1: float, beta2: float, steps_done: float) -> float:
         terms = n
     else:
         terms = -math.expm1(n * math.log(ratio)) / (1.0 - ratio)  # Σ_{j<n} r^j, also for r > 1
-    return _fp32_at_or_above((1.0 - beta1) * math.sqrt(terms / (1.0 - beta2)) * (1.0 + 2.0**-8))
+    return (1.0 - beta1) ** 2 * terms / (1.0 - beta2)
+
+
+def moment_bound(beta1: float, beta2: float, steps_done: float) -> float:
+    """``K_n (1 + 2^-8)`` for ``n = steps_done`` (the moments after ``n`` updates); ``inf`` where ``v`` does not accumulate
+    (β2 = 1).
+
+    The margin keeps the clamp off moments that meet the bound exactly up to float rounding (after one update
+    ``|m| = K_1 sqrt(v)``), so exact moments are never changed; it is returned as the fp32 value at or above it.
+    """
+    return _with_margin(bound_square(beta1, beta2, steps_done))
+
+
+def _with_margin(square: float) -> float:
+    """``sqrt(square) (1 + 2^-8)`` as the fp32 value at or above it."""
+    return math.inf if math.isinf(square) else _fp32_at_or_above(math.sqrt(square) * (1.0 + 2.0**-8))
 
 
 def _fp32_at_or_above(value: float) -> float:

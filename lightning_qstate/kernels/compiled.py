@@ -94,10 +94,12 @@ def compiled_cpu_step(
     # Elements per block the fused path splits at: the format's block, CAST_ROW for cast formats (no blocks).
     block = max(state.format.block_size if isinstance(state.format, BlockFormat) else CAST_ROW for state in (m, v))
     whole = flat_param.numel() // block * block
-    (m_head, m_tail), (v_head, v_tail) = _split(m, whole, block), _split(v, whole, block)
     options = (m.format, v.format, group["rounding"], group["decoupled_weight_decay"], group["maximize"], track_stalls)
     if weights is not None:
         options += (weights.format, group["weight_rounding"], group["error_feedback"] == "eco")
+    if whole == 0:  # a block larger than the parameter: no whole block to compile for
+        return adam_step_quantized(flat_param, flat_grad, m.codes, m.scales, v.codes, v.scales, hyper, *options)
+    (m_head, m_tail), (v_head, v_tail) = _split(m, whole, block), _split(v, whole, block)
     counts = None
     if options not in _COMPILE_FAILED:
         for fmt in (m.format, v.format):  # the tables the step reads, built before tracing (else a guard fails once)

@@ -33,6 +33,7 @@ from ..formats import FLOAT_INPUT_DTYPES, BlockFormat, CastFormat, QuantizedTens
 from ..formats.weights import WeightGrid
 from . import TRITON_AVAILABLE
 from .adam_reference import adam_hyper
+from .bounds import MOMENT_BOUND_STATE, held_moment_bound
 from .compiled import compiled_cpu_step
 from .native import VALUE_DTYPES, StateOverflowError, native_format, native_formats, native_kernel_available
 
@@ -288,6 +289,7 @@ def plan_inputs(
         if isinstance(value, torch.Tensor)
         else (name, type(value))
         for name, value in state.items()
+        if name != MOMENT_BOUND_STATE  # read by no requirement; it appears after the first step
     ]
     return (param.dtype, param.device, param.numel(), param.is_contiguous(), grad.dtype, weights, tuple(created.items()), *states)
 
@@ -341,8 +343,9 @@ def fused_adam_step(
         StateOverflowError: a moment overflowed to inf/NaN (its block scale is not finite; its codes written in place).
     """
     m, v = state["exp_avg"], state["exp_avg_sq"]
+    bound = held_moment_bound(state, *(float(beta) for beta in group["betas"]), float(state["step"]))
     state["step"] += 1
-    hyper = adam_hyper(group, float(state["step"]))
+    hyper = adam_hyper(group, float(state["step"]), bound)
     if param.device.type in TRITON_DEVICE_TYPES:
         seed = None
         weight_stochastic = weights is not None and group["weight_rounding"] == "stochastic"

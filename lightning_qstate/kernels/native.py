@@ -110,6 +110,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import math
 import os
 import sys
 import warnings
@@ -120,7 +121,7 @@ import torch
 from ..formats import CastFormat, CodebookFormat, MinifloatFormat, QuantizedTensor, StorageFormat
 from ..formats.weights import WeightGrid
 from .adam_reference import eco_coefficient
-from .bounds import moment_bound
+from .bounds import MOMENT_BOUND_STATE, held_moment_bound
 from .code_index import nearest_index
 
 CSRC = Path(__file__).with_name("csrc")
@@ -367,7 +368,10 @@ def native_adam_steps(
     eco_coefficients = [eco_coefficient(group, float(states[k]["step"]) + 1) if eco and weights[k] is not None else 0.0 for k in coded]
     names = ("exp_avg", "exp_avg_sq")
     moments = [tuple(states[k][name] if quantized[k] else _fp32_cast(states[k][name]) for name in names) for k in coded]
-    bounds = [moment_bound(float(beta1), float(beta2), float(states[k]["step"])) if quantized[k] else float("inf") for k in coded]
+    before = [states[k].get(MOMENT_BOUND_STATE) for k in coded]  # kept where the kernel skips a non-finite gradient
+    bounds = [
+        held_moment_bound(states[k], float(beta1), float(beta2), float(states[k]["step"])) if quantized[k] else math.inf for k in coded
+    ]
     tables, ints, floats = _state_rows(tuple(q.format for pair in moments for q in pair), group["rounding"] == "stochastic")
     rows = _function("adam_steps_u8")(
         params=[params[k] for k in coded],
@@ -394,6 +398,9 @@ def native_adam_steps(
         maximize=group["maximize"],
         track=track_stalls,
     ).tolist()
+    for k, row, bound in zip(coded, rows, before, strict=False):
+        if not row[0]:  # not stepped: its moments' bound stays
+            states[k].pop(MOMENT_BOUND_STATE) if bound is None else states[k].update({MOMENT_BOUND_STATE: bound})
     overflowed = [k for k, row in zip(order, rows, strict=False) if row[0] and not row[1]]
     if overflowed:
         raise StateOverflowError("an Adam moment overflowed to inf/NaN during the step", overflowed)

@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor
 from ..formats import NonFiniteError, QuantizedTensor, StorageFormat, count_stalls
 from ..formats.weights import WeightGrid
 from ..kernels import dispatch
+from ..kernels.bounds import MOMENT_BOUND_STATE
 from ..kernels.dispatch import PER_PARAMETER_PATHS, PLAN_OPTIONS, Candidate, StepPath, plan_group, plan_inputs
 from ..kernels.native import StateOverflowError
 from .policy import (
@@ -179,8 +180,8 @@ def state_nbytes(optimizer: torch.optim.Optimizer) -> int:
         >>> for opt in (fp32, int8):
         ...     model(torch.randn(4, 1024)).square().mean().backward()
         ...     opt.step()
-        >>> state_nbytes(fp32), state_nbytes(int8)  # bytes; fp32 also holds the 4-byte step
-        (8388612, 2121732)
+        >>> state_nbytes(fp32), state_nbytes(int8)  # bytes: both hold the 4-byte step, int8 also its moments' 8-byte bound
+        (8388612, 2121740)
     """
     total = 0
     for state in optimizer.state.values():
@@ -290,6 +291,17 @@ class QuantizedStates:
                 raise TypeError(
                     f"{owner}: parameters of dtype {param.dtype} are not supported; use one of {[str(d) for d in PARAM_DTYPES]}"
                 )
+        self.check_weight_grids([group])
+
+    def check_weight_grids(self, groups: list[dict] | None = None) -> None:
+        """Resolve the weight grid of every parameter of ``groups`` (default: all), ``weight_overrides`` included, so that
+        one its dtype cannot hold raises here rather than at the first step (see ``optim.weights.weight_grid``)."""
+        for group in self.param_groups if groups is None else groups:
+            for key in group["params"]:
+                try:
+                    self.weight_grid(group, key)
+                except (TypeError, ValueError) as error:
+                    raise type(error)(f"{type(self).__name__}: parameter of shape {tuple(key.shape)}: {error}") from None
 
     def _check_weight_options(self, group: dict, owner: str) -> None:
         """Refuse ``weights``/``error_feedback`` values this optimizer's update cannot honour (subclasses add their rules)."""
@@ -737,7 +749,7 @@ class QuantizedStates:
         fmt = self._format_for(group, key, name, value, old)
         if fmt is None:
             return value
-        dtype = dtype or (old.dtype if old is not None else local_tensor(key).dtype)
+        dtype = dtype or (old.dtype if old is not None else self._decoded_dtype(group, key))
         local = local_tensor(value)
         generator = self.rounding_generator(key, name, local.device) if group["rounding"] == "stochastic" else None
         try:
@@ -766,8 +778,19 @@ class QuantizedStates:
         parameter on a weight grid in fp32 from the start (its update runs in fp32 and stores it so: ``_step_param``)."""
         fmt, value = self._policy_format(group, key, name), local_tensor(value)
         if fmt is not None:
-            return quantize_state(fmt, value)
+            return self._quantized(group, key, fmt, value)
         return value.float() if value.is_floating_point() and self.weight_grid(group, key) is not None else value
+
+    def _quantized(self, group: dict, key: torch.Tensor, fmt: StorageFormat, value: torch.Tensor) -> QuantizedTensor:
+        """``value``, a state of parameter ``key``, quantized into ``fmt`` (round to nearest), decoding to ``_decoded_dtype``."""
+        stored = quantize_state(fmt, value)
+        stored.dtype = self._decoded_dtype(group, key)
+        return stored
+
+    def _decoded_dtype(self, group: dict, key: torch.Tensor) -> torch.dtype:
+        """What a quantized state of parameter ``key`` decodes to: fp32 under a weight grid (its update runs in fp32, and
+        the native steps take only fp32-labelled states there), else the parameter's dtype."""
+        return torch.float32 if self.weight_grid(group, key) is not None else local_tensor(key).dtype
 
     # --- stall statistics -----------------------------------------------------------------------------
     def _weight_targets(self, group: dict, keys: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
@@ -898,6 +921,7 @@ class QuantizedStates:
             fmt = resolve_format({**group, "states": fmt, "min_quant_size": 0}, name, param, self.full_numels.get(param))
         value = dequantized(state[name])
         state[name] = value if fmt is None else quantize_state(fmt, value)
+        _drop_stale_bound(state)
 
     @contextlib.contextmanager
     def _zeroing_overflowed(self, keys: list[torch.Tensor]) -> Iterator[None]:
@@ -945,6 +969,8 @@ class QuantizedStates:
             else:
                 continue
             zeroed.append(name)
+        if zeroed:  # the moments' bound starts over from the closed form (kernels.bounds)
+            state.pop(MOMENT_BOUND_STATE, None)
         if restart_step and zeroed and "step" in state:
             step = state["step"]
             state["step"] = step.zero_() if isinstance(step, torch.Tensor) else type(step)(0)
@@ -1052,24 +1078,40 @@ class QuantizedStates:
             for name, entry in entries.items():
                 where = f"{type(self).__name__} state {index} ({name!r})"
                 # checked against the local shard: a full-shape packed state (a DDP checkpoint) never loads into a DTensor shard
-                self.state[params[index]][name] = import_state(entry, local_tensor(params[index]), where)
+                loaded = import_state(entry, local_tensor(params[index]), where)
+                loaded.dtype = self._decoded_dtype(
+                    groups_by_param[params[index]], params[index]
+                )  # the configured grid's, not the saved one's
+                self.state[params[index]][name] = loaded
         kept_plain = set()
         for index, entries in ((i, e) for i, e in markers.items() if e):
             key = params[index]
-            grid = self.weight_grid(groups_by_param[key], key) if key in groups_by_param else None
             for name, marker in entries.items():
                 if marker == PLAIN_MARKER:
                     kept_plain.add((key, name))
                     continue
                 state = self.state[key]
-                state[name] = quantize_exactly(format_from_marker(marker), local_tensor(state[name]).float())
-                state[name].dtype = torch.float32 if grid is not None else local_tensor(key).dtype  # as ``_store`` labels it
-        changed = self._keep_configured_policy(configured)
-        reencoded = self._apply_policy_on_load(changed, kept_plain)
-        if reencoded:
+                values, local = local_tensor(state[name]), local_tensor(key)
+                if values.shape != local.shape:  # as import_state refuses a packed state of another shape
+                    raise ValueError(
+                        f"{type(self).__name__} state {index} ({name!r}): checkpoint state has shape {tuple(values.shape)} but the "
+                        f"parameter has shape {tuple(local.shape)} (here; a shard's under FSDP: another rank's or world size's state?)"
+                    )
+                state[name] = quantize_exactly(
+                    format_from_marker(marker), values.float(), f"{type(self).__name__} state {index} ({name!r})"
+                )
+                state[name].dtype = self._decoded_dtype(groups_by_param[key], key)
+        changes = self._keep_configured_policy(configured)
+        done = self._apply_policy_on_load(changes, kept_plain)
+        described = [
+            f"group {index}: {'; '.join(filter(None, [change, did]))}"
+            for index, (change, did) in enumerate(zip(changes, done, strict=True))
+            if change or did
+        ]
+        if described:
             warnings.warn(
-                f"{type(self).__name__}: the checkpoint's storage policy differs from the configured one ({reencoded}); "
-                "the states were re-encoded into the configured formats",
+                f"{type(self).__name__}: the checkpoint's storage policy differs from the configured one, which is used "
+                f"({'; '.join(described)})",
                 UserWarning,
                 stacklevel=2,
             )
@@ -1083,7 +1125,8 @@ class QuantizedStates:
     def _restore_fp32_states(self, plain: dict, markers: dict, params: dict, configured: list[dict]) -> None:
         """Undo torch's cast of loaded floating states to the parameter's dtype where a state is fp32 by design: the
         fp32 values of ``checkpoint_mode="fp32"`` (re-quantized next, exactly), and under a weight grid of the
-        ``configured`` groups plain states and ``eco_exact``'s error buffer (always held as a local tensor)."""
+        ``configured`` groups plain states and ``eco_exact``'s error buffer (always held as a local tensor); the float64
+        ``K_n²`` of ``kernels.bounds``."""
         groups = {p: group for group, current in zip(configured, self.param_groups, strict=False) for p in current["params"]}
         for index, entries in plain.items():
             key = params.get(index)
@@ -1093,7 +1136,7 @@ class QuantizedStates:
             state = self.state[key]
             for name, value in entries.items():
                 loaded = state.get(name)
-                fp32_by_design = name in markers.get(index, {}) or gridded
+                fp32_by_design = name in markers.get(index, {}) or gridded or name == MOMENT_BOUND_STATE  # K_n²: float64
                 if fp32_by_design and isinstance(value, torch.Tensor) and isinstance(loaded, torch.Tensor) and value.dtype != loaded.dtype:
                     restored = value.detach().to(device=loaded.device, copy=True)
                     state[name] = restored if isinstance(loaded, DTensor) and name != ERROR_STATE else local_tensor(restored)
@@ -1125,40 +1168,60 @@ class QuantizedStates:
             )
         return changes
 
-    def _apply_policy_on_load(self, changes: list[str], kept_plain: set[tuple[torch.Tensor, str]]) -> str:
+    def _apply_policy_on_load(self, changes: list[str], kept_plain: set[tuple[torch.Tensor, str]]) -> list[str]:
         """Quantize plain loaded states per the policy (but those ``kept_plain``: saved plain by choice, ``PLAIN_MARKER``),
-        and re-encode quantized ones of groups whose policy changed. Returns a description of the re-encoding (``""`` if
-        nothing was re-encoded)."""
-        reencoded = []
+        re-encode quantized ones of groups whose policy changed, and drop ``eco_exact``'s error buffer where the group no
+        longer uses it (a stale error would come back with a later ``eco_exact``). Returns, per group, what was done."""
+        done = []
         for group, change in zip(self.param_groups, changes, strict=False):
-            count = 0
+            count, dropped = 0, 0
             for key in group["params"]:
                 state = self.state.get(key, {})
+                if ERROR_STATE in state and (group["error_feedback"] != "eco_exact" or self.weight_grid(group, key) is None):
+                    del state[ERROR_STATE]
+                    dropped += 1
                 for name, value in state.items():
                     if name not in self.state_names and self.state_names:
                         continue
                     if isinstance(value, torch.Tensor):
                         fmt = None if (key, name) in kept_plain else self._format_for(group, key, name, local_tensor(value), None)
-                        state[name] = local_tensor(value) if fmt is None else quantize_state(fmt, local_tensor(value))
+                        state[name] = local_tensor(value) if fmt is None else self._quantized(group, key, fmt, local_tensor(value))
                     elif isinstance(value, QuantizedTensor) and change:
                         target = self._policy_format(group, key, name)
                         if target is None or target.config != value.format.config:
-                            state[name] = value.dequantize() if target is None else quantize_state(target, value.dequantize())
+                            state[name] = value.dequantize() if target is None else self._quantized(group, key, target, value.dequantize())
                             count += 1
-            if count:
-                reencoded.append(f"{change}: {count} states")
-        return "; ".join(reencoded)
+                _drop_stale_bound(state)
+            done.append(
+                ", ".join(
+                    [f"{count} states re-encoded"] * bool(count) + [f"eco_exact's error dropped for {dropped} parameters"] * bool(dropped)
+                )
+            )
+        return done
 
     def fp32_state_dict(self) -> dict[str, Any]:
         """A plain torch state dict (quantized states decoded to their original dtype), loadable by the torch optimizer."""
         state_dict = super().state_dict()
-        state_dict["state"] = {index: {k: dequantized(v) for k, v in entries.items()} for index, entries in state_dict["state"].items()}
+        state_dict["state"] = {
+            index: {k: dequantized(v) for k, v in entries.items() if k != MOMENT_BOUND_STATE}
+            for index, entries in state_dict["state"].items()
+        }
         state_dict["param_groups"] = [{k: v for k, v in group.items() if k not in GROUP_OPTIONS} for group in state_dict["param_groups"]]
         return state_dict
 
 
+def _drop_stale_bound(state: dict) -> None:
+    """Drop the moments' bound ``K_n²`` (``kernels.bounds``) of a parameter left with no quantized moment: no step
+    advances it there, and a moment quantized later must not read it stale (it starts from the closed form)."""
+    if not any(isinstance(state.get(name), QuantizedTensor) for name in ("exp_avg", "exp_avg_sq")):
+        state.pop(MOMENT_BOUND_STATE, None)
+
+
 def _same_value(a: Any, b: Any) -> bool:
-    """Equality for hyperparameters that may be tensors (a tensor ``lr``) or tuples."""
+    """Equality for hyperparameters that may be tensors (a tensor ``lr``) or sequences (``betas``: a tuple, or the list
+    torch's ``set_optimizer_state_dict`` gives back), element by element."""
+    if isinstance(a, tuple | list) and isinstance(b, tuple | list):
+        return len(a) == len(b) and all(_same_value(x, y) for x, y in zip(a, b, strict=True))
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         return bool(torch.equal(torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64)))
     return a == b

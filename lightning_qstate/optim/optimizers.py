@@ -48,7 +48,7 @@ from torch.optim.sgd import sgd
 from ..formats import QuantizedTensor, StorageFormat
 from ..formats.weights import WeightBlock
 from ..kernels.adam_reference import adam_denominator, adam_hyper, eco_feedback, hold_moment
-from ..kernels.bounds import moment_bound
+from ..kernels.bounds import held_moment_bound
 from ..kernels.dispatch import ADAM_PATHS, MOMENTUM_PATHS, StepPath, fused_adam_step
 from ..kernels.native import native_adam_steps, native_momentum_steps
 from .base import QuantizedStates, finite_grads, local_tensor
@@ -154,7 +154,7 @@ class _AdamStates(QuantizedStates):
         """torch's Adam on the decoded moments; where a moment is stored quantized, the decoded ``m`` is first held to
         ``|m| <= K sqrt(v)``, which exact Adam never exceeds (``kernels.bounds``): storage never makes a step larger."""
         if any(isinstance(state[name], QuantizedTensor) for name in ("exp_avg", "exp_avg_sq")):
-            bound = torch.tensor(moment_bound(*(float(beta) for beta in group["betas"]), float(state["step"])))
+            bound = torch.tensor(held_moment_bound(state, *(float(beta) for beta in group["betas"]), float(state["step"])))
             states["exp_avg"] = hold_moment(states["exp_avg"], states["exp_avg_sq"], bound)
         self._adam(group, [param], [grad], [{**state, **states}], multi_tensor=False)
 

@@ -108,6 +108,8 @@ def validate_weight_options(group: Mapping[str, Any], owner: str) -> None:
         raise ValueError(f"{owner}: error_feedback={group['error_feedback']!r} is not valid; use one of {ERROR_FEEDBACKS}")
     if group["weights"] is not None and not isinstance(group["weights"], str):
         raise TypeError(f"{owner}: weights= must be a format name or None, got {type(group['weights']).__name__}")
+    if group["weights"] == "":
+        raise ValueError(f"{owner}: weights='' is not a format; give a format name (e.g. 'bf16', 'fp8_e4m3') or None")
     try:
         get_weight_grid(group["weights"] or "bf16", group["weight_block"])
     except ValueError as error:
@@ -294,10 +296,9 @@ class QuantizationPolicy:
                 state the quantized optimizer does not have (checked before ``optimizer`` is converted); an already
                 quantized ``optimizer`` whose options differ from those this policy sets.
         """
-        from torch.distributed.fsdp import FullyShardedDataParallel
 
         from .base import QuantizedStates
-        from .wrap import QUANTIZED_EQUIVALENTS, QuantizedOptimizerWrapper, fsdp_full_numels, quantize_optimizer
+        from .wrap import QUANTIZED_EQUIVALENTS, QuantizedOptimizerWrapper, quantize_optimizer
 
         names = None if module is None else [(clean_parameter_name(name), param) for name, param in module.named_parameters()]
         if names is None and all(group.get("param_names") for group in optimizer.param_groups):
@@ -308,6 +309,7 @@ class QuantizationPolicy:
         if isinstance(optimizer, QuantizedStates):
             self._check_held_by(optimizer, names, owner, module)
             _share_rounding_seed(optimizer)
+            _fit_to_fsdp1(optimizer, module)
             return optimizer
         given = [name for name in NAME_PATTERN_FIELDS if getattr(self, name)]
         if given and names is None:
@@ -324,12 +326,11 @@ class QuantizationPolicy:
         if overrides is not None:
             quantized.state_overrides = overrides
         quantized.weight_overrides = weight_overrides
+        quantized.check_weight_grids()
         _share_rounding_seed(quantized)
         if module is not None:
             quantized.module_names = {param: name for name, param in names}
-        if module is not None and any(isinstance(m, FullyShardedDataParallel) for m in module.modules()):
-            quantized.checkpoint_mode = "fp32"  # FSDP1 gathers and reshapes state tensors like its flat shards
-            quantized.full_numels = fsdp_full_numels(module)  # its parameters are local 1-D views: decide from the full sizes
+        _fit_to_fsdp1(quantized, module)
         return quantized
 
     def _check_held_by(
@@ -442,6 +443,26 @@ POLICY_DEFAULTS: dict[str, Any] = {
     f.name: f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
     for f in dataclasses.fields(QuantizationPolicy)
 }
+
+
+def _fit_to_fsdp1(optimizer: QuantizedStates, module: torch.nn.Module | None) -> None:
+    """Under FSDP1 (``module`` holds a ``FullyShardedDataParallel``), whether ``apply`` converted ``optimizer`` or it was
+    built quantized: fp32 checkpoints (FSDP1 gathers and reshapes state tensors like its flat shards; packed codes made
+    every save fail) and decisions from the full sizes (its parameters are local 1-D views). ``eco_exact`` is refused."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    from .wrap import fsdp_full_numels
+
+    if module is None or not any(isinstance(m, FullyShardedDataParallel) for m in module.modules()):
+        return
+    if any(group["error_feedback"] == "eco_exact" for group in optimizer.param_groups):
+        raise ValueError(
+            f"{type(optimizer).__name__}: error_feedback='eco_exact' is not supported under FSDP1: its fp32 error buffer "
+            "belongs to the parameters on a weight grid only, and FSDP1's optimizer state dict needs every parameter of a flat "
+            "parameter to hold the same states. Use FSDP2 (ModelParallelStrategy) or error_feedback='eco'"
+        )
+    optimizer.checkpoint_mode = "fp32"
+    optimizer.full_numels = fsdp_full_numels(module)
 
 
 def _share_rounding_seed(optimizer: QuantizedStates) -> None:

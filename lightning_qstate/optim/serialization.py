@@ -22,6 +22,7 @@ loader never sees (and so never casts) the codes.
 from __future__ import annotations
 
 import json
+import warnings
 import zlib
 from typing import Any
 
@@ -107,7 +108,7 @@ def import_state(entry: dict, param: torch.Tensor, where: str) -> QuantizedTenso
     return QuantizedTensor(fmt, codes, None if scales is None else scales.to(device), shape, getattr(torch, entry["dtype"]))
 
 
-def quantize_exactly(fmt: StorageFormat, values: torch.Tensor) -> QuantizedTensor:
+def quantize_exactly(fmt: StorageFormat, values: torch.Tensor, where: str = "quantize_exactly") -> QuantizedTensor:
     """``values`` (the fp32 export of a state of format ``fmt``, ``checkpoint_mode="fp32"``) quantized back into codes
     and scales that decode to exactly them, whatever rounding made the state.
 
@@ -116,8 +117,10 @@ def quantize_exactly(fmt: StorageFormat, values: torch.Tensor) -> QuantizedTenso
     the absmax rounded up, so round-to-nearest or stochastic rounding may have taken the absmax to a lower code. Such a
     block's scale is the largest value over one of the codes near the top of its side: each candidate (three codes per
     side; for fp32 scales, two fp32 spacings either way) whose codes decode to the block's values exactly replaces the
-    re-quantized block. A block no scale fits (values of another block layout or of an older export) keeps
-    round-to-nearest's codes and scale.
+    re-quantized block. A block no scale fits keeps round-to-nearest's codes and scale, and a warning (naming
+    ``where``) counts such blocks: values saved with another block layout (an FSDP1 checkpoint at another world size),
+    by a version before this search (it exported one value per such block pinned), or damaged (the fp32 form has no
+    checksum: a changed value seldom decodes from any code and scale of its block).
     """
     quantized = fmt.quantize(values, rounding="nearest")
     if not isinstance(fmt, BlockFormat) or quantized.scales is None or quantized.numel == 0:
@@ -146,6 +149,14 @@ def quantize_exactly(fmt: StorageFormat, values: torch.Tensor) -> QuantizedTenso
         fits = usable & ((decode[trial.long()] * divisor[:, None] == target[rows]) | ~valid[rows]).all(dim=1)
         codes[rows[fits]], scales[rows[fits]] = trial[fits], scale[fits]
         rows, largest = rows[~fits], largest[~fits]
+    if rows.numel():
+        warnings.warn(
+            f"{where}: {rows.numel()} of {blocks} blocks of {block} values ({fmt.name}) decode from no code and scale of theirs; "
+            "re-quantized to nearest. The checkpoint was saved with another block layout (FSDP1 at another world size), by an "
+            "earlier lightning_qstate, or is damaged",
+            UserWarning,
+            stacklevel=3,
+        )
     return QuantizedTensor(fmt, pack(codes.view(-1)[:numel], fmt.bits), scales, quantized.shape, quantized.dtype)
 
 

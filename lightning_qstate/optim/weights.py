@@ -39,10 +39,22 @@ ERROR_STATE = "weight_error"
 def weight_grid(weights: str | None, group: dict, param: torch.Tensor) -> WeightGrid | None:
     """The grid ``param`` is kept on after a step (format ``weights``: its group's, or its ``weight_overrides`` entry),
     or ``None`` for torch's behaviour (no ``weights`` and no ``error_feedback``). A parameter with ``error_feedback``
-    and no ``weights`` uses its own dtype as the grid."""
+    and no ``weights`` uses its own dtype as the grid.
+
+    Raises:
+        ValueError: a cast grid (``"fp32"``, ``"bf16"``, ``"fp16"``) that ``param``'s dtype cannot hold.
+        TypeError: ``error_feedback`` without ``weights`` for a parameter whose dtype is not a grid (float64).
+    """
     if weights is None and group["error_feedback"] is None:
         return None
-    return get_weight_grid(weights or _dtype_format(param.dtype), group["weight_block"])
+    grid = get_weight_grid(weights or _dtype_format(param.dtype), group["weight_block"])
+    if grid.cast_dtype is not None and torch.promote_types(grid.cast_dtype, param.dtype) != param.dtype:
+        raise ValueError(
+            f"weights={weights!r} needs parameters that can hold its values, and a {param.dtype} parameter cannot (writing them "
+            f"back would round every update to nearest, stochastic rounding or not); use weights={_dtype_format(param.dtype)!r} "
+            "(its own dtype), a block-scaled format, or wider parameters"
+        )
+    return grid
 
 
 def grid_units(grid: WeightGrid, values: torch.Tensor) -> torch.Tensor:
@@ -56,7 +68,7 @@ def grid_units(grid: WeightGrid, values: torch.Tensor) -> torch.Tensor:
     rounding of grid values kept in a narrower dtype (a bf16 parameter).
     """
     flat = values.detach().reshape(-1).float()
-    if grid.cast_dtype is not None:
+    if grid.cast_dtype is not None or flat.numel() == 0:
         return flat
     if grid.block == "tensor":
         groups = flat.view(1, -1)

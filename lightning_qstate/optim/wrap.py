@@ -281,19 +281,48 @@ def quantize_optimizer(
     quantized_class = QUANTIZED_EQUIVALENTS.get(type(optimizer))
     if quantized_class is None:
         return QuantizedOptimizerWrapper(optimizer, generator=generator, policy=resolved)
+    before = _Snapshot(optimizer)
     scheduler_wrapped = getattr(optimizer.__dict__.pop("step", None), "_wrapped_by_lr_sched", False)
     optimizer.__class__ = quantized_class
-    optimizer._patch_step_function()
-    if scheduler_wrapped:
-        _track_step_for_schedulers(optimizer)
-    optimizer._setup_quantized_states(resolved, generator)
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            state = optimizer.state.get(param, {})
-            for name in optimizer.state_names:
-                if isinstance(state.get(name), torch.Tensor):
-                    state[name] = optimizer._initial(group, param, name, state[name])
+    try:
+        optimizer._patch_step_function()
+        if scheduler_wrapped:
+            _track_step_for_schedulers(optimizer)
+        optimizer._setup_quantized_states(resolved, generator)
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                state = optimizer.state.get(param, {})
+                for name in optimizer.state_names:
+                    if isinstance(state.get(name), torch.Tensor):
+                        state[name] = optimizer._initial(group, param, name, state[name])
+    except BaseException:
+        before.restore(optimizer)  # a refused conversion leaves the torch optimizer as it was, still usable
+        raise
     return optimizer
+
+
+class _Snapshot:
+    """What ``quantize_optimizer`` changes on a torch optimizer: its class, attributes, defaults, groups' options and
+    states (shallow copies: the tensors are replaced, never written)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.cls, self.attributes = type(optimizer), dict(optimizer.__dict__)
+        self.defaults = dict(optimizer.defaults)
+        self.groups = [dict(group) for group in optimizer.param_groups]
+        self.states = {param: dict(state) for param, state in optimizer.state.items()}
+
+    def restore(self, optimizer: torch.optim.Optimizer) -> None:
+        optimizer.__class__ = self.cls
+        optimizer.__dict__.clear()
+        optimizer.__dict__.update(self.attributes)
+        optimizer.defaults.clear()
+        optimizer.defaults.update(self.defaults)
+        for group, saved in zip(optimizer.param_groups, self.groups, strict=True):
+            group.clear()
+            group.update(saved)
+        for param, saved in self.states.items():
+            optimizer.state[param].clear()
+            optimizer.state[param].update(saved)
 
 
 def _track_step_for_schedulers(optimizer: torch.optim.Optimizer) -> None:
