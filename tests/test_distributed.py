@@ -671,8 +671,10 @@ def test_apply_under_fsdp1_fits_an_optimizer_built_quantized_and_refuses_eco_exa
         built = QuantizationPolicy().apply(QAdamW(model.parameters(), states="int8", min_quant_size=0), model)
         assert built.checkpoint_mode == "fp32" and built.full_numels
         policy = QuantizationPolicy(weights="bf16", error_feedback="eco_exact", weight_overrides={"0.weight": "bf16"})
-        with pytest.raises(ValueError, match=r"AdamW: error_feedback='eco_exact' is not supported under FSDP1.*use FSDP2|Use FSDP2"):
-            policy.apply(torch.optim.AdamW(model.parameters()), model)
+        optimizer = torch.optim.AdamW(model.parameters())
+        with pytest.raises(ValueError, match=r"AdamW: error_feedback='eco_exact' is not supported under FSDP1.*Use FSDP2"):
+            policy.apply(optimizer, model)
+        assert type(optimizer) is torch.optim.AdamW  # refused before it was converted
     finally:
         if created:
             dist.destroy_process_group()

@@ -322,6 +322,7 @@ class QuantizationPolicy:
             self.validate("QuantizationPolicy", QUANTIZED_EQUIVALENTS.get(type(optimizer), QuantizedOptimizerWrapper).state_names or None)
             overrides = self.overrides_for(names, owner)
         weight_overrides = self.weight_overrides_for(names, owner, module) if names is not None else {}
+        _fit_to_fsdp1(optimizer, module, self.error_feedback)  # refuses eco_exact before the optimizer is converted
         quantized = quantize_optimizer(optimizer, policy=dataclasses.replace(self, overrides={}, weight_overrides={}))
         if overrides is not None:
             quantized.state_overrides = overrides
@@ -445,24 +446,27 @@ POLICY_DEFAULTS: dict[str, Any] = {
 }
 
 
-def _fit_to_fsdp1(optimizer: QuantizedStates, module: torch.nn.Module | None) -> None:
-    """Under FSDP1 (``module`` holds a ``FullyShardedDataParallel``), whether ``apply`` converted ``optimizer`` or it was
-    built quantized: fp32 checkpoints (FSDP1 gathers and reshapes state tensors like its flat shards; packed codes made
-    every save fail) and decisions from the full sizes (its parameters are local 1-D views). ``eco_exact`` is refused."""
+def _fit_to_fsdp1(optimizer: torch.optim.Optimizer, module: torch.nn.Module | None, error_feedback: str | None = None) -> None:
+    """Under FSDP1 (``module`` holds a ``FullyShardedDataParallel``), for an optimizer ``apply`` converted or one built
+    quantized: fp32 checkpoints (FSDP1 gathers and reshapes state tensors like its flat shards; packed codes made every
+    save fail) and decisions from the full sizes (its parameters are local 1-D views). ``eco_exact`` (a group's, or
+    ``error_feedback`` for a torch optimizer about to be converted: checked before it is) is refused."""
     from torch.distributed.fsdp import FullyShardedDataParallel
 
+    from .base import QuantizedStates
     from .wrap import fsdp_full_numels
 
     if module is None or not any(isinstance(m, FullyShardedDataParallel) for m in module.modules()):
         return
-    if any(group["error_feedback"] == "eco_exact" for group in optimizer.param_groups):
+    if "eco_exact" in [error_feedback, *(group.get("error_feedback") for group in optimizer.param_groups)]:
         raise ValueError(
             f"{type(optimizer).__name__}: error_feedback='eco_exact' is not supported under FSDP1: its fp32 error buffer "
             "belongs to the parameters on a weight grid only, and FSDP1's optimizer state dict needs every parameter of a flat "
             "parameter to hold the same states. Use FSDP2 (ModelParallelStrategy) or error_feedback='eco'"
         )
-    optimizer.checkpoint_mode = "fp32"
-    optimizer.full_numels = fsdp_full_numels(module)
+    if isinstance(optimizer, QuantizedStates):
+        optimizer.checkpoint_mode = "fp32"
+        optimizer.full_numels = fsdp_full_numels(module)
 
 
 def _share_rounding_seed(optimizer: QuantizedStates) -> None:
