@@ -1078,11 +1078,10 @@ class QuantizedStates:
             for name, entry in entries.items():
                 where = f"{type(self).__name__} state {index} ({name!r})"
                 # checked against the local shard: a full-shape packed state (a DDP checkpoint) never loads into a DTensor shard
-                loaded = import_state(entry, local_tensor(params[index]), where)
-                loaded.dtype = self._decoded_dtype(
-                    groups_by_param[params[index]], params[index]
-                )  # the configured grid's, not the saved one's
-                self.state[params[index]][name] = loaded
+                key = params[index]
+                loaded = import_state(entry, local_tensor(key), where)
+                loaded.dtype = self._decoded_dtype(groups_by_param[key], key)  # per the configured grid, not the saved one
+                self.state[key][name] = loaded
         kept_plain = set()
         for index, entries in ((i, e) for i, e in markers.items() if e):
             key = params[index]

@@ -115,9 +115,9 @@ def quantize_exactly(fmt: StorageFormat, values: torch.Tensor, where: str = "qua
     Round-to-nearest re-quantization recovers a block's scale from its largest value, and misses it where that value's
     code is below 1: signed dynamic maps stop short of -1 (``int8`` at -0.993, ``int4`` at -0.8875), and a bf16 scale is
     the absmax rounded up, so round-to-nearest or stochastic rounding may have taken the absmax to a lower code. Such a
-    block's scale is the largest value over one of the codes near the top of its side: each candidate (three codes per
-    side; for fp32 scales, two fp32 spacings either way) whose codes decode to the block's values exactly replaces the
-    re-quantized block. A block no scale fits keeps round-to-nearest's codes and scale, and a warning (naming
+    block's scale is its largest value over one of the codes near the top of the map (``_top_codes``; for fp32 scales
+    also two fp32 spacings either way): the first candidate whose codes decode to the block's values exactly replaces
+    the re-quantized block. A block no scale fits keeps round-to-nearest's codes and scale, and a warning (naming
     ``where``) counts such blocks: values saved with another block layout (an FSDP1 checkpoint at another world size),
     by a version before this search (it exported one value per such block pinned), or damaged (the fp32 form has no
     checksum: a changed value seldom decodes from any code and scale of its block).
