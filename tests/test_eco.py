@@ -388,13 +388,13 @@ def test_weight_stalls_of_empty_parameters():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_muon_on_a_grid_takes_the_native_step_from_the_first(dtype):
-    """A gridded parameter's coded momentum decodes to fp32 from its creation, so its first step is native too."""
-    if not dispatch.native_kernel_available():
-        pytest.skip("no C++ kernel")
+    """A gridded parameter's coded momentum decodes to fp32 from its creation, so its first step is native too (where
+    the C++ kernel builds; else every step is the reference's)."""
+    expected = "native" if dispatch.native_kernel_available() else "reference"
     torch.manual_seed(0)
     param = torch.nn.Parameter(torch.randn(64, 64).to(dtype))
     optimizer = lq.QMuon([param], states="int8", weights="bf16" if dtype == torch.bfloat16 else "fp16", min_quant_size=0)
     for _ in range(2):
         param.grad = torch.randn_like(param)
         optimizer.step()
-        assert optimizer.step_paths()["param0"] == "native"
+        assert optimizer.step_paths()["param0"] == expected

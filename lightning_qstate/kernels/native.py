@@ -399,8 +399,12 @@ def native_adam_steps(
         track=track_stalls,
     ).tolist()
     for k, row, bound in zip(coded, rows, before, strict=False):
-        if not row[0]:  # not stepped: its moments' bound stays
-            states[k].pop(MOMENT_BOUND_STATE) if bound is None else states[k].update({MOMENT_BOUND_STATE: bound})
+        if row[0]:
+            continue
+        if bound is None:  # not stepped (a non-finite gradient): its moments' bound stays as it was
+            del states[k][MOMENT_BOUND_STATE]
+        else:
+            states[k][MOMENT_BOUND_STATE] = bound
     overflowed = [k for k, row in zip(order, rows, strict=False) if row[0] and not row[1]]
     if overflowed:
         raise StateOverflowError("an Adam moment overflowed to inf/NaN during the step", overflowed)

@@ -39,6 +39,7 @@ from .serialization import (
     PLAIN_MARKER,
     STATE_FORMAT_VERSION,
     VERSION_KEY,
+    check_state_shape,
     export_state,
     format_from_marker,
     format_marker,
@@ -1090,15 +1091,9 @@ class QuantizedStates:
                     kept_plain.add((key, name))
                     continue
                 state = self.state[key]
-                values, local = local_tensor(state[name]), local_tensor(key)
-                if values.shape != local.shape:  # as import_state refuses a packed state of another shape
-                    raise ValueError(
-                        f"{type(self).__name__} state {index} ({name!r}): checkpoint state has shape {tuple(values.shape)} but the "
-                        f"parameter has shape {tuple(local.shape)} (here; a shard's under FSDP: another rank's or world size's state?)"
-                    )
-                state[name] = quantize_exactly(
-                    format_from_marker(marker), values.float(), f"{type(self).__name__} state {index} ({name!r})"
-                )
+                values, where = local_tensor(state[name]), f"{type(self).__name__} state {index} ({name!r})"
+                check_state_shape(values.shape, local_tensor(key), where)  # as import_state checks a packed state
+                state[name] = quantize_exactly(format_from_marker(marker), values.float(), where)
                 state[name].dtype = self._decoded_dtype(groups_by_param[key], key)
         changes = self._keep_configured_policy(configured)
         done = self._apply_policy_on_load(changes, kept_plain)

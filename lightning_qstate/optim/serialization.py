@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from ..formats import BlockFormat, QuantizedTensor, StorageFormat, get_format
-from ..formats.packing import pack, unpack
+from ..formats.packing import as_blocks, pack, unpack
 
 STATE_FORMAT_VERSION = 3
 VERSION_KEY = "qstate_version"
@@ -85,8 +85,7 @@ def import_state(entry: dict, param: torch.Tensor, where: str) -> QuantizedTenso
     version = entry[VERSION_KEY]
     fmt = versioned_format(version, entry["format"], where)
     shape = torch.Size(entry["shape"])
-    if shape != param.shape:
-        raise ValueError(f"{where}: checkpoint state has shape {tuple(shape)} but the parameter has shape {tuple(param.shape)}")
+    check_state_shape(shape, param, where)
     codes, scales = entry["codes"], entry["scales"]
     stored = codes.nbytes + (0 if scales is None else scales.nbytes)
     if stored != fmt.nbytes(shape.numel()):
@@ -108,6 +107,16 @@ def import_state(entry: dict, param: torch.Tensor, where: str) -> QuantizedTenso
     return QuantizedTensor(fmt, codes, None if scales is None else scales.to(device), shape, getattr(torch, entry["dtype"]))
 
 
+def check_state_shape(shape: torch.Size, param: torch.Tensor, where: str) -> None:
+    """Refuse a checkpoint state whose ``shape`` is not ``param``'s (a local shard's under FSDP): another model's, or
+    another rank's or world size's shard, never loads silently."""
+    if shape != param.shape:
+        raise ValueError(
+            f"{where}: checkpoint state has shape {tuple(shape)} but the parameter has shape {tuple(param.shape)} "
+            "(under FSDP, a shard's: is it another rank's or another world size's state?)"
+        )
+
+
 def quantize_exactly(fmt: StorageFormat, values: torch.Tensor, where: str = "quantize_exactly") -> QuantizedTensor:
     """``values`` (the fp32 export of a state of format ``fmt``, ``checkpoint_mode="fp32"``) quantized back into codes
     and scales that decode to exactly them, whatever rounding made the state.
@@ -126,10 +135,9 @@ def quantize_exactly(fmt: StorageFormat, values: torch.Tensor, where: str = "qua
     if not isinstance(fmt, BlockFormat) or quantized.scales is None or quantized.numel == 0:
         return quantized
     block, blocks, numel = fmt.block_size, quantized.scales.numel(), quantized.numel
-    padding = blocks * block - numel
-    target = torch.nn.functional.pad(values.reshape(-1).float(), (0, padding)).view(blocks, block)
-    valid = torch.nn.functional.pad(torch.ones(numel, dtype=torch.bool, device=values.device), (0, padding)).view(blocks, block)
-    codes = torch.nn.functional.pad(unpack(quantized.codes, fmt.bits, numel), (0, padding)).view(blocks, block)
+    target = as_blocks(values.reshape(-1).float(), block)
+    valid = as_blocks(torch.ones(numel, dtype=torch.bool, device=values.device), block)
+    codes = as_blocks(unpack(quantized.codes, fmt.bits, numel), block)
     scales = quantized.scales.clone()
     decode = fmt.tables(values.device)["decode"]
     missed = ((decode[codes.long()] * scales.float()[:, None] != target) & valid).any(dim=1) & torch.isfinite(scales)
