@@ -714,13 +714,31 @@ def fp16_hard_inputs() -> torch.Tensor:
 
 @needs_kernel
 def test_kernel_rounds_to_nearest_as_torch_casts():
-    """The kernel's RN to fp16 (subnormals, ties to even, overflow to inf) and bf16 give ``.to(dtype)``'s bits; fp32
-    keeps every value; NaN stays NaN."""
-    x = fp16_hard_inputs()
+    """The kernel's RN to fp16 (subnormals, ties to even) and bf16 give ``.to(dtype)``'s bits, saturating past the
+    dtype's largest value (inf included) as ``CastFormat.round_saturated``; fp32 keeps every value; NaN stays NaN."""
+    x = torch.cat([fp16_hard_inputs(), torch.tensor([3.39e38, -3.3965e38, 3.4e38])])  # past bf16's largest, both sides of the midpoint
     for dtype in (torch.float16, torch.bfloat16, torch.float32):
         rounded = native_round_to_grid(x, dtype, "nearest")
-        assert rounded.dtype == dtype and torch.equal(rounded.view(torch.uint8), x.to(dtype).view(torch.uint8)), dtype
+        expected = x if dtype == torch.float32 else x.clamp(-torch.finfo(dtype).max, torch.finfo(dtype).max)
+        assert rounded.dtype == dtype and torch.equal(rounded.view(torch.uint8), expected.to(dtype).view(torch.uint8)), dtype
+        name = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}[dtype]
+        assert torch.equal(rounded, get_format(name).round_saturated(x, "nearest", None)), dtype
         assert bool(native_round_to_grid(torch.tensor([float("nan"), -float("nan")]), dtype, "nearest").isnan().all())
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_kernel_stochastic_rounding_saturates_at_the_largest_value(dtype):
+    """SR to a weight grid never leaves its range: values past the largest (inf included) and just below it come out
+    as the largest value or its lower neighbour, never inf; NaN stays NaN."""
+    largest = torch.finfo(dtype).max
+    x = torch.tensor([largest, largest * 1.0001, 3.4e38, float("inf")]).repeat(1024)
+    for sign in (1.0, -1.0):
+        rounded = native_round_to_grid(sign * x, dtype, "stochastic", seed=7).float()
+        assert torch.equal(rounded, torch.full_like(x, sign * largest)), dtype
+    below = torch.full((4096,), (largest + float(torch.nextafter(torch.tensor(largest, dtype=dtype), torch.tensor(0.0, dtype=dtype)))) / 2)
+    assert bool(torch.isfinite(native_round_to_grid(below, dtype, "stochastic", seed=7).float()).all())
+    assert bool(native_round_to_grid(torch.tensor([float("nan")] * 16), dtype, "stochastic", seed=7).isnan().all())
 
 
 def sr_inputs() -> dict[str, tuple[torch.dtype, float]]:

@@ -222,6 +222,17 @@ def test_bf16_sr_lands_on_a_neighbour():
     assert bool(((sr == down) | (sr == up)).all())
 
 
+@pytest.mark.parametrize("name", ["bf16", "fp16"])
+def test_sr_casts_past_the_largest_value_are_the_rn_cast(name):
+    """Finite values past the dtype's largest: stochastic rounding gives the RN cast (the largest value below the
+    midpoint to inf, inf above it); bf16's SR had rounded values RN keeps finite up to inf."""
+    fmt = get_format(name)
+    x = torch.tensor([3.39e38, -3.3925e38, 3.397e38] if name == "bf16" else [65519.0, -65515.0, 65530.0]).repeat(4096)
+    assert bool(torch.isfinite(x).all() and (x.abs() > torch.finfo(fmt.dtype).max).all())
+    sr = fmt.quantize(x, rounding="stochastic", generator=torch.Generator().manual_seed(0)).dequantize()
+    assert torch.equal(sr, x.to(fmt.dtype).float()) and int(torch.isinf(sr).sum()) == 4096
+
+
 # --- block scales -----------------------------------------------------------------------------------
 
 

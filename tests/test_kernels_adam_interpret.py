@@ -447,6 +447,29 @@ else:
         codes, scales = v_format.quantize_reference(exact_v, "nearest", None)
         assert torch.equal(sv.codes, codes) and torch.equal(sv.scales, scales)
 
+    @pytest.mark.parametrize("grid", ["bf16", "fp16"])
+    @pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+    def test_weight_grid_saturates(grid, rounding):
+        """fp32 weights pushed past the grid's largest value (both signs) stay at it, RN and SR, with ECO's ``m`` finite
+        (``CastFormat.round_saturated``: the cast made them inf); RN gives the reference's weights and codes."""
+        fmt = get_format(grid)
+        largest = torch.finfo(fmt.dtype).max
+        m_format, v_format = moment_format(S8), moment_format(U8)
+        numel = 2 * 256 + 7
+        m, v = m_format.quantize(torch.zeros(numel)), v_format.quantize(torch.zeros(numel))
+        outward = torch.where(torch.arange(numel) % 2 == 0, 1.0, -1.0)
+        param, grad = outward * largest, -outward
+        ref_param, ref_m, ref_v = param.clone(), clone(m), clone(v)
+        hyper = adam_hyper(group_options(lr=largest / 256, weight_decay=0.0), 1.0)  # the first step moves each weight by lr: to inf
+        triton_adam_step(param, grad, m, v, hyper, "nearest", True, False, False, torch.tensor([0, 0, 5]), fmt, rounding, True)
+        assert torch.equal(param, outward * largest) and bool(torch.isfinite(m.scales).all())
+        if rounding == "nearest":
+            adam_step_quantized(
+                ref_param, grad, ref_m.codes, ref_m.scales, ref_v.codes, ref_v.scales, hyper,
+                m_format, v_format, "nearest", True, False, False, fmt, "nearest", True,
+            )  # fmt: skip
+            assert torch.equal(param, ref_param) and code_agreement(m, ref_m) == (1.0, 0) and torch.equal(m.scales, ref_m.scales)
+
     # ----------------------------------------------------------------------------------- dispatch without master weights
 
     def test_eco_optimizer_takes_the_kernel_and_equals_the_reference_path(monkeypatch):

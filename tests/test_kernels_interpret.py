@@ -360,7 +360,7 @@ else:
         fmt = get_format(target)
         info = torch.finfo(fmt.dtype)
         specials = [0.0, -0.0, 1.0, -2.5, float("inf"), float("-inf"), float("nan"), info.max, -info.max, info.tiny, info.tiny * info.eps]
-        specials += [65504.0, 65519.0, 65520.0, -70000.0, 1e30, 3.0e38, -3.0e38, 1e-40]
+        specials += [65504.0, 65519.0, 65520.0, -70000.0, 1e30, 3.0e38, -3.0e38, 1e-40, 3.39e38, -3.3965e38, 3.4e38]  # past bf16's largest
         x = torch.tensor(specials).to(input_dtype)
         x = torch.cat([x, random_values(1001, seed=9).to(input_dtype)])
         out = triton_stochastic_cast(fmt, x, seed=3)
@@ -372,6 +372,8 @@ else:
         fixed = (low == high) | torch.isnan(low)
         expected = fmt.stochastic_reference(xf, torch.Generator().manual_seed(0))
         assert same_bits(out[fixed], expected[fixed])
+        past = xf.abs() > info.max  # the RN cast, never rounded up to inf where RN stays finite
+        assert bool(past.any()) and same_bits(out[past], xf[past].to(fmt.dtype))
         assert torch.equal(out[:2].float().view(torch.int32), torch.tensor([0.0, -0.0]).view(torch.int32))  # the sign of zero is kept
         assert same_bits(out, triton_stochastic_cast(fmt, x, seed=torch.tensor([3])))
         if input_dtype != fmt.dtype:  # else the cast is exact, whatever the draws

@@ -377,9 +377,12 @@ def splitmix64_uniforms(seed: int, count: int) -> torch.Tensor:
 
 def cast_rounding_inputs(numel: int) -> torch.Tensor:
     """``numel`` gradients over many binades, led by the casts' hard cases: zero, fp16's largest value and those past
-    it (up to inf after rounding), its smallest normal and subnormals, fp32 subnormals, values on a grid."""
+    it (up to inf after rounding), its smallest normal and subnormals, fp32 subnormals, values on a grid, bf16's largest
+    value and those past it (below and above the midpoint to inf)."""
     hard = [0.0, 65504.0, -65504.0, 65505.0, 65519.0, -65520.0, 7e4, 2.0**-14, 2.0**-14 * (1 - 2.0**-11)]
     hard += [2.0**-24, -(2.0**-25), 3 * 2.0**-26, 2.0**-24 * 1.5, 1e-40, -1e-40, 1.0, 1.0 + 2.0**-11, -2049.0, 2.0**60]
+    bf16_max = torch.finfo(torch.bfloat16).max
+    hard += [bf16_max, -bf16_max, 3.39e38, -3.3900e38, 3.3965e38, -3.4e38]
     generator = torch.Generator().manual_seed(3)
     scales = 10.0 ** (14 * torch.rand(numel - len(hard), generator=generator) - 9)
     return torch.cat([torch.tensor(hard), torch.randn(numel - len(hard), generator=generator) * scales])
@@ -387,7 +390,8 @@ def cast_rounding_inputs(numel: int) -> torch.Tensor:
 
 def cast_stochastic_rounding(name: str, target: torch.Tensor, seed: int) -> torch.Tensor:
     """fp32 ``target`` rounded stochastically to ``name`` (``"bf16"``, ``"fp16"``) with the kernel's draws of ``seed``
-    (``splitmix64_quarters``): bf16 adds element ``i``'s 16 bits to the fp32 pattern and truncates (inf/NaN pass);
+    (``splitmix64_quarters``): bf16 adds element ``i``'s 16 bits to the fp32 pattern and truncates, 0x8000 (RN) past
+    bf16's largest value (inf/NaN pass);
     fp16 adds 8191 less their upper 13 bits to the 13 bits of ``|x|``'s pattern below fp16's mantissa (of the fp32 sum
     ``|x| + 2^-14`` below 2^-14) and truncates there, the RN cast past 65504 and for inf/NaN (``fp16_stochastic``)."""
     bits = splitmix64_quarters(seed, target.numel())
@@ -399,7 +403,8 @@ def cast_stochastic_rounding(name: str, target: torch.Tensor, seed: int) -> torc
         signed = (pattern | (np.signbit(target.numpy()).astype(np.int64) << 15)).astype(np.uint16).view(np.int16)
         return torch.where(target.abs() <= 65504.0, torch.from_numpy(signed).view(torch.float16), target.to(torch.float16))
     pattern = target.numpy().view(np.uint32)
-    rounded = np.where(np.isfinite(target.numpy()), (pattern.astype(np.uint64) + (bits >> np.uint32(16))) >> np.uint64(16), pattern >> 16)
+    addend = np.where(np.abs(target.numpy()) <= torch.finfo(torch.bfloat16).max, bits >> np.uint32(16), np.uint32(0x8000))
+    rounded = np.where(np.isfinite(target.numpy()), (pattern.astype(np.uint64) + addend) >> np.uint64(16), pattern >> 16)
     return torch.from_numpy(rounded.astype(np.uint16).view(np.int16)).view(torch.bfloat16)
 
 

@@ -6,10 +6,11 @@ import json
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
-from lightning_qstate import QAdamW, QMuon
+from lightning_qstate import QSGD, QAdamW, QMuon
 from lightning_qstate.formats import FORMAT_NAMES, ROUNDINGS, get_format
 from lightning_qstate.optim import QuantizedOptimizerWrapper, quantize_optimizer
 from lightning_qstate.theory import (
@@ -144,16 +145,27 @@ def test_constants_are_the_sweeps_calibration():
         (("momentum", 1000), r"component='momentum' is not valid; use one of \('grads', 'weights', 'exp_avg', 'exp_avg_sq'\)"),
         (("grads", 1000, "lion"), r"optimizer='lion' is not valid; use one of \('adam', 'muon', 'sgd'\)"),
         (("grads", 1000, "adam", "up"), r"rounding='up' is not valid; use one of \('nearest', 'stochastic'\)"),
-        (("grads", 0), r"steps=0 must be an int >= 1"),
-        (("grads", 10.5), r"steps=10.5 must be an int >= 1"),
+        (("grads", 0), r"steps=0 must be an integer >= 1"),
+        (("grads", 10.5), r"steps=10.5 must be an integer >= 1"),
+        (("grads", True), r"steps=True must be an integer >= 1"),
         (("exp_avg_sq", 1000, "muon"), r"muon has no second moment.*use one of \('grads', 'exp_avg', 'weights'\)"),
-        (("exp_avg_sq", 1000, "adam", "nearest", math.nan), r"constant=nan must be a finite number"),  # max(0, nan) was 0
-        (("exp_avg_sq", 1000, "adam", "nearest", "3"), r"constant='3' must be a finite number"),
+        (("exp_avg_sq", 1000, "adam", "nearest", math.nan), r"constant=nan must be a finite real number"),  # max(0, nan) was 0
+        (("exp_avg_sq", 1000, "adam", "nearest", "3"), r"constant='3' must be a finite real number"),
     ],
 )
 def test_required_bits_argument_errors(arguments, message):
     with pytest.raises(ValueError, match=message):
         required_mantissa_bits(*arguments)
+
+
+def test_integers_and_reals_of_any_type_are_taken():
+    """numpy's and 0-d tensor integers for ``steps``, numpy reals for ``constant`` (refused as "not an int >= 1" and
+    "not a finite number" before)."""
+    expected = required_mantissa_bits("exp_avg_sq", 1000, constant=-13.0)
+    for steps in (np.int64(1000), torch.tensor(1000)):
+        assert required_mantissa_bits("exp_avg_sq", steps, constant=np.float32(-13.0)) == expected
+    optimizer = torch.optim.AdamW(_model().parameters())
+    assert advise(optimizer, np.int64(1000)).steps == 1000 and type(advise(optimizer, torch.tensor(1000)).steps) is int
 
 
 # --- advise -----------------------------------------------------------------------------------------------------------
@@ -177,6 +189,20 @@ def test_bf16_states_written_rn_at_beta2_0999_ratchet():
     assert _row(report, "exp_avg").verdict == "ok"  # 1 - β1 = 0.1 is far above bf16's half gap
     stochastic = advise(QAdamW(model.parameters(), states="bf16", min_quant_size=0, rounding="stochastic"), 1000)
     assert _row(stochastic, "exp_avg_sq").verdict == "ok" and not _row(stochastic, "exp_avg_sq").reasons
+
+
+@pytest.mark.parametrize(("states", "beta1", "steps"), [("bf16", 0.999, 1000), ("int4", 0.9, 100)])
+def test_first_moments_have_no_ratchet(states, beta1, steps):
+    """The ratchet needs a non-negative input (``v``'s ``g²``); ``m``'s step ``(1 - β1)(g - m)`` grows with a gradient of
+    the other sign, so ``m`` is not reported as unable to decrease (bf16 ``m`` at β1 = 0.999 was ``insufficient``, int4's
+    at 0.9 ``marginal``, though ``|m|`` falls on about half the steps), for Adam and SGD's momentum alike."""
+    params = _model().parameters()
+    adam = QAdamW(params, states=states, betas=(beta1, 0.999), min_quant_size=0)
+    sgd = QSGD(_model().parameters(), lr=0.1, momentum=beta1, dampening=beta1, states=states, min_quant_size=0)
+    for optimizer in (adam, sgd):
+        m = _row(advise(optimizer, steps), "exp_avg")
+        t_rule = "ok" if m.margin >= 0 else "marginal" if m.margin >= -1 else "insufficient"
+        assert m.verdict == t_rule and not any("ratchet" in reason for reason in m.reasons), m
 
 
 def test_block_scaled_v_ratchets_only_marginally_through_its_scale():
@@ -218,6 +244,24 @@ def test_learning_rate_too_small_for_bf16_weights():
     moving = _row(advise(torch.optim.AdamW(model.parameters(), lr=1e-2), 1000), "weights").reasons
     assert not any("FlashOptim" in reason for reason in moving)  # (the T-rule still asks for more than bf16 under RN)
     assert not _row(advise(torch.optim.AdamW(_model().parameters(), lr=1e-6), 1000), "weights").reasons  # fp32 weights
+
+
+def test_learning_rate_check_takes_the_schedulers_base_lr():
+    """A warm-up from 0 leaves the group's lr at 0 when training starts: the check reads the ``initial_lr`` torch's
+    schedulers keep (every bf16 weight was ``insufficient`` under a warm-up, fine without one); a group at lr 0 without
+    a scheduler is frozen, not reported."""
+    model = _model(torch.bfloat16)
+    plain = _row(advise(torch.optim.AdamW(model.parameters(), lr=1e-2), 1000), "weights")
+    warm_optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    torch.optim.lr_scheduler.LambdaLR(warm_optimizer, lambda step: step / 100)
+    assert warm_optimizer.param_groups[0]["lr"] == 0.0
+    assert _row(advise(warm_optimizer, 1000), "weights") == plain
+    slow = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    torch.optim.lr_scheduler.LambdaLR(slow, lambda step: step / 100)
+    (lost,) = [reason for reason in _row(advise(slow, 1000), "weights").reasons if "FlashOptim" in reason]
+    assert "lr = 1e-06 (the scheduler's initial_lr; now 0)" in lost
+    frozen = _row(advise(torch.optim.AdamW(model.parameters(), lr=0.0), 1000), "weights")
+    assert not any("FlashOptim" in reason for reason in frozen.reasons)
 
 
 def test_weights_kept_with_exact_error_feedback_count_as_master_weights():
@@ -286,7 +330,7 @@ def test_advise_argument_errors():
     params = list(_model().parameters())
     with pytest.raises(TypeError, match="no precision rule for Adagrad; supported: .*Muon"):
         advise(torch.optim.Adagrad(params), 1000)
-    with pytest.raises(ValueError, match="steps=0 must be an int >= 1"):
+    with pytest.raises(ValueError, match="steps=0 must be an integer >= 1"):
         advise(torch.optim.AdamW(params), 0)
     with pytest.raises(ValueError, match=r"constants: unknown key\(s\)"):
         advise(torch.optim.AdamW(params), 1000, constants={("adam", "exp_avg_sq", "up"): 0.0})

@@ -149,12 +149,46 @@ def test_ptq_warns_where_a_layer_runs_only_through_its_weight():
             encoder(x)
         with ptq(encoder):  # no forward: nothing to say
             pass
-    with pytest.raises(ValueError, match=r"did not run as modules.*layers=False"), warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        abc_decomposition(encoder, x)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         assert abc_decomposition(encoder, x, layers=False).R_L > 0
+
+
+def test_abc_leaves_out_layers_that_run_only_through_their_weight():
+    """torch's transformer layers: out_proj (used by nn.MultiheadAttention through its weight) has no row, the other
+    layers do; ``modules=`` without it decomposes without a warning (both raised "did not run as modules", so the
+    callback could not probe such a model at all)."""
+    layer = torch.nn.TransformerEncoderLayer(8, 2, 16, batch_first=True, dropout=0.0)
+    encoder = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+    x = torch.randn(2, 3, 8, generator=torch.Generator().manual_seed(0))
+    with pytest.warns(UserWarning, match="out_proj"):
+        everything = abc_decomposition(encoder, x)
+    expected = [name for unit in ("layers.0", "layers.1") for name in (unit, f"{unit}.linear1", f"{unit}.linear2")]
+    assert [row.name for row in everything.rows] == expected and everything.R_L > 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        selected = abc_decomposition(encoder, x, modules=["*linear1", "*linear2"])
+    assert [row.name for row in selected.rows] == expected and encoder.training
+
+
+def test_per_token_ratios_leave_out_tokens_whose_state_is_zero():
+    """A padding token (all zeros) has no relative error: the per-token ratios average over the others (0/0 made the
+    unit's R, A, B, C and every R_in NaN)."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8, bias=False), torch.nn.Linear(8, 8, bias=False))
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+    padded = torch.cat([x, torch.zeros(1, 8)])
+    result, reference = abc_decomposition(model, padded, per_token=True), abc_decomposition(model, x, per_token=True)
+    for row, expected in zip(result.rows, reference.rows, strict=True):
+        assert (row.R, row.A, row.B, row.C, row.R_in) == pytest.approx((expected.R, expected.A, expected.B, expected.C, expected.R_in))
+
+
+def test_float64_values_beyond_fp32s_range_keep_their_grid():
+    """float64 rows are scaled in float64: a power-of-two multiple of a row past fp32's range (or below its smallest
+    subnormal) rounds to the same multiple of its grid values (they came back NaN and 0)."""
+    x = torch.randn(3, 16, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    for fmt in ("int4", "int8", "fp8_e4m3"):
+        for factor in (2.0**400, 2.0**-400):
+            assert torch.equal(fake_quantize(x * factor, fmt), fake_quantize(x, fmt) * factor), (fmt, factor)
 
 
 def test_ptq_recipes_patterns_and_conv1d_output_channels():

@@ -148,3 +148,84 @@ def test_default_units_that_do_not_exist_fail_before_training(tmp_path):
     assert probe.units == ["net"]
     quiet_trainer(tmp_path, max_steps=3, callbacks=[probe]).validate(model, regression_data())
     assert len(probe.history) == 1 and math.isfinite(probe.history[0].R_L)
+
+
+class DropoutRegressor(BlocklessRegressor):
+    """BlocklessRegressor with dropout between its layers: a forward in train mode is random."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(24, 64), torch.nn.Dropout(0.5), torch.nn.GELU(), torch.nn.Linear(64, 8))
+
+
+def test_a_resumed_run_probes_at_the_same_validations(tmp_path):
+    """The count of validations comes back from the checkpoint (it was restored, then zeroed at fit start: a run resumed
+    after the first of every second validation probed at the third, not the second and fourth)."""
+
+    def run(max_steps: int, ckpt_path=None) -> tuple[pl.Trainer, QuantizationProbe]:
+        probe = QuantizationProbe(every_n_val_epochs=2, units="net", log_images=False)
+        trainer = quiet_trainer(tmp_path, max_steps=max_steps, callbacks=[probe], num_sanity_val_steps=0)
+        trainer.fit(BlocklessRegressor(), regression_data(), regression_data(), ckpt_path=ckpt_path)  # 4 steps per epoch
+        return trainer, probe
+
+    _, straight = run(16)
+    trainer, first = run(4)
+    trainer.save_checkpoint(tmp_path / "first.ckpt")
+    _, resumed = run(16, tmp_path / "first.ckpt")
+    assert [r.step for r in straight.history] == [8, 16] and not first.history and [r.step for r in resumed.history] == [8, 16]
+
+
+def test_probe_runs_in_eval_mode_and_needs_batches(tmp_path):
+    """``probe()`` after a fit (the module back in train mode) runs in eval mode: two calls give the same figures (dropout
+    made them random) and each module's mode is restored; before any validation it says what is missing."""
+    with pytest.raises(ValueError, match="no validation batches captured yet"):
+        QuantizationProbe(units="net", log_images=False).probe(DropoutRegressor())
+    probe = QuantizationProbe(units="net", log_images=False)
+    model = DropoutRegressor()
+    quiet_trainer(tmp_path, max_steps=4, callbacks=[probe], num_sanity_val_steps=0).fit(model, regression_data(), regression_data())
+    model.train()
+    model.net[1].eval()
+    first, second = probe.probe(model), probe.probe(model)
+    assert (first.loss, first.ptq_loss, first.R_L) == (second.loss, second.ptq_loss, second.R_L)
+    assert model.training and not model.net[1].training and model.net[0].training
+
+
+def test_a_block_that_does_not_divide_the_inputs_fails_at_fit_start(tmp_path):
+    probe = QuantizationProbe(units="net", block=16, log_images=False)  # the first layer takes 24 features
+    model = BlocklessRegressor()
+    before = flat_weights(model).clone()
+    with pytest.raises(ValueError, match=r"block=16 does not divide the input features of \{'net.0': 24, 'net.3': 300\}"):
+        quiet_trainer(tmp_path, max_steps=4, callbacks=[probe]).fit(model, regression_data(), regression_data())
+    assert torch.equal(flat_weights(model), before)  # no step taken (it failed after the first epoch)
+
+
+def test_results_are_averaged_over_the_ranks_as_logged():
+    """Under DDP each rank probes its own batches; the result kept in ``history`` (and printed, drawn, summarized) is the
+    mean over the ranks, as the logged figures are (it was each rank's own: rank 0 printed a negative PTQ cost)."""
+    from lightning_qstate.callbacks.quantization_probe import ProbeResult, _across_ranks
+    from lightning_qstate.probes import ABCResult, ABCRow
+
+    def result(scale: float) -> ProbeResult:
+        rows = [ABCRow("u0", "unit", 1 * scale, 0.5 * scale, 0.25 * scale, 0.25 * scale, math.nan, 0.0),
+                ABCRow("u1", "unit", 2 * scale, 1 * scale, 0.5 * scale, 0.5 * scale, scale / scale, scale)]  # fmt: skip
+        return ProbeResult(5, scale, 2 * scale, 2 * scale, 3 * scale, 4 * scale, 5 * scale, ABCResult(rows, False), 6 * scale)
+
+    other = result(3.0)  # rank 1's
+
+    class TwoRanks:  # the mean of this rank's figures and rank 1's, as DDPStrategy.reduce(..., "mean")
+        root_device = torch.device("cpu")
+
+        @staticmethod
+        def reduce(local, reduce_op):
+            assert reduce_op == "mean"
+            return (local + figures(other)) / 2
+
+    def figures(r: ProbeResult) -> torch.Tensor:
+        rows = [v for row in r.abc.rows for v in (row.R, row.A, row.B, row.C, row.R_in)]
+        return torch.tensor([r.loss, r.ptq_loss, r.mmr, r.kurtosis, r.kurtosis_channel_rms, r.seconds, *rows], dtype=torch.float64)
+
+    trainer = type("Trainer", (), {"world_size": 2, "strategy": TwoRanks()})()
+    mean = _across_ranks(result(1.0), trainer)
+    assert (mean.step, mean.loss, mean.ptq_loss, mean.mmr, mean.seconds) == (5, 2.0, 4.0, 6.0, 12.0)
+    assert [row.R for row in mean.abc.rows] == [2.0, 4.0] and mean.R_L == 4.0
+    assert math.isnan(mean.abc.rows[0].G) and mean.abc.rows[1].G == 1.0  # mean A over mean R_in

@@ -245,6 +245,109 @@ def test_wrapper_applies_the_nonfinite_policy(nonfinite):
     assert model[0].weight.grad is not None and wrapped.nonfinite_skips == (4 if nonfinite == "skip_step" else 1)
 
 
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_states_the_inner_step_leaves_alone_keep_their_codes(rounding):
+    """A frozen parameter (no gradient) and one the non-finite policy skips keep every stored code: each step re-encoded
+    them, and a signed block's bf16 scale (its absmax rounded up) shrank them step by step (RMSprop's int8 momentum of a
+    frozen layer: 24 % in 100 steps; SR drew new codes)."""
+    model = make_model()
+    wrapped = lq.quantize_optimizer(INNER["RMSprop"](model.parameters()), min_quant_size=0, rounding=rounding)
+    run(model, wrapped, 0, 2)
+    frozen = model[0].weight
+    frozen.requires_grad_(False)
+    saved = {
+        name: (value.codes.clone(), value.scales.clone())
+        for name, value in wrapped.state[frozen].items()
+        if isinstance(value, QuantizedTensor)
+    }
+    assert saved.keys() == {"square_avg", "momentum_buffer", "grad_avg"}
+    run(model, wrapped, 2, 12)
+    x, y = batch(12)
+    wrapped.zero_grad()
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    model[2].weight.grad[0, 0] = float("nan")
+    skipped = {name: value.codes.clone() for name, value in wrapped.state[model[2].weight].items() if isinstance(value, QuantizedTensor)}
+    with pytest.warns(RuntimeWarning, match="non-finite gradient"):
+        wrapped.step()
+    for name, (codes, scales) in saved.items():
+        assert torch.equal(wrapped.state[frozen][name].codes, codes) and torch.equal(wrapped.state[frozen][name].scales, scales), name
+    assert all(torch.equal(wrapped.state[model[2].weight][name].codes, codes) for name, codes in skipped.items())
+
+
+@pytest.mark.parametrize("states", ["int4", "int8"])
+def test_adamax_infinity_norm_is_stored_unsigned(states):
+    """Adamax's ``exp_inf`` (its denominator) takes the zero-free unsigned map, so no step is larger than Adamax's own
+    ``lr·|m̂|/u`` allows (about ``lr`` here; torch's moves no more): with the signed map, entries far below their block's
+    absmax read 0 and the update became ``lr·m/eps`` (a weight moved 84 where torch's moved 0.0026)."""
+    param = torch.nn.Parameter(torch.zeros(256))
+    wrapped = lq.quantize_optimizer(torch.optim.Adamax([param], lr=1e-3), states=states, min_quant_size=0)
+    largest = 0.0
+    for step in range(70):  # one spike in the block, a few ordinary gradients elsewhere, then zeros
+        grad = torch.zeros(256)
+        grad[0] = 1e4 if step == 0 else 0.0
+        grad[1:] = 1e-3 if 61 <= step <= 65 else 0.0
+        before = param.detach().clone()
+        param.grad = grad
+        wrapped.step()
+        largest = max(largest, float((param.detach() - before).abs().max()))
+    assert not wrapped.state_format(param, "exp_inf").signed
+    assert largest <= 1.1e-3, largest
+
+
+def test_scalar_parameters_keep_their_step_counts_exact():
+    """A 0-d parameter's 0-d states are scalars (``step``, NAdam's ``mu_product``): kept as they are (bf16 held the step
+    count at 256, so Adam's bias correction stopped there)."""
+    temperature = torch.nn.Parameter(torch.tensor(1.0))
+    wrapped = lq.quantize_optimizer(torch.optim.NAdam([temperature], lr=1e-3), states="bf16", min_quant_size=0)
+    for _ in range(300):
+        temperature.grad = torch.tensor(0.5)
+        wrapped.step()
+    state = wrapped.state[temperature]
+    assert not any(isinstance(value, QuantizedTensor) for value in state.values()) and float(state["step"]) == 300.0
+
+
+def test_state_dict_hooks_of_the_inner_optimizer_run():
+    """state_dict and load_state_dict hooks registered on the inner optimizer before wrapping run (only step hooks did)."""
+    model = make_model()
+    inner = INNER["RMSprop"](model.parameters())
+    calls = []
+    inner.register_state_dict_pre_hook(lambda optimizer: calls.append("save pre"))
+    inner.register_state_dict_post_hook(lambda optimizer, state_dict: calls.append("save post"))
+    inner.register_load_state_dict_pre_hook(lambda optimizer, state_dict: calls.append("load pre"))
+    inner.register_load_state_dict_post_hook(lambda optimizer: calls.append("load post"))
+    wrapped = lq.quantize_optimizer(inner, min_quant_size=0)
+    run(model, wrapped, 0, 1)
+    wrapped.load_state_dict(wrapped.state_dict())
+    assert calls == ["save pre", "save post", "load pre", "load post"]
+
+
+def test_state_nbytes_counts_tensors_held_in_lists():
+    """LBFGS keeps its curvature history in lists of tensors: they count (65,540 bytes were reported of 458,804 held)."""
+    model = make_model()
+    optimizer = torch.optim.LBFGS(model.parameters(), history_size=5)
+    x, y = batch(0)
+
+    def closure():
+        optimizer.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        return loss
+
+    optimizer.step(closure)
+    state = optimizer.state[optimizer.param_groups[0]["params"][0]]
+    listed = sum(t.nbytes for name in ("old_dirs", "old_stps", "ro", "al") for t in state[name] if isinstance(t, torch.Tensor))
+    plain = sum(value.nbytes for value in state.values() if isinstance(value, torch.Tensor))
+    assert listed > 0 and lq.state_nbytes(optimizer) == plain + listed
+
+
+def test_optimizers_a_wrapper_cannot_take_are_refused_when_converting():
+    embedding = torch.nn.Embedding(10, 4, sparse=True)
+    with pytest.raises(TypeError, match="SparseAdam steps sparse gradients"):
+        lq.quantize_optimizer(torch.optim.SparseAdam(embedding.parameters()))
+    with pytest.raises(TypeError, match="QAdamW already has quantized states"):
+        QuantizedOptimizerWrapper(lq.QAdamW(make_model().parameters()), states="int4")
+
+
 # --- copies -----------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("clone", [copy.deepcopy, lambda obj: pickle.loads(pickle.dumps(obj))], ids=["deepcopy", "pickle"])
 def test_copies_of_a_wrapper_share_with_their_inner_optimizer(clone):

@@ -20,6 +20,8 @@ from typing_extensions import override
 
 from ..formats.weights import WeightBlock
 from ..probes import ABCResult, ABCRow, abc_decomposition, default_units, linear_input_statistics, linear_modules, probe_grid, ptq
+from ..probes.metrics import evaluating
+from ..probes.ptq import weight_input_dim
 from .arguments import check_flags, is_positive_int
 from .tensorboard import write_layout
 
@@ -73,11 +75,13 @@ class QuantizationProbe(Callback):
       block) and linear layer R, A, B, C and the gain G;
     - MMR and kurtosis of every linear layer's input (:func:`~lightning_qstate.probes.linear_input_statistics`).
 
-    Logged with ``pl_module.log`` (averaged over ranks): ``qstate/probe/loss``, ``ptq_loss``, ``ptq_loss_increase``,
-    ``R_L``, ``mmr``, ``kurtosis``, ``kurtosis_channel_rms`` and ``seconds`` (the probe's cost: it runs after
-    validation, off the training path; about ``2 + 2·(units + layers)`` forwards per batch). With ``log_images``, rank 0
-    adds to every TensorBoard logger a figure ``qstate/probe/abc``: A, B and C stacked per unit and layer, R marked, and
-    the gain G below. Each result is kept in :attr:`history`. One instance per Trainer (Lightning refuses a second: its
+    Each figure is averaged over the ranks (each probes its own batches) and logged with ``pl_module.log``:
+    ``qstate/probe/loss``, ``ptq_loss``, ``ptq_loss_increase``, ``R_L``, ``mmr``, ``kurtosis``, ``kurtosis_channel_rms``
+    and ``seconds`` (the probe's cost: it runs after validation, off the training path; about ``2 + 2·(units + layers)``
+    forwards per batch). With ``log_images``, rank 0 adds to every TensorBoard logger a figure ``qstate/probe/abc``: A,
+    B and C stacked per unit and layer, R marked, and the gain G below. Each result (the same on every rank: what was
+    logged) is kept in :attr:`history`; the count of validations is checkpointed, so a resumed run probes at the same
+    validations. One instance per Trainer (Lightning refuses a second: its
     count of validations is checkpointed under the class name); for another recipe on the same model call
     :func:`~lightning_qstate.probes.ptq` or :meth:`probe` yourself.
 
@@ -111,7 +115,8 @@ class QuantizationProbe(Callback):
 
     Raises:
         ValueError: invalid arguments at construction; at fit start, ``modules`` or ``units`` that match nothing in the
-            module, or a sharded strategy; at a probe, a loss that cannot be found.
+            module, a ``block`` that does not divide a selected layer's input features, or a sharded strategy; at a
+            probe, a loss that cannot be found.
     """
 
     def __init__(
@@ -178,6 +183,11 @@ class QuantizationProbe(Callback):
         return f"W{self.weights or '-'}A{self.activations or '-'}"
 
     @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit":  # before a checkpoint's count is restored (on_fit_start comes after it)
+            self._validations = 0
+
+    @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if isinstance(trainer.strategy, FSDPStrategy | ModelParallelStrategy):
             raise ValueError(
@@ -185,7 +195,7 @@ class QuantizationProbe(Callback):
                 "module; use it with a single device or DDP (e.g. on a checkpoint of this run)"
             )
         self._check_module(pl_module)
-        self._batches, self._validations = [], 0
+        self._batches = []
 
     @override
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -193,8 +203,17 @@ class QuantizationProbe(Callback):
             self._check_module(pl_module)
 
     def _check_module(self, pl_module: pl.LightningModule) -> None:
-        """Raise now, not after an epoch, where ``modules`` or ``units`` (given or default) match nothing in the module."""
-        linear_modules(pl_module, self.modules)
+        """Raise now, not after an epoch, where ``modules`` or ``units`` (given or default) match nothing in the module, or
+        ``block`` does not divide a selected layer's input features (its weight's rows and its inputs' tokens)."""
+        layers = linear_modules(pl_module, self.modules)
+        if isinstance(self.block, int):
+            features = {name: module.weight.shape[weight_input_dim(module)] for name, module in layers.items()}
+            misfits = {name: count for name, count in features.items() if count % self.block}
+            if misfits:
+                raise ValueError(
+                    f"QuantizationProbe: block={self.block} does not divide the input features of {misfits}; use a divisor of "
+                    "each, block='row', or modules= without these layers"
+                )
         if self.units is None:
             try:
                 default_units(pl_module)
@@ -233,7 +252,7 @@ class QuantizationProbe(Callback):
         self._validations += 1
         if self._validations % self.every_n_val_epochs:
             return
-        result = self.probe(pl_module, step=trainer.global_step)
+        result = _across_ranks(self.probe(pl_module, step=trainer.global_step), trainer)
         self.history.append(result)
         pl_module.log_dict(result.metrics(), sync_dist=True)
         if trainer.is_global_zero:
@@ -255,12 +274,19 @@ class QuantizationProbe(Callback):
                     plt.close(figure)
 
     def probe(self, pl_module: pl.LightningModule, step: int = 0) -> ProbeResult:
-        """Run the probe on the captured batches now (also usable outside a fit, after one validation)."""
+        """Run the probe on the captured batches now, in eval mode (each module's mode restored after), on this rank's
+        batches only (also usable outside a fit, after one validation).
+
+        Raises:
+            ValueError: no batches captured yet (no validation has run).
+        """
+        if not self._batches:
+            raise ValueError("QuantizationProbe.probe: no validation batches captured yet; run a validation (fit or validate) first")
         start = time.perf_counter()
         options = {"modules": self.modules, "block": self.block}
         forward = self._forward
         losses, quantized, abc_runs, statistics = [], [], [], []
-        with torch.no_grad():
+        with evaluating(pl_module), torch.no_grad():
             for batch in self._batches:
                 losses.append(self._loss(pl_module, batch))
                 with ptq(pl_module, self.weights, self.activations, **options):
@@ -318,6 +344,25 @@ class QuantizationProbe(Callback):
 
 def _mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else math.nan
+
+
+def _across_ranks(result: ProbeResult, trainer: pl.Trainer) -> ProbeResult:
+    """``result`` with every figure averaged over the ranks (as ``log(..., sync_dist=True)`` averages them; ``G`` as the
+    mean A over the mean R_in), the same on every rank."""
+    if trainer.world_size == 1:
+        return result
+    rows = result.abc.rows
+    scalars = [result.loss, result.ptq_loss, result.mmr, result.kurtosis, result.kurtosis_channel_rms, result.seconds]
+    figures = scalars + [value for row in rows for value in (row.R, row.A, row.B, row.C, row.R_in)]
+    local = torch.tensor(figures, dtype=torch.float64, device=trainer.strategy.root_device)
+    mean = trainer.strategy.reduce(local, reduce_op="mean").tolist()
+    loss, ptq_loss, mmr, kurtosis, channel_rms, seconds = mean[: len(scalars)]
+    merged = []
+    for index, row in enumerate(rows):
+        r, a, b, c, r_in = mean[len(scalars) + 5 * index : len(scalars) + 5 * index + 5]
+        merged.append(ABCRow(row.name, row.kind, r, a, b, c, a / r_in if r_in > 0 else math.nan, r_in))
+    abc = ABCResult(merged, result.abc.per_token)
+    return ProbeResult(result.step, loss, ptq_loss, abc.R_L, mmr, kurtosis, channel_rms, abc, seconds)
 
 
 def _mean_abc(results: list[ABCResult]) -> ABCResult:

@@ -26,7 +26,8 @@ class CastFormat(StorageFormat):
 
     Non-finite values round-trip as themselves (inf stays inf, NaN stays NaN).
     The bf16 SR cast adds 16 random bits to the fp32 pattern and clears the low
-    16 bits; the fp16 SR cast uses the minifloat rounding of ``rounding.py``.
+    16 bits; the fp16 SR cast uses the minifloat rounding of ``rounding.py``; past
+    the dtype's largest finite value both are the RN cast (never inf where RN is finite).
 
     ``zero_free`` (``get_format(..., signed=False)``, for non-negative states such as Adam's ``v``): a positive value
     that the cast would flush to 0 (RN or SR: below fp16's smallest subnormal ``2**-24 ≈ 6e-8``, bf16's ``2**-133``)
@@ -64,6 +65,15 @@ class CastFormat(StorageFormat):
         if rounding == "nearest" or self.dtype == torch.float32 or flat.dtype == self.dtype:
             return self.lift_flushed(flat, flat.to(self.dtype, copy=True)), None
         return self.stochastic_reference(flat.float(), generator), None
+
+    def round_saturated(self, flat: torch.Tensor, rounding: Rounding, generator: torch.Generator | None) -> torch.Tensor:
+        """fp32 ``flat`` on this cast's grid, as a weight grid rounds (``formats.weights``): values past the dtype's largest
+        finite one (inf included) saturate to it, so that a finite update never makes a weight inf and ECO's error
+        ``θ̃ − θ̂`` stays finite; NaN stays NaN; else :meth:`quantize_reference`. Values in ``dtype``; fp32 unchanged."""
+        if self.dtype != torch.float32:
+            largest = torch.finfo(self.dtype).max
+            flat = flat.clamp(-largest, largest)
+        return self.quantize_reference(flat, rounding, generator)[0]
 
     def lift_flushed(self, flat: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
         """``codes`` (the cast of ``flat``) with every positive value of ``flat`` cast to 0 stored as the smallest subnormal

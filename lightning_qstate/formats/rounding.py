@@ -87,9 +87,11 @@ def encode_minifloat(magnitude: torch.Tensor, spec: MinifloatSpec, rounding: Rou
 
 
 def bf16_stochastic(x: torch.Tensor, random_bits: torch.Tensor) -> torch.Tensor:
-    """SR cast of fp32 ``x`` to bf16: add 16 random bits to the pattern, clear the low 16; inf/NaN pass through.
+    """SR cast of fp32 ``x`` to bf16: add 16 random bits to the pattern, clear the low 16; past bf16's largest finite
+    value (``|x| > 3.39e38``) the RN cast, as ``cast.fp16_stochastic`` past fp16's (SR would round up to inf where RN
+    stays finite); inf/NaN pass through.
 
     ``random_bits``: int32 in ``[0, 2**16)``, same shape.
     """
     rounded = ((x.view(torch.int32) + random_bits) & -65536).view(torch.float32)
-    return torch.where(torch.isfinite(x), rounded, x).to(torch.bfloat16)
+    return torch.where(x.abs() <= torch.finfo(torch.bfloat16).max, rounded, x).to(torch.bfloat16)

@@ -54,13 +54,18 @@ class WeightGrid:
 
     def round(self, values: torch.Tensor, rounding: Rounding, generator: torch.Generator | None = None) -> torch.Tensor:
         """fp32 ``values`` (a parameter's shape) rounded to the grid (RN, or SR drawing from ``generator``): fp32, same shape.
+        float64 values stay float64 on a block-scaled grid (scales and products in float64: no group is lost to fp32's
+        range; the probes' float64 models), other dtypes are taken as fp32.
 
-        Zero-mean under SR except where a block-scaled value reaches its group's absmax (stored exactly). A block-scaled
-        group holding inf or NaN comes out non-finite as a whole (its scale is), as a cast format's values do.
+        Zero-mean under SR except where a block-scaled value reaches its group's absmax (stored exactly). A cast grid
+        saturates: a value past the dtype's range (``fp16``: 65504) becomes its largest value (``CastFormat.round_saturated``).
+        A block-scaled group holding inf or NaN comes out non-finite as a whole (its scale is); NaN stays NaN.
         """
-        flat = values.detach().reshape(-1).float()
+        flat = values.detach().reshape(-1)
+        if isinstance(self.format, CastFormat) or flat.dtype != torch.float64:
+            flat = flat.float()
         if isinstance(self.format, CastFormat):
-            return self.format.quantize_reference(flat, rounding, generator)[0].float().view(values.shape)
+            return self.format.round_saturated(flat, rounding, generator).float().view(values.shape)
         if not flat.numel():
             return flat.view(values.shape)
         groups = self._groups(flat, values)
@@ -70,10 +75,10 @@ class WeightGrid:
         scale = torch.maximum(
             groups.amax(dim=1, keepdim=True).clamp(min=0) / decode.max(), groups.amin(dim=1, keepdim=True).clamp(max=0) / decode.min()
         )
-        normalized = torch.where(scale.isfinite(), groups / torch.where(scale > 0, scale, 1.0), 0.0)  # encoded: finite codes
+        normalized = torch.where(scale.isfinite(), groups / torch.where(scale > 0, scale, 1.0), 0.0).float()  # finite codes
         uniform = uniform_like(normalized, generator) if rounding == "stochastic" else None
         codes = self.format.encode(normalized, rounding, uniform)
-        grid = lookup(decode, codes) * scale
+        grid = lookup(decode, codes).to(scale.dtype) * scale
         return grid.reshape(-1)[: flat.numel()].view(values.shape)
 
     def packed_nbytes(self, shape: torch.Size) -> int:

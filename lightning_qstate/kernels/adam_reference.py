@@ -192,7 +192,7 @@ def adam_step_quantized(
     old_m, old_v = (exp_avg.clone(), exp_avg_sq.clone()) if track_stalls else (exp_avg, exp_avg_sq)
     updated = adam_math(param.float(), grad, exp_avg, exp_avg_sq, hyper, decoupled_weight_decay, maximize)
     if weight_format is not None:
-        stored = weight_format.quantize_reference(updated, weight_rounding, None)[0].float()
+        stored = weight_format.round_saturated(updated, weight_rounding, None).float()
         if eco:
             exp_avg.copy_(eco_feedback(exp_avg, adam_denominator(exp_avg_sq, hyper), updated - stored, hyper))
         updated = stored

@@ -27,7 +27,7 @@ with the smaller block size is scaled per sub-block (``*_SUB_BLOCKS`` of them).
 
 Without master weights (``optim/weights.py``), the constexpr ``WEIGHT_GRID`` (``NO_GRID``, ``FP32_GRID``,
 ``BF16_GRID`` or ``FP16_GRID`` of :mod:`.triton_formats`: the grid of a cast format) is what the updated fp32
-values ``θ̃`` are rounded to, ``θ̂`` (RN, or SR with ``WEIGHT_STOCHASTIC``), as ``CastFormat.quantize_reference``
+values ``θ̃`` are rounded to, ``θ̂`` (RN, or SR with ``WEIGHT_STOCHASTIC``), as ``CastFormat.round_saturated``
 (:func:`~.triton_formats.round_to_weight_grid`); ``θ̂`` is stored in the parameter's dtype (RN; exact when the
 grid is that dtype's). ``NO_GRID`` and ``FP32_GRID`` keep ``θ̃``. With ``ECO``, the rounding error is fed into
 ``m`` before ``m`` is requantized, as ``adam_reference.eco_feedback``: ``m = fma(eco_coefficient * denom, θ̃ - θ̂, m)``

@@ -453,12 +453,16 @@ def float32_to(x, DTYPE: tl.constexpr):
 
 @triton.jit
 def bf16_stochastic(x, random_bits):
-    """SR cast of fp32 ``x`` to bf16: add ``random_bits`` (int32 in ``[0, 2**16)``), clear the low 16 bits; inf/NaN pass through.
+    """SR cast of fp32 ``x`` to bf16: add ``random_bits`` (int32 in ``[0, 2**16)``), clear the low 16 bits; past bf16's
+    range the RN cast; inf/NaN pass through.
 
     Same as ``rounding.bf16_stochastic``; the result is built from the bit pattern (no float conversion).
     """
     bits = x.to(tl.int32, bitcast=True)
-    high = tl.where(tl.abs(x) <= FLT_MAX, bits + random_bits, bits) >> 16
+    # past bf16's largest value the RN cast (rounding.bf16_stochastic): + 0x8000 rounds bf16's last binade to nearest
+    # (its last mantissa is odd: a tie goes up, to inf); inf/NaN take nothing
+    addend = tl.where(tl.abs(x) <= BF16_MAX, random_bits, tl.where(tl.abs(x) <= FLT_MAX, 0x8000, 0))
+    high = (bits + addend) >> 16
     high = tl.where(x != x, high | 0x40, high)  # NaN: keep it a (quiet) NaN
     return high.to(tl.int16).to(tl.bfloat16, bitcast=True)
 
@@ -494,16 +498,18 @@ FP16_GRID: tl.constexpr = tl.constexpr(3)
 
 @triton.jit
 def round_to_weight_grid(x, seed_ptr, offsets, WEIGHT_GRID: tl.constexpr, WEIGHT_STOCHASTIC: tl.constexpr):
-    """fp32 ``x`` rounded to a weight grid, as fp32 values (``CastFormat.quantize_reference`` of a bf16, fp16 or fp32
-    cast format, then ``.float()``): RN, or SR (``WEIGHT_STOCHASTIC``) drawing from the int64 seed at ``seed_ptr`` (read
-    only then), element ``offsets[i]`` from ``(seed, offsets[i])``: 16 random bits for bf16 (:func:`bf16_stochastic`),
-    a uniform for fp16 (:func:`fp16_stochastic`)."""
+    """fp32 ``x`` rounded to a weight grid, as fp32 values (``CastFormat.round_saturated`` of a bf16, fp16 or fp32
+    cast format, then ``.float()``: past the dtype's range, inf included, its largest value; NaN kept): RN, or SR
+    (``WEIGHT_STOCHASTIC``) drawing from the int64 seed at ``seed_ptr`` (read only then), element ``offsets[i]`` from
+    ``(seed, offsets[i])``: 16 random bits for bf16 (:func:`bf16_stochastic`), a uniform for fp16 (:func:`fp16_stochastic`)."""
     if WEIGHT_GRID == BF16_GRID:
+        x = tl.where(x > BF16_MAX, BF16_MAX, tl.where(x < -BF16_MAX, -BF16_MAX, x))
         if WEIGHT_STOCHASTIC:
             grid = to_float32(bf16_stochastic(x, (tl.randint(tl.load(seed_ptr), offsets) & 0xFFFF).to(tl.int32)))
         else:
             grid = to_float32(float32_to(x, tl.bfloat16))
     elif WEIGHT_GRID == FP16_GRID:
+        x = tl.where(x > FP16_MAX, FP16_MAX, tl.where(x < -FP16_MAX, -FP16_MAX, x))
         if WEIGHT_STOCHASTIC:
             grid = fp16_stochastic(x, tl.rand(tl.load(seed_ptr), offsets)).to(tl.float32)
         else:

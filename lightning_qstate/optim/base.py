@@ -168,7 +168,8 @@ def _decoded(value: StateValue, dtype: torch.dtype | None) -> torch.Tensor:
 
 
 def state_nbytes(optimizer: torch.optim.Optimizer) -> int:
-    """Bytes held by ``optimizer.state``: every tensor, and every quantized state's codes and scales.
+    """Bytes held by ``optimizer.state``: every tensor (also in lists, such as LBFGS's history), and every quantized
+    state's codes and scales.
 
     Works for any ``torch.optim.Optimizer``, so a quantized optimizer can be compared with its fp32 twin.
 
@@ -184,14 +185,18 @@ def state_nbytes(optimizer: torch.optim.Optimizer) -> int:
         >>> state_nbytes(fp32), state_nbytes(int8)  # bytes: both hold the 4-byte step, int8 also its moments' 8-byte bound
         (8388612, 2121740)
     """
-    total = 0
-    for state in optimizer.state.values():
-        for value in state.values():
-            if isinstance(value, QuantizedTensor):
-                total += value.nbytes
-            elif isinstance(value, torch.Tensor):
-                total += value.nbytes
-    return total
+    return sum(_nbytes(state) for state in optimizer.state.values())
+
+
+def _nbytes(value: Any) -> int:
+    """Bytes of the tensors and quantized states in ``value``, also inside lists, tuples and dicts (LBFGS's history)."""
+    if isinstance(value, QuantizedTensor | torch.Tensor):
+        return value.nbytes
+    if isinstance(value, Mapping):
+        return sum(_nbytes(item) for item in value.values())
+    if isinstance(value, list | tuple):
+        return sum(_nbytes(item) for item in value)
+    return 0
 
 
 def state_summary(optimizer: torch.optim.Optimizer) -> dict[str, int]:

@@ -28,7 +28,10 @@ from ..formats.weights import WeightBlock, get_weight_grid
 StatesSpec = Union[str, Mapping[str, str]]  # noqa: UP007
 
 # States that are never negative get unsigned maps (no codes spent on the sign).
-NONNEGATIVE_STATES = frozenset({"exp_avg_sq", "max_exp_avg_sq", "exp_avg_sq_row", "exp_avg_sq_col", "sum", "square_avg", "acc_delta"})
+NONNEGATIVE_STATES = frozenset(
+    {"exp_avg_sq", "max_exp_avg_sq", "exp_avg_sq_row", "exp_avg_sq_col", "sum", "square_avg", "acc_delta"}
+    | {"exp_inf", "variance", "step_size"}  # Adamax's infinity norm, Adafactor's 1-D variance, Rprop's step sizes
+)
 
 # Smallest block a row-aligned (sharded) parameter may use before it keeps fp32 states.
 MIN_ALIGNED_BLOCK = 32

@@ -54,21 +54,31 @@ QUANTIZED_EQUIVALENTS: dict[type, type] = {
     torch.optim.Muon: InPlaceQMuon,
 }
 # Step hooks the wrapper shares with its inner optimizer (the same dicts), like its param_groups and state.
-SHARED_HOOKS = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks")
+SHARED_HOOKS = (
+    "_optimizer_step_pre_hooks",
+    "_optimizer_step_post_hooks",
+    "_optimizer_state_dict_pre_hooks",
+    "_optimizer_state_dict_post_hooks",
+    "_optimizer_load_state_dict_pre_hooks",
+    "_optimizer_load_state_dict_post_hooks",
+)
 
 
 class QuantizedOptimizerWrapper(QuantizedStates, torch.optim.Optimizer):
     """Low-bit states for an arbitrary optimizer.
 
     Between steps, each floating state tensor shaped like its parameter (with at
-    least ``min_quant_size`` elements) is stored in the format ``states`` names
-    for it; other states stay as they are. Unsigned maps are used for state names
-    known to be non-negative (``exp_avg_sq``, ...); a state that turns out to hold
-    negative values falls back to the signed variant, with a warning.
+    least ``min_quant_size`` elements; not a 0-d one, which is a scalar such as a step
+    count) is stored in the format ``states`` names for it; other states stay as they
+    are. Unsigned maps are used for state names known to be non-negative
+    (``exp_avg_sq``, Adamax's ``exp_inf``, ...: ``policy.NONNEGATIVE_STATES``); a state
+    that turns out to hold negative values falls back to the signed variant, with a
+    warning. A state the inner step leaves alone (a parameter without a gradient:
+    frozen, or skipped by the non-finite policy) keeps its stored codes.
 
-    The wrapper and the inner optimizer share ``param_groups``, ``state``, ``defaults`` and the step hooks (the
-    same objects, also after ``load_state_dict``, ``copy.deepcopy`` and pickling), so LR schedulers built on
-    either keep working. Step hooks, global (``torch.optim.optimizer.register_optimizer_step_pre_hook``) or
+    The wrapper and the inner optimizer share ``param_groups``, ``state``, ``defaults`` and the step and state-dict
+    hooks (the same objects, also after ``load_state_dict``, ``copy.deepcopy`` and pickling), so LR schedulers built
+    on either keep working. Step hooks, global (``torch.optim.optimizer.register_optimizer_step_pre_hook``) or
     registered on either optimizer, run once per step, with the wrapper as their ``optimizer`` argument.
 
     Transient memory: the inner optimizer updates all its parameters in one call,
@@ -121,6 +131,7 @@ class QuantizedOptimizerWrapper(QuantizedStates, torch.optim.Optimizer):
         generator: torch.Generator | None = None,
         policy: QuantizationPolicy | None = None,
     ) -> None:
+        _check_wrappable(optimizer)
         torch.optim.Optimizer.__init__(self, optimizer.param_groups, optimizer.defaults)
         self.optimizer = optimizer
         self.param_groups = optimizer.param_groups  # the same list and dicts: schedulers of the inner optimizer keep working
@@ -154,7 +165,8 @@ class QuantizedOptimizerWrapper(QuantizedStates, torch.optim.Optimizer):
                         self.state[param][name] = self._store(group, param, name, value, None)
 
     def _format_for(self, group: dict, key: torch.Tensor, name: str, value: torch.Tensor, old: StateValue | None) -> StorageFormat | None:
-        if old is None and not (isinstance(value, torch.Tensor) and self._per_value_state(key, name, value)):
+        per_value = isinstance(value, torch.Tensor) and value.ndim > 0 and self._per_value_state(key, name, value)
+        if old is None and not per_value:  # a 0-d parameter's 0-d states are scalars too (step, ASGD's eta and mu)
             return None
         fmt = super()._format_for(group, key, name, value, old)
         if isinstance(fmt, BlockFormat) and not fmt.signed and bool((value < 0).any()):
@@ -186,9 +198,12 @@ class QuantizedOptimizerWrapper(QuantizedStates, torch.optim.Optimizer):
                             held_back[param] = param.grad
                             param.grad = None
             stored = {param: dict(state) for param, state in self.state.items()}
+            decoded = {}  # (param, name) -> (decoded tensor, its version): a state the inner step leaves alone keeps its codes
             for param, state in self.state.items():
                 for name, value in state.items():
-                    state[name] = like_param(dequantized(value), param) if isinstance(value, QuantizedTensor) else value
+                    if isinstance(value, QuantizedTensor):
+                        state[name] = like_param(dequantized(value), param)
+                        decoded[param, name] = state[name], state[name]._version
             before = {
                 (p, n): v.dequantize(torch.float32).reshape(-1)
                 for p, s in stored.items()
@@ -205,6 +220,10 @@ class QuantizedOptimizerWrapper(QuantizedStates, torch.optim.Optimizer):
                     state = self.state.get(param, {})
                     for name, value in state.items():
                         old = stored.get(param, {}).get(name)
+                        tensor, version = decoded.get((param, name), (None, None))
+                        if value is tensor and value._version == version:  # untouched: re-encoding would move its codes
+                            state[name] = old
+                            continue
                         state[name] = self._store(group, param, name, value, old)
                         if (param, name) in before:
                             self._count_stalls(param, name, old, before[param, name], value, state[name])
@@ -262,7 +281,7 @@ def quantize_optimizer(
     sharing its param groups and state).
 
     Raises:
-        TypeError: ``optimizer`` is not a ``torch.optim.Optimizer``, or is quantized already.
+        TypeError: ``optimizer`` is not a ``torch.optim.Optimizer``, is quantized already, or is ``SparseAdam``.
 
     Example::
 
@@ -273,10 +292,7 @@ def quantize_optimizer(
         >>> isinstance(opt, QAdamW), type(opt).__name__  # the same object, its class swapped (the name kept)
         (True, 'AdamW')
     """
-    if isinstance(optimizer, QuantizedStates):
-        raise TypeError(f"{type(optimizer).__name__} already has quantized states; pass the original torch optimizer")
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"quantize_optimizer needs a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    _check_wrappable(optimizer)
     resolved = QuantizationPolicy.from_arguments("quantize_optimizer", policy, locals())
     quantized_class = QUANTIZED_EQUIVALENTS.get(type(optimizer))
     if quantized_class is None:
@@ -299,6 +315,16 @@ def quantize_optimizer(
         before.restore(optimizer)  # a refused conversion leaves the torch optimizer as it was, still usable
         raise
     return optimizer
+
+
+def _check_wrappable(optimizer: object) -> None:
+    """Refuse what a quantized optimizer cannot take, before anything changes."""
+    if isinstance(optimizer, QuantizedStates):
+        raise TypeError(f"{type(optimizer).__name__} already has quantized states; pass the original torch optimizer")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"quantize_optimizer needs a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    if isinstance(optimizer, torch.optim.SparseAdam):
+        raise TypeError("SparseAdam steps sparse gradients, which quantized states do not support; keep torch.optim.SparseAdam")
 
 
 class _Snapshot:

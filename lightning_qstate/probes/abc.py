@@ -10,8 +10,9 @@ four forwards give::
     G = A / R_in,  R_in = ‖h^q − h‖²/‖h‖²  (the gain; for a chain of units R_in is the previous unit's R)
 
 Norms are over the whole tensor by default (one ratio per unit); ``per_token=True`` takes each ratio per token (row
-of the last dimension) and averages them, a different estimator with the same identity ``R = A + B + C``. ``R_L``,
-the figure the paper finds predicts PTQ damage, is ``R`` of the last unit.
+of the last dimension) and averages them over the tokens whose clean state is not 0 (padding), a different estimator
+with the same identity ``R = A + B + C``. ``R_L``, the figure the paper finds predicts PTQ damage, is ``R`` of the last
+unit.
 
 Example::
 
@@ -39,8 +40,8 @@ import torch
 
 from ..formats.rounding import Rounding
 from ..formats.weights import WeightBlock
-from .metrics import call_model
-from .ptq import is_linear, linear_modules, ptq
+from .metrics import call_model, evaluating
+from .ptq import linear_modules, ptq
 
 
 @dataclass(frozen=True)
@@ -134,9 +135,10 @@ class _Call:
         return _main_tensor(module(*self.args, **self.kwargs))
 
 
-def _record(model: torch.nn.Module, names: list[str], run: Callable[[], Any]) -> dict[str, _Call]:
+def _record(model: torch.nn.Module, names: list[str], run: Callable[[], Any], optional: Iterable[str] = ()) -> dict[str, _Call]:
     """Each named module's inputs (as called, before any other pre-hook such as :func:`ptq`'s input rounding) and
-    output during ``run()``; a module called twice is refused (not a chain)."""
+    output during ``run()``; a module called twice is refused (not a chain), one that did not run too unless it is
+    ``optional`` (a linear layer its parent uses through its weight: left out)."""
     inputs: dict[str, tuple[tuple, dict]] = {}
     calls: dict[str, _Call] = {}
 
@@ -158,35 +160,33 @@ def _record(model: torch.nn.Module, names: list[str], run: Callable[[], Any]) ->
     finally:
         for handle in handles:
             handle.remove()
-    missing = [name for name in names if name not in calls]
+    missing = [name for name in names if name not in calls and name not in set(optional)]
     if missing:
-        raise ValueError(
-            f"modules {missing} did not run as modules in the forward (a unit the forward does not call, or a linear layer "
-            "its parent uses only through its weight, as nn.MultiheadAttention does its out_proj); pass units= that the "
-            "forward calls, and layers=False or modules= without such layers"
-        )
+        raise ValueError(f"units {missing} did not run as modules in the forward; pass units= that the forward calls, in forward order")
     return calls
 
 
-def _ratios(clean: torch.Tensor, quantized: torch.Tensor, reference: torch.Tensor, per_token: bool) -> torch.Tensor:
-    """``‖quantized − clean‖² / ‖reference‖²`` in float64: one value, or per token (last dimension) averaged."""
-    error = (quantized.double() - clean.double()).reshape(-1, clean.shape[-1] if per_token and clean.ndim else clean.numel())
-    norm = reference.double().reshape(error.shape).square().sum(-1)
-    return (error.square().sum(-1) / norm).mean()
+def _mean_ratio(value: torch.Tensor, norm: torch.Tensor) -> float:
+    """``value / norm`` (float64, per row) averaged over the rows whose ``norm`` is not 0; ``nan`` where none is."""
+    kept = norm > 0
+    return (value[kept] / norm[kept]).mean().item() if bool(kept.any()) else math.nan
+
+
+def _rows(x: torch.Tensor, per_token: bool) -> torch.Tensor:
+    """``x`` in float64 as one row, or one per token (last dimension)."""
+    return x.double().reshape(-1, x.shape[-1] if per_token and x.ndim else x.numel())
 
 
 def _decompose(name: str, kind: str, clean: _Call, quantized: _Call, fq_h: torch.Tensor, f_hq: torch.Tensor, per_token: bool) -> ABCRow:
-    f_h, fq_hq = clean.output.double(), quantized.output.double()
-    fq_h, f_hq = fq_h.double(), f_hq.double()
+    f_h, fq_hq, fq_h, f_hq = (_rows(x, per_token) for x in (clean.output, quantized.output, fq_h, f_hq))
     a = ((fq_hq - fq_h) + (f_hq - f_h)) / 2
     b = ((fq_hq - f_hq) + (fq_h - f_h)) / 2
-    features = f_h.shape[-1] if per_token and f_h.ndim else f_h.numel()
-    a, b, delta, h = (t.reshape(-1, features) for t in (a, b, fq_hq - f_h, f_h))
-    norm = h.square().sum(-1)
+    norm = f_h.square().sum(-1)
     R, A, B, C = (
-        (value / norm).mean().item() for value in (delta.square().sum(-1), a.square().sum(-1), b.square().sum(-1), 2 * (a * b).sum(-1))
+        _mean_ratio(value, norm) for value in ((fq_hq - f_h).square().sum(-1), a.square().sum(-1), b.square().sum(-1), 2 * (a * b).sum(-1))
     )
-    r_in = _ratios(clean.input, quantized.input, clean.input, per_token).item()
+    h, h_q = _rows(clean.input, per_token), _rows(quantized.input, per_token)
+    r_in = _mean_ratio((h_q - h).square().sum(-1), h.square().sum(-1))
     return ABCRow(name, kind, R, A, B, C, A / r_in if r_in > 0 else math.nan, r_in)
 
 
@@ -213,7 +213,9 @@ def abc_decomposition(
     Args:
         units: module names of the chain in forward order (default :func:`default_units`: transformer blocks, or a
             ``Sequential``'s children). Each must run exactly once per forward.
-        layers: also a row for every linear layer inside the units (``kind="linear"``), after its unit's row.
+        layers: also a row for every selected linear layer inside the units (``kind="linear"``), after its unit's row;
+            a layer the forward does not call as a module (``nn.MultiheadAttention`` uses its ``out_proj``'s weight
+            directly) has none.
         per_token: per-token ratios averaged, instead of whole-tensor norms.
 
     Returns:
@@ -227,28 +229,19 @@ def abc_decomposition(
         raise ValueError("units=[] gives no chain to decompose; pass module names in forward order, or None for the default")
     modules = None if modules is None else ([modules] if isinstance(modules, str) else list(modules))  # read twice below
     quantized_layers = linear_modules(model, modules)
-    inner = {
-        unit: [f"{unit}.{sub}" for sub, module in model.get_submodule(unit).named_modules() if sub and is_linear(module)] if layers else []
-        for unit in unit_names
-    }
-    names = unit_names + [name for unit in unit_names for name in inner[unit]]
-    modes = {module: module.training for module in model.modules()}  # each its own (a frozen norm stays in eval)
-    model.eval()
-    try:
-        with torch.no_grad():
-            clean = _record(model, names, lambda: forward(model, batch))
-            with ptq(model, weights, activations, modules=modules, block=block, rounding=rounding):
-                quantized = _record(model, names, lambda: forward(model, batch))
-                fq_h = {name: clean[name].again(model.get_submodule(name)) for name in names}
-            f_hq = {name: quantized[name].again(model.get_submodule(name)) for name in names}
-    finally:
-        for module, training in modes.items():
-            module.training = training
+    inner = {unit: [name for name in quantized_layers if name.startswith(f"{unit}.")] if layers else [] for unit in unit_names}
+    layer_names = [name for unit in unit_names for name in inner[unit]]
+    with evaluating(model), torch.no_grad():
+        clean = _record(model, unit_names + layer_names, lambda: forward(model, batch), optional=layer_names)
+        names = unit_names + [name for name in layer_names if name in clean]  # the layers that ran as modules
+        with ptq(model, weights, activations, modules=modules, block=block, rounding=rounding):
+            quantized = _record(model, names, lambda: forward(model, batch))
+            fq_h = {name: clean[name].again(model.get_submodule(name)) for name in names}
+        f_hq = {name: quantized[name].again(model.get_submodule(name)) for name in names}
     rows = []
     for unit in unit_names:
         for name in (unit, *inner[unit]):
-            kind = "unit" if name == unit else "linear"
-            if kind == "linear" and name not in quantized_layers:
-                continue
-            rows.append(_decompose(name, kind, clean[name], quantized[name], fq_h[name], f_hq[name], per_token))
+            if name in clean:
+                kind = "unit" if name == unit else "linear"
+                rows.append(_decompose(name, kind, clean[name], quantized[name], fq_h[name], f_hq[name], per_token))
     return ABCResult(rows, per_token)

@@ -18,8 +18,9 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -87,6 +88,19 @@ def sqnr(x: torch.Tensor, y: torch.Tensor) -> float:
     x, y = x.detach().double(), y.detach().double()
     noise = torch.linalg.vector_norm(x - y)
     return math.inf if noise == 0 else float(20 * torch.log10(torch.linalg.vector_norm(x) / noise))
+
+
+@contextlib.contextmanager
+def evaluating(model: torch.nn.Module) -> Iterator[None]:
+    """``model`` in eval mode (dropout off, norms on their running statistics) for the ``with`` block; each module's own
+    mode is put back on exit (a frozen norm stays in eval)."""
+    modes = {module: module.training for module in model.modules()}
+    model.eval()
+    try:
+        yield
+    finally:
+        for module, training in modes.items():
+            module.training = training
 
 
 def call_model(model: torch.nn.Module, batch: Any) -> Any:

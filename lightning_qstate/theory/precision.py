@@ -35,6 +35,8 @@ Casts and minifloats: fp32 23, fp16 10, bf16 7, fp8_e4m3 3, fp8_e5m2 2, ``eXmY``
 from __future__ import annotations
 
 import math
+import numbers
+import operator
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
@@ -141,16 +143,26 @@ def required_mantissa_bits(
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer={optimizer!r} is not valid; use one of {OPTIMIZERS}")
     check_rounding(rounding)
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"steps={steps!r} must be an int >= 1 (the run's optimizer steps)")
+    steps = _run_length(steps)
     if (optimizer, component) not in SLOPES:
         valid = tuple(c for o, c in SLOPES if o == optimizer)
         raise ValueError(f"{optimizer} has no second moment: component={component!r} is not valid for it; use one of {valid}")
     if constant is None:
         constant = DEFAULT_CONSTANTS[optimizer, component, rounding]
-    elif isinstance(constant, bool) or not isinstance(constant, int | float) or not math.isfinite(constant):
-        raise ValueError(f"constant={constant!r} must be a finite number (the c of slope·log2(steps) + c), or None for the default")
+    elif isinstance(constant, bool) or not isinstance(constant, numbers.Real) or not math.isfinite(constant):
+        raise ValueError(f"constant={constant!r} must be a finite real number (the c of slope·log2(steps) + c), or None for the default")
     return max(0.0, SLOPES[optimizer, component] * math.log2(steps) + float(constant))
+
+
+def _run_length(steps: object) -> int:
+    """``steps`` as a Python int >= 1: any integer (``int``, numpy's, a 0-d integer tensor), not a bool."""
+    try:
+        value = None if isinstance(steps, bool) else operator.index(steps)
+    except TypeError:
+        value = None
+    if value is None or value < 1:
+        raise ValueError(f"steps={steps!r} must be an integer >= 1 (the run's optimizer steps)")
+    return value
 
 
 @dataclass(frozen=True)
@@ -254,9 +266,11 @@ def advise(
     - the T-scaling rule: ``margin = M - needed``; ``ok`` (``margin >= 0``), ``marginal`` (``-1 <= margin < 0``, within
       the rule's accuracy) or ``insufficient``; fp32 is the reference the rule is calibrated on, always ``ok``;
     - Adam: ``v`` or the weights stored with fewer mantissa bits than ``m`` (at least ``marginal``);
-    - the stall ratchet of an EMA state written RN: its largest downward step, ``(1 - β)·s``, under half the gap to
-      the code below, everywhere (floats: ``1 - β < 2^-(p+2)``, e.g. bf16 ``β2 > 1 - 2^-9``; codebooks: their
-      smallest downward gap below the top code). A cast can then never decrease: ``insufficient``. A block-scaled
+    - the stall ratchet of Adam's ``v`` written RN: its largest downward step, ``(1 - β2)·v`` (its input ``g²`` is
+      never negative), under half the gap to the code below, everywhere (floats: ``1 - β2 < 2^-(p+2)``, e.g. bf16
+      ``β2 > 1 - 2^-9``; codebooks: their smallest downward gap below the top code). A cast can then never decrease:
+      ``insufficient``. (A first moment's step ``(1 - β1)(g - m)`` grows with a gradient of the other sign: no
+      ratchet; its stalls are the T-rule's and ``StallMonitor``'s.) A block-scaled
       entry still follows its block's scale down (the block's largest entry, stored exactly): ``marginal`` with an
       fp32 scale, ``insufficient`` with a bf16 scale that ratchets itself. Remedies: stochastic rounding, or resets
       every :func:`~lightning_qstate.theory.reset_period` steps;
@@ -265,15 +279,16 @@ def advise(
       (``|m̂|/sqrt(v̂) <= 1`` for steady gradients; a spike can reach ``(1-β1)/sqrt(1-β2)`` times it, ignored),
       Muon's typical one ``lr'/sqrt(max(A, B))`` (the RMS entry of an orthogonal ``A×B`` update, ``lr'`` torch's
       adjusted lr). ``insufficient`` when the update is below it for some parameter (``max|W|`` of the local
-      tensor). SGD's update scales with the gradient, unknown here: not checked.
+      tensor). ``lr`` is the group's larger of its current lr and the ``initial_lr`` a torch scheduler keeps (a
+      warm-up from 0 starts below it); a group at lr 0 is frozen: not checked. SGD's update scales with the
+      gradient, unknown here: not checked.
 
     Raises:
         TypeError: an optimizer of another kind (the message names the supported ones).
         ValueError: ``steps`` below 1, an unknown key in ``constants``, or an unknown ``grads`` format.
     """
     kind = _optimizer_kind(optimizer)
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"steps={steps!r} must be an int >= 1 (the run's optimizer steps)")
+    steps = _run_length(steps)
     unknown = sorted(set(constants or {}) - set(DEFAULT_CONSTANTS), key=str)
     if unknown:
         raise ValueError(f"constants: unknown key(s) {unknown}; valid keys: (optimizer, component, rounding) as in DEFAULT_CONSTANTS")
@@ -341,8 +356,8 @@ def _advise_component(
                 f"Adam needs about twice as many for {what} (2·log2 T vs log2 T): give {what} at least m's {_PAPER}"
             )
             findings.append(("marginal", note))
-    if component in ("exp_avg", "exp_avg_sq"):
-        findings += _ratchet_findings(group, storage, component, kind)
+    if component == "exp_avg_sq":
+        findings += _ratchet_findings(group, storage)
     if component == "weights":
         findings += _learning_rate_findings(group, params, found, kind, names)
     verdict = max((v for v, _ in findings), key=VERDICTS.index, default="ok")
@@ -350,9 +365,9 @@ def _advise_component(
     return AdviceRow(index, component, storage.name, storage.bits, needed, margin, verdict, reasons, storage.rounding)
 
 
-def _ratchet_findings(group: dict, storage: _Storage, component: str, kind: str) -> list[tuple[str, str]]:
-    """The stall ratchet of an EMA state written RN (see :func:`advise`), with its remedies."""
-    state_name = "exp_avg_sq" if component == "exp_avg_sq" else "exp_avg" if kind == "adam" else "momentum_buffer"
+def _ratchet_findings(group: dict, storage: _Storage) -> list[tuple[str, str]]:
+    """The stall ratchet of Adam's ``v`` written RN (see :func:`advise`), with its remedies."""
+    state_name = "exp_avg_sq"
     beta = state_decay(group, state_name)
     fmt = storage.fmt
     if storage.rounding != "nearest" or fmt is None or beta is None or not 0.0 < beta < 1.0 or storage.bits >= FP32_BITS:
@@ -392,7 +407,11 @@ def _learning_rate_findings(
     """FlashOptim's check (see :func:`advise`): parameters whose largest update is below the smallest change of their largest weight."""
     if kind == "sgd" or "lr" not in group or group.get("error_feedback"):  # error feedback keeps what rounding loses
         return []
-    lr = float(group["lr"])
+    # the run's lr, not a warm-up's first one: torch's schedulers keep the group's base lr as initial_lr
+    current = float(group["lr"])
+    lr = max(current, float(group.get("initial_lr", current)))
+    if lr == 0.0:  # a frozen group: nothing to lose
+        return []
     frozen = []
     for param, storage in zip(params, found, strict=True):
         local = local_tensor(param).detach()
@@ -402,14 +421,15 @@ def _learning_rate_findings(
         if largest == 0.0 or not math.isfinite(largest):
             continue
         smallest_change = 2.0 ** (math.floor(math.log2(largest)) - storage.bits - 1)
-        update = lr if kind == "adam" else _muon_update(group, param)
+        update = lr if kind == "adam" else _muon_update(group, param, lr)
         if update < smallest_change:
             frozen.append((names.get(param, "?"), smallest_change, largest, update))
     if not frozen:
         return []
     shown = ", ".join(f"{name} (max|W| = {largest:.3g}: {change:.3g})" for name, change, largest, _ in frozen[:3])
     more = f" and {len(frozen) - 3} more" if len(frozen) > 3 else ""
-    update_text = f"lr = {lr:.3g}" if kind == "adam" else f"Muon's typical update (lr = {lr:.3g}, adjusted, over sqrt(max(A, B)))"
+    lr_text = f"lr = {lr:.3g}" + (f" (the scheduler's initial_lr; now {current:.3g})" if lr != current else "")
+    update_text = lr_text if kind == "adam" else f"Muon's typical update ({lr_text}, adjusted, over sqrt(max(A, B)))"
     fixes = "weights=<format> with weight_rounding='stochastic', error_feedback='eco' or 'eco_exact', or fp32 master weights"
     reason = (
         f"{update_text} is below the smallest change the weights' format makes to their largest entries in {len(frozen)} of "
@@ -418,8 +438,8 @@ def _learning_rate_findings(
     return [("insufficient", reason)]
 
 
-def _muon_update(group: dict, param: torch.Tensor) -> float:
-    """The RMS entry of Muon's update of a 2-D ``param``: torch's adjusted lr over ``sqrt(max(A, B))``."""
+def _muon_update(group: dict, param: torch.Tensor, lr: float) -> float:
+    """The RMS entry of Muon's update of a 2-D ``param`` at learning rate ``lr``: torch's adjusted lr over ``sqrt(max(A, B))``."""
     rows, cols = param.shape[0], param.shape[1] if param.ndim > 1 else 1
     adjust = group.get("adjust_lr_fn")
     if adjust in (None, "original"):
@@ -428,7 +448,7 @@ def _muon_update(group: dict, param: torch.Tensor) -> float:
         ratio = 0.2 * math.sqrt(max(rows, cols))
     else:
         ratio = math.sqrt(rows / cols) if adjust == "spectral_unclamped" else 1.0
-    return float(group["lr"]) * ratio / math.sqrt(max(rows, cols))
+    return lr * ratio / math.sqrt(max(rows, cols))
 
 
 def _optimizer_kind(optimizer: torch.optim.Optimizer) -> str:

@@ -109,6 +109,9 @@ inline uint32_t mask_of(bool flag) { return 0u - static_cast<uint32_t>(flag); }
 inline uint32_t pick(uint32_t mask, uint32_t a, uint32_t b) { return (a & mask) | (b & ~mask); }
 inline float select(uint32_t mask, float a, float b) { return float_of(pick(mask, bits_of(a), bits_of(b))); }
 
+// The largest finite bf16 and fp16 values.
+constexpr float kBf16Max = 0x1.fep127f, kFp16Max = 65504.0f;
+
 // One value of the Adam(W) update as adam_reference.adam_math rounds it, operation for operation (params and codes are
 // the reference's bit for bit, also on a weight grid): the decoded m held (hold_m), the weight decay only in its own
 // form (the decoupled decay multiplies the param, the L2 term is added to the gradient), true divisions by
@@ -217,7 +220,7 @@ struct Scales {
     pattern = (pattern + 0xFFFFu) & 0xFFFF0000u;
     float rounded;
     std::memcpy(&rounded, &pattern, 4);
-    return std::min(rounded, 3.38953139e38f);  // bf16's largest finite value
+    return std::min(rounded, kBf16Max);
   }
   // Store a value that is representable (or NaN): the bf16 pattern is its upper half.
   void store(int64_t i, float value) const {
@@ -351,10 +354,12 @@ inline uint32_t cast_bits(uint64_t seed, int64_t index) {
 }
 
 // Stochastic rounding to bf16 as formats.rounding.bf16_stochastic: the upper 16 random bits added to the fp32 pattern,
-// the low 16 cleared (rounds up with probability equal to the dropped fraction of an ulp: unbiased); inf/NaN pass.
+// the low 16 cleared (rounds up with probability equal to the dropped fraction of an ulp: unbiased); past kBf16Max the
+// nearest (0x8000 added: bf16's last mantissa is odd, so a tie goes up, to inf, as bf16_nearest); inf/NaN pass.
 inline float bf16_stochastic(float x, uint32_t random) {
-  const float rounded = float_of((bits_of(x) + (random >> 16)) & 0xFFFF0000u);
-  return select(mask_of(std::fabs(x) < INFINITY), rounded, x);
+  const float magnitude = std::fabs(x);
+  const float rounded = float_of((bits_of(x) + pick(mask_of(magnitude <= kBf16Max), random >> 16, 0x8000u)) & 0xFFFF0000u);
+  return select(mask_of(magnitude < INFINITY), rounded, x);
 }
 
 // Stochastic rounding to fp16 (subnormals included), additive as bf16_stochastic: 13 random bits (8191 less the draw's
@@ -380,9 +385,12 @@ struct Grid {
   bool active() const { return dtype != Dtype::kNone; }
 };
 
-// The roundings of a grid, as types (Rounding::round(x, random): x on the grid, as fp32; ``random``: the element's SR
-// draw, cast_bits of its position in its parameter, read only where kStochastic), so that a loop is compiled once per
-// rounding.
+// x clamped to [-largest, largest] (a NaN stays): a weight grid saturates (formats.cast.CastFormat.round_saturated).
+inline float saturated(float x, float largest) { return select(mask_of(x > largest), largest, select(mask_of(x < -largest), -largest, x)); }
+
+// The roundings of a grid, as types (Rounding::round(x, random): x on the grid, as fp32, saturating at kLargest;
+// ``random``: the element's SR draw, cast_bits of its position in its parameter, read only where kStochastic), so that a
+// loop is compiled once per rounding.
 struct KeepFp32 {
   static constexpr bool kStochastic = false;
   static float round(float x, uint32_t) { return x; }
@@ -390,22 +398,26 @@ struct KeepFp32 {
 struct Bf16Nearest {
   using Element = BFloat16;
   static constexpr bool kStochastic = false;
-  static float round(float x, uint32_t) { return to_float(BFloat16{bf16_nearest(x)}); }
+  static constexpr float kLargest = kBf16Max;
+  static float round(float x, uint32_t) { return to_float(BFloat16{bf16_nearest(saturated(x, kLargest))}); }
 };
 struct Bf16Stochastic {
   using Element = BFloat16;
   static constexpr bool kStochastic = true;
-  static float round(float x, uint32_t random) { return bf16_stochastic(x, random); }
+  static constexpr float kLargest = kBf16Max;
+  static float round(float x, uint32_t random) { return bf16_stochastic(saturated(x, kLargest), random); }
 };
 struct Fp16Nearest {
   using Element = Float16;
   static constexpr bool kStochastic = false;
-  static float round(float x, uint32_t) { return fp16_nearest(x); }
+  static constexpr float kLargest = kFp16Max;
+  static float round(float x, uint32_t) { return fp16_nearest(saturated(x, kLargest)); }
 };
 struct Fp16Stochastic {
   using Element = Float16;
   static constexpr bool kStochastic = true;
-  static float round(float x, uint32_t random) { return fp16_stochastic(x, random); }
+  static constexpr float kLargest = kFp16Max;
+  static float round(float x, uint32_t random) { return fp16_stochastic(saturated(x, kLargest), random); }
 };
 
 // The bf16 / fp16 pattern of x rounded by a cast state's Rounding (adam_cpu.cpp: store_cast; patterns16 for 16 values);
@@ -1048,13 +1060,16 @@ inline __m256i bf16_nearest16(__m512 x) {
 }
 
 // bf16_nearest(bf16_stochastic(x)) of 16 values with their draws, as bf16 patterns: the upper 16 random bits added to
-// the fp32 pattern of a finite value, the upper half kept (the low half cleared: nearest is then exact); inf/NaN as
-// bf16_nearest16 has them.
+// the fp32 pattern of a value up to kBf16Max (0x8000 past it), the upper half kept (the low half cleared: nearest is
+// then exact); inf/NaN as bf16_nearest16 has them.
 inline __m256i bf16_stochastic16(__m512 x, __m512i random) {
   const __m512i bits = _mm512_castps_si512(x);
-  const __mmask16 finite = _mm512_cmp_ps_mask(_mm512_abs_ps(x), _mm512_set1_ps(INFINITY), _CMP_LT_OQ);
+  const __m512 magnitude = _mm512_abs_ps(x);
+  const __mmask16 finite = _mm512_cmp_ps_mask(magnitude, _mm512_set1_ps(INFINITY), _CMP_LT_OQ);
+  const __mmask16 in_range = _mm512_cmp_ps_mask(magnitude, _mm512_set1_ps(kBf16Max), _CMP_LE_OQ);
   const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-  __m512i upper = _mm512_srli_epi32(_mm512_mask_add_epi32(bits, finite, bits, _mm512_srli_epi32(random, 16)), 16);
+  const __m512i addend = _mm512_mask_blend_epi32(in_range, _mm512_set1_epi32(0x8000), _mm512_srli_epi32(random, 16));
+  __m512i upper = _mm512_srli_epi32(_mm512_mask_add_epi32(bits, finite, bits, addend), 16);
   upper = _mm512_mask_or_epi32(upper, nan, upper, _mm512_set1_epi32(0x40));
   return _mm512_cvtepi32_epi16(upper);
 }
@@ -1114,7 +1129,7 @@ QSTATE_INLINE __m256i patterns16(Fp16Stochastic, __m512 x, uint64_t seed, int64_
   return fp16_stochastic16(x, cast_random16(seed, index));
 }
 
-// 16 new parameter values x rounded to the weight grid by Rounding (elements index .. index + 15: their SR draws of
+// 16 new parameter values x rounded to the weight grid by Rounding, saturating (elements index .. index + 15: their SR draws of
 // ``seed``) and stored in T at p (a parameter of the grid's own dtype: the rounding's patterns as they are, which
 // store16 of their values would give again; round_store8's form); returns the rounded values (a NaN stays a NaN).
 template <typename T>
@@ -1125,7 +1140,9 @@ QSTATE_INLINE __m512 round_store16(KeepFp32, T* p, __m512 x, uint64_t, int64_t) 
 template <typename T, typename Rounding>
 QSTATE_INLINE __m512 round_store16(Rounding rounding, T* p, __m512 x, uint64_t seed, int64_t index) {
   using Element = typename Rounding::Element;
-  const __m256i patterns = patterns16(rounding, x, seed, index);
+  // saturated (min/max give their second operand where one is NaN: a NaN x stays)
+  const __m512 largest = _mm512_set1_ps(Rounding::kLargest), lowest = _mm512_set1_ps(-Rounding::kLargest);
+  const __m256i patterns = patterns16(rounding, _mm512_max_ps(lowest, _mm512_min_ps(largest, x)), seed, index);
   const __m512 rounded = std::is_same_v<Element, BFloat16> ? bf16_value16(patterns) : _mm512_cvtph_ps(patterns);
   if constexpr (std::is_same_v<T, Element>)
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), patterns);
@@ -1267,8 +1284,10 @@ QSTATE_INLINE __m128i bf16_stochastic8(__m256 x, __m256i random) {
   const __m256i bits = _mm256_castps_si256(x);
   const __m256 magnitude = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), x);
   const __m256i finite = _mm256_castps_si256(_mm256_cmp_ps(magnitude, _mm256_set1_ps(INFINITY), _CMP_LT_OQ));
+  const __m256i in_range = _mm256_castps_si256(_mm256_cmp_ps(magnitude, _mm256_set1_ps(kBf16Max), _CMP_LE_OQ));
   const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
-  const __m256i upper = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_and_si256(finite, _mm256_srli_epi32(random, 16))), 16);
+  const __m256i addend = _mm256_blendv_epi8(_mm256_set1_epi32(0x8000), _mm256_srli_epi32(random, 16), in_range);
+  const __m256i upper = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_and_si256(finite, addend)), 16);
   return narrow8(_mm256_or_si256(upper, _mm256_and_si256(nan, _mm256_set1_epi32(0x40))));
 }
 
@@ -1324,7 +1343,9 @@ QSTATE_INLINE __m256 round_store8(KeepFp32, T* p, __m256 x, const uint32_t*) {
 template <typename T, typename Rounding>
 QSTATE_INLINE __m256 round_store8(Rounding, T* p, __m256 x, const uint32_t* draws) {
   using Element = typename Rounding::Element;
-  const __m128i patterns = drawn_patterns8<Rounding>(x, draws, 0);
+  // saturated (min/max give their second operand where one is NaN: a NaN x stays)
+  const __m256 largest = _mm256_set1_ps(Rounding::kLargest), lowest = _mm256_set1_ps(-Rounding::kLargest);
+  const __m128i patterns = drawn_patterns8<Rounding>(_mm256_max_ps(lowest, _mm256_min_ps(largest, x)), draws, 0);
   const __m256 rounded = std::is_same_v<Element, BFloat16> ? bf16_value8(patterns) : _mm256_cvtph_ps(patterns);
   if constexpr (std::is_same_v<T, Element>)
     _mm_storeu_si128(reinterpret_cast<__m128i*>(p), patterns);
