@@ -7,6 +7,7 @@ The pieces (statistics, zones, budget) and the Lightning callback over the plann
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 import warnings
@@ -108,6 +109,46 @@ def test_the_cap_holds_at_every_check(frozen: bool):
 
     train(model, optimizer, planner, range(41), check)
     assert len(averages) == 4 and max(averages) <= 5.1
+
+
+def test_a_non_finite_gradient_at_a_check_counts_as_no_gradient():
+    """An inf in a layer's sums at a check (an overflow the optimizer or GradScaler skips) is as if that layer had no
+    gradient there: the statistics stay finite (they stayed inf for good, and every layer was 'redundant' after)."""
+
+    def run(poisoned: bool) -> dict:
+        model, optimizer = mlp_and_optimizer()
+        planner = BitWidthPlanner(optimizer, model, target_bits=None, **OPTIONS)
+        for step in range(41):
+            x = torch.randn(64, 32, generator=torch.Generator().manual_seed(step))
+            optimizer.zero_grad()
+            (model(x) - x.sum(1, keepdim=True)).square().mean().backward()
+            sums = planner.gradient_sums()
+            if step == 10:
+                sums[:, 0] = torch.tensor([math.inf, math.inf, sums[2, 0]]) if poisoned else 0.0
+            planner.update(step, sums)
+            optimizer.step()
+        return planner.state_dict()
+
+    poisoned = run(True)
+    assert poisoned == run(False) and math.isfinite(poisoned["global_rms"])
+    assert all(math.isfinite(entry["rms"]) for entry in poisoned["layers"].values())
+
+
+def test_parameters_that_join_later_are_planned_and_counted():
+    """A parameter group added during training (Lightning's BackboneFinetuning) is planned from the next check and counts
+    in the average, which stays the stored bits under the cap (it kept int8 states: 7.66 stored bits under a 5.0 cap)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 128), torch.nn.ReLU(), torch.nn.Linear(128, 1))
+    optimizer = lightning_qstate.QAdamW(model[2].parameters(), lr=1e-3, min_quant_size=0)
+    planner = BitWidthPlanner(optimizer, model, target_bits=5.1, **OPTIONS)
+    train(model, optimizer, planner, range(15))
+    assert set(planner.decisions()) == {"2.weight", "2.bias"}
+    optimizer.add_param_group({"params": list(model[0].parameters())})
+    train(model, optimizer, planner, range(15, 41))
+    assert set(planner.decisions()) == {name for name, _ in model.named_parameters()}
+    summary = state_summary(optimizer)
+    stored_bits = 8 * summary["bytes"] / summary["values"]
+    assert planner.metrics()["qstate/adaptive/avg_bits"] == pytest.approx(stored_bits, rel=1e-12) and stored_bits <= 5.1
 
 
 def test_summed_statistics_can_come_from_outside():

@@ -310,6 +310,22 @@ def test_a_state_that_overflows_raises_floating_point_error_on_every_path(optimi
     assert torch.isfinite(weight).all()
 
 
+def test_skip_counters_are_checkpointed():
+    """``nonfinite_skips`` and ``skipped_steps`` ride in the state dict (logged as cumulative, they restarted at 0 on a
+    resume); a checkpoint without them (before 2026-11-28) loads with 0."""
+    for nonfinite in ("skip", "skip_step"):
+        model, optimizer = named_model_and_optimizer(nonfinite=nonfinite)
+        with pytest.warns(RuntimeWarning, match="non-finite gradient"):
+            optimizer.step()
+        saved = roundtrip(optimizer.state_dict())
+        _, resumed = named_model_and_optimizer(nonfinite=nonfinite)
+        resumed.load_state_dict(saved)
+        assert (resumed.nonfinite_skips, resumed.skipped_steps) == (optimizer.nonfinite_skips, optimizer.skipped_steps) != (0, 0)
+        saved["param_groups"][0]["qstate_rounding_seed"] = saved["param_groups"][0]["qstate_rounding_seed"][:2]
+        resumed.load_state_dict(saved)
+        assert (resumed.nonfinite_skips, resumed.skipped_steps) == (0, 0)
+
+
 # --- damaged checkpoints ----------------------------------------------------------------------------------------
 def saved_checkpoint():
     model = make_model()

@@ -328,3 +328,102 @@ def test_monitor_measures_wrapped_optimizers_without_a_prediction(tmp_path):
         plugins=[QStatePrecision(states="bf16", min_quant_size=0)])  # fmt: skip
     assert len(logger.values("qstate/stall/sum/net.0.weight")) == 2
     assert not any(key.startswith("qstate/stall_predicted") for _, metrics in logger.records for key in metrics)  # a sum, not an EMA
+
+
+# --- changes during training, resumes, counting ------------------------------------------------------------------
+class HeadFirst(Regressor):
+    """Trains the head first; ``JoinBackbone`` adds ``net.0`` to the optimizer later (as BackboneFinetuning does)."""
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.net[1:].parameters(), lr=self.lr)
+
+
+class JoinBackbone(Callback):
+    def on_train_batch_end(self, trainer, pl_module, *args) -> None:
+        if trainer.global_step == 2:
+            trainer.optimizers[0].add_param_group({"params": list(pl_module.net[0].parameters())})
+
+
+def test_layers_added_during_training_are_reset_and_measured(tmp_path):
+    """A param group added on the same optimizer is reset and measured (the rows were cached per optimizer object)."""
+    logger, scheduler = MemoryLogger(), StateResetScheduler(period=3)
+    fit(tmp_path, model=HeadFirst(scheduler=False), max_steps=8, logger=logger, log_every_n_steps=1,
+        callbacks=[JoinBackbone(), scheduler, StallMonitor(per_layer=True, log_every_n_steps=2)])  # fmt: skip
+    assert "net.0.weight" in {layer for _, layer in scheduler.history}
+    assert "qstate/stall/exp_avg_sq/net.0.weight" in logger.keys()
+
+
+def test_resets_count_the_layers_they_zero(tmp_path):
+    """A layer without states (frozen, yet held by the optimizer) is not counted as reset; a state Adam never makes
+    without amsgrad is refused at fit start (nothing was zeroed, and every layer was counted every period)."""
+    model = Regressor(scheduler=False)
+    model.net[0].requires_grad_(False)
+    logger, scheduler = MemoryLogger(), StateResetScheduler(period=3)
+    fit(tmp_path, model=model, max_steps=6, logger=logger, log_every_n_steps=1, callbacks=[scheduler])
+    assert logger.values("qstate/reset/layers") == [4.0, 4.0] and "net.0.weight" not in {layer for _, layer in scheduler.history}
+    with pytest.raises(ValueError, match="'max_exp_avg_sq', which Adam keeps only with amsgrad=True"):
+        fit(tmp_path, max_steps=2, callbacks=[StateResetScheduler(period=3, states=["max_exp_avg_sq"])])
+
+
+def test_first_step_ratio_follows_the_states_zeroed():
+    """m alone rebuilt (v steady) gives (1 - β1)/(1 - β1^t), both the closed form of a full reset, v alone nothing."""
+    from lightning_qstate.callbacks.state_reset import first_step_ratio
+
+    group, state = {"betas": (0.9, 0.999)}, {"step": torch.tensor(99.0)}
+    full = first_step_ratio(group, state, False)
+    assert full == pytest.approx(0.1 * (1 - 0.999**100) ** 0.5 / ((1 - 0.9**100) * 0.001**0.5))
+    assert first_step_ratio(group, state, False, ["exp_avg"]) == pytest.approx(0.1 / (1 - 0.9**100))
+    assert first_step_ratio(group, state, False, ["exp_avg_sq"]) is None
+    assert first_step_ratio(group, state, True) == first_step_ratio(group, state, True, ["exp_avg"]) == pytest.approx(1.0)
+
+
+def test_monitor_reset_fraction_is_of_layers_and_survives_a_resume(tmp_path):
+    """``qstate/stall_resets`` counts each layer once per window (2.0 and 3.0 were logged as a "fraction"), and a run
+    resumed between two measurements counts the resets since the last one before the checkpoint (it dropped them)."""
+
+    def run(root, ckpt_path=None, max_steps=8):
+        logger = MemoryLogger()
+        callbacks = [StallMonitor(log_every_n_steps=4), StateResetScheduler(period=5)]
+        if ckpt_path is None:
+            callbacks.append(ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=6, save_top_k=-1))
+        fit(root, max_steps=max_steps, logger=logger, log_every_n_steps=1, callbacks=callbacks, ckpt_path=ckpt_path,
+            enable_checkpointing=ckpt_path is None)  # fmt: skip
+        return [(step, metrics["qstate/stall_resets"]) for step, metrics in logger.records if "qstate/stall_resets" in metrics]
+
+    straight = run(tmp_path / "a")
+    resumed = run(tmp_path / "b", str(next((tmp_path / "ckpt").glob("*.ckpt"))))
+    assert straight[-1:] == resumed == [(7, 1.0)]
+    frequent = MemoryLogger()
+    fit(tmp_path / "c", max_steps=12, logger=frequent, log_every_n_steps=1,
+        callbacks=[StallMonitor(log_every_n_steps=6), StateResetScheduler(period=2)])  # fmt: skip
+    assert frequent.values("qstate/stall_resets") == [1.0, 1.0]
+
+
+def test_logging_turned_off_turns_the_measurements_off(tmp_path):
+    spy = TrackingSpy()
+    fit(tmp_path, max_steps=4, log_every_n_steps=0, callbacks=[StallMonitor(), spy])
+    assert not any(spy.tracked.values())
+
+
+def test_the_users_own_stall_counts_neither_change_the_measurement_nor_get_lost(tmp_path):
+    """With ``track_stalls=True`` of the user's, the monitor still measures one step (it summed every step since the last
+    measurement) and the user's counters keep every step's counts (they were emptied at each measurement)."""
+    logged = []
+    for tracked in (False, True):
+        logger = MemoryLogger()
+        trainer = fit(tmp_path, max_steps=8, logger=logger, log_every_n_steps=1, callbacks=[StallMonitor(log_every_n_steps=4)],
+                      plugins=[QStatePrecision(states="int8", min_quant_size=0, track_stalls=tracked)])  # fmt: skip
+        logged.append(logger.values("qstate/stall/exp_avg_sq"))
+    weight = trainer.lightning_module.net[0].weight
+    assert logged[0] == logged[1] and len(logged[0]) == 2
+    assert int(trainer.strategy.optimizers[0].stall_counts()[weight]["exp_avg_sq"][1]) == 8 * weight.numel()  # every entry, 8 steps
+
+
+def test_state_figures_are_logged_once_per_optimizer_step_under_accumulation(tmp_path):
+    """With ``accumulate_grad_batches=3`` the callback logs once per optimizer step, as Lightning's own metrics (it logged
+    at every micro-batch, the first ones before the first step: ``state_bytes`` 0)."""
+    logger = MemoryLogger()
+    fit(tmp_path, max_steps=3, logger=logger, log_every_n_steps=1, accumulate_grad_batches=3, plugins=[],
+        callbacks=[QuantizedOptimizerStates(states="int8", min_quant_size=0)])  # fmt: skip
+    steps = [step for step, metrics in logger.records if "qstate/state_bytes" in metrics]
+    assert steps == [0, 1, 2] and 0.0 not in logger.values("qstate/state_bytes")

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -250,6 +251,7 @@ class BitWidthPlanner:
         self.reference = reference
         self.max_history = max_history
         self.fill_budget = fill_budget
+        self.module = module
         self.layers = self._collect_layers(module)
         self.global_rms: float | None = None
         self.global_dispersion: float | None = None
@@ -281,16 +283,32 @@ class BitWidthPlanner:
                 stacklevel=3,
             )
 
+    def _sync_layers(self) -> None:
+        """Track the parameters that joined since the layers were collected (``add_param_group``, as Lightning's
+        ``BackboneFinetuning`` does; ``requires_grad_(True)``): they are priced and planned from the next check on (as
+        ``critical`` until observed); the known layers keep their statistics and zones."""
+        current = [param for group in self.optimizer.param_groups for param in group["params"] if self._tracked(param)]
+        known = [layer.param for layer in self.layers]
+        if len(current) == len(known) and all(a is b for a, b in zip(current, known, strict=True)):
+            return
+        previous = {id(layer.param): layer for layer in self.layers}
+        self.layers = [previous.get(id(layer.param), layer) for layer in self._collect_layers(self.module)]
+
+    def _tracked(self, param: torch.Tensor) -> bool:
+        """A parameter the plan covers: a trainable one, or one frozen after it got states (they still take memory)."""
+        return param.requires_grad or bool(self.optimizer.state.get(param))
+
     def _collect_layers(self, module: torch.nn.Module | None) -> list[Layer]:
-        """Every trainable parameter of the optimizer, named as ``module`` names it, with its candidates priced. A frozen one
-        (``requires_grad=False``) gets no gradient, hence no states: priced, it would lend the others bits over the cap."""
+        """Every trainable parameter of the optimizer (and every frozen one that has states), named as ``module`` names it,
+        with its candidates priced. One frozen from the start (``requires_grad=False``) gets no gradient, hence no states:
+        priced, it would lend the others bits over the cap."""
         optimizer = self.optimizer
         names = {} if module is None else {param: clean_parameter_name(name) for name, param in module.named_parameters()}
         fallback = optimizer.param_names()
         layers = []
         for group in optimizer.param_groups:
             for param in group["params"]:
-                if not param.requires_grad:
+                if not self._tracked(param):
                     continue
                 numel = optimizer.full_numels.get(param, param.numel())
                 override = optimizer.state_overrides.get(param)
@@ -316,9 +334,11 @@ class BitWidthPlanner:
 
     def update(self, step: int, sums: torch.Tensor | Sequence[Sequence[float]] | None = None) -> bool:
         """At a check (:meth:`should_replan`), before the optimizer step: :meth:`observe`, :meth:`plan`, :meth:`apply`.
-        ``sums``: as :meth:`observe` takes them. Returns whether ``step`` was a check."""
+        ``sums``: as :meth:`observe` takes them (of the layers after parameters that joined were added: :meth:`gradient_sums`
+        at this check). Returns whether ``step`` was a check."""
         if not self.should_replan(step):
             return False
+        self._sync_layers()
         self.observe(step, sums)
         self.plan(step)
         self.apply()
@@ -327,7 +347,9 @@ class BitWidthPlanner:
     def gradient_sums(self, device: torch.device | None = None) -> torch.Tensor:
         """``(3, layers)`` float64 on ``device`` (default: the first parameter's): ``sum |g|``, ``sum g^2`` and the
         number of values of each layer's local gradient (zeros without one). Two foreach norms (L1, L2) over all
-        gradients; sums over shards and ranks add up, so they can be all-reduced before :meth:`observe`."""
+        gradients; sums over shards and ranks add up, so they can be all-reduced before :meth:`observe`. Parameters that
+        joined the optimizer since the last call become layers first."""
+        self._sync_layers()
         grads, where = [], []
         for index, layer in enumerate(self.layers):
             grad = layer.param.grad
@@ -346,20 +368,27 @@ class BitWidthPlanner:
         """Update the EMAs and the layers' zones (with hysteresis) at ``step``.
 
         ``sums``: :meth:`gradient_sums`, all-reduced over ranks where there are several (a tensor is read back to the
-        host: the one sync of a check); ``None``: this process's gradients.
+        host: the one sync of a check); ``None``: this process's gradients. A layer whose sums are not finite (an inf or
+        NaN gradient, which the optimizer's non-finite policy or ``GradScaler`` skips) counts as having no gradient at
+        this check; the model's reference is then taken over the others (and kept where none is left).
         """
         if sums is None:
             sums = self.gradient_sums()
         abs_sums, square_sums, counts = sums.tolist() if isinstance(sums, torch.Tensor) else sums
+        finite = [math.isfinite(a) and math.isfinite(s) for a, s in zip(abs_sums, square_sums, strict=True)]
+        abs_sums, square_sums, counts = (
+            [value if ok else 0.0 for value, ok in zip(column, finite, strict=True)] for column in (abs_sums, square_sums, counts)
+        )
         for layer, abs_sum, square_sum, count in zip(self.layers, abs_sums, square_sums, counts, strict=False):
             if count > 0:
                 rms, dispersion = gradient_statistics(abs_sum, square_sum, count)
                 layer.rms, layer.dispersion = ema(layer.rms, rms, self.ema_decay), ema(layer.dispersion, dispersion, self.ema_decay)
-        rms, dispersion = model_statistics(abs_sums, square_sums, counts, self.reference)
-        self.global_rms, self.global_dispersion = (
-            ema(self.global_rms, rms, self.ema_decay),
-            ema(self.global_dispersion, dispersion, self.ema_decay),
-        )
+        if sum(counts) > 0:
+            rms, dispersion = model_statistics(abs_sums, square_sums, counts, self.reference)
+            self.global_rms, self.global_dispersion = (
+                ema(self.global_rms, rms, self.ema_decay),
+                ema(self.global_dispersion, dispersion, self.ema_decay),
+            )
         threshold = self.threshold(step)
         for layer in self.layers:
             if layer.pinned is None and layer.rms is not None:

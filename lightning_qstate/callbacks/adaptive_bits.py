@@ -17,7 +17,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from ..adaptive import ADAPTED_STATES, STATE_DICT_VERSION, BitWidthPlanner
 from ..adaptive.planner import check_options
 from .arguments import is_positive_int
-from .tensorboard import log_scalars, write_layout
+from .tensorboard import log_scalars, logs_this_step, write_layout
 
 
 class AdaptiveBitWidth(Callback):
@@ -192,7 +192,7 @@ class AdaptiveBitWidth(Callback):
         return {} if self.planner is None else self.planner.decisions()
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
-        if self.planner is None or not trainer.is_global_zero or not trainer._logger_connector.should_update_logs:
+        if self.planner is None or not trainer.is_global_zero or not logs_this_step(trainer):
             return
         start = time.perf_counter()
         log_scalars(trainer, self.planner.metrics(), trainer.fit_loop.epoch_loop._batches_that_stepped)

@@ -79,7 +79,8 @@ class PrecisionAdvisor(Callback):
             or ``max_epochs`` times the optimizer steps per epoch where that ends the run first).
         strict: raise before training when any component is ``"insufficient"``, instead of only warning.
         log_weight_stalls: log the weights' stall rates during training.
-        log_every_n_steps: optimizer steps between weight stall measurements; default the Trainer's ``log_every_n_steps``.
+        log_every_n_steps: optimizer steps between weight stall measurements; default the Trainer's ``log_every_n_steps``
+            (its 0, logging off, turns them off).
         per_layer: log a weight stall rate per parameter (else only the model-wide one).
         constants: ``{(optimizer, component, rounding): c}`` replacing entries of
             :data:`~lightning_qstate.theory.precision.DEFAULT_CONSTANTS` in the rule ``M = slope·log2(T) + c``,
@@ -121,8 +122,8 @@ class PrecisionAdvisor(Callback):
         self._last_logged = -1
 
     def interval(self, trainer: pl.Trainer) -> int:
-        """Optimizer steps between weight stall measurements."""
-        return self.log_every_n_steps or max(1, trainer.log_every_n_steps)
+        """Optimizer steps between weight stall measurements; 0: none (the Trainer's logging is off, no interval given)."""
+        return self.log_every_n_steps or trainer.log_every_n_steps
 
     def planned_steps(self, trainer: pl.Trainer) -> int:
         """The run's length ``T`` in optimizer steps: ``steps``, else the Trainer's ``estimated_stepping_batches`` (``max_steps``
@@ -191,13 +192,14 @@ class PrecisionAdvisor(Callback):
 
     @override
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer) -> None:
-        if self._measuring and (trainer.global_step + 1) % self.interval(trainer) == 0:
+        interval = self.interval(trainer)
+        if self._measuring and interval and (trainer.global_step + 1) % interval == 0:
             request_stall_tracking(trainer)
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
-        step = trainer.global_step
-        if not self._measuring or step == 0 or step % self.interval(trainer):
+        step, interval = trainer.global_step, self.interval(trainer)
+        if not self._measuring or step == 0 or not interval or step % interval:
             return
         if self._last_logged == step:  # no optimizer step in this batch (gradient accumulation)
             return

@@ -21,7 +21,7 @@ from ..optim import (
 )
 from ..plugins.precision import QStatePolicyMixin, put_weights_on_grid
 from .arguments import check_flags
-from .tensorboard import log_scalars
+from .tensorboard import log_scalars, logs_this_step
 
 
 class QuantizedOptimizerStates(Callback):
@@ -84,7 +84,7 @@ class QuantizedOptimizerStates(Callback):
             put_weights_on_grid(trainer.strategy.optimizers)  # weights=: round to nearest (a checkpoint's weights come later)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
-        if not self.log_stats or not trainer._logger_connector.should_update_logs:
+        if not self.log_stats or not logs_this_step(trainer):
             return
         metrics = memory_metrics(trainer)
         if trainer.is_global_zero:
@@ -92,7 +92,9 @@ class QuantizedOptimizerStates(Callback):
 
 
 def memory_metrics(trainer: pl.Trainer) -> dict[str, float]:
-    """State memory of all of ``trainer``'s optimizers, summed over ranks (a collective: call it on every rank)."""
+    """State memory of all of ``trainer``'s optimizers, summed over ranks, and the skipped updates, which every rank
+    counts alike (each replica, and each shard from the all-reduced decision): their largest (collectives: call it on
+    every rank)."""
     local = [0, 0, 0, 0]
     for optimizer in trainer.strategy.optimizers:
         summary = state_summary(optimizer)
@@ -100,8 +102,11 @@ def memory_metrics(trainer: pl.Trainer) -> dict[str, float]:
         local[1] += summary["values"]
         local[2] += summary["fp32_bytes"]
         local[3] += optimizer.nonfinite_skips if isinstance(optimizer, QuantizedStates) else 0
-    totals = trainer.strategy.reduce(torch.tensor(local, dtype=torch.float64, device=trainer.strategy.root_device), reduce_op="sum")
-    stored, values, fp32_bytes, skips = (float(t) for t in totals)
+    device = trainer.strategy.root_device
+    totals = trainer.strategy.reduce(torch.tensor(local[:3], dtype=torch.float64, device=device), reduce_op="sum")
+    skips = trainer.strategy.reduce(torch.tensor(float(local[3]), dtype=torch.float64, device=device), reduce_op="max")
+    stored, values, fp32_bytes = (float(t) for t in totals)
+    skips = float(skips)
     return {
         "qstate/state_bytes": stored,
         "qstate/bits_per_value": 8 * stored / values if values else 0.0,

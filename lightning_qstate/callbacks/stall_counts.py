@@ -67,23 +67,25 @@ class StallMeasurement:
 
 _CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # trainer -> last StallMeasurement
 _TRACKING_BASE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> the user's track_stalls
+_SET_ASIDE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> the user's counts before a measured step
 
 
 def quantized_optimizers(trainer: pl.Trainer) -> list[QuantizedStates]:
     return [optimizer for optimizer in trainer.strategy.optimizers if isinstance(optimizer, QuantizedStates)]
 
 
-_ROWS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # trainer -> (optimizers, rows), built once per set of optimizers
+_ROWS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # trainer -> (holders, rows), built once per set of parameters
 
 
 def state_rows(trainer: pl.Trainer) -> list[StateRow]:
     """Every ``(parameter, state name)`` of the quantized optimizers, then ``(parameter, WEIGHT_STALLS)`` where the
-    optimizer counts the weights' stalls, in the same order on every rank (built once for the trainer's current
-    optimizers: callbacks call this at every step)."""
+    optimizer counts the weights' stalls, in the same order on every rank (built again only when the optimizers or
+    their parameters change, as ``add_param_group`` does: callbacks call this at every step)."""
     optimizers = quantized_optimizers(trainer)
+    holders = [item for optimizer in optimizers for item in (optimizer, *(p for g in optimizer.param_groups for p in g["params"]))]
     cached = _ROWS.get(trainer)  # compared by identity: an id() of a discarded optimizer can be reused by a new one
-    if cached is None or len(cached[0]) != len(optimizers) or any(a is not b for a, b in zip(cached[0], optimizers, strict=False)):
-        cached = _ROWS[trainer] = (optimizers, _build_state_rows(trainer))
+    if cached is None or len(cached[0]) != len(holders) or any(a is not b for a, b in zip(cached[0], holders, strict=True)):
+        cached = _ROWS[trainer] = (holders, _build_state_rows(trainer))
     return cached[1]
 
 
@@ -115,9 +117,15 @@ def _wrapped_state_names(optimizer: QuantizedStates) -> tuple[str, ...]:
 
 
 def request_stall_tracking(trainer: pl.Trainer) -> None:
-    """Count stalls in the coming optimizer step(s) of every quantized optimizer."""
+    """Count stalls in the coming optimizer step(s) of every quantized optimizer. Where the user tracks stalls too
+    (``track_stalls=True``), the counts gathered so far are set aside, so that the measurement holds the coming step only,
+    and given back at :func:`collect_stalls` (with the measured step's) so that the user's totals stay whole."""
     for optimizer in quantized_optimizers(trainer):
-        _TRACKING_BASE.setdefault(optimizer, optimizer.track_stalls)
+        if optimizer not in _TRACKING_BASE:
+            _TRACKING_BASE[optimizer] = optimizer.track_stalls
+            if optimizer.track_stalls:
+                _SET_ASIDE[optimizer] = optimizer.__dict__.pop("_stall_counts", {})
+                optimizer._stall_counts = {}
         optimizer.track_stalls = True
 
 
@@ -140,6 +148,12 @@ def collect_stalls(trainer: pl.Trainer) -> StallMeasurement:
     total = trainer.strategy.reduce(local.to(device), reduce_op="sum").cpu() if trainer.world_size > 1 else local
     for optimizer in quantized_optimizers(trainer):
         optimizer.track_stalls = _TRACKING_BASE.pop(optimizer, optimizer.track_stalls)
+        if optimizer in _SET_ASIDE:  # the user's own tracking: its counts before the measured step, plus the measured step's
+            counts = _SET_ASIDE.pop(optimizer)
+            for param, states in taken[id(optimizer)].items():
+                for name, value in states.items():
+                    counts[param, name] = counts[param, name] + value if (param, name) in counts else value
+            optimizer._stall_counts = counts
     measurement = StallMeasurement(trainer.global_step, rows, total)
     _CACHE[trainer] = measurement
     return measurement

@@ -68,7 +68,8 @@ class StallMonitor(Callback):
                           logger=TensorBoardLogger("runs"))
 
     Args:
-        log_every_n_steps: optimizer steps between measurements; default: the Trainer's ``log_every_n_steps``.
+        log_every_n_steps: optimizer steps between measurements; default: the Trainer's ``log_every_n_steps`` (its 0, logging
+            off, turns the measurements off too).
         per_layer: also log a scalar per layer and state (off by default: a model has many; the histograms show
             the per-layer spread).
         histograms: log histograms of the per-layer rates to TensorBoard loggers.
@@ -93,7 +94,8 @@ class StallMonitor(Callback):
         self.last_rates: dict[str, float] = {}  # the last measurement's model-wide qstate/stall* scalars (RunSummary reads them)
 
     def interval(self, trainer: pl.Trainer) -> int:
-        return self.log_every_n_steps or max(1, trainer.log_every_n_steps)
+        """Optimizer steps between measurements; 0: none (the Trainer's logging is off and no interval was given)."""
+        return self.log_every_n_steps or trainer.log_every_n_steps
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not quantized_optimizers(trainer):
@@ -101,7 +103,8 @@ class StallMonitor(Callback):
                 "StallMonitor: no optimizer has quantized states, so there is nothing to measure. Add "
                 "QStatePrecision to the Trainer's plugins, or QuantizedOptimizerStates to its callbacks."
             )
-        self._previous_measured_step = trainer.global_step
+        interval = self.interval(trainer)  # a resumed run: the last measurement before the checkpoint (resets since count)
+        self._previous_measured_step = trainer.global_step - trainer.global_step % interval if interval else trainer.global_step
         if trainer.is_global_zero:
             write_layout(trainer)
 
@@ -120,7 +123,8 @@ class StallMonitor(Callback):
         return charts
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer) -> None:
-        if (trainer.global_step + 1) % self.interval(trainer) == 0:
+        interval = self.interval(trainer)
+        if interval and (trainer.global_step + 1) % interval == 0:
             request_stall_tracking(trainer)
             self._measured_step = trainer.global_step + 1
             schedulers = [callback for callback in trainer.callbacks if isinstance(callback, StateResetScheduler)]
@@ -133,8 +137,8 @@ class StallMonitor(Callback):
         return max(1, self._measured_step - max(self._last_resets.get(row.layer, 0), 0))
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
-        step = trainer.global_step
-        if step == 0 or step % self.interval(trainer) or not quantized_optimizers(trainer):
+        step, interval = trainer.global_step, self.interval(trainer)
+        if step == 0 or not interval or step % interval or not quantized_optimizers(trainer):
             return
         if self._last_logged == step:  # no optimizer step in this batch (gradient accumulation)
             return
@@ -197,7 +201,7 @@ class StallMonitor(Callback):
         if not layers:
             return None
         window = range(self._previous_measured_step, self._measured_step)
-        return sum(1 for scheduler in schedulers for step, _ in scheduler.history if step in window) / layers
+        return len({layer for scheduler in schedulers for step, layer in scheduler.history if step in window}) / layers
 
     def _log(self, trainer: pl.Trainer, measurement: StallMeasurement) -> None:
         scalars, per_state = self.metrics(measurement)

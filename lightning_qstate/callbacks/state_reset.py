@@ -140,6 +140,9 @@ class StateResetScheduler(Callback):
             unknown = sorted(set(self.states) - known) if known else []
             if unknown:
                 raise ValueError(f"StateResetScheduler: unknown state name(s) {unknown} in states=; the optimizers have {sorted(known)}")
+            amsgrad = any(group.get("amsgrad") for optimizer in optimizers for group in optimizer.param_groups)
+            if "max_exp_avg_sq" in self.states and known and not amsgrad:
+                raise ValueError("StateResetScheduler: states= names 'max_exp_avg_sq', which Adam keeps only with amsgrad=True; drop it")
         layers = self.layers(trainer)
         if not layers:
             rank_zero_warn(
@@ -178,13 +181,18 @@ class StateResetScheduler(Callback):
             self._reset(trainer, {layer: layers[layer] for layer in due}, step)
 
     def _reset(self, trainer: pl.Trainer, layers: dict[str, list[StateRow]], step: int) -> None:
-        ratios = []
+        ratios, count = [], 0
         for layer, rows in layers.items():
             zeroed = rows[0].optimizer.reset_states(rows[0].param, [row.state for row in rows], restart_step=self.reset_step)
-            ratios += [first_step_ratio(rows[0].group, rows[0].optimizer.state.get(rows[0].param, {}), self.reset_step)] if zeroed else []
-            self.last_reset[layer] = step
-            self.history.append((step, layer))
-        metrics = {"qstate/reset/layers": float(len(layers)), "qstate/reset/total": float(len(self.history))}
+            self.last_reset[layer] = step  # the schedule moves on; a layer without states yet (frozen) is not counted
+            if zeroed:
+                state = rows[0].optimizer.state.get(rows[0].param, {})
+                ratios.append(first_step_ratio(rows[0].group, state, self.reset_step, zeroed))
+                self.history.append((step, layer))
+                count += 1
+        if not count:
+            return
+        metrics = {"qstate/reset/layers": float(count), "qstate/reset/total": float(len(self.history))}
         ratios = [r for r in ratios if r is not None]
         if ratios:
             metrics["qstate/reset/first_step_ratio"] = max(ratios)
@@ -202,12 +210,14 @@ class StateResetScheduler(Callback):
         self.history = [(int(step), layer) for step, layer in state_dict["history"]]
 
 
-def first_step_ratio(group: dict, state: dict, restarted: bool) -> float | None:
-    """Size of the first Adam step after a reset relative to a steady one, ``m̂/sqrt(v̂)`` for ``m, v`` rebuilt from zero
-    by one gradient over the usual ``≈1``: ``(1 - β1)·sqrt(1 - β2^t) / ((1 - β1^t)·sqrt(1 - β2))`` at the next step
-    ``t``; 1 when the step count restarted; ``None`` for optimizers without ``betas``."""
-    if restarted or "betas" not in group or "step" not in state:
-        return None if "betas" not in group else 1.0
+def first_step_ratio(group: dict, state: dict, restarted: bool, zeroed: Sequence[str] = ("exp_avg", "exp_avg_sq")) -> float | None:
+    """Size of the first Adam step after a reset of the states ``zeroed`` relative to a steady one (``m̂/sqrt(v̂) ≈ 1``),
+    at the next step ``t``: both moments rebuilt from zero by one gradient, ``(1 - β1)·sqrt(1 - β2^t) / ((1 - β1^t)·
+    sqrt(1 - β2))``; ``m`` alone (``v`` steady), ``(1 - β1) / (1 - β1^t)``; both 1 when the step count restarted (t = 1).
+    ``None`` for optimizers without ``betas``, and where ``v`` alone was zeroed (the moment hold bounds that step)."""
+    if "betas" not in group or "exp_avg" not in zeroed:
+        return None
     beta1, beta2 = (float(b) for b in group["betas"])
-    t = float(state["step"]) + 1
-    return (1 - beta1) * (1 - beta2**t) ** 0.5 / ((1 - beta1**t) * (1 - beta2) ** 0.5)
+    t = 1.0 if restarted or "step" not in state else float(state["step"]) + 1
+    m_alone = (1 - beta1) / (1 - beta1**t)
+    return m_alone * ((1 - beta2**t) / (1 - beta2)) ** 0.5 if "exp_avg_sq" in zeroed else m_alone

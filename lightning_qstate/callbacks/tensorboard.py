@@ -53,6 +53,14 @@ def describe(tag: str) -> str | None:
     return next((text for pattern, text in TAG_DESCRIPTIONS if re.fullmatch(pattern, tag)), None)
 
 
+def logs_this_step(trainer: pl.Trainer) -> bool:
+    """Whether Lightning logs its own step metrics at this ``on_train_batch_end``: a step of its logging interval, at the
+    batch that ends a gradient accumulation window (automatic optimization), not at every micro-batch of it."""
+    if not trainer._logger_connector.should_update_logs:
+        return False
+    return not (trainer.lightning_module.automatic_optimization and trainer.fit_loop._should_accumulate())
+
+
 def log_scalars(trainer: pl.Trainer, metrics: Mapping[str, float], step: int) -> None:
     """Log ``metrics`` at ``step`` to every logger of ``trainer``; TensorBoard gets each tag's description once."""
     for logger in trainer.loggers:

@@ -1027,7 +1027,9 @@ class QuantizedStates:
         }
         state_dict[VERSION_KEY] = STATE_FORMAT_VERSION
         if state_dict["param_groups"]:
-            state_dict["param_groups"][0][ROUNDING_KEY] = [self._rounding_seed, self._rounding_step]
+            # with the counters of skipped updates (cumulative over a resumed run, as the callback logs them)
+            counters = [self._rounding_seed, self._rounding_step, self.nonfinite_skips, self.skipped_steps]
+            state_dict["param_groups"][0][ROUNDING_KEY] = counters
         for hook in self._optimizer_state_dict_post_hooks.values():
             state_dict = hook(self, state_dict) or state_dict
         return state_dict
@@ -1117,7 +1119,9 @@ class QuantizedStates:
         self._kept_formats_unchecked = True
         groups = state_dict["param_groups"]
         if groups and ROUNDING_KEY in groups[0]:
-            self._rounding_seed, self._rounding_step = (int(v) for v in groups[0][ROUNDING_KEY])
+            saved = [int(v) for v in groups[0][ROUNDING_KEY]]  # checkpoints before 2026-11-28 hold the first two
+            self._rounding_seed, self._rounding_step = saved[:2]
+            self.nonfinite_skips, self.skipped_steps = saved[2:] or (0, 0)
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)
 
