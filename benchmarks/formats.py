@@ -578,9 +578,10 @@ def render_report(command: str, args: argparse.Namespace, kinds: list[TensorKind
         f"torchao {_version('torchao')}, bitsandbytes {_version('bitsandbytes')}",
         f"- machine: {platform.machine()}, {platform.system()}, torch threads {torch.get_num_threads()}, device cpu",
         f"- numel {args.numel:,}, repeats {args.repeats} (median after 1 warm-up call; methods timed round-robin), seed {args.seed}",
-        "- bits/value counts codes and fp32 block scales (code tables excluded); ratio columns compare rel. RMS errors with the"
-        " peer of the same code width on the same tensor (signed peers on signed data, unsigned ones on v-like data);"
-        " peers have RN only. torchao is timed as `scale_tensor` + `quantize_*bit_with_qmap` (+ packing for 4-bit).",
+        "- bits/value counts codes and block scales (bf16 for our signed formats, fp32 for our unsigned ones and the peers;"
+        " code tables excluded); ratio columns compare rel. RMS errors with the peer of the same code width on the same"
+        " tensor (signed peers on signed data, unsigned ones on v-like data); peers have RN only. torchao is timed as"
+        " `scale_tensor` + `quantize_*bit_with_qmap` (+ packing for 4-bit).",
     ]
     body = [render_table(kind, [r for r in rows if r.kind == kind.name]) for kind in kinds]
     notes = ["## Notes", "", *(f"- {n}" for n in peer_notes() + code_notes(kinds, rows))]

@@ -259,11 +259,13 @@ def render(results: dict, costs: list[dict], args: argparse.Namespace, argv: lis
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=3000)
+    parser.add_argument("--steps", type=int, default=None, help="steps of each run (default 3000; --quick: 60)")
     parser.add_argument("--jobs", type=int, default=2, help="runs in parallel (one thread each)")
     parser.add_argument("--overhead-steps", type=int, default=600, help="steps of each StallMonitor overhead run (0: skip)")
     parser.add_argument("--overhead-rounds", type=int, default=2)
-    parser.add_argument("--quick", action="store_true", help="three short runs (fp32 RN, bf16 RN, bf16 SR + resets), no overhead table")
+    parser.add_argument(
+        "--quick", action="store_true", help="three short runs of 60 steps (fp32 RN, bf16 RN, bf16 SR + resets), no overhead table"
+    )
     parser.add_argument("--formats", nargs="+", default=list(FORMATS), choices=FORMATS, help="state formats to (re)run")
     parser.add_argument("--merge", action="store_true", help="keep the other formats' runs from the JSON next to --out")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
@@ -274,6 +276,8 @@ def main(argv: list[str] | None = None) -> dict:
         spec = json.loads(args.worker)
         print(json.dumps(train(RunSpec(**{**spec, "model": tuple(spec["model"])}))))
         return {}
+    if args.steps is None:
+        args.steps = 60 if args.quick else 3000
     runs = specs(args.steps, args.quick, tuple(args.formats))
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:
         finished = list(pool.map(launch, runs))

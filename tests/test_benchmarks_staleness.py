@@ -13,11 +13,31 @@ pytest.importorskip("transformers")
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "staleness.py"
 
 
-def test_quick_run_writes_the_table(tmp_path):
+def load():
     spec = importlib.util.spec_from_file_location("benchmarks_staleness", SCRIPT)
     bench = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = bench
     spec.loader.exec_module(bench)
+    return bench
+
+
+def test_quick_runs_are_short(monkeypatch, tmp_path):
+    """``--quick`` ("three short runs") shortens the runs (they trained the full 3000 steps)."""
+    bench = load()
+
+    class Launched(Exception):
+        pass
+
+    def launch(spec):
+        raise Launched(spec.steps)
+
+    monkeypatch.setattr(bench, "launch", launch)
+    with pytest.raises(Launched, match="^60$"):
+        bench.main(["--quick", "--out", str(tmp_path / "staleness.md")])
+
+
+def test_quick_run_writes_the_table(tmp_path):
+    bench = load()
     out = tmp_path / "staleness.md"
     results = bench.main(["--quick", "--steps", "24", "--jobs", "2", "--out", str(out)])
     assert set(results) == {("fp32", "RN"), ("bf16", "RN"), ("bf16", "SR + resets")}

@@ -39,6 +39,7 @@ if not INTERPRET:
 else:
     import torch
 
+    from lightning_qstate import kernels
     from lightning_qstate.formats import (
         BlockFormat,
         CastFormat,
@@ -55,6 +56,7 @@ else:
     from lightning_qstate.kernels import (
         KERNELS,
         TritonBackend,
+        adam_step_supported,
         triton_dequantize_blocks,
         triton_kernels,
         triton_quantize_blocks,
@@ -83,7 +85,7 @@ else:
         nan = torch.isnan(expected)
         if not torch.equal(torch.isnan(actual), nan):
             return False
-        int_dtype = {2: torch.int16, 4: torch.int32}[actual.element_size()]
+        int_dtype = {2: torch.int16, 4: torch.int32, 8: torch.int64}[actual.element_size()]
         return torch.equal(actual[~nan].view(int_dtype), expected[~nan].view(int_dtype))
 
     def random_values(numel: int, seed: int) -> torch.Tensor:
@@ -163,13 +165,13 @@ else:
     @pytest.mark.parametrize(("name", "options"), BLOCK_FORMATS, ids=FORMAT_IDS)
     def test_round_to_nearest_matches_reference_bit_for_bit(name, options, block_size):
         """Random fp32 sizes, then the special blocks in one input dtype (each format meets every dtype once
-        over the three block sizes), dequantized to fp32, bf16 and fp16."""
+        over the three block sizes), dequantized to fp32, bf16, fp16 and float64 (a float64 parameter's states: it raised)."""
         fmt = block_format(name, options, block_size)
         for size in (0, 1, 7, block_size - 1, block_size + 3, 3 * block_size):
             check_round_to_nearest(fmt, random_values(size, seed=size))
         index = [32, 128, 256].index(block_size)
         dtype = DTYPES[(index + BLOCK_FORMATS.index((name, options))) % len(DTYPES)]
-        check_round_to_nearest(fmt, special_blocks(fmt, dtype, seed=index), out_dtypes=tuple(DTYPES))
+        check_round_to_nearest(fmt, special_blocks(fmt, dtype, seed=index), out_dtypes=(*DTYPES, torch.float64))
 
     def test_odd_sizes_pad_the_last_nibble_with_zero():
         fmt = block_format("int4", {}, 32)  # the code of 0 is not 0
@@ -429,3 +431,22 @@ else:
             TritonBackend().quantize_blocks(fp16, x.reshape(-1), "nearest", None)
         with pytest.raises(NonFiniteError):  # the kernel's NaN scale feeds the format's nonfinite="raise" check
             get_format("int8").quantize(torch.tensor([1.0, float("inf"), 2.0]))
+
+    def test_blocks_the_kernels_would_spill_take_the_reference(monkeypatch):
+        """Past 2048 values a block program spills registers (block 4096: 120 B in the SR Adam step on sm_80), and so does
+        the Adam step with more than 32 sub-blocks: the backend quantizes such formats with the torch reference, and the
+        dispatcher keeps the Adam step off the kernel (aot_variants compiles the limits without spills)."""
+        from lightning_qstate.kernels.triton_kernels import MAX_BLOCK, MAX_SUB_BLOCKS
+
+        monkeypatch.setitem(formats_base._KERNEL_BACKENDS, "cpu", TritonBackend())
+        called = []
+        monkeypatch.setattr(kernels, "triton_quantize_blocks", lambda *args: called.append(args))
+        fmt = get_format("int8", block_size=2 * MAX_BLOCK)
+        x = random_values(3 * MAX_BLOCK, seed=3)
+        q = fmt.quantize(x)
+        assert not called and torch.equal(q.codes, fmt.quantize_reference(x, "nearest", None)[0])
+        assert same_bits(q.dequantize(torch.float64), fmt.dequantize_reference(q.codes, q.scales, x.numel()).double())
+        unsigned = lambda block: get_format("int8", signed=False, block_size=block)  # noqa: E731
+        assert adam_step_supported(get_format("int8", block_size=MAX_BLOCK // MAX_SUB_BLOCKS), unsigned(MAX_BLOCK))
+        assert not adam_step_supported(get_format("int8", block_size=MAX_BLOCK // MAX_SUB_BLOCKS // 2), unsigned(MAX_BLOCK))
+        assert not adam_step_supported(get_format("int8", block_size=2 * MAX_BLOCK), unsigned(2 * MAX_BLOCK))

@@ -43,7 +43,7 @@ __all__ = ["TRITON_AVAILABLE", "TritonBackend"]
 
 if TRITON_AVAILABLE:
     from .launch import draw_seed, triton_adam_step, triton_dequantize_blocks, triton_quantize_blocks, triton_stochastic_cast
-    from .triton_kernels import KERNELS, KernelVariant, adam_step_supported, aot_variants
+    from .triton_kernels import KERNELS, KernelVariant, adam_step_supported, aot_variants, block_supported
 
     __all__ += [
         "KERNELS",
@@ -65,12 +65,16 @@ if TRITON_AVAILABLE:
         ) -> tuple[torch.Tensor, torch.Tensor]:
             if not isinstance(fmt, BlockFormat):
                 raise TypeError(f"quantize_blocks takes a block format, got {fmt!r}")
+            if not block_supported(fmt):  # a block the kernels would hold in spilled registers
+                return fmt.quantize_reference(flat, rounding, generator)
             seed = draw_seed(generator, flat.device) if rounding == "stochastic" else None
             return triton_quantize_blocks(fmt, flat, rounding, seed)
 
         def dequantize_blocks(self, fmt: StorageFormat, q: QuantizedTensor, dtype: torch.dtype) -> torch.Tensor:
             if not isinstance(fmt, BlockFormat):
                 raise TypeError(f"dequantize_blocks takes a block format, got {fmt!r}")
+            if not block_supported(fmt):
+                return fmt.dequantize_reference(q.codes, q.scales, q.numel).to(dtype)
             return triton_dequantize_blocks(fmt, q.codes, q.scales, q.numel, dtype)
 
         def stochastic_cast(self, fmt: StorageFormat, flat: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:

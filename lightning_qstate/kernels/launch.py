@@ -101,7 +101,10 @@ def triton_quantize_blocks(
 def triton_dequantize_blocks(
     fmt: BlockFormat, codes: torch.Tensor, scales: torch.Tensor, numel: int, dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
-    """Packed codes + scales -> ``(numel,)`` values in ``dtype``: ``fmt.dequantize_reference(...).to(dtype)``."""
+    """Packed codes + scales -> ``(numel,)`` values in ``dtype``: ``fmt.dequantize_reference(...).to(dtype)``. The kernel
+    writes fp32, bf16 or fp16; another dtype (a float64 parameter's states) is the fp32 values cast (exact)."""
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return triton_dequantize_blocks(fmt, codes, scales, numel).to(dtype)
     variant = dequantize_blocks_variant(fmt, dtype)
     out = torch.empty(numel, dtype=dtype, device=codes.device)
     if numel == 0:

@@ -274,9 +274,26 @@ def stochastic_cast_variant(fmt: CastFormat, input_dtype: torch.dtype) -> Kernel
 _WEIGHT_GRIDS = {None: NO_GRID.value, torch.float32: FP32_GRID.value, torch.bfloat16: BF16_GRID.value, torch.float16: FP16_GRID.value}
 
 
+# A program holds a whole block: past 2048 values (or 32 sub-blocks of the other moment's in one) the compiled kernels
+# spill registers (block 4096: the int6 SR Adam step, 120 B on sm_80; m block 32 under v block 2048: 12 B). Larger
+# blocks take the torch reference (formats) and the eager or compiled step (optimizers); aot_variants compiles the limits.
+MAX_BLOCK = 2048
+MAX_SUB_BLOCKS = 32
+
+
+def block_supported(fmt: StorageFormat) -> bool:
+    """Whether the quantize and dequantize kernels take ``fmt``: a block format of at most :data:`MAX_BLOCK` values."""
+    return isinstance(fmt, BlockFormat) and fmt.block_size <= MAX_BLOCK
+
+
 def adam_step_supported(m_format: StorageFormat, v_format: StorageFormat) -> bool:
-    """Whether :func:`adam_step_kernel` stores these moment formats: both block formats with a Triton encoder."""
-    return all(isinstance(fmt, (CodebookFormat, MinifloatFormat)) for fmt in (m_format, v_format))
+    """Whether :func:`adam_step_kernel` stores these moment formats: both block formats with a Triton encoder, blocks of
+    at most :data:`MAX_BLOCK` values, the larger at most :data:`MAX_SUB_BLOCKS` of the smaller."""
+    formats = (m_format, v_format)
+    if not all(isinstance(fmt, (CodebookFormat, MinifloatFormat)) and block_supported(fmt) for fmt in formats):
+        return False
+    smaller, larger = sorted(fmt.block_size for fmt in formats)
+    return larger <= MAX_SUB_BLOCKS * smaller
 
 
 def adam_step_variant(
@@ -370,7 +387,9 @@ def aot_variants() -> list[KernelVariant]:
         (get_format("int4", block_size=32), "nearest", fp32),  # codebook, nibbles, small block
         (get_format("int4", signed=False), "stochastic", fp16),
         (get_format("fp8_e4m3"), "nearest", bf16),  # minifloat, signed, byte container
-        (get_format("fp8_e5m2", block_size=2048), "stochastic", fp32),  # large block
+        (get_format("fp8_e5m2", block_size=MAX_BLOCK), "stochastic", fp32),  # the largest block
+        (get_format("fp8_e4m3", block_size=MAX_BLOCK), "stochastic", fp32),
+        (get_format("int8", block_size=MAX_BLOCK), "stochastic", bf16),
         (get_format("e2m2", signed=False), "nearest", fp32),  # minifloat, nibbles
         (get_format("int6", signed=False), "nearest", fp32),  # codebook, dense 6-bit container
         (get_format("e3m3"), "stochastic", bf16),  # minifloat, dense 7-bit container
@@ -411,6 +430,18 @@ def aot_variants() -> list[KernelVariant]:
         (get_format("fp8_e4m3"), get_format("fp8_e5m2"), "stochastic", True, False, fp32, fp16, "nearest", False),  # naive
         (get_format("fp8_e4m3", block_size=32), get_format("int8", signed=False), "nearest", True, False, fp32, bf16, "stochastic", False),
         (get_format("int8"), get_format("int4", signed=False), "nearest", False, False, fp16, fp32, "nearest", True),  # fp32 grid
+        # the limits: MAX_BLOCK values, MAX_SUB_BLOCKS of m in one, SR everywhere, stall counts
+        (
+            get_format("int8", block_size=64),
+            get_format("int6", signed=False, block_size=MAX_BLOCK),
+            "stochastic",
+            True,
+            True,
+            bf16,
+            bf16,
+            "stochastic",
+            True,
+        ),
     ]
     variants += [
         adam_step_variant(m, v, rounding, dtype, decoupled, False, stalls, dtype, grid, weight_rounding, eco)
