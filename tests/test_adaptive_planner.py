@@ -210,6 +210,10 @@ def test_bad_optimizers_and_options_are_refused():
         BitWidthPlanner(optimizer, anneal_steps=0)
     with pytest.raises(ValueError, match=r"BitWidthPlanner: interval=0 must be an int >= 1"):
         BitWidthPlanner(optimizer, interval=0)
+    with pytest.raises(ValueError, match=r"BitWidthPlanner: target_bits=True must be a number > 0"):  # read as 1 bit before
+        BitWidthPlanner(optimizer, target_bits=True)
+    with pytest.raises(ValueError, match=r"BitWidthPlanner: ema_decay=False must be in \[0, 1\)"):
+        BitWidthPlanner(optimizer, ema_decay=False)
     with pytest.raises(ValueError, match=r"BitWidthPlanner: target_bits=1.0 cannot be met.*min_quant_size"):
         BitWidthPlanner(optimizer, target_bits=1.0)
     planner = BitWidthPlanner(optimizer, target_bits=None)

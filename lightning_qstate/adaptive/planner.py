@@ -66,14 +66,14 @@ def check_options(
     """Check the planner's options (errors start with ``owner``); returns ``({state: {zone: format name}}, {state: floor
     format name})`` for m and v, the defaults filled in (``floor_formats=None``: ``DEFAULT_FLOOR_FORMATS``; a state it
     does not name has no floor below its zones' formats)."""
-    if target_bits is not None and not (isinstance(target_bits, (int, float)) and target_bits > 0):
+    if target_bits is not None and not (isinstance(target_bits, (int, float)) and not isinstance(target_bits, bool) and target_bits > 0):
         raise ValueError(f"{owner}: target_bits={target_bits!r} must be a number > 0 (average bits per state value) or None")
     for option, value in (("interval", interval), ("hysteresis", hysteresis), ("max_history", max_history)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{owner}: {option}={value!r} must be an int >= 1")
     if not isinstance(fill_budget, bool):
         raise ValueError(f"{owner}: fill_budget={fill_budget!r} must be True or False")
-    if not (isinstance(ema_decay, (int, float)) and 0 <= ema_decay < 1):
+    if not (isinstance(ema_decay, (int, float)) and not isinstance(ema_decay, bool) and 0 <= ema_decay < 1):
         raise ValueError(f"{owner}: ema_decay={ema_decay!r} must be in [0, 1)")
     if reference not in REFERENCES:
         raise ValueError(f"{owner}: reference={reference!r} is not valid; use one of {REFERENCES}")

@@ -90,9 +90,11 @@ class _AdamStates(QuantizedStates):
         if kept:
             targets = self._weight_targets(group, [key for key, _ in kept])
             states = [self.state[key] for key, _ in kept]
-            # torch's multi-tensor Adam takes neither autograd nor a tensor lr (unless capturable)
+            # torch's multi-tensor Adam takes neither autograd nor a tensor lr (unless capturable), and under torch.compile
+            # its scalar lists of CPU step tensors do not trace (the per-tensor loop keeps them tensors)
             tensor_lr = isinstance(group["lr"], torch.Tensor) and not group["capturable"]
-            multi_tensor = group["foreach"] is not False and not (group["fused"] or group["differentiable"] or tensor_lr)
+            unsupported = group["fused"] or group["differentiable"] or tensor_lr or torch.compiler.is_compiling()
+            multi_tensor = group["foreach"] is not False and not unsupported
             self._adam(group, [local_tensor(key) for key, _ in kept], [grad for _, grad in kept], states, multi_tensor)
             self._count_weight_stalls(targets)
 
