@@ -80,10 +80,9 @@ class QuantizationProbe(Callback):
     and ``seconds`` (the probe's cost: it runs after validation, off the training path; about ``2 + 2·(units + layers)``
     forwards per batch). With ``log_images``, rank 0 adds to every TensorBoard logger a figure ``qstate/probe/abc``: A,
     B and C stacked per unit and layer, R marked, and the gain G below. Each result (the same on every rank: what was
-    logged) is kept in :attr:`history`; the count of validations is checkpointed, so a resumed run probes at the same
-    validations. One instance per Trainer (Lightning refuses a second: its
-    count of validations is checkpointed under the class name); for another recipe on the same model call
-    :func:`~lightning_qstate.probes.ptq` or :meth:`probe` yourself.
+    logged) is kept in :attr:`history`. The count of validations is checkpointed under the class name, so a resumed run
+    probes at the same validations, and a Trainer takes one instance (Lightning refuses a second); for another recipe
+    on the same model call :func:`~lightning_qstate.probes.ptq` or :meth:`probe` yourself.
 
     **Loss.** By default the module's own ``validation_step`` on the batch, with its ``self.log`` calls caught (nothing
     reaches the loggers): the value logged as ``loss_key`` (default ``"val_loss"``), else a returned scalar or a

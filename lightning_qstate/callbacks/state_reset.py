@@ -183,11 +183,14 @@ class StateResetScheduler(Callback):
     def _reset(self, trainer: pl.Trainer, layers: dict[str, list[StateRow]], step: int) -> None:
         ratios, count = [], 0
         for layer, rows in layers.items():
-            zeroed = rows[0].optimizer.reset_states(rows[0].param, [row.state for row in rows], restart_step=self.reset_step)
-            self.last_reset[layer] = step  # the schedule moves on; a layer without states yet (frozen) is not counted
-            if zeroed:
+            names = [row.state for row in rows]
+            rows[0].optimizer.reset_states(rows[0].param, names, restart_step=self.reset_step)
+            self.last_reset[layer] = step
+            # a frozen parameter has nothing to reset: not counted. (Whether the states were zeroed here would not do:
+            # under FSDP a rank whose shard of the parameter is empty has none, and the ranks must record alike.)
+            if rows[0].param.requires_grad:
                 state = rows[0].optimizer.state.get(rows[0].param, {})
-                ratios.append(first_step_ratio(rows[0].group, state, self.reset_step, zeroed))
+                ratios.append(first_step_ratio(rows[0].group, state, self.reset_step, names))
                 self.history.append((step, layer))
                 count += 1
         if not count:
