@@ -29,6 +29,7 @@ from lightning_qstate.kernels import native
 from lightning_qstate.kernels.adam_reference import adam_hyper, adam_step_quantized
 from lightning_qstate.kernels.code_index import NearestCodeIndex, nearest_index, segment_table
 from lightning_qstate.kernels.native import native_adam_steps, native_round_to_grid
+from lightning_qstate.optim import ERROR_STATE
 
 needs_kernel = pytest.mark.skipif(not native.native_kernel_available(), reason="no C++ compiler here: the optimizer uses another path")
 
@@ -660,6 +661,30 @@ def test_kernel_weight_grid_step_is_the_reference_bit_for_bit(m_name, param_name
             for name in ("exp_avg", "exp_avg_sq"):
                 assert torch.equal(state[name].codes, reference_state[name].codes), (step, k, name)
                 assert torch.equal(state[name].scales, reference_state[name].scales), (step, k, name)
+
+
+@pytest.mark.parametrize("cpu_compile", [True, False], ids=["fused steps", "reference path"])
+@pytest.mark.parametrize("feedback", ["eco", "eco_exact"])
+@pytest.mark.parametrize("optimizer", ["QAdamW", "QSGD"])
+def test_a_weight_pushed_past_its_grids_range_saturates(optimizer, feedback, cpu_compile):
+    """Finite gradients that push fp32 weights on the fp16 grid past 65504 leave them at 65504 on every path, and the
+    momentum finite: the cast made them inf, ECO then fed ``θ̃ − inf`` into the momentum and the next steps made the
+    weights NaN. ``eco_exact``'s weights plus error stay master-weight SGD-momentum's iterate, bit for bit."""
+    param = torch.nn.Parameter(torch.full((4096 + 21,), 65000.0))  # 16- and 8-value passes and the scalar tail
+    master = torch.nn.Parameter(param.detach().clone())
+    options = {"lr": 200.0, "weight_decay": 0.0} if optimizer == "QAdamW" else {"lr": 100.0, "momentum": 0.9}
+    opt = getattr(lq, optimizer)([param], **options, states="fp32", min_quant_size=0, weights="fp16", error_feedback=feedback)
+    opt.cpu_compile = cpu_compile
+    reference = (torch.optim.AdamW if optimizer == "QAdamW" else torch.optim.SGD)([master], **options)
+    for _ in range(4):
+        param.grad, master.grad = torch.full_like(param, -1.0), torch.full_like(master, -1.0)
+        opt.step()
+        reference.step()
+    assert float(master.detach().min()) > 65520  # past fp16's rounding to inf
+    assert torch.equal(param.detach(), torch.full_like(param, 65504.0)), opt.step_paths()
+    assert all(bool(torch.isfinite(value).all()) for value in opt.state[param].values() if isinstance(value, torch.Tensor))
+    if feedback == "eco_exact" and optimizer == "QSGD":
+        assert torch.equal(param.detach() + opt.state[param][ERROR_STATE], master.detach())
 
 
 @needs_kernel

@@ -20,6 +20,7 @@ from typing_extensions import override
 
 from ..formats.weights import WeightBlock
 from ..probes import ABCResult, ABCRow, abc_decomposition, default_units, linear_input_statistics, linear_modules, probe_grid, ptq
+from ..probes.abc import gain
 from ..probes.metrics import evaluating
 from ..probes.ptq import weight_input_dim
 from .arguments import check_flags, is_positive_int
@@ -359,7 +360,7 @@ def _across_ranks(result: ProbeResult, trainer: pl.Trainer) -> ProbeResult:
     merged = []
     for index, row in enumerate(rows):
         r, a, b, c, r_in = mean[len(scalars) + 5 * index : len(scalars) + 5 * index + 5]
-        merged.append(ABCRow(row.name, row.kind, r, a, b, c, a / r_in if r_in > 0 else math.nan, r_in))
+        merged.append(ABCRow(row.name, row.kind, r, a, b, c, gain(a, r_in), r_in))
     abc = ABCResult(merged, result.abc.per_token)
     return ProbeResult(result.step, loss, ptq_loss, abc.R_L, mmr, kurtosis, channel_rms, abc, seconds)
 
@@ -371,7 +372,7 @@ def _mean_abc(results: list[ABCResult]) -> ABCResult:
         group = [result.rows[index] for result in results]
         a, r_in = _mean([row.A for row in group]), _mean([row.R_in for row in group])
         figures = {name: _mean([getattr(row, name) for row in group]) for name in ("R", "B", "C")}
-        rows.append(ABCRow(first.name, first.kind, figures["R"], a, figures["B"], figures["C"], a / r_in if r_in > 0 else math.nan, r_in))
+        rows.append(ABCRow(first.name, first.kind, figures["R"], a, figures["B"], figures["C"], gain(a, r_in), r_in))
     return ABCResult(rows, results[0].per_token)
 
 

@@ -160,7 +160,8 @@ def _record(model: torch.nn.Module, names: list[str], run: Callable[[], Any], op
     finally:
         for handle in handles:
             handle.remove()
-    missing = [name for name in names if name not in calls and name not in set(optional)]
+    skippable = set(optional)
+    missing = [name for name in names if name not in calls and name not in skippable]
     if missing:
         raise ValueError(f"units {missing} did not run as modules in the forward; pass units= that the forward calls, in forward order")
     return calls
@@ -187,7 +188,12 @@ def _decompose(name: str, kind: str, clean: _Call, quantized: _Call, fq_h: torch
     )
     h, h_q = _rows(clean.input, per_token), _rows(quantized.input, per_token)
     r_in = _mean_ratio((h_q - h).square().sum(-1), h.square().sum(-1))
-    return ABCRow(name, kind, R, A, B, C, A / r_in if r_in > 0 else math.nan, r_in)
+    return ABCRow(name, kind, R, A, B, C, gain(A, r_in), r_in)
+
+
+def gain(A: float, R_in: float) -> float:  # noqa: N803 - the paper's names
+    """``G = A / R_in``; ``nan`` where the input is exact (``R_in`` 0) or unknown."""
+    return A / R_in if R_in > 0 else math.nan
 
 
 def abc_decomposition(

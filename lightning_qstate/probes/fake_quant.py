@@ -88,5 +88,5 @@ def fake_quantize(
     rows = x.movedim(dim, -1) if x.ndim else x.reshape(1)
     if isinstance(block, int) and rows.shape[-1] % block:
         raise ValueError(f"block={block} does not divide the {rows.shape[-1]} values of each row; use a divisor or 'row'")
-    rounded = grid.round(rows if rows.dtype == torch.float64 else rows.float(), rounding, generator).to(x.dtype)
+    rounded = grid.round(rows, rounding, generator).to(x.dtype)  # fp32, or float64 for float64 rows (WeightGrid.round)
     return rounded.movedim(-1, dim) if x.ndim else rounded.reshape(())
