@@ -5,6 +5,7 @@ from __future__ import annotations
 import warnings
 
 import lightning.pytorch as pl
+import numpy as np
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -229,3 +230,13 @@ def test_flags_and_counts_of_another_type_are_refused(callback, kwargs, message)
         getattr(callbacks, callback)(**kwargs)
     with pytest.raises(ValueError, match="QStatePrecision: track_stalls=1 must be True or False"):
         QStatePrecision(track_stalls=1)
+
+
+def test_numpy_integers_are_counts():
+    """A count read from a numpy array or config (``np.int64``) is an int like any other; ``np.bool_`` is not a count."""
+    counts = np.int64(20)
+    assert callbacks.PrecisionAdvisor(steps=counts, log_every_n_steps=counts).steps == 20
+    assert callbacks.StallMonitor(log_every_n_steps=counts).log_every_n_steps == 20
+    assert callbacks.StateResetScheduler(period=counts, check_every_n_steps=np.int32(5)).period == 20
+    with pytest.raises(ValueError, match="PrecisionAdvisor: steps=.*must be a positive int"):
+        callbacks.PrecisionAdvisor(steps=np.bool_(True))

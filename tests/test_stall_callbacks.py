@@ -15,7 +15,7 @@ from lightning_qstate.formats import count_stalls
 from lightning_qstate.plugins import QStatePrecision
 from lightning_qstate.theory import reset_period, stall_probability
 
-from lightning_models import MemoryLogger, Regressor, flat_weights, regression_data
+from lightning_models import MemoryLogger, Regressor, flat_weights, regression_data, step_batch
 
 warnings.filterwarnings("ignore", ".*does not have many workers.*")
 warnings.filterwarnings("ignore", ".*GPU available but not used.*")
@@ -45,10 +45,15 @@ def fit(tmp_path, model=None, max_steps=10, callbacks=(), plugins=None, logger=N
 # --- StallMonitor ------------------------------------------------------------------------------------------
 class RatioSpy(Callback):
     """Records, before every optimizer step, ``g²/v`` and ``g/m`` of ``net.0.weight``'s moving entries (``g`` clipped as
-    the Trainer will)."""
+    the Trainer will), and after it the states' values."""
 
     def __init__(self) -> None:
         self.ratios: dict[int, dict[str, torch.Tensor]] = {}
+        self.values: dict[int, dict[str, torch.Tensor]] = {}
+
+    def on_train_batch_end(self, trainer, pl_module, *args) -> None:
+        state = trainer.strategy.optimizers[0].state[pl_module.net[0].weight]
+        self.values[trainer.global_step] = {name: state[name].dequantize() for name in ("exp_avg_sq", "exp_avg")}
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         state = trainer.strategy.optimizers[0].state.get(pl_module.net[0].weight, {})
@@ -78,11 +83,17 @@ def test_monitor_measures_one_step_per_interval_and_logs_measured_and_predicted(
     measured = logger.values("qstate/stall/exp_avg_sq/net.0.weight")
     predicted = logger.values("qstate/stall_predicted/exp_avg_sq/net.0.weight")
     assert len(measured) == 3 and all(0.0 <= rate <= 1.0 for rate in measured)
-    expected = [stall_probability("bf16", 0.999, ratios=ratios.ratios[step]["exp_avg_sq"]) for step in (4, 8, 12)]
+    expected = [
+        stall_probability("bf16", 0.999, ratios=ratios.ratios[step]["exp_avg_sq"], values=ratios.values[step]["exp_avg_sq"])
+        for step in (4, 8, 12)
+    ]
     assert predicted == pytest.approx(expected, rel=1e-6)
     assert max(predicted) < stall_probability("bf16", 0.999) / 2  # a young v stalls far less than in the steady state
     assert max(abs(m - p) for m, p in zip(measured, predicted, strict=True)) < 0.05  # 64 entries of bf16
-    first = [stall_probability("bf16", 0.9, moment="first", ratios=ratios.ratios[step]["exp_avg"]) for step in (4, 8, 12)]
+    first = [
+        stall_probability("bf16", 0.9, moment="first", ratios=ratios.ratios[step]["exp_avg"], values=ratios.values[step]["exp_avg"])
+        for step in (4, 8, 12)
+    ]
     assert logger.values("qstate/stall_predicted/exp_avg/net.0.weight") == pytest.approx(first, rel=1e-6)
     model_wide = logger.values("qstate/stall/exp_avg_sq")
     assert len(model_wide) == 3 and all(0.0 <= rate <= 1.0 for rate in model_wide)
@@ -427,3 +438,84 @@ def test_state_figures_are_logged_once_per_optimizer_step_under_accumulation(tmp
         callbacks=[QuantizedOptimizerStates(states="int8", min_quant_size=0)])  # fmt: skip
     steps = [step for step, metrics in logger.records if "qstate/state_bytes" in metrics]
     assert steps == [0, 1, 2] and 0.0 not in logger.values("qstate/state_bytes")
+
+
+class TwoOptimizers(pl.LightningModule):
+    """Manual optimization, GAN-style: optimizer 0 (``first``) steps on every batch, optimizer 1 (``second``) on every
+    other one, so the global step counts both."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.first, self.second = torch.nn.Linear(24, 64), torch.nn.Linear(64, 8)
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        x, y = step_batch(batch_idx, 0)
+        loss = torch.nn.functional.mse_loss(self.second(torch.relu(self.first(x))), y)
+        first, second = self.optimizers()
+        first.zero_grad()
+        second.zero_grad()
+        self.manual_backward(loss)
+        first.step()
+        if batch_idx % 2:
+            second.step()
+
+    def configure_optimizers(self):
+        return [torch.optim.AdamW(self.first.parameters(), lr=1e-2), torch.optim.AdamW(self.second.parameters(), lr=1e-2)]
+
+
+class OwnStepSpy(Callback):
+    """Records, per optimizer, its own steps on which it counted stalls, and the Adam step counts of ``first.weight`` and
+    ``second.weight`` whenever their states were just zeroed."""
+
+    def __init__(self) -> None:
+        self.tracked: list[tuple[int, int]] = []
+        self.reset_at: dict[str, list[int]] = {"first": [], "second": []}
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        if optimizer.track_stalls:
+            self.tracked.append((trainer.strategy.optimizers.index(optimizer), optimizer.steps_taken + 1))
+
+    def on_train_batch_end(self, trainer, pl_module, *args) -> None:
+        for index, name in enumerate(self.reset_at):
+            state = trainer.strategy.optimizers[index].state.get(getattr(pl_module, name).weight, {})
+            zeroed = "exp_avg_sq" in state and not state["exp_avg_sq"].dequantize().any()
+            if zeroed and int(state["step"]) not in self.reset_at[name]:  # still zero on a batch it did not step in
+                self.reset_at[name].append(int(state["step"]))
+
+
+def test_several_optimizers_are_measured_and_reset_on_their_own_steps(tmp_path):
+    """Under manual optimization the global step counts every optimizer's steps: each optimizer is measured on every
+    n-th of its own steps (all were tracked whenever any one completed an interval, and a measurement summed several
+    steps) and its layers reset every ``period`` of their own updates (they reset twice as often)."""
+    logger, spy, scheduler = MemoryLogger(), OwnStepSpy(), StateResetScheduler(period=3)
+    trainer = fit(tmp_path, model=TwoOptimizers(), max_steps=18, logger=logger, log_every_n_steps=1,
+                  callbacks=[StallMonitor(log_every_n_steps=2, per_layer=True), scheduler, spy])  # fmt: skip
+    assert [optimizer.steps_taken for optimizer in trainer.strategy.optimizers] == [12, 6]
+    assert spy.tracked == [(0, 2), (0, 4), (1, 2), (0, 6), (0, 8), (1, 4), (0, 10), (0, 12), (1, 6)]
+    assert len(logger.values("qstate/stall/exp_avg_sq/first.weight")) == 6
+    assert len(logger.values("qstate/stall/exp_avg_sq/second.weight")) == 3
+    assert spy.reset_at == {"first": [3, 6, 9, 12], "second": [3, 6]}
+    resets = [(step, f"{name}.{part}") for name, steps in spy.reset_at.items() for step in steps for part in ("weight", "bias")]
+    assert sorted(scheduler.history) == sorted(resets)
+
+
+class SmallGradients(Regressor):
+    """The loss scaled by 0.1: Adam's ``v`` of the first layer lies below fp16's smallest normal, 6.1e-5."""
+
+    def training_step(self, batch, batch_idx):
+        return 1e-1 * super().training_step(batch, batch_idx)
+
+
+def test_monitor_predicts_the_stalls_of_a_subnormal_fp16_state(tmp_path):
+    """An fp16 ``v`` below 6.1e-5 has the subnormals' absolute gaps: the prediction follows the measured rate (it
+    modelled normal-range gaps: a few points against 0.6-0.7)."""
+    logger = MemoryLogger()
+    trainer = fit(tmp_path, model=SmallGradients(scheduler=False), max_steps=12, logger=logger, log_every_n_steps=1,
+                  callbacks=[StallMonitor(log_every_n_steps=4)], plugins=[QStatePrecision(states="fp16", min_quant_size=0)])  # fmt: skip
+    v = trainer.strategy.optimizers[0].state[trainer.lightning_module.net[0].weight]["exp_avg_sq"].dequantize()
+    assert float((v < torch.finfo(torch.float16).smallest_normal).float().mean()) > 0.9
+    measured, predicted = logger.values("qstate/stall/exp_avg_sq"), logger.values("qstate/stall_predicted/exp_avg_sq")
+    assert len(measured) == 3 and min(measured) > 0.4
+    assert max(abs(m - p) for m, p in zip(measured, predicted, strict=True)) < 0.05

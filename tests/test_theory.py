@@ -250,3 +250,22 @@ def test_simulation_script_writes_its_table(simulation, tmp_path):
     results = simulation.main(["--quick", "--entries", "2048", "--out", str(out), "--quiet"])
     text = out.read_text()
     assert len(results) == 8 and "| v | bf16 | 0.999 | nearest | gaussian |" in text and "--quick" in text
+
+
+def test_subnormal_values_of_a_cast_have_their_absolute_gaps():
+    """An fp16 ``v`` under 6.1e-5 is subnormal: its gap is the spacing 2^-24 (``1/k`` at ``k`` steps), not ε·ln2. With the
+    stored values, the prediction matches one RN step of a log-normal ``v`` (inputs of its own scale); without, it saw
+    normal-range gaps (0.17 against 0.95)."""
+    fmt, spacing = get_format("fp16", signed=False), 2.0**-24
+    weights, up, down = relative_gaps(fmt, torch.tensor([3 * spacing, 3 * spacing, 1.5]).half())
+    assert weights.tolist() == pytest.approx([1 / 3, 2 / 3]) and up[1] == down[1] == pytest.approx(1 / 3)
+    gen = torch.Generator().manual_seed(0)
+    stored = (9e-6 * torch.exp(0.5 * torch.randn(200_000, generator=gen))).half()
+    v = stored.float()
+    grad = v.sqrt() * torch.randn(v.numel(), generator=gen)
+    updated = v * 0.999 + 0.001 * grad.square()
+    moved = updated != v
+    measured = float((moved & (updated.half() == stored)).sum() / moved.sum())
+    ratios = (grad.square() / v)[moved]
+    assert stall_probability(fmt, 0.999, ratios=ratios, values=stored) == pytest.approx(measured, abs=0.005)
+    assert stall_probability(fmt, 0.999, ratios=ratios) < 0.2

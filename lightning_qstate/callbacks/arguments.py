@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import numbers
 from typing import Any
 
 
 def is_positive_int(value: Any) -> bool:
-    """An ``int`` >= 1 (``True`` is not one)."""
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+    """An integer >= 1: a Python or numpy one (``True`` is not one)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= 1
 
 
 def check_flags(owner: str, **flags: Any) -> None:

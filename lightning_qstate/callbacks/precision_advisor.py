@@ -4,7 +4,7 @@ own stall rate while it trains (arXiv 2510.21314; ``docs/algorithms.md``, sectio
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import lightning.pytorch as pl
@@ -20,7 +20,7 @@ from ..formats import ROUNDINGS
 from ..optim import WEIGHT_STALLS, QuantizedStates, clean_parameter_name
 from ..theory.precision import COMPONENTS, DEFAULT_CONSTANTS, OPTIMIZERS, AdviceRow, PrecisionReport, advise
 from .arguments import check_flags, is_positive_int
-from .stall_counts import StallMeasurement, collect_stalls, quantized_optimizers, request_stall_tracking
+from .stall_counts import MeasuredSteps, StallMeasurement, quantized_optimizers
 from .tensorboard import log_scalars
 
 ADVICE_TAG = "qstate/precision_advice"  # TensorBoard text tag of the report ("/<optimizer index>" appended with several optimizers)
@@ -119,7 +119,7 @@ class PrecisionAdvisor(Callback):
         self.reports: list[PrecisionReport] = []  # this fit's reports, one per advised optimizer (rank-local)
         self._measuring = False
         self._counting: dict[QuantizedStates, bool] = {}  # optimizer -> its track_weight_stalls before the fit
-        self._last_logged = -1
+        self._measured = MeasuredSteps()
 
     def interval(self, trainer: pl.Trainer) -> int:
         """Optimizer steps between weight stall measurements; 0: none (the Trainer's logging is off, no interval given)."""
@@ -144,7 +144,7 @@ class PrecisionAdvisor(Callback):
         model = trainer.strategy.model if trainer.strategy.model is not None else pl_module
         names = {param: clean_parameter_name(name) for name, param in model.named_parameters()}
         optimizers = [_unwrapped(optimizer) for optimizer in trainer.strategy.optimizers]
-        self.reports, self._last_logged = [], -1
+        self.reports, self._measured = [], MeasuredSteps()
         risky: list[tuple[str, AdviceRow]] = []
         for index, optimizer in enumerate(optimizers):
             label = type(optimizer).__name__ if len(optimizers) == 1 else f"optimizer {index} ({type(optimizer).__name__})"
@@ -192,31 +192,25 @@ class PrecisionAdvisor(Callback):
 
     @override
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer) -> None:
-        interval = self.interval(trainer)
-        if self._measuring and interval and (trainer.global_step + 1) % interval == 0:
-            request_stall_tracking(trainer)
+        if self._measuring:
+            self._measured.request(trainer, optimizer, self.interval(trainer))
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
-        step, interval = trainer.global_step, self.interval(trainer)
-        if not self._measuring or step == 0 or not interval or step % interval:
-            return
-        if self._last_logged == step:  # no optimizer step in this batch (gradient accumulation)
-            return
-        self._last_logged = step
-        measurement = collect_stalls(trainer)  # a collective: every rank
-        if trainer.is_global_zero:
-            scalars = self.metrics(measurement)
+        collected = self._measured.collect(trainer)  # a collective: every rank
+        if collected is not None and trainer.is_global_zero:
+            scalars = self.metrics(*collected)
             if scalars:
                 log_scalars(trainer, scalars, trainer.fit_loop.epoch_loop._batches_that_stepped)
 
-    def metrics(self, measurement: StallMeasurement) -> dict[str, float]:
-        """The weights' stall rates of one measurement: ``qstate/weight_stall/<layer>`` (``per_layer``) and
-        ``qstate/weight_stall`` (stalled over moved entries of the whole model); parameters that did not move are left out."""
+    def metrics(self, measurement: StallMeasurement, optimizers: Collection[QuantizedStates] | None = None) -> dict[str, float]:
+        """The weights' stall rates of one measurement (of the parameters of ``optimizers``; default: all):
+        ``qstate/weight_stall/<layer>`` (``per_layer``) and ``qstate/weight_stall`` (stalled over moved entries of the whole
+        model); parameters that did not move are left out."""
         scalars: dict[str, float] = {}
         stalled_total = moved_total = 0.0
         for row, (stalled, moved) in zip(measurement.rows, measurement.counts.tolist(), strict=True):
-            if row.state != WEIGHT_STALLS or moved == 0:
+            if row.state != WEIGHT_STALLS or moved == 0 or (optimizers is not None and row.optimizer not in optimizers):
                 continue
             stalled_total += stalled
             moved_total += moved

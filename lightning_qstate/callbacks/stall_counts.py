@@ -1,11 +1,14 @@
 """Stall counts of the trainer's quantized optimizers, measured on chosen steps and shared by the callbacks.
 
-A callback that needs stall rates calls :func:`request_stall_tracking` in ``on_before_optimizer_step`` of a
-step it wants measured, and :func:`collect_stalls` in ``on_train_batch_end``. The optimizer counts in the
-step itself (``track_stalls``; no copies of the states are kept between steps), and the counts of every
-``(layer, state)`` are summed over ranks in one all-reduce. The result is cached per global step, so
-:class:`StallMonitor` and :class:`StateResetScheduler` read the same numbers, and tracking is switched back
-to what the user configured.
+A callback that needs stall rates on every ``n``-th step of each optimizer keeps a :class:`MeasuredSteps`: it asks for
+counts in ``on_before_optimizer_step`` (:func:`request_stall_tracking`) and collects them in ``on_train_batch_end``
+(:func:`collect_stalls`). The optimizer counts in the step itself (``track_stalls``; no copies of the states are kept
+between steps), and the counts of every ``(layer, state)`` are summed over ranks in one all-reduce. The result is
+cached per global step, so :class:`StallMonitor`, :class:`StateResetScheduler` and :class:`PrecisionAdvisor` read
+the same numbers, and tracking is switched back to what the user configured.
+
+Steps are counted per optimizer (:func:`optimizer_steps`): under manual optimization with several optimizers, the
+Trainer's global step counts all their steps.
 
 Besides the states, every parameter of an optimizer that counts them (``QuantizedStates.counts_weight_stalls``: QAdam,
 QAdamW, QSGD, QMuon, not the generic wrapper) has a row for the pseudo-state ``"weights"``
@@ -116,11 +119,47 @@ def _wrapped_state_names(optimizer: QuantizedStates) -> tuple[str, ...]:
     return tuple(sorted(names))
 
 
-def request_stall_tracking(trainer: pl.Trainer) -> None:
-    """Count stalls in the coming optimizer step(s) of every quantized optimizer. Where the user tracks stalls too
-    (``track_stalls=True``), the counts gathered so far are set aside, so that the measurement holds the coming step only,
-    and given back at :func:`collect_stalls` (with the measured step's) so that the user's totals stay whole."""
-    for optimizer in quantized_optimizers(trainer):
+def optimizer_steps(trainer: pl.Trainer, optimizer: QuantizedStates) -> int:
+    """Optimizer steps ``optimizer`` has taken: the Trainer's global step where it is the only optimizer; with several
+    (manual optimization, whose global step counts every optimizer's steps), its own count (``steps_taken``, which its
+    checkpoint restores). The same on every rank."""
+    return trainer.global_step if len(trainer.strategy.optimizers) == 1 else optimizer.steps_taken
+
+
+class MeasuredSteps:
+    """The steps a callback measures: every ``interval``-th step of each quantized optimizer (:func:`optimizer_steps`).
+
+    :meth:`request` in ``on_before_optimizer_step`` turns the stall counting on for the step about to run where it
+    completes an interval; :meth:`collect` in ``on_train_batch_end`` returns the counts of a batch that had such a step
+    (an optimizer that steps again in the same batch is counted until its end), with the optimizers measured.
+    """
+
+    def __init__(self) -> None:
+        self.pending: list[QuantizedStates] = []  # this batch's measured optimizers
+
+    def request(self, trainer: pl.Trainer, optimizer: torch.optim.Optimizer, interval: int) -> bool:
+        """Whether ``optimizer``'s coming step completes an ``interval`` (0: never); if so, count its stalls."""
+        if not interval or not isinstance(optimizer, QuantizedStates) or (optimizer_steps(trainer, optimizer) + 1) % interval:
+            return False
+        request_stall_tracking(trainer, optimizer)
+        if optimizer not in self.pending:
+            self.pending.append(optimizer)
+        return True
+
+    def collect(self, trainer: pl.Trainer) -> tuple[StallMeasurement, list[QuantizedStates]] | None:
+        """The batch's measurement and its measured optimizers (a collective: every rank alike), or ``None``."""
+        if not self.pending:
+            return None
+        measured, self.pending = self.pending, []
+        return collect_stalls(trainer), measured
+
+
+def request_stall_tracking(trainer: pl.Trainer, only: QuantizedStates | None = None) -> None:
+    """Count stalls in the coming optimizer step(s) of the optimizer ``only`` (default: every quantized optimizer). Where the user
+    tracks stalls too (``track_stalls=True``), the counts gathered so far are set aside, so that the measurement holds the
+    coming step only, and given back at :func:`collect_stalls` (with the measured step's) so that the user's totals stay
+    whole."""
+    for optimizer in quantized_optimizers(trainer) if only is None else [only]:
         if optimizer not in _TRACKING_BASE:
             _TRACKING_BASE[optimizer] = optimizer.track_stalls
             if optimizer.track_stalls:

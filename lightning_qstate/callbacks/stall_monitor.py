@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Collection
 from typing import Any
 
 import lightning.pytorch as pl
@@ -12,10 +13,11 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_warn
 
 from ..formats import BlockFormat, QuantizedTensor
+from ..optim import QuantizedStates
 from ..optim.base import local_tensor
 from ..theory import moment_of, stall_probability, state_decay, state_input
 from .arguments import check_flags, is_positive_int
-from .stall_counts import StallMeasurement, StateRow, collect_stalls, quantized_optimizers, request_stall_tracking, state_rows
+from .stall_counts import MeasuredSteps, StallMeasurement, StateRow, optimizer_steps, quantized_optimizers, state_rows
 from .state_reset import StateResetScheduler
 from .tensorboard import log_scalars, write_layout
 
@@ -28,7 +30,9 @@ class StallMonitor(Callback):
     An entry *stalls* on a step when the fp32 update moved it but its stored code stayed put
     (:func:`lightning_qstate.formats.count_stalls`). Every ``log_every_n_steps`` optimizer steps the monitor
     has the optimizers count that during the step that completes the interval (no copies of the states are
-    kept, and the other steps pay nothing), sums the counts over ranks, and logs from rank 0:
+    kept, and the other steps pay nothing), sums the counts over ranks, and logs from rank 0 (steps of each
+    optimizer: under manual optimization with several, each is measured on every ``log_every_n_steps``-th of its own
+    steps, and a layer's age counts its optimizer's steps):
 
     - ``qstate/stall/<state>/<layer>``: the measured rate of one parameter's state (``per_layer``);
     - ``qstate/stall_predicted/<state>/<layer>``: :func:`lightning_qstate.theory.stall_probability` for its
@@ -40,9 +44,10 @@ class StallMonitor(Callback):
       Gaussian model cannot: gradients that shrink as training goes (``v`` lags them), entries whose gradient is
       zero or unusually small on a step (an embedding's rows: they only decay and stall at the steady-state rate
       from the first steps), and each layer's own reset times. So the prediction
-      climbs as a state ages and drops after every reset, as the measured rate does. Block-scaled formats weight
-      the code gaps by the stored state's own code occupancy (``values=``): the format-only model assumes an
-      occupancy that heavy-tailed states do not have;
+      climbs as a state ages and drops after every reset, as the measured rate does. The code gaps are weighted
+      by the stored state's own code occupancy (``values=``): the format-only model assumes an occupancy that
+      heavy-tailed states do not have, and no subnormals (an fp16 ``v`` of gradients under about 8e-3 is mostly
+      subnormal, with far coarser gaps);
     - ``qstate/stall/<state>`` and ``qstate/stall_predicted/<state>``: the same over the whole model (all
       stalled over all moved entries; the prediction weighted alike);
     - ``qstate/stall_resets``: the fraction of layers a :class:`~lightning_qstate.callbacks.StateResetScheduler`
@@ -86,11 +91,11 @@ class StallMonitor(Callback):
         self.per_layer = per_layer
         self.histograms = histograms
         self._predictions: dict[tuple, float] = {}
-        self._last_logged = -1
-        self._measured_step = 0  # optimizer steps done once the measured step has run
-        self._last_resets: dict[str, int] = {}  # layer -> global step of its last reset, as of the measured step
+        self._measured = MeasuredSteps()
+        self._measured_steps: dict[QuantizedStates, int] = {}  # optimizer -> its steps done once its measured step has run
+        self._previous_measured_steps: dict[QuantizedStates, int] = {}  # optimizer -> its measured step before
+        self._last_resets: dict[str, int] = {}  # layer -> its optimizer's step of its last reset, as of the measured step
         self._ratios: dict[tuple[str, str], torch.Tensor] = {}  # (layer, state) -> the measured step's g²/v or g/m
-        self._previous_measured_step = 0
         self.last_rates: dict[str, float] = {}  # the last measurement's model-wide qstate/stall* scalars (RunSummary reads them)
 
     def interval(self, trainer: pl.Trainer) -> int:
@@ -104,7 +109,9 @@ class StallMonitor(Callback):
                 "QStatePrecision to the Trainer's plugins, or QuantizedOptimizerStates to its callbacks."
             )
         interval = self.interval(trainer)  # a resumed run: the last measurement before the checkpoint (resets since count)
-        self._previous_measured_step = trainer.global_step - trainer.global_step % interval if interval else trainer.global_step
+        steps = {optimizer: optimizer_steps(trainer, optimizer) for optimizer in quantized_optimizers(trainer)}
+        self._previous_measured_steps = {optimizer: step - step % interval if interval else step for optimizer, step in steps.items()}
+        self._measured = MeasuredSteps()
         if trainer.is_global_zero:
             write_layout(trainer)
 
@@ -123,29 +130,25 @@ class StallMonitor(Callback):
         return charts
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer) -> None:
-        interval = self.interval(trainer)
-        if interval and (trainer.global_step + 1) % interval == 0:
-            request_stall_tracking(trainer)
-            self._measured_step = trainer.global_step + 1
+        first = not self._measured.pending
+        if not self._measured.request(trainer, optimizer, self.interval(trainer)):
+            return
+        if first:  # the batch's first measured optimizer
             schedulers = [callback for callback in trainer.callbacks if isinstance(callback, StateResetScheduler)]
             self._last_resets = {layer: step for scheduler in schedulers for layer, step in scheduler.last_reset.items()}
-            self._ratios = measured_ratios(trainer)
+            self._ratios = {}
+        self._measured_steps[optimizer] = optimizer_steps(trainer, optimizer) + 1
+        self._ratios.update(measured_ratios(trainer, optimizer))
 
     def age(self, row: StateRow) -> int:
         """Optimizer steps ``row``'s state has taken since it was zeroed, counting the measured step (a negative
         ``last_reset``, a staggered schedule's phase before its first reset, counts from the start)."""
-        return max(1, self._measured_step - max(self._last_resets.get(row.layer, 0), 0))
+        return max(1, self._measured_steps.get(row.optimizer, 0) - max(self._last_resets.get(row.layer, 0), 0))
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
-        step, interval = trainer.global_step, self.interval(trainer)
-        if step == 0 or not interval or step % interval or not quantized_optimizers(trainer):
-            return
-        if self._last_logged == step:  # no optimizer step in this batch (gradient accumulation)
-            return
-        self._last_logged = step
-        measurement = collect_stalls(trainer)
-        if trainer.is_global_zero:
-            self._log(trainer, measurement)
+        collected = self._measured.collect(trainer)
+        if collected is not None and trainer.is_global_zero:
+            self._log(trainer, *collected)
 
     def predicted(self, row: StateRow, age: int | None = None) -> float | None:
         """The prediction for ``row``'s format, decay and rounding at ``age`` steps since it was zeroed (``None``: the
@@ -157,8 +160,7 @@ class StallMonitor(Callback):
         rounding, moment = row.group["rounding"], moment_of(row.state)
         ratios = self._ratios.get((row.layer, row.state))
         stored = row.optimizer.state.get(row.param, {}).get(row.state)
-        block = isinstance(fmt, BlockFormat) and isinstance(stored, QuantizedTensor) and stored.numel
-        values = stored if block and bool(stored.scales.any()) else None  # all zero: no occupancy to weight by
+        values = stored if isinstance(stored, QuantizedTensor) and _occupied(stored) else None  # all zero: no occupancy to weight by
         if ratios is not None or values is not None:
             timing = {"ratios": ratios} if ratios is not None else {"age": age}
             return stall_probability(fmt, beta, rounding, moment=moment, values=values, **timing)
@@ -167,13 +169,15 @@ class StallMonitor(Callback):
             self._predictions[key] = stall_probability(fmt, beta, rounding, moment=moment, age=age)
         return self._predictions[key]
 
-    def metrics(self, measurement: StallMeasurement) -> tuple[dict[str, float], dict[str, list[float]]]:
-        """``(scalars, per-layer rates by state)`` of one measurement."""
+    def metrics(
+        self, measurement: StallMeasurement, optimizers: Collection[QuantizedStates] | None = None
+    ) -> tuple[dict[str, float], dict[str, list[float]]]:
+        """``(scalars, per-layer rates by state)`` of one measurement, of the states of ``optimizers`` (default: all)."""
         scalars: dict[str, float] = {}
         per_state: dict[str, list[float]] = {}
         totals: dict[str, list[float]] = {}  # state -> [stalled, moved, predicted * moved, moved with a prediction]
         for row, (stalled, moved) in zip(measurement.rows, measurement.counts.tolist(), strict=False):
-            if moved == 0:
+            if moved == 0 or (optimizers is not None and row.optimizer not in optimizers):
                 continue
             rate, prediction = stalled / moved, self.predicted(row, self.age(row))
             per_state.setdefault(row.state, []).append(rate)
@@ -193,20 +197,25 @@ class StallMonitor(Callback):
                 scalars[f"qstate/stall_predicted/{state}"] = weighted / predicted_moved
         return scalars, per_state
 
-    def reset_fraction(self, trainer: pl.Trainer) -> float | None:
-        """Fraction of the layers reset since the previous measured step and before this one (a reset after step ``s``
-        first acts on step ``s + 1``); ``None`` without a StateResetScheduler."""
+    def reset_fraction(self, trainer: pl.Trainer, optimizers: Collection[QuantizedStates]) -> float | None:
+        """Fraction of the layers of ``optimizers`` reset since their previous measured step and before this one (a reset
+        after step ``s`` first acts on step ``s + 1``); ``None`` without a StateResetScheduler."""
         schedulers = [callback for callback in trainer.callbacks if isinstance(callback, StateResetScheduler)]
-        layers = sum(len(scheduler.last_reset) for scheduler in schedulers)
-        if not layers:
+        windows = {
+            layer: range(self._previous_measured_steps.get(rows[0].optimizer, 0), self._measured_steps[rows[0].optimizer])
+            for scheduler in schedulers
+            for layer, rows in scheduler.layers(trainer).items()
+            if rows[0].optimizer in optimizers
+        }
+        if not windows:
             return None
-        window = range(self._previous_measured_step, self._measured_step)
-        return len({layer for scheduler in schedulers for step, layer in scheduler.history if step in window}) / layers
+        resets = {layer for scheduler in schedulers for step, layer in scheduler.history if step in windows.get(layer, ())}
+        return len(resets) / len(windows)
 
-    def _log(self, trainer: pl.Trainer, measurement: StallMeasurement) -> None:
-        scalars, per_state = self.metrics(measurement)
-        resets = self.reset_fraction(trainer)
-        self._previous_measured_step = self._measured_step
+    def _log(self, trainer: pl.Trainer, measurement: StallMeasurement, optimizers: list[QuantizedStates]) -> None:
+        scalars, per_state = self.metrics(measurement, optimizers)
+        resets = self.reset_fraction(trainer, optimizers)
+        self._previous_measured_steps.update({optimizer: self._measured_steps[optimizer] for optimizer in optimizers})
         if not scalars:
             return
         if resets is not None:
@@ -220,8 +229,9 @@ class StallMonitor(Callback):
                     logger.experiment.add_histogram(f"qstate/stall/{state}/layers", torch.tensor(rates), global_step=step)
 
 
-def measured_ratios(trainer: pl.Trainer) -> dict[tuple[str, str], torch.Tensor]:
-    """``{(layer, state): ratios}`` of every quantized EMA state this rank holds, before the step about to run: per
+def measured_ratios(trainer: pl.Trainer, optimizer: QuantizedStates | None = None) -> dict[tuple[str, str], torch.Tensor]:
+    """``{(layer, state): ratios}`` of every quantized EMA state this rank holds (of ``optimizer``; default: all optimizers),
+    before the step about to run: per
     moving entry (state or input not zero), ``x/s`` (:func:`~lightning_qstate.theory.state_input`: ``g²/v`` for Adam's
     second moment, ``g/m`` for its first), ``inf`` where the state is zero, with the gradients as the optimizer will
     see them (the Trainer's norm or value clipping applied); states not yet created, empty shards and states without
@@ -230,6 +240,8 @@ def measured_ratios(trainer: pl.Trainer) -> dict[tuple[str, str], torch.Tensor]:
     norms: dict[int, float] = {}
     ratios = {}
     for row in state_rows(trainer):
+        if optimizer is not None and row.optimizer is not optimizer:
+            continue
         stored = row.optimizer.state.get(row.param, {}).get(row.state) if row.is_state else None
         grad = row.param.grad
         if stored is None or grad is None:
@@ -258,6 +270,11 @@ def measured_ratios(trainer: pl.Trainer) -> dict[tuple[str, str], torch.Tensor]:
             inputs, values = inputs[sample], values[sample]
         ratios[row.layer, row.state] = torch.where(values != 0, inputs / values, torch.inf)
     return ratios
+
+
+def _occupied(stored: QuantizedTensor) -> bool:
+    """Whether ``stored`` holds a nonzero value (a block format: a nonzero scale)."""
+    return bool(stored.numel) and bool((stored.scales if isinstance(stored.format, BlockFormat) else stored.codes).any())
 
 
 def _logged(row: StateRow) -> bool:

@@ -14,7 +14,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from ..formats import StorageFormat
 from ..theory import moment_of, reset_period, state_decay
 from .arguments import check_flags, is_positive_int
-from .stall_counts import StateRow, collect_stalls, quantized_optimizers, request_stall_tracking, state_rows
+from .stall_counts import MeasuredSteps, StateRow, optimizer_steps, quantized_optimizers, state_rows
 from .tensorboard import log_scalars
 
 STATE_VERSION = 1
@@ -37,7 +37,9 @@ class StateResetScheduler(Callback):
     at ``β2 = 0.999``; fp32 and fp16 states never), recomputed when a format changes. An int: every layer with
     a quantized selected state, every ``period`` steps. ``threshold``: also (or, with ``period=None``, only)
     reset a layer once its measured stall rate of any selected state reaches ``threshold``, measured on one
-    step every ``check_every_n_steps``. ``stagger=True`` spreads the layers' first resets over one period.
+    step every ``check_every_n_steps``. ``stagger=True`` spreads the layers' first resets over one period. Steps are
+    those of the layer's optimizer (under manual optimization with several optimizers the global step counts them all:
+    each counts its own).
 
     **What.** ``states``: the state names to zero (default: all of the optimizer's EMA states, i.e. Adam's two
     moments or SGD's momentum). ``reset_step``: also restart Adam's step count, hence its bias correction.
@@ -46,7 +48,7 @@ class StateResetScheduler(Callback):
 
     **fp32 states** are never reset unless ``include_fp32=True`` (which warns: resets slightly hurt there).
 
-    Resets happen after the optimizer step, identically on every rank (from the global step and
+    Resets happen after the optimizer step, identically on every rank (from the step counts and
     rank-summed measurements). Logged from rank 0 at every reset: ``qstate/reset/layers`` (layers reset at
     that step) and ``qstate/reset/total``. The schedule (last reset of each layer, history) is saved in
     checkpoints, so a resumed run resets at the same steps. One instance per Trainer (Lightning refuses a second: the
@@ -106,9 +108,10 @@ class StateResetScheduler(Callback):
         self.reset_step = reset_step
         self.stagger = stagger
         self.include_fp32 = include_fp32
-        self.last_reset: dict[str, int] = {}  # layer -> global step of its last reset (negative: the stagger phase)
-        self.history: list[tuple[int, str]] = []  # (global step, layer) of every reset
+        self.last_reset: dict[str, int] = {}  # layer -> its optimizer's step of its last reset (negative: the stagger phase)
+        self.history: list[tuple[int, str]] = []  # (that step, layer) of every reset
         self._last_seen_step = -1
+        self._checks = MeasuredSteps()  # the threshold's measured steps
 
     # --- which layers and states ------------------------------------------------------------------------
     def layers(self, trainer: pl.Trainer) -> dict[str, list[StateRow]]:
@@ -154,38 +157,41 @@ class StateResetScheduler(Callback):
                 period = self.layer_period(rows)
                 self.last_reset[layer] = -((index * period) // len(layers)) if self.stagger and period else 0
         self._last_seen_step = trainer.global_step
+        self._checks = MeasuredSteps()
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer) -> None:
-        if self.threshold is not None and (trainer.global_step + 1) % self.check_every_n_steps == 0:
-            request_stall_tracking(trainer)
+        if self.threshold is not None:
+            self._checks.request(trainer, optimizer, self.check_every_n_steps)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
-        step = trainer.global_step
-        if step == self._last_seen_step:  # no optimizer step in this batch (gradient accumulation)
+        if trainer.global_step == self._last_seen_step:  # no optimizer step in this batch (gradient accumulation)
             return
-        self._last_seen_step = step
+        self._last_seen_step = trainer.global_step
         layers = self.layers(trainer)
         due = []
         for layer, rows in layers.items():
             period = self.layer_period(rows)
-            if period is not None and step - self.last_reset.setdefault(layer, 0) >= period:
+            if period is not None and optimizer_steps(trainer, rows[0].optimizer) - self.last_reset.setdefault(layer, 0) >= period:
                 due.append(layer)
-        if self.threshold is not None and step % self.check_every_n_steps == 0:
-            rates = collect_stalls(trainer).rates()
+        checked = self._checks.collect(trainer)
+        if checked is not None:
+            rates, measured = checked[0].rates(), checked[1]
             due += [
                 layer
                 for layer, rows in layers.items()
-                if layer not in due and any(rates.get((layer, row.state), 0.0) >= self.threshold for row in rows)
+                if layer not in due
+                and rows[0].optimizer in measured
+                and any(rates.get((layer, row.state), 0.0) >= self.threshold for row in rows)
             ]
         if due:
-            self._reset(trainer, {layer: layers[layer] for layer in due}, step)
+            self._reset(trainer, {layer: layers[layer] for layer in due})
 
-    def _reset(self, trainer: pl.Trainer, layers: dict[str, list[StateRow]], step: int) -> None:
+    def _reset(self, trainer: pl.Trainer, layers: dict[str, list[StateRow]]) -> None:
         ratios, count = [], 0
         for layer, rows in layers.items():
             names = [row.state for row in rows]
             rows[0].optimizer.reset_states(rows[0].param, names, restart_step=self.reset_step)
-            self.last_reset[layer] = step
+            step = self.last_reset[layer] = optimizer_steps(trainer, rows[0].optimizer)
             # a frozen parameter has nothing to reset: not counted. (Whether the states were zeroed here would not do:
             # under FSDP a rank whose shard of the parameter is empty has none, and the ranks must record alike.)
             if rows[0].param.requires_grad:

@@ -859,6 +859,11 @@ class QuantizedStates:
         else:
             self._stall_counts[key] = counts
 
+    @property
+    def steps_taken(self) -> int:
+        """Calls of ``step`` so far, skipped ones included (the non-finite policy's), restored from checkpoints."""
+        return self._rounding_step
+
     def stall_counts(self, reset: bool = True) -> dict[torch.Tensor, dict[str, torch.Tensor]]:
         """Raw counters since the last reset: ``{param: {state_name: tensor([stalled, moved])}}`` (int64, on the param's device).
 

@@ -24,8 +24,10 @@ factor, which relative gaps do not see.
 
 - Float formats (``bf16``/``fp16``/``fp32`` casts, FP8 and any ``eXmY``, block-scaled or not): the gap at
   ``x = mant·2^e`` is ``ε·x/mant`` with ``ε = 2^-p`` (``p`` fraction bits); as in the paper, ``1/mant`` is
-  replaced by its mean over a binade, ``ln 2``, so ``ρ = ε·ln2 / (2(1 - β))`` on both sides. Subnormals,
-  and the largest entry of a block (stored exactly as the block's scale), are ignored.
+  replaced by its mean over a binade, ``ln 2``, so ``ρ = ε·ln2 / (2(1 - β))`` on both sides. The largest entry
+  of a block (stored exactly as the block's scale) is ignored, and so are subnormals unless ``values=`` shows
+  them: a cast's stored value ``k`` steps of its subnormal spacing above zero has the gap ``1/k`` on both
+  sides (fp16: a ``v`` under 6.1e-5, i.e. gradients under about 8e-3, has fewer than 10 fraction bits).
 - Block-scaled codebooks (``int8``, ``int4``, ``*_linear``): the gaps are those between neighbouring codes,
   ``δ_up = (c_{i+1} - c_i)/c_i`` and ``δ_down = (c_i - c_{i-1})/c_i``. **Assumption** (ours): a block's
   entries are spread log-uniformly over its top binade (``(absmax/2, absmax]``), as a float's mantissa is,
@@ -151,7 +153,8 @@ def relative_gaps(
 
     Float formats without ``values``: one entry, ``ε·ln2`` on both sides. Codebooks (and floats given
     ``values``): one entry per positive code, weighted by the log-uniform top-binade assumption or by the
-    occupancy of ``values`` (magnitudes in units of the block absmax, or a stored state).
+    occupancy of ``values`` (magnitudes in units of the block absmax, or a stored state); a cast's subnormal
+    ``values`` add one entry per occupied subnormal ``k·s`` (``s`` its spacing), ``1/k`` on both sides.
     """
     p = fraction_bits(fmt)
     if p is not None and values is None:
@@ -164,17 +167,25 @@ def relative_gaps(
     down[1:] = codes[1:] - codes[:-1]
     down[0] = codes[0] if isinstance(fmt, BlockFormat) else 2.0 ** -(fraction_bits(fmt) + 1)  # to zero; a cast: into the binade below
     up[-1] = down[-1]
+    subnormal_steps = torch.zeros(0, dtype=torch.float64)
     if values is None:
         edges = torch.cat([codes[:1] * 0, (codes[1:] + codes[:-1]) / 2, codes[-1:]])
         lower, upper = edges[:-1].clamp(min=0.5), edges[1:].clamp(min=0.5)
         weights = torch.log(upper / lower)
     else:
-        weights = _occupancy(fmt, codes, values)
+        magnitude = _magnitudes(values)
+        if isinstance(fmt, CastFormat):
+            smallest_normal = torch.finfo(fmt.dtype).smallest_normal
+            subnormal_steps = torch.round(magnitude[magnitude < smallest_normal] / (smallest_normal * 2.0**-p))
+            magnitude = magnitude[magnitude >= smallest_normal]
+        weights = _occupancy(fmt, codes, magnitude)
     keep = weights > 0
-    if not keep.any():
+    steps, counts = torch.unique(subnormal_steps, return_counts=True)
+    if not keep.any() and not steps.numel():
         raise ValueError("values= has no positive value to take the code occupancy from (empty, or all zero); pass a state that has moved")
-    weights = weights[keep]
-    return weights / weights.sum(), up[keep] / codes[keep], down[keep] / codes[keep]
+    weights = torch.cat([weights[keep], counts.to(torch.float64)])
+    gap_up, gap_down = torch.cat([up[keep] / codes[keep], 1 / steps]), torch.cat([down[keep] / codes[keep], 1 / steps])
+    return weights / weights.sum(), gap_up, gap_down
 
 
 def _positive_codes(fmt: StorageFormat) -> torch.Tensor:
@@ -189,13 +200,17 @@ def _positive_codes(fmt: StorageFormat) -> torch.Tensor:
     return torch.unique(values[values > 0])
 
 
-def _occupancy(fmt: StorageFormat, codes: torch.Tensor, values: torch.Tensor | QuantizedTensor) -> torch.Tensor:
-    """Fraction of the nonzero ``values`` stored at each of ``codes`` (nearest code, by magnitude)."""
+def _magnitudes(values: torch.Tensor | QuantizedTensor) -> torch.Tensor:
+    """The nonzero magnitudes of ``values`` (a stored state's unit values), float64 on the CPU."""
     if isinstance(values, QuantizedTensor):
         magnitude = values.unit_values().abs().to(torch.float64)
     else:
-        magnitude = values.detach().reshape(-1).abs().to(torch.float64).cpu()
-    magnitude = magnitude[magnitude > 0].cpu()
+        magnitude = values.detach().reshape(-1).abs().to(torch.float64)
+    return magnitude[magnitude > 0].cpu()
+
+
+def _occupancy(fmt: StorageFormat, codes: torch.Tensor, magnitude: torch.Tensor) -> torch.Tensor:
+    """How many of the positive ``magnitude`` are stored at each of ``codes`` (nearest code)."""
     if isinstance(fmt, CastFormat):  # a float's position within its binade
         magnitude = magnitude / torch.pow(2.0, torch.floor(torch.log2(magnitude)))
     index = torch.bucketize(magnitude, (codes[1:] + codes[:-1]) / 2)
