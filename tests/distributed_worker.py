@@ -56,7 +56,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.tensor import DTensor  # noqa: E402
 
 import lightning_qstate.callbacks as qstate_callbacks  # noqa: E402
-from lightning_qstate.callbacks import QuantizedOptimizerStates  # noqa: E402
+from lightning_qstate.callbacks import QuantizedOptimizerStates, stall_counts  # noqa: E402
 from lightning_qstate.formats import BlockFormat, QuantizedTensor, get_format  # noqa: E402
 from lightning_qstate.optim import QuantizedStates, clean_parameter_name  # noqa: E402
 from lightning_qstate.optim.base import local_tensor  # noqa: E402
@@ -180,6 +180,21 @@ class RecordingLogger(Logger):
         pass
 
 
+class LocalPredictions(Callback):
+    """Records, on every rank, what this rank's StallMonitor alone predicts per layer at each measurement (right after the
+    monitor: the measurement is cached, no collective; before any reset): ``[{"step": global step, tag: prediction}, ...]``."""
+
+    def __init__(self) -> None:
+        self.records: list[dict] = []
+
+    def on_train_batch_end(self, trainer, pl_module, *args) -> None:
+        measurement = stall_counts._CACHE.get(trainer)
+        monitors = [c for c in trainer.callbacks if isinstance(c, qstate_callbacks.StallMonitor)]
+        if monitors and measurement is not None and measurement.step == trainer.global_step:
+            scalars, _ = monitors[0].metrics(measurement)
+            self.records.append({"step": trainer.global_step, **{k: v for k, v in scalars.items() if "stall_predicted" in k}})
+
+
 def named_callbacks(args: argparse.Namespace) -> list[Callback]:
     """The ``--callbacks`` specs, instantiated from ``lightning_qstate.callbacks``."""
     return [getattr(qstate_callbacks, spec["class"])(**spec.get("init_args", {})) for spec in args.callbacks]
@@ -187,6 +202,8 @@ def named_callbacks(args: argparse.Namespace) -> list[Callback]:
 
 def make_trainer(args: argparse.Namespace, phase: str, kind: str, out: Path, extra_callbacks: list[Callback]) -> pl.Trainer:
     callbacks = [*extra_callbacks, *named_callbacks(args)]
+    monitors = [index for index, callback in enumerate(callbacks) if isinstance(callback, qstate_callbacks.StallMonitor)]
+    callbacks.insert(monitors[0] + 1 if monitors else len(callbacks), LocalPredictions())  # before a reset zeroes states
     plugins = []
     if args.via == "callback":
         callbacks.append(QuantizedOptimizerStates(**policy_options(args), log_stats=False))
@@ -330,6 +347,7 @@ def run_phase(args: argparse.Namespace, phase: str, kind: str) -> None:
         "loaded": recorder.loaded,
         "metrics": trainer.logger.records,
         "callbacks": {type(c).__name__: c.state_dict() for c in trainer.callbacks if type(c).__module__.startswith("lightning_qstate.")},
+        "local_predictions": next(c.records for c in trainer.callbacks if isinstance(c, LocalPredictions)),
     }
     (out / f"rank{rank}.json").write_text(json.dumps(info, indent=1, sort_keys=True))
     if rank == 0:

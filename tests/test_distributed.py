@@ -502,6 +502,24 @@ def test_stall_rates_are_summed_over_ranks_and_logged_by_rank_zero(stall_run):
     assert not any(key.startswith("qstate/") for record in run.info("straight", 1)["metrics"] for key in record)
 
 
+def test_predictions_and_reset_ratios_come_from_the_ranks_that_hold_the_layer(stall_run):
+    """Rank 0 logs each layer's prediction from every rank's entries (FSDP1's net.3.weight lies on rank 1 alone: rank 0
+    fell back to the age-only model), and the first step after a reset at the layer's own Adam step count (a layer
+    whose shard on rank 0 is empty was logged as a first step, 1.0)."""
+    run = stall_run
+    logged = {record["step"] + 1: record for record in run.info("straight", 0)["metrics"] if "qstate/stall/exp_avg_sq" in record}
+    local = {record["step"]: record for record in run.info("straight", 1)["local_predictions"]}
+    tag = "qstate/stall_predicted/exp_avg_sq/net.3.weight"
+    if run.spec.strategy == "fsdp":
+        assert [logged[step][tag] for step in logged] == pytest.approx([local[step][tag] for step in logged], rel=1e-9)
+    ratios = [(record["step"] + 1, record["qstate/reset/first_step_ratio"]) for record in run.info("straight", 0)["metrics"]
+              if "qstate/reset/first_step_ratio" in record]  # fmt: skip
+    assert ratios
+    for step, ratio in ratios:  # reset after global step ``step``: the next Adam step is step + 1
+        t = step + 1
+        assert ratio == pytest.approx(0.1 * (1 - 0.999**t) ** 0.5 / ((1 - 0.9**t) * 0.001**0.5), rel=1e-9), step
+
+
 # --- single process ----------------------------------------------------------------------------------
 def trained_optimizer(shape: tuple[int, ...], states: str = "int8") -> tuple[QAdamW, torch.nn.Parameter]:
     param = torch.nn.Parameter(torch.randn(shape, generator=torch.Generator().manual_seed(0)))

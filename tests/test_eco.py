@@ -8,6 +8,7 @@ ECO closes naive removal's gap, the options' validation and the checkpoint round
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -193,13 +194,28 @@ def test_feedback_stalls_are_counted():
     """With int8 ``m`` and round to nearest, ECO's small corrections are often lost: counted as ``eco_correction``."""
     torch.manual_seed(0)
     param = torch.nn.Parameter(torch.randn(8192).bfloat16())
-    optimizer = lq.QAdamW([param], lr=1e-4, weights="bf16", weight_rounding="nearest", error_feedback="eco", track_stalls=True)
+    with pytest.warns(UserWarning, match=r"QAdamW: error_feedback='eco' feeds .* into 'exp_avg', stored in 'int8' with rounding='nearest'"):
+        optimizer = lq.QAdamW([param], lr=1e-4, weights="bf16", weight_rounding="nearest", error_feedback="eco", track_stalls=True)
     for _ in range(5):
         param.grad = torch.randn_like(param)
         optimizer.step()
     assert optimizer.step_paths() == {"param0": "reference"}
     stats = optimizer.stall_stats()["param0"]
     assert 0.0 < stats["eco_correction"] <= 1.0 and set(stats) == {"exp_avg", "exp_avg_sq", "eco_correction"}
+
+
+def test_eco_warns_only_where_nearest_storage_drops_its_corrections():
+    """The warning names the momentum state and its format, at the user's line; stochastic rounding, an fp32 momentum and
+    eco_exact (its error stays in an fp32 state) do not warn."""
+    param = torch.nn.Parameter(torch.zeros(64))
+    with pytest.warns(UserWarning, match=r"QSGD: error_feedback='eco' .* into 'momentum_buffer', stored in 'bf16'") as caught:
+        lq.QSGD([param], lr=0.1, momentum=0.9, states="bf16", weights="bf16", error_feedback="eco")
+    assert caught[0].filename == __file__
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        lq.QAdamW([param], states="int8", rounding="stochastic", weights="bf16", error_feedback="eco")
+        lq.QAdamW([param], states={"exp_avg_sq": "int8"}, weights="bf16", error_feedback="eco")
+        lq.QAdamW([param], states="int8", weights="bf16", error_feedback="eco_exact")
 
 
 @pytest.mark.skipif(not torch_rounds_once(), reason="torch's CPU kernels round a * b + c twice here: the reference path is not adam_math")

@@ -189,10 +189,45 @@ def test_callback_puts_the_weights_of_an_optimizer_the_module_built_on_their_gri
     assert start.on_grid and all(start.on_grid.values()), start.on_grid
 
 
+def test_weights_are_rounded_when_a_fit_starts_only(tmp_path):
+    """bf16 parameters on an int8 row grid hold ``bf16(code·scale)``, which a second rounding moves by an ulp in places:
+    the callback leaves a resumed checkpoint's weights as they are, and ``validate`` after ``fit`` leaves the trained
+    weights alone, under the plugin too (Lightning connects the plugin in every stage)."""
+    options = dict(states="int8", min_quant_size=0, weights="int8", error_feedback="eco")
+    checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", filename="ckpt", every_n_train_steps=SAVE_STEP, save_top_k=-1)
+    trainer = quiet_trainer(tmp_path / "a", SAVE_STEP, precision="bf16-true", enable_checkpointing=True,
+                            callbacks=[QuantizedOptimizerStates(**options, log_stats=False), checkpoint])  # fmt: skip
+    trainer.fit(EcoModule(), eco_data())
+    saved = torch.load(tmp_path / "ckpt" / "ckpt.ckpt", weights_only=True)["state_dict"]
+
+    class WeightsAtStart(Callback):
+        def on_train_start(self, trainer, pl_module) -> None:
+            self.weights = {name: param.detach().clone() for name, param in pl_module.named_parameters()}
+
+    start, resumed = WeightsAtStart(), EcoModule()
+    quiet_trainer(
+        tmp_path / "b", STEPS, precision="bf16-true", callbacks=[QuantizedOptimizerStates(**options, log_stats=False), start]
+    ).fit(resumed, eco_data(), ckpt_path=str(tmp_path / "ckpt" / "ckpt.ckpt"))
+    assert all(torch.equal(start.weights[name], saved[name]) for name in BLOCK_WEIGHTS)
+
+    class Validated(EcoModule):
+        def validation_step(self, batch, batch_idx):
+            return self.training_step(batch, batch_idx)
+
+    model = Validated()
+    trainer = quiet_trainer(tmp_path / "c", SAVE_STEP, plugins=[QStateHalfPrecision("bf16-true", **options)])
+    trainer.fit(model, eco_data())
+    trained = {name: param.detach().clone() for name, param in named(model).items()}
+    trainer.validate(model, eco_data(), verbose=False)
+    assert all(torch.equal(param, trained[name]) for name, param in named(model).items())
+
+
 RESUME_CASES = [
     pytest.param("bf16-true", "bf16", "eco", id="bf16-true-bf16-eco"),
     pytest.param("32-true", "fp8_e4m3", "eco_exact", id="32-true-fp8-eco_exact"),
     pytest.param("bf16-true", "bf16", "eco_exact", id="bf16-true-bf16-eco_exact"),  # fp32 "weight_error" of a bf16 parameter
+    # bf16 parameters on a block grid: rounding them again moves some by an ulp (it was done to the restored weights)
+    pytest.param("bf16-true", "int8", None, id="bf16-true-int8"),
 ]
 
 
@@ -224,7 +259,8 @@ def test_resume_is_bit_exact_with_stochastic_weight_rounding(tmp_path, precision
     resumed, start = EcoModule(), OnGridAtStart()
     resumed_run = quiet_trainer(tmp_path / "c", STEPS, plugins=[plugin()], callbacks=[start])
     resumed_run.fit(resumed, eco_data(), ckpt_path=str(path))
-    assert start.on_grid == dict.fromkeys(BLOCK_WEIGHTS, True), "the checkpoint's weights are on the grid"
+    if not (precision == "bf16-true" and weights == "int8"):  # bf16(code·scale) is no fixed point of a second rounding
+        assert start.on_grid == dict.fromkeys(BLOCK_WEIGHTS, True), "the checkpoint's weights are on the grid"
     assert start.error_dtypes == (dict.fromkeys(BLOCK_WEIGHTS, torch.float32) if feedback == "eco_exact" else {}), (
         "weight_error loads as fp32"
     )

@@ -240,3 +240,65 @@ def test_numpy_integers_are_counts():
     assert callbacks.StateResetScheduler(period=counts, check_every_n_steps=np.int32(5)).period == 20
     with pytest.raises(ValueError, match="PrecisionAdvisor: steps=.*must be a positive int"):
         callbacks.PrecisionAdvisor(steps=np.bool_(True))
+
+
+class ActivationDtype(Regressor):
+    """Records the dtype of the network's output (autocast's)."""
+
+    def training_step(self, batch, batch_idx):
+        x, _ = step_batch(self.global_step)
+        self.activation_dtype = self(x).dtype
+        return super().training_step(batch, batch_idx)
+
+
+def test_mixed_precision_autocasts_on_the_models_device(tmp_path, monkeypatch):
+    """A plugin built where CUDA is available and given to a CPU Trainer autocasts on the CPU, as ``precision="bf16-mixed"``
+    does (it autocast for "cuda": fp32 activations, silently), and 16-mixed's GradScaler is the CPU's."""
+    with monkeypatch.context() as patch:
+        patch.setattr(torch.cuda, "is_available", lambda: True)
+        plugins = {name: QStatePrecision(name, min_quant_size=0) for name in ("bf16-mixed", "16-mixed")}
+    assert {plugin.device for plugin in plugins.values()} == {"cuda"}
+    for name, dtype in (("bf16-mixed", torch.bfloat16), ("16-mixed", torch.float16)):
+        model = ActivationDtype()
+        trainer(tmp_path, 1, plugins=[plugins[name]]).fit(model, regression_data())
+        assert model.activation_dtype == dtype and plugins[name].device == "cpu", name
+    assert plugins["16-mixed"].scaler._device == "cpu"
+    fixed = QStatePrecision("bf16-mixed", device="cpu")
+    trainer(tmp_path, 1, plugins=[fixed]).fit(ActivationDtype(), regression_data())
+    assert fixed.device == "cpu"
+
+
+class Overflowing(Regressor):
+    """An inf gradient at the first three steps: a GradScaler halves its scale at each."""
+
+    def on_after_backward(self) -> None:
+        if self.global_step < 3:
+            self.net[0].weight.grad[0, 0] = float("inf")
+
+    def on_train_start(self) -> None:
+        self.scale_at_start = self.trainer.precision_plugin.scaler.get_scale()
+
+
+@pytest.mark.parametrize("saved_by", ["plugin", "lightning"])
+def test_the_gradscaler_state_crosses_between_the_plugin_and_lightnings_own(tmp_path, saved_by):
+    """Lightning keeps a precision plugin's state under its class name: a 16-mixed run saved by the plugin and resumed with
+    Lightning's ``MixedPrecision`` (and the callback), or the other way, restarted the GradScaler at 65536."""
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    def plugin(kind: str):
+        return QStatePrecision("16-mixed", min_quant_size=0) if kind == "plugin" else MixedPrecision("16-mixed", "cpu")
+
+    def extra(kind: str) -> list:
+        return [] if kind == "plugin" else [QuantizedOptimizerStates(min_quant_size=0, log_stats=False)]
+
+    resumed_by = "lightning" if saved_by == "plugin" else "plugin"
+    checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", filename="ckpt", every_n_train_steps=4, save_top_k=-1)
+    first = trainer(tmp_path / "a", 4, plugins=[plugin(saved_by)], enable_checkpointing=True, callbacks=[checkpoint, *extra(saved_by)])
+    first.fit(Overflowing(), regression_data())
+    saved = first.precision_plugin.scaler.get_scale()
+    assert saved == 65536.0 / 8
+    resumed = Overflowing()
+    trainer(tmp_path / "b", 6, plugins=[plugin(resumed_by)], callbacks=extra(resumed_by)).fit(
+        resumed, regression_data(), ckpt_path=str(tmp_path / "ckpt" / "ckpt.ckpt")
+    )
+    assert resumed.scale_at_start == saved

@@ -64,6 +64,26 @@ def test_fp32_states_follow_torch_for_200_steps(torch_class, quantized_class, op
     assert float((a - b).abs().max() / a.abs().max()) <= 1e-6
 
 
+@pytest.mark.parametrize("foreach", [None, True, False])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_fp32_states_of_low_precision_parameters_are_torchs_bit_for_bit(dtype, foreach):
+    """fp32 states on fp16/bf16 parameters: AdamW's very iterates with each ``foreach`` (torch's default, ``None``, is its
+    per-tensor loop on the CPU; the multi-tensor step rounded fp16 parameters otherwise)."""
+    torch.manual_seed(0)
+    reference = torch.nn.Parameter(torch.randn(5000).to(dtype))
+    ours = torch.nn.Parameter(reference.detach().clone())
+    optimizers = [
+        torch.optim.AdamW([reference], lr=1e-2, eps=1e-3, foreach=foreach),
+        lq.QAdamW([ours], lr=1e-2, eps=1e-3, foreach=foreach, states="fp32"),
+    ]
+    for _ in range(3):
+        grad = torch.randn(5000).to(dtype)
+        reference.grad, ours.grad = grad.clone(), grad.clone()
+        for optimizer in optimizers:
+            optimizer.step()
+    assert torch.equal(reference, ours)
+
+
 @pytest.mark.parametrize("options", MUON_CASES)
 def test_qmuon_fp32_follows_torch_muon(options):
     def run(make):
@@ -419,6 +439,17 @@ def test_a_param_group_the_checks_refuse_is_not_added():
     optimizer.add_param_group({"params": list(model[2].parameters()), "states": "int4"})
     train(model, optimizer, 1)
     assert optimizer.state_format(model[2].weight, "exp_avg").name == "int4"
+
+
+def test_dense_codes_under_a_small_block_are_refused_up_front():
+    """int5-int7 pack 8 codes to 5-7 bytes: block sizes 2 and 4 raised at the first step, after the groups before had
+    stepped (and left the parameter with a state of ``step`` alone)."""
+    model = make_model()
+    with pytest.raises(ValueError, match=r"QAdamW: states=\{'exp_avg_sq': 'int6'\}: format 'int6': block_size=4 is too small"):
+        lq.QAdamW(model.parameters(), states={"exp_avg_sq": "int6"}, block_size=4)
+    with pytest.raises(ValueError, match=r"overrides\['0\.\*'\]: states='int5': format 'int5': block_size=2 is too small"):
+        lq.QuantizationPolicy(states="int8", block_size=2, overrides={"0.*": "int5"}).validate("QAdamW")
+    assert lq.QAdamW(model.parameters(), states="int6", block_size=8).param_groups[0]["block_size"] == 8
 
 
 def test_a_tensor_of_another_optimizer_is_refused_and_leaves_the_state_dict_intact():

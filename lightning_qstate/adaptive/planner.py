@@ -317,11 +317,17 @@ class BitWidthPlanner:
                     pinned = {state: resolved_nbytes({**group, "states": override}, state, param, numel) for state in ADAPTED_STATES}
                 layer = Layer(names.get(param, fallback[param]), param, group, numel, pinned)
                 if pinned is None:
-                    layer.nbytes = {
-                        (state, name): resolved_nbytes({**group, "states": name}, state, param, numel)
-                        for state in ADAPTED_STATES
-                        for name in self.candidates(state)
-                    }
+                    try:
+                        layer.nbytes = {
+                            (state, name): resolved_nbytes({**group, "states": name}, state, param, numel)
+                            for state in ADAPTED_STATES
+                            for name in self.candidates(state)
+                        }
+                    except ValueError as error:  # dense 5-7-bit codes under block_size 2 or 4
+                        raise ValueError(
+                            f"BitWidthPlanner: a candidate format does not fit the param group's block_size={group['block_size']!r}: "
+                            f"{error}. Give the group a larger block_size, or m_formats/v_formats/floor_formats without that format"
+                        ) from None
                 layers.append(layer)
         if not layers:
             raise ValueError("BitWidthPlanner: every parameter of the optimizer is frozen (requires_grad=False); there is nothing to plan")

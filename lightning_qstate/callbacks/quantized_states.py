@@ -19,7 +19,7 @@ from ..optim import (
     check_optimizer_parameters,
     state_summary,
 )
-from ..plugins.precision import QStatePolicyMixin, put_weights_on_grid
+from ..plugins.precision import QStatePolicyMixin, fit_starts_fresh, put_weights_on_grid
 from .arguments import check_flags
 from .tensorboard import log_scalars, logs_this_step
 
@@ -45,7 +45,7 @@ class QuantizedOptimizerStates(Callback):
         trainer = Trainer(callbacks=[QuantizedOptimizerStates(states={"exp_avg": "int8", "exp_avg_sq": "int4"},
                                                               overrides={"*.wte.*": "fp32"})])
         # fp8 (E4M3, one scale per row) weights in the blocks' linear layers, ECO error feedback:
-        trainer = Trainer(callbacks=[QuantizedOptimizerStates(weights="fp8_e4m3", error_feedback="eco")])
+        trainer = Trainer(callbacks=[QuantizedOptimizerStates(rounding="stochastic", weights="fp8_e4m3", error_feedback="eco")])
 
     Args:
         states, rounding, block_size, min_quant_size, overrides, weights, weight_rounding, weight_block,
@@ -80,8 +80,9 @@ class QuantizedOptimizerStates(Callback):
         model = trainer.strategy.model if trainer.strategy.model is not None else pl_module
         check_optimizer_parameters(model, trainer.strategy.optimizers)
         trainer.strategy.optimizers = [self.policy.apply(optimizer, model) for optimizer in trainer.strategy.optimizers]
-        if not isinstance(trainer.strategy.precision_plugin, QStatePolicyMixin):  # a plugin's connect() put them on their grids
-            put_weights_on_grid(trainer.strategy.optimizers)  # weights=: round to nearest (a checkpoint's weights come later)
+        plugin_rounds = isinstance(trainer.strategy.precision_plugin, QStatePolicyMixin)  # its connect() put them on their grids
+        if not plugin_rounds and fit_starts_fresh(trainer):  # weights=: round to nearest (not a resumed checkpoint's weights)
+            put_weights_on_grid(trainer.strategy.optimizers)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         if not self.log_stats or not logs_this_step(trainer):

@@ -57,11 +57,13 @@ class StateRow:
 
 @dataclass
 class StallMeasurement:
-    """Stall counts of one measured step: ``counts[i] = [stalled, moved]`` of ``rows[i]``, summed over ranks."""
+    """Stall counts of one measured step: ``counts[i] = [stalled, moved]`` of ``rows[i]``, summed over ranks (``local``:
+    this rank's)."""
 
     step: int
     rows: list[StateRow]
     counts: torch.Tensor  # (len(rows), 2) float64, on the CPU
+    local: torch.Tensor | None = None  # the same, of this rank alone
 
     def rates(self) -> dict[tuple[str, str], float]:
         """``{(layer, state): stalled / moved}`` of the rows that moved."""
@@ -184,7 +186,7 @@ def collect_stalls(trainer: pl.Trainer) -> StallMeasurement:
         if counts is not None:
             local[index] = counts.to("cpu", torch.float64)
     device = trainer.strategy.root_device
-    total = trainer.strategy.reduce(local.to(device), reduce_op="sum").cpu() if trainer.world_size > 1 else local
+    total = trainer.strategy.reduce(local.to(device, copy=True), reduce_op="sum").cpu() if trainer.world_size > 1 else local  # in place
     for optimizer in quantized_optimizers(trainer):
         optimizer.track_stalls = _TRACKING_BASE.pop(optimizer, optimizer.track_stalls)
         if optimizer in _SET_ASIDE:  # the user's own tracking: its counts before the measured step, plus the measured step's
@@ -193,6 +195,6 @@ def collect_stalls(trainer: pl.Trainer) -> StallMeasurement:
                 for name, value in states.items():
                     counts[param, name] = counts[param, name] + value if (param, name) in counts else value
             optimizer._stall_counts = counts
-    measurement = StallMeasurement(trainer.global_step, rows, total)
+    measurement = StallMeasurement(trainer.global_step, rows, total, local)
     _CACHE[trainer] = measurement
     return measurement

@@ -8,6 +8,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_warn
@@ -147,8 +148,23 @@ class StallMonitor(Callback):
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         collected = self._measured.collect(trainer)
-        if collected is not None and trainer.is_global_zero:
-            self._log(trainer, *collected)
+        if collected is None:
+            return
+        predictions = self.predictions(trainer, *collected)  # a collective: every rank
+        if trainer.is_global_zero:
+            self._log(trainer, *collected, predictions)
+
+    def predictions(self, trainer: pl.Trainer, measurement: StallMeasurement, optimizers: Collection[QuantizedStates]) -> dict[int, float]:
+        """``{row index: prediction}`` of the measured rows: each rank predicts from the entries it holds (its shard's ratios
+        and stored values), weighted by the entries that moved there, summed over ranks (a collective: every rank)."""
+        local = measurement.local if measurement.local is not None else measurement.counts
+        sums = torch.zeros(len(measurement.rows), 2, dtype=torch.float64)  # [prediction * moved, moved]
+        for index, (row, (_, moved)) in enumerate(zip(measurement.rows, local.tolist(), strict=True)):
+            if moved and row.optimizer in optimizers and (prediction := self.predicted(row, self.age(row))) is not None:
+                sums[index] = torch.tensor([prediction * moved, moved], dtype=torch.float64)
+        if trainer.world_size > 1:
+            sums = trainer.strategy.reduce(sums.to(trainer.strategy.root_device), reduce_op="sum").cpu()
+        return {index: weighted / moved for index, (weighted, moved) in enumerate(sums.tolist()) if moved}
 
     def predicted(self, row: StateRow, age: int | None = None) -> float | None:
         """The prediction for ``row``'s format, decay and rounding at ``age`` steps since it was zeroed (``None``: the
@@ -170,16 +186,21 @@ class StallMonitor(Callback):
         return self._predictions[key]
 
     def metrics(
-        self, measurement: StallMeasurement, optimizers: Collection[QuantizedStates] | None = None
+        self,
+        measurement: StallMeasurement,
+        optimizers: Collection[QuantizedStates] | None = None,
+        predictions: dict[int, float] | None = None,
     ) -> tuple[dict[str, float], dict[str, list[float]]]:
-        """``(scalars, per-layer rates by state)`` of one measurement, of the states of ``optimizers`` (default: all)."""
+        """``(scalars, per-layer rates by state)`` of one measurement, of the states of ``optimizers`` (default: all), with
+        ``predictions`` by row index (default: this rank's, :meth:`predicted`)."""
         scalars: dict[str, float] = {}
         per_state: dict[str, list[float]] = {}
         totals: dict[str, list[float]] = {}  # state -> [stalled, moved, predicted * moved, moved with a prediction]
-        for row, (stalled, moved) in zip(measurement.rows, measurement.counts.tolist(), strict=False):
+        for index, (row, (stalled, moved)) in enumerate(zip(measurement.rows, measurement.counts.tolist(), strict=False)):
             if moved == 0 or (optimizers is not None and row.optimizer not in optimizers):
                 continue
-            rate, prediction = stalled / moved, self.predicted(row, self.age(row))
+            rate = stalled / moved
+            prediction = self.predicted(row, self.age(row)) if predictions is None else predictions.get(index)
             per_state.setdefault(row.state, []).append(rate)
             total = totals.setdefault(row.state, [0.0, 0.0, 0.0, 0.0])
             total[0] += stalled
@@ -212,8 +233,10 @@ class StallMonitor(Callback):
         resets = {layer for scheduler in schedulers for step, layer in scheduler.history if step in windows.get(layer, ())}
         return len(resets) / len(windows)
 
-    def _log(self, trainer: pl.Trainer, measurement: StallMeasurement, optimizers: list[QuantizedStates]) -> None:
-        scalars, per_state = self.metrics(measurement, optimizers)
+    def _log(
+        self, trainer: pl.Trainer, measurement: StallMeasurement, optimizers: list[QuantizedStates], predictions: dict[int, float]
+    ) -> None:
+        scalars, per_state = self.metrics(measurement, optimizers, predictions)
         resets = self.reset_fraction(trainer, optimizers)
         self._previous_measured_steps.update({optimizer: self._measured_steps[optimizer] for optimizer in optimizers})
         if not scalars:
@@ -237,7 +260,9 @@ def measured_ratios(trainer: pl.Trainer, optimizer: QuantizedStates | None = Non
     see them (the Trainer's norm or value clipping applied); states not yet created, empty shards and states without
     a moving entry are left out."""
     clip, algorithm = trainer.gradient_clip_val, trainer.gradient_clip_algorithm
-    norms: dict[int, float] = {}
+    by_norm = clip and getattr(algorithm, "value", algorithm) in ("norm", None)
+    optimizers = quantized_optimizers(trainer) if optimizer is None else [optimizer]
+    norms = {id(opt): _gradient_norm(opt) for opt in optimizers} if by_norm else {}  # collectives: before any row is skipped
     ratios = {}
     for row in state_rows(trainer):
         if optimizer is not None and row.optimizer is not optimizer:
@@ -250,14 +275,8 @@ def measured_ratios(trainer: pl.Trainer, optimizer: QuantizedStates | None = Non
         grad = local_tensor(grad).float().reshape(-1)
         if values.numel() == 0 or grad.numel() != values.numel():
             continue
-        if clip and getattr(algorithm, "value", algorithm) in ("norm", None):
-            key = id(row.optimizer)
-            if key not in norms:
-                params = [p for group in row.optimizer.param_groups for p in group["params"] if p.grad is not None]
-                norms[key] = float(
-                    torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(local_tensor(p.grad).float()) for p in params]))
-                )
-            grad = grad * min(1.0, float(clip) / (norms[key] + 1e-6))
+        if by_norm:
+            grad = grad * min(1.0, float(clip) / (norms[id(row.optimizer)] + 1e-6))
         elif clip:
             grad = grad.clamp(-float(clip), float(clip))
         inputs = state_input(row.group, row.state, grad, local_tensor(row.param).detach().float().reshape(-1))
@@ -270,6 +289,17 @@ def measured_ratios(trainer: pl.Trainer, optimizer: QuantizedStates | None = Non
             inputs, values = inputs[sample], values[sample]
         ratios[row.layer, row.state] = torch.where(values != 0, inputs / values, torch.inf)
     return ratios
+
+
+def _gradient_norm(optimizer: QuantizedStates) -> float:
+    """The 2-norm of ``optimizer``'s gradients, as the Trainer's norm clipping takes it: of the full tensors, every rank's
+    shards together where the parameters are shards (a collective there)."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    start = torch.zeros((), device=local_tensor(params[0]).device) if params else torch.zeros(())
+    square = sum((local_tensor(p.grad).float().square().sum() for p in params if p.grad is not None), start)
+    if optimizer.holds_shards():
+        dist.all_reduce(square)
+    return float(square.sqrt())
 
 
 def _occupied(stored: QuantizedTensor) -> bool:

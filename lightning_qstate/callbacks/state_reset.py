@@ -187,15 +187,21 @@ class StateResetScheduler(Callback):
             self._reset(trainer, {layer: layers[layer] for layer in due})
 
     def _reset(self, trainer: pl.Trainer, layers: dict[str, list[StateRow]]) -> None:
+        # each layer's Adam step count, the largest over ranks (a collective: every rank resets the same layers): a rank
+        # whose FSDP shard of the parameter is empty has no state, and would log the ratio of a first step
+        local = [float(rows[0].optimizer.state.get(rows[0].param, {}).get("step", -1)) for rows in layers.values()]
+        steps = torch.tensor(local, dtype=torch.float64)
+        if trainer.world_size > 1:
+            steps = trainer.strategy.reduce(steps.to(trainer.strategy.root_device), reduce_op="max").cpu()
         ratios, count = [], 0
-        for layer, rows in layers.items():
+        for (layer, rows), adam_step in zip(layers.items(), steps.tolist(), strict=True):
             names = [row.state for row in rows]
             rows[0].optimizer.reset_states(rows[0].param, names, restart_step=self.reset_step)
             step = self.last_reset[layer] = optimizer_steps(trainer, rows[0].optimizer)
             # a frozen parameter has nothing to reset: not counted. (Whether the states were zeroed here would not do:
             # under FSDP a rank whose shard of the parameter is empty has none, and the ranks must record alike.)
             if rows[0].param.requires_grad:
-                state = rows[0].optimizer.state.get(rows[0].param, {})
+                state = {"step": adam_step} if adam_step >= 0 else {}
                 ratios.append(first_step_ratio(rows[0].group, state, self.reset_step, names))
                 self.history.append((step, layer))
                 count += 1

@@ -10,6 +10,8 @@ states of a single parameter.
 from __future__ import annotations
 
 import contextlib
+import os
+import sys
 import warnings
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -30,6 +32,7 @@ from .policy import (
     POLICY_DEFAULTS,
     QuantizationPolicy,
     StatesSpec,
+    format_name_for,
     gradient_format,
     resolve_format,
     validate_policy,
@@ -211,6 +214,15 @@ def state_summary(optimizer: torch.optim.Optimizer) -> dict[str, int]:
     return {"bytes": stored, "values": values, "fp32_bytes": 4 * values}
 
 
+def caller_stacklevel() -> int:
+    """``stacklevel`` for a warning issued here that points at the first frame outside this package (the user's call)."""
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    frame, level = sys._getframe(1), 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package + os.sep):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
 class QuantizedStates:
     """Mixin holding the state-storage logic; concrete optimizers combine it with a ``torch.optim`` class.
 
@@ -320,6 +332,16 @@ class QuantizedStates:
             raise ValueError(
                 f"{owner}: error_feedback={group['error_feedback']!r} is not supported here (supported: {self.error_feedbacks}); "
                 "'eco' needs an update linear in a momentum state (QSGD, QAdam, QAdamW); 'eco_exact' works for any"
+            )
+        momentum = self.state_names[0] if self.state_names else None
+        if group["error_feedback"] == "eco" and group["rounding"] == "nearest" and format_name_for(group, momentum) != "fp32":
+            warnings.warn(
+                f"{owner}: error_feedback='eco' feeds the weights' rounding error into {momentum!r}, stored in "
+                f"{format_name_for(group, momentum)!r} with rounding='nearest', which drops every correction under half a "
+                "code step (track_stalls=True counts them as 'eco_correction'); pass rounding='stochastic' (it keeps them in "
+                "expectation), or keep the momentum in fp32",
+                UserWarning,
+                stacklevel=caller_stacklevel(),
             )
 
     # --- the step -------------------------------------------------------------------------------------
@@ -435,7 +457,7 @@ class QuantizedStates:
 
     def _withheld_by_policy(self) -> list[torch.Tensor]:
         """Parameters whose gradients the whole-step or cross-rank check withholds from this step (counted as skipped)."""
-        sharded = dist.is_available() and dist.is_initialized() and (bool(self.full_numels) or self._has_dtensors())
+        sharded = self.holds_shards()
         if self.nonfinite == "skip" and not sharded:
             return []  # each path checks its own gradients ("raise" and "skip_step": before any parameter is written)
         params = [p for group in self.param_groups for p in group["params"]]
@@ -453,6 +475,11 @@ class QuantizedStates:
         self._skipped += bad
         self.nonfinite_skips += len(withheld)
         return withheld
+
+    def holds_shards(self) -> bool:
+        """Whether the parameters are shards of a process group's (FSDP1's flat views, FSDP2's DTensors): a full tensor's
+        figures (a norm, a non-finite check) need every rank's part."""
+        return dist.is_available() and dist.is_initialized() and (bool(self.full_numels) or self._has_dtensors())
 
     def _has_dtensors(self) -> bool:
         return any(isinstance(p, DTensor) for group in self.param_groups for p in group["params"])

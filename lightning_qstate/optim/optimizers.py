@@ -94,7 +94,10 @@ class _AdamStates(QuantizedStates):
             # its scalar lists of CPU step tensors do not trace (the per-tensor loop keeps them tensors)
             tensor_lr = isinstance(group["lr"], torch.Tensor) and not group["capturable"]
             unsupported = group["fused"] or group["differentiable"] or tensor_lr or torch.compiler.is_compiling()
-            multi_tensor = group["foreach"] is not False and not unsupported
+            # foreach=None is torch's default: its per-tensor loop on the CPU, where its multi-tensor ops round fp16/bf16
+            # parameters otherwise (fp32 ones agree bit for bit and keep the faster multi-tensor step)
+            low_precision = any(key.dtype in (torch.float16, torch.bfloat16) and key.device.type == "cpu" for key, _ in kept)
+            multi_tensor = (group["foreach"] or (group["foreach"] is None and not low_precision)) and not unsupported
             self._adam(group, [local_tensor(key) for key, _ in kept], [grad for _, grad in kept], states, multi_tensor)
             self._count_weight_stalls(targets)
 

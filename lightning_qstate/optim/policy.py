@@ -61,18 +61,18 @@ def validate_policy(group: Mapping[str, Any], state_names: tuple[str, ...] | Non
         names = [states]
     else:
         raise TypeError(f"{owner}: states= must be a format name or a mapping of state name -> format name, got {type(states).__name__}")
-    for name in names:
-        try:
-            get_format(name)
-        except ValueError as error:  # name the option that holds the bad value
-            raise ValueError(f"{owner}: states={states!r}: {error}") from None
-    if group["rounding"] not in ROUNDINGS:
-        raise ValueError(f"{owner}: rounding={group['rounding']!r} is not valid; use one of {ROUNDINGS}")
     if group["block_size"] is not None:
         try:
             check_block_size(group["block_size"])
         except ValueError as error:
             raise ValueError(f"{owner}: {error}") from None
+    for name in names:
+        try:  # with the group's block size: dense 5-7-bit codes need blocks of 8 or more
+            get_format(name, block_size=group["block_size"])
+        except ValueError as error:  # name the option that holds the bad value
+            raise ValueError(f"{owner}: states={states!r}: {error}") from None
+    if group["rounding"] not in ROUNDINGS:
+        raise ValueError(f"{owner}: rounding={group['rounding']!r} is not valid; use one of {ROUNDINGS}")
     min_size = group["min_quant_size"]
     if not isinstance(min_size, int) or isinstance(min_size, bool) or min_size < 0:
         raise ValueError(f"{owner}: min_quant_size={min_size!r} must be an int >= 0")
@@ -252,7 +252,7 @@ class QuantizationPolicy:
         if not isinstance(self.overrides, Mapping):
             raise TypeError(f"{owner}: overrides= must be a mapping of name pattern -> states, got {type(self.overrides).__name__}")
         for pattern, states in self.overrides.items():
-            options = {**self.group_options(), "states": states, "block_size": None, "min_quant_size": 0}
+            options = {**self.group_options(), "states": states, "min_quant_size": 0}
             validate_policy(options, state_names, f"{owner}: overrides[{pattern!r}]")
         if not isinstance(self.weight_overrides, Mapping):
             raise TypeError(

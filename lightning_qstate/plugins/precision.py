@@ -11,23 +11,27 @@ Example::
 
     trainer = Trainer(plugins=[QStatePrecision("bf16-mixed", states="int8", overrides={"*.wte.*": "fp32"})])
     # bf16 weights without fp32 master weights (ECO), int8 states:
-    trainer = Trainer(plugins=[QStatePrecision("bf16-true", states="int8", weights="bf16", error_feedback="eco")])
+    trainer = Trainer(plugins=[QStatePrecision("bf16-true", states="int8", rounding="stochastic", weights="bf16", error_feedback="eco")])
 
 The conversion happens in ``connect()``, after ``configure_optimizers`` and the strategy's model
-wrapping and before any checkpoint is loaded, so resumed runs load straight into the quantized
+wrapping and before the optimizer states of a checkpoint are loaded, so resumed runs load straight into the quantized
 optimizer. The configuration comes from the constructor only (restored plugin state arrives too late).
-With ``weights=`` (or ``error_feedback=``), ``connect()`` also rounds those parameters onto their grid; a resumed run
-then loads the checkpoint's weights, which are on the grid already (the optimizer's rounding seed and step ride in
-its state dict, so stochastic rounding of the weights resumes exactly).
+With ``weights=`` (or ``error_feedback=``), ``connect()`` also rounds those parameters onto their grid when a fit starts
+without a checkpoint. A resumed run keeps the checkpoint's weights as they are (on the grid already; rounding a bf16
+parameter's block grid again would move some of them by an ulp), and so do ``validate``/``test``/``predict`` (the
+optimizer's rounding seed and step ride in its state dict, so stochastic rounding of the weights resumes exactly).
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping
 from typing import Any, Literal
 
+import lightning.pytorch as pl
 import torch
 from lightning.pytorch.plugins.precision import FSDPPrecision, HalfPrecision, MixedPrecision, Precision
+from lightning.pytorch.trainer.states import TrainerFn
 
 from ..formats.weights import WeightBlock
 from ..optim import ErrorFeedback, NonFiniteGradPolicy, QuantizationPolicy, QuantizedStates, StatesSpec, check_optimizer_parameters
@@ -48,14 +52,42 @@ class QStatePolicyMixin:
         model, optimizers, lr_schedulers = super().connect(model, optimizers, lr_schedulers)
         check_optimizer_parameters(model, optimizers)
         quantized = [self.policy.apply(optimizer, model) for optimizer in optimizers]
-        put_weights_on_grid(quantized)
+        module = next((module for module in model.modules() if isinstance(module, pl.LightningModule)), None)
+        if module is None or module._trainer is None or fit_starts_fresh(module._trainer):
+            put_weights_on_grid(quantized)
         return model, quantized, lr_schedulers
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Also store the plugin's state (a GradScaler's) under the Lightning base's key, which Lightning's own plugin reads."""
+        super().on_save_checkpoint(checkpoint)
+        state = self.state_dict()
+        if state:
+            checkpoint[_lightning_base(self).__qualname__] = state
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Restore the state Lightning's own plugin saved (``MixedPrecision``: the GradScaler's scale and growth tracker)
+        where the checkpoint has none under this class's name (Lightning reads that one itself, afterwards)."""
+        super().on_load_checkpoint(checkpoint)
+        base = _lightning_base(self).__qualname__
+        if type(self).__qualname__ not in checkpoint and base in checkpoint:
+            self.load_state_dict(checkpoint[base])
+
+
+def _lightning_base(plugin: Precision) -> type:
+    """The Lightning precision class ``plugin`` extends (``MixedPrecision``, ``FSDPPrecision``, ...)."""
+    return next(cls for cls in type(plugin).__mro__ if cls.__module__.startswith("lightning."))
+
+
+def fit_starts_fresh(trainer: pl.Trainer) -> bool:
+    """Whether ``trainer`` runs ``fit`` without a checkpoint to resume (not ``validate``, ``test`` or ``predict``)."""
+    return trainer.state.fn == TrainerFn.FITTING and not trainer.ckpt_path
 
 
 def put_weights_on_grid(optimizers: list[torch.optim.Optimizer]) -> None:
     """Round the parameters that have a weight grid (``weights=``, ``error_feedback=``) onto it, as a run without master
-    weights starts (``QuantizedStates.quantize_weights``, round to nearest: no random draw). At fit start only: a
-    resumed run loads the checkpoint's weights afterwards, which a run with the same policy saved on the grid."""
+    weights starts (``QuantizedStates.quantize_weights``, round to nearest: no random draw). Where a fit starts without a
+    checkpoint only (:func:`fit_starts_fresh`): the rounding is not idempotent for bf16/fp16 parameters on a block grid, so
+    the weights of a resumed run, or of a model after its fit, must not go through it again."""
     for optimizer in optimizers:
         if isinstance(optimizer, QuantizedStates):
             optimizer.quantize_weights()
@@ -159,7 +191,11 @@ class QStatePrecision(QStatePolicyMixin, _PrecisionDispatch, Precision):
 
 
 class QStateMixedPrecision(QStatePrecision, MixedPrecision):
-    __doc__ = "``MixedPrecision`` (``16-mixed``/``bf16-mixed``) with quantized optimizer states." + _POLICY_DOC
+    __doc__ = (
+        "``MixedPrecision`` (``16-mixed``/``bf16-mixed``) with quantized optimizer states. Autocast follows the device "
+        "the strategy put the model on (``device=`` fixes it), as Lightning's ``precision=`` does: a CPU Trainer on a "
+        "machine with a GPU autocasts on the CPU." + _POLICY_DOC
+    )
 
     def __init__(
         self,
@@ -184,6 +220,17 @@ class QStateMixedPrecision(QStatePrecision, MixedPrecision):
     ) -> None:
         MixedPrecision.__init__(self, precision, device or ("cuda" if torch.cuda.is_available() else "cpu"), scaler)
         self._set_policy(policy, locals())
+        self._follows_model = device is None  # the device is the model's, known in connect()
+        self._own_scaler = scaler is None
+
+    def connect(self, model: torch.nn.Module, optimizers: list[torch.optim.Optimizer], lr_schedulers: list[Any]):
+        """Take the autocast device (and the default GradScaler's) from the model the strategy moved to its device."""
+        tensor = next(itertools.chain(model.parameters(), model.buffers()), None)
+        if self._follows_model and tensor is not None and tensor.device.type != self.device:
+            self.device = tensor.device.type
+            if self.scaler is not None and self._own_scaler:
+                self.scaler = torch.amp.GradScaler(device=self.device)
+        return super().connect(model, optimizers, lr_schedulers)
 
 
 class QStateHalfPrecision(QStatePrecision, HalfPrecision):
