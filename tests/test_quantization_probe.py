@@ -190,6 +190,25 @@ def test_probe_runs_in_eval_mode_and_needs_batches(tmp_path):
     assert model.training and not model.net[1].training and model.net[0].training
 
 
+class IndexedValidation(BlocklessRegressor):
+    """A validation loss that depends on the batch's index (as a module whose data comes from it)."""
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", (batch_idx + 1) * torch.nn.functional.mse_loss(self(x), y))
+
+
+def test_the_probe_passes_each_batch_its_index(tmp_path):
+    """The probe's loss is the validation's on its first batches (``validation_step`` got index 0 for every one):
+    ``regression_data``'s batches are alike, so batches 0, 1, 2 give 1, 2 and 3 times one loss, 2 on average."""
+    probe, model = QuantizationProbe(units="net", batches=3, log_images=False), IndexedValidation()
+    quiet_trainer(tmp_path, max_steps=3, callbacks=[probe]).validate(model, regression_data())
+    x, y = next(iter(regression_data()))
+    with torch.no_grad():
+        single = float(torch.nn.functional.mse_loss(model(x), y))
+    assert probe.history[0].loss == pytest.approx(2 * single, rel=1e-6)
+
+
 def test_a_block_that_does_not_divide_the_inputs_fails_at_fit_start(tmp_path):
     probe = QuantizationProbe(units="net", block=16, log_images=False)  # the first layer takes 24 features
     model = BlocklessRegressor()

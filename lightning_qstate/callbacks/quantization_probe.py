@@ -3,6 +3,7 @@ and why (arXiv 2509.23500; ``docs/algorithms.md``, section 3)."""
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -284,13 +285,13 @@ class QuantizationProbe(Callback):
             raise ValueError("QuantizationProbe.probe: no validation batches captured yet; run a validation (fit or validate) first")
         start = time.perf_counter()
         options = {"modules": self.modules, "block": self.block}
-        forward = self._forward
         losses, quantized, abc_runs, statistics = [], [], [], []
         with evaluating(pl_module), torch.no_grad():
-            for batch in self._batches:
-                losses.append(self._loss(pl_module, batch))
+            for batch_idx, batch in enumerate(self._batches):  # the validation's first batches, in order
+                forward = functools.partial(self._loss, batch_idx=batch_idx)
+                losses.append(forward(pl_module, batch))
                 with ptq(pl_module, self.weights, self.activations, **options):
-                    quantized.append(self._loss(pl_module, batch))
+                    quantized.append(forward(pl_module, batch))
                 abc_runs.append(
                     abc_decomposition(
                         pl_module, batch, self.weights, self.activations, self.units, per_token=self.per_token, forward=forward, **options
@@ -310,16 +311,14 @@ class QuantizationProbe(Callback):
             seconds=time.perf_counter() - start,
         )
 
-    def _forward(self, pl_module: pl.LightningModule, batch: Any) -> Any:
-        return self._loss(pl_module, batch)
-
-    def _loss(self, pl_module: pl.LightningModule, batch: Any) -> float:
+    def _loss(self, pl_module: pl.LightningModule, batch: Any, batch_idx: int = 0) -> float:
+        """The loss of ``batch``, the validation's ``batch_idx``-th: ``loss_fn``'s, else ``validation_step``'s."""
         if self.loss_fn is not None:
             return float(self.loss_fn(pl_module, batch))
         logged: dict[str, Any] = {}
         pl_module.log = lambda name, value, *args, **kwargs: logged.__setitem__(name, value)  # instance attribute: caught
         try:
-            returned = pl_module.validation_step(batch, 0)
+            returned = pl_module.validation_step(batch, batch_idx)
         finally:
             del pl_module.log
         if self.loss_key in logged:

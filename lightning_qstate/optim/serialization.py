@@ -113,7 +113,8 @@ def check_state_shape(shape: torch.Size, param: torch.Tensor, where: str) -> Non
     if shape != param.shape:
         raise ValueError(
             f"{where}: checkpoint state has shape {tuple(shape)} but the parameter has shape {tuple(param.shape)} "
-            "(under FSDP, a shard's: is it another rank's or another world size's state?)"
+            "(under FSDP, a shard's: another rank's or world size's state, or a checkpoint saved under DDP or on one device, "
+            "whose packed states hold the full parameters: resume that one with the strategy that saved it)"
         )
 
 
