@@ -186,7 +186,8 @@ def collect_stalls(trainer: pl.Trainer) -> StallMeasurement:
         if counts is not None:
             local[index] = counts.to("cpu", torch.float64)
     device = trainer.strategy.root_device
-    total = trainer.strategy.reduce(local.to(device, copy=True), reduce_op="sum").cpu() if trainer.world_size > 1 else local  # in place
+    # a copy: reduce() sums in place, and this rank's own counts are kept
+    total = trainer.strategy.reduce(local.to(device, copy=True), reduce_op="sum").cpu() if trainer.world_size > 1 else local
     for optimizer in quantized_optimizers(trainer):
         optimizer.track_stalls = _TRACKING_BASE.pop(optimizer, optimizer.track_stalls)
         if optimizer in _SET_ASIDE:  # the user's own tracking: its counts before the measured step, plus the measured step's
