@@ -21,6 +21,7 @@ from ..optim import (
 )
 from ..plugins.precision import QStatePolicyMixin, fit_starts_fresh, put_weights_on_grid
 from .arguments import check_flags
+from .stall_counts import across_ranks
 from .tensorboard import log_scalars, logs_this_step
 
 
@@ -103,11 +104,8 @@ def memory_metrics(trainer: pl.Trainer) -> dict[str, float]:
         local[1] += summary["values"]
         local[2] += summary["fp32_bytes"]
         local[3] += optimizer.nonfinite_skips if isinstance(optimizer, QuantizedStates) else 0
-    device = trainer.strategy.root_device
-    totals = trainer.strategy.reduce(torch.tensor(local[:3], dtype=torch.float64, device=device), reduce_op="sum")
-    skips = trainer.strategy.reduce(torch.tensor(float(local[3]), dtype=torch.float64, device=device), reduce_op="max")
-    stored, values, fp32_bytes = (float(t) for t in totals)
-    skips = float(skips)
+    stored, values, fp32_bytes = across_ranks(trainer, torch.tensor(local[:3], dtype=torch.float64), "sum").tolist()
+    skips = float(across_ranks(trainer, torch.tensor(float(local[3]), dtype=torch.float64), "max"))
     return {
         "qstate/state_bytes": stored,
         "qstate/bits_per_value": 8 * stored / values if values else 0.0,

@@ -156,18 +156,24 @@ class MeasuredSteps:
         return collect_stalls(trainer), measured
 
 
-def request_stall_tracking(trainer: pl.Trainer, only: QuantizedStates | None = None) -> None:
-    """Count stalls in the coming optimizer step(s) of the optimizer ``only`` (default: every quantized optimizer). Where the user
-    tracks stalls too (``track_stalls=True``), the counts gathered so far are set aside, so that the measurement holds the
-    coming step only, and given back at :func:`collect_stalls` (with the measured step's) so that the user's totals stay
-    whole."""
-    for optimizer in quantized_optimizers(trainer) if only is None else [only]:
-        if optimizer not in _TRACKING_BASE:
-            _TRACKING_BASE[optimizer] = optimizer.track_stalls
-            if optimizer.track_stalls:
-                _SET_ASIDE[optimizer] = optimizer.__dict__.pop("_stall_counts", {})
-                optimizer._stall_counts = {}
-        optimizer.track_stalls = True
+def request_stall_tracking(trainer: pl.Trainer, optimizer: QuantizedStates) -> None:
+    """Count stalls in the coming optimizer step(s) of ``optimizer``. Where the user tracks stalls too
+    (``track_stalls=True``), the counts gathered so far are set aside, so that the measurement holds the coming step only,
+    and given back at :func:`collect_stalls` (with the measured step's) so that the user's totals stay whole."""
+    if optimizer not in _TRACKING_BASE:
+        _TRACKING_BASE[optimizer] = optimizer.track_stalls
+        if optimizer.track_stalls:
+            _SET_ASIDE[optimizer] = optimizer.__dict__.pop("_stall_counts", {})
+            optimizer._stall_counts = {}
+    optimizer.track_stalls = True
+
+
+def across_ranks(trainer: pl.Trainer, local: torch.Tensor, reduce_op: str) -> torch.Tensor:
+    """``local`` (a CPU tensor, left as it is) reduced over ranks with ``reduce_op`` (``"sum"``, ``"max"``), on the CPU; a
+    collective where there are several ranks (the strategy's reduce works in place on a copy sent to its device)."""
+    if trainer.world_size == 1:
+        return local
+    return trainer.strategy.reduce(local.to(trainer.strategy.root_device, copy=True), reduce_op=reduce_op).cpu()
 
 
 def collect_stalls(trainer: pl.Trainer) -> StallMeasurement:
@@ -185,9 +191,7 @@ def collect_stalls(trainer: pl.Trainer) -> StallMeasurement:
         counts = taken[id(row.optimizer)].get(row.param, {}).get(row.state)
         if counts is not None:
             local[index] = counts.to("cpu", torch.float64)
-    device = trainer.strategy.root_device
-    # a copy: reduce() sums in place, and this rank's own counts are kept
-    total = trainer.strategy.reduce(local.to(device, copy=True), reduce_op="sum").cpu() if trainer.world_size > 1 else local
+    total = across_ranks(trainer, local, "sum")
     for optimizer in quantized_optimizers(trainer):
         optimizer.track_stalls = _TRACKING_BASE.pop(optimizer, optimizer.track_stalls)
         if optimizer in _SET_ASIDE:  # the user's own tracking: its counts before the measured step, plus the measured step's

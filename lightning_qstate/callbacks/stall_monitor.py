@@ -18,7 +18,7 @@ from ..optim import QuantizedStates
 from ..optim.base import local_tensor
 from ..theory import moment_of, stall_probability, state_decay, state_input
 from .arguments import check_flags, is_positive_int
-from .stall_counts import MeasuredSteps, StallMeasurement, StateRow, optimizer_steps, quantized_optimizers, state_rows
+from .stall_counts import MeasuredSteps, StallMeasurement, StateRow, across_ranks, optimizer_steps, quantized_optimizers, state_rows
 from .state_reset import StateResetScheduler
 from .tensorboard import log_scalars, write_layout
 
@@ -162,9 +162,7 @@ class StallMonitor(Callback):
         for index, (row, (_, moved)) in enumerate(zip(measurement.rows, local.tolist(), strict=True)):
             if moved and row.optimizer in optimizers and (prediction := self.predicted(row, self.age(row))) is not None:
                 sums[index] = torch.tensor([prediction * moved, moved], dtype=torch.float64)
-        if trainer.world_size > 1:
-            sums = trainer.strategy.reduce(sums.to(trainer.strategy.root_device), reduce_op="sum").cpu()
-        return {index: weighted / moved for index, (weighted, moved) in enumerate(sums.tolist()) if moved}
+        return {index: weighted / moved for index, (weighted, moved) in enumerate(across_ranks(trainer, sums, "sum").tolist()) if moved}
 
     def predicted(self, row: StateRow, age: int | None = None) -> float | None:
         """The prediction for ``row``'s format, decay and rounding at ``age`` steps since it was zeroed (``None``: the

@@ -14,7 +14,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from ..formats import StorageFormat
 from ..theory import moment_of, reset_period, state_decay
 from .arguments import check_flags, is_positive_int
-from .stall_counts import MeasuredSteps, StateRow, optimizer_steps, quantized_optimizers, state_rows
+from .stall_counts import MeasuredSteps, StateRow, across_ranks, optimizer_steps, quantized_optimizers, state_rows
 from .tensorboard import log_scalars
 
 STATE_VERSION = 1
@@ -190,9 +190,7 @@ class StateResetScheduler(Callback):
         # each layer's Adam step count, the largest over ranks (a collective: every rank resets the same layers): a rank
         # whose FSDP shard of the parameter is empty has no state, and would log the ratio of a first step
         local = [float(rows[0].optimizer.state.get(rows[0].param, {}).get("step", -1)) for rows in layers.values()]
-        steps = torch.tensor(local, dtype=torch.float64)
-        if trainer.world_size > 1:
-            steps = trainer.strategy.reduce(steps.to(trainer.strategy.root_device), reduce_op="max").cpu()
+        steps = across_ranks(trainer, torch.tensor(local, dtype=torch.float64), "max")
         ratios, count = [], 0
         for (layer, rows), adam_step in zip(layers.items(), steps.tolist(), strict=True):
             names = [row.state for row in rows]

@@ -334,10 +334,11 @@ class QuantizedStates:
                 "'eco' needs an update linear in a momentum state (QSGD, QAdam, QAdamW); 'eco_exact' works for any"
             )
         momentum = self.state_names[0] if self.state_names else None
-        if group["error_feedback"] == "eco" and group["rounding"] == "nearest" and format_name_for(group, momentum) != "fp32":
+        stored_as = format_name_for(group, momentum)
+        if group["error_feedback"] == "eco" and group["rounding"] == "nearest" and stored_as != "fp32":
             warnings.warn(
                 f"{owner}: error_feedback='eco' feeds the weights' rounding error into {momentum!r}, stored in "
-                f"{format_name_for(group, momentum)!r} with rounding='nearest', which drops every correction under half a "
+                f"{stored_as!r} with rounding='nearest', which drops every correction under half a "
                 "code step (track_stalls=True counts them as 'eco_correction'); pass rounding='stochastic' (it keeps them in "
                 "expectation), or keep the momentum in fp32",
                 UserWarning,

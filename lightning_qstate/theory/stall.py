@@ -176,7 +176,7 @@ def relative_gaps(
         magnitude = _magnitudes(values)
         if isinstance(fmt, CastFormat):
             smallest_normal = torch.finfo(fmt.dtype).smallest_normal
-            subnormal_steps = torch.round(magnitude[magnitude < smallest_normal] / (smallest_normal * 2.0**-p))
+            subnormal_steps = torch.round(magnitude[magnitude < smallest_normal] / fmt.smallest_positive)  # its spacing
             magnitude = magnitude[magnitude >= smallest_normal]
         weights = _occupancy(fmt, codes, magnitude)
     keep = weights > 0
