@@ -17,7 +17,8 @@ Trainer and model each time); ``--state-dict`` is one checkpoint kind or a comma
 Each phase writes into its folder: ``weights.pt`` (the full, gathered model weights, written by
 rank 0), ``rank<r>.json`` (written by rank ``r``: per parameter, the policy's decision and every
 state's format, block size, shape and a hash of its codes; for ``resume`` also the same right after
-the checkpoint was loaded, before any step; ``metrics``: every ``log_metrics`` call the rank's logger got;
+the checkpoint was loaded, before any step, and ``loaded<r>.pt``: the values of those states; ``metrics``: every
+``log_metrics`` call the rank's logger got;
 ``callbacks``: the ``state_dict()`` of each ``--callbacks`` entry) and ``done<r>`` when the rank finished. Under FSDP2,
 ``straight`` also writes ``packed_into_shard<r>.json``: the error raised when a packed state of the full
 parameter's shape (a DDP checkpoint) is loaded into the rank's shard.
@@ -284,15 +285,24 @@ def describe_optimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Module)
 
 class RecordLoaded(Callback):
     """Records the optimizer (``describe(optimizer, model)``) right after a checkpoint was restored, before the first
-    resumed step."""
+    resumed step, and the values of its states (``values``: ``{param: {state: this rank's values, fp32}}``)."""
 
     def __init__(self, describe=None) -> None:
         self.describe = describe or describe_optimizer
         self.loaded: dict | None = None
+        self.values: dict[str, dict[str, torch.Tensor]] = {}
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.loaded = self.describe(trainer.strategy.optimizers[0], trainer.strategy.model)
+        optimizer, model = trainer.strategy.optimizers[0], trainer.strategy.model
+        self.loaded = self.describe(optimizer, model)
         self.loaded["global_step"] = trainer.global_step
+        for name, param in model.named_parameters():
+            states = optimizer.state.get(param, {}).items()
+            self.values[clean_parameter_name(name)] = {
+                state: local_tensor(value.dequantize(torch.float32) if isinstance(value, QuantizedTensor) else value).float().clone()
+                for state, value in states
+                if isinstance(value, QuantizedTensor | torch.Tensor) and len(value.shape) > 0
+            }
 
 
 def full_weights(trainer: pl.Trainer) -> dict[str, torch.Tensor]:
@@ -352,6 +362,8 @@ def run_phase(args: argparse.Namespace, phase: str, kind: str) -> None:
     (out / f"rank{rank}.json").write_text(json.dumps(info, indent=1, sort_keys=True))
     if rank == 0:
         torch.save(weights, out / "weights.pt")
+    if phase == "resume":
+        torch.save(recorder.values, out / f"loaded{rank}.pt")
     if args.strategy == "fsdp2" and phase == "straight" and isinstance(optimizer, QuantizedStates):  # after everything was recorded
         error = load_full_packed_state_into_shard(optimizer, trainer.strategy.model)
         (out / f"packed_into_shard{rank}.json").write_text(json.dumps({"error": error}))

@@ -79,13 +79,19 @@ def import_state(entry: dict, param: torch.Tensor, where: str) -> QuantizedTenso
             of another rank's shard or another model never loads silently); a checksum that does not match the
             codes and scales, or non-finite scales (a damaged checkpoint).
     """
+    return _checked_state(entry, where, param)
+
+
+def _checked_state(entry: dict, where: str, param: torch.Tensor | None = None) -> QuantizedTensor:
+    """``import_state``; without ``param``, of the entry's own shape, on the CPU."""
     missing = sorted({"format", "codes", "scales", "shape", "dtype"} - set(entry))
     if missing:
         raise ValueError(f"{where}: the checkpoint is damaged: its packed state lacks {missing}")
+    if param is not None:
+        check_state_shape(torch.Size(entry["shape"]), param, where)
     version = entry[VERSION_KEY]
     fmt = versioned_format(version, entry["format"], where)
     shape = torch.Size(entry["shape"])
-    check_state_shape(shape, param, where)
     codes, scales = entry["codes"], entry["scales"]
     stored = codes.nbytes + (0 if scales is None else scales.nbytes)
     if stored != fmt.nbytes(shape.numel()):
@@ -100,11 +106,32 @@ def import_state(entry: dict, param: torch.Tensor, where: str) -> QuantizedTenso
         )
     if scales is not None and getattr(fmt, "nonfinite", "raise") == "raise" and not bool(torch.isfinite(scales).all()):
         raise ValueError(f"{where}: the checkpoint is damaged: {int((~torch.isfinite(scales)).sum())} block scale(s) are inf or NaN")
-    device = param.device
+    device = torch.device("cpu") if param is None else param.device
     codes = codes.to(device)
     if version < 3 and isinstance(fmt, BlockFormat):
         codes = fmt.lift_zero_codes(codes, shape.numel())
     return QuantizedTensor(fmt, codes, None if scales is None else scales.to(device), shape, getattr(torch, entry["dtype"]))
+
+
+def unpacked_state_dict(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """An optimizer state dict with every packed state in the fp32 checkpoint form (``checkpoint_mode="fp32"``).
+
+    A packed state (single device, DDP) holds the full parameter's codes; a strategy that reshards optimizer
+    states (FSDP1, FSDP2) cuts fp32 tensors of the parameter's shape into shards, and cannot cut codes and block
+    scales. Each packed ``state[i][name]`` becomes its decoded values (fp32, the parameter's shape, checked as loading
+    checks them: size, checksum, scales) plus ``"<name>.qstate_format"``; loading quantizes them back into the same
+    format (``quantize_exactly``: exactly where the shard's blocks are the checkpoint's blocks, else to nearest, with a
+    warning that counts the blocks). Other entries are shared with ``state_dict``, which is not modified.
+    """
+    converted = {}
+    for index, entries in state_dict["state"].items():
+        converted[index] = dict(entries)
+        for name, entry in entries.items():
+            if is_exported(entry):
+                state = _checked_state(entry, f"optimizer state {index} ({name!r})")
+                converted[index][name] = state.dequantize(torch.float32)
+                converted[index][name + FORMAT_SUFFIX] = format_marker(state.format)
+    return {**state_dict, "state": converted}
 
 
 def check_state_shape(shape: torch.Size, param: torch.Tensor, where: str) -> None:
@@ -114,7 +141,8 @@ def check_state_shape(shape: torch.Size, param: torch.Tensor, where: str) -> Non
         raise ValueError(
             f"{where}: checkpoint state has shape {tuple(shape)} but the parameter has shape {tuple(param.shape)} "
             "(under FSDP, a shard's: another rank's or world size's state, or a checkpoint saved under DDP or on one device, "
-            "whose packed states hold the full parameters: resume that one with the strategy that saved it)"
+            "whose packed states hold the full parameters: load unpacked_state_dict(state_dict) instead, as the plugins and "
+            "QuantizedOptimizerStates have FSDPStrategy and ModelParallelStrategy do)"
         )
 
 
@@ -128,8 +156,8 @@ def quantize_exactly(fmt: StorageFormat, values: torch.Tensor, where: str = "qua
     block's scale is its largest value over one of the codes near the top of the map (``_top_codes``; for fp32 scales
     also two fp32 spacings either way): the first candidate whose codes decode to the block's values exactly replaces
     the re-quantized block. A block no scale fits keeps round-to-nearest's codes and scale, and a warning (naming
-    ``where``) counts such blocks: values saved with another block layout (an FSDP1 checkpoint at another world size),
-    by a version before this search (it exported one value per such block pinned), or damaged (the fp32 form has no
+    ``where``) counts such blocks: values saved with another block layout (an FSDP1 checkpoint at another world size, a
+    packed one resumed under FSDP: ``unpacked_state_dict``), by a version before this search (it exported one value per such block pinned), or damaged (the fp32 form has no
     checksum: a changed value seldom decodes from any code and scale of its block).
     """
     quantized = fmt.quantize(values, rounding="nearest")
@@ -161,8 +189,8 @@ def quantize_exactly(fmt: StorageFormat, values: torch.Tensor, where: str = "qua
     if rows.numel():
         warnings.warn(
             f"{where}: {rows.numel()} of {blocks} blocks of {block} values ({fmt.name}) decode from no code and scale of theirs; "
-            "re-quantized to nearest. The checkpoint was saved with another block layout (FSDP1 at another world size), by an "
-            "earlier lightning_qstate, or is damaged",
+            "re-quantized to nearest. The checkpoint was saved with another block layout (FSDP1 at another world size, or on one "
+            "device or under DDP and resumed under FSDP), by an earlier lightning_qstate, or is damaged",
             UserWarning,
             stacklevel=3,
         )

@@ -35,6 +35,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 
 from ..formats.weights import WeightBlock
 from ..optim import ErrorFeedback, NonFiniteGradPolicy, QuantizationPolicy, QuantizedStates, StatesSpec, check_optimizer_parameters
+from .strategies import load_packed_checkpoints_into_shards
 
 PrecisionName = Literal["32-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true"]
 
@@ -53,6 +54,8 @@ class QStatePolicyMixin:
         check_optimizer_parameters(model, optimizers)
         quantized = [self.policy.apply(optimizer, model) for optimizer in optimizers]
         module = next((module for module in model.modules() if isinstance(module, pl.LightningModule)), None)
+        if module is not None and module._trainer is not None:
+            load_packed_checkpoints_into_shards(module._trainer.strategy)
         if module is None or module._trainer is None or fit_starts_fresh(module._trainer):
             put_weights_on_grid(quantized)
         return model, quantized, lr_schedulers

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import importlib
+from typing import Any
+
 import torch
 from lightning.pytorch.core.optimizer import LightningOptimizer
-from lightning.pytorch.strategies import FSDPStrategy
+from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy, Strategy
 from torch.distributed.fsdp import FullOptimStateDictConfig, FullStateDictConfig, FullyShardedDataParallel, OptimStateKeyType, StateDictType
+
+from ..optim.serialization import unpacked_state_dict
 
 
 class CPUFSDPStrategy(FSDPStrategy):
@@ -53,3 +58,60 @@ class CPUFSDPStrategy(FSDPStrategy):
             if self.global_rank == 0:  # the standard (parameter id) form, as FSDPStrategy saves it
                 state_dict = FullyShardedDataParallel.rekey_optim_state_dict(state_dict, OptimStateKeyType.PARAM_ID, self.model)
             return state_dict
+
+
+def _unpacked_checkpoint(checkpoint: Any) -> Any:
+    if isinstance(checkpoint, dict) and isinstance(checkpoint.get("optimizer_states"), list):
+        checkpoint["optimizer_states"] = [unpacked_state_dict(state) for state in checkpoint["optimizer_states"]]
+    return checkpoint
+
+
+# Where each strategy that reshards optimizer states hands what it read from a one-file checkpoint to torch's resharding
+# (Lightning has no hook in between): the module, the function it calls there, and that function with the packed states
+# converted first.
+_RESHARDING_LOADS = (
+    (
+        ModelParallelStrategy,
+        "lightning.fabric.strategies.model_parallel",
+        "_rekey_optimizer_state_if_needed",  # (optimizer state, module) -> optimizer state, then set_optimizer_state_dict
+        lambda rekey: lambda state, module: rekey(unpacked_state_dict(state), module),
+    ),
+    (
+        FSDPStrategy,
+        "lightning.pytorch.strategies.fsdp",
+        "_materialize_tensors",  # (checkpoint) -> checkpoint, then FSDP.optim_state_dict_to_load
+        lambda materialize: lambda checkpoint: _unpacked_checkpoint(materialize(checkpoint)),
+    ),
+)
+
+
+def load_packed_checkpoints_into_shards(strategy: Strategy) -> None:
+    """Let ``strategy`` (``FSDPStrategy``, ``ModelParallelStrategy``) resume a checkpoint whose quantized states are
+    packed (saved on one device or under DDP): its ``load_checkpoint`` converts them to the fp32 form (decoded values of
+    the parameter's shape, ``optim.serialization.unpacked_state_dict``), which the strategy cuts into shards like any
+    torch state and loading re-quantizes into the saved formats. Without it FSDP2 fails inside torch (it cannot unflatten
+    the packed dicts against its DTensor states) and FSDP1 refuses the full-shape states. The plugins and
+    ``QuantizedOptimizerStates`` call it when they connect; other strategies are left as they are.
+    """
+    point = next((point for point in _RESHARDING_LOADS if isinstance(strategy, point[0])), None)
+    if point is None or getattr(strategy, "_loads_packed_checkpoints", False):
+        return
+    _, module_name, name, converting = point
+    module = importlib.import_module(module_name)
+    if not callable(getattr(module, name, None)):
+        raise RuntimeError(
+            f"lightning_qstate: {module_name}.{name} is gone from this Lightning version; packed (single-device, DDP) checkpoints "
+            f"cannot be resumed under {type(strategy).__name__}. Use the Lightning version in requirements/ci.txt"
+        )
+    load = strategy.load_checkpoint
+
+    def load_checkpoint(checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        original = getattr(module, name)
+        setattr(module, name, converting(original))
+        try:
+            return load(checkpoint_path, *args, **kwargs)
+        finally:
+            setattr(module, name, original)
+
+    strategy.load_checkpoint = load_checkpoint
+    strategy._loads_packed_checkpoints = True
