@@ -157,8 +157,9 @@ def quantize_exactly(fmt: StorageFormat, values: torch.Tensor, where: str = "qua
     also two fp32 spacings either way): the first candidate whose codes decode to the block's values exactly replaces
     the re-quantized block. A block no scale fits keeps round-to-nearest's codes and scale, and a warning (naming
     ``where``) counts such blocks: values saved with another block layout (an FSDP1 checkpoint at another world size, a
-    packed one resumed under FSDP: ``unpacked_state_dict``), by a version before this search (it exported one value per such block pinned), or damaged (the fp32 form has no
-    checksum: a changed value seldom decodes from any code and scale of its block).
+    packed one resumed under FSDP: ``unpacked_state_dict``), by a version before this search (it exported one value
+    per such block pinned), or damaged (the fp32 form has no checksum: a changed value seldom decodes from any code and
+    scale of its block).
     """
     quantized = fmt.quantize(values, rounding="nearest")
     if not isinstance(fmt, BlockFormat) or quantized.scales is None or quantized.numel == 0:
