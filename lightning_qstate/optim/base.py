@@ -534,7 +534,10 @@ class QuantizedStates:
 
     def _check_grad(self, grad: torch.Tensor) -> None:
         if grad.is_sparse:
-            raise RuntimeError(f"{type(self).__name__} does not support sparse gradients; use torch.optim.SparseAdam for sparse embeddings")
+            raise RuntimeError(
+                f"{type(self).__name__} does not support sparse gradients (its states are stored dense); give the parameters with "
+                "sparse gradients (sparse embeddings) to a separate torch optimizer that steps them: torch.optim.SparseAdam or SGD"
+            )
 
     def rounding_generator(self, key: torch.Tensor, name: str, device: torch.device) -> torch.Generator:
         """The generator stochastic rounding of state ``name`` of parameter ``key`` draws from at this step.
