@@ -347,13 +347,83 @@ def test_flipped_bytes_in_packed_codes_are_detected():
         lq.QAdamW(model.parameters(), min_quant_size=0).load_state_dict(saved)
 
 
+def damaged(saved: dict, change) -> dict:
+    """A copy of ``saved`` with ``change`` applied to state 0's packed ``exp_avg`` entry."""
+    saved = copy.deepcopy(saved)
+    change(saved["state"][0]["exp_avg"])
+    return saved
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda entry: entry["format"].update(signed=not entry["format"].get("signed", True)),  # decodes through the other map
+        lambda entry: entry["format"].update(name="fp8_e4m3"),  # one byte per value too
+        lambda entry: entry.update(shape=list(reversed(entry["shape"]))),
+        lambda entry: entry.update(dtype="bfloat16"),
+        lambda entry: entry.update(qstate_version=3),  # version 3's checksum covers codes and scales only
+        lambda entry: (entry.update(qstate_version=2), entry["codes"].view(-1)[:1].__ixor__(1)),  # 2 has none: still checked
+    ],
+    ids=["signed", "name", "shape", "dtype", "as-version-3", "as-version-2"],
+)
+def test_damaged_format_shape_or_version_is_detected(change):
+    """The checksum covers the metadata too: a packed state's bytes read through another format, shape or dtype raise."""
+    model, saved = saved_checkpoint()
+    with pytest.raises(ValueError, match=r"state 0 \('exp_avg'\): (the checkpoint is damaged|checkpoint state has shape)"):
+        lq.QAdamW(model.parameters(), min_quant_size=0).load_state_dict(damaged(saved, change))
+
+
+def test_version_3_checkpoints_load_with_their_checksum_of_codes_and_scales():
+    from lightning_qstate.optim.serialization import checksum
+
+    model, saved = saved_checkpoint()
+    as_version_3 = damaged(saved, lambda entry: entry.update(qstate_version=3, checksum=checksum(entry["codes"], entry["scales"])))
+    resumed = lq.QAdamW(model.parameters(), min_quant_size=0)
+    resumed.load_state_dict(as_version_3)
+    assert torch.equal(resumed.state_dict()["state"][0]["exp_avg"]["codes"], saved["state"][0]["exp_avg"]["codes"])
+
+
+@pytest.mark.parametrize(
+    ("states", "retype"),
+    [
+        ("bf16", lambda entry: entry.update(codes=entry["codes"].view(torch.float16))),
+        ("fp16", lambda entry: entry.update(codes=entry["codes"].view(torch.bfloat16))),
+        ("int8", lambda entry: entry.update(codes=entry["codes"].view(torch.int8))),
+        ("int8", lambda entry: entry.update(scales=entry["scales"].view(torch.float16))),
+    ],
+    ids=["bf16-as-fp16", "fp16-as-bf16", "uint8-as-int8", "bf16-scales-as-fp16"],
+)
+def test_codes_or_scales_of_another_dtype_are_refused(states, retype):
+    """The same bytes typed as another dtype (the checksum reads bytes) decode to other values: refused at load."""
+    model = make_model()
+    optimizer = lq.QAdamW(model.parameters(), min_quant_size=0, states=states)
+    run(model, optimizer, 2)
+    saved = damaged(roundtrip(optimizer.state_dict()), retype)
+    with pytest.raises(ValueError, match=r"state 0 \('exp_avg'\): the checkpoint is damaged: its codes and scales are \(torch\."):
+        lq.QAdamW(model.parameters(), min_quant_size=0, states=states).load_state_dict(saved)
+
+
+def test_a_plain_state_of_another_shape_is_refused_at_load():
+    """A torch AdamW state dict of another model with as many values per parameter: torch's own step would fail on it;
+    the C++ step ran on it silently."""
+    source = torch.nn.Linear(32, 32, bias=False)
+    torch_optimizer = torch.optim.AdamW(source.parameters(), lr=1e-3)
+    source(torch.randn(2, 32)).sum().backward()
+    torch_optimizer.step()
+    target = torch.nn.Linear(64, 16, bias=False)
+    with pytest.raises(
+        ValueError, match=r"state 0 \('exp_avg'\): checkpoint state has shape \(32, 32\) but the parameter has shape \(16, 64\)"
+    ):
+        lq.QAdamW(target.parameters(), lr=1e-3, min_quant_size=0).load_state_dict(torch_optimizer.state_dict())
+
+
 def test_non_finite_scales_are_refused_at_load():
     model, saved = saved_checkpoint()
     entry = saved["state"][2]["exp_avg_sq"]
     entry["scales"][3] = float("nan")
-    from lightning_qstate.optim.serialization import checksum
+    from lightning_qstate.optim.serialization import entry_checksum
 
-    entry["checksum"] = checksum(entry["codes"], entry["scales"])  # consistent bytes, bad values
+    entry["checksum"] = entry_checksum(entry)  # consistent bytes, bad values
     with pytest.raises(ValueError, match=r"damaged: 1 block scale\(s\) are inf or NaN"):
         lq.QAdamW(model.parameters(), min_quant_size=0).load_state_dict(saved)
 

@@ -1118,6 +1118,11 @@ class QuantizedStates:
         params = dict(zip(saved_keys, (p for group in self.param_groups for p in group["params"]), strict=False))
         groups_by_param = {p: group for group, current in zip(configured, self.param_groups, strict=False) for p in current["params"]}
         self._restore_fp32_states(plain, markers, params, configured)
+        for index, entries in plain.items():  # a plain torch state of another shape never loads (torch's would fail at its step)
+            for name, value in entries.items():
+                if name in self.state_names and isinstance(value, torch.Tensor) and value.ndim > 0 and index in params:
+                    where = f"{type(self).__name__} state {index} ({name!r})"
+                    check_state_shape(local_tensor(self.state[params[index]][name]).shape, local_tensor(params[index]), where)
         for index, entries in packed.items():
             for name, entry in entries.items():
                 where = f"{type(self).__name__} state {index} ({name!r})"

@@ -2,17 +2,21 @@
 
 A :class:`~lightning_qstate.formats.QuantizedTensor` is exported as::
 
-    {"qstate_version": 3, "format": {get_format kwargs}, "codes": uint8/int16/float tensor,
+    {"qstate_version": 4, "format": {get_format kwargs}, "codes": uint8/int16/float tensor,
      "scales": bf16/fp32 tensor or None, "shape": [..], "dtype": "float32", "checksum": int}
 
-``checksum`` is the CRC-32 of the codes' and the scales' bytes; loading recomputes it, so a damaged
-checkpoint raises instead of loading wrong values. Loading also refuses non-finite block scales (a state
-that held them would only surface as an overflow at the next step).
+``checksum`` is the CRC-32 of the version, format, shape and dtype (as sorted JSON) followed by the codes' and the
+scales' bytes; loading recomputes it, so a damaged checkpoint raises instead of loading wrong values (a flipped
+``signed`` would decode the codes through another map, a relabelled dtype or format the same bytes as other values).
+Loading also refuses non-finite block scales (a state that held them would only surface as an overflow at the next
+step), and codes or scales of another dtype than the format stores.
 
 Older versions load: version 1 (before block scales could be bf16) stored fp32 scales and no
 ``scale_dtype``, so its states load in the same format with ``scale_dtype="fp32"``; versions 1 and 2 have no
 checksum, and their non-negative states may hold code 0 for positive values (the flushed ``v`` that
-version 3's zero-free encoders never write), which loading lifts to the smallest positive code.
+version 3's zero-free encoders never write), which loading lifts to the smallest positive code; version 3's checksum
+covers the codes and scales only. An entry that carries a checksum is checked whatever version it names (a relabelled
+version does not skip it).
 
 Only tensors, strings, numbers and containers appear, so ``torch.load(...,
 weights_only=True)`` needs no safe globals, and ``torch.optim.Optimizer``'s
@@ -31,7 +35,7 @@ import torch
 from ..formats import BlockFormat, QuantizedTensor, StorageFormat, get_format
 from ..formats.packing import as_blocks, pack, unpack
 
-STATE_FORMAT_VERSION = 3
+STATE_FORMAT_VERSION = 4
 VERSION_KEY = "qstate_version"
 FORMAT_SUFFIX = ".qstate_format"  # "<state>.qstate_format" holds the format of a state exported as fp32
 # The marker of a per-value state kept plain where the policy would quantize it (``reencode_state(..., "fp32")``, a
@@ -43,20 +47,30 @@ def export_state(value: Any) -> Any:
     """Checkpoint form of one state value; tensors and other values pass through."""
     if not isinstance(value, QuantizedTensor):
         return value
-    return {
+    entry = {
         VERSION_KEY: STATE_FORMAT_VERSION,
         "format": dict(value.format.config),
         "codes": value.codes,
         "scales": value.scales,
         "shape": list(value.shape),
         "dtype": str(value.dtype).removeprefix("torch."),
-        "checksum": checksum(value.codes, value.scales),
     }
+    return {**entry, "checksum": entry_checksum(entry)}
 
 
-def checksum(*tensors: torch.Tensor | None) -> int:
-    """CRC-32 of the bytes of ``tensors`` (``None`` skipped), chained; read from the CPU in 64 MiB pieces."""
-    crc = 0
+def entry_checksum(entry: dict, version: int | None = None) -> int:
+    """The checksum of a packed state as checkpoint ``version`` (default: the entry's own) computes it: from version 4
+    the metadata too, as sorted JSON, then the codes and scales."""
+    version = entry[VERSION_KEY] if version is None else version
+    if version < 4:
+        return checksum(entry["codes"], entry["scales"])
+    meta = {key: entry[key] for key in (VERSION_KEY, "format", "shape", "dtype")}
+    return checksum(entry["codes"], entry["scales"], start=zlib.crc32(json.dumps(meta, sort_keys=True).encode()))
+
+
+def checksum(*tensors: torch.Tensor | None, start: int = 0) -> int:
+    """CRC-32 of the bytes of ``tensors`` (``None`` skipped), chained from ``start``; read from the CPU in 64 MiB pieces."""
+    crc = start
     piece = 1 << 26
     for tensor in tensors:
         if tensor is None or tensor.numel() == 0:
@@ -93,15 +107,23 @@ def _checked_state(entry: dict, where: str, param: torch.Tensor | None = None) -
     fmt = versioned_format(version, entry["format"], where)
     shape = torch.Size(entry["shape"])
     codes, scales = entry["codes"], entry["scales"]
+    layout = fmt.allocate(torch.Size([0]))  # the dtypes the format stores (same bytes as another dtype decode to other values)
+    saved_dtypes = (codes.dtype, None if scales is None else scales.dtype)
+    if saved_dtypes != (layout.codes.dtype, None if layout.scales is None else layout.scales.dtype):
+        raise ValueError(
+            f"{where}: the checkpoint is damaged: its codes and scales are {saved_dtypes}, format {fmt.name!r} stores "
+            f"{(layout.codes.dtype, None if layout.scales is None else layout.scales.dtype)}"
+        )
     stored = codes.nbytes + (0 if scales is None else scales.nbytes)
     if stored != fmt.nbytes(shape.numel()):
         raise ValueError(
             f"{where}: checkpoint state holds {stored} bytes but format {fmt.name!r} needs {fmt.nbytes(shape.numel())} "
             f"for shape {tuple(shape)}"
         )
-    if version >= 3 and ("checksum" not in entry or checksum(codes, scales) != int(entry["checksum"])):
+    checked = version >= 3 or "checksum" in entry  # a relabelled version skips nothing
+    if checked and ("checksum" not in entry or entry_checksum(entry, max(version, 3)) != int(entry["checksum"])):
         raise ValueError(
-            f"{where}: the checkpoint is damaged: its codes and scales do not match their checksum (or, a state dict held in "
+            f"{where}: the checkpoint is damaged: its codes, scales or format do not match their checksum (or, a state dict held in "
             "memory, the optimizer stepped its tensors since: state_dict() shares them, as torch's does; copy.deepcopy it)"
         )
     if scales is not None and getattr(fmt, "nonfinite", "raise") == "raise" and not bool(torch.isfinite(scales).all()):
