@@ -209,6 +209,37 @@ def test_resume_with_other_states_re_encodes_into_the_configured_formats():
     assert states_equal(optimizer, same)
 
 
+@pytest.mark.parametrize(
+    ("saved_overrides", "configured_overrides", "layer_0_format"),
+    [({}, {"0.*": "int4"}, "int4"), ({"0.*": "fp32"}, {}, "int8"), ({"0.*": "int4"}, {"0.*": {"exp_avg": "int4"}}, "int4")],
+)
+def test_resume_with_other_overrides_applies_the_configured_ones(saved_overrides, configured_overrides, layer_0_format):
+    """``overrides`` belong to the storage policy: a changed one re-encodes that layer's states (they were kept in the
+    checkpoint's formats, as a plan's are) and is named in the warning; the other layers keep their codes."""
+
+    def fresh(overrides):
+        policy = lq.QuantizationPolicy(states="int8", min_quant_size=0, overrides=overrides)
+        return lq.QAdamW(model.named_parameters(), lr=1e-2, policy=policy)
+
+    model = make_model()
+    optimizer = fresh(saved_overrides)
+    run(model, optimizer, 2)
+    saved = roundtrip(optimizer.state_dict())
+    resumed = fresh(configured_overrides)
+    with pytest.warns(UserWarning, match=r"group 0: overrides of 2 parameter\(s\); \d states re-encoded"):  # 0.weight, 0.bias
+        resumed.load_state_dict(roundtrip(saved))  # a copy: the loaded codes are the checkpoint's tensors
+    assert torch.equal(resumed.state[model[2].weight]["exp_avg"].codes, saved["state"][2]["exp_avg"]["codes"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no state left in a format the policy does not give it
+        run(model, resumed, 1, start=2)
+    fmt = resumed.state_format(model[0].weight, "exp_avg")
+    assert ("fp32" if fmt is None else fmt.name) == layer_0_format
+    unchanged = fresh(saved_overrides)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the same overrides load silently
+        unchanged.load_state_dict(saved)
+
+
 def test_resume_with_another_lr_warns_and_keeps_torchs_semantics():
     model = make_model()
     optimizer = lq.QAdamW(model.parameters(), lr=1e-2)

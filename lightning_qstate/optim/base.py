@@ -10,6 +10,7 @@ states of a single parameter.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import sys
 import warnings
@@ -59,6 +60,8 @@ PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 # Where the stochastic-rounding seed and step counter travel in a state dict (param group 0: it survives every
 # strategy's optimizer-state conversion, which may drop unknown top-level keys).
 ROUNDING_KEY = "qstate_rounding_seed"
+# Param group 0 of a state dict: each parameter's ``overrides`` spec (JSON, or None), in the order of the groups' params.
+OVERRIDES_KEY = "qstate_overrides"
 # Attributes the quantized optimizers add to torch's; kept by pickle and deepcopy.
 QSTATE_ATTRIBUTES = (
     "track_stalls", "nonfinite", "generator", "nonfinite_skips", "skipped_steps", "state_overrides", "module_names", "full_numels",
@@ -1066,6 +1069,7 @@ class QuantizedStates:
             # with the counters of skipped updates (cumulative over a resumed run, as the callback logs them)
             counters = [self._rounding_seed, self._rounding_step, self.nonfinite_skips, self.skipped_steps]
             state_dict["param_groups"][0][ROUNDING_KEY] = counters
+            state_dict["param_groups"][0][OVERRIDES_KEY] = [_override_json(self.state_overrides.get(p)) for _, p in params]
         for hook in self._optimizer_state_dict_post_hooks.values():
             state_dict = hook(self, state_dict) or state_dict
         return state_dict
@@ -1109,7 +1113,7 @@ class QuantizedStates:
             packed[index] = {k: v for k, v in entries.items() if is_exported(v)}
             markers[index] = {k[: -len(FORMAT_SUFFIX)]: v for k, v in entries.items() if k.endswith(FORMAT_SUFFIX)}
             plain[index] = {k: v for k, v in entries.items() if not is_exported(v) and not k.endswith(FORMAT_SUFFIX)}
-        saved_groups = [{k: v for k, v in group.items() if k != ROUNDING_KEY} for group in state_dict["param_groups"]]
+        saved_groups = [{k: v for k, v in group.items() if k not in (ROUNDING_KEY, OVERRIDES_KEY)} for group in state_dict["param_groups"]]
         with suspended_hooks(self, "_optimizer_load_state_dict_pre_hooks", "_optimizer_load_state_dict_post_hooks"):
             super().load_state_dict(
                 {**{k: v for k, v in state_dict.items() if k != VERSION_KEY}, "state": plain, "param_groups": saved_groups}
@@ -1144,7 +1148,11 @@ class QuantizedStates:
                 state[name] = quantize_exactly(format_from_marker(marker), values.float(), where)
                 state[name].dtype = self._decoded_dtype(groups_by_param[key], key)
         changes = self._keep_configured_policy(configured)
-        done = self._apply_policy_on_load(changes, kept_plain)
+        overridden = self._changed_overrides(state_dict["param_groups"])
+        done = self._apply_policy_on_load(changes, kept_plain, overridden)
+        for index, group in enumerate(self.param_groups):
+            count = sum(p in overridden for p in group["params"])
+            changes[index] = ", ".join(filter(None, [changes[index], f"overrides of {count} parameter(s)" * bool(count)]))
         described = [
             f"group {index}: {'; '.join(filter(None, [change, did]))}"
             for index, (change, did) in enumerate(zip(changes, done, strict=True))
@@ -1212,10 +1220,23 @@ class QuantizedStates:
             )
         return changes
 
-    def _apply_policy_on_load(self, changes: list[str], kept_plain: set[tuple[torch.Tensor, str]]) -> list[str]:
+    def _changed_overrides(self, saved_groups: list[dict]) -> set[torch.Tensor]:
+        """The parameters whose ``overrides`` spec differs from the checkpoint's (``OVERRIDES_KEY``; none for a checkpoint
+        without it: a torch one, or one saved before 2026-11-28)."""
+        saved = saved_groups[0].get(OVERRIDES_KEY) if saved_groups else None
+        params = [p for group in self.param_groups for p in group["params"]]
+        if saved is None or len(saved) != len(params):
+            return set()
+        return {p for p, spec in zip(params, saved, strict=True) if _override_json(self.state_overrides.get(p)) != spec}
+
+    def _apply_policy_on_load(
+        self, changes: list[str], kept_plain: set[tuple[torch.Tensor, str]], overridden: set[torch.Tensor]
+    ) -> list[str]:
         """Quantize plain loaded states per the policy (but those ``kept_plain``: saved plain by choice, ``PLAIN_MARKER``),
-        re-encode quantized ones of groups whose policy changed, and drop ``eco_exact``'s error buffer where the group no
-        longer uses it (a stale error would come back with a later ``eco_exact``). Returns, per group, what was done."""
+        re-encode quantized ones of groups whose policy changed and of the parameters whose ``overrides`` changed
+        (``overridden``; other states keep the formats they were saved in, see ``_check_kept_formats``), and drop
+        ``eco_exact``'s error buffer where the group no longer uses it (a stale error would come back with a later
+        ``eco_exact``). Returns, per group, what was done."""
         done = []
         for group, change in zip(self.param_groups, changes, strict=False):
             count, dropped = 0, 0
@@ -1228,9 +1249,11 @@ class QuantizedStates:
                     if name not in self.state_names and self.state_names:
                         continue
                     if isinstance(value, torch.Tensor):
-                        fmt = None if (key, name) in kept_plain else self._format_for(group, key, name, local_tensor(value), None)
+                        kept = (key, name) in kept_plain and key not in overridden
+                        fmt = None if kept else self._format_for(group, key, name, local_tensor(value), None)
                         state[name] = local_tensor(value) if fmt is None else self._quantized(group, key, fmt, local_tensor(value))
-                    elif isinstance(value, QuantizedTensor) and change:
+                        count += fmt is not None and key in overridden
+                    elif isinstance(value, QuantizedTensor) and (change or key in overridden):
                         target = self._policy_format(group, key, name)
                         if target is None or target.config != value.format.config:
                             state[name] = value.dequantize() if target is None else self._quantized(group, key, target, value.dequantize())
@@ -1252,6 +1275,11 @@ class QuantizedStates:
         }
         state_dict["param_groups"] = [{k: v for k, v in group.items() if k not in GROUP_OPTIONS} for group in state_dict["param_groups"]]
         return state_dict
+
+
+def _override_json(spec: Any) -> str | None:
+    """An ``overrides`` spec (a format name, or ``{state: format}``) as a checkpoint records it."""
+    return None if spec is None else json.dumps(dict(spec) if isinstance(spec, Mapping) else spec, sort_keys=True)
 
 
 def _drop_stale_bound(state: dict) -> None:
