@@ -237,7 +237,8 @@ class Monitor:
 MONITORS: tuple[Monitor, ...] = (
     Monitor("QuantizedOptimizerStates(log_stats=True)", r"qstate/state_bytes", "the optimizer-state memory and bits per stored value"),
     Monitor("StallMonitor", r"qstate/stall/.+", "the measured and predicted stall rates of each state"),
-    Monitor("StateResetScheduler", r"qstate/reset/.+", "scheduled state resets (grey lines on the stall panel)"),
+    # StallMonitor logs qstate/stall_resets only beside a StateResetScheduler: the scheduler was there before its first reset
+    Monitor("StateResetScheduler", r"qstate/(reset/.+|stall_resets)", "scheduled state resets (grey lines on the stall panel)"),
     Monitor("AdaptiveBitWidth", r"qstate/adaptive/.+", "the adaptive plan's bits against its target, its zones and figure"),
     Monitor("QuantizationProbe", r"qstate/probe/.+", "the PTQ loss increase, R_L, outlier metrics and the ABC figure"),
     Monitor("PrecisionAdvisor", r"qstate/(precision_advice|weight_stall)(/.*)?", "the precision advice table and the weights' stall rates"),

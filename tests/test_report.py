@@ -109,6 +109,21 @@ def test_a_run_with_only_the_loss_names_the_missing_monitors(tmp_path):
     assert render(load_scalars(run))[1] == [PANELS[0]]
 
 
+def test_a_reset_scheduler_that_has_not_reset_yet_is_in_the_run(tmp_path):
+    """Before its first reset a StateResetScheduler logs nothing itself; StallMonitor's qstate/stall_resets shows it is
+    there (StallMonitor logs it only beside one), so the report does not ask for it."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    with SummaryWriter(tmp_path / "run") as writer:
+        for step in range(3):
+            for tag in ("train_loss", "qstate/stall/exp_avg", "qstate/stall_predicted/exp_avg", "qstate/stall_resets"):
+                writer.add_scalar(tag, 0.4 if tag != "qstate/stall_resets" else 0.0, step)
+    assert main([str(tmp_path / "run"), "--out", str(tmp_path / "out")]) == 0
+    missing = (tmp_path / "out" / "report.html").read_text().split("<h2>Not in this run</h2>")[1]
+    assert "add <code>StallMonitor</code>" not in missing and "add <code>StateResetScheduler</code>" not in missing
+    assert "add <code>AdaptiveBitWidth</code>" in missing
+
+
 def test_usage_errors_exit_2_and_say_why(tmp_path, capsys):
     assert main([str(tmp_path)]) == 2
     error = capsys.readouterr().err
