@@ -64,9 +64,9 @@ ROUNDING_KEY = "qstate_rounding_seed"
 OVERRIDES_KEY = "qstate_overrides"
 # Attributes the quantized optimizers add to torch's; kept by pickle and deepcopy.
 QSTATE_ATTRIBUTES = (
-    "track_stalls", "nonfinite", "generator", "nonfinite_skips", "skipped_steps", "state_overrides", "module_names", "full_numels",
-    "checkpoint_mode", "weight_overrides", "_stall_counts", "_step_supports_amp_scaling", "_rounding_seed", "_rounding_step",
-    "_policy_ready", "_kept_formats_unchecked",
+    "track_stalls", "nonfinite", "generator", "nonfinite_skips", "skipped_steps", "state_overrides", "configured_overrides",
+    "module_names", "full_numels", "checkpoint_mode", "weight_overrides", "_stall_counts", "_step_supports_amp_scaling",
+    "_rounding_seed", "_rounding_step", "_policy_ready", "_kept_formats_unchecked",
 )  # fmt: skip
 MASK64 = (1 << 64) - 1
 # The stall counts of ECO's momentum corrections (``error_feedback="eco"``, ``track_stalls=True``).
@@ -264,6 +264,8 @@ class QuantizedStates:
         self.nonfinite_skips = 0
         self.skipped_steps = 0
         self.state_overrides: dict[torch.Tensor, StatesSpec] = {}
+        # the policy's ``overrides`` as configured (``state_overrides`` also takes an AdaptiveBitWidth plan): checkpoints record these
+        self.configured_overrides: dict[torch.Tensor, StatesSpec] = {}
         self.weight_overrides: dict[torch.Tensor, str | None] = {}  # per-parameter ``weights`` (QuantizationPolicy.weight_overrides)
         self.module_names: dict[torch.Tensor, str] = {}  # parameter names from the module (QuantizationPolicy.apply)
         self.full_numels: dict[torch.Tensor, int] = {}  # full sizes of parameters that are local views (FSDP1), see resolve_format
@@ -1069,7 +1071,7 @@ class QuantizedStates:
             # with the counters of skipped updates (cumulative over a resumed run, as the callback logs them)
             counters = [self._rounding_seed, self._rounding_step, self.nonfinite_skips, self.skipped_steps]
             state_dict["param_groups"][0][ROUNDING_KEY] = counters
-            state_dict["param_groups"][0][OVERRIDES_KEY] = [_override_json(self.state_overrides.get(p)) for _, p in params]
+            state_dict["param_groups"][0][OVERRIDES_KEY] = [_override_json(self.configured_overrides.get(p)) for _, p in params]
         for hook in self._optimizer_state_dict_post_hooks.values():
             state_dict = hook(self, state_dict) or state_dict
         return state_dict
@@ -1227,7 +1229,7 @@ class QuantizedStates:
         params = [p for group in self.param_groups for p in group["params"]]
         if saved is None or len(saved) != len(params):
             return set()
-        return {p for p, spec in zip(params, saved, strict=True) if _override_json(self.state_overrides.get(p)) != spec}
+        return {p for p, spec in zip(params, saved, strict=True) if _override_json(self.configured_overrides.get(p)) != spec}
 
     def _apply_policy_on_load(
         self, changes: list[str], kept_plain: set[tuple[torch.Tensor, str]], overridden: set[torch.Tensor]

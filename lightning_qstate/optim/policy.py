@@ -328,7 +328,7 @@ class QuantizationPolicy:
         _fit_to_fsdp1(optimizer, module, self.error_feedback)  # refuses eco_exact before the optimizer is converted
         quantized = quantize_optimizer(optimizer, policy=dataclasses.replace(self, overrides={}, weight_overrides={}))
         if overrides is not None:
-            quantized.state_overrides = overrides
+            quantized.state_overrides, quantized.configured_overrides = overrides, dict(overrides)
         quantized.weight_overrides = weight_overrides
         quantized.check_weight_grids()
         _share_rounding_seed(quantized)
@@ -384,6 +384,7 @@ class QuantizationPolicy:
             (name, param) for group in optimizer.param_groups for name, param in zip(group["param_names"], group["params"], strict=True)
         ]
         optimizer.state_overrides = self.overrides_for(named, type(optimizer).__name__)
+        optimizer.configured_overrides = dict(optimizer.state_overrides)
         optimizer.weight_overrides = self.weight_overrides_for(named, type(optimizer).__name__)
 
     def weight_overrides_for(
