@@ -63,6 +63,7 @@ import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
 from lightning.pytorch.callbacks import Callback  # noqa: E402
 
+from benchmarks.arguments import non_negative_int, positive_float, positive_int  # noqa: E402
 from benchmarks.optim import source_digest  # noqa: E402  (the checkout root is on sys.path)
 from lightning_qstate.adaptive import DEFAULT_M_FORMATS, DEFAULT_V_FORMATS  # noqa: E402
 from lightning_qstate.callbacks import AdaptiveBitWidth, RunSummary  # noqa: E402
@@ -509,8 +510,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--configs", default=",".join(DEFAULT_CONFIGS), help=f"comma-separated: {', '.join(CONFIGS)} (default {','.join(DEFAULT_CONFIGS)})"
     )
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="every configuration runs from each (default 0 1 2)")
-    parser.add_argument("--gpt-steps", type=int, default=None, help="training steps of the GPT (default 400; quick 6)")
+    parser.add_argument(
+        "--seeds", type=non_negative_int, nargs="+", default=[0, 1, 2], help="every configuration runs from each (default 0 1 2)"
+    )
+    parser.add_argument("--gpt-steps", type=positive_int, default=None, help="training steps of the GPT (default 400; quick 6)")
     parser.add_argument(
         "--vit-steps",
         type=int,
@@ -518,9 +521,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="training steps of the ViT (default 1000: at 330 it is too far from trained to compare formats; quick 6)",
     )
     parser.add_argument("--rounding", choices=ROUNDINGS, default="nearest", help="of every quantized configuration (default nearest)")
-    parser.add_argument("--target-bits", type=float, default=PAPER_BITS)
-    parser.add_argument("--interval", type=int, default=None, help="steps between checks (default: steps // 30; quick 2)")
-    parser.add_argument("--hysteresis", type=int, default=2)
+    parser.add_argument("--target-bits", type=positive_float, default=PAPER_BITS)
+    parser.add_argument("--interval", type=positive_int, default=None, help="steps between checks (default: steps // 30; quick 2)")
+    parser.add_argument("--hysteresis", type=positive_int, default=2)
     parser.add_argument("--rows", type=Path, default=None, help="JSON lines of finished runs: saved as they end, reused when found")
     args = parser.parse_args(argv)
     args.model_names = [name.strip() for name in args.models.split(",") if name.strip()]

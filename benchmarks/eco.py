@@ -83,6 +83,7 @@ import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
 from lightning.pytorch.callbacks import Callback  # noqa: E402
 
+from benchmarks.arguments import non_negative_int, positive_int  # noqa: E402
 from examples.data import ByteTextDataModule  # noqa: E402
 from examples.gpt import GPTModule  # noqa: E402
 from lightning_qstate import state_nbytes  # noqa: E402
@@ -637,12 +638,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--seeds", type=int, nargs="+", default=DEFAULT_SEEDS, help="every configuration runs from each (default 0 1 2 3 4)"
     )
-    parser.add_argument("--steps", type=int, default=None, help=f"training steps (default {DEFAULT_STEPS}; quick {QUICK_STEPS})")
+    parser.add_argument("--steps", type=positive_int, default=None, help=f"training steps (default {DEFAULT_STEPS}; quick {QUICK_STEPS})")
     parser.add_argument("--state-rounding", choices=ROUNDINGS, default="nearest", help="of the int8 states (default nearest)")
     parser.add_argument(
         "--compute", choices=("bf16", "fp32"), default="bf16", help="bf16: the precisions above (default); fp32: 32-true but for the peers"
     )
-    parser.add_argument("--min-quant-size", type=int, default=None, help="smaller parameters keep fp32 states (default 4096; quick 0)")
+    parser.add_argument(
+        "--min-quant-size", type=non_negative_int, default=None, help="smaller parameters keep fp32 states (default 4096; quick 0)"
+    )
     parser.add_argument("--rows", type=Path, default=None, help="JSON lines of finished runs: saved as they end, reused when found")
     args = parser.parse_args(argv)
     names: list[str] = []

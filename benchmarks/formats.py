@@ -43,6 +43,10 @@ try:
 except ModuleNotFoundError:  # run as ``python benchmarks/formats.py`` from anywhere
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from lightning_qstate.formats import CodebookFormat, dynamic_map, get_format
+try:  # run as a script (its folder on sys.path), or imported with the checkout root on sys.path (the tests)
+    from arguments import positive_int
+except ModuleNotFoundError:
+    from benchmarks.arguments import positive_int
 from lightning_qstate.formats.packing import unpack
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "formats.md"
@@ -602,8 +606,10 @@ class Report:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--numel", type=int, default=2**22, help="values per test tensor (default 2**22; torchao needs a multiple of 256)")
-    parser.add_argument("--repeats", type=int, default=3, help="timed calls per method and direction (default 3)")
+    parser.add_argument(
+        "--numel", type=positive_int, default=2**22, help="values per test tensor (default 2**22; torchao needs a multiple of 256)"
+    )
+    parser.add_argument("--repeats", type=positive_int, default=3, help="timed calls per method and direction (default 3)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the tensors and of SR (default 0)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="markdown output (default benchmarks/results/formats.md)")
     parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")

@@ -40,7 +40,11 @@ try:
 except ModuleNotFoundError:  # run as ``python benchmarks/kernel_ab.py`` from anywhere
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from lightning_qstate import QAdamW
-from lightning_qstate.formats import QuantizedTensor
+try:  # run as a script (its folder on sys.path), or imported with the checkout root on sys.path (the tests)
+    from arguments import positive_int
+except ModuleNotFoundError:
+    from benchmarks.arguments import positive_int
+from lightning_qstate.formats import QuantizedTensor, get_format
 from lightning_qstate.kernels import native
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -150,15 +154,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--base", required=True, help="the git revision to compare this checkout's kernel with (e.g. HEAD~1)")
     parser.add_argument("--formats", default="int8,int8:sr,int4,fp8_e4m3,bf16,bf16:sr", help="comma-separated; name:sr for SR")
     parser.add_argument("--model", choices=("mlp", "transformer", "param"), default="param")
-    parser.add_argument("--numel", type=int, default=1 << 20, help="values of the one parameter of --model param")
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--rounds", type=int, default=40)
+    parser.add_argument("--numel", type=positive_int, default=1 << 20, help="values of the one parameter of --model param")
+    parser.add_argument("--threads", type=positive_int, default=1)
+    parser.add_argument("--rounds", type=positive_int, default=40)
     args = parser.parse_args(argv)
-    if args.rounds < 2 or args.threads < 1 or args.numel < 1:
-        parser.error("--rounds must be at least 2, --threads and --numel at least 1")
+    if args.rounds < 2:
+        parser.error("--rounds must be at least 2")
     bad = [fmt for fmt in args.formats.split(",") if fmt.partition(":")[2] not in ("", "sr")]
     if bad:
         parser.error(f"--formats: {', '.join(bad)}: append ':sr' for stochastic rounding, or nothing for round to nearest")
+    for fmt in args.formats.split(","):  # before the two builds (a minute each)
+        try:
+            get_format(fmt.partition(":")[0])
+        except (ValueError, TypeError) as error:
+            parser.error(f"--formats: {error}")
     try:
         sources = revision_sources(args.base)
     except ValueError as error:

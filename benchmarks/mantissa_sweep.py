@@ -72,6 +72,7 @@ if str(ROOT) not in sys.path:  # the examples package lives in the checkout
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from benchmarks.arguments import positive_int  # noqa: E402
 from lightning_qstate.formats import ROUNDINGS  # noqa: E402
 from lightning_qstate.theory.precision import COMPONENTS, SLOPES, required_mantissa_bits  # noqa: E402
 
@@ -1139,8 +1140,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--horizons", type=int, nargs="+", default=None, help=f"steps T of Rosenbrock and the digits (default {DEFAULT_HORIZONS})"
     )
     parser.add_argument("--mantissas", type=int, nargs="+", default=None, help="M swept (default 1..10)")
-    parser.add_argument("--seeds", type=int, default=None, help=f"seeds 0..N-1 (default {DEFAULT_SEEDS})")
-    parser.add_argument("--gpt-steps", type=int, default=None, help=f"the GPT's one horizon (default {DEFAULT_GPT_STEPS})")
+    parser.add_argument("--seeds", type=positive_int, default=None, help=f"seeds 0..N-1 (default {DEFAULT_SEEDS})")
+    parser.add_argument("--gpt-steps", type=positive_int, default=None, help=f"the GPT's one horizon (default {DEFAULT_GPT_STEPS})")
     parser.add_argument(
         "--calibration-horizon",
         type=int,

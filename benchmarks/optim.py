@@ -105,6 +105,10 @@ try:
 except ModuleNotFoundError:  # run as ``python benchmarks/optim.py`` from anywhere
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from lightning_qstate import QAdamW, state_nbytes
+try:  # run as a script (its folder on sys.path), or imported with the checkout root on sys.path (the tests)
+    from arguments import names, non_negative_int, positive_int
+except ModuleNotFoundError:
+    from benchmarks.arguments import names, non_negative_int, positive_int
 from lightning_qstate.formats import QuantizedTensor
 
 
@@ -1057,7 +1061,7 @@ def _csv(text: str) -> list[str]:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=None, help="timed rounds (default 10; 1 with --quick)")
+    parser.add_argument("--repeats", type=positive_int, default=None, help="timed rounds (default 10; 1 with --quick)")
     parser.add_argument(
         "--warmup", type=int, default=None, help="untimed steps before timing, the first included (default 2; 3 with --mode shared/both)"
     )
@@ -1071,14 +1075,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--budget", type=float, default=15.0, help="seconds of timed steps per method and model before it sits out (default 15)"
     )
-    parser.add_argument("--threads", type=int, default=0, help="torch threads per worker (default: torch's default)")
+    parser.add_argument("--threads", type=non_negative_int, default=0, help="torch threads per worker (default: torch's default)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="markdown output (default benchmarks/results/optim.md)")
-    parser.add_argument("--models", type=_csv, default=["mlp", "transformer"], help="comma-separated: mlp,transformer")
-    parser.add_argument("--methods", type=_csv, default=list(METHODS), help=f"comma-separated keys (default all): {','.join(METHODS)}")
+    parser.add_argument("--models", type=names, default=["mlp", "transformer"], help="comma-separated: mlp,transformer")
+    parser.add_argument("--methods", type=names, default=list(METHODS), help=f"comma-separated keys (default all): {','.join(METHODS)}")
     parser.add_argument("--quick", action="store_true", help="tiny models and 1 round (smoke test)")
     parser.add_argument("--no-compile", action="store_true", help="no torch.compile anywhere (ours: cpu_compile=False; torchao eager)")
     parser.add_argument("--warm-cache", action="store_true", help="use the default inductor cache instead of a fresh one per worker")
-    parser.add_argument("--profile", type=_csv, default=[OUR_INT8], help=f"methods to profile one step of (default {OUR_INT8}; 'none')")
+    parser.add_argument("--profile", type=names, default=[OUR_INT8], help=f"methods to profile one step of (default {OUR_INT8}; 'none')")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     parser.add_argument("--worker", metavar="KEY", help=argparse.SUPPRESS)

@@ -57,6 +57,7 @@ import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
 from lightning.pytorch.callbacks import Callback  # noqa: E402
 
+from benchmarks.arguments import positive_int  # noqa: E402
 from examples.data import ByteTextDataModule  # noqa: E402
 from examples.gpt import GPTModule  # noqa: E402
 from lightning_qstate.callbacks import AdaptiveBitWidth  # noqa: E402
@@ -533,8 +534,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="a tiny GPT for a few steps on a few runs (tests the script)")
     parser.add_argument("--out", type=Path, default=None, help=f"report path (default {DEFAULT_OUT.relative_to(ROOT)}; the plot beside it)")
     parser.add_argument("--runs", default=None, help="all, or comma-separated names of RUNS")
-    parser.add_argument("--steps", type=int, default=None, help=f"most training steps (default {DEFAULT_STEPS}; quick {QUICK_STEPS})")
-    parser.add_argument("--eval-every", type=int, default=None, help=f"steps between validations (default {DEFAULT_EVAL_EVERY}; quick 2)")
+    parser.add_argument(
+        "--steps", type=positive_int, default=None, help=f"most training steps (default {DEFAULT_STEPS}; quick {QUICK_STEPS})"
+    )
+    parser.add_argument(
+        "--eval-every", type=positive_int, default=None, help=f"steps between validations (default {DEFAULT_EVAL_EVERY}; quick 2)"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "lightning_qstate_ptq_robustness")
     args = parser.parse_args(argv)

@@ -38,6 +38,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+try:  # run as a script (its folder on sys.path), or imported with the checkout root on sys.path (the tests)
+    from arguments import non_negative_int, positive_int
+except ModuleNotFoundError:
+    from benchmarks.arguments import non_negative_int, positive_int
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "staleness.md"
 FORMATS = ("fp32", "bf16", "fp8_e4m3", "e2m2")
 VARIANTS = ("RN", "SR", "resets only", "SR + resets")
@@ -259,10 +263,10 @@ def render(results: dict, costs: list[dict], args: argparse.Namespace, argv: lis
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=None, help="steps of each run (default 3000; --quick: 60)")
-    parser.add_argument("--jobs", type=int, default=2, help="runs in parallel (one thread each)")
-    parser.add_argument("--overhead-steps", type=int, default=600, help="steps of each StallMonitor overhead run (0: skip)")
-    parser.add_argument("--overhead-rounds", type=int, default=2)
+    parser.add_argument("--steps", type=positive_int, default=None, help="steps of each run (default 3000; --quick: 60)")
+    parser.add_argument("--jobs", type=positive_int, default=2, help="runs in parallel (one thread each)")
+    parser.add_argument("--overhead-steps", type=non_negative_int, default=600, help="steps of each StallMonitor overhead run (0: skip)")
+    parser.add_argument("--overhead-rounds", type=positive_int, default=2)
     parser.add_argument(
         "--quick", action="store_true", help="three short runs of 60 steps (fp32 RN, bf16 RN, bf16 SR + resets), no overhead table"
     )

@@ -43,6 +43,10 @@ try:
 except ModuleNotFoundError:  # run as ``python benchmarks/stall_simulation.py`` from anywhere
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from lightning_qstate.formats import QuantizedTensor, count_stalls, get_format
+try:  # run as a script (its folder on sys.path), or imported with the checkout root on sys.path (the tests)
+    from arguments import positive_float, positive_int
+except ModuleNotFoundError:
+    from benchmarks.arguments import positive_float, positive_int
 from lightning_qstate.theory import Moment, stall_probability
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "stall_simulation.md"
@@ -203,8 +207,8 @@ def render(results: list[Result], buildups: dict[tuple[str, str], list], args: a
 
 def main(argv: list[str] | None = None) -> list[Result]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--entries", type=int, default=16384)
-    parser.add_argument("--horizons", type=float, default=1.0, help="measurement window, in EMA horizons 1/(1-β)")
+    parser.add_argument("--entries", type=positive_int, default=16384)
+    parser.add_argument("--horizons", type=positive_float, default=1.0, help="measurement window, in EMA horizons 1/(1-β)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="bf16 and FP8 E4M3 second moments, Gaussian inputs, no long run, no build-up")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
