@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from benchmark_scripts import load_benchmark
 
 
