@@ -404,6 +404,39 @@ def test_damaged_format_shape_or_version_is_detected(change):
         lq.QAdamW(model.parameters(), min_quant_size=0).load_state_dict(damaged(saved, change))
 
 
+@pytest.mark.parametrize(
+    ("change", "said"),
+    [
+        (lambda saved: saved["state"][0]["exp_avg"].update(qstate_version="4"), "its version '4' is not a version number"),
+        (lambda saved: saved["state"][0]["exp_avg"].update(dtype="float33"), "its dtype 'float33' is not a torch dtype"),
+        (lambda saved: saved["state"][0]["exp_avg"]["format"].update(sign=True), "format .*unexpected keyword"),
+        (lambda saved: saved.update(qstate_version=99), "version 99 is newer than this lightning_qstate"),
+        (lambda saved: saved["param_groups"][0].update(qstate_rounding_seed=[1]), "qstate_rounding_seed holds 1 values"),
+    ],
+    ids=["version-type", "dtype", "format-argument", "newer-dict", "rounding-counters"],
+)
+def test_malformed_checkpoint_fields_raise_clear_errors_before_loading(change, said):
+    """Fields of the wrong type or content raise ValueError naming them (they gave TypeError, AttributeError or an
+    unpacking error, some after states had loaded), and nothing is loaded."""
+    model, saved = saved_checkpoint()
+    saved = copy.deepcopy(saved)
+    change(saved)
+    target = lq.QAdamW(model.parameters(), min_quant_size=0)
+    with pytest.raises(ValueError, match=said):
+        target.load_state_dict(saved)
+
+
+def test_a_garbled_format_marker_is_a_damaged_checkpoint():
+    model, _ = saved_checkpoint()
+    optimizer = lq.QAdamW(model.parameters(), min_quant_size=0)
+    run(model, optimizer, 1)
+    optimizer.checkpoint_mode = "fp32"
+    saved = roundtrip(optimizer.state_dict())
+    saved["state"][0]["exp_avg.qstate_format"] = '{"name": "int8"'
+    with pytest.raises(ValueError, match=r"state 0 \('exp_avg'\): the checkpoint is damaged: its format marker"):
+        lq.QAdamW(model.parameters(), min_quant_size=0).load_state_dict(saved)
+
+
 def test_version_3_checkpoints_load_with_their_checksum_of_codes_and_scales():
     from lightning_qstate.optim.serialization import checksum
 

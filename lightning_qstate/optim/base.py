@@ -44,6 +44,7 @@ from .serialization import (
     STATE_FORMAT_VERSION,
     VERSION_KEY,
     check_state_shape,
+    check_version,
     export_state,
     format_from_marker,
     format_marker,
@@ -1109,6 +1110,13 @@ class QuantizedStates:
         for hook in self._optimizer_load_state_dict_pre_hooks.values():
             state_dict = hook(self, state_dict) or state_dict
         state_dict = {**state_dict, "state": merge_stringified_keys(state_dict["state"])}
+        if VERSION_KEY in state_dict:  # checked before anything loads
+            check_version(state_dict[VERSION_KEY], type(self).__name__)
+        counters = state_dict["param_groups"][0].get(ROUNDING_KEY) if state_dict["param_groups"] else None
+        if counters is not None and len(counters) not in (2, 4):
+            raise ValueError(
+                f"{type(self).__name__}: the checkpoint is damaged: param group 0's {ROUNDING_KEY} holds {len(counters)} values"
+            )
         configured = [dict(group) for group in self.param_groups]
         packed, markers, plain = {}, {}, {}
         for index, entries in state_dict["state"].items():
@@ -1147,7 +1155,7 @@ class QuantizedStates:
                 state = self.state[key]
                 values, where = local_tensor(state[name]), f"{type(self).__name__} state {index} ({name!r})"
                 check_state_shape(values.shape, local_tensor(key), where)  # as import_state checks a packed state
-                state[name] = quantize_exactly(format_from_marker(marker), values.float(), where)
+                state[name] = quantize_exactly(format_from_marker(marker, where), values.float(), where)
                 state[name].dtype = self._decoded_dtype(groups_by_param[key], key)
         changes = self._keep_configured_policy(configured)
         overridden = self._changed_overrides(state_dict["param_groups"])

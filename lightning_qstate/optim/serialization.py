@@ -107,6 +107,9 @@ def _checked_state(entry: dict, where: str, param: torch.Tensor | None = None) -
     fmt = versioned_format(version, entry["format"], where)
     shape = torch.Size(entry["shape"])
     codes, scales = entry["codes"], entry["scales"]
+    dtype = getattr(torch, str(entry["dtype"]), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"{where}: the checkpoint is damaged: its dtype {entry['dtype']!r} is not a torch dtype")
     layout = fmt.allocate(torch.Size([0]))  # the dtypes the format stores (same bytes as another dtype decode to other values)
     saved_dtypes = (codes.dtype, None if scales is None else scales.dtype)
     if saved_dtypes != (layout.codes.dtype, None if layout.scales is None else layout.scales.dtype):
@@ -132,7 +135,7 @@ def _checked_state(entry: dict, where: str, param: torch.Tensor | None = None) -
     codes = codes.to(device)
     if version < 3 and isinstance(fmt, BlockFormat):
         codes = fmt.lift_zero_codes(codes, shape.numel())
-    return QuantizedTensor(fmt, codes, None if scales is None else scales.to(device), shape, getattr(torch, entry["dtype"]))
+    return QuantizedTensor(fmt, codes, None if scales is None else scales.to(device), shape, dtype)
 
 
 def unpacked_state_dict(state_dict: dict[str, Any]) -> dict[str, Any]:
@@ -236,17 +239,33 @@ def format_marker(fmt: StorageFormat) -> str:
     return json.dumps({VERSION_KEY: STATE_FORMAT_VERSION, **fmt.config}, sort_keys=True)
 
 
-def format_from_marker(marker: str) -> StorageFormat:
-    config = json.loads(marker)
-    return versioned_format(config.pop(VERSION_KEY), config, "format marker")
+def format_from_marker(marker: str, where: str = "format marker") -> StorageFormat:
+    try:
+        config = json.loads(marker)
+        version = config.pop(VERSION_KEY)
+    except (json.JSONDecodeError, TypeError, AttributeError, KeyError):
+        raise ValueError(f"{where}: the checkpoint is damaged: its format marker {marker!r} is not one") from None
+    return versioned_format(version, config, where)
 
 
 def versioned_format(version: int, config: dict, where: str) -> StorageFormat:
     """The format of a state saved at checkpoint ``version`` with ``get_format`` arguments ``config``."""
+    check_version(version, where)
+    if not isinstance(config, dict):
+        raise ValueError(f"{where}: the checkpoint is damaged: its format is {config!r}, not a dict of get_format arguments")
+    if version < 2:  # version 1 stored every block scale in fp32
+        config = {**config, "scale_dtype": "fp32"}
+    try:
+        return get_format(**config)
+    except TypeError as error:  # an argument get_format does not take
+        raise ValueError(f"{where}: the checkpoint is damaged: format {config}: {error}") from None
+
+
+def check_version(version: Any, where: str) -> None:
+    """Refuse a checkpoint version that is no version number (damage) or newer than this package's."""
+    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+        raise ValueError(f"{where}: the checkpoint is damaged: its version {version!r} is not a version number")
     if version > STATE_FORMAT_VERSION:
         raise ValueError(
             f"{where}: checkpoint state version {version} is newer than this lightning_qstate ({STATE_FORMAT_VERSION}); upgrade to load it"
         )
-    if version < 2:  # version 1 stored every block scale in fp32
-        config = {**config, "scale_dtype": "fp32"}
-    return get_format(**config)
