@@ -426,6 +426,20 @@ def test_malformed_checkpoint_fields_raise_clear_errors_before_loading(change, s
         target.load_state_dict(saved)
 
 
+def test_a_checkpoint_without_its_rounding_seed_warns_under_stochastic_rounding():
+    """A converter that drops param group 0's unknown keys loses the SR seed: the resume cannot be exact, and says so."""
+    model = make_model()
+    optimizer = lq.QAdamW(model.parameters(), min_quant_size=0, rounding="stochastic")
+    run(model, optimizer, 1)
+    saved = roundtrip(optimizer.state_dict())
+    del saved["param_groups"][0]["qstate_rounding_seed"]
+    with pytest.warns(UserWarning, match="no qstate_rounding_seed in param group 0"):
+        lq.QAdamW(model.parameters(), min_quant_size=0, rounding="stochastic").load_state_dict(saved)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # round to nearest draws nothing
+        lq.QAdamW(model.parameters(), min_quant_size=0).load_state_dict(saved)
+
+
 def test_a_garbled_format_marker_is_a_damaged_checkpoint():
     model, _ = saved_checkpoint()
     optimizer = lq.QAdamW(model.parameters(), min_quant_size=0)

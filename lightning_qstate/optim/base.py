@@ -1177,6 +1177,15 @@ class QuantizedStates:
             )
         self._kept_formats_unchecked = True
         groups = state_dict["param_groups"]
+        stochastic = any(group.get("rounding") == "stochastic" for group in self.param_groups)
+        if counters is None and stochastic and (any(packed.values()) or any(markers.values())):
+            warnings.warn(
+                f"{type(self).__name__}: the checkpoint holds quantized states but no {ROUNDING_KEY} in param group 0 (a converter "
+                "dropped it?): stochastic rounding goes on from this optimizer's own seed, so the resumed run is not the "
+                "uninterrupted one draw for draw",
+                UserWarning,
+                stacklevel=2,
+            )
         if groups and ROUNDING_KEY in groups[0]:
             saved = [int(v) for v in groups[0][ROUNDING_KEY]]  # checkpoints before 2026-11-28 hold the first two
             self._rounding_seed, self._rounding_step = saved[:2]
