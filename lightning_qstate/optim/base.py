@@ -1176,7 +1176,6 @@ class QuantizedStates:
                 stacklevel=2,
             )
         self._kept_formats_unchecked = True
-        groups = state_dict["param_groups"]
         stochastic = any(group.get("rounding") == "stochastic" for group in self.param_groups)
         if counters is None and stochastic and (any(packed.values()) or any(markers.values())):
             warnings.warn(
@@ -1186,8 +1185,8 @@ class QuantizedStates:
                 UserWarning,
                 stacklevel=2,
             )
-        if groups and ROUNDING_KEY in groups[0]:
-            saved = [int(v) for v in groups[0][ROUNDING_KEY]]  # checkpoints before 2026-11-28 hold the first two
+        if counters is not None:
+            saved = [int(v) for v in counters]  # checkpoints before 2026-11-28 hold the first two
             self._rounding_seed, self._rounding_step = saved[:2]
             self.nonfinite_skips, self.skipped_steps = saved[2:] or (0, 0)
         for hook in self._optimizer_load_state_dict_post_hooks.values():

@@ -85,19 +85,15 @@ def is_exported(value: Any) -> bool:
     return isinstance(value, dict) and VERSION_KEY in value
 
 
-def import_state(entry: dict, param: torch.Tensor, where: str) -> QuantizedTensor:
-    """Rebuild a quantized state for ``param`` from its checkpoint form, on ``param``'s device, codes untouched.
+def import_state(entry: dict, param: torch.Tensor | None, where: str) -> QuantizedTensor:
+    """Rebuild a quantized state for ``param`` from its checkpoint form, on ``param``'s device, codes untouched
+    (``param=None``: the entry's own shape, on the CPU).
 
     Raises:
         ValueError: a newer checkpoint version; a state whose shape or size does not fit ``param`` (a checkpoint
             of another rank's shard or another model never loads silently); a checksum that does not match the
-            codes and scales, or non-finite scales (a damaged checkpoint).
+            codes, scales and format, codes or scales of another dtype, or non-finite scales (a damaged checkpoint).
     """
-    return _checked_state(entry, where, param)
-
-
-def _checked_state(entry: dict, where: str, param: torch.Tensor | None = None) -> QuantizedTensor:
-    """``import_state``; without ``param``, of the entry's own shape, on the CPU."""
     missing = sorted({"format", "codes", "scales", "shape", "dtype"} - set(entry))
     if missing:
         raise ValueError(f"{where}: the checkpoint is damaged: its packed state lacks {missing}")
@@ -153,7 +149,7 @@ def unpacked_state_dict(state_dict: dict[str, Any]) -> dict[str, Any]:
         converted[index] = dict(entries)
         for name, entry in entries.items():
             if is_exported(entry):
-                state = _checked_state(entry, f"optimizer state {index} ({name!r})")
+                state = import_state(entry, None, f"optimizer state {index} ({name!r})")
                 converted[index][name] = state.dequantize(torch.float32)
                 converted[index][name + FORMAT_SUFFIX] = format_marker(state.format)
     return {**state_dict, "state": converted}
