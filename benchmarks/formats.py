@@ -614,8 +614,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="markdown output (default benchmarks/results/formats.md)")
     parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     args = parser.parse_args(argv)
-    if args.numel < 1 or args.repeats < 1:
-        parser.error("--numel and --repeats must be positive")
+    if args.numel % 256:
+        parser.error(f"--numel {args.numel}: give a multiple of 256 (torchao's blocks; its rows would be n/a)")
     return args
 
 

@@ -66,11 +66,20 @@ class RunSpec:
         return "resets" in self.variant
 
 
+QUICK_FORMATS = ("fp32", "bf16")  # --quick's default --formats
+
+
 def specs(steps: int, quick: bool, formats: tuple[str, ...] = FORMATS) -> list[RunSpec]:
-    if quick:
-        return [RunSpec("fp32", "RN", steps), RunSpec("bf16", "RN", steps), RunSpec("bf16", "SR + resets", steps)]
-    runs = [RunSpec("fp32", "RN", steps), RunSpec("fp32", "resets only", steps)] if "fp32" in formats else []
-    return runs + [RunSpec(fmt, variant, steps) for fmt in FORMATS[1:] if fmt in formats for variant in VARIANTS]
+    """The runs of ``formats``, in table order: fp32 RN and resets only, each other format in every variant; with
+    ``quick``, fp32 RN and each other format RN and SR + resets."""
+    fp32_variants, variants = (("RN",), ("RN", "SR + resets")) if quick else (("RN", "resets only"), VARIANTS)
+    runs = [RunSpec("fp32", variant, steps) for variant in fp32_variants] if "fp32" in formats else []
+    return runs + [RunSpec(fmt, variant, steps) for fmt in FORMATS[1:] if fmt in formats for variant in variants]
+
+
+def monitor_interval(steps: int) -> int:
+    """Steps between StallMonitor's measurements in a run of ``steps``: 50, or a tenth of a shorter run."""
+    return min(MONITOR_INTERVAL, max(1, steps // 10))
 
 
 # --- one run, in a worker process ---------------------------------------------------------------------------
@@ -129,7 +138,7 @@ def train(spec: RunSpec) -> dict:
     )
     data = ByteTextDataModule(seq_len=context, batch_size=16, val_windows=128)
     records, times = Records(), StepTimes()
-    interval = min(MONITOR_INTERVAL, max(1, spec.steps // 10))
+    interval = monitor_interval(spec.steps)
     callbacks: list = [times]
     if spec.monitor and spec.states != "fp32":
         callbacks.append(StallMonitor(log_every_n_steps=interval, per_layer=False, histograms=False))
@@ -244,7 +253,7 @@ def render(results: dict, costs: list[dict], args: argparse.Namespace, argv: lis
         )
     lines += [
         "",
-        "Stall rates: mean of StallMonitor's measurements (one step in 50) over the second half; "
+        f"Stall rates: mean of StallMonitor's measurements (one step in {monitor_interval(args.steps)}) over the second half; "
         "with resets they include the build-up after each reset.",
     ]
     if costs:
@@ -268,9 +277,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--overhead-steps", type=non_negative_int, default=600, help="steps of each StallMonitor overhead run (0: skip)")
     parser.add_argument("--overhead-rounds", type=positive_int, default=2)
     parser.add_argument(
-        "--quick", action="store_true", help="three short runs of 60 steps (fp32 RN, bf16 RN, bf16 SR + resets), no overhead table"
+        "--quick",
+        action="store_true",
+        help="short runs of 60 steps (fp32 RN; each other format RN and SR + resets; default formats fp32 bf16), no overhead table",
     )
-    parser.add_argument("--formats", nargs="+", default=list(FORMATS), choices=FORMATS, help="state formats to (re)run")
+    formats_help = f"state formats to (re)run (default: all; --quick: {' '.join(QUICK_FORMATS)})"
+    parser.add_argument("--formats", nargs="+", default=None, choices=FORMATS, help=formats_help)
     parser.add_argument("--merge", action="store_true", help="keep the other formats' runs from the JSON next to --out")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
@@ -282,6 +294,8 @@ def main(argv: list[str] | None = None) -> dict:
         return {}
     if args.steps is None:
         args.steps = 60 if args.quick else 3000
+    if args.formats is None:
+        args.formats = list(QUICK_FORMATS if args.quick else FORMATS)
     runs = specs(args.steps, args.quick, tuple(args.formats))
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:
         finished = list(pool.map(launch, runs))

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import base64
 import html
+import math
 import re
 import sys
 from collections.abc import Callable, Sequence
@@ -277,18 +278,32 @@ def final_values(scalars: Scalars) -> list[tuple[str, int, float]]:
             if series and tag not in ("epoch", "hp_metric") and not _per_layer(tag)]  # fmt: skip
 
 
+def non_finite(scalars: Scalars) -> list[tuple[str, int, int, int]]:
+    """``(tag, first step, values, of)`` for every tag that logged NaN or ±inf: the first step it did, how many of its
+    values are non-finite, and how many it logged (per-layer tags included)."""
+    found = []
+    for tag, series in sorted(scalars.items()):
+        bad = [step for step, value in series if not math.isfinite(value)]
+        if bad:
+            found.append((tag, bad[0], len(bad), len(series)))
+    return found
+
+
 def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> Path:
     """Render the report of ``run_dir`` into ``out_dir`` (default ``run_dir``): ``report.png`` and ``report.html``;
     returns the path of ``report.html``.
 
     Raises:
-        FileNotFoundError: ``run_dir`` is not a directory, or holds no TensorBoard event files.
+        FileNotFoundError: ``run_dir`` does not exist, or holds no TensorBoard event files.
+        NotADirectoryError: ``run_dir`` is a file.
         ValueError: its event files lie in several directories (several runs: their series would mix), none holds a
             value (damaged, or not TensorBoard's), or ``out_dir`` is a file.
     """
     from .callbacks.tensorboard import describe
 
     run_dir = Path(run_dir)
+    if run_dir.exists() and not run_dir.is_dir():
+        raise NotADirectoryError(f"{run_dir} is a file, not a directory; pass a run's log_dir (e.g. runs/gpt_demo/version_0)")
     if not run_dir.is_dir():
         raise FileNotFoundError(f"{run_dir}: no such directory; pass a run's log_dir (e.g. runs/gpt_demo/version_0)")
     files = event_files(run_dir)
@@ -353,9 +368,19 @@ def _image(data: bytes, alt: str) -> str:
     return f"<img alt='{html.escape(alt)}' style='max-width:100%' src='data:image/png;base64,{base64.b64encode(data).decode()}'>"
 
 
+def _what_it_is(tag: str, describe: Callable[[str], str | None]) -> str:
+    description = describe(tag)
+    if description:
+        return description
+    return "" if tag.startswith("qstate/") else "logged by the LightningModule or another callback (not a lightning_qstate tag)"
+
+
 def _html(run_dir: Path, png: bytes, drawn, missing, finals, scalars: Scalars, texts, images, describe) -> str:
     panels = "".join(f"<li><b>{html.escape(panel.title)}</b>: {html.escape(panel.explains)}</li>" for panel in drawn)
-    rows = [(f"<code>{html.escape(tag)}</code>", step, f"{value:.6g}", html.escape(describe(tag) or "")) for tag, step, value in finals]
+    rows = [(f"<code>{html.escape(tag)}</code>", step, f"{value:.6g}", html.escape(_what_it_is(tag, describe)))
+            for tag, step, value in finals]  # fmt: skip
+    broken = "".join(f"<li><code>{html.escape(tag)}</code>: first at step {first}; {count} of its {total} logged values</li>"
+                     for tag, first, count, total in non_finite(scalars))  # fmt: skip
     advice = "".join(f"<h3><code>{html.escape(tag)}</code></h3>{markdown_html(text)}" for tag, text in sorted(texts.items()))
     layers = [(f"<code>{html.escape(tag.removeprefix('qstate/weight_stall/'))}</code>", *scalars[tag][-1])
               for tag in _matching(scalars, r"qstate/weight_stall/.+")]  # fmt: skip
@@ -369,6 +394,7 @@ def _html(run_dir: Path, png: bytes, drawn, missing, finals, scalars: Scalars, t
 <style>body{{font-family:sans-serif;max-width:1150px;margin:auto;padding:0 1em}} table{{border-collapse:collapse;margin:0.5em 0}}
 td,th{{padding:2px 8px;text-align:left;border-bottom:1px solid #ddd}} th{{background:#f3f3f3}}</style></head>
 <body><h1>lightning_qstate run report</h1><p>Run: <code>{html.escape(str(run_dir))}</code></p>
+{f"<h2>Non-finite values (NaN or inf)</h2><ul>{broken}</ul>" if broken else ""}
 <h2>What the panels show</h2><ul>{panels}</ul>
 {_image(png, "report")}
 <h2>Final values</h2>{_table(("tag", "step", "value", "what it is"), rows)}
@@ -381,7 +407,7 @@ td,th{{padding:2px 8px;text-align:left;border-bottom:1px solid #ddd}} th{{backgr
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``lightning-qstate report RUN_DIR [--out DIR]``; returns the exit status: 0, or 2 for a usage error (a RUN_DIR
-    that is not a directory, holds no event files, none with values, or several runs' files; an OUT that is a file; bad
+    that is missing or a file, holds no event files, none with values, or several runs' files; an OUT that is a file; bad
     arguments)."""
     parser = argparse.ArgumentParser(
         prog="lightning-qstate report", description="Write report.png and report.html from a run's TensorBoard event files."
@@ -394,7 +420,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exit_.code if isinstance(exit_.code, int) else 2
     try:
         path = write_report(args.run_dir, args.out)
-    except (FileNotFoundError, ValueError) as error:
+    except (FileNotFoundError, NotADirectoryError, ValueError) as error:
         print(f"lightning-qstate report: error: {error}", file=sys.stderr)
         return 2
     print(f"report: {path} (and {path.with_name('report.png')})")

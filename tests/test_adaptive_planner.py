@@ -80,11 +80,15 @@ def test_a_plain_torch_loop_drives_the_planner():
             assert stored_formats(model, optimizer) == planned
         assert {name: optimizer.state_overrides[param] for name, param in model.named_parameters()} == planned  # new states follow
         seen.append(planned)
+        counted.append(optimizer.format_changes)
 
+    counted: list[int] = []  # the optimizer's format_changes after each check (PrecisionAdvisor advises again when it moves)
     train(model, optimizer, planner, range(60), check)
     assert checks == [0, 10, 20, 30, 40, 50] and planner.last_check == 50 and [entry["step"] for entry in planner.history] == checks
     changes = sum(a[name][state] != b[name][state] for a, b in zip(seen, seen[1:], strict=False) for name in a for state in a[name])
     assert changes > 0, "a zone change re-encoded a state during the run"
+    moved = [a != b for a, b in zip(counted, counted[1:], strict=False)]
+    assert counted[0] > 0 and moved == [a != b for a, b in zip(seen, seen[1:], strict=False)]
     assert planner.transitions == changes  # step 0's plan comes before any state exists: not a transition
     assert planner.metrics()["qstate/adaptive/transitions"] == changes
 

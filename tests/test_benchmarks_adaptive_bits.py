@@ -45,6 +45,7 @@ def test_quick_run(bench: ModuleType, tmp_path: Path, monkeypatch: pytest.Monkey
         ]
         text = bench.main(args)
     assert out.read_text() == text
+    assert "- the C++ step was built (or loaded from its cache) before the first run, outside every timing: " in text
     assert roundings == 2 * 2 * (6 * ["nearest"] + 2 * ["stochastic"])  # 2 models x 2 seeds; fp32 has no plugin
     assert f"`python benchmarks/adaptive_bits.py --quick --seeds 0 1 --configs {','.join(configs)} --out" in text and "## Targets" in text
     for model in ("gpt", "vit"):

@@ -24,6 +24,7 @@ from benchmark_scripts import load_benchmark
         ("eco", ["--steps", "-1"], "--steps"),
         ("mantissa_sweep", ["--seeds", "0"], "--seeds"),
         ("formats", ["--numel", "0"], "--numel"),
+        ("formats", ["--numel", "100"], "--numel 100: give a multiple of 256"),
     ],
 )
 def test_bad_arguments_are_usage_errors(stem, argv, said, capsys):

@@ -249,3 +249,46 @@ def test_plain_torch_optimizer_warns_and_logs_no_weight_stalls(tmp_path):
 def test_invalid_arguments_raise(kwargs, message):
     with pytest.raises(ValueError, match=message):
         PrecisionAdvisor(**kwargs)
+
+
+# --- formats that change during training ------------------------------------------------------------------------------
+@pytest.mark.parametrize("advisor_first", [True, False], ids=["advisor-first", "planner-first"])
+def test_a_plan_that_changes_the_formats_is_advised_again(tmp_path, capsys, advisor_first):
+    """AdaptiveBitWidth's first check (step 0) replaces the formats it started with: the advisor advises the new plan at
+    that step, whichever callback comes first, so its reports describe the formats that train (they described a plan
+    that never trained, or the plugin's int8 before any plan)."""
+    from lightning_qstate.callbacks import AdaptiveBitWidth
+    from lightning_qstate.theory.precision import advise
+
+    advisor = PrecisionAdvisor(log_weight_stalls=False)
+    adaptive = AdaptiveBitWidth(target_bits=5.1, interval=2, hysteresis=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        first, second = (advisor, adaptive) if advisor_first else (adaptive, advisor)  # fit's callbacks: its second argument first
+        trainer = fit(tmp_path, first, plugins=[QStatePrecision(states="int8", min_quant_size=0)], max_steps=5, callbacks=[second])
+    printed = capsys.readouterr().out
+    titles = [line for line in printed.splitlines() if line.startswith("== PrecisionAdvisor:")]
+    assert titles[0] == "== PrecisionAdvisor: AdamW ==" and "== PrecisionAdvisor: AdamW (the state formats changed at step 0) ==" in titles
+    optimizer = trainer.strategy.optimizers[0]
+    final = {(row.group, row.component): row.format for row in advise(optimizer, 5).rows}
+    (report,) = advisor.reports
+    assert {(row.group, row.component): row.format for row in report.rows} == final
+    assert str(report) not in printed.split(titles[1])[0] and str(report) in printed.split(titles[-1])[1]  # the start's did not train
+
+
+def test_a_state_re_encoded_by_hand_is_advised_again(tmp_path, capsys):
+    """``reencode_state`` moves ``format_changes``: the report at the next hook names the new format."""
+
+    class ReEncode(Callback):
+        def on_train_batch_end(self, trainer, pl_module, *args):
+            if trainer.global_step == 2:
+                optimizer = trainer.strategy.optimizers[0]
+                for param in pl_module.parameters():
+                    optimizer.reencode_state(param, "exp_avg", "int4")
+
+    advisor = PrecisionAdvisor(log_weight_stalls=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fit(tmp_path, advisor, plugins=[QStatePrecision(states="int8", min_quant_size=0)], callbacks=[ReEncode()])
+    assert "(the state formats changed at step 2)" in capsys.readouterr().out
+    assert {row.component: row.format for row in advisor.reports[0].rows}["exp_avg"].startswith("int4")

@@ -160,3 +160,30 @@ def test_the_cli_dispatches_report(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["report", str(tmp_path)])
     assert exit_info.value.code == 2 and "no TensorBoard event files" in capsys.readouterr().err
+
+
+def test_a_file_is_not_a_run_directory(tmp_path, capsys):
+    (tmp_path / "events.txt").write_text("")
+    assert main([str(tmp_path / "events.txt")]) == 2
+    assert "events.txt is a file, not a directory" in capsys.readouterr().err
+
+
+def test_non_finite_values_are_listed_first_and_other_tags_are_described(tmp_path):
+    """A loss that turned NaN is named at the top of the page with its first step, not left as a gap in the plot and
+    a ``nan`` in the final values; the module's own tags say where they come from."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    with SummaryWriter(tmp_path / "run") as writer:
+        for step, loss in enumerate((2.0, 1.5, float("nan"), float("inf"), float("nan"))):
+            writer.add_scalar("train_loss", loss, step)
+            writer.add_scalar("qstate/state_bytes", 1e6, step)
+    assert main([str(tmp_path / "run")]) == 0
+    page = (tmp_path / "run" / "report.html").read_text()
+    listed = page.split("<h2>Non-finite values (NaN or inf)</h2>")[1].split("</ul>")[0]
+    assert "<code>train_loss</code>: first at step 2; 3 of its 5 logged values" in listed and "state_bytes" not in listed
+    assert page.index("Non-finite values") < page.index("What the panels show")
+    assert "<td><code>train_loss</code></td><td>4</td><td>nan</td><td>logged by the LightningModule or another callback" in page
+    clean = tmp_path / "clean_run"
+    with SummaryWriter(clean) as writer:
+        writer.add_scalar("train_loss", 1.0, 0)
+    assert main([str(clean)]) == 0 and "Non-finite" not in (clean / "report.html").read_text()

@@ -98,6 +98,10 @@ def format_config(fmt: StorageFormat | None) -> dict | None:
     return None if fmt is None else fmt.config
 
 
+def _configs(formats: Sequence[StorageFormat | None]) -> list[dict | None]:
+    return [format_config(fmt) for fmt in formats]
+
+
 @dataclass
 class Layer:
     """One parameter the planner tracks (``param``: the optimizer's key; ``numel``: the full parameter's size)."""
@@ -446,9 +450,13 @@ class BitWidthPlanner:
         for layer in self.layers:
             if layer.pinned is not None:
                 continue
+            targets = layer.stored_formats(layer.choice)
+            before = optimizer.state_overrides.get(layer.param)
+            if before is None or _configs(layer.stored_formats(tuple(before[state] for state in ADAPTED_STATES))) != _configs(targets):
+                optimizer.format_changes += 1  # the states (made now, or later) take other formats
             optimizer.state_overrides[layer.param] = dict(zip(ADAPTED_STATES, layer.choice, strict=False))
             state = optimizer.state.get(layer.param, {})
-            for name, target in zip(ADAPTED_STATES, layer.stored_formats(layer.choice), strict=False):
+            for name, target in zip(ADAPTED_STATES, targets, strict=False):
                 if name not in state:
                     continue
                 if format_config(target) != format_config(optimizer.state_format(layer.param, name)):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Collection, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import lightning.pytorch as pl
@@ -50,9 +51,12 @@ class PrecisionAdvisor(Callback):
       where ``v`` written RN has a ratchet, and train well.
 
     The check runs in ``on_train_start``: after :class:`~lightning_qstate.callbacks.QuantizedOptimizerStates` converted
-    the optimizers (in ``on_fit_start``) and after a checkpoint was restored, so the formats are those that train.
-    Optimizers with no precision rule (other than Adam/AdamW/NAdam/RAdam, SGD, Muon and their quantized forms) are
-    skipped with a warning.
+    the optimizers (in ``on_fit_start``) and after a checkpoint was restored. It runs again, at the step they change,
+    for an optimizer whose state formats change during training (its ``format_changes`` moves: each plan of
+    :class:`~lightning_qstate.callbacks.AdaptiveBitWidth`, whose first check at step 0 replaces the formats it started
+    with, and ``reencode_state``): the new report is printed and logged as above, titled with the step, replaces the
+    optimizer's entry in :attr:`reports`, warns, and with ``strict=True`` raises at that step. Optimizers with no
+    precision rule (other than Adam/AdamW/NAdam/RAdam, SGD, Muon and their quantized forms) are skipped with a warning.
 
     **Gradient format.** ``"16-true"``/``"bf16-true"`` give fp16/bf16 gradients; under ``FSDPPrecision`` the mixed
     settings too (FSDP reduces them in that dtype); otherwise (``"32-true"``, ``"16-mixed"``, ``"bf16-mixed"``) the
@@ -116,7 +120,8 @@ class PrecisionAdvisor(Callback):
         self.per_layer = per_layer
         self.constants = _checked_constants(constants)
         self.verbose = verbose
-        self.reports: list[PrecisionReport] = []  # this fit's reports, one per advised optimizer (rank-local)
+        self.reports: list[PrecisionReport] = []  # this fit's latest reports, one per advised optimizer (rank-local)
+        self._advised: list[_Advised] = []  # what each report advised, in the order of ``reports``
         self._measuring = False
         self._counting: dict[QuantizedStates, bool] = {}  # optimizer -> its track_weight_stalls before the fit
         self._measured = MeasuredSteps()
@@ -144,31 +149,20 @@ class PrecisionAdvisor(Callback):
         model = trainer.strategy.model if trainer.strategy.model is not None else pl_module
         names = {param: clean_parameter_name(name) for name, param in model.named_parameters()}
         optimizers = [_unwrapped(optimizer) for optimizer in trainer.strategy.optimizers]
-        self.reports, self._measured = [], MeasuredSteps()
-        risky: list[tuple[str, AdviceRow]] = []
+        self.reports, self._advised, self._measured = [], [], MeasuredSteps()
         for index, optimizer in enumerate(optimizers):
             label = type(optimizer).__name__ if len(optimizers) == 1 else f"optimizer {index} ({type(optimizer).__name__})"
+            known = {**optimizer.param_names(), **names} if isinstance(optimizer, QuantizedStates) else names
+            advised = _Advised(
+                optimizer, label, index if len(optimizers) > 1 else None, known, steps, gradient_format(trainer.precision_plugin, optimizer)
+            )
             try:
-                grads = gradient_format(trainer.precision_plugin, optimizer)
-                known = {**optimizer.param_names(), **names} if isinstance(optimizer, QuantizedStates) else names
-                report = advise(optimizer, steps, grads=grads, names=known, constants=self.constants)
+                self.reports.append(advised.advise(self.constants))
             except TypeError as error:
                 rank_zero_warn(f"PrecisionAdvisor: {label} is not advised: {error}")
                 continue
-            self.reports.append(report)
-            risky += [(label, row) for row in report.risky]
-            if trainer.is_global_zero:
-                self._publish(trainer, report, label, index if len(optimizers) > 1 else None)
-        for label, row in risky:
-            rank_zero_warn(f"PrecisionAdvisor: {_describe(label, row, steps)}: " + " | ".join(row.reasons))
-        failing = [(label, row) for label, row in risky if row.verdict == "insufficient"]
-        if self.strict and trainer.strategy.reduce_boolean_decision(bool(failing), all=False):
-            listed = "\n".join(f"  - {_describe(label, row, steps)}" for label, row in failing) or "  (on another rank)"
-            raise ValueError(
-                f"PrecisionAdvisor(strict=True): {len(failing)} component(s) lack the precision a {steps}-step run needs:\n{listed}\n"
-                "Change them as the printed report's notes say (more mantissa bits, rounding='stochastic', state resets, "
-                "error_feedback for the weights), plan fewer steps, or pass strict=False to train anyway."
-            )
+            self._advised.append(advised)
+        self._announce(trainer, list(range(len(self._advised))))
         counting = [optimizer for optimizer in quantized_optimizers(trainer) if optimizer.counts_weight_stalls]
         self._measuring = self.log_weight_stalls and bool(counting)
         if self._measuring:  # the optimizers' tracked steps count the weights too (a second update on copies)
@@ -192,11 +186,13 @@ class PrecisionAdvisor(Callback):
 
     @override
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer) -> None:
+        self._advise_changed_formats(trainer)  # a plan made earlier in this hook (AdaptiveBitWidth before this callback)
         if self._measuring:
             self._measured.request(trainer, optimizer, self.interval(trainer))
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        self._advise_changed_formats(trainer)  # a plan made after this callback's hook, or formats changed by the step
         collected = self._measured.collect(trainer)  # a collective: every rank
         if collected is not None and trainer.is_global_zero:
             scalars = self.metrics(*collected)
@@ -220,14 +216,70 @@ class PrecisionAdvisor(Callback):
             scalars[WEIGHT_STALL_TAG] = stalled_total / moved_total
         return scalars
 
-    def _publish(self, trainer: pl.Trainer, report: PrecisionReport, label: str, index: int | None) -> None:
+    def _advise_changed_formats(self, trainer: pl.Trainer) -> None:
+        """Advise again the optimizers whose state formats changed since their last advice (``format_changes`` moved:
+        AdaptiveBitWidth's plans, ``reencode_state``), so that the report describes the formats that train."""
+        changed = []
+        for position, advised in enumerate(self._advised):
+            if advised.changed():
+                report = advised.advise(self.constants)
+                if report.rows != self.reports[position].rows:  # a new plan may leave every stored format as it was
+                    self.reports[position] = report
+                    changed.append(position)
+        if changed:
+            self._announce(trainer, changed, f"the state formats changed at step {trainer.global_step}")
+
+    def _announce(self, trainer: pl.Trainer, positions: list[int], why: str | None = None) -> None:
+        """Publish the reports at ``positions`` (global rank 0), warn for each component at risk and, with ``strict``,
+        raise on every rank for the insufficient ones; ``why``: what made a report of a later step."""
+        risky: list[tuple[str, AdviceRow]] = []
+        for position in positions:
+            advised, report = self._advised[position], self.reports[position]
+            risky += [(advised.label, row) for row in report.risky]
+            if trainer.is_global_zero:
+                self._publish(trainer, report, advised, why)
+        steps = self._advised[positions[0]].steps if positions else 0
+        when = f" ({why})" if why else ""
+        for label, row in risky:
+            rank_zero_warn(f"PrecisionAdvisor: {_describe(label, row, steps)}{when}: " + " | ".join(row.reasons))
+        failing = [(label, row) for label, row in risky if row.verdict == "insufficient"]
+        if self.strict and trainer.strategy.reduce_boolean_decision(bool(failing), all=False):
+            listed = "\n".join(f"  - {_describe(label, row, steps)}" for label, row in failing) or "  (on another rank)"
+            raise ValueError(
+                f"PrecisionAdvisor(strict=True): {len(failing)} component(s) lack the precision a {steps}-step run needs{when}:\n{listed}\n"
+                "Change them as the printed report's notes say (more mantissa bits, rounding='stochastic', state resets, "
+                "error_feedback for the weights), plan fewer steps, or pass strict=False to train anyway."
+            )
+
+    def _publish(self, trainer: pl.Trainer, report: PrecisionReport, advised: _Advised, why: str | None) -> None:
         """Print ``report`` (``verbose``) and add it as text to the TensorBoard loggers (global rank 0 only)."""
         if self.verbose:
-            print(f"== PrecisionAdvisor: {label} ==\n{report}", flush=True)
+            print(f"== PrecisionAdvisor: {advised.label}{f' ({why})' if why else ''} ==\n{report}", flush=True)
+        index = advised.index
         tag = ADVICE_TAG if index is None else f"{ADVICE_TAG}/{index}"
         for logger in trainer.loggers:
             if isinstance(logger, TensorBoardLogger):
                 logger.experiment.add_text(tag, report.to_markdown(), global_step=trainer.global_step)
+
+
+@dataclass
+class _Advised:
+    """One advised optimizer: what :func:`advise` needs for it, and its ``format_changes`` when it was last advised."""
+
+    optimizer: torch.optim.Optimizer
+    label: str
+    index: int | None  # its position among several optimizers (the TensorBoard tag's suffix); None for one
+    names: dict[torch.Tensor, str]
+    steps: int
+    grads: str | None
+    format_changes: int = 0
+
+    def advise(self, constants: Mapping[tuple[str, str, str], float] | None) -> PrecisionReport:
+        self.format_changes = getattr(self.optimizer, "format_changes", 0)
+        return advise(self.optimizer, self.steps, grads=self.grads, names=self.names, constants=constants)
+
+    def changed(self) -> bool:
+        return getattr(self.optimizer, "format_changes", 0) != self.format_changes
 
 
 def gradient_format(plugin: Precision, optimizer: torch.optim.Optimizer) -> str | None:

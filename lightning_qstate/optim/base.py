@@ -67,7 +67,7 @@ OVERRIDES_KEY = "qstate_overrides"
 QSTATE_ATTRIBUTES = (
     "track_stalls", "nonfinite", "generator", "nonfinite_skips", "skipped_steps", "state_overrides", "configured_overrides",
     "module_names", "full_numels", "checkpoint_mode", "weight_overrides", "_stall_counts", "_step_supports_amp_scaling",
-    "_rounding_seed", "_rounding_step", "_policy_ready", "_kept_formats_unchecked",
+    "_rounding_seed", "_rounding_step", "_policy_ready", "_kept_formats_unchecked", "format_changes",
 )  # fmt: skip
 MASK64 = (1 << 64) - 1
 # The stall counts of ECO's momentum corrections (``error_feedback="eco"``, ``track_stalls=True``).
@@ -265,6 +265,9 @@ class QuantizedStates:
         self.nonfinite_skips = 0
         self.skipped_steps = 0
         self.state_overrides: dict[torch.Tensor, StatesSpec] = {}
+        # counts changes of the formats the states are or will be stored in (reencode_state, a new plan of AdaptiveBitWidth):
+        # PrecisionAdvisor advises again when it moves
+        self.format_changes = 0
         # the policy's ``overrides`` as configured (``state_overrides`` also takes an AdaptiveBitWidth plan): checkpoints record these
         self.configured_overrides: dict[torch.Tensor, StatesSpec] = {}
         self.weight_overrides: dict[torch.Tensor, str | None] = {}  # per-parameter ``weights`` (QuantizationPolicy.weight_overrides)
@@ -970,6 +973,7 @@ class QuantizedStates:
         value = dequantized(state[name])
         state[name] = value if fmt is None else quantize_state(fmt, value)
         _drop_stale_bound(state)
+        self.format_changes += 1
 
     @contextlib.contextmanager
     def _zeroing_overflowed(self, keys: list[torch.Tensor]) -> Iterator[None]:
