@@ -204,14 +204,30 @@ def test_loaded_states_that_keep_formats_the_policy_does_not_give_are_warned_abo
         messages = [str(w.message) for w in caught if "keep the checkpoint's formats" in str(w.message)]
         assert messages == ([f"{type(resumed).__name__}: 1 loaded state(s) keep the checkpoint's formats, which the configured "
                              "policy does not give them: 1 in int4 (configured: int8). The run that saved them chose them "
-                             "(AdaptiveBitWidth, reencode_state); resume with the AdaptiveBitWidth callback to go on adapting "
-                             "them, or call reencode_state to convert them"] if warns else [])  # fmt: skip
+                             "(AdaptiveBitWidth, reencode_state, another block_size or sharding); resume with the AdaptiveBitWidth "
+                             "callback to go on adapting them, or call reencode_state to convert them"] if warns else [])  # fmt: skip
     resumed = optimizer()
     resumed.load_state_dict(copy.deepcopy(saved.state_dict()))
     # what AdaptiveBitWidth sets before the first step
     resumed.state_overrides[model[0].weight] = {"sum": "int4"} if build == "wrapper" else {"exp_avg": "int4", "exp_avg_sq": "int8"}
     with warnings.catch_warnings():
         warnings.simplefilter("error")
+        train(model, resumed, 1)
+
+
+def test_a_kept_state_with_other_blocks_is_warned_about():
+    """A kept state in the configured format but other blocks (a ``reencode_state`` with a block size; a packed state
+    resharded onto FSDP2 rows) is named with its block sizes; it passed unnoticed when only the names were compared."""
+    from lightning_qstate.formats import get_format
+
+    model = make_model()
+    saved = lq.QAdamW(model.parameters(), states="int8", min_quant_size=0)
+    train(model, saved, 1)
+    saved.reencode_state(model[0].weight, "exp_avg", get_format("int8", block_size=64, signed=True))
+    resumed = lq.QAdamW(model.parameters(), states="int8", min_quant_size=0)
+    resumed.load_state_dict(copy.deepcopy(saved.state_dict()))
+    assert resumed.state_format(model[0].weight, "exp_avg").block_size == 64
+    with pytest.warns(UserWarning, match=r"1 loaded state\(s\) keep.*1 in int8 blocks of 64 \(configured: int8 blocks of 256\)"):
         train(model, resumed, 1)
 
 

@@ -209,6 +209,19 @@ def test_resume_with_other_states_re_encodes_into_the_configured_formats():
     assert states_equal(optimizer, same)
 
 
+def test_resume_of_fp32_states_into_quantized_ones_counts_them():
+    """A ``states="fp32"`` checkpoint resumed with ``states="int8"`` quantizes its plain states: the warning counts them
+    as re-encoded (it named the change and said nothing of the states)."""
+    model = make_model()
+    optimizer = lq.QAdamW(model.parameters(), lr=1e-2, states="fp32", min_quant_size=0)
+    run(model, optimizer, 2)
+    resumed = lq.QAdamW(model.parameters(), lr=1e-2, states="int8", min_quant_size=0)
+    states = 2 * len(list(model.parameters()))
+    with pytest.warns(UserWarning, match=rf"group 0: states='fp32' -> 'int8'; {states} states re-encoded\)"):
+        resumed.load_state_dict(roundtrip(optimizer.state_dict()))
+    assert all(resumed.state_format(p, "exp_avg").name == "int8" for p in model.parameters())
+
+
 @pytest.mark.parametrize(
     ("saved_overrides", "configured_overrides", "layer_0_format"),
     [({}, {"0.*": "int4"}, "int4"), ({"0.*": "fp32"}, {}, "int8"), ({"0.*": "int4"}, {"0.*": {"exp_avg": "int4"}}, "int4")],

@@ -370,7 +370,7 @@ class QuantizedStates:
         self._check_kept_formats()
 
     def _check_kept_formats(self) -> None:
-        """At the first step after ``load_state_dict``: warn where a loaded state kept a format (by name) that the configured
+        """At the first step after ``load_state_dict``: warn where a loaded state kept a format (name and block size) that the configured
         policy (``states=``, ``overrides``, ``state_overrides``) does not give it. A checkpoint's per-parameter formats
         (``AdaptiveBitWidth``'s plan, a ``reencode_state``) are kept on load, so that the callback, which sets its plan
         only at the start of training, resumes exactly; resumed without it, those states would keep them for good."""
@@ -383,16 +383,16 @@ class QuantizedStates:
                 for name, value in self.state.get(key, {}).items():
                     if self._per_value_state(key, name, value):
                         target = self._policy_format(group, key, name)
-                        configured = "fp32" if target is None else target.name  # a version 1 state's fp32 scales pass
-                        stored = value.format.name if isinstance(value, QuantizedTensor) else "fp32"
-                        if configured != stored:
-                            kept[stored, configured] += 1
+                        stored = value.format if isinstance(value, QuantizedTensor) else None
+                        if _format_key(stored) != _format_key(target):  # a version 1 state's fp32 scales pass
+                            kept[_format_labels(stored, target)] += 1
         if kept:
             counts = ", ".join(f"{count} in {stored} (configured: {configured})" for (stored, configured), count in sorted(kept.items()))
             warnings.warn(
                 f"{type(self).__name__}: {sum(kept.values())} loaded state(s) keep the checkpoint's formats, which the configured "
-                f"policy does not give them: {counts}. The run that saved them chose them (AdaptiveBitWidth, reencode_state); "
-                "resume with the AdaptiveBitWidth callback to go on adapting them, or call reencode_state to convert them",
+                f"policy does not give them: {counts}. The run that saved them chose them (AdaptiveBitWidth, reencode_state, "
+                "another block_size or sharding); resume with the AdaptiveBitWidth callback to go on adapting them, or call "
+                "reencode_state to convert them",
                 UserWarning,
                 stacklevel=5,
             )
@@ -1274,7 +1274,7 @@ class QuantizedStates:
                         kept = (key, name) in kept_plain and key not in overridden
                         fmt = None if kept else self._format_for(group, key, name, local_tensor(value), None)
                         state[name] = local_tensor(value) if fmt is None else self._quantized(group, key, fmt, local_tensor(value))
-                        count += fmt is not None and key in overridden
+                        count += fmt is not None and (key in overridden or bool(change))  # a torch checkpoint's: no change
                     elif isinstance(value, QuantizedTensor) and (change or key in overridden):
                         target = self._policy_format(group, key, name)
                         if target is None or target.config != value.format.config:
@@ -1319,3 +1319,16 @@ def _same_value(a: Any, b: Any) -> bool:
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         return bool(torch.equal(torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64)))
     return a == b
+
+
+def _format_key(fmt: StorageFormat | None) -> tuple[str, int | None]:
+    """What a kept format is compared by: its name and block size (``("fp32", None)`` for a plain state)."""
+    return ("fp32", None) if fmt is None else (fmt.name, getattr(fmt, "block_size", None))
+
+
+def _format_labels(stored: StorageFormat | None, configured: StorageFormat | None) -> tuple[str, str]:
+    """``(stored, configured)`` as the kept-formats warning names them: the names, with the block sizes where only those differ."""
+    (stored_name, stored_block), (configured_name, configured_block) = _format_key(stored), _format_key(configured)
+    if stored_name != configured_name:
+        return stored_name, configured_name
+    return f"{stored_name} blocks of {stored_block}", f"{configured_name} blocks of {configured_block}"
