@@ -576,6 +576,19 @@ def test_predictions_and_reset_ratios_come_from_the_ranks_that_hold_the_layer(st
         assert ratio == pytest.approx(0.1 * (1 - 0.999**t) ** 0.5 / ((1 - 0.9**t) * 0.001**0.5), rel=1e-9), step
 
 
+def test_stall_monitor_clips_with_the_norm_of_every_ranks_shards(tmp_path):
+    """Under FSDP2 the ratios StallMonitor predicts from see the gradients clipped as the Trainer clips them: by the norm
+    of the full gradients (``clip_grad_norm_`` over DTensors), the same on both ranks, not by this rank's shards alone."""
+    worker = TESTS / "shard_norm_worker.py"
+    command = [sys.executable, str(worker), str(tmp_path), str(free_port())]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
+    for rank in ranks:
+        assert rank["emulated"] == pytest.approx(rank["clip_grad_norm"], rel=1e-6) and rank["local"] < 0.9 * rank["emulated"]
+    assert ranks[0]["emulated"] == ranks[1]["emulated"]
+
+
 # --- single process ----------------------------------------------------------------------------------
 def trained_optimizer(shape: tuple[int, ...], states: str = "int8") -> tuple[QAdamW, torch.nn.Parameter]:
     param = torch.nn.Parameter(torch.randn(shape, generator=torch.Generator().manual_seed(0)))
