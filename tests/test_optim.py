@@ -799,3 +799,20 @@ def test_a_compiled_step_traces_groups_of_plain_states():
             step()
         runs.append([p.detach().clone() for p in model.parameters()])
     assert all(torch.allclose(a, b, rtol=0, atol=1e-7) for a, b in zip(*runs, strict=True))  # lr 1e-3: an update is ~1e-3
+
+
+def test_qmuon_refuses_what_muon_cannot_step_in_add_param_group_too():
+    """torch's Muon checks 2-D parameters in its constructor only: a bias or a conv weight added later failed in the middle
+    of a step (the other groups stepped, its momentum advanced). DTensor shards (FSDP2) are refused: Muon would
+    orthogonalize each rank's rows, another algorithm."""
+    weight = torch.nn.Parameter(torch.randn(64, 32))
+    optimizer = lq.QMuon([weight], lr=0.02, min_quant_size=0)
+    for shape in [(64,), (8, 4, 3, 3)]:
+        with pytest.raises(ValueError, match=rf"QMuon: Muon only supports 2-D parameters, got one of shape \({shape[0]},"):
+            optimizer.add_param_group({"params": [torch.nn.Parameter(torch.randn(shape))]})
+    assert len(optimizer.param_groups) == 1  # refused groups are not added
+    muon = torch.optim.Muon([weight], lr=0.02)
+    muon.add_param_group({"params": [torch.nn.Parameter(torch.randn(64))]})
+    with pytest.raises(ValueError, match="Muon only supports 2-D parameters"):
+        lq.quantize_optimizer(muon)
+    assert type(muon) is torch.optim.Muon  # the refused conversion left it as it was

@@ -248,3 +248,13 @@ def test_results_are_averaged_over_the_ranks_as_logged():
     assert (mean.step, mean.loss, mean.ptq_loss, mean.mmr, mean.seconds) == (5, 2.0, 4.0, 6.0, 12.0)
     assert [row.R for row in mean.abc.rows] == [2.0, 4.0] and mean.R_L == 4.0
     assert math.isnan(mean.abc.rows[0].G) and mean.abc.rows[1].G == 1.0  # mean A over mean R_in
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "32-true"])
+def test_the_probe_forwards_in_the_validation_precision(tmp_path, precision):
+    """Under a mixed precision the validation runs under autocast: the probe's loss on the same batch is the logged
+    ``val_loss`` (its forwards ran in fp32, another model than the one validated)."""
+    probe, model = QuantizationProbe(units="net", batches=1, log_images=False), IndexedValidation()
+    trainer = quiet_trainer(tmp_path, max_steps=1, callbacks=[probe], precision=precision, limit_val_batches=1)
+    trainer.validate(model, regression_data())
+    assert probe.history[0].loss == float(trainer.callback_metrics["val_loss"])

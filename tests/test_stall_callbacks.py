@@ -329,16 +329,23 @@ def test_tensorboard_tells_the_story(tmp_path):
     assert set(charts) == {"exp_avg", "exp_avg_sq"}
 
 
-def test_monitor_measures_wrapped_optimizers_without_a_prediction(tmp_path):
-    class Adagrad(Regressor):
-        def configure_optimizers(self):
-            return torch.optim.Adagrad(self.parameters(), lr=1e-3)
+@pytest.mark.parametrize(("kind", "state"), [("Adagrad", "sum"), ("RMSprop", "square_avg"), ("NAdam", "exp_avg_sq")])
+def test_monitor_and_resets_cover_wrapped_optimizers(tmp_path, kind, state):
+    """Adagrad makes its states in its constructor, RMSprop and NAdam at their first step: their watched states were
+    cached before that step, empty for the whole fit (nothing measured, nothing reset)."""
 
-    logger = MemoryLogger()
-    fit(tmp_path, model=Adagrad(scheduler=False), max_steps=4, callbacks=[StallMonitor(per_layer=True, log_every_n_steps=2)], logger=logger,
+    class Wrapped(Regressor):
+        def configure_optimizers(self):
+            return getattr(torch.optim, kind)(self.parameters(), lr=1e-3)
+
+    logger, scheduler = MemoryLogger(), StateResetScheduler(period=2)
+    fit(tmp_path, model=Wrapped(scheduler=False), max_steps=4, logger=logger,
+        callbacks=[StallMonitor(per_layer=True, log_every_n_steps=2), scheduler],
         plugins=[QStatePrecision(states="bf16", min_quant_size=0)])  # fmt: skip
-    assert len(logger.values("qstate/stall/sum/net.0.weight")) == 2
-    assert not any(key.startswith("qstate/stall_predicted") for _, metrics in logger.records for key in metrics)  # a sum, not an EMA
+    ema = kind != "Adagrad"  # Adagrad's sum is no EMA: no prediction, nothing to reset
+    assert len(logger.values(f"qstate/stall/{state}/net.0.weight")) == 2
+    assert any(key.startswith("qstate/stall_predicted") for _, metrics in logger.records for key in metrics) == ema
+    assert bool(scheduler.state_dict()["history"]) == ema
 
 
 # --- changes during training, resumes, counting ------------------------------------------------------------------

@@ -3,6 +3,7 @@ and why (arXiv 2509.23500; ``docs/algorithms.md``, section 3)."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import time
@@ -88,8 +89,10 @@ class QuantizationProbe(Callback):
 
     **Loss.** By default the module's own ``validation_step`` on the batch, with its ``self.log`` calls caught (nothing
     reaches the loggers): the value logged as ``loss_key`` (default ``"val_loss"``), else a returned scalar or a
-    ``"loss"`` entry. Other side effects of ``validation_step`` happen once more per probe; pass ``loss_fn(pl_module,
-    batch) -> scalar tensor`` to avoid them.
+    ``"loss"`` entry. ``validation_step`` runs several times per probed batch (the plain loss, the loss under PTQ, the ABC
+    decomposition's and the input statistics' forwards), so its other side effects (a metric it updates, losses it
+    collects for the epoch) happen that many times more; pass ``loss_fn(pl_module, batch) -> scalar tensor`` to avoid
+    them. The forwards run in the Trainer's validation precision (autocast under ``"bf16-mixed"``/``"16-mixed"``).
 
     **Strategies.** Single device and DDP (each rank probes its own batches). Sharded strategies (FSDP, FSDP2) are
     refused at fit start: the probe runs the unwrapped module.
@@ -286,7 +289,10 @@ class QuantizationProbe(Callback):
         start = time.perf_counter()
         options = {"modules": self.modules, "block": self.block}
         losses, quantized, abc_runs, statistics = [], [], [], []
-        with evaluating(pl_module), torch.no_grad():
+        trainer = getattr(pl_module, "_trainer", None)
+        # the validation's precision: autocast under the mixed settings (fp32 forwards measured another model)
+        precision = trainer.precision_plugin.val_step_context() if trainer is not None else contextlib.nullcontext()
+        with evaluating(pl_module), torch.no_grad(), precision:
             for batch_idx, batch in enumerate(self._batches):  # the validation's first batches, in order
                 forward = functools.partial(self._loss, batch_idx=batch_idx)
                 losses.append(forward(pl_module, batch))

@@ -85,12 +85,20 @@ _ROWS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # trainer -> (ho
 def state_rows(trainer: pl.Trainer) -> list[StateRow]:
     """Every ``(parameter, state name)`` of the quantized optimizers, then ``(parameter, WEIGHT_STALLS)`` where the
     optimizer counts the weights' stalls, in the same order on every rank (built again only when the optimizers or
-    their parameters change, as ``add_param_group`` does: callbacks call this at every step)."""
+    their parameters change, as ``add_param_group`` does, or a wrapped optimizer's state names, which appear at its
+    first step: callbacks call this at every step)."""
     optimizers = quantized_optimizers(trainer)
     holders = [item for optimizer in optimizers for item in (optimizer, *(p for g in optimizer.param_groups for p in g["params"]))]
+    # a wrapped optimizer's states appear at its first step (RMSprop, NAdam...): rows built before it would stay empty
+    wrapped = [_wrapped_state_names(optimizer) for optimizer in optimizers if not optimizer.state_names]
     cached = _ROWS.get(trainer)  # compared by identity: an id() of a discarded optimizer can be reused by a new one
-    if cached is None or len(cached[0]) != len(holders) or any(a is not b for a, b in zip(cached[0], holders, strict=True)):
-        cached = _ROWS[trainer] = (holders, _build_state_rows(trainer))
+    if (
+        cached is None
+        or cached[2] != wrapped
+        or len(cached[0]) != len(holders)
+        or any(a is not b for a, b in zip(cached[0], holders, strict=True))
+    ):
+        cached = _ROWS[trainer] = (holders, _build_state_rows(trainer), wrapped)
     return cached[1]
 
 

@@ -318,7 +318,11 @@ class QuantizedStates:
                 raise TypeError(
                     f"{owner}: parameters of dtype {param.dtype} are not supported; use one of {[str(d) for d in PARAM_DTYPES]}"
                 )
+            self._check_param(param, owner)
         self.check_weight_grids([group])
+
+    def _check_param(self, param: torch.Tensor, owner: str) -> None:
+        """What an optimizer's own math needs of a parameter (its constructor's checks, which ``add_param_group`` skips)."""
 
     def check_weight_grids(self, groups: list[dict] | None = None) -> None:
         """Resolve the weight grid of every parameter of ``groups`` (default: all), ``weight_overrides`` included, so that

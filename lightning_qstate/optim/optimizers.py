@@ -40,6 +40,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz, muon
 from torch.optim.adam import adam
 from torch.optim.optimizer import _get_scalar_dtype, _to_scalar
@@ -589,6 +590,21 @@ class QMuon(_MomentumStates, torch.optim.Muon):
     ) -> None:
         torch.optim.Muon.__init__(self, params, lr, weight_decay, momentum, nesterov, ns_coefficients, eps, ns_steps, adjust_lr_fn)
         self._setup_quantized_states(QuantizationPolicy.from_arguments(type(self).__name__, policy, locals()), generator)
+
+    def _check_param(self, param: torch.Tensor, owner: str) -> None:
+        """2-D parameters only (torch's constructor checks, ``add_param_group`` did not), and no DTensor shards: Muon
+        orthogonalizes the full matrix, and each rank would orthogonalize its own rows."""
+        if isinstance(param, DTensor):
+            raise ValueError(
+                f"{owner}: parameters sharded as DTensors (FSDP2) are not supported: Muon orthogonalizes the full matrix, and "
+                "this optimizer would orthogonalize each rank's shard (another algorithm); keep Muon's parameters unsharded "
+                "(DDP) or use QAdamW"
+            )
+        if param.ndim != 2:
+            raise ValueError(
+                f"{owner}: Muon only supports 2-D parameters, got one of shape {tuple(param.shape)}; give biases, norms "
+                "and embeddings to an AdamW"
+            )
 
     def _init_state(self, group: dict, key: torch.Tensor, param: torch.Tensor, state: dict) -> None:
         state["momentum_buffer"] = self._initial(
