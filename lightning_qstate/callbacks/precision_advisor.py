@@ -219,14 +219,14 @@ class PrecisionAdvisor(Callback):
     def _advise_changed_formats(self, trainer: pl.Trainer) -> None:
         """Advise again the optimizers whose state formats changed since their last advice (``format_changes`` moved:
         AdaptiveBitWidth's plans, ``reencode_state``), so that the report describes the formats that train."""
+        moved = [position for position, advised in enumerate(self._advised) if advised.changed()]  # alike on every rank
         changed = []
-        for position, advised in enumerate(self._advised):
-            if advised.changed():
-                report = advised.advise(self.constants)
-                if report.rows != self.reports[position].rows:  # a new plan may leave every stored format as it was
-                    self.reports[position] = report
-                    changed.append(position)
-        if changed:
+        for position in moved:
+            report = self._advised[position].advise(self.constants)
+            if report.rows != self.reports[position].rows:  # a new plan may leave every stored format as it was
+                self.reports[position] = report
+                changed.append(position)
+        if moved:  # every rank whose formats moved takes strict's collective, whatever its (shard's) rows say
             self._announce(trainer, changed, f"the state formats changed at step {trainer.global_step}")
 
     def _announce(self, trainer: pl.Trainer, positions: list[int], why: str | None = None) -> None:
