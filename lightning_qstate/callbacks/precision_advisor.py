@@ -122,6 +122,7 @@ class PrecisionAdvisor(Callback):
         self.verbose = verbose
         self.reports: list[PrecisionReport] = []  # this fit's latest reports, one per advised optimizer (rank-local)
         self._advised: list[_Advised] = []  # what each report advised, in the order of ``reports``
+        self._steps = 0  # the run's planned length T, the same for every report of the fit
         self._measuring = False
         self._counting: dict[QuantizedStates, bool] = {}  # optimizer -> its track_weight_stalls before the fit
         self._measured = MeasuredSteps()
@@ -149,15 +150,15 @@ class PrecisionAdvisor(Callback):
         model = trainer.strategy.model if trainer.strategy.model is not None else pl_module
         names = {param: clean_parameter_name(name) for name, param in model.named_parameters()}
         optimizers = [_unwrapped(optimizer) for optimizer in trainer.strategy.optimizers]
-        self.reports, self._advised, self._measured = [], [], MeasuredSteps()
+        self.reports, self._advised, self._measured, self._steps = [], [], MeasuredSteps(), steps
         for index, optimizer in enumerate(optimizers):
             label = type(optimizer).__name__ if len(optimizers) == 1 else f"optimizer {index} ({type(optimizer).__name__})"
             known = {**optimizer.param_names(), **names} if isinstance(optimizer, QuantizedStates) else names
             advised = _Advised(
-                optimizer, label, index if len(optimizers) > 1 else None, known, steps, gradient_format(trainer.precision_plugin, optimizer)
+                optimizer, label, index if len(optimizers) > 1 else None, known, gradient_format(trainer.precision_plugin, optimizer)
             )
             try:
-                self.reports.append(advised.advise(self.constants))
+                self.reports.append(advised.advise(steps, self.constants))
             except TypeError as error:
                 rank_zero_warn(f"PrecisionAdvisor: {label} is not advised: {error}")
                 continue
@@ -222,7 +223,7 @@ class PrecisionAdvisor(Callback):
         moved = [position for position, advised in enumerate(self._advised) if advised.changed()]  # alike on every rank
         changed = []
         for position in moved:
-            report = self._advised[position].advise(self.constants)
+            report = self._advised[position].advise(self._steps, self.constants)
             if report.rows != self.reports[position].rows:  # a new plan may leave every stored format as it was
                 self.reports[position] = report
                 changed.append(position)
@@ -238,7 +239,7 @@ class PrecisionAdvisor(Callback):
             risky += [(advised.label, row) for row in report.risky]
             if trainer.is_global_zero:
                 self._publish(trainer, report, advised, why)
-        steps = self._advised[positions[0]].steps if positions else 0
+        steps = self._steps
         when = f" ({why})" if why else ""
         for label, row in risky:
             rank_zero_warn(f"PrecisionAdvisor: {_describe(label, row, steps)}{when}: " + " | ".join(row.reasons))
@@ -270,13 +271,12 @@ class _Advised:
     label: str
     index: int | None  # its position among several optimizers (the TensorBoard tag's suffix); None for one
     names: dict[torch.Tensor, str]
-    steps: int
     grads: str | None
     format_changes: int = 0
 
-    def advise(self, constants: Mapping[tuple[str, str, str], float] | None) -> PrecisionReport:
+    def advise(self, steps: int, constants: Mapping[tuple[str, str, str], float] | None) -> PrecisionReport:
         self.format_changes = getattr(self.optimizer, "format_changes", 0)
-        return advise(self.optimizer, self.steps, grads=self.grads, names=self.names, constants=constants)
+        return advise(self.optimizer, steps, grads=self.grads, names=self.names, constants=constants)
 
     def changed(self) -> bool:
         return getattr(self.optimizer, "format_changes", 0) != self.format_changes

@@ -90,7 +90,7 @@ def state_rows(trainer: pl.Trainer) -> list[StateRow]:
     optimizers = quantized_optimizers(trainer)
     holders = [item for optimizer in optimizers for item in (optimizer, *(p for g in optimizer.param_groups for p in g["params"]))]
     # a wrapped optimizer's states appear at its first step (RMSprop, NAdam...): rows built before it would stay empty
-    wrapped = [_wrapped_state_names(optimizer) for optimizer in optimizers if not optimizer.state_names]
+    wrapped = {optimizer: _wrapped_state_names(optimizer) for optimizer in optimizers if not optimizer.state_names}
     cached = _ROWS.get(trainer)  # compared by identity: an id() of a discarded optimizer can be reused by a new one
     if (
         cached is None
@@ -98,17 +98,18 @@ def state_rows(trainer: pl.Trainer) -> list[StateRow]:
         or len(cached[0]) != len(holders)
         or any(a is not b for a, b in zip(cached[0], holders, strict=True))
     ):
-        cached = _ROWS[trainer] = (holders, _build_state_rows(trainer), wrapped)
+        cached = _ROWS[trainer] = (holders, _build_state_rows(trainer, wrapped), wrapped)
     return cached[1]
 
 
-def _build_state_rows(trainer: pl.Trainer) -> list[StateRow]:
+def _build_state_rows(trainer: pl.Trainer, wrapped: dict[QuantizedStates, tuple[str, ...]]) -> list[StateRow]:
+    """The rows of ``state_rows``; ``wrapped``: the state names of the wrapped optimizers (``_wrapped_state_names``)."""
     model = trainer.strategy.model if trainer.strategy.model is not None else trainer.lightning_module
     names = {param: clean_parameter_name(name) for name, param in model.named_parameters()}
     rows = []
     for optimizer in quantized_optimizers(trainer):
         fallback = optimizer.param_names()
-        state_names = optimizer.state_names or _wrapped_state_names(optimizer)
+        state_names = optimizer.state_names or wrapped[optimizer]
         if optimizer.counts_weight_stalls:
             state_names = (*state_names, WEIGHT_STALLS)
         for group in optimizer.param_groups:
