@@ -637,8 +637,7 @@ def grid_layouts(m_name: str) -> list:
 @pytest.mark.parametrize("m_name", ["int8", "int8_linear"])
 def test_kernel_weight_grid_step_is_the_reference_bit_for_bit(m_name, param_name, grid_name, eco, options):
     """Round to nearest on a cast-format weight grid: over 3 steps the kernel's params (in their dtype), ``m`` (with
-    ECO's feedback) and ``v`` codes and scales equal ``adam_step_quantized``'s bit for bit, and without ECO its stall
-    counts too (the dispatcher sends ECO with ``track_stalls`` to the reference path)."""
+    ECO's feedback) and ``v`` codes and scales equal ``adam_step_quantized``'s bit for bit, and so do its stall counts."""
     group, grid, dtype = grid_group(eco, **options), get_weight_grid(grid_name), DTYPES[param_name]
     params, states, references = [], [], []
     for seed, (m_format, v_format, numel) in enumerate(grid_layouts(m_name)):
@@ -649,10 +648,10 @@ def test_kernel_weight_grid_step_is_the_reference_bit_for_bit(m_name, param_name
         grads = [
             (torch.randn(p.numel(), generator=torch.Generator().manual_seed(10 * step + k)) * 0.1).to(dtype) for k, p in enumerate(params)
         ]
-        rows = native_adam_steps(params, grads, states, group, track_stalls=not eco, weights=[grid] * len(params))
+        rows = native_adam_steps(params, grads, states, group, track_stalls=True, weights=[grid] * len(params))
         assert all(row[:2] == [1, 1] for row in rows)
         for row, (reference_param, reference_state), grad in zip(rows, references, grads, strict=True):
-            assert row[2:] == reference_grid_step(reference_param, grad, reference_state, group, grid, eco=eco, track=not eco)
+            assert row[2:] == reference_grid_step(reference_param, grad, reference_state, group, grid, eco=eco, track=True)
         for k, (param, state, (reference_param, reference_state)) in enumerate(zip(params, states, references, strict=True)):
             assert param.dtype == dtype and torch.equal(
                 param.view(-1, 1).view(torch.uint8), reference_param.view(-1, 1).view(torch.uint8)
@@ -935,7 +934,7 @@ def test_fp32_state_parameters_on_a_weight_grid_join_the_native_call(weights, dt
         ({"weights": "fp16", "weight_rounding": "stochastic"}, torch.float16, "native"),
         ({"weights": "bf16"}, torch.float32, "native"),
         ({"error_feedback": "eco"}, torch.bfloat16, "native"),  # the parameter's dtype is its grid
-        ({"weights": "bf16", "error_feedback": "eco", "track_stalls": True}, torch.bfloat16, "reference"),  # ECO's stall counts
+        ({"weights": "bf16", "error_feedback": "eco", "track_stalls": True}, torch.bfloat16, "native"),  # counted on copies
         ({"weights": "bf16", "error_feedback": "eco_exact"}, torch.bfloat16, "reference"),
         ({"weights": "fp8_e4m3"}, torch.float32, "reference"),  # a block-scaled grid
         ({}, torch.bfloat16, "reference"),  # without a grid the kernel takes fp32 parameters only

@@ -506,12 +506,13 @@ else:
         assert calls == [True] * 3, "the kernel ran with ECO"
 
     def test_weight_grid_dispatch(monkeypatch):
-        """The ``triton`` row takes cast-format grids with ``error_feedback`` None or "eco" (not "eco" with stall
-        counts); block-scaled grids and "eco_exact" take the reference path; weight SR draws reproducible seeds."""
+        """The ``triton`` row takes cast-format grids with ``error_feedback`` None or "eco" (with stall counts too:
+        ECO's are counted on copies); block-scaled grids and "eco_exact" take the reference path; weight SR draws
+        reproducible seeds."""
         monkeypatch.setattr(dispatch, "TRITON_DEVICE_TYPES", ("cuda", "cpu"))
         monkeypatch.setattr(dispatch, "native_kernel_available", lambda: False)  # the C++ step would come first on "cpu"
         cases = [
-            ({"weights": "bf16", "error_feedback": "eco", "track_stalls": True}, "reference"),
+            ({"weights": "bf16", "error_feedback": "eco", "track_stalls": True}, "triton"),
             ({"weights": "fp8_e4m3", "error_feedback": "eco"}, "reference"),
             ({"weights": "bf16", "error_feedback": "eco_exact"}, "reference"),
             ({"weights": "bf16", "track_stalls": True}, "triton"),

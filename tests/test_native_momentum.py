@@ -136,9 +136,9 @@ def test_native_stall_counts_are_the_reference_paths(case):
 
 
 def test_paths_that_stay_on_the_reference():
-    """fp32 buffers (a parameter under ``min_quant_size``: its first step too; not on a weight grid), block-scaled weight grids, ECO with
-    ``track_stalls``, momentum 0 and ``cpu_compile=False`` take the reference path; every step of a coded buffer, QSGD's
-    first (which creates it) too, the native one."""
+    """fp32 buffers (a parameter under ``min_quant_size``: its first step too; not on a weight grid), block-scaled weight
+    grids, momentum 0 and ``cpu_compile=False`` take the reference path; every step of a coded buffer, QSGD's first
+    (which creates it) too, the native one, ECO's with ``track_stalls`` too."""
     weight = torch.nn.Parameter(torch.randn(64, 64))
 
     def paths(optimizer, steps=1) -> list[str]:
@@ -160,7 +160,7 @@ def test_paths_that_stay_on_the_reference():
     assert paths(lq.QSGD([weight], lr=0.01, momentum=0.9, min_quant_size=0, weights="bf16"), 2) == ["native"] * 2
     assert paths(lq.QSGD([weight], lr=0.01, momentum=0.9, min_quant_size=0, weights="int8"), 2) == ["reference"] * 2  # block-scaled
     tracked = lq.QSGD([weight], lr=0.01, momentum=0.9, min_quant_size=0, weights="bf16", error_feedback="eco", track_stalls=True)
-    assert paths(tracked, 2) == ["reference"] * 2  # ECO's correction counts are the reference path's
+    assert paths(tracked, 2) == ["native"] * 2  # ECO's corrections counted on copies (a tracked step trains as any)
     slow = lq.QMuon([weight], lr=0.01, min_quant_size=0)
     slow.cpu_compile = False
     assert paths(slow) == ["reference"]
@@ -217,18 +217,34 @@ def test_plain_buffers_on_a_weight_grid_take_the_native_path_bit_for_bit(param_d
         assert a.dtype == param_dtype and same_bits(a.detach(), b.detach())
 
 
-@pytest.mark.parametrize("optimizer", ["sgd", "muon"])
+@pytest.mark.parametrize("optimizer, feedback", [("sgd", None), ("sgd", "eco"), ("muon", None)])
 @pytest.mark.parametrize("param_dtype, grid", [(torch.float32, "bf16"), (torch.float16, "fp16")], ids=["fp32 on bf16", "float16 on fp16"])
-def test_momentum_on_a_weight_grid_counts_stalls_as_the_reference_path(param_dtype, grid, optimizer):
+def test_momentum_on_a_weight_grid_counts_stalls_as_the_reference_path(param_dtype, grid, optimizer, feedback):
     """``track_stalls`` with ``track_weight_stalls``: the buffer's and the weights' stall counts of QSGD and QMuon on a
-    weight grid are the reference path's (the weights' from the update run again on copies, for every path alike)."""
-    counts = [
-        tracked_step_counts(*run_on_grid(param_dtype, grid, None, "int4", range(3), native_path, track_stalls=True, optimizer=optimizer),
-                            native_path, param_dtype)
-        for native_path in (True, False)
-    ]  # fmt: skip
+    weight grid, and those of ECO's corrections of SGD's buffer, are the reference path's (the weights' and ECO's from the
+    update run again on copies, for every path alike)."""
+    runs = [
+        (run_on_grid(param_dtype, grid, feedback, "int4", range(3), native, track_stalls=True, optimizer=optimizer), native)
+        for native in (True, False)
+    ]
+    counts = [tracked_step_counts(*run, native, param_dtype) for run, native in runs]
     assert list(counts[0].values()) == list(counts[1].values())
-    assert all("weights" in by_name for by_name in counts[0].values())
+    expected = {"momentum_buffer", "weights"} | ({"eco_correction"} if feedback else set())
+    assert all(set(by_name) == expected for by_name in counts[0].values())
+
+
+def test_tracking_changes_no_bit_of_an_eco_run():
+    """QSGD with ECO and stochastic rounding of buffer and weights: tracked steps (``StallMonitor``'s, the advisor's)
+    take the native path as untracked ones do, so a run tracked at every step ends with the same bits (the reference
+    path, which tracked ECO steps took before, draws other random bits)."""
+    options = {"rounding": "stochastic", "weight_rounding": "stochastic"}
+    untracked = run_on_grid(torch.bfloat16, "bf16", "eco", "int8", range(4), **options)
+    tracked = run_on_grid(torch.bfloat16, "bf16", "eco", "int8", range(4), track_stalls=True, **options)
+    assert set(tracked[1].step_paths().values()) == {"native"}
+    for a, b in zip(buffers(untracked[1], untracked[0]), buffers(tracked[1], tracked[0]), strict=True):
+        assert same_bits(a.codes, b.codes) and same_bits(a.scales, b.scales)
+    assert all(same_bits(a.detach(), b.detach()) for a, b in zip(untracked[0], tracked[0], strict=True))
+    assert all("eco_correction" in by_name for by_name in tracked[1].stall_stats().values())
 
 
 @pytest.mark.parametrize("optimizer, feedback", [("sgd", None), ("sgd", "eco"), ("muon", None)])
@@ -304,6 +320,38 @@ def test_a_buffer_that_overflows_raises():
     optimizer.step()  # the buffer: the gradient
     with pytest.raises(FloatingPointError, match="momentum buffer overflowed"):
         optimizer.step()
+
+
+# Gradients of param0 whose second takes its buffer past fp32's range (SGD: 0.9 buf + grad, its first step finite; Muon,
+# 0.9 (grad - buf)), and the steps at which param1 has a gradient (SGD's buffer of param1 is created at the overflow step).
+OVERFLOWS = {"sgd": ({"momentum": 0.9}, (1.7e38, 3e38), (1,)), "muon": ({"momentum": 0.1}, (3e38, -3e38), (0, 1))}
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "muon"])
+def test_a_buffer_that_overflows_leaves_the_other_parameters_stepped(optimizer):
+    """One parameter's buffer overflows in a group's C++ call: the other's step is complete (QMuon's orthogonalized
+    update applied to the buffer the call advanced; QSGD's buffer created at that step kept; stall counts kept), as in a
+    run without the overflowing parameter, and the overflowed one's buffer is zeroed."""
+    (cls, hyper), (momentum, values, sibling_steps) = GRID_OPTIMIZERS[optimizer], OVERFLOWS[optimizer]
+    runs = []
+    for with_overflow in (True, False):
+        params = [torch.nn.Parameter(torch.zeros(64, 64)), torch.nn.Parameter(gradient((64, 64), 99))]
+        opt = cls(params if with_overflow else params[1:], min_quant_size=0, states="int8", track_stalls=True, **{**hyper, **momentum})
+        for step, value in enumerate(values):
+            params[0].grad = torch.full((64, 64), value)
+            params[1].grad = gradient((64, 64), step) if step in sibling_steps else None
+            if not (with_overflow and step == 1):
+                opt.step()
+                continue
+            with pytest.raises(FloatingPointError, match=r"momentum buffer overflowed.*\['param0'\]"):
+                opt.step()
+            assert opt.step_paths() == {"param0": "native", "param1": "native"}
+            assert not opt.state[params[0]]["momentum_buffer"].dequantize().any()
+        counts = {name: c.tolist() for name, c in opt.stall_counts().get(params[1], {}).items()}
+        runs.append((params[1].detach().clone(), opt.state[params[1]]["momentum_buffer"], counts))
+    (weights, buffer, counts), (alone_weights, alone_buffer, alone_counts) = runs
+    assert same_bits(weights, alone_weights) and all(same_bits(getattr(buffer, n), getattr(alone_buffer, n)) for n in ("codes", "scales"))
+    assert counts == alone_counts and (optimizer == "sgd" or counts)
 
 
 @pytest.mark.parametrize("states", ["int4", "bf16"])

@@ -71,9 +71,9 @@ def _candidates(momentum: bool) -> list[Candidate]:
             momentum=0.9, rounding="nearest", weights=weights,
         )  # fmt: skip
         grid = weight_grid(weights, {"error_feedback": None, "weight_block": "row"}, zeros)
-        recorded.append(Candidate(param, grad, group, state, True, grid, False, {}))
+        recorded.append(Candidate(param, grad, group, state, True, grid, {}))
         if momentum:  # SGD's first step: the buffer is created by the step
-            recorded.append(Candidate(param, grad, group, {"step": state["step"]}, True, grid, False, {"momentum_buffer": int8}))
+            recorded.append(Candidate(param, grad, group, {"step": state["step"]}, True, grid, {"momentum_buffer": int8}))
     return recorded
 
 

@@ -16,7 +16,7 @@ import lightning_qstate as lq
 from lightning_qstate.formats import QuantizedTensor
 from lightning_qstate.kernels import dispatch
 from lightning_qstate.kernels.native import native_kernel_available
-from lightning_qstate.optim import WEIGHT_STALLS, QuantizedStates
+from lightning_qstate.optim import FEEDBACK_STALLS, WEIGHT_STALLS, QuantizedStates
 
 
 @pytest.fixture(autouse=True)
@@ -141,6 +141,12 @@ def path_configurations() -> list[tuple[str, dict, torch.dtype, int]]:
         ("bf16_grid_fused", {"states": "int8", "weights": "bf16"}, torch.float32, 1 << 16),
         ("bf16_grid_eco_exact", {"states": "int8", "weights": "bf16", "error_feedback": "eco_exact"}, torch.bfloat16, 4096),
         ("fp8_grid", {"states": "int8", "weights": "fp8_e4m3", "error_feedback": "eco"}, torch.float32, 4096),
+        (
+            "bf16_grid_eco_stochastic",
+            {"states": "int8", "rounding": "stochastic", "weights": "bf16", "weight_rounding": "stochastic", "error_feedback": "eco"},
+            torch.bfloat16,
+            1 << 16,
+        ),
     ]
 
 
@@ -156,7 +162,8 @@ def test_tracking_changes_no_bit_of_the_run(options, dtype, numel):
         states = {name: v.dequantize() if isinstance(v, QuantizedTensor) else v for name, v in optimizer.state[param].items()}
         runs.append((optimizer.step_paths(), param.detach().clone(), states))
         if track:
-            assert WEIGHT_STALLS in optimizer.stall_stats()["param0"]
+            stats = optimizer.stall_stats()["param0"]
+            assert WEIGHT_STALLS in stats and (FEEDBACK_STALLS in stats) == (options.get("error_feedback") == "eco")
     (paths, values, states), (tracked_paths, tracked_values, tracked_states) = runs
     assert paths == tracked_paths and torch.equal(values, tracked_values)
     assert all(torch.equal(states[name], tracked_states[name]) for name in states)
@@ -166,7 +173,7 @@ def test_untracked_steps_compute_no_intended_update(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("the weights' update was recomputed on an untracked step")
 
-    monkeypatch.setattr(QuantizedStates, "_intended_weights", refuse)
+    monkeypatch.setattr(QuantizedStates, "_intended_update", refuse)
     monkeypatch.setattr(dispatch, "FUSED_MIN_NUMEL", 1024)
     params = [torch.nn.Parameter(torch.randn(n)) for n in (4096, 2048, 64)]
     optimizer = lq.QAdamW([{"params": params[:1], "states": "int8"}, {"params": params[1:2], "states": "int4"}, {"params": params[2:]}])

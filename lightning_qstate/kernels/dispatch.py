@@ -63,8 +63,8 @@ class StepPath(str, enum.Enum):
 class Candidate:
     """One parameter at one step, as the requirements see it: local ``param``/``grad`` tensors (a shard's, under FSDP),
     its param ``group``, its ``state`` (initialized), whether the optimizer allows compiled CPU paths, the grid its
-    values are kept on without master weights (``None``: torch's behaviour; ``optim/weights.py``), whether the
-    optimizer counts stalls, and the states this step creates with the formats the policy gives them (SGD's first
+    values are kept on without master weights (``None``: torch's behaviour; ``optim/weights.py``), and the states this
+    step creates with the formats the policy gives them (SGD's first
     ``momentum_buffer``; ``None``: a plain tensor)."""
 
     param: torch.Tensor
@@ -73,7 +73,6 @@ class Candidate:
     state: dict
     compile_cpu: bool
     weights: WeightGrid | None = None
-    track_stalls: bool = False
     created: Mapping[str, StorageFormat | None] = field(default_factory=dict)
 
 
@@ -108,16 +107,16 @@ def no_weight_grid(c: Candidate) -> bool:
 def fused_weight_update(c: Candidate) -> bool:
     """No weight grid, or one the fused steps (C++, Triton, compiled) round to: a cast format's (elementwise) that the
     parameter's dtype holds exactly (its own dtype's, or any on an fp32 parameter), with ``error_feedback`` ``None`` or
-    ``"eco"``, and not ``"eco"`` with ``track_stalls``. Block-scaled grids, ``"eco_exact"``'s buffer, the counts of
-    ECO's corrections and a grid whose ``round`` is not ``WeightGrid``'s (a subclass's quantizer, which only the
-    reference path calls) are the reference path's."""
+    ``"eco"`` (tracked steps count ECO's corrections beside them: ``QuantizedStates._intended_updates``). Block-scaled
+    grids, ``"eco_exact"``'s buffer and a grid whose ``round`` is not ``WeightGrid``'s (a subclass's quantizer, which
+    only the reference path calls) are the reference path's."""
     if c.weights is None:
         return True
     if type(c.weights).round is not WeightGrid.round:
         return False
     feedback = c.group["error_feedback"]
     held = c.weights.cast_dtype is not None and c.param.dtype in (c.weights.cast_dtype, torch.float32)
-    return held and feedback in (None, "eco") and not (feedback == "eco" and c.track_stalls)
+    return held and feedback in (None, "eco")
 
 
 def both_moments_quantized(c: Candidate) -> bool:
@@ -360,5 +359,5 @@ def fused_adam_step(
         counts = compiled_cpu_step(param, grad, m, v, hyper, group, track_stalls, weights)
     scales = [q.scales for q in (m, v) if q.scales is not None]
     if scales and not bool(torch.stack([torch.isfinite(s).all() for s in scales]).all()):  # one host sync
-        raise StateOverflowError("an Adam moment overflowed to inf/NaN during the step", [0])
+        raise StateOverflowError("an Adam moment overflowed to inf/NaN during the step", [0], counts)
     return counts

@@ -115,6 +115,7 @@ import os
 import sys
 import warnings
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -322,11 +323,13 @@ def _grid_rows(weights: list[WeightGrid | None], group: dict) -> torch.Tensor:
 class StateOverflowError(FloatingPointError):
     """A state a fused step (C++ here; ``dispatch.fused_adam_step``'s compiled and Triton steps too) wrote in place overflowed
     fp32 (a block scale that is not finite); ``overflowed``: the positions, among the parameters given, of those whose
-    codes and scales are not to be trusted (the optimizer zeroes them: ``QuantizedStates._zeroing_overflowed``)."""
+    codes and scales are not to be trusted (the optimizer zeroes them: ``QuantizedStates._fused_call``); ``results``:
+    what the step returns, the other parameters' steps being done (their rows, their updates)."""
 
-    def __init__(self, message: str, overflowed: list[int]) -> None:
+    def __init__(self, message: str, overflowed: list[int], results: Any) -> None:
         super().__init__(message)
         self.overflowed = overflowed
+        self.results = results
 
 
 def native_adam_steps(
@@ -354,6 +357,10 @@ def native_adam_steps(
     ``seeds``: per parameter the seed of its stochastic rounding (used only there).
     ``moment_seeds``: per parameter the seeds of ``m`` and ``v`` where ``group["rounding"]`` is ``"stochastic"``
     (element ``i`` of a moment rounds with splitmix64 draw ``i`` of its seed).
+
+    Raises:
+        StateOverflowError: a moment overflowed to inf/NaN (its block scale is not finite); its ``results`` are this
+            function's (the other parameters stepped).
     """
     weights = weights or [None] * len(states)
     seeds = seeds or [0] * len(states)
@@ -405,12 +412,12 @@ def native_adam_steps(
             del states[k][MOMENT_BOUND_STATE]
         else:
             states[k][MOMENT_BOUND_STATE] = bound
-    overflowed = [k for k, row in zip(order, rows, strict=False) if row[0] and not row[1]]
-    if overflowed:
-        raise StateOverflowError("an Adam moment overflowed to inf/NaN during the step", overflowed)
     by_param = [None] * len(states)
     for k, row in zip(order, rows, strict=False):
         by_param[k] = row if quantized[k] else row[:2] + [0, 0, 0, 0]
+    overflowed = [k for k, row in enumerate(by_param) if row[0] and not row[1]]
+    if overflowed:
+        raise StateOverflowError("an Adam moment overflowed to inf/NaN during the step", overflowed, by_param)
     return by_param
 
 
@@ -460,7 +467,8 @@ def native_momentum_steps(
     and scales are written, not read: ``StorageFormat.allocate``).
 
     Raises:
-        StateOverflowError: a buffer overflowed to inf/NaN (its block scale is not finite).
+        StateOverflowError: a buffer overflowed to inf/NaN (its block scale is not finite); its ``results`` are this
+            function's (the other parameters stepped).
     """
     count = len(params)
     weights, weight_seeds, eco = weights or [None] * count, weight_seeds or [0] * count, eco or [0.0] * count
@@ -491,11 +499,12 @@ def native_momentum_steps(
         maximize=bool(group.get("maximize", False)),
         track=track_stalls,
     ).tolist()
+    rows = [row if quantized else row[:2] + [0, 0] for row, quantized in zip(rows, coded, strict=True)]
+    results = rows, updates or [None] * len(params)
     overflowed = [k for k, row in enumerate(rows) if row[0] and not row[1]]
     if overflowed:
-        raise StateOverflowError("a momentum buffer overflowed to inf/NaN during the step", overflowed)
-    rows = [row if quantized else row[:2] + [0, 0] for row, quantized in zip(rows, coded, strict=True)]
-    return rows, updates or [None] * len(params)
+        raise StateOverflowError("a momentum buffer overflowed to inf/NaN during the step", overflowed, results)
+    return results
 
 
 def native_kernel_available() -> bool:

@@ -16,6 +16,7 @@ import sys
 import warnings
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
@@ -76,6 +77,20 @@ FEEDBACK_STALLS = "eco_correction"
 WEIGHT_STALLS = "weights"
 # The name of the stochastic-rounding stream of the gradients (``grads=``), next to the states' names.
 GRADIENT_STREAM = "grads"
+
+
+@dataclass(frozen=True)
+class _Intended:
+    """What a tracked step's update intends for one parameter, computed on copies before a path that does not count
+    stalls itself steps it (``QuantizedStates._intended_updates``): the parameter, its param group, its local values
+    before the step, the entries the update moves (``None``: its ``WEIGHT_STALLS`` are not counted) and, for ECO's
+    corrections, ``(θ̃, the updated states before the correction, the state copy the update ran on)``."""
+
+    key: torch.Tensor
+    group: dict
+    before: torch.Tensor
+    moved: torch.Tensor | None
+    feedback: tuple[torch.Tensor, dict[str, torch.Tensor], dict] | None
 
 
 def mix64(*values: int) -> int:
@@ -601,8 +616,10 @@ class QuantizedStates:
 
     def _step_params(self) -> None:
         """Step every parameter that has a gradient: each param group's parameters are planned onto their paths
-        (``_planned_paths``) and each path runs once per group (``_run_path``)."""
+        (``_planned_paths``) and each path runs once per group (``_run_path``); ``step_paths()`` tells them, also after
+        a step that raised."""
         taken: dict[torch.Tensor, StepPath] = {}
+        self._taken_paths = taken
         for index, group in enumerate(self.param_groups):
             keys = self._params_with_grads(group)
             by_path: dict[StepPath, list[torch.Tensor]] = {}
@@ -614,7 +631,6 @@ class QuantizedStates:
             for key in keys:  # a parameter that got no state (SGD without momentum) gets no entry, as in torch
                 if not self.state[key]:
                     del self.state[key]
-        self._taken_paths = taken
 
     def _planned_paths(self, index: int, group: dict, keys: list[torch.Tensor]) -> list[StepPath]:
         """The paths of ``keys`` (of ``group``, ``param_groups[index]``) by ``kernels.dispatch.plan_group`` over
@@ -630,15 +646,14 @@ class QuantizedStates:
                 (param, local_tensor(key.grad), state, self.weight_grid(group, key, param), self._created_states(group, key, state))
             )
         inputs = (
-            self.step_path_table, self.cpu_compile, self.track_stalls, dispatch.TRITON_DEVICE_TYPES, dispatch.FUSED_MIN_NUMEL,
+            self.step_path_table, self.cpu_compile, dispatch.TRITON_DEVICE_TYPES, dispatch.FUSED_MIN_NUMEL,
             dispatch.native_kernel_available, *(group.get(option) for option in PLAN_OPTIONS), *(plan_inputs(*row) for row in rows),
         )  # fmt: skip
         plans = self.__dict__.setdefault("_plans", {})
         if index in plans and plans[index][0] == inputs:
             return plans[index][1]
         candidates = [
-            Candidate(param, grad, group, state, self.cpu_compile, weights, self.track_stalls, created)
-            for param, grad, state, weights, created in rows
+            Candidate(param, grad, group, state, self.cpu_compile, weights, created) for param, grad, state, weights, created in rows
         ]
         paths = plan_group(self.step_path_table, candidates)
         plans[index] = (inputs, paths)
@@ -703,9 +718,9 @@ class QuantizedStates:
         states = {name: _decoded(state[name], decode_as) for name in self.state_names if state.get(name) is not None}
         before = {name: value.clone() for name, value in states.items() if self.track_stalls and isinstance(state[name], QuantizedTensor)}
         if grid is None:
-            targets = self._weight_targets(group, [key])
+            targets = self._intended_updates(group, [key])
             self._update(group, param, grad, states, state)
-            self._count_weight_stalls(targets)
+            self._count_intended_stalls(targets)
         else:  # counts its weights' stalls from its own fp32 θ̃
             self._update_weights(group, key, param, grad, states, state, grid)
         for name, value in states.items():
@@ -843,29 +858,45 @@ class QuantizedStates:
         return torch.float32 if self.weight_grid(group, key) is not None else local_tensor(key).dtype
 
     # --- stall statistics -----------------------------------------------------------------------------
-    def _weight_targets(self, group: dict, keys: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-        """With ``track_stalls`` and ``track_weight_stalls``, before the parameters ``keys`` (of ``group``) are stepped: per
-        parameter, ``(key, a copy of its local values, bool mask of the entries this step's update moves)``, for
-        ``_count_weight_stalls`` once they are stepped; ``[]`` otherwise (untracked steps pay nothing).
+    def _intended_updates(self, group: dict, keys: list[torch.Tensor]) -> list[_Intended]:
+        """With ``track_stalls``, before a path that does not count them itself (all but the reference path's weight
+        grids) steps the parameters ``keys`` (of ``group``): per parameter whose stalls this step counts, what its update
+        intends (``_Intended``), for ``_count_intended_stalls`` once they are stepped; ``[]`` otherwise (untracked steps pay
+        nothing). Counted are the parameters' own stalls (``WEIGHT_STALLS``, with ``track_weight_stalls``) and, for a
+        parameter on a weight grid with ``error_feedback="eco"`` and a quantized momentum, ECO's corrections
+        (``FEEDBACK_STALLS``, as ``_update_weights`` counts them).
 
-        The update is run once more, on copies (``_intended_weights``), so every step path counts alike without changing
-        what it computes; tracked steps pay that second update and, on the paths that step a whole group in one call
-        (``native``, ``multi_tensor``), the copies of that group's parameters at once.
+        The update is run once more, on copies (``_intended_update``), so every step path counts alike without changing
+        what it computes (a tracked step trains as an untracked one); tracked steps pay that second update and, on the
+        paths that step a whole group in one call (``native``, ``multi_tensor``), the copies of that group's parameters
+        at once.
         """
-        if not (self.track_stalls and self.track_weight_stalls and self.counts_weight_stalls):
+        if not self.track_stalls:
             return []
+        weights = self.track_weight_stalls and self.counts_weight_stalls
+        momentum = self.state_names[0] if self.state_names else None
         targets = []
         for key in keys:
-            param = local_tensor(key)
-            intended = self._intended_weights(group, key, param, local_tensor(key.grad), self.state[key])
-            targets.append((key, param.clone(), intended != param))
+            param, state = local_tensor(key), self.state[key]
+            feedback = (
+                group["error_feedback"] == "eco"
+                and isinstance(state.get(momentum), QuantizedTensor)
+                and self.weight_grid(group, key, param) is not None
+            )
+            if weights or feedback:
+                master, states, copies = self._intended_update(group, key, param, local_tensor(key.grad), state)
+                replay = (master, states, copies) if feedback else None
+                targets.append(_Intended(key, group, param.clone(), master != param if weights else None, replay))
         return targets
 
-    def _intended_weights(self, group: dict, key: torch.Tensor, param: torch.Tensor, grad: torch.Tensor, state: dict) -> torch.Tensor:
+    def _intended_update(
+        self, group: dict, key: torch.Tensor, param: torch.Tensor, grad: torch.Tensor, state: dict
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict]:
         """The values this step's update gives ``param`` before they are stored, computed on copies (nothing changes):
         in fp32 for a parameter kept on a weight grid (``θ̃`` of ``_update_weights``, from the stored ``θ̂`` plus
         ``eco_exact``'s error: its update runs in fp32 by design), else in float64, so that an update too small for the
-        parameter's dtype (a bf16 one's, or one below half an fp32 ulp of an fp32 one) still counts as moved."""
+        parameter's dtype (a bf16 one's, or one below half an fp32 ulp of an fp32 one) still counts as moved; with the
+        updated states (decoded, before ECO's correction) and the copy of ``state`` the update ran on."""
         grid = self.weight_grid(group, key, param)
         wide = torch.float32 if grid is not None else torch.float64
         master = param.to(wide, copy=True)
@@ -874,19 +905,26 @@ class QuantizedStates:
         states = {name: _decoded(state[name], wide) for name in self.state_names if state.get(name) is not None}
         copies = {name: value.clone() if isinstance(value, torch.Tensor) and value.ndim == 0 else value for name, value in state.items()}
         self._update(group, master, grad.to(wide), states, copies)  # copies: the scalar ``step`` moves on its own copy
-        return master
+        return master, states, copies
 
-    def _count_weight_stalls(self, targets: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
-        """Count, per stepped parameter of ``targets`` (``_weight_targets``), the entries its update moved and those of
-        them whose stored value stayed put, as ``[stalled, moved]`` of the pseudo-state ``WEIGHT_STALLS``; parameters the
-        non-finite policy skipped this step are left out."""
+    def _count_intended_stalls(self, targets: list[_Intended], overflowed: Iterable[torch.Tensor] = ()) -> None:
+        """Count, per stepped parameter of ``targets`` (``_intended_updates``), the entries its update moved and those of
+        them whose stored value stayed put, as ``[stalled, moved]`` of the pseudo-state ``WEIGHT_STALLS``, and ECO's
+        corrections of the error ``θ̃ − θ̂`` the step's rounding made (``_feed_back_error`` on the intended update's
+        copies); parameters the non-finite policy skipped this step, and the ``overflowed`` ones, are left out."""
         if not targets:
             return
-        skipped = {id(param) for param in self.__dict__.get("_skipped", [])}
-        for key, before, moved in targets:
-            if id(key) not in skipped:
-                stalled = moved & (local_tensor(key) == before)
-                self._add_stall_counts(key, WEIGHT_STALLS, torch.stack([stalled.sum(), moved.sum()]))
+        skipped = {id(param) for param in (*self.__dict__.get("_skipped", []), *overflowed)}
+        for target in targets:
+            if id(target.key) in skipped:
+                continue
+            stored = local_tensor(target.key)
+            if target.moved is not None:
+                stalled = target.moved & (stored == target.before)
+                self._add_stall_counts(target.key, WEIGHT_STALLS, torch.stack([stalled.sum(), target.moved.sum()]))
+            if target.feedback is not None:
+                master, states, copies = target.feedback
+                self._feed_back_error(target.group, target.key, master - stored.float(), states, copies)
 
     def _count_stalls(
         self, param: torch.Tensor, name: str, old: QuantizedTensor, before: torch.Tensor, updated: torch.Tensor, stored: QuantizedTensor
@@ -979,24 +1017,27 @@ class QuantizedStates:
         _drop_stale_bound(state)
         self.format_changes += 1
 
-    @contextlib.contextmanager
-    def _zeroing_overflowed(self, keys: list[torch.Tensor]) -> Iterator[None]:
-        """Around a fused step of ``keys`` (C++, compiled, Triton): where a state overflowed fp32, the step had already
-        written its codes and scales in place (NaN); the parameter's quantized states are zeroed, keeping their formats
-        (as a reset), so that no NaN stays in them and the next steps run, and the ``FloatingPointError`` is raised,
-        naming the parameters."""
+    def _fused_call(self, keys: list[torch.Tensor], call: Callable[[], Any], finish: Callable[[Any, frozenset[int]], None]) -> None:
+        """``finish(call(), frozenset())`` for a fused step of ``keys`` (C++, compiled, Triton). Where a state overflowed fp32
+        (``StateOverflowError``), the step had written its codes and scales in place (NaN) and stepped the other
+        parameters: the overflowed parameters' quantized states are zeroed, keeping their formats (as a reset), so
+        that no NaN stays in them and the next steps run, ``finish`` completes the others' steps from the results the
+        error carries, given the positions in ``keys`` it is to leave out, and a ``FloatingPointError`` naming the
+        overflowed parameters is raised."""
         try:
-            yield
+            results = call()
         except StateOverflowError as error:
             names = self.param_names()
             overflowed = [keys[k] for k in error.overflowed]
             for key in overflowed:
                 self.reset_states(key, [name for name, value in self.state[key].items() if isinstance(value, QuantizedTensor)])
+            finish(error.results, frozenset(error.overflowed))
             raise FloatingPointError(
                 f"{type(self).__name__}: {error} ({[names[key] for key in overflowed]}); the fused step had written its packed codes "
                 "in place, so the quantized states of these parameters were zeroed (as a reset). Lower the learning rate or clip "
                 "the gradients"
             ) from error
+        finish(results, frozenset())
 
     def _per_value_state(self, param: torch.Tensor, name: str, value: Any) -> bool:
         """Whether state ``name`` holds one value per parameter value: stored (quantized), or a floating tensor of the

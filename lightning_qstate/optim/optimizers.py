@@ -37,6 +37,7 @@ Example::
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -89,7 +90,7 @@ class _AdamStates(QuantizedStates):
             self._skip_nonfinite_grad(key)
         kept = [(key, grad) for key, grad, ok in zip(keys, grads, finite, strict=True) if ok]
         if kept:
-            targets = self._weight_targets(group, [key for key, _ in kept])
+            targets = self._intended_updates(group, [key for key, _ in kept])
             states = [self.state[key] for key, _ in kept]
             # torch's multi-tensor Adam takes neither autograd nor a tensor lr (unless capturable), and under torch.compile
             # its scalar lists of CPU step tensors do not trace (the per-tensor loop keeps them tensors)
@@ -100,7 +101,7 @@ class _AdamStates(QuantizedStates):
             low_precision = any(key.dtype in (torch.float16, torch.bfloat16) and key.device.type == "cpu" for key, _ in kept)
             multi_tensor = (group["foreach"] or (group["foreach"] is None and not low_precision)) and not unsupported
             self._adam(group, [local_tensor(key) for key, _ in kept], [grad for _, grad in kept], states, multi_tensor)
-            self._count_weight_stalls(targets)
+            self._count_intended_stalls(targets)
 
     def _native_steps(self, group: dict, keys: list[torch.Tensor]) -> None:
         """The ``native`` path: one C++ call for ``keys`` (``kernels.native``), with each parameter's weight grid and,
@@ -120,16 +121,19 @@ class _AdamStates(QuantizedStates):
             else (0, 0)
             for key in keys
         ]
-        targets = self._weight_targets(group, keys)
-        with self._zeroing_overflowed(keys):
-            rows = native_adam_steps(params, grads, states, group, self.track_stalls, weights, seeds, moment_seeds)
-        for key, state, row in zip(keys, states, rows, strict=True):
-            if not row[0]:
-                self._skip_nonfinite_grad(key)
-            elif self.track_stalls and isinstance(state["exp_avg"], QuantizedTensor):
-                self._add_stall_counts(key, "exp_avg", torch.tensor(row[2:4]))
-                self._add_stall_counts(key, "exp_avg_sq", torch.tensor(row[4:6]))
-        self._count_weight_stalls(targets)  # after the skips are known
+        targets = self._intended_updates(group, keys)
+
+        def finish(rows: list[list[int]], overflowed: frozenset[int]) -> None:
+            for k, (key, state, row) in enumerate(zip(keys, states, rows, strict=True)):
+                if not row[0]:
+                    self._skip_nonfinite_grad(key)
+                elif self.track_stalls and k not in overflowed and isinstance(state["exp_avg"], QuantizedTensor):
+                    self._add_stall_counts(key, "exp_avg", torch.tensor(row[2:4]))
+                    self._add_stall_counts(key, "exp_avg_sq", torch.tensor(row[4:6]))
+            self._count_intended_stalls(targets, [keys[k] for k in overflowed])  # after the skips are known
+
+        call = functools.partial(native_adam_steps, params, grads, states, group, self.track_stalls, weights, seeds, moment_seeds)
+        self._fused_call(keys, call, finish)
 
     def _fused_step(self, group: dict, key: torch.Tensor, param: torch.Tensor, grad: torch.Tensor, state: dict) -> None:
         """The ``triton`` or ``compiled`` path of one parameter (``kernels.dispatch.fused_adam_step``)."""
@@ -138,16 +142,19 @@ class _AdamStates(QuantizedStates):
         generator = self.rounding_generator(key, "moments", param.device) if stochastic else None
         # the compiled CPU step draws from torch's global generator: seed it from this step's stream, then restore it
         on_cpu = generator is not None and param.device.type == "cpu"
-        targets = self._weight_targets(group, [key])
+        targets = self._intended_updates(group, [key])
+
+        def finish(counts: torch.Tensor, overflowed: frozenset[int]) -> None:
+            if self.track_stalls and not overflowed:
+                self._add_stall_counts(key, "exp_avg", counts[:2])
+                self._add_stall_counts(key, "exp_avg_sq", counts[2:])
+                self._count_intended_stalls(targets)
+
         with torch.random.fork_rng(devices=[], enabled=on_cpu):
             if on_cpu:
                 torch.manual_seed(int(torch.randint(2**62, (1,), generator=generator)))
-            with self._zeroing_overflowed([key]):
-                counts = fused_adam_step(param, grad, state, group, self.track_stalls, generator, weights)
-        if self.track_stalls:
-            self._add_stall_counts(key, "exp_avg", counts[:2])
-            self._add_stall_counts(key, "exp_avg_sq", counts[2:])
-        self._count_weight_stalls(targets)
+            call = functools.partial(fused_adam_step, param, grad, state, group, self.track_stalls, generator, weights)
+            self._fused_call([key], call, finish)
 
     def _init_state(self, group: dict, key: torch.Tensor, param: torch.Tensor, state: dict) -> None:
         on_device = group["capturable"] or group["fused"]
@@ -374,7 +381,7 @@ class _MomentumStates(QuantizedStates):
         copies rounded onto the grid (``_round_to_grid``), as the reference path's ``_update_weights``."""
         params, grads = [local_tensor(key) for key in keys], [local_tensor(key.grad) for key in keys]
         weights = [self.weight_grid(group, key, param) for key, param in zip(keys, params, strict=True)]
-        targets = self._weight_targets(group, keys)
+        targets = self._intended_updates(group, keys)
         created = ["momentum_buffer" not in self.state[key] for key in keys]  # SGD's first step writes it (buf = d)
         buffers = [
             self._new_buffer(group, key, param) if new else self.state[key]["momentum_buffer"]
@@ -392,8 +399,7 @@ class _MomentumStates(QuantizedStates):
                 for param, grid in zip(params, weights, strict=True)
             ]
             fp32_grads = [grad if grad.dtype == torch.float32 else grad.float() for grad in grads]
-            with self._zeroing_overflowed(keys):
-                rows, updates = native_momentum_steps(masters, fp32_grads, buffers, group, True, self.track_stalls, seeds)
+            call = functools.partial(native_momentum_steps, masters, fp32_grads, buffers, group, True, self.track_stalls, seeds)
         else:  # SGD's whole step, onto its weight grid too
             weight_stochastic = group["weight_rounding"] == "stochastic"
             weight_seeds = [
@@ -402,26 +408,34 @@ class _MomentumStates(QuantizedStates):
             ]
             feedback = group["error_feedback"] == "eco"
             eco = [sgd_feedback_coefficient(group) if grid is not None and feedback else 0.0 for grid in weights]
-            with self._zeroing_overflowed(keys):
-                rows, updates = native_momentum_steps(
-                    params, grads, buffers, group, False, self.track_stalls, seeds, weights, weight_seeds, eco, created
-                )
-        for key, param, master, grid, row, update, buffer, new in zip(
-            keys, params, masters, weights, rows, updates, buffers, created, strict=True
-        ):
-            if not row[0]:  # a buffer this step was to create is not kept (torch's step makes none)
-                self._skip_nonfinite_grad(key)
-                continue
-            if new:
-                self.state[key]["momentum_buffer"] = buffer
-            elif self.track_stalls and isinstance(buffer, QuantizedTensor):  # a new or plain buffer has none (as on the reference path)
-                self._add_stall_counts(key, "momentum_buffer", torch.tensor(row[2:4]))
-            if update is None:
-                continue
-            self._apply_update(group, master, update)
-            if grid is not None:
-                param.copy_(self._round_to_grid(group, key, param, master, grid))
-        self._count_weight_stalls(targets)  # after the skips are known
+            call = functools.partial(
+                native_momentum_steps, params, grads, buffers, group, False, self.track_stalls, seeds, weights, weight_seeds, eco, created
+            )
+
+        def finish(results: tuple[list[list[int]], list[torch.Tensor | None]], overflowed: frozenset[int]) -> None:
+            """Keep each created buffer, count stalls and apply Muon's updates, but where a gradient was not finite
+            (a buffer this step was to create is not kept: torch's step makes none) or a buffer overflowed."""
+            rows, updates = results
+            for k, (key, param, master, grid, row, update, buffer, new) in enumerate(
+                zip(keys, params, masters, weights, rows, updates, buffers, created, strict=True)
+            ):
+                if not row[0]:
+                    self._skip_nonfinite_grad(key)
+                    continue
+                if k in overflowed:
+                    continue
+                if new:
+                    self.state[key]["momentum_buffer"] = buffer
+                elif self.track_stalls and isinstance(buffer, QuantizedTensor):  # a new or plain buffer has none (as on the reference path)
+                    self._add_stall_counts(key, "momentum_buffer", torch.tensor(row[2:4]))
+                if update is None:
+                    continue
+                self._apply_update(group, master, update)
+                if grid is not None:
+                    param.copy_(self._round_to_grid(group, key, param, master, grid))
+            self._count_intended_stalls(targets, [keys[k] for k in overflowed])  # after the skips are known
+
+        self._fused_call(keys, call, finish)
 
     def _new_buffer(self, group: dict, key: torch.Tensor, param: torch.Tensor) -> QuantizedTensor | torch.Tensor:
         """The buffer SGD's first step creates in the kernel (its values written, not read): in the policy's format, or
