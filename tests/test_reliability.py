@@ -354,6 +354,101 @@ def test_a_state_that_overflows_raises_floating_point_error_on_every_path(optimi
     assert torch.isfinite(weight).all()
 
 
+# Optimizer, options, and the gradients of the overflowing parameter (its second overflows a block-scaled state).
+OVERFLOWING = {
+    "QAdamW": ({"lr": 1e-3}, (1e-3, 1e21)),
+    "QSGD": ({"lr": 0.01, "momentum": 0.9}, (1.7e38, 3e38)),
+    "QMuon": ({"lr": 0.02, "momentum": 0.1}, (3e38, -3e38)),
+}
+
+
+def overflow_run(optimizer: str, cpu_compile: bool, overflow: bool, track: bool = False):
+    """Two param groups, ``[over, other (NaN gradient at the second step: skipped)]`` and ``[third]``, two steps;
+    ``over`` takes the overflowing gradients, or (``overflow=False``) none at the second step. Returns the params, the
+    optimizer, the second step's error, and ``over``'s state and stall counts just before that step."""
+    options, values = OVERFLOWING[optimizer]
+    generator = torch.Generator().manual_seed(0)
+    over, other, third = (torch.nn.Parameter(torch.randn(32, 32, generator=generator)) for _ in range(3))
+    opt = getattr(lq, optimizer)([{"params": [over, other]}, {"params": [third]}], **options, min_quant_size=0, track_stalls=track)
+    opt.cpu_compile = cpu_compile
+    error, kept = None, None
+    for step, value in enumerate(values):
+        over.grad = torch.full_like(over, value) if overflow or step == 0 else None
+        other.grad = torch.randn(32, 32, generator=generator)
+        third.grad = torch.randn(32, 32, generator=generator)
+        if step == 1:
+            other.grad[3, 4] = float("nan")
+            kept = dict(opt.state[over]), {k: c.clone() for (p, k), c in opt._stall_counts.items() if p is over}
+        try:
+            opt.step()
+        except FloatingPointError as caught:
+            error = caught
+    return (over, other, third), opt, error, kept
+
+
+@pytest.mark.parametrize("cpu_compile", [True, False], ids=["fused steps", "reference path"])
+@pytest.mark.parametrize("optimizer", list(OVERFLOWING))
+def test_an_overflow_stops_no_other_parameters_step(optimizer, cpu_compile):
+    """A state that overflows raises ``FloatingPointError`` once every other parameter is stepped: the rest of its group,
+    whatever path it took, and the later groups, with their skip counts (a NaN gradient beside it is still counted and
+    warned about) and their stall counts, as in a step without the overflowing parameter. The reference path keeps
+    the overflowed parameter's states (the same objects), step count and stall counts of before the step."""
+    with pytest.warns(RuntimeWarning, match=r"non-finite gradient.*param1"):
+        params, opt, error, (kept_state, kept_counts) = overflow_run(optimizer, cpu_compile, True, track=True)
+    with pytest.warns(RuntimeWarning, match=r"non-finite gradient.*param1"):
+        alone_params, alone, _, _ = overflow_run(optimizer, cpu_compile, False, track=True)
+    assert error is not None and "param0" in str(error) and "param1" not in str(error), error
+    assert opt.nonfinite_skips == alone.nonfinite_skips == 1
+    path = "native" if cpu_compile else "reference"
+    assert set(opt.step_paths().values()) == {path} and len(opt.step_paths()) == 3
+    counts = opt.stall_counts()
+    alone_counts = alone.stall_counts()
+    for k in (1, 2):
+        assert torch.equal(params[k], alone_params[k]), k
+        for name, value in opt.state[params[k]].items():
+            twin = alone.state[alone_params[k]][name]
+            assert torch.equal(value.dequantize(), twin.dequantize()) if isinstance(value, QuantizedTensor) else torch.equal(value, twin)
+        ours, theirs = counts.get(params[k], {}), alone_counts.get(alone_params[k], {})
+        assert {n: c.tolist() for n, c in ours.items()} == {n: c.tolist() for n, c in theirs.items()}
+    over_state = opt.state[params[0]]
+    if cpu_compile:  # written in place: zeroed
+        assert all(not v.dequantize().any() for v in over_state.values() if isinstance(v, QuantizedTensor))
+    else:
+        assert over_state.keys() == kept_state.keys() and all(
+            over_state[name] is value or torch.equal(over_state[name], value) for name, value in kept_state.items()
+        )
+        assert {n: c.tolist() for n, c in counts.get(params[0], {}).items()} == {n: c.tolist() for (n, c) in kept_counts.items()}
+
+
+@pytest.mark.parametrize("inner", [torch.optim.RMSprop, torch.optim.NAdam, torch.optim.Adagrad])
+def test_the_wrapper_keeps_its_states_quantized_through_an_overflow(inner):
+    """``quantize_optimizer`` of any optimizer: a state that overflows raises ``FloatingPointError`` naming its parameter,
+    which keeps its quantized states and step count of before the step; every state of the others is stepped and
+    stored quantized (they stayed decoded fp32 for good, one holding inf, and checkpoints marked them plain), and
+    ``step_paths()`` names the parameters stepped."""
+    generator = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(32, 32, generator=generator)) for _ in range(3)]
+    opt = lq.quantize_optimizer(inner(params, lr=1e-3), states="int8", min_quant_size=0)
+    for p in params:
+        p.grad = torch.randn(32, 32, generator=generator) * 1e-3
+    opt.step()
+    kept = dict(opt.state[params[0]])
+    counters = {name: value.clone() for name, value in kept.items() if type(value) is torch.Tensor}
+    params[0].grad = torch.full((32, 32), 1e21)
+    with pytest.raises(FloatingPointError, match=r"param0 overflowed"):
+        opt.step()
+    assert all(opt.state[params[0]][name] is value for name, value in kept.items() if isinstance(value, QuantizedTensor))
+    assert all(torch.equal(opt.state[params[0]][name], value) for name, value in counters.items())
+    assert opt.step_paths() == {"param0": "reference", "param1": "reference", "param2": "reference"}
+    for p in params:
+        p.grad = torch.randn(32, 32, generator=generator) * 1e-3
+    opt.step()
+    for p in params:
+        per_value = [v for v in opt.state[p].values() if isinstance(v, (torch.Tensor, QuantizedTensor)) and v.shape == p.shape]
+        assert per_value and all(isinstance(v, QuantizedTensor) and torch.isfinite(v.dequantize()).all() for v in per_value)
+    assert not any(k.endswith(".qstate_format") for entry in opt.state_dict()["state"].values() for k in entry)
+
+
 def test_skip_counters_are_checkpointed():
     """``nonfinite_skips`` and ``skipped_steps`` ride in the state dict (logged as cumulative, they restarted at 0 on a
     resume); a checkpoint without them (before 2026-11-28) loads with 0."""

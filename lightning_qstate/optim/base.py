@@ -79,6 +79,23 @@ WEIGHT_STALLS = "weights"
 GRADIENT_STREAM = "grads"
 
 
+class StatesOverflowError(FloatingPointError):
+    """A step's state overflowed fp32 where its format cannot store it; ``names``: the parameters it happened to. The
+    step went on with the other parameters, whose steps are complete; raised once it is done, naming them all."""
+
+    def __init__(self, message: str, names: list[str]) -> None:
+        super().__init__(message)
+        self.names = names
+
+
+def raise_overflows(errors: list[StatesOverflowError]) -> None:
+    """Raise ``errors`` (collected while the step went on) as one ``StatesOverflowError``; nothing where there are none."""
+    if len(errors) == 1:
+        raise errors[0]
+    if errors:
+        raise StatesOverflowError("; ".join(str(error) for error in errors), [name for error in errors for name in error.names])
+
+
 @dataclass(frozen=True)
 class _Intended:
     """What a tracked step's update intends for one parameter, computed on copies before a path that does not count
@@ -616,10 +633,11 @@ class QuantizedStates:
 
     def _step_params(self) -> None:
         """Step every parameter that has a gradient: each param group's parameters are planned onto their paths
-        (``_planned_paths``) and each path runs once per group (``_run_path``); ``step_paths()`` tells them, also after
-        a step that raised."""
+        (``_planned_paths``) and each path runs once per group (``_run_path``); ``step_paths()`` tells them. Where a
+        state overflows (``StatesOverflowError``) every other parameter is still stepped, then the error is raised."""
         taken: dict[torch.Tensor, StepPath] = {}
         self._taken_paths = taken
+        errors = []  # a state that overflows stops no other parameter's step: raised at the end, naming them all
         for index, group in enumerate(self.param_groups):
             keys = self._params_with_grads(group)
             by_path: dict[StepPath, list[torch.Tensor]] = {}
@@ -627,10 +645,14 @@ class QuantizedStates:
                 by_path.setdefault(path, []).append(key)
                 taken[key] = path
             for path, members in by_path.items():
-                self._run_path(path, group, members)
+                try:
+                    self._run_path(path, group, members)
+                except StatesOverflowError as error:
+                    errors.append(error)
             for key in keys:  # a parameter that got no state (SGD without momentum) gets no entry, as in torch
                 if not self.state[key]:
                     del self.state[key]
+        raise_overflows(errors)
 
     def _planned_paths(self, index: int, group: dict, keys: list[torch.Tensor]) -> list[StepPath]:
         """The paths of ``keys`` (of ``group``, ``param_groups[index]``) by ``kernels.dispatch.plan_group`` over
@@ -688,8 +710,18 @@ class QuantizedStates:
         """Step ``keys`` (of ``group``) on ``path``; this base runs ``reference`` (subclasses add their fast paths)."""
         if path is not StepPath.REFERENCE:
             raise NotImplementedError(f"{type(self).__name__} has no {path} path")
+        self._step_each(group, keys, self._step_param)
+
+    def _step_each(self, group: dict, keys: list[torch.Tensor], step: Callable[..., None]) -> None:
+        """``_step_checked`` of every one of ``keys`` (of ``group``) with ``step``: a parameter whose state overflows does
+        not stop the others (its ``StatesOverflowError`` is raised once they are stepped)."""
+        errors = []
         for key in keys:
-            self._step_checked(group, key, self._step_param)
+            try:
+                self._step_checked(group, key, step)
+            except StatesOverflowError as error:
+                errors.append(error)
+        raise_overflows(errors)
 
     def step_paths(self) -> dict[str, str]:
         """``{parameter name: path}`` of the last step: ``"native"``, ``"triton"``, ``"compiled"``, ``"multi_tensor"``
@@ -712,23 +744,55 @@ class QuantizedStates:
 
     def _step_param(self, group: dict, key: torch.Tensor, param: torch.Tensor, grad: torch.Tensor, state: dict) -> None:
         """Step one parameter. ``key`` is the parameter as the optimizer holds it (a DTensor under FSDP2: all
-        decisions use its full shape); ``param`` and ``grad`` are the local tensors the math runs on."""
+        decisions use its full shape); ``param`` and ``grad`` are the local tensors the math runs on. Where a quantized
+        state cannot store its new values (``StatesOverflowError``), the parameter keeps its states, step count and
+        stall counts of before the step (``_undo_record``); its values stay as the update left them (inf/NaN where the
+        math gives them, as torch's own optimizer's would)."""
         grid = self.weight_grid(group, key, param)
         decode_as = torch.float32 if grid is not None else None  # the update runs in fp32 (module ``optim.weights``)
         states = {name: _decoded(state[name], decode_as) for name in self.state_names if state.get(name) is not None}
         before = {name: value.clone() for name, value in states.items() if self.track_stalls and isinstance(state[name], QuantizedTensor)}
-        if grid is None:
-            targets = self._intended_updates(group, [key])
-            self._update(group, param, grad, states, state)
-            self._count_intended_stalls(targets)
-        else:  # counts its weights' stalls from its own fp32 θ̃
-            self._update_weights(group, key, param, grad, states, state, grid)
-        for name, value in states.items():
-            old = state.get(name)
-            stored = self._store(group, key, name, value, old, decode_as)
+        undo = self._undo_record(key, state) if any(isinstance(v, QuantizedTensor) for v in state.values()) else None
+        targets = self._intended_updates(group, [key]) if grid is None else []  # a grid's update counts its weights' stalls itself
+        try:
+            if grid is None:
+                self._update(group, param, grad, states, state)
+            else:
+                self._update_weights(group, key, param, grad, states, state, grid)
+            stored = {name: self._store(group, key, name, value, state.get(name), decode_as) for name, value in states.items()}
+        except StatesOverflowError:
+            if undo is not None:
+                undo()
+            raise
+        self._count_intended_stalls(targets)
+        for name, value in stored.items():
             if name in before:
-                self._count_stalls(key, name, old, before[name], value, stored)
-            state[name] = stored
+                self._count_stalls(key, name, state[name], before[name], states[name], value)
+            state[name] = value
+
+    def _undo_record(self, key: torch.Tensor, state: dict) -> Callable[[], None]:
+        """What puts ``state`` (of parameter ``key``) and its stall counts back as they are now, after a step that raised:
+        the dict's entries (a step replaces a quantized state, not changes it), the values of its 0-d tensors (``step``,
+        which torch's update counts in place) and of its plain ``state_names`` tensors (updated in place), the counts."""
+        entries = dict(state)
+        values = {
+            name: value.clone()
+            for name, value in state.items()
+            if type(value) is torch.Tensor and (value.ndim == 0 or name in self.state_names)
+        }
+        names = [(key, name) for name in (*self.state_names, WEIGHT_STALLS, FEEDBACK_STALLS)]
+        counts = {name: self._stall_counts[name].clone() for name in names if name in self._stall_counts}
+
+        def undo() -> None:
+            state.clear()
+            state.update(entries)
+            for name, value in values.items():
+                entries[name].copy_(value)
+            for name in names:
+                self._stall_counts.pop(name, None)
+            self._stall_counts.update(counts)
+
+        return undo
 
     def weight_grid(self, group: dict, key: torch.Tensor, param: torch.Tensor | None = None) -> WeightGrid | None:
         """The grid parameter ``key`` (of ``group``) is kept on after a step (``optim.weights``); ``None``: torch's behaviour."""
@@ -808,7 +872,7 @@ class QuantizedStates:
         the parameter's dtype as torch keeps it, or fp32 under a weight grid.
 
         Raises:
-            FloatingPointError: the state holds inf/NaN (a block-scaled format stores no such block), as the fused
+            StatesOverflowError: the state holds inf/NaN (a block-scaled format stores no such block), as the fused
                 steps raise when a moment overflows.
         """
         fmt = self._format_for(group, key, name, value, old)
@@ -820,9 +884,11 @@ class QuantizedStates:
         try:
             stored = quantize_state(fmt, local, group["rounding"], generator)
         except NonFiniteError as error:
-            raise FloatingPointError(
-                f"{type(self).__name__}: state {name!r} of {self.param_names()[key]} overflowed to inf/NaN during the step; "
-                f"{fmt.name} cannot store it (lower the learning rate or clip the gradients)"
+            param_name = self.param_names()[key]
+            raise StatesOverflowError(
+                f"{type(self).__name__}: state {name!r} of {param_name} overflowed to inf/NaN during the step; "
+                f"{fmt.name} cannot store it (lower the learning rate or clip the gradients)",
+                [param_name],
             ) from error
         stored.dtype = dtype  # what it decodes to (quantized from fp32 values of a bf16 parameter's state)
         return stored
@@ -1022,7 +1088,7 @@ class QuantizedStates:
         (``StateOverflowError``), the step had written its codes and scales in place (NaN) and stepped the other
         parameters: the overflowed parameters' quantized states are zeroed, keeping their formats (as a reset), so
         that no NaN stays in them and the next steps run, ``finish`` completes the others' steps from the results the
-        error carries, given the positions in ``keys`` it is to leave out, and a ``FloatingPointError`` naming the
+        error carries, given the positions in ``keys`` it is to leave out, and a ``StatesOverflowError`` naming the
         overflowed parameters is raised."""
         try:
             results = call()
@@ -1032,10 +1098,11 @@ class QuantizedStates:
             for key in overflowed:
                 self.reset_states(key, [name for name, value in self.state[key].items() if isinstance(value, QuantizedTensor)])
             finish(error.results, frozenset(error.overflowed))
-            raise FloatingPointError(
-                f"{type(self).__name__}: {error} ({[names[key] for key in overflowed]}); the fused step had written its packed codes "
-                "in place, so the quantized states of these parameters were zeroed (as a reset). Lower the learning rate or clip "
-                "the gradients"
+            overflowed_names = [names[key] for key in overflowed]
+            raise StatesOverflowError(
+                f"{type(self).__name__}: {error} ({overflowed_names}); the fused step had written its packed codes in place, so "
+                "the quantized states of these parameters were zeroed (as a reset). Lower the learning rate or clip the gradients",
+                overflowed_names,
             ) from error
         finish(results, frozenset())
 

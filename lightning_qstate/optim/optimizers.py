@@ -75,8 +75,7 @@ class _AdamStates(QuantizedStates):
         elif path is StepPath.MULTI_TENSOR:
             self._multi_tensor_steps(group, keys)
         elif path in (StepPath.TRITON, StepPath.COMPILED):
-            for key in keys:
-                self._step_checked(group, key, self._fused_step)
+            self._step_each(group, keys, self._fused_step)
         else:
             super()._run_path(path, group, keys)
 

@@ -25,7 +25,8 @@ from torch.distributed.fsdp import FullyShardedDataParallel
 
 from ..formats import BlockFormat, QuantizedTensor, StorageFormat, get_format
 from ..formats.weights import WeightBlock
-from .base import QuantizedStates, StateValue, dequantized, like_param
+from ..kernels.dispatch import StepPath
+from .base import QuantizedStates, StatesOverflowError, StateValue, dequantized, like_param, raise_overflows
 from .optimizers import QSGD, QAdam, QAdamW, QMuon
 from .policy import ErrorFeedback, NonFiniteGradPolicy, QuantizationPolicy, StatesSpec
 
@@ -198,6 +199,13 @@ class QuantizedOptimizerWrapper(QuantizedStates, torch.optim.Optimizer):
                             held_back[param] = param.grad
                             param.grad = None
             stored = {param: dict(state) for param, state in self.state.items()}
+            counters = {  # the 0-d states (step counts) the inner step counts in place: put back where a state overflows
+                (param, name): value.clone()
+                for param, state in stored.items()
+                if any(isinstance(v, QuantizedTensor) for v in state.values())
+                for name, value in state.items()
+                if type(value) is torch.Tensor and value.ndim == 0
+            }
             decoded = {}  # (param, name) -> (decoded tensor, its version): a state the inner step leaves alone keeps its codes
             for param, state in self.state.items():
                 for name, value in state.items():
@@ -215,19 +223,39 @@ class QuantizedOptimizerWrapper(QuantizedStates, torch.optim.Optimizer):
             finally:
                 for param, grad in held_back.items():
                     param.grad = grad
+            errors = []
             for group in self.param_groups:
                 for param in group["params"]:
-                    state = self.state.get(param, {})
-                    for name, value in state.items():
-                        old = stored.get(param, {}).get(name)
-                        tensor, version = decoded.get((param, name), (None, None))
-                        if value is tensor and value._version == version:  # untouched: re-encoding would move its codes
-                            state[name] = old
-                            continue
-                        state[name] = self._store(group, param, name, value, old)
-                        if (param, name) in before:
-                            self._count_stalls(param, name, old, before[param, name], value, state[name])
+                    state, old_states = self.state.get(param, {}), stored.get(param, {})
+                    try:
+                        encoded = {
+                            name: self._encoded(group, param, name, value, old_states.get(name), decoded) for name, value in state.items()
+                        }
+                    except StatesOverflowError as error:  # this parameter's states (and step counts) as before the step
+                        errors.append(error)
+                        state.update({name: old for name, old in old_states.items() if isinstance(old, QuantizedTensor)})
+                        for name, value in old_states.items():
+                            if (param, name) in counters:
+                                value.copy_(counters[param, name])
+                        continue
+                    for name, value in encoded.items():
+                        if (param, name) in before and value is not old_states[name]:
+                            self._count_stalls(param, name, old_states[name], before[param, name], state[name], value)
+                        state[name] = value
+            self._taken_paths = dict.fromkeys(
+                (param for group in self.param_groups for param in group["params"] if param.grad is not None), StepPath.REFERENCE
+            )
+            raise_overflows(errors)
         return result
+
+    def _encoded(self, group: dict, param: torch.Tensor, name: str, value: Any, old: StateValue | None, decoded: dict) -> StateValue:
+        """State ``name`` of ``param`` after the inner step, stored in its format (``_store``); a decoded state the
+        inner step left alone (``decoded``: the tensor and its version) is its old value, whose codes re-encoding would
+        move."""
+        tensor, version = decoded.get((param, name), (None, None))
+        if value is tensor and value._version == version:
+            return old
+        return self._store(group, param, name, value, old)
 
     def _inner_step(self, closure: Callable[[], Any] | None) -> Any:
         """The inner optimizer's step function, without the step hooks torch puts around it: the wrapper's step runs
