@@ -19,7 +19,7 @@ from lightning_qstate.formats import get_format
 from lightning_qstate.formats.weights import WeightGrid, get_weight_grid
 from lightning_qstate.kernels import dispatch
 from lightning_qstate.kernels.bounds import MOMENT_BOUND_STATE
-from lightning_qstate.optim import ERROR_STATE, QuantizationPolicy, block_linear_weight_names
+from lightning_qstate.optim import ERROR_STATE, FEEDBACK_STALLS, QuantizationPolicy, block_linear_weight_names
 
 L, BETA, LR, SIGMA = 1.0, 0.9, 0.05, 0.01
 
@@ -209,6 +209,20 @@ def test_feedback_stalls_are_counted():
     assert counts[0] == counts[1] and set(counts[0]) == {"exp_avg", "exp_avg_sq", "eco_correction", "weights"}
     stalled, moved = counts[0]["eco_correction"]
     assert 0 < stalled <= moved
+
+
+@pytest.mark.parametrize("cpu_compile", [True, False], ids=["native", "reference"])
+def test_a_tracked_eco_step_whose_moment_overflows_raises_floating_point_error(cpu_compile):
+    """Counting ECO's lost corrections quantizes the corrected ``m``: where it overflowed, the reference path raised the
+    format's ``NonFiniteError`` (a ``ValueError``) from the count instead of the step's ``FloatingPointError``."""
+    param = torch.nn.Parameter(torch.linspace(-1, 1, 256))
+    with pytest.warns(UserWarning, match="error_feedback='eco'"):
+        opt = lq.QAdamW([param], states="int8", min_quant_size=0, weights="bf16", error_feedback="eco", track_stalls=True)
+    opt.cpu_compile = cpu_compile
+    param.grad = torch.full((256,), 1e30)  # v = 1e-3 g² overflows fp32
+    with pytest.raises(FloatingPointError, match="overflowed"):
+        opt.step()
+    assert FEEDBACK_STALLS not in opt.stall_counts().get(param, {})
 
 
 def test_eco_warns_only_where_nearest_storage_drops_its_corrections():

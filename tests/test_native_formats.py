@@ -512,3 +512,21 @@ def test_the_optimizer_steps_stochastic_rounding_on_the_native_path_and_resumes_
         assert torch.equal(full_weight, resumed_weight)
         for key in ("exp_avg", "exp_avg_sq"):
             assert same_bits(full.state[full_weight][key].codes, resumed.state[resumed_weight][key].codes), key
+
+
+@pytest.mark.parametrize("m_format", ["fp8_e4m3", "fp8_e5m2", "e3m2"])
+def test_a_zero_that_changes_sign_counts_as_the_reference_path_counts_it(m_format):
+    """A signed minifloat ``m`` going from +0 (code 0) to a value that rounds to -0 (its sign code) keeps its unit value
+    (``formats.count_stalls``: -0 and +0 are one code's value): a stall on both paths. The C++ step compared the raw
+    codes (255 of 256 moved entries stalled on the reference path, none natively)."""
+    counts = []
+    for native_path in (True, False):
+        param = torch.nn.Parameter(torch.zeros(256))
+        opt = lq.QAdamW([param], states={"exp_avg": m_format, "exp_avg_sq": "int8"}, min_quant_size=0, track_stalls=True)
+        opt.cpu_compile = native_path
+        param.grad = torch.full((256,), -1e-12)
+        param.grad[0] = 1.0  # the block's absmax: the others round to -0 at its scale
+        opt.step()
+        assert opt.step_paths() == {"param0": "native" if native_path else "reference"}
+        counts.append(opt.stall_counts()[param]["exp_avg"].tolist())
+    assert counts[0] == counts[1] == [255, 256]

@@ -841,8 +841,8 @@ class QuantizedStates:
         """With ``track_stalls`` and a quantized momentum ``old``: count ECO corrections (``corrected != before``) and
         those that round-to-nearest storage of the momentum loses (the same stored value with and without it), as
         stall counts of the pseudo-state ``"eco_correction"`` (``stall_stats()``, ``StallMonitor``)."""
-        if not (self.track_stalls and isinstance(old, QuantizedTensor)):
-            return
+        if not (self.track_stalls and isinstance(old, QuantizedTensor)) or not bool(torch.isfinite(corrected).all()):
+            return  # an overflowed momentum is not counted: storing it raises the step's StatesOverflowError
         with_it, without = (quantize_state(old.format, local_tensor(v).float()).dequantize(torch.float32) for v in (corrected, before))
         injected = corrected != before
         self._add_stall_counts(key, FEEDBACK_STALLS, torch.stack([(injected & (with_it == without)).sum(), injected.sum()]))

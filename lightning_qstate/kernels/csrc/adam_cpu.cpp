@@ -244,15 +244,17 @@ void encode_block(const float* __restrict__ x, float divisor, bool finite, const
   code_lanes(s, x + i, divisor, finite, first + i, n - i, out + i);
 }
 
-// formats.count_stalls for one block: [stalled, moved] added to counts. ``old``: codes before the step.
+// formats.count_stalls for one block: [stalled, moved] added to counts. ``old``: codes before the step. A value keeps
+// its code where its unit value (decode) stays, as count_stalls compares them: a minifloat's +0 and -0 codes are one.
 void count_block(const uint8_t* __restrict__ old, float old_scale, const uint8_t* __restrict__ codes, float scale,
                  const float* __restrict__ updated, const float* __restrict__ decode, int64_t n, int64_t* counts) {
   int64_t stalled = 0, moved = 0;
 #pragma omp simd reduction(+ : stalled, moved)
   for (int64_t i = 0; i < n; ++i) {
-    const bool move = updated[i] != decode[old[i]] * old_scale;
+    const float before_unit = decode[old[i]], unit = decode[codes[i]];
+    const bool move = updated[i] != before_unit * old_scale;
     moved += move ? 1 : 0;
-    stalled += (move && codes[i] == old[i] && decode[codes[i]] * scale != updated[i]) ? 1 : 0;
+    stalled += (move && unit == before_unit && unit * scale != updated[i]) ? 1 : 0;
   }
   counts[0] += stalled;
   counts[1] += moved;
