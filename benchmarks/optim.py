@@ -724,13 +724,21 @@ def measure_model(model: str, methods: list[Method], args: argparse.Namespace, r
                         row.failure, row.times_ms, row.rounds = f"during timing: {error}", [], []
             if r == 0 or (r + 1) % 5 == 0 or r + 1 == args.repeats:
                 log(f"  {model:<11} round {r + 1}/{args.repeats}")
+        # every profile before any worker finishes: a finished worker exits, and its teardown (freeing its memory, torch's
+        # shutdown) took a core from the next worker's profiled and unprofiled steps (2x slower, its gradient check 5x)
+        for i in order:
+            row = rows[i]
+            if row.failure is None and row.method.key in args.profile:
+                wait_for_quiet([worker.proc.pid for j, worker in workers.items() if j != i])
+                try:
+                    row.profile = workers[i].request("profile")["ops"]
+                except WorkerError as error:
+                    row.notes.append(f"profile failed: {error}")
         for i in order:
             row = rows[i]
             if row.failure is not None:
                 continue
             try:
-                if row.method.key in args.profile:
-                    row.profile = workers[i].request("profile")["ops"]
                 info = workers[i].request("finish")
                 row.rss_peak_mb, row.step_rss_increase_mb = info["rss_peak_mb"], info["step_rss_increase_mb"]
                 row.hwm_reset = info["hwm_reset"]
