@@ -1,6 +1,6 @@
 """Quantized optimizers, the wrapper for arbitrary optimizers, and state_dict I/O (no Lightning imports)."""
 
-from .base import FEEDBACK_STALLS, WEIGHT_STALLS, QuantizedStates, StatesOverflowError, dequantized, state_nbytes, state_summary
+from .base import FEEDBACK_STALLS, WEIGHT_STALLS, QuantizedStates, StepOverflowError, dequantized, state_nbytes, state_summary
 from .optimizers import QSGD, QAdam, QAdamW, QMuon
 from .policy import (
     ERROR_FEEDBACKS,
@@ -44,7 +44,7 @@ __all__ = [
     "QuantizationPolicy",
     "QuantizedOptimizerWrapper",
     "QuantizedStates",
-    "StatesOverflowError",
+    "StepOverflowError",
     "StatesSpec",
     "block_linear_weight_names",
     "check_optimizer_parameters",

@@ -79,7 +79,7 @@ WEIGHT_STALLS = "weights"
 GRADIENT_STREAM = "grads"
 
 
-class StatesOverflowError(FloatingPointError):
+class StepOverflowError(FloatingPointError):
     """A step's state overflowed fp32 where its format cannot store it; ``names``: the parameters it happened to. The
     step went on with the other parameters, whose steps are complete; raised once it is done, naming them all."""
 
@@ -88,12 +88,12 @@ class StatesOverflowError(FloatingPointError):
         self.names = names
 
 
-def raise_overflows(errors: list[StatesOverflowError]) -> None:
-    """Raise ``errors`` (collected while the step went on) as one ``StatesOverflowError``; nothing where there are none."""
+def raise_overflows(errors: list[StepOverflowError]) -> None:
+    """Raise ``errors`` (collected while the step went on) as one ``StepOverflowError``; nothing where there are none."""
     if len(errors) == 1:
         raise errors[0]
     if errors:
-        raise StatesOverflowError("; ".join(str(error) for error in errors), [name for error in errors for name in error.names])
+        raise StepOverflowError("; ".join(str(error) for error in errors), [name for error in errors for name in error.names])
 
 
 @dataclass(frozen=True)
@@ -634,7 +634,7 @@ class QuantizedStates:
     def _step_params(self) -> None:
         """Step every parameter that has a gradient: each param group's parameters are planned onto their paths
         (``_planned_paths``) and each path runs once per group (``_run_path``); ``step_paths()`` tells them. Where a
-        state overflows (``StatesOverflowError``) every other parameter is still stepped, then the error is raised."""
+        state overflows (``StepOverflowError``) every other parameter is still stepped, then the error is raised."""
         taken: dict[torch.Tensor, StepPath] = {}
         self._taken_paths = taken
         errors = []  # a state that overflows stops no other parameter's step: raised at the end, naming them all
@@ -647,7 +647,7 @@ class QuantizedStates:
             for path, members in by_path.items():
                 try:
                     self._run_path(path, group, members)
-                except StatesOverflowError as error:
+                except StepOverflowError as error:
                     errors.append(error)
             for key in keys:  # a parameter that got no state (SGD without momentum) gets no entry, as in torch
                 if not self.state[key]:
@@ -714,12 +714,12 @@ class QuantizedStates:
 
     def _step_each(self, group: dict, keys: list[torch.Tensor], step: Callable[..., None]) -> None:
         """``_step_checked`` of every one of ``keys`` (of ``group``) with ``step``: a parameter whose state overflows does
-        not stop the others (its ``StatesOverflowError`` is raised once they are stepped)."""
+        not stop the others (its ``StepOverflowError`` is raised once they are stepped)."""
         errors = []
         for key in keys:
             try:
                 self._step_checked(group, key, step)
-            except StatesOverflowError as error:
+            except StepOverflowError as error:
                 errors.append(error)
         raise_overflows(errors)
 
@@ -745,7 +745,7 @@ class QuantizedStates:
     def _step_param(self, group: dict, key: torch.Tensor, param: torch.Tensor, grad: torch.Tensor, state: dict) -> None:
         """Step one parameter. ``key`` is the parameter as the optimizer holds it (a DTensor under FSDP2: all
         decisions use its full shape); ``param`` and ``grad`` are the local tensors the math runs on. Where a quantized
-        state cannot store its new values (``StatesOverflowError``), the parameter keeps its states, step count and
+        state cannot store its new values (``StepOverflowError``), the parameter keeps its states, step count and
         stall counts of before the step (``_undo_record``); its values stay as the update left them (inf/NaN where the
         math gives them, as torch's own optimizer's would)."""
         grid = self.weight_grid(group, key, param)
@@ -760,7 +760,7 @@ class QuantizedStates:
             else:
                 self._update_weights(group, key, param, grad, states, state, grid)
             stored = {name: self._store(group, key, name, value, state.get(name), decode_as) for name, value in states.items()}
-        except StatesOverflowError:
+        except StepOverflowError:
             if undo is not None:
                 undo()
             raise
@@ -842,7 +842,7 @@ class QuantizedStates:
         those that round-to-nearest storage of the momentum loses (the same stored value with and without it), as
         stall counts of the pseudo-state ``"eco_correction"`` (``stall_stats()``, ``StallMonitor``)."""
         if not (self.track_stalls and isinstance(old, QuantizedTensor)) or not bool(torch.isfinite(corrected).all()):
-            return  # an overflowed momentum is not counted: storing it raises the step's StatesOverflowError
+            return  # an overflowed momentum is not counted: storing it raises the step's StepOverflowError
         with_it, without = (quantize_state(old.format, local_tensor(v).float()).dequantize(torch.float32) for v in (corrected, before))
         injected = corrected != before
         self._add_stall_counts(key, FEEDBACK_STALLS, torch.stack([(injected & (with_it == without)).sum(), injected.sum()]))
@@ -872,7 +872,7 @@ class QuantizedStates:
         the parameter's dtype as torch keeps it, or fp32 under a weight grid.
 
         Raises:
-            StatesOverflowError: the state holds inf/NaN (a block-scaled format stores no such block), as the fused
+            StepOverflowError: the state holds inf/NaN (a block-scaled format stores no such block), as the fused
                 steps raise when a moment overflows.
         """
         fmt = self._format_for(group, key, name, value, old)
@@ -885,7 +885,7 @@ class QuantizedStates:
             stored = quantize_state(fmt, local, group["rounding"], generator)
         except NonFiniteError as error:
             param_name = self.param_names()[key]
-            raise StatesOverflowError(
+            raise StepOverflowError(
                 f"{type(self).__name__}: state {name!r} of {param_name} overflowed to inf/NaN during the step; "
                 f"{fmt.name} cannot store it (lower the learning rate or clip the gradients)",
                 [param_name],
@@ -1088,7 +1088,7 @@ class QuantizedStates:
         (``StateOverflowError``), the step had written its codes and scales in place (NaN) and stepped the other
         parameters: the overflowed parameters' quantized states are zeroed, keeping their formats (as a reset), so
         that no NaN stays in them and the next steps run, ``finish`` completes the others' steps from the results the
-        error carries, given the positions in ``keys`` it is to leave out, and a ``StatesOverflowError`` naming the
+        error carries, given the positions in ``keys`` it is to leave out, and a ``StepOverflowError`` naming the
         overflowed parameters is raised."""
         try:
             results = call()
@@ -1099,7 +1099,7 @@ class QuantizedStates:
                 self.reset_states(key, [name for name, value in self.state[key].items() if isinstance(value, QuantizedTensor)])
             finish(error.results, frozenset(error.overflowed))
             overflowed_names = [names[key] for key in overflowed]
-            raise StatesOverflowError(
+            raise StepOverflowError(
                 f"{type(self).__name__}: {error} ({overflowed_names}); the fused step had written its packed codes in place, so "
                 "the quantized states of these parameters were zeroed (as a reset). Lower the learning rate or clip the gradients",
                 overflowed_names,

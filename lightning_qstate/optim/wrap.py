@@ -26,7 +26,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel
 from ..formats import BlockFormat, QuantizedTensor, StorageFormat, get_format
 from ..formats.weights import WeightBlock
 from ..kernels.dispatch import StepPath
-from .base import QuantizedStates, StatesOverflowError, StateValue, dequantized, like_param, raise_overflows
+from .base import QuantizedStates, StateValue, StepOverflowError, dequantized, like_param, raise_overflows
 from .optimizers import QSGD, QAdam, QAdamW, QMuon
 from .policy import ErrorFeedback, NonFiniteGradPolicy, QuantizationPolicy, StatesSpec
 
@@ -231,7 +231,7 @@ class QuantizedOptimizerWrapper(QuantizedStates, torch.optim.Optimizer):
                         encoded = {
                             name: self._encoded(group, param, name, value, old_states.get(name), decoded) for name, value in state.items()
                         }
-                    except StatesOverflowError as error:  # this parameter's states (and step counts) as before the step
+                    except StepOverflowError as error:  # this parameter's states (and step counts) as before the step
                         errors.append(error)
                         state.update({name: old for name, old in old_states.items() if isinstance(old, QuantizedTensor)})
                         for name, value in old_states.items():
