@@ -447,6 +447,13 @@ def test_the_wrapper_keeps_its_states_quantized_through_an_overflow(inner):
         per_value = [v for v in opt.state[p].values() if isinstance(v, (torch.Tensor, QuantizedTensor)) and v.shape == p.shape]
         assert per_value and all(isinstance(v, QuantizedTensor) and torch.isfinite(v.dequantize()).all() for v in per_value)
     assert not any(k.endswith(".qstate_format") for entry in opt.state_dict()["state"].values() for k in entry)
+    fresh = lq.quantize_optimizer(inner(params, lr=1e-3), states="int8", min_quant_size=0)  # an overflow at the first step
+    initial = dict(fresh.state.get(params[0], {}))  # Adagrad's, made by its constructor; none for the others
+    params[0].grad = torch.full((32, 32), 1e21)
+    with pytest.raises(FloatingPointError, match=r"param0 overflowed"):
+        fresh.step()
+    assert dict(fresh.state.get(params[0], {})).keys() == initial.keys()
+    assert all(isinstance(v, QuantizedTensor) for v in fresh.state[params[1]].values() if len(v.shape))
 
 
 def test_skip_counters_are_checkpointed():

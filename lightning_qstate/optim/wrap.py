@@ -233,7 +233,11 @@ class QuantizedOptimizerWrapper(QuantizedStates, torch.optim.Optimizer):
                         }
                     except StepOverflowError as error:  # this parameter's states (and step counts) as before the step
                         errors.append(error)
+                        for name in [name for name in state if name not in old_states]:  # created by this step
+                            del state[name]
                         state.update({name: old for name, old in old_states.items() if isinstance(old, QuantizedTensor)})
+                        if not state:  # its first step: no state, as before it
+                            del self.state[param]
                         for name, value in old_states.items():
                             if (param, name) in counters:
                                 value.copy_(counters[param, name])
