@@ -967,3 +967,26 @@ def test_a_weight_grid_with_its_own_rounding_takes_the_reference_path(states):
     optimizer.step()
     assert optimizer.step_paths() == {"param0": "reference"}
     assert torch.equal(param.detach(), torch.full_like(param, 1e-3))
+
+
+@needs_kernel
+def test_an_l2_decay_of_zero_adds_nothing(monkeypatch):
+    """QAdam's default ``weight_decay=0`` adds no L2 term, as torch's Adam skips it: a parameter holding inf steps
+    (``fma(p, 0, g)`` made that entry's gradient NaN: the native step raised an overflow and zeroed the states), its
+    moments and params as the reference path's."""
+    correctly_rounded_torch_sqrt(monkeypatch)
+    results = []
+    for native_path in (True, False):
+        values = torch.linspace(-1, 1, 4096)
+        values[7] = float("inf")
+        param = torch.nn.Parameter(values)
+        optimizer = lq.QAdam([param], lr=1e-3, states="int8", min_quant_size=0)
+        optimizer.cpu_compile = native_path
+        for step in range(2):
+            param.grad = torch.linspace(-0.5, 0.5, 4096) * (step + 1)
+            optimizer.step()
+        assert optimizer.step_paths() == {"param0": "native" if native_path else "reference"}
+        m, v = (optimizer.state[param][name] for name in ("exp_avg", "exp_avg_sq"))
+        assert m.dequantize().abs().max() > 0 and int(torch.isfinite(param.detach()).sum()) == 4095
+        results.append((param.detach().clone(), m.codes, v.codes))
+    assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))

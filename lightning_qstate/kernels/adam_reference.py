@@ -75,6 +75,13 @@ def hold_moment(exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, bound: torch.Te
     return torch.where(exp_avg > limit, limit, torch.where(exp_avg < -limit, -limit, exp_avg)).to(exp_avg.dtype)
 
 
+def decoupled_decay(group: dict) -> bool:
+    """Whether the fused steps decay ``group``'s parameters decoupled (AdamW's ``p * (1 - lr * weight_decay)``):
+    AdamW's, and an L2 decay of 0, which torch's Adam skips (decoupled, its factor is exactly 1; as L2, ``fma(p, 0,
+    g)`` would make the gradient of a parameter holding inf NaN)."""
+    return bool(group["decoupled_weight_decay"]) or float(group["weight_decay"]) == 0
+
+
 def eco_coefficient(group: dict, step: float) -> float:
     """ECO's coefficient of ``denom * e`` in Adam's ``m`` at step ``step`` (``optim/weights.py``):
     ``((1 - beta1**step) / lr) * (1 - 1 / beta1)``, times ``1 - lr * weight_decay`` with decoupled weight decay (the

@@ -22,7 +22,7 @@ import torch
 from ..formats import BlockFormat, CastFormat, QuantizedTensor
 from ..formats.packing import packed_numel
 from ..formats.weights import WeightGrid
-from .adam_reference import _lower_fma, adam_step_quantized
+from .adam_reference import _lower_fma, adam_step_quantized, decoupled_decay
 
 # Row length of the 2-D view of cast-format (unblocked) states on the compiled path.
 CAST_ROW = 256
@@ -94,7 +94,7 @@ def compiled_cpu_step(
     # Elements per block the fused path splits at: the format's block, CAST_ROW for cast formats (no blocks).
     block = max(state.format.block_size if isinstance(state.format, BlockFormat) else CAST_ROW for state in (m, v))
     whole = flat_param.numel() // block * block
-    options = (m.format, v.format, group["rounding"], group["decoupled_weight_decay"], group["maximize"], track_stalls)
+    options = (m.format, v.format, group["rounding"], decoupled_decay(group), group["maximize"], track_stalls)
     if weights is not None:
         options += (weights.format, group["weight_rounding"], group["error_feedback"] == "eco")
     if whole == 0:  # a block larger than the parameter: no whole block to compile for

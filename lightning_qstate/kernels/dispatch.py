@@ -32,7 +32,7 @@ import torch
 from ..formats import FLOAT_INPUT_DTYPES, BlockFormat, CastFormat, QuantizedTensor, StorageFormat
 from ..formats.weights import WeightGrid
 from . import TRITON_AVAILABLE
-from .adam_reference import adam_hyper
+from .adam_reference import adam_hyper, decoupled_decay
 from .bounds import MOMENT_BOUND_STATE, held_moment_bound
 from .compiled import compiled_cpu_step
 from .native import VALUE_DTYPES, StateOverflowError, native_format, native_formats, native_kernel_available
@@ -351,7 +351,7 @@ def fused_adam_step(
         if group["rounding"] == "stochastic" or weight_stochastic:  # seeds (m, v[, weights]), drawn where the generator lives
             where = generator.device if generator is not None else param.device
             seed = draw_seed(generator, where, 3 if weight_stochastic else 2).to(param.device, non_blocking=True)
-        options = (group["rounding"], group["decoupled_weight_decay"], group["maximize"], track_stalls, seed)
+        options = (group["rounding"], decoupled_decay(group), group["maximize"], track_stalls, seed)
         if weights is not None:
             options += (weights.format, group["weight_rounding"], group["error_feedback"] == "eco")
         counts = triton_adam_step(param, grad, m, v, hyper, *options)

@@ -121,7 +121,7 @@ import torch
 
 from ..formats import CastFormat, CodebookFormat, MinifloatFormat, QuantizedTensor, StorageFormat
 from ..formats.weights import WeightGrid
-from .adam_reference import eco_coefficient
+from .adam_reference import decoupled_decay, eco_coefficient
 from .bounds import MOMENT_BOUND_STATE, held_moment_bound
 from .code_index import nearest_index
 
@@ -401,7 +401,7 @@ def native_adam_steps(
         beta1=float(beta1),
         beta2=float(beta2),
         eps=float(group["eps"]),
-        decoupled=group["decoupled_weight_decay"],
+        decoupled=decoupled_decay(group),
         maximize=group["maximize"],
         track=track_stalls,
     ).tolist()
