@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import hashlib
 import json
 import logging
@@ -389,11 +390,14 @@ def run_worker(main: Callable[[], int]) -> None:
 
     Any failure is printed and ends this rank at once with status 1. On success the process group is destroyed before
     the interpreter exits: left to the interpreter's teardown, gloo's threads were once destroyed while still joinable
-    (``terminate called without an active exception``, status -6, after every phase had finished).
+    (``terminate called without an active exception``, status -6, after every phase had finished). The phases'
+    trainers, models and optimizers are collected first (cycles keep them alive past ``main``), so that nothing that
+    holds the process group is destroyed after it (seen again on 2026-11-29 with the barrier alone).
     """
     try:
         status = main()
         if torch.distributed.is_initialized():
+            gc.collect()
             torch.distributed.barrier()
             torch.distributed.destroy_process_group()
     except BaseException:  # noqa: BLE001 - any failure: report it and end this rank with a non-zero status
