@@ -199,13 +199,7 @@ class QuantizedOptimizerWrapper(QuantizedStates, torch.optim.Optimizer):
                             held_back[param] = param.grad
                             param.grad = None
             stored = {param: dict(state) for param, state in self.state.items()}
-            counters = {  # the 0-d states (step counts) the inner step counts in place: put back where a state overflows
-                (param, name): value.clone()
-                for param, state in stored.items()
-                if any(isinstance(v, QuantizedTensor) for v in state.values())
-                for name, value in state.items()
-                if type(value) is torch.Tensor and value.ndim == 0
-            }
+            undo = {param: self._undo_record(param, state) for param, state in self.state.items()}  # where a state overflows
             decoded = {}  # (param, name) -> (decoded tensor, its version): a state the inner step leaves alone keeps its codes
             for param, state in self.state.items():
                 for name, value in state.items():
@@ -233,14 +227,10 @@ class QuantizedOptimizerWrapper(QuantizedStates, torch.optim.Optimizer):
                         }
                     except StepOverflowError as error:  # this parameter's states (and step counts) as before the step
                         errors.append(error)
-                        for name in [name for name in state if name not in old_states]:  # created by this step
-                            del state[name]
-                        state.update({name: old for name, old in old_states.items() if isinstance(old, QuantizedTensor)})
-                        if not state:  # its first step: no state, as before it
+                        if param in undo:
+                            undo[param]()
+                        else:  # its first step made its states: none, as before it
                             del self.state[param]
-                        for name, value in old_states.items():
-                            if (param, name) in counters:
-                                value.copy_(counters[param, name])
                         continue
                     for name, value in encoded.items():
                         if (param, name) in before and value is not old_states[name]:
