@@ -589,6 +589,24 @@ def test_stall_monitor_clips_with_the_norm_of_every_ranks_shards(tmp_path):
     assert ranks[0]["emulated"] == ranks[1]["emulated"]
 
 
+def test_replicas_round_alike_when_the_ranks_are_seeded_apart(tmp_path):
+    """Plain DDP with optimizers built on each rank from global generators seeded apart: the first step that rounds
+    stochastically takes rank 0's seed (states, QMuon's buffer, the wrapper's, a weight grid), so the replicas stay
+    identical (they drifted apart: 3e-3 after 5 steps). Round-to-nearest optimizers draw nothing and join no broadcast."""
+    worker = TESTS / "seed_worker.py"
+    command = [sys.executable, str(worker), str(tmp_path), str(free_port())]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
+    for case in ("qadamw", "qmuon", "wrapper", "eco_weights"):
+        assert ranks[0][case]["drawn"] != ranks[1][case]["drawn"], case  # the ranks did draw apart
+        assert ranks[0][case]["seed"] == ranks[1][case]["seed"] == ranks[0][case]["drawn"], case
+        assert ranks[0][case]["shared"] and ranks[1][case]["shared"], case
+        assert ranks[0][case]["params"] == ranks[1][case]["params"], case
+    assert not ranks[0]["nearest"]["shared"] and ranks[0]["nearest"]["seed"] != ranks[1]["nearest"]["seed"]
+    assert ranks[0]["nearest"]["params"] == ranks[1]["nearest"]["params"]
+
+
 # --- single process ----------------------------------------------------------------------------------
 def trained_optimizer(shape: tuple[int, ...], states: str = "int8") -> tuple[QAdamW, torch.nn.Parameter]:
     param = torch.nn.Parameter(torch.randn(shape, generator=torch.Generator().manual_seed(0)))

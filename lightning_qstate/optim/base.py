@@ -68,7 +68,7 @@ OVERRIDES_KEY = "qstate_overrides"
 QSTATE_ATTRIBUTES = (
     "track_stalls", "nonfinite", "generator", "nonfinite_skips", "skipped_steps", "state_overrides", "configured_overrides",
     "module_names", "full_numels", "checkpoint_mode", "weight_overrides", "_stall_counts", "_step_supports_amp_scaling",
-    "_rounding_seed", "_rounding_step", "_policy_ready", "_kept_formats_unchecked", "format_changes",
+    "_rounding_seed", "_rounding_step", "_seed_shared", "_policy_ready", "_kept_formats_unchecked", "format_changes",
 )  # fmt: skip
 MASK64 = (1 << 64) - 1
 # The stall counts of ECO's momentum corrections (``error_feedback="eco"``, ``track_stalls=True``).
@@ -313,6 +313,7 @@ class QuantizedStates:
         seed_source = torch.randint(2**62, (1,), generator=generator, device=generator.device if generator is not None else "cpu")
         self._rounding_seed = int(seed_source)
         self._rounding_step = 0
+        self._seed_shared = False  # rank 0's seed taken under torch.distributed (_share_rounding_seed)
         self._kept_formats_unchecked = False  # set by load_state_dict: _check_kept_formats at the next step
         policy.attach_overrides(self)
 
@@ -401,9 +402,31 @@ class QuantizedStates:
         return loss
 
     def _check_before_stepping(self) -> None:
-        """The warnings of a step that follows a start or a load (each check returns at once otherwise)."""
+        """The checks of a step that follows a start or a load (each returns at once otherwise)."""
         self._check_min_quant_size()
         self._check_kept_formats()
+        if not self._seed_shared and self._rounds_stochastically():
+            self._share_rounding_seed()
+
+    def _rounds_stochastically(self) -> bool:
+        """Whether a step draws stochastic-rounding bits: a group's ``rounding`` (states, ``grads=``), or a weight grid's."""
+        grids = any(weights is not None for weights in self.weight_overrides.values())
+        return any(
+            group.get("rounding") == "stochastic"
+            or (group.get("weight_rounding") == "stochastic" and (grids or group.get("weights") is not None))
+            for group in self.param_groups
+        )
+
+    def _share_rounding_seed(self) -> None:
+        """Under ``torch.distributed`` with more than one rank: rank 0's stochastic-rounding seed for every rank, a broadcast
+        every rank joins (``QuantizationPolicy.apply``, and the first step that rounds stochastically after construction or
+        a load), so that replicated parameters and states (DDP) round alike. Ranks seeded apart (a seed per rank, as for
+        data augmentation) drew different seeds at construction, and their replicas drifted apart without an error."""
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            seed = [self._rounding_seed]
+            dist.broadcast_object_list(seed, src=0)
+            self._rounding_seed = seed[0]
+            self._seed_shared = True
 
     def _check_kept_formats(self) -> None:
         """At the first step after ``load_state_dict``: warn where a loaded state kept a format (name and block size) that the configured
@@ -1304,6 +1327,7 @@ class QuantizedStates:
         if counters is not None:
             saved = [int(v) for v in counters]  # checkpoints before 2026-11-28 hold the first two
             self._rounding_seed, self._rounding_step = saved[:2]
+            self._seed_shared = False  # a rank's own checkpoint may hold its own seed (one saved before the seeds were shared)
             self.nonfinite_skips, self.skipped_steps = saved[2:] or (0, 0)
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)

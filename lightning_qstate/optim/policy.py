@@ -311,7 +311,7 @@ class QuantizationPolicy:
         owner = type(module).__name__ if module is not None else type(optimizer).__name__
         if isinstance(optimizer, QuantizedStates):
             self._check_held_by(optimizer, names, owner, module)
-            _share_rounding_seed(optimizer)
+            optimizer._share_rounding_seed()
             _fit_to_fsdp1(optimizer, module)
             return optimizer
         given = [name for name in NAME_PATTERN_FIELDS if getattr(self, name)]
@@ -331,7 +331,7 @@ class QuantizationPolicy:
             quantized.state_overrides, quantized.configured_overrides = overrides, dict(overrides)
         quantized.weight_overrides = weight_overrides
         quantized.check_weight_grids()
-        _share_rounding_seed(quantized)
+        quantized._share_rounding_seed()
         if module is not None:
             quantized.module_names = {param: name for name, param in names}
         _fit_to_fsdp1(quantized, module)
@@ -471,14 +471,6 @@ def _fit_to_fsdp1(optimizer: torch.optim.Optimizer, module: torch.nn.Module | No
     if isinstance(optimizer, QuantizedStates):
         optimizer.checkpoint_mode = "fp32"
         optimizer.full_numels = fsdp_full_numels(module)
-
-
-def _share_rounding_seed(optimizer: QuantizedStates) -> None:
-    """Under ``torch.distributed`` (every rank calls ``apply``), rank 0's stochastic-rounding seed for all ranks."""
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        seed = [optimizer._rounding_seed]
-        torch.distributed.broadcast_object_list(seed, src=0)
-        optimizer._rounding_seed = seed[0]
 
 
 def _name_summary(named: list[tuple[str, torch.Tensor]], shown: int = 20) -> str:

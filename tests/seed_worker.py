@@ -1,0 +1,64 @@
+"""Two gloo ranks of plain ``torch.nn.parallel.DistributedDataParallel`` (no Lightning, no ``QuantizationPolicy.apply``), the
+ranks' global generators seeded apart: the optimizers built directly on each rank drew different stochastic-rounding seeds,
+and their replicas drifted apart without an error. The first step that rounds stochastically takes rank 0's seed. Run
+standalone (``python tests/seed_worker.py OUT_DIR PORT``); writes ``rank{r}.json``: per case the parameters after four
+steps, the seed and whether it was shared."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import lightning_qstate as lq
+
+
+def build(case: str, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    options = {"states": "int8", "rounding": "stochastic", "min_quant_size": 0}
+    if case == "qadamw":
+        return lq.QAdamW(params, lr=1e-2, **options)
+    if case == "qmuon":
+        return lq.QMuon([p for p in params if p.ndim == 2], lr=1e-2, **options)
+    if case == "wrapper":
+        return lq.quantize_optimizer(torch.optim.SGD(params, lr=1e-2, momentum=0.9), **options)
+    if case == "eco_weights":  # states rounded to nearest, bf16 weights rounded stochastically (weight_rounding's default)
+        return lq.QAdamW(params, lr=1e-2, states="int8", min_quant_size=0, weights="bf16")
+    return lq.QAdamW(params, lr=1e-2, states="int8", min_quant_size=0)  # "nearest": nothing drawn, nothing shared
+
+
+def worker(rank: int, out: str, port: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    results = {}
+    for case in ("qadamw", "qmuon", "wrapper", "eco_weights", "nearest"):
+        torch.manual_seed(100 + rank)  # a seed per rank; DDP broadcasts rank 0's weights
+        model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 32))
+        if case == "eco_weights":
+            model = model.bfloat16()
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        optimizer = build(case, list(ddp.parameters()))
+        drawn = optimizer._rounding_seed
+        for _ in range(4):
+            x = torch.randn(8, 32, dtype=next(model.parameters()).dtype)  # other data per rank: DDP averages the grads
+            ddp(x).float().square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        results[case] = {
+            "params": [p.detach().float().flatten().tolist() for p in model.parameters()],
+            "drawn": drawn,
+            "seed": optimizer._rounding_seed,
+            "shared": optimizer._seed_shared,
+        }
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as file:
+        json.dump(results, file)
+    dist.barrier()  # and nothing that holds the group left for the interpreter's teardown (shard_norm_worker)
+    del model, ddp, optimizer
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    mp.spawn(worker, args=(sys.argv[1], int(sys.argv[2])), nprocs=2)
