@@ -555,6 +555,31 @@ def test_a_checkpoint_without_its_rounding_seed_warns_under_stochastic_rounding(
         lq.QAdamW(model.parameters(), min_quant_size=0).load_state_dict(saved)
 
 
+@pytest.mark.parametrize(
+    "build",
+    [
+        lambda params: lq.QAdamW(params, rounding="stochastic"),
+        lambda params: lq.QMuon(params),
+        lambda params: lq.quantize_optimizer(torch.optim.SGD(params, lr=0.1, momentum=0.9)),
+    ],
+)
+def test_building_an_optimizer_leaves_the_global_generator_as_it_was(build):
+    """An optimizer built in place of torch's leaves the random numbers that follow as they were (dropout masks, the
+    data order: a paired comparison against torch's optimizer kept its draws), where its seed drew one from torch's
+    global generator; two built one after the other over other parameters still draw apart, and a global seed still
+    reproduces the seed."""
+    torch.manual_seed(0)
+    expected = torch.rand(4)
+    seeds = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        optimizer = build([torch.nn.Parameter(torch.ones(64, 64))])
+        seeds.append(optimizer._rounding_seed)
+        assert torch.equal(torch.rand(4), expected)
+    other = build([torch.nn.Parameter(torch.ones(32, 64))])
+    assert seeds[0] == seeds[1] != other._rounding_seed
+
+
 def test_a_garbled_format_marker_is_a_damaged_checkpoint():
     model, _ = saved_checkpoint()
     optimizer = lq.QAdamW(model.parameters(), min_quant_size=0)

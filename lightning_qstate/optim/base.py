@@ -120,6 +120,19 @@ def mix64(*values: int) -> int:
     return state >> 1
 
 
+def rounding_seed(generator: torch.Generator | None, params: list[torch.Tensor]) -> int:
+    """An optimizer's stochastic-rounding seed: a draw from ``generator``, or else the draw torch's global generator
+    would give next, taken without advancing it (an optimizer built in place of torch's leaves the dropout masks and the
+    data order that follow it as they were), mixed with the parameters' sizes (so that two optimizers built one after
+    the other over different parameters draw apart)."""
+    if generator is not None:
+        drawn = int(torch.randint(2**62, (1,), generator=generator, device=generator.device))
+    else:
+        with torch.random.fork_rng(devices=[]):
+            drawn = int(torch.randint(2**62, (1,)))
+    return mix64(drawn, *(p.numel() for p in params))
+
+
 def quantize_state(
     fmt: StorageFormat, value: torch.Tensor, rounding: str = "nearest", generator: torch.Generator | None = None
 ) -> QuantizedTensor:
@@ -310,8 +323,7 @@ class QuantizedStates:
         self._step_supports_amp_scaling = False  # a GradScaler must unscale the grads before our step
         # Stochastic rounding draws from generators seeded by (seed, step, parameter, state): reproducible from the seed
         # alone, so a checkpoint that holds both resumes exactly (see ``rounding_generator``).
-        seed_source = torch.randint(2**62, (1,), generator=generator, device=generator.device if generator is not None else "cpu")
-        self._rounding_seed = int(seed_source)
+        self._rounding_seed = rounding_seed(generator, [p for group in self.param_groups for p in group["params"]])
         self._rounding_step = 0
         self._seed_shared = False  # rank 0's seed taken under torch.distributed (_share_rounding_seed)
         self._kept_formats_unchecked = False  # set by load_state_dict: _check_kept_formats at the next step
@@ -611,8 +623,8 @@ class QuantizedStates:
         """The generator stochastic rounding of state ``name`` of parameter ``key`` draws from at this step.
 
         Seeded from (the optimizer's seed, its step count, the parameter's position, the state's name, and which shard
-        this rank holds: ``_shard_index``), so runs reproduce from the seed (drawn
-        from ``generator``, or torch's global generator, at construction) and resume exactly from a checkpoint, which
+        this rank holds: ``_shard_index``), so runs reproduce from the seed (``rounding_seed``:
+        from ``generator``, or torch's global generator without advancing it, at construction) and resume exactly from a checkpoint, which
         stores the seed and the step count. Replicated parameters (DDP) draw the same stream on every rank, so their
         replicas round alike and stay identical.
         """

@@ -235,7 +235,8 @@ class QAdam(_AdamStates, torch.optim.Adam):
         track_stalls: count state entries whose update was lost to rounding (:meth:`stall_stats`).
         nonfinite: a gradient holding inf/NaN: ``"skip"`` that parameter (default, counted and warned),
             ``"skip_step"`` (the whole step) or ``"raise"``. Stored states never hold NaN.
-        generator: the random source of stochastic rounding (seed it for reproducible runs; checkpointed).
+        generator: where the stochastic-rounding seed is drawn from at construction (seed it for reproducible runs;
+            checkpointed); ``None``: the draw torch's global generator would give next, without advancing it.
         policy: a :class:`~lightning_qstate.optim.policy.QuantizationPolicy` instead of the keywords above.
 
     ``states``, ``rounding``, ``block_size``, ``min_quant_size``, ``grads`` and the weight options may also be set per
