@@ -214,6 +214,7 @@ def test_stale_optimizer_parameters_are_refused(tmp_path):
         ("StateResetScheduler", {"stagger": 5}, "stagger=5 must be True or False"),
         ("StateResetScheduler", {"include_fp32": None}, "include_fp32=None must be True or False"),
         ("StateResetScheduler", {"check_every_n_steps": True}, "check_every_n_steps=True must be a positive int"),
+        ("StateResetScheduler", {"check_every_n_steps": 10}, "check_every_n_steps=10 paces the threshold trigger, and threshold=None"),
         ("StateResetScheduler", {"threshold": "x"}, r"threshold='x' must lie in \(0, 1\]"),
         ("StallMonitor", {"per_layer": "yes"}, "per_layer='yes' must be True or False"),
         ("StallMonitor", {"histograms": 3}, "histograms=3 must be True or False"),
@@ -237,7 +238,7 @@ def test_numpy_integers_are_counts():
     counts = np.int64(20)
     assert callbacks.PrecisionAdvisor(steps=counts, log_every_n_steps=counts).steps == 20
     assert callbacks.StallMonitor(log_every_n_steps=counts).log_every_n_steps == 20
-    assert callbacks.StateResetScheduler(period=counts, check_every_n_steps=np.int32(5)).period == 20
+    assert callbacks.StateResetScheduler(period=counts, threshold=0.5, check_every_n_steps=np.int32(5)).period == 20
     with pytest.raises(ValueError, match="PrecisionAdvisor: steps=.*must be a positive int"):
         callbacks.PrecisionAdvisor(steps=np.bool_(True))
 

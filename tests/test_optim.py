@@ -177,6 +177,50 @@ def test_a_min_quant_size_above_every_parameter_warns_once(build):
             train(model, optimizer(**options), 1)
 
 
+@pytest.mark.parametrize(
+    "options, warned",
+    [
+        ({"error_feedback": "eco", "rounding": "stochastic"}, "error_feedback='eco'"),  # an fp32 grid of fp32 params: ECO of nothing
+        ({"weight_rounding": "nearest"}, "weight_rounding='nearest'"),
+        ({"weights": "fp32", "error_feedback": "eco_exact"}, "error_feedback='eco_exact'"),
+        ({"weights": "bf16", "weight_rounding": "nearest", "error_feedback": "eco", "rounding": "stochastic"}, None),
+        ({"error_feedback": "eco", "rounding": "stochastic", "dtype": torch.bfloat16}, None),  # bf16 params: their own grid
+    ],
+)
+def test_weight_options_that_round_nothing_are_warned_about_at_the_first_step(options, warned):
+    """error_feedback and weight_rounding act on the rounding of the new weights: with fp32 parameters and no weights= (or
+    weights='fp32') nothing is rounded, so they would change nothing (ECO without weights= trained as plain Adam, paying
+    for ECO's step); the first step says so once, pointing at the caller. A weight grid, or parameters of a narrower
+    dtype (rounded to their own dtype), take them silently."""
+    dtype = options.pop("dtype", torch.float32)
+    param = torch.nn.Parameter(torch.ones(64, 64, dtype=dtype))
+    optimizer = lq.QAdamW([param], min_quant_size=0, **options)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            param.grad = torch.full_like(param, 0.5)
+            optimizer.step()
+    messages = [w for w in caught if "act on weight grids" in str(w.message)]
+    if warned is None:
+        assert not messages
+    else:
+        assert len(messages) == 1 and warned in str(messages[0].message) and "change nothing" in str(messages[0].message)
+        assert messages[0].filename == __file__
+
+
+def test_step_warnings_point_at_the_caller_of_step():
+    """The first step's and the non-finite policy's warnings name the line that called ``step``, not torch's wrappers of it."""
+    param = torch.nn.Parameter(torch.ones(8, 8))
+    optimizer = lq.QAdamW([param])  # 64 values < min_quant_size: nothing quantized, said at the first step
+    param.grad = torch.full_like(param, float("nan"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        optimizer.step()
+    messages = [str(w.message) for w in caught]
+    assert len(caught) == 2 and "no state will be quantized" in messages[0] and "non-finite gradient" in messages[1]
+    assert all(w.filename == __file__ for w in caught), [(str(w.message)[:40], w.filename) for w in caught]
+
+
 @pytest.mark.parametrize("build", ["qadamw", "wrapper"])
 def test_loaded_states_that_keep_formats_the_policy_does_not_give_are_warned_about_once(build):
     """A checkpoint's per-parameter formats (AdaptiveBitWidth's plan, a reencode_state) are kept on load; where the

@@ -18,6 +18,8 @@ from .stall_counts import MeasuredSteps, StateRow, across_ranks, optimizer_steps
 from .tensorboard import log_scalars
 
 STATE_VERSION = 1
+# Steps between the stall measurements of the threshold trigger, by default.
+CHECK_EVERY_N_STEPS = 50
 
 
 @cache
@@ -62,7 +64,7 @@ class StateResetScheduler(Callback):
     Args:
         period: ``"auto"``, a number of steps, or ``None`` (only the threshold trigger).
         threshold: measured stall rate in ``(0, 1]`` that triggers a layer's reset, or ``None``.
-        check_every_n_steps: steps between stall measurements of the threshold trigger.
+        check_every_n_steps: steps between stall measurements of the threshold trigger (only with a ``threshold``).
         states: names of the states to zero; default all of the optimizer's EMA states.
         reset_step: restart the step count (bias correction) of the reset layers.
         stagger: give the layers evenly spread phases, so they do not all reset at the same step.
@@ -76,7 +78,7 @@ class StateResetScheduler(Callback):
         self,
         period: int | Literal["auto"] | None = "auto",
         threshold: float | None = None,
-        check_every_n_steps: int = 50,
+        check_every_n_steps: int = CHECK_EVERY_N_STEPS,
         states: Sequence[str] | None = None,
         reset_step: bool = False,
         stagger: bool = False,
@@ -91,6 +93,11 @@ class StateResetScheduler(Callback):
             raise ValueError("StateResetScheduler: period=None needs a threshold; give period='auto', an int, or a threshold")
         if not is_positive_int(check_every_n_steps):
             raise ValueError(f"StateResetScheduler: check_every_n_steps={check_every_n_steps!r} must be a positive int")
+        if threshold is None and check_every_n_steps != CHECK_EVERY_N_STEPS:
+            raise ValueError(
+                f"StateResetScheduler: check_every_n_steps={check_every_n_steps!r} paces the threshold trigger, and threshold=None "
+                "has none; give a threshold (a stall rate in (0, 1]) too, or leave check_every_n_steps out"
+            )
         if states is not None and (isinstance(states, str) or not states or not all(isinstance(name, str) for name in states)):
             raise ValueError(
                 f"StateResetScheduler: states={states!r} must be a non-empty list of state names, e.g. ['exp_avg', 'exp_avg_sq']"

@@ -264,12 +264,19 @@ def state_summary(optimizer: torch.optim.Optimizer) -> dict[str, int]:
 
 
 def caller_stacklevel() -> int:
-    """``stacklevel`` for a warning issued here that points at the first frame outside this package (the user's call)."""
-    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    """``stacklevel`` for a warning issued here that points at the user's call: the first frame outside this package,
+    torch (its optimizer's wrappers of ``step`` and ``__init__``) and ``contextlib`` (a context manager's exit)."""
     frame, level = sys._getframe(1), 1
-    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package + os.sep):
+    while frame is not None:
+        path = os.path.abspath(frame.f_code.co_filename)
+        if not (path.startswith(_NOT_THE_CALLER) or path == _CONTEXTLIB):
+            break
         frame, level = frame.f_back, level + 1
     return level
+
+
+_NOT_THE_CALLER = tuple(os.path.dirname(os.path.abspath(path)) + os.sep for path in (os.path.dirname(__file__), torch.__file__))
+_CONTEXTLIB = os.path.abspath(contextlib.__file__)
 
 
 class QuantizedStates:
@@ -416,6 +423,7 @@ class QuantizedStates:
     def _check_before_stepping(self) -> None:
         """The checks of a step that follows a start or a load (each returns at once otherwise)."""
         self._check_min_quant_size()
+        self._check_weight_options_used()
         self._check_kept_formats()
         if not self._seed_shared and self._rounds_stochastically():
             self._share_rounding_seed()
@@ -465,14 +473,14 @@ class QuantizedStates:
                 "another block_size or sharding); resume with the AdaptiveBitWidth callback to go on adapting them, or call "
                 "reencode_state to convert them",
                 UserWarning,
-                stacklevel=5,
+                stacklevel=caller_stacklevel(),
             )
 
     def _check_min_quant_size(self) -> None:
         """At the first step: warn where ``states=`` asks for a format and ``min_quant_size`` keeps every parameter it
         names in fp32 (a small model under the default 4096: bitsandbytes and torchao keep such states in fp32 silently).
         Decided from the full parameter sizes (``full_numels``: FSDP1's views), so every rank warns alike; the warning
-        points at the caller of ``step`` (through torch's two wrappers of it)."""
+        points at the caller of ``step``."""
         if self._rounding_step != 0:
             return
         asked = [(group, p) for group in self.param_groups for p in group["params"] if self._states_asked(group, p)]
@@ -485,8 +493,35 @@ class QuantizedStates:
             f"format has fewer values (the largest: {max(numels)}) than min_quant_size={' / '.join(map(str, limits))}, "
             "so all states stay fp32; pass a smaller min_quant_size (0: every parameter) to quantize them",
             UserWarning,
-            stacklevel=5,
+            stacklevel=caller_stacklevel(),
         )
+
+    def _check_weight_options_used(self) -> None:
+        """At the first step: warn where a param group sets ``error_feedback`` or ``weight_rounding="nearest"`` and none of
+        its parameters' new values is rounded (``weights=None`` or ``"fp32"`` and fp32 parameters, no ``weight_overrides``):
+        those act on the rounding of the weights, so they would change nothing (``error_feedback="eco"`` without
+        ``weights=`` trains as plain Adam, at the cost of ECO's step)."""
+        if self._rounding_step != 0:
+            return
+        for index, group in enumerate(self.param_groups):
+            options = [
+                f"{name}={group[name]!r}"
+                for name, unused in (("error_feedback", None), ("weight_rounding", "stochastic"))
+                if group[name] != unused
+            ]
+            if options and not any(self._rounds_weights(group, key) for key in group["params"]):
+                warnings.warn(
+                    f"{type(self).__name__}: {' and '.join(options)} of param group {index} act on weight grids, and none of its "
+                    "parameters' values is rounded (weights=None and fp32 parameters): they change nothing; give weights= (e.g. 'bf16', "
+                    "'fp8_e4m3') to train without fp32 master weights, or leave them out",
+                    UserWarning,
+                    stacklevel=caller_stacklevel(),
+                )
+
+    def _rounds_weights(self, group: dict, key: torch.Tensor) -> bool:
+        """Whether the step rounds ``key``'s new values to a grid (an fp32 grid of an fp32 parameter rounds nothing)."""
+        grid = self.weight_grid(group, key)
+        return grid is not None and not (grid.cast_dtype == torch.float32 and key.dtype == torch.float32)
 
     def _states_asked(self, group: dict, param: torch.Tensor) -> bool:
         """Whether ``param``'s ``states=`` (its group's, or its override) name a format other than fp32 for any state."""
@@ -609,7 +644,7 @@ class QuantizedStates:
             f"{type(self).__name__}: non-finite gradient in {_listing([names[p] for p in self._skipped])}; {what} "
             f"(nonfinite={self.nonfinite!r}; {self.nonfinite_skips} parameter updates skipped so far)",
             RuntimeWarning,
-            stacklevel=4,
+            stacklevel=caller_stacklevel(),
         )
 
     def _check_grad(self, grad: torch.Tensor) -> None:
