@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import gc
 import hashlib
 import json
 import logging
@@ -54,6 +53,7 @@ import torch  # noqa: E402
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
 from lightning.pytorch.loggers import Logger  # noqa: E402
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy  # noqa: E402
+from rank_exit import end_rank  # noqa: E402
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
@@ -388,24 +388,16 @@ def main(argv: list[str] | None = None) -> int:
 def run_worker(main: Callable[[], int]) -> None:
     """Run one rank's ``main`` and end the process with its status.
 
-    Any failure is printed and ends this rank at once with status 1. On success the process group is destroyed before
-    the interpreter exits: left to the interpreter's teardown, gloo's threads were once destroyed while still joinable
-    (``terminate called without an active exception``, status -6, after every phase had finished). The phases'
-    trainers, models and optimizers are collected first (cycles keep them alive past ``main``), so that nothing that
-    holds the process group is destroyed after it (seen again on 2026-11-29 with the barrier alone).
+    Any failure is printed and ends this rank at once with status 1; success ends it by ``rank_exit.end_rank`` (the
+    phases' trainers, models and optimizers collected, the process group destroyed, no interpreter teardown).
     """
     try:
         status = main()
-        if torch.distributed.is_initialized():
-            gc.collect()
-            torch.distributed.barrier()
-            torch.distributed.destroy_process_group()
     except BaseException:  # noqa: BLE001 - any failure: report it and end this rank with a non-zero status
         traceback.print_exc()
         sys.stderr.flush()
         os._exit(1)
-    sys.stdout.flush()
-    sys.exit(status)
+    end_rank(status)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ import warnings
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from rank_exit import end_rank
 from torch.distributed.fsdp import FullyShardedDataParallel
 
 from lightning_qstate.optim import QuantizationPolicy
@@ -41,9 +42,8 @@ def worker(rank: int, out: str, port: int) -> None:
     messages = [str(w.message) for w in caught if "non-finite" in str(w.message)]
     with open(os.path.join(out, f"rank{rank}.json"), "w") as file:
         json.dump({"changed": changed, "skips": optimizer.nonfinite_skips, "warnings": messages}, file)
-    dist.barrier()  # and nothing that holds the group left for the interpreter's teardown (shard_norm_worker)
     del model, optimizer
-    dist.destroy_process_group()
+    end_rank()
 
 
 if __name__ == "__main__":

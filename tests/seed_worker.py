@@ -13,6 +13,7 @@ import sys
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from rank_exit import end_rank
 
 import lightning_qstate as lq
 
@@ -55,9 +56,8 @@ def worker(rank: int, out: str, port: int) -> None:
         }
     with open(os.path.join(out, f"rank{rank}.json"), "w") as file:
         json.dump(results, file)
-    dist.barrier()  # and nothing that holds the group left for the interpreter's teardown (shard_norm_worker)
     del model, ddp, optimizer
-    dist.destroy_process_group()
+    end_rank()
 
 
 if __name__ == "__main__":

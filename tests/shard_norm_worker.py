@@ -12,6 +12,7 @@ import sys
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from rank_exit import end_rank
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
@@ -35,12 +36,8 @@ def worker(rank: int, out: str, port: int) -> None:
     total = float(total.full_tensor() if isinstance(total, DTensor) else total)
     with open(os.path.join(out, f"rank{rank}.json"), "w") as file:
         json.dump({"emulated": _gradient_norm(optimizer), "clip_grad_norm": total, "local": local}, file)
-    # every rank done, and nothing that holds the process group left for the interpreter's teardown: without these, gloo's
-    # threads were destroyed while still joinable in about 4 runs of 10 (``terminate called without an active
-    # exception``, SIGABRT after the results were written)
-    dist.barrier()
     del model, optimizer
-    dist.destroy_process_group()
+    end_rank()
 
 
 if __name__ == "__main__":
