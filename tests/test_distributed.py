@@ -589,15 +589,21 @@ def test_stall_monitor_clips_with_the_norm_of_every_ranks_shards(tmp_path):
     assert ranks[0]["emulated"] == ranks[1]["emulated"]
 
 
-def test_replicas_round_alike_when_the_ranks_are_seeded_apart(tmp_path):
+@pytest.fixture(scope="module")
+def plain_torch_ranks(tmp_path_factory):
+    """The two ranks' results of ``plain_torch_worker.py`` (DDP and FSDP2 without Lightning), run once."""
+    out = tmp_path_factory.mktemp("plain-torch")
+    command = [sys.executable, str(TESTS / "plain_torch_worker.py"), str(out), str(free_port())]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)]
+
+
+def test_replicas_round_alike_when_the_ranks_are_seeded_apart(plain_torch_ranks):
     """Plain DDP with optimizers built on each rank from global generators seeded apart: the first step that rounds
     stochastically takes rank 0's seed (states, QMuon's buffer, the wrapper's, a weight grid), so the replicas stay
     identical (they drifted apart: 3e-3 after 5 steps). Round-to-nearest optimizers draw nothing and join no broadcast."""
-    worker = TESTS / "seed_worker.py"
-    command = [sys.executable, str(worker), str(tmp_path), str(free_port())]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT)
-    assert result.returncode == 0, result.stderr[-3000:]
-    ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
+    ranks = [rank["seeds"] for rank in plain_torch_ranks]
     for case in ("qadamw", "qmuon", "wrapper", "eco_weights"):
         assert ranks[0][case]["drawn"] != ranks[1][case]["drawn"], case  # the ranks did draw apart
         assert ranks[0][case]["seed"] == ranks[1][case]["seed"] == ranks[0][case]["drawn"], case
@@ -605,6 +611,16 @@ def test_replicas_round_alike_when_the_ranks_are_seeded_apart(tmp_path):
         assert ranks[0][case]["params"] == ranks[1][case]["params"], case
     assert not ranks[0]["nearest"]["shared"] and ranks[0]["nearest"]["seed"] != ranks[1]["nearest"]["seed"]
     assert ranks[0]["nearest"]["params"] == ranks[1]["nearest"]["params"]
+
+
+def test_the_wrapper_resumes_under_fsdp2(plain_torch_ranks):
+    """quantize_optimizer(Adagrad) on a fully_shard model: its plain states came back from load_state_dict as local
+    tensors and the next step raised (torch's update mixed them with the DTensor gradient); they load as DTensors like
+    their parameters, and the resumed run is the uninterrupted one."""
+    for rank in plain_torch_ranks:
+        runs = rank["wrapper_resume"]
+        assert runs["resumed"]["kinds"] == runs["straight"]["kinds"] == ["DTensor", "QuantizedTensor", "Tensor"]  # Tensor: step
+        assert runs["resumed"]["params"] == runs["straight"]["params"]
 
 
 # --- single process ----------------------------------------------------------------------------------

@@ -1434,6 +1434,10 @@ class QuantizedStates:
             return set()
         return {p for p, spec in zip(params, saved, strict=True) if _override_json(self.configured_overrides.get(p)) != spec}
 
+    def _plain_state(self, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        """A loaded state kept plain, as this optimizer's step holds it: the local shard (the update runs on local tensors)."""
+        return local_tensor(value)
+
     def _apply_policy_on_load(
         self, changes: list[str], kept_plain: set[tuple[torch.Tensor, str]], overridden: set[torch.Tensor]
     ) -> list[str]:
@@ -1455,13 +1459,17 @@ class QuantizedStates:
                         continue
                     if isinstance(value, torch.Tensor):
                         kept = (key, name) in kept_plain and key not in overridden
-                        fmt = None if kept else self._format_for(group, key, name, local_tensor(value), None)
-                        state[name] = local_tensor(value) if fmt is None else self._quantized(group, key, fmt, local_tensor(value))
+                        local = local_tensor(value)
+                        fmt = None if kept else self._format_for(group, key, name, local, None)
+                        state[name] = self._plain_state(key, local) if fmt is None else self._quantized(group, key, fmt, local)
                         count += fmt is not None and (key in overridden or bool(change))  # a torch checkpoint's: no change
                     elif isinstance(value, QuantizedTensor) and (change or key in overridden):
                         target = self._policy_format(group, key, name)
                         if target is None or target.config != value.format.config:
-                            state[name] = value.dequantize() if target is None else self._quantized(group, key, target, value.dequantize())
+                            decoded = value.dequantize()
+                            state[name] = (
+                                self._plain_state(key, decoded) if target is None else self._quantized(group, key, target, decoded)
+                            )
                             count += 1
                 _drop_stale_bound(state)
             done.append(

@@ -22,11 +22,13 @@ from typing import Any
 
 import torch
 from torch.distributed.fsdp import FullyShardedDataParallel
+from torch.distributed.tensor import DTensor
+from typing_extensions import override
 
 from ..formats import BlockFormat, QuantizedTensor, StorageFormat, get_format
 from ..formats.weights import WeightBlock
 from ..kernels.dispatch import StepPath
-from .base import QuantizedStates, StateValue, StepOverflowError, dequantized, like_param, raise_overflows
+from .base import QuantizedStates, StateValue, StepOverflowError, dequantized, like_param, local_tensor, raise_overflows
 from .optimizers import QSGD, QAdam, QAdamW, QMuon
 from .policy import ErrorFeedback, NonFiniteGradPolicy, QuantizationPolicy, StatesSpec
 
@@ -241,6 +243,14 @@ class QuantizedOptimizerWrapper(QuantizedStates, torch.optim.Optimizer):
             )
             raise_overflows(errors)
         return result
+
+    @override
+    def _plain_state(self, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        """A loaded state kept plain, laid out as the inner optimizer made it: a per-value state of an FSDP2 parameter as a
+        DTensor like it (torch's update mixes it with the DTensor gradient; as a local tensor it raised "got mixed
+        torch.Tensor and DTensor" at the first step after every load), a step count as it is."""
+        local = local_tensor(value)
+        return like_param(local, key) if isinstance(key, DTensor) and local.shape == local_tensor(key).shape else local
 
     def _encoded(self, group: dict, param: torch.Tensor, name: str, value: Any, old: StateValue | None, decoded: dict) -> StateValue:
         """State ``name`` of ``param`` after the inner step, stored in its format (``_store``); a decoded state the

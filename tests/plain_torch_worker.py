@@ -1,0 +1,95 @@
+"""Two gloo ranks of plain torch.distributed, without Lightning and without ``QuantizationPolicy.apply``. Run standalone
+(``python tests/plain_torch_worker.py OUT_DIR PORT``); writes ``rank{r}.json``.
+
+- ``seeds``: DDP, the ranks' global generators seeded apart: the optimizers built on each rank drew different
+  stochastic-rounding seeds, and their replicas drifted apart without an error; the first step that rounds
+  stochastically takes rank 0's seed. Per case the parameters after four steps, the seed and whether it was shared.
+- ``wrapper_resume``: FSDP2 (``fully_shard``) and ``quantize_optimizer(Adagrad)``: its plain states (a parameter under
+  ``min_quant_size``, a bias) came back from ``load_state_dict`` as local tensors, and torch's Adagrad raised "got mixed
+  torch.Tensor and DTensor" at the next step. The parameters after a save, a load and two more steps, against two
+  steps without the round trip."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from rank_exit import end_rank
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+import lightning_qstate as lq
+
+
+def build(case: str, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    options = {"states": "int8", "rounding": "stochastic", "min_quant_size": 0}
+    if case == "qadamw":
+        return lq.QAdamW(params, lr=1e-2, **options)
+    if case == "qmuon":
+        return lq.QMuon([p for p in params if p.ndim == 2], lr=1e-2, **options)
+    if case == "wrapper":
+        return lq.quantize_optimizer(torch.optim.SGD(params, lr=1e-2, momentum=0.9), **options)
+    if case == "eco_weights":  # states rounded to nearest, bf16 weights rounded stochastically (weight_rounding's default)
+        return lq.QAdamW(params, lr=1e-2, states="int8", min_quant_size=0, weights="bf16")
+    return lq.QAdamW(params, lr=1e-2, states="int8", min_quant_size=0)  # "nearest": nothing drawn, nothing shared
+
+
+def seed_cases(rank: int) -> dict:
+    results = {}
+    for case in ("qadamw", "qmuon", "wrapper", "eco_weights", "nearest"):
+        torch.manual_seed(100 + rank)  # a seed per rank; DDP broadcasts rank 0's weights
+        model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 32))
+        if case == "eco_weights":
+            model = model.bfloat16()
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        optimizer = build(case, list(ddp.parameters()))
+        drawn = optimizer._rounding_seed
+        for _ in range(4):
+            x = torch.randn(8, 32, dtype=next(model.parameters()).dtype)  # other data per rank: DDP averages the grads
+            ddp(x).float().square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        results[case] = {
+            "params": [p.detach().float().flatten().tolist() for p in model.parameters()],
+            "drawn": drawn,
+            "seed": optimizer._rounding_seed,
+            "shared": optimizer._seed_shared,
+        }
+    return results
+
+
+def wrapper_resume(rank: int) -> dict:
+    runs = {}
+    for resumed in (False, True):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 32))  # a weight of 2048 values: plain
+        fully_shard(model)
+        optimizer = lq.quantize_optimizer(torch.optim.Adagrad(model.parameters(), lr=1e-2), min_quant_size=4096)
+        for step in range(4):
+            if step == 2 and resumed:
+                optimizer.load_state_dict(optimizer.state_dict())
+            x = torch.randn(8, 64, generator=torch.Generator().manual_seed(10 * step + rank))
+            model(x).square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        kinds = sorted({type(value).__name__ for state in optimizer.state.values() for value in state.values()})
+        params = [(p.full_tensor() if isinstance(p, DTensor) else p).detach().flatten().tolist() for p in model.parameters()]
+        runs["resumed" if resumed else "straight"] = {"params": params, "kinds": kinds}
+    return runs
+
+
+def worker(rank: int, out: str, port: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    results = {"seeds": seed_cases(rank), "wrapper_resume": wrapper_resume(rank)}
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as file:
+        json.dump(results, file)
+    end_rank()
+
+
+if __name__ == "__main__":
+    mp.spawn(worker, args=(sys.argv[1], int(sys.argv[2])), nprocs=2)
