@@ -4,6 +4,10 @@
 - ``seeds``: DDP, the ranks' global generators seeded apart: the optimizers built on each rank drew different
   stochastic-rounding seeds, and their replicas drifted apart without an error; the first step that rounds
   stochastically takes rank 0's seed. Per case the parameters after four steps, the seed and whether it was shared.
+- ``zero_resume``: ``ZeroRedundancyOptimizer(optimizer_class=QAdamW)``: its ``load_state_dict`` copies each rank's states
+  into the local optimizer's ``state`` without calling its ``load_state_dict``; stepped on as they were, the packed
+  dicts raised a TypeError inside torch's Adam. The parameters after 3 steps, a consolidated save, a load and 3 more,
+  against 6 straight steps (round to nearest: ZeRO's checkpoint drops the stochastic-rounding seed).
 - ``wrapper_resume``: FSDP2 (``fully_shard``) and ``quantize_optimizer(Adagrad)``: its plain states (a parameter under
   ``min_quant_size``, a bias) came back from ``load_state_dict`` as local tensors, and torch's Adagrad raised "got mixed
   torch.Tensor and DTensor" at the next step. The parameters after a save, a load and two more steps, against two
@@ -20,6 +24,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from rank_exit import end_rank
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 
 import lightning_qstate as lq
@@ -82,10 +87,41 @@ def wrapper_resume(rank: int) -> dict:
     return runs
 
 
+def zero_resume(rank: int, out: str) -> dict:
+    def build() -> tuple[torch.nn.Module, torch.nn.Module, ZeroRedundancyOptimizer]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Tanh(), torch.nn.Linear(128, 64))
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        return model, ddp, ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=lq.QAdamW, lr=1e-2, min_quant_size=0)
+
+    def train(ddp: torch.nn.Module, optimizer: ZeroRedundancyOptimizer, steps: range) -> None:
+        for step in steps:
+            optimizer.zero_grad()
+            ddp(torch.randn(16, 64, generator=torch.Generator().manual_seed(1000 * step + rank))).square().mean().backward()
+            optimizer.step()
+
+    model, ddp, optimizer = build()
+    train(ddp, optimizer, range(6))
+    straight = [p.detach().flatten().tolist() for p in model.parameters()]
+    model, ddp, optimizer = build()
+    train(ddp, optimizer, range(3))
+    optimizer.consolidate_state_dict(to=0)
+    if rank == 0:
+        torch.save(optimizer.state_dict(), os.path.join(out, "zero.pt"))
+    dist.barrier()
+    weights = {name: value.clone() for name, value in model.state_dict().items()}
+    model, ddp, optimizer = build()
+    model.load_state_dict(weights)
+    optimizer.load_state_dict(torch.load(os.path.join(out, "zero.pt"), weights_only=False))
+    train(ddp, optimizer, range(3, 6))
+    kinds = sorted({type(value).__name__ for state in optimizer.optim.state.values() for value in state.values()})
+    return {"straight": straight, "resumed": [p.detach().flatten().tolist() for p in model.parameters()], "kinds": kinds}
+
+
 def worker(rank: int, out: str, port: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
-    results = {"seeds": seed_cases(rank), "wrapper_resume": wrapper_resume(rank)}
+    results = {"seeds": seed_cases(rank), "wrapper_resume": wrapper_resume(rank), "zero_resume": zero_resume(rank, out)}
     with open(os.path.join(out, f"rank{rank}.json"), "w") as file:
         json.dump(results, file)
     end_rank()

@@ -613,6 +613,16 @@ def test_replicas_round_alike_when_the_ranks_are_seeded_apart(plain_torch_ranks)
     assert ranks[0]["nearest"]["params"] == ranks[1]["nearest"]["params"]
 
 
+def test_zero_redundancy_optimizer_resumes(plain_torch_ranks):
+    """ZeroRedundancyOptimizer(optimizer_class=QAdamW) writes the loaded states into the local optimizer's state without
+    its load_state_dict: the packed entries are imported at the next step (a TypeError inside torch's Adam before), and
+    the resumed run is the uninterrupted one."""
+    for rank in plain_torch_ranks:
+        runs = rank["zero_resume"]
+        assert runs["kinds"] == ["QuantizedTensor", "Tensor"]
+        assert runs["resumed"] == runs["straight"]
+
+
 def test_the_wrapper_resumes_under_fsdp2(plain_torch_ranks):
     """quantize_optimizer(Adagrad) on a fully_shard model: its plain states came back from load_state_dict as local
     tensors and the next step raised (torch's update mixed them with the DTensor gradient); they load as DTensors like

@@ -744,6 +744,9 @@ class QuantizedStates:
         plans = self.__dict__.setdefault("_plans", {})
         if index in plans and plans[index][0] == inputs:
             return plans[index][1]
+        if any(is_exported(value) for _, _, state, _, _ in rows for value in state.values()):  # read on a new plan only
+            self._import_written_states()
+            return self._planned_paths(index, group, keys)
         candidates = [
             Candidate(param, grad, group, state, self.cpu_compile, weights, created) for param, grad, state, weights, created in rows
         ]
@@ -1362,22 +1365,43 @@ class QuantizedStates:
                 stacklevel=2,
             )
         self._kept_formats_unchecked = True
-        stochastic = any(group.get("rounding") == "stochastic" for group in self.param_groups)
-        if counters is None and stochastic and (any(packed.values()) or any(markers.values())):
-            warnings.warn(
-                f"{type(self).__name__}: the checkpoint holds quantized states but no {ROUNDING_KEY} in param group 0 (a converter "
-                "dropped it?): stochastic rounding goes on from this optimizer's own seed, so the resumed run is not the "
-                "uninterrupted one draw for draw",
-                UserWarning,
-                stacklevel=2,
-            )
-        if counters is not None:
-            saved = [int(v) for v in counters]  # checkpoints before 2026-11-28 hold the first two
-            self._rounding_seed, self._rounding_step = saved[:2]
-            self._seed_shared = False  # a rank's own checkpoint may hold its own seed (one saved before the seeds were shared)
-            self.nonfinite_skips, self.skipped_steps = saved[2:] or (0, 0)
+        self._load_counters(counters, quantized=any(packed.values()) or any(markers.values()))
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)
+
+    def _load_counters(self, counters: list | None, quantized: bool) -> None:
+        """The stochastic-rounding seed and step and the skip counts of a checkpoint's ``ROUNDING_KEY``; where it has none
+        but holds ``quantized`` states under stochastic rounding, a warning that the resume is not draw for draw."""
+        if counters is None:
+            if quantized and any(group.get("rounding") == "stochastic" for group in self.param_groups):
+                warnings.warn(
+                    f"{type(self).__name__}: the checkpoint holds quantized states but no {ROUNDING_KEY} in param group 0 (a "
+                    "converter dropped it?): stochastic rounding goes on from this optimizer's own seed, so the resumed run is "
+                    "not the uninterrupted one draw for draw",
+                    UserWarning,
+                    stacklevel=caller_stacklevel(),
+                )
+            return
+        saved = [int(v) for v in counters]  # checkpoints before 2026-11-28 hold the first two
+        self._rounding_seed, self._rounding_step = saved[:2]
+        self._seed_shared = False  # a rank's own checkpoint may hold its own seed (one saved before the seeds were shared)
+        self.nonfinite_skips, self.skipped_steps = saved[2:] or (0, 0)
+
+    def _import_written_states(self) -> None:
+        """Import checkpoint entries written into ``self.state`` without ``load_state_dict``, with its checks (shape, size,
+        checksum): ``torch.distributed.optim.ZeroRedundancyOptimizer.load_state_dict`` copies each rank's states into its
+        local optimizer's ``state`` (and the checkpoint's param group options, ``ROUNDING_KEY`` with them where present,
+        into its groups); stepped on as they were, the packed dicts raised a TypeError deep inside torch's Adam."""
+        members = [(group, key) for group in self.param_groups for key in group["params"]]
+        for position, (group, key) in enumerate(members):
+            state = self.state.get(key, {})
+            for name, value in state.items():
+                if is_exported(value):
+                    state[name] = import_state(value, local_tensor(key), f"{type(self).__name__} state {position} ({name!r})")
+                    state[name].dtype = self._decoded_dtype(group, key)
+        self._load_counters(self.param_groups[0].pop(ROUNDING_KEY, None) if self.param_groups else None, quantized=True)
+        if self.param_groups:
+            self.param_groups[0].pop(OVERRIDES_KEY, None)
 
     def _restore_fp32_states(self, plain: dict, markers: dict, params: dict, configured: list[dict]) -> None:
         """Undo torch's cast of loaded floating states to the parameter's dtype where a state is fp32 by design: the
