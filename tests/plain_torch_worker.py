@@ -8,6 +8,10 @@
   into the local optimizer's ``state`` without calling its ``load_state_dict``; stepped on as they were, the packed
   dicts raised a TypeError inside torch's Adam. The parameters after 3 steps, a consolidated save, a load and 3 more,
   against 6 straight steps (round to nearest: ZeRO's checkpoint drops the stochastic-rounding seed).
+- ``full_to_single``: FSDP2 to an unsharded model through a full optimizer state dict (``get_optimizer_state_dict`` with
+  ``full_state_dict=True``, then ``set_optimizer_state_dict`` on rank 0 alone), the way README gives for moving between
+  layouts (a sharded DCP checkpoint cannot: its keys follow the layout). The loaded states' types, formats and decoded
+  values against the full state dict's.
 - ``wrapper_resume``: FSDP2 (``fully_shard``) and ``quantize_optimizer(Adagrad)``: its plain states (a parameter under
   ``min_quant_size``, a bias) came back from ``load_state_dict`` as local tensors, and torch's Adagrad raised "got mixed
   torch.Tensor and DTensor" at the next step. The parameters after a save, a load and two more steps, against two
@@ -23,6 +27,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from rank_exit import end_rank
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
@@ -118,10 +128,44 @@ def zero_resume(rank: int, out: str) -> dict:
     return {"straight": straight, "resumed": [p.detach().flatten().tolist() for p in model.parameters()], "kinds": kinds}
 
 
+def full_to_single(rank: int) -> dict:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(32, 64)
+    fully_shard(model)
+    optimizer = lq.QAdamW(model.parameters(), lr=1e-2, min_quant_size=0)
+    for step in range(3):
+        model(torch.randn(8, 32, generator=torch.Generator().manual_seed(step + 10 * rank))).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    full, weights = get_optimizer_state_dict(model, optimizer, options=options), get_model_state_dict(model, options=options)
+    if rank != 0:
+        return {}
+    single = torch.nn.Linear(32, 64)
+    single.load_state_dict(weights)
+    loaded = lq.QAdamW(single.parameters(), lr=1e-2, min_quant_size=0)
+    set_optimizer_state_dict(single, loaded, full)
+    states = {name: loaded.state[param] for name, param in single.named_parameters()}
+    formats = {
+        f"{name}.{key}": value.format.name for name, state in states.items() for key, value in state.items() if hasattr(value, "format")
+    }
+    exact = {
+        f"{name}.{key}": torch.equal(states[name][key].dequantize(torch.float32), full["state"][name][key])
+        for name in states
+        for key in ("exp_avg", "exp_avg_sq")
+    }
+    result = {"formats": formats, "steps": [float(state["step"]) for state in states.values()], "exact": exact}
+    single(torch.randn(8, 32)).square().mean().backward()
+    loaded.step()  # steps on
+    result["steps_after"] = [float(state["step"]) for state in states.values()]
+    return result
+
+
 def worker(rank: int, out: str, port: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
     results = {"seeds": seed_cases(rank), "wrapper_resume": wrapper_resume(rank), "zero_resume": zero_resume(rank, out)}
+    results["full_to_single"] = full_to_single(rank)
     with open(os.path.join(out, f"rank{rank}.json"), "w") as file:
         json.dump(results, file)
     end_rank()

@@ -623,6 +623,17 @@ def test_zero_redundancy_optimizer_resumes(plain_torch_ranks):
         assert runs["resumed"] == runs["straight"]
 
 
+def test_a_full_state_dict_moves_fsdp2_states_to_an_unsharded_model(plain_torch_ranks):
+    """The README's way between layouts in plain torch: a full optimizer state dict of FSDP2's (2 ranks) loaded with
+    set_optimizer_state_dict into an unsharded model on one rank. The weight's states (FSDP2 blocks of a row) load
+    exactly, in the saved blocks; the bias, plain under FSDP2 (its rows allow no aligned block), is quantized per the
+    policy; the step counts carry on."""
+    result = plain_torch_ranks[0]["full_to_single"]
+    assert set(result["formats"].values()) == {"int8"}
+    assert result["exact"] == {"weight.exp_avg": True, "weight.exp_avg_sq": True, "bias.exp_avg": False, "bias.exp_avg_sq": False}
+    assert result["steps"] == [3.0, 3.0] and result["steps_after"] == [4.0, 4.0]
+
+
 def test_the_wrapper_resumes_under_fsdp2(plain_torch_ranks):
     """quantize_optimizer(Adagrad) on a fully_shard model: its plain states came back from load_state_dict as local
     tensors and the next step raised (torch's update mixed them with the DTensor gradient); they load as DTensors like
