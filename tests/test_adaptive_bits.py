@@ -308,6 +308,7 @@ def average_bits(optimizer: torch.optim.Optimizer) -> float:
     [
         ({"target_bits": 0}, r"target_bits=0 must be a number > 0"),
         ({"target_bits": "5"}, r"target_bits='5' must be a number > 0"),
+        ({"target_bits": float("inf")}, r"target_bits=inf must be a number > 0 \(average bits per state value\) or None \(no cap\)"),
         ({"interval": 0}, r"interval=0 must be an int >= 1"),
         ({"hysteresis": 1.5}, r"hysteresis=1.5 must be an int >= 1"),
         ({"max_history": 0}, r"max_history=0 must be an int >= 1"),

@@ -66,8 +66,9 @@ def check_options(
     """Check the planner's options (errors start with ``owner``); returns ``({state: {zone: format name}}, {state: floor
     format name})`` for m and v, the defaults filled in (``floor_formats=None``: ``DEFAULT_FLOOR_FORMATS``; a state it
     does not name has no floor below its zones' formats)."""
-    if target_bits is not None and not (isinstance(target_bits, (int, float)) and not isinstance(target_bits, bool) and target_bits > 0):
-        raise ValueError(f"{owner}: target_bits={target_bits!r} must be a number > 0 (average bits per state value) or None")
+    is_number = isinstance(target_bits, (int, float)) and not isinstance(target_bits, bool)
+    if target_bits is not None and not (is_number and 0 < target_bits < math.inf):
+        raise ValueError(f"{owner}: target_bits={target_bits!r} must be a number > 0 (average bits per state value) or None (no cap)")
     for option, value in (("interval", interval), ("hysteresis", hysteresis), ("max_history", max_history)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{owner}: {option}={value!r} must be an int >= 1")
