@@ -263,6 +263,14 @@ def state_summary(optimizer: torch.optim.Optimizer) -> dict[str, int]:
     return {"bytes": stored, "values": values, "fp32_bytes": 4 * values}
 
 
+# Where frames that are not the user's call live: this package and torch (its optimizers' wrappers of step and __init__).
+_NOT_THE_CALLER = tuple(
+    directory + os.sep
+    for directory in (os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.path.dirname(os.path.abspath(torch.__file__)))
+)
+_CONTEXTLIB = os.path.abspath(contextlib.__file__)
+
+
 def caller_stacklevel() -> int:
     """``stacklevel`` for a warning issued here that points at the user's call: the first frame outside this package,
     torch (its optimizer's wrappers of ``step`` and ``__init__``) and ``contextlib`` (a context manager's exit)."""
@@ -273,10 +281,6 @@ def caller_stacklevel() -> int:
             break
         frame, level = frame.f_back, level + 1
     return level
-
-
-_NOT_THE_CALLER = tuple(os.path.dirname(os.path.abspath(path)) + os.sep for path in (os.path.dirname(__file__), torch.__file__))
-_CONTEXTLIB = os.path.abspath(contextlib.__file__)
 
 
 class QuantizedStates:
@@ -512,8 +516,8 @@ class QuantizedStates:
             if options and not any(self._rounds_weights(group, key) for key in group["params"]):
                 warnings.warn(
                     f"{type(self).__name__}: {' and '.join(options)} of param group {index} act on weight grids, and none of its "
-                    "parameters' values is rounded (weights=None and fp32 parameters): they change nothing; give weights= (e.g. 'bf16', "
-                    "'fp8_e4m3') to train without fp32 master weights, or leave them out",
+                    "parameters' values is rounded (weights=None or 'fp32', fp32 parameters): they change nothing; give weights= "
+                    "(e.g. 'bf16', 'fp8_e4m3') to train without fp32 master weights, or leave them out",
                     UserWarning,
                     stacklevel=caller_stacklevel(),
                 )
