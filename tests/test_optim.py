@@ -860,3 +860,31 @@ def test_qmuon_refuses_what_muon_cannot_step_in_add_param_group_too():
     with pytest.raises(ValueError, match="Muon only supports 2-D parameters"):
         lq.quantize_optimizer(muon)
     assert type(muon) is torch.optim.Muon  # the refused conversion left it as it was
+
+
+@pytest.mark.parametrize(
+    "build",
+    [
+        lambda params: lq.QAdamW(params, lr=1e-2, states="e5m7", min_quant_size=0),  # the compiled CPU path (>= 65,536 values)
+        lambda params: lq.QAdamW(params, lr=1e-2, states="int8", rounding="stochastic", min_quant_size=0),
+        lambda params: lq.quantize_optimizer(torch.optim.Adagrad(params, lr=1e-2), min_quant_size=0),
+    ],
+)
+def test_a_compiled_step_runs_the_quantized_step_as_it_is(build):
+    """torch.compile(optimizer.step) (or a compiled training step that calls it) does not trace the quantized step, which
+    plans its paths in Python and runs its own kernels: traced, the compiled CPU path raised an AssertionError inside
+    dynamo ("Attempt to trace forbidden callable mark_dynamic"). The results are the eager step's, bit for bit."""
+
+    def run(compiled: bool) -> torch.Tensor:
+        weight = torch.nn.Parameter(torch.randn(300, 256, generator=torch.Generator().manual_seed(1)))
+        optimizer = build([weight])
+        step = torch.compile(optimizer.step) if compiled else optimizer.step
+        for t in range(3):
+            weight.grad = torch.randn(weight.shape, generator=torch.Generator().manual_seed(t))
+            step()
+        return weight.detach()
+
+    torch.manual_seed(0)
+    eager = run(False)
+    torch.manual_seed(0)
+    assert torch.equal(run(True), eager)

@@ -71,6 +71,9 @@ QSTATE_ATTRIBUTES = (
     "_rounding_seed", "_rounding_step", "_seed_shared", "_policy_ready", "_kept_formats_unchecked", "format_changes",
 )  # fmt: skip
 MASK64 = (1 << 64) - 1
+# Why torch.compile does not trace a quantized optimizer's step (torch.compiler.disable): it plans its paths in Python and
+# runs its own C++, compiled and Triton kernels (traced, the compiled path's mark_dynamic raised inside dynamo).
+STEP_NOT_TRACED = "a quantized optimizer's step runs its own C++, compiled and Triton kernels"
 # The stall counts of ECO's momentum corrections (``error_feedback="eco"``, ``track_stalls=True``).
 FEEDBACK_STALLS = "eco_correction"
 # The stall counts of the parameters themselves (``track_stalls=True``): entries whose update was lost to rounding.
@@ -415,9 +418,11 @@ class QuantizedStates:
             )
 
     # --- the step -------------------------------------------------------------------------------------
+    @torch.compiler.disable(reason=STEP_NOT_TRACED)
     @torch.no_grad()
     def step(self, closure=None):
-        """One optimization step, parameter by parameter; ``closure`` re-evaluates the loss under grad mode."""
+        """One optimization step, parameter by parameter; ``closure`` re-evaluates the loss under grad mode. Not traced
+        by ``torch.compile`` (``torch.compile(optimizer.step)`` or a compiled training step run it as it is)."""
         loss = self._evaluate(closure)
         self._check_before_stepping()
         with self._nonfinite_policy():

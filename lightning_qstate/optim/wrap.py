@@ -28,7 +28,7 @@ from typing_extensions import override
 from ..formats import BlockFormat, QuantizedTensor, StorageFormat, get_format
 from ..formats.weights import WeightBlock
 from ..kernels.dispatch import StepPath
-from .base import QuantizedStates, StateValue, StepOverflowError, dequantized, like_param, local_tensor, raise_overflows
+from .base import STEP_NOT_TRACED, QuantizedStates, StateValue, StepOverflowError, dequantized, like_param, local_tensor, raise_overflows
 from .optimizers import QSGD, QAdam, QAdamW, QMuon
 from .policy import ErrorFeedback, NonFiniteGradPolicy, QuantizationPolicy, StatesSpec
 
@@ -179,6 +179,7 @@ class QuantizedOptimizerWrapper(QuantizedStates, torch.optim.Optimizer):
             fmt = get_format(fmt.config["name"], block_size=fmt.config["block_size"], signed=True)
         return fmt
 
+    @torch.compiler.disable(reason=STEP_NOT_TRACED)
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Evaluate ``closure``, decode the states, let the inner optimizer step, re-encode; returns what the inner step returns.
