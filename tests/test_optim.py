@@ -185,13 +185,16 @@ def test_a_min_quant_size_above_every_parameter_warns_once(build):
         ({"weights": "fp32", "error_feedback": "eco_exact"}, "error_feedback='eco_exact'"),
         ({"weights": "bf16", "weight_rounding": "nearest", "error_feedback": "eco", "rounding": "stochastic"}, None),
         ({"error_feedback": "eco", "rounding": "stochastic", "dtype": torch.bfloat16}, None),  # bf16 params: their own grid
+        ({"weights": "bf16", "weight_block": "tensor"}, "weight_block='tensor'"),  # a cast grid has no scale groups
+        ({"weights": "fp8_e4m3", "weight_block": "tensor"}, None),
     ],
 )
 def test_weight_options_that_round_nothing_are_warned_about_at_the_first_step(options, warned):
     """error_feedback and weight_rounding act on the rounding of the new weights: with fp32 parameters and no weights= (or
     weights='fp32') nothing is rounded, so they would change nothing (ECO without weights= trained as plain Adam, paying
-    for ECO's step); the first step says so once, pointing at the caller. A weight grid, or parameters of a narrower
-    dtype (rounded to their own dtype), take them silently."""
+    for ECO's step); weight_block sets the scale groups of block-scaled grids only. The first step says so once,
+    pointing at the caller. A weight grid, or parameters of a narrower dtype (rounded to their own dtype), take them
+    silently."""
     dtype = options.pop("dtype", torch.float32)
     param = torch.nn.Parameter(torch.ones(64, 64, dtype=dtype))
     optimizer = lq.QAdamW([param], min_quant_size=0, **options)
@@ -200,11 +203,11 @@ def test_weight_options_that_round_nothing_are_warned_about_at_the_first_step(op
         for _ in range(2):
             param.grad = torch.full_like(param, 0.5)
             optimizer.step()
-    messages = [w for w in caught if "act on weight grids" in str(w.message)]
+    messages = [w for w in caught if "weight grids" in str(w.message)]
     if warned is None:
         assert not messages
     else:
-        assert len(messages) == 1 and warned in str(messages[0].message) and "change nothing" in str(messages[0].message)
+        assert len(messages) == 1 and warned in str(messages[0].message) and "nothing" in str(messages[0].message)
         assert messages[0].filename == __file__
 
 

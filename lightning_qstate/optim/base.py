@@ -509,7 +509,8 @@ class QuantizedStates:
         """At the first step: warn where a param group sets ``error_feedback`` or ``weight_rounding="nearest"`` and none of
         its parameters' new values is rounded (``weights=None`` or ``"fp32"`` and fp32 parameters, no ``weight_overrides``):
         those act on the rounding of the weights, so they would change nothing (``error_feedback="eco"`` without
-        ``weights=`` trains as plain Adam, at the cost of ECO's step)."""
+        ``weights=`` trains as plain Adam, at the cost of ECO's step); likewise a ``weight_block`` other than ``"row"``
+        where no parameter is on a block-scaled grid."""
         if self._rounding_step != 0:
             return
         for index, group in enumerate(self.param_groups):
@@ -523,6 +524,15 @@ class QuantizedStates:
                     f"{type(self).__name__}: {' and '.join(options)} of param group {index} act on weight grids, and none of its "
                     "parameters' values is rounded (weights=None or 'fp32', fp32 parameters): they change nothing; give weights= "
                     "(e.g. 'bf16', 'fp8_e4m3') to train without fp32 master weights, or leave them out",
+                    UserWarning,
+                    stacklevel=caller_stacklevel(),
+                )
+            grids = [self.weight_grid(group, key) for key in group["params"]]
+            if group["weight_block"] != "row" and not any(grid is not None and grid.cast_dtype is None for grid in grids):
+                warnings.warn(
+                    f"{type(self).__name__}: weight_block={group['weight_block']!r} of param group {index} sets the scale groups of "
+                    "block-scaled weight grids (weights='fp8_e4m3', 'int8', ...), and none of its parameters is on one (bf16, fp16 "
+                    "and fp32 grids have no scales): it changes nothing",
                     UserWarning,
                     stacklevel=caller_stacklevel(),
                 )
