@@ -123,6 +123,11 @@ def mix64(*values: int) -> int:
     return state >> 1
 
 
+def several_ranks() -> bool:
+    """Whether ``torch.distributed`` runs a process group of more than one rank."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
 def rounding_seed(generator: torch.Generator | None, params: list[torch.Tensor]) -> int:
     """An optimizer's stochastic-rounding seed: a draw from ``generator``, or else the draw torch's global generator
     would give next, taken without advancing it (an optimizer built in place of torch's leaves the dropout masks and the
@@ -434,7 +439,7 @@ class QuantizedStates:
         self._check_min_quant_size()
         self._check_weight_options_used()
         self._check_kept_formats()
-        if not self._seed_shared and self._rounds_stochastically():
+        if not self._seed_shared and several_ranks() and self._rounds_stochastically():  # groups scanned only under several ranks
             self._share_rounding_seed()
 
     def _rounds_stochastically(self) -> bool:
@@ -451,7 +456,7 @@ class QuantizedStates:
         every rank joins (``QuantizationPolicy.apply``, and the first step that rounds stochastically after construction or
         a load), so that replicated parameters and states (DDP) round alike. Ranks seeded apart (a seed per rank, as for
         data augmentation) drew different seeds at construction, and their replicas drifted apart without an error."""
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        if several_ranks():
             seed = [self._rounding_seed]
             dist.broadcast_object_list(seed, src=0)
             self._rounding_seed = seed[0]
@@ -514,12 +519,10 @@ class QuantizedStates:
         if self._rounding_step != 0:
             return
         for index, group in enumerate(self.param_groups):
-            options = [
-                f"{name}={group[name]!r}"
-                for name, unused in (("error_feedback", None), ("weight_rounding", "stochastic"))
-                if group[name] != unused
-            ]
-            if options and not any(self._rounds_weights(group, key) for key in group["params"]):
+            options = [f"{name}={group[name]!r}" for name in ("error_feedback", "weight_rounding") if group[name] != POLICY_DEFAULTS[name]]
+            grids = [(key, self.weight_grid(group, key)) for key in group["params"]]
+            rounded = any(grid is not None and not (grid.cast_dtype == torch.float32 and key.dtype == torch.float32) for key, grid in grids)
+            if options and not rounded:  # an fp32 grid of an fp32 parameter rounds nothing
                 warnings.warn(
                     f"{type(self).__name__}: {' and '.join(options)} of param group {index} act on weight grids, and none of its "
                     "parameters' values is rounded (weights=None or 'fp32', fp32 parameters): they change nothing; give weights= "
@@ -527,8 +530,8 @@ class QuantizedStates:
                     UserWarning,
                     stacklevel=caller_stacklevel(),
                 )
-            grids = [self.weight_grid(group, key) for key in group["params"]]
-            if group["weight_block"] != "row" and not any(grid is not None and grid.cast_dtype is None for grid in grids):
+            blocked = any(grid is not None and grid.cast_dtype is None for _, grid in grids)
+            if group["weight_block"] != POLICY_DEFAULTS["weight_block"] and not blocked:
                 warnings.warn(
                     f"{type(self).__name__}: weight_block={group['weight_block']!r} of param group {index} sets the scale groups of "
                     "block-scaled weight grids (weights='fp8_e4m3', 'int8', ...), and none of its parameters is on one (bf16, fp16 "
@@ -536,11 +539,6 @@ class QuantizedStates:
                     UserWarning,
                     stacklevel=caller_stacklevel(),
                 )
-
-    def _rounds_weights(self, group: dict, key: torch.Tensor) -> bool:
-        """Whether the step rounds ``key``'s new values to a grid (an fp32 grid of an fp32 parameter rounds nothing)."""
-        grid = self.weight_grid(group, key)
-        return grid is not None and not (grid.cast_dtype == torch.float32 and key.dtype == torch.float32)
 
     def _states_asked(self, group: dict, param: torch.Tensor) -> bool:
         """Whether ``param``'s ``states=`` (its group's, or its override) name a format other than fp32 for any state."""
@@ -1348,11 +1346,8 @@ class QuantizedStates:
         for index, entries in packed.items():
             for name, entry in entries.items():
                 where = f"{type(self).__name__} state {index} ({name!r})"
-                # checked against the local shard: a full-shape packed state (a DDP checkpoint) never loads into a DTensor shard
                 key = params[index]
-                loaded = import_state(entry, local_tensor(key), where)
-                loaded.dtype = self._decoded_dtype(groups_by_param[key], key)  # per the configured grid, not the saved one
-                self.state[key][name] = loaded
+                self.state[key][name] = self._imported(groups_by_param[key], key, entry, where)
         kept_plain = set()
         for index, entries in ((i, e) for i, e in markers.items() if e):
             key = params[index]
@@ -1406,6 +1401,14 @@ class QuantizedStates:
         self._seed_shared = False  # a rank's own checkpoint may hold its own seed (one saved before the seeds were shared)
         self.nonfinite_skips, self.skipped_steps = saved[2:] or (0, 0)
 
+    def _imported(self, group: dict, key: torch.Tensor, entry: dict, where: str) -> QuantizedTensor:
+        """A packed checkpoint entry of parameter ``key`` (of ``group``) as its state (``import_state``: checked against the
+        local shard, so a full-shape packed state of a DDP checkpoint never loads into a DTensor shard), decoded in the
+        dtype the configured grid gives, not the saved one."""
+        loaded = import_state(entry, local_tensor(key), where)
+        loaded.dtype = self._decoded_dtype(group, key)
+        return loaded
+
     def _import_written_states(self) -> None:
         """Import checkpoint entries written into ``self.state`` without ``load_state_dict``, with its checks (shape, size,
         checksum): ``torch.distributed.optim.ZeroRedundancyOptimizer.load_state_dict`` copies each rank's states into its
@@ -1416,8 +1419,7 @@ class QuantizedStates:
             state = self.state.get(key, {})
             for name, value in state.items():
                 if is_exported(value):
-                    state[name] = import_state(value, local_tensor(key), f"{type(self).__name__} state {position} ({name!r})")
-                    state[name].dtype = self._decoded_dtype(group, key)
+                    state[name] = self._imported(group, key, value, f"{type(self).__name__} state {position} ({name!r})")
         self._load_counters(self.param_groups[0].pop(ROUNDING_KEY, None) if self.param_groups else None, quantized=True)
         if self.param_groups:
             self.param_groups[0].pop(OVERRIDES_KEY, None)
