@@ -94,7 +94,7 @@ def test_adam_hyper_rounds_torch_double_values_once(betas):
     expected = {
         "decay": 1 - 3e-3 * 0.1, "weight_decay": 0.1, "lerp_weight": 1 - beta1, "beta2": beta2, "square_weight": 1 - beta2,
         "eps": 1e-8, "step_size": 3e-3 / (1 - beta1**7.0), "bias_correction2_sqrt": (1 - beta2**7.0) ** 0.5,
-        "moment_bound": moment_bound(beta1, beta2, 6),  # after the 6 updates before step 7 (an fp32 value already)
+        "moment_bound": moment_bound(beta1, beta2, 7),  # the moments after step 7 (an fp32 value already)
         "eco_coefficient": (1 - beta1**7.0) / 3e-3 * (1 - 1 / beta1) * (1 - 3e-3 * 0.1),  # ECO's, with (1 - lr * wd)
     }  # fmt: skip
     assert {name: float(value) for name, value in hyper.items()} == {name: float(np.float32(value)) for name, value in expected.items()}
@@ -232,3 +232,18 @@ def test_per_parameter_path_keeps_torch_exp_avg_sq():
         torch_optimizer.step()
         expected = torch_optimizer.state[reference]["exp_avg_sq"]
         assert torch.equal(optimizer.state[weight]["exp_avg_sq"].dequantize(), expected), f"step {step}: exp_avg_sq differs"
+
+
+def test_the_hold_keeps_exact_moments_of_any_magnitude():
+    """The first update's moments (``|m| = K_1 sqrt(v)`` exactly, Adam's equality case) are kept by ``hold_moment`` for
+    gradients from fp32's least subnormal to its largest: where ``g²`` underflows, the root's floor ``2^-63`` keeps
+    ``m`` (it had been held to 0); where it overflows, the infinite root keeps it."""
+    magnitudes = torch.exp2(torch.arange(-149.0, 128.0))
+    for betas in ((0.0, 0.0), (0.9, 0.999)):
+        group = {"lr": 1e-3, "betas": betas, "weight_decay": 0.0, "eps": 1e-8, "decoupled_weight_decay": True}
+        hyper = adam_hyper(group, 1.0)
+        for grad in (magnitudes, -magnitudes * 1.7):
+            m, v = torch.zeros_like(grad), torch.zeros_like(grad)
+            adam_math(torch.zeros_like(grad), grad, m, v, hyper, True, False)
+            expected = fma(hyper["lerp_weight"], grad, torch.zeros_like(grad))  # the lerp from 0, never held
+            assert torch.equal(m, expected), betas

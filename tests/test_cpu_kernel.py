@@ -26,10 +26,10 @@ from lightning_qstate.formats.codebooks import nearest_thresholds
 from lightning_qstate.formats.rounding import encode_codebook
 from lightning_qstate.formats.weights import WeightGrid, get_weight_grid
 from lightning_qstate.kernels import native
-from lightning_qstate.kernels.adam_reference import adam_hyper, adam_step_quantized
+from lightning_qstate.kernels.adam_reference import ROOT_FLOOR, adam_hyper, adam_step_quantized, hold_moment
 from lightning_qstate.kernels.code_index import NearestCodeIndex, nearest_index, segment_table
 from lightning_qstate.kernels.native import native_adam_steps, native_round_to_grid
-from lightning_qstate.optim import ERROR_STATE
+from lightning_qstate.optim import ERROR_STATE, optimizers
 
 needs_kernel = pytest.mark.skipif(not native.native_kernel_available(), reason="no C++ compiler here: the optimizer uses another path")
 
@@ -347,28 +347,31 @@ def test_kernel_matches_the_reference_at_extreme_magnitudes(name, scale):
 
 @needs_kernel
 def test_kernel_holds_m_at_its_bound_like_the_reference():
-    """The decoded ``m`` held to ``|m| <= sqrt(v) * bound`` (adam_reference.hold_moment): the kernel skips the square
-    root where a product test proves every lane of 16 inside, so ``m`` is put within a few ulps of the limit, on both
-    sides, and far inside, beside ``v`` of every magnitude (0, subnormal, up to fp32's largest): codes, scales and
-    params equal the reference's. fp32 scales, all-ones ``v`` codes and ``m`` codes of +-1.0 (or a random code) make the
-    decoded moments the scales themselves."""
+    """The updated ``m`` held to ``|m| <= max(sqrt(v), 2^-63) * bound`` of the updated ``v`` (adam_reference.adam_math),
+    put within a few ulps of the limit on both sides and far inside, beside ``v`` of every magnitude (0, subnormal, up
+    to fp32's largest): codes, scales and params equal the reference's. A zero gradient makes the updated moments ``0.9 m`` and
+    ``0.999 v``; fp32 scales, all-ones ``v`` codes and ``m`` codes of +-1.0 (or a random code) make the decoded moments
+    the scales themselves."""
     m_format = get_format("int8", scale_dtype="fp32", block_size=64)
     v_format = get_format("int8", signed=False, scale_dtype="fp32", block_size=64)
     group = adam_group(weight_decay=0.0)
-    bound = adam_hyper(group, 4.0)["moment_bound"]  # after the 3 updates of adam_state's step counter
+    hyper = adam_hyper(group, 4.0)  # the step after the 3 updates of adam_state's step counter
     v_scales = torch.tensor([0.0, 1e-44, 1e-38, 1e-30, 2.5e-9, 1.0, 3e4, 1e30, 3e38])
-    limits = torch.sqrt(v_scales.double()).float() * bound  # sqrt correctly rounded, as the kernel's
-    ulps = torch.tensor([-(2**22), -(2**20), -64, -3, -1, 0, 1, 3, 64], dtype=torch.int32)  # m_scale = limit moved by this many ulps
-    m_scales = (limits.view(-1, 1).view(torch.int32) + ulps).clamp(min=0).view(torch.float32).view(-1)  # limit 0: 0 and subnormals
+    updated_v = v_scales * hyper["beta2"]
+    roots = torch.sqrt(updated_v.double()).float()  # correctly rounded, as the kernel's
+    limits = roots.clamp(min=ROOT_FLOOR) * hyper["moment_bound"]  # v = 0 and subnormal: the floor
+    ulps = torch.tensor([-(2**22), -(2**20), -64, -3, -1, 0, 1, 3, 64, 2**20], dtype=torch.int32)  # updated m: limit moved ~so many ulps
+    targets = (limits.view(-1, 1).view(torch.int32) + ulps).clamp(min=0).view(torch.float32).view(-1)  # limit 0: 0 and subnormals
+    m_scales = targets / (1 - hyper["lerp_weight"])
     blocks = m_scales.numel()
     v_scales = v_scales.repeat_interleave(ulps.numel())
     generator = torch.Generator().manual_seed(0)
     last = m_format.codebook.numel() - 1
     one = int((m_format.codebook == 1.0).nonzero())
-    minus = int(m_format.codebook.argmin())  # its value is -0.99...: decodes inside the limit
+    minus = int(m_format.codebook.argmin())  # its value is -0.99...: updates inside the limit or just past it
     choice = torch.randint(0, 4, (blocks * 64,), generator=generator)
     m_codes = torch.where(choice < 2, one, torch.where(choice == 2, minus, torch.randint(0, last + 1, (blocks * 64,), generator=generator)))
-    states, param, grad = [], torch.randn(blocks * 64, generator=generator), torch.randn(blocks * 64, generator=generator) * 1e-3
+    states, param, grad = [], torch.randn(blocks * 64, generator=generator), torch.zeros(blocks * 64)
     for _ in range(2):
         state = adam_state(m_format, v_format, blocks * 64, seed=0)
         state["exp_avg"].codes.copy_(m_codes.to(state["exp_avg"].codes.dtype))
@@ -378,11 +381,14 @@ def test_kernel_holds_m_at_its_bound_like_the_reference():
         states.append(state)
     reference_param, native_param = param.clone(), param.clone()
     m, v = states[0]["exp_avg"], states[0]["exp_avg_sq"]
-    held = bool((m.dequantize().abs() > torch.sqrt(v.dequantize().double()).float() * bound).any())
-    assert held  # some lanes are clamped
+    decoded = m.dequantize()
+    updated = (decoded - hyper["lerp_weight"] * decoded).view(blocks, 64)  # the lerp to 0, up to an ulp of its rounding
+    limit = limits.repeat_interleave(ulps.numel()).view(-1, 1)
+    ratio = (updated.abs() / limit)[limit.view(-1) > 0]
+    assert bool(((ratio > 1) & (ratio < 1 + 2**-20)).any()) and bool(((ratio <= 1) & (ratio > 1 - 2**-20)).any())  # both sides, ulps off
+    assert bool((ratio > 1.01).any()) and bool((ratio < 0.5).any())  # far outside, far inside
     adam_step_quantized(
-        reference_param, grad, m.codes, m.scales, v.codes, v.scales, adam_hyper(group, 4.0), m_format, v_format, "nearest",
-        True, False, False,
+        reference_param, grad, m.codes, m.scales, v.codes, v.scales, hyper, m_format, v_format, "nearest", True, False, False,
     )  # fmt: skip
     rows = native_adam_steps([native_param], [grad], [states[1]], group, track_stalls=False)
     assert rows[0][:2] == [1, 1]
@@ -390,6 +396,8 @@ def test_kernel_holds_m_at_its_bound_like_the_reference():
         assert torch.equal(states[1][name].codes, reference.codes), name
         assert torch.equal(states[1][name].scales, reference.scales), name
     torch.testing.assert_close(native_param, reference_param, rtol=3e-7, atol=2e-9)
+    held = m.dequantize().view(blocks, 64).abs().amax(dim=1)  # each block's absmax: its limit where the hold acted
+    assert bool((held <= limits.repeat_interleave(ulps.numel()) * (1 + 2**-7)).all())
 
 
 @needs_kernel
@@ -990,3 +998,38 @@ def test_an_l2_decay_of_zero_adds_nothing(monkeypatch):
         assert m.dequantize().abs().max() > 0 and int(torch.isfinite(param.detach()).sum()) == 4095
         results.append((param.detach().clone(), m.codes, v.codes))
     assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
+
+
+@needs_kernel
+@pytest.mark.parametrize("states", [{"exp_avg": "int4", "exp_avg_sq": "int8"}, "fp8_e5m2", "int8"], ids=["int4-int8", "fp8_e5m2", "int8"])
+@pytest.mark.parametrize("torch_class", [lq.QAdamW, lq.QAdam])
+def test_the_per_parameter_path_holds_m_as_the_native_path(states, torch_class, monkeypatch):
+    """The per-parameter step (torch's Adam, then the hold of the updated ``m`` and the parameter's value taken again
+    where it acted) and the native step agree bit for bit over 12 steps of heavy-tailed gradients (the hold acts on
+    tens to hundreds of values, mostly at the second step: after the first, every ``|m|`` meets Adam's bound, and
+    storage rounds some past it), with torch's square root made correctly rounded; AdamW's decoupled decay and Adam's
+    L2 term both."""
+    correctly_rounded_torch_sqrt(monkeypatch)
+    acted = []
+
+    def counting_hold(exp_avg, root, bound):
+        held = hold_moment(exp_avg, root, bound)
+        acted.append(int((held != exp_avg).sum()))
+        return held
+
+    monkeypatch.setattr(optimizers, "hold_moment", counting_hold)
+    generator = torch.Generator().manual_seed(0)
+    grads = [torch.randn(4096, generator=generator) * torch.exp(3 * torch.randn(4096, generator=generator)) for _ in range(12)]
+    results = []
+    for native_path in (True, False):
+        param = torch.nn.Parameter(torch.randn(4096, generator=torch.Generator().manual_seed(0)))
+        optimizer = torch_class([param], lr=1e-2, weight_decay=0.1, states=states, min_quant_size=0)
+        optimizer.cpu_compile = native_path
+        for grad in grads:
+            param.grad = grad.clone()
+            optimizer.step()
+        assert optimizer.step_paths() == {"param0": "native" if native_path else "reference"}
+        results.append((param.detach().clone(), *(optimizer.state[param][name].codes for name in ("exp_avg", "exp_avg_sq"))))
+    assert sum(acted) > 10, acted
+    for ours, theirs in zip(*results, strict=True):
+        assert torch.equal(ours.view(torch.uint8), theirs.view(torch.uint8))

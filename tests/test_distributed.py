@@ -752,7 +752,7 @@ def test_fp32_checkpoint_resumes_stochastic_rounding_exactly(states):
     straight_model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Tanh(), torch.nn.Linear(256, 64))
     resumed_model = copy.deepcopy(straight_model)
     options = dict(states=states, rounding="stochastic", min_quant_size=0)
-    straight = QAdamW(straight_model.parameters(), generator=torch.Generator().manual_seed(1), **options)
+    straight = QAdamW(straight_model.parameters(), generator=torch.Generator().manual_seed(2), **options)
     inputs = [torch.randn(16, 64, generator=torch.Generator().manual_seed(i)) for i in range(8)]
 
     def train(model, optimizer, batches):
@@ -761,7 +761,7 @@ def test_fp32_checkpoint_resumes_stochastic_rounding_exactly(states):
             model(batch).square().mean().backward()
             optimizer.step()
 
-    train(straight_model, straight, inputs[:4])
+    train(straight_model, straight, inputs[:5])  # e2m2: 4 rescaled blocks (4 steps of seed 1's draws: none)
     straight.checkpoint_mode = "fp32"
     saved = copy.deepcopy(straight.state_dict())
     resumed_model.load_state_dict(straight_model.state_dict())
@@ -773,8 +773,8 @@ def test_fp32_checkpoint_resumes_stochastic_rounding_exactly(states):
         short += int((value.format.quantize(value.dequantize()).scales != value.scales).sum())
         assert torch.equal(after["exp_avg"].scales, value.scales) and torch.equal(after["exp_avg"].dequantize(), value.dequantize())
     assert short  # blocks that round-to-nearest re-quantization rescales were there
-    train(straight_model, straight, inputs[4:])
-    train(resumed_model, resumed, inputs[4:])
+    train(straight_model, straight, inputs[5:])
+    train(resumed_model, resumed, inputs[5:])
     assert all(torch.equal(a, b) for a, b in zip(straight_model.parameters(), resumed_model.parameters(), strict=True))
 
 

@@ -160,6 +160,37 @@ else:
             stalled += ref_counts
         assert int(stalled[0]) > 0, "the case should exercise stalled entries"
 
+    def test_hold_of_m_matches_reference():
+        """The updated ``m`` held to ``max(sqrt(v), 2^-63) * K`` (``adam_reference.hold_moment``) as the reference holds
+        it: a zero gradient makes the updated moments ``0.9 m`` and ``0.999 v``, with ``m`` from far inside the limit to
+        past it and ``v`` of every magnitude (0 and subnormal: the floor; up to 3e38). fp32 scales, ``v`` codes of 1.0
+        and ``m`` codes of 1.0 (or random) make the decoded moments the scales."""
+        m_format = get_format("int8", scale_dtype="fp32", block_size=64)
+        v_format = get_format("int8", signed=False, scale_dtype="fp32", block_size=64)
+        hyper = adam_hyper(group_options(weight_decay=0.0), 4.0)
+        v_scales = torch.tensor([0.0, 1e-44, 1e-38, 1e-30, 2.5e-9, 1.0, 3e38]).repeat_interleave(4)
+        roots = torch.sqrt((v_scales * hyper["beta2"]).double()).float().clamp(min=adam_reference.ROOT_FLOOR)
+        m_scales = roots * hyper["moment_bound"] / 0.9 * torch.tensor([0.5, 1.0, 1.0 + 2**-22, 1.2]).repeat(7)
+        numel = 64 * v_scales.numel()
+        gen = torch.Generator().manual_seed(0)
+        one = int((m_format.codebook == 1.0).nonzero())
+        m_codes = torch.where(torch.rand(numel, generator=gen) < 0.5, one, torch.randint(0, 256, (numel,), generator=gen))
+        m = QuantizedTensor(m_format, m_codes.to(torch.uint8), m_scales.clone(), (numel,), torch.float32)
+        v_codes = torch.full((numel,), v_format.codebook.numel() - 1, dtype=torch.uint8)
+        v = QuantizedTensor(v_format, v_codes, v_scales.clone(), (numel,), torch.float32)
+        param, grad = torch.randn(numel, generator=gen), torch.zeros(numel)
+        ref_param, ref_m, ref_v = param.clone(), clone(m), clone(v)
+        triton_adam_step(param, grad, m, v, hyper, "nearest", True, False, track_stalls=False)
+        adam_step_quantized(
+            ref_param, grad, ref_m.codes, ref_m.scales, ref_v.codes, ref_v.scales, hyper, m_format, v_format, "nearest",
+            True, False, False,
+        )  # fmt: skip
+        assert torch.equal(param, ref_param)
+        assert code_agreement(m, ref_m) == (1.0, 0) and code_agreement(v, ref_v) == (1.0, 0)
+        assert torch.equal(m.scales, ref_m.scales) and torch.equal(v.scales, ref_v.scales)
+        limits = roots * hyper["moment_bound"]
+        assert bool((ref_m.scales <= limits).all()) and bool((ref_m.scales == limits).sum() >= 14)  # held where past it
+
     def test_changed_hyperparameters_take_effect():
         """A new learning rate or beta takes effect at once (the kernel reads them from its coefficient vector)."""
         fmt_m, fmt_v = moment_format(S8), moment_format(U8)

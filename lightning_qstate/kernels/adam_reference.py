@@ -67,11 +67,19 @@ def sqrt_rn(x: torch.Tensor) -> torch.Tensor:
     return torch.sqrt(x.double()).float()
 
 
-def hold_moment(exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, bound: torch.Tensor) -> torch.Tensor:
-    """The decoded ``exp_avg`` held to ``|m| <= bound * sqrt(v)`` (``kernels.bounds.moment_bound``), which exact Adam
-    never exceeds: values inside are kept as they are (signed zeros too), so every path that compares the same way
-    (the C++ and Triton kernels) gets the same bits."""
-    limit = sqrt_rn(exp_avg_sq) * bound
+ROOT_FLOOR = 2.0**-63
+"""The least root ``hold_moment`` holds ``m`` by: ``sqrt`` of fp32's least normal value. Below it ``v`` (``g²``) has
+underflowed in fp32, or lost bits, and its root no longer bounds exact Adam's ``|m|`` (a gradient of 1e-21 with betas
+``(0, 0)``: ``v = 0``, ``m = g``); such an ``m`` is held to ``K · 2^-63`` instead, a step of at most ``7.3e-11 ·
+step_size / eps``."""
+
+
+def hold_moment(exp_avg: torch.Tensor, root: torch.Tensor, bound: torch.Tensor) -> torch.Tensor:
+    """``exp_avg`` held to ``|m| <= bound * max(root, ROOT_FLOOR)`` (``root``: ``sqrt_rn(v)``, a NaN kept; ``bound``:
+    ``kernels.bounds``' ``K (1 + 2^-8)``), which exact Adam never exceeds: values inside are kept as they are (signed
+    zeros and NaN too), so every path that compares the same way (the C++ and Triton kernels) gets the same bits; an
+    infinite ``bound`` keeps all."""
+    limit = torch.where(root < ROOT_FLOOR, ROOT_FLOOR, root) * bound
     return torch.where(exp_avg > limit, limit, torch.where(exp_avg < -limit, -limit, exp_avg)).to(exp_avg.dtype)
 
 
@@ -100,9 +108,9 @@ def eco_feedback(exp_avg: torch.Tensor, denom: torch.Tensor, error: torch.Tensor
     return fma(hyper["eco_coefficient"] * denom, error, exp_avg)
 
 
-def adam_denominator(exp_avg_sq: torch.Tensor, hyper: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Adam's ``sqrt(v) / sqrt(1 - beta2**t) + eps``, each operation rounded once."""
-    return sqrt_rn(exp_avg_sq) / hyper["bias_correction2_sqrt"] + hyper["eps"]
+def adam_denominator(exp_avg_sq: torch.Tensor, hyper: dict[str, torch.Tensor], root: torch.Tensor | None = None) -> torch.Tensor:
+    """Adam's ``sqrt(v) / sqrt(1 - beta2**t) + eps``, each operation rounded once (``root``: ``sqrt_rn(v)`` if taken)."""
+    return (sqrt_rn(exp_avg_sq) if root is None else root) / hyper["bias_correction2_sqrt"] + hyper["eps"]
 
 
 def adam_hyper(group: dict, step: float, bound: float | None = None) -> dict[str, torch.Tensor]:
@@ -112,8 +120,8 @@ def adam_hyper(group: dict, step: float, bound: float | None = None) -> dict[str
     Each is computed as torch's AdamW computes it (``1 - lr * weight_decay``, ``1 - beta1``, ``1 - beta2``,
     ``lr / (1 - beta1**step)``, ``(1 - beta2**step) ** 0.5``: in Python floats, in float64, or in a tensor
     hyperparameter's dtype) and rounded to fp32 once, where torch's kernels round it; ``moment_bound`` is ``bound``,
-    which the decoded ``m`` is held to (an optimizer's ``kernels.bounds.held_moment_bound``; default: the closed form
-    ``moment_bound`` after ``step - 1`` updates, all with these betas).
+    which the updated ``m`` is held to (an optimizer's ``kernels.bounds.held_moment_bound``; default: the closed form
+    ``moment_bound`` after ``step`` updates, all with these betas).
     """
     lr, weight_decay = group["lr"], group["weight_decay"]
     beta1, beta2 = group["betas"]
@@ -126,7 +134,7 @@ def adam_hyper(group: dict, step: float, bound: float | None = None) -> dict[str
         "eps": group["eps"],
         "step_size": lr / (1 - beta1**step),
         "bias_correction2_sqrt": (1 - beta2**step) ** 0.5,
-        "moment_bound": moment_bound(float(beta1), float(beta2), step - 1) if bound is None else bound,
+        "moment_bound": moment_bound(float(beta1), float(beta2), step) if bound is None else bound,
         "eco_coefficient": eco_coefficient(group, step),
     }
     return {name: torch.as_tensor(value, dtype=torch.float32) for name, value in values.items()}
@@ -144,9 +152,11 @@ def adam_math(
     """torch's single-tensor Adam(W) update on flat fp32 tensors, every operation rounded once (module docstring);
     returns the new ``param`` values and updates ``exp_avg`` and ``exp_avg_sq`` in place.
 
-    ``hyper``: the 0-d fp32 tensors of ``adam_hyper``. ``exp_avg`` and ``exp_avg_sq`` come out bit for bit as
-    torch's AdamW computes them on CPUs where its kernels fuse ``a * b + c`` (ATen capability AVX2 or AVX512), the
-    parameter too where its ``sqrt`` is correctly rounded.
+    ``hyper``: the 0-d fp32 tensors of ``adam_hyper``. The updated ``m`` is held to ``|m| <= moment_bound *
+    sqrt(v)`` with the updated ``v``'s root, before the update divides by it (``kernels.bounds``; the identity where
+    the moments are exact). ``exp_avg`` and ``exp_avg_sq`` come out bit for bit as torch's AdamW computes them on
+    CPUs where its kernels fuse ``a * b + c`` (ATen capability AVX2 or AVX512), the parameter too where its ``sqrt``
+    is correctly rounded.
     """
     if maximize:
         grad = -grad
@@ -154,13 +164,14 @@ def adam_math(
         param = param * hyper["decay"]
     else:
         grad = fma(param, hyper["weight_decay"], grad)  # grad.add(param, alpha=weight_decay)
-    stored = hold_moment(exp_avg, exp_avg_sq, hyper["moment_bound"])
     weight = hyper["lerp_weight"]
     small = weight.abs() < 0.5  # exp_avg.lerp_(grad, weight), from the nearer end
-    exp_avg.copy_(fma(torch.where(small, weight, weight - 1), grad - stored, torch.where(small, stored, grad)))
+    exp_avg.copy_(fma(torch.where(small, weight, weight - 1), grad - exp_avg, torch.where(small, exp_avg, grad)))
     # exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
     exp_avg_sq.copy_(fma(hyper["square_weight"] * grad, grad, exp_avg_sq * hyper["beta2"]))
-    denom = adam_denominator(exp_avg_sq, hyper)
+    root = sqrt_rn(exp_avg_sq)
+    exp_avg.copy_(hold_moment(exp_avg, root, hyper["moment_bound"]))
+    denom = adam_denominator(exp_avg_sq, hyper, root)
     return param - hyper["step_size"] * exp_avg / denom
 
 

@@ -1,4 +1,4 @@
-"""What Adam's own math allows: the bound on ``|m| / sqrt(v)`` that every quantized step enforces on its decoded moments.
+"""What Adam's own math allows: the bound on ``|m| / sqrt(v)`` that every quantized step enforces on its moments.
 
 With both moments starting at zero, ``m_n = (1 - β1) Σ_k β1^(n-k) g_k`` and ``v_n = (1 - β2) Σ_k β2^(n-k) g_k²``, so by
 Cauchy-Schwarz ``|m_n| <= K_n sqrt(v_n)`` with
@@ -7,9 +7,10 @@ Cauchy-Schwarz ``|m_n| <= K_n sqrt(v_n)`` with
 
 for every gradient sequence (weight decay folded into ``g`` included). Stored moments can break it: a tiny ``m`` that
 stochastic rounding sends up to a coarse format's smallest code, beside a ``v`` stored at its format's floor, would
-make a step many times Adam's largest. Clamping the decoded ``m`` to ``K_n sqrt(v)`` before the update restores the
-invariant (the recursion ``K_{n+1}² = r K_n² + (1 - β1)² / (1 - β2)`` carries it through the update), so no step is
-larger than exact Adam could take; in exact arithmetic the clamp never acts. See docs/algorithms.md, "Zero-free formats".
+make a step many times Adam's largest. Every Adam step clamps the updated ``m_{n+1}`` to ``K_{n+1} sqrt(v_{n+1})``
+(``K_{n+1}² = r K_n² + (1 - β1)² / (1 - β2)``) with the root its update takes anyway, before it divides by it, so no
+step is larger than exact Adam could take; in exact arithmetic the clamp never acts. See docs/algorithms.md, "Adam's
+own bound".
 
 The recursion holds for betas that change between updates too (a warm-up of ``β1``, a schedule of ``β2``), where the
 closed form, which assumes this update's betas since the first, can fall below exact moments. So each parameter's
@@ -29,13 +30,14 @@ MOMENT_BOUND_STATE = "moment_bound_sq"  # K_n² of a parameter whose moments are
 
 
 def held_moment_bound(state: dict, beta1: float, beta2: float, steps_done: float) -> float:
-    """The bound this update holds the decoded ``m`` to (as ``moment_bound``: ``K_n (1 + 2^-8)``, fp32) for a parameter
-    whose ``state`` has taken ``steps_done`` updates; advances ``state[MOMENT_BOUND_STATE]`` to ``K_{n+1}²`` with this
-    update's betas."""
+    """The bound this update holds the updated ``m`` to (as ``moment_bound``: ``K_{n+1} (1 + 2^-8)``, fp32) for a
+    parameter whose ``state`` has taken ``n = steps_done`` updates; advances ``state[MOMENT_BOUND_STATE]`` to
+    ``K_{n+1}²`` with this update's betas."""
     kept = state.get(MOMENT_BOUND_STATE)
     square = bound_square(beta1, beta2, steps_done) if kept is None else float(kept)
-    state[MOMENT_BOUND_STATE] = torch.tensor(next_bound_square(square, beta1, beta2), dtype=torch.float64)
-    return _with_margin(square)
+    advanced = next_bound_square(square, beta1, beta2)
+    state[MOMENT_BOUND_STATE] = torch.tensor(advanced, dtype=torch.float64)
+    return _with_margin(advanced)
 
 
 def next_bound_square(square: float, beta1: float, beta2: float) -> float:

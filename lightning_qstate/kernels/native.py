@@ -79,9 +79,8 @@ minifloats by arithmetic (``encode_minifloat8``), splitmix64 draws four outputs 
 64-bit multiplies from 32-bit ones), and the gradient check reads eight far-apart parts of a gradient side by side.
 The scalar code runs the rest and is the whole kernel on other CPUs (Arm, x86 without AVX2). There it is written as loops over
 branch-free lanes, one per kind of state and rounding (``code_lanes``: the encoders, one bucket-table read per value;
-the cast stores; block absmaxes; the finite checks; the nibble and byte decoders; Adam's update, its hold of ``m``
-skipped a chunk at a time where a test without square roots proves that it keeps every value: ``held_inside``),
-which the compiler vectorizes for the CPU it builds for (stochastic rounding's draws one splitmix64 output per two
+the cast stores; block absmaxes; the finite checks; the nibble and byte decoders; Adam's update with its hold of
+``m``), which the compiler vectorizes for the CPU it builds for (stochastic rounding's draws one splitmix64 output per two
 elements, or four of a cast, into a buffer): the same IEEE operations per lane, so the same bits.
 
 ``momentum_steps`` (``native_momentum_steps``) is the same machinery for QSGD's and QMuon's ``momentum_buffer`` (any

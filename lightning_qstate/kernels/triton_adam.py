@@ -48,6 +48,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .adam_reference import ROOT_FLOOR as _ROOT_FLOOR
 from .triton_formats import float32_to, load_moment, round_to_weight_grid, stall_counts, store_moment, to_float32
 
 COEFFICIENTS = (
@@ -64,12 +65,13 @@ COEFFICIENTS = (
 )
 """Layout of the fp32 coefficient vector: ``1 - lr * weight_decay``, ``weight_decay``, ``1 - beta1``, ``beta2``,
 ``1 - beta2``, ``eps``, ``lr / (1 - beta1**t)``, ``sqrt(1 - beta2**t)`` (at step ``t``), each computed as torch's
-AdamW does (in float64 for Python floats) and rounded to fp32 once, the bound ``K`` that the decoded ``m`` is
-held to (``|m| <= K sqrt(v)``, ``kernels.bounds``), and ECO's coefficient of ``denom * (θ̃ - θ̂)`` in ``m``
+AdamW does (in float64 for Python floats) and rounded to fp32 once, the bound ``K`` that the updated ``m`` is
+held to (``|m| <= K sqrt(v)`` of the updated ``v``, ``kernels.bounds``), and ECO's coefficient of ``denom * (θ̃ - θ̂)`` in ``m``
 (``kernels.adam_reference.eco_coefficient``, read only with ``ECO``): the keys of
 ``kernels.adam_reference.adam_hyper``."""
 
 STALL_SLOTS: tl.constexpr = tl.constexpr(32)
+ROOT_FLOOR: tl.constexpr = tl.constexpr(_ROOT_FLOOR)  # adam_reference.hold_moment's least root
 
 
 @triton.jit
@@ -147,8 +149,6 @@ def adam_step_kernel(
     decay, weight_decay = tl.load(coefficients_ptr + 0), tl.load(coefficients_ptr + 1)
     lerp_weight, beta2, square_weight = tl.load(coefficients_ptr + 2), tl.load(coefficients_ptr + 3), tl.load(coefficients_ptr + 4)
     eps, step_size, bias_correction2_sqrt = tl.load(coefficients_ptr + 5), tl.load(coefficients_ptr + 6), tl.load(coefficients_ptr + 7)
-    limit = tl.math.sqrt_rn(exp_avg_sq) * tl.load(coefficients_ptr + 8)  # adam_reference.hold_moment: |m| <= K sqrt(v)
-    held = tl.where(exp_avg > limit, limit, tl.where(exp_avg < -limit, -limit, exp_avg))
     if MAXIMIZE:
         grad = -grad
     if DECOUPLED:
@@ -157,9 +157,12 @@ def adam_step_kernel(
         grad = tl.fma(param, weight_decay, grad)
     small = tl.abs(lerp_weight) < 0.5  # torch's lerp: from the nearer end
     coefficient = tl.where(small, lerp_weight, lerp_weight - 1.0)
-    new_exp_avg = tl.fma(coefficient, grad - held, tl.where(small, held, grad))
+    new_exp_avg = tl.fma(coefficient, grad - exp_avg, tl.where(small, exp_avg, grad))
     new_exp_avg_sq = tl.fma(square_weight * grad, grad, exp_avg_sq * beta2)
-    denom = tl.math.div_rn(tl.math.sqrt_rn(new_exp_avg_sq), bias_correction2_sqrt) + eps
+    root = tl.math.sqrt_rn(new_exp_avg_sq)
+    limit = tl.where(root < ROOT_FLOOR, ROOT_FLOOR, root) * tl.load(coefficients_ptr + 8)  # adam_reference.hold_moment
+    new_exp_avg = tl.where(new_exp_avg > limit, limit, tl.where(new_exp_avg < -limit, -limit, new_exp_avg))
+    denom = tl.math.div_rn(root, bias_correction2_sqrt) + eps
     param = param - tl.math.div_rn(step_size * new_exp_avg, denom)
     # adam_reference.adam_step_quantized: θ̂ = q(θ̃) on the weight grid, ECO's feedback of θ̃ - θ̂ into m.
     stored_param = round_to_weight_grid(param, seed_ptr + 2, offsets, WEIGHT_GRID, WEIGHT_STOCHASTIC)

@@ -49,7 +49,7 @@ from torch.optim.sgd import sgd
 
 from ..formats import QuantizedTensor, StorageFormat
 from ..formats.weights import WeightBlock
-from ..kernels.adam_reference import adam_denominator, adam_hyper, eco_feedback, hold_moment
+from ..kernels.adam_reference import adam_denominator, adam_hyper, decoupled_decay, eco_feedback, hold_moment, sqrt_rn
 from ..kernels.bounds import held_moment_bound
 from ..kernels.dispatch import ADAM_PATHS, MOMENTUM_PATHS, StepPath, fused_adam_step
 from ..kernels.native import native_adam_steps, native_momentum_steps
@@ -163,12 +163,25 @@ class _AdamStates(QuantizedStates):
             state[name] = self._initial(group, key, name, torch.zeros_like(param, memory_format=torch.preserve_format))
 
     def _update(self, group: dict, param: torch.Tensor, grad: torch.Tensor, states: dict[str, torch.Tensor], state: dict) -> None:
-        """torch's Adam on the decoded moments; where a moment is stored quantized, the decoded ``m`` is first held to
-        ``|m| <= K sqrt(v)``, which exact Adam never exceeds (``kernels.bounds``): storage never makes a step larger."""
-        if any(isinstance(state[name], QuantizedTensor) for name in ("exp_avg", "exp_avg_sq")):
-            bound = torch.tensor(held_moment_bound(state, *(float(beta) for beta in group["betas"]), float(state["step"])))
-            states["exp_avg"] = hold_moment(states["exp_avg"], states["exp_avg_sq"], bound)
-        self._adam(group, [param], [grad], [{**state, **states}], multi_tensor=False)
+        """torch's Adam on the decoded moments. Where a moment is stored quantized, the updated ``m`` is then held to
+        ``|m| <= K sqrt(v)`` of the updated ``v``, which exact Adam never exceeds (``kernels.bounds``): storage never
+        makes a step larger. torch's update is one call, so where the hold acts the parameter's value is taken again
+        from the held ``m``, as the fused steps take it (``adam_reference.adam_math``'s last line, torch's
+        ``addcdiv_``; amsgrad's denominator from ``max_exp_avg_sq``); elsewhere it is torch's. No host sync."""
+        if not any(isinstance(state[name], QuantizedTensor) for name in ("exp_avg", "exp_avg_sq")):
+            self._adam(group, [param], [grad], [{**state, **states}], multi_tensor=False)
+            return
+        bound = held_moment_bound(state, *(float(beta) for beta in group["betas"]), float(state["step"]))
+        before, merged = param.clone(), {**state, **states}
+        self._adam(group, [param], [grad], [merged], multi_tensor=False)
+        exp_avg, exp_avg_sq = merged["exp_avg"], merged["exp_avg_sq"]
+        hyper = adam_hyper(group, float(state["step"]), bound)
+        held = hold_moment(exp_avg, sqrt_rn(exp_avg_sq), hyper["moment_bound"])
+        acted = (held != exp_avg) & ~exp_avg.isnan()
+        denom = adam_denominator(merged["max_exp_avg_sq"] if group["amsgrad"] else exp_avg_sq, hyper)
+        decayed = before * hyper["decay"] if decoupled_decay(group) else before
+        param.copy_(torch.where(acted, decayed - hyper["step_size"] * held / denom, param))
+        exp_avg.copy_(held)
 
     def _check_weight_options(self, group: dict, owner: str) -> None:
         super()._check_weight_options(group, owner)

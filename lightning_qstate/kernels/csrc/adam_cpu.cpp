@@ -39,13 +39,13 @@ inline void chunks_with_draws(uint64_t seed, int64_t first, int64_t n, Visit&& v
   }
 }
 
-// grid_lanes' portable loop over values [0, n) (Hold: adam_lane's; draws[i]: value i's SR draw where Rounding draws).
-template <typename T, typename Rounding, bool Eco, bool Hold>
+// grid_lanes' portable loop over values [0, n) (draws[i]: value i's SR draw where Rounding draws).
+template <typename T, typename Rounding, bool Eco>
 QSTATE_INLINE void grid_loop(T* __restrict__ p, const T* __restrict__ g, const uint32_t* __restrict__ draws, const Hyper& h, int64_t n,
                              float* __restrict__ m, float* __restrict__ v) {
   for (int64_t i = 0; i < n; ++i) {
     float mi = m[i], vi = v[i], denom;
-    const float updated = adam_lane<Hold>(to_float(p[i]), to_float(g[i]), mi, vi, h, denom);
+    const float updated = adam_lane(to_float(p[i]), to_float(g[i]), mi, vi, h, denom);
     const float rounded = Rounding::round(updated, Rounding::kStochastic ? draws[i] : 0u);
     if constexpr (Eco) mi = std::fma(h.eco * denom, updated - rounded, mi);
     p[i] = from_float<T>(rounded);
@@ -60,8 +60,8 @@ QSTATE_INLINE void grid_loop(T* __restrict__ p, const T* __restrict__ g, const u
 // product rounded first, as eco_feedback). With AVX-512, 16 at a time by Update16::advance; the rest kCodeChunk at a
 // time (chunks_with_draws): with AVX2 8 at a time by Update8::advance (the compiler's loop took 1.4-1.8 times as long
 // for fp16 values and grids, whose conversions it spelled out in integer operations), the remainder, and everything
-// without either, by grid_loop, without the hold where held_inside proves it keeps them: its loop has no branches, so
-// the compiler vectorizes it (-fno-math-errno: sqrt without its errno check) for the CPU it is built for.
+// without either, by grid_loop: its loop has no branches, so the compiler vectorizes it (-fno-math-errno: sqrt
+// without its errno check) for the CPU it is built for.
 template <typename T, typename Rounding, bool Eco>
 QSTATE_FLATTEN void grid_lanes(T* __restrict__ p, const T* __restrict__ g, int64_t first, const Hyper h, uint64_t seed, int64_t n,
                                float* __restrict__ m, float* __restrict__ v) {
@@ -85,11 +85,7 @@ QSTATE_FLATTEN void grid_lanes(T* __restrict__ p, const T* __restrict__ g, int64
       _mm256_storeu_ps(m + at, mi), _mm256_storeu_ps(v + at, vi);
     }
 #endif
-    const uint32_t* rest = draws == nullptr ? nullptr : draws + j;
-    if (held_inside(m + at, v + at, size - j, h))
-      grid_loop<T, Rounding, Eco, false>(p + at, g + at, rest, h, size - j, m + at, v + at);
-    else
-      grid_loop<T, Rounding, Eco, true>(p + at, g + at, rest, h, size - j, m + at, v + at);
+    grid_loop<T, Rounding, Eco>(p + at, g + at, draws == nullptr ? nullptr : draws + j, h, size - j, m + at, v + at);
   });
 }
 
@@ -751,20 +747,18 @@ void count_values(const float* before, const float* before_units, const float* u
 
 // The group's hyperparameters: those of every step, and what the per-step ones (at) are computed from.
 struct Schedule {
-  Hyper constants;  // every field but step, bc2, m_bound, hold_m and eco
+  Hyper constants;  // every field but step, bc2, m_bound and eco
   double lr, beta1, beta2;
 
   // The hyperparameters of a parameter at its next step t = steps_done + 1: step size lr / (1 - beta1^t) and
   // sqrt(1 - beta2^t) in double, rounded to fp32, as torch's AdamW and adam_reference.adam_hyper have them.
-  // m_bound: its moment bound when hold_m (coded moments only: fp32 ones are exact).
-  Hyper at(double steps_done, bool hold_m, float m_bound) const {
+  // m_bound: the bound its updated m is held to (coded moments; inf, no hold, for fp32 ones, which are exact).
+  Hyper at(double steps_done, float m_bound) const {
     const double t = steps_done + 1;
     Hyper h = constants;
     h.step = static_cast<float>(lr / (1.0 - std::pow(beta1, t)));
     h.bc2 = static_cast<float>(std::pow(1.0 - std::pow(beta2, t), 0.5));
-    h.hold_m = hold_m;
-    h.m_bound = hold_m ? m_bound : 0.0f;
-    h.inside_bound = static_cast<float>(static_cast<double>(h.m_bound) * h.m_bound * (1.0 - 0x1p-20));
+    h.m_bound = m_bound;
     return h;
   }
 };
@@ -992,7 +986,7 @@ std::vector<Param> coded_params(const std::vector<at::Tensor>& params, const std
     w.m = state_of(m_codes[k], m_scales[k], &tables[2 * kStateTables * k], row, floats_p[2 * k], seeds_a[k][1], w.numel, k);
     w.v = state_of(v_codes[k], v_scales[k], &tables[(2 * k + 1) * kStateTables], row + kStateColumns, floats_p[2 * k + 1], seeds_a[k][2],
                    w.numel, k);
-    w.h = group.at(steps_done(steps[k]), true, bounds_a[k]);
+    w.h = group.at(steps_done(steps[k]), bounds_a[k]);
     w.h.eco = eco_a[k];
     const bool m_cast = w.m.kind == Kind::kCast, v_cast = w.v.kind == Kind::kCast;
     w.fast = !m_cast && !v_cast && w.m.block == w.v.block;
@@ -1377,8 +1371,8 @@ QSTATE_NOINLINE int64_t cast_loop(const Param& w, const CastM& m, const CastV& v
 
 // cast_registers' loop without AVX-512 (and for its last values with it): values [base, base + n) of the parameter,
 // its moments' casts rounded by RoundingM and RoundingV, kCodeChunk at a time (SR draws by draws_of): with AVX2 8 at a
-// time by Update8, the rest decoded (and the hold checked: held_inside), then updated (adam_lane) and stored in one
-// branch-free loop, which the compiler vectorizes (as step_chunk's passes through scratch compute them).
+// time by Update8, the rest decoded, then updated (adam_lane) and stored in one branch-free loop, which the compiler
+// vectorizes (as step_chunk's passes through scratch compute them).
 template <typename RoundingM, typename RoundingV>
 QSTATE_NOINLINE void cast_lanes(const Param& w, int64_t base, int64_t n) {
   using M = typename RoundingM::Element;
@@ -1411,18 +1405,12 @@ QSTATE_NOINLINE void cast_lanes(const Param& w, int64_t base, int64_t n) {
     if (RoundingV::kStochastic) v_draws += whole;
 #endif
     for (int64_t j = 0; j < size; ++j) m[j] = to_float(mc[j]), v[j] = to_float(vc[j]);
-    const auto step = [&]<bool Hold>(std::bool_constant<Hold>) {
-      for (int64_t j = 0; j < size; ++j) {
-        float mi = m[j], vi = v[j], denom;
-        p[j] = adam_lane<Hold>(p[j], g[j], mi, vi, h, denom);
-        mc[j] = M{cast_pattern<RoundingM>(mi, RoundingM::kStochastic ? m_draws[j] : 0u, m_zero_free)};
-        vc[j] = V{cast_pattern<RoundingV>(vi, RoundingV::kStochastic ? v_draws[j] : 0u, v_zero_free)};
-      }
-    };
-    if (held_inside(m, v, size, h))
-      step(std::false_type{});
-    else
-      step(std::true_type{});
+    for (int64_t j = 0; j < size; ++j) {
+      float mi = m[j], vi = v[j], denom;
+      p[j] = adam_lane(p[j], g[j], mi, vi, h, denom);
+      mc[j] = M{cast_pattern<RoundingM>(mi, RoundingM::kStochastic ? m_draws[j] : 0u, m_zero_free)};
+      vc[j] = V{cast_pattern<RoundingV>(vi, RoundingV::kStochastic ? v_draws[j] : 0u, v_zero_free)};
+    }
   }
 }
 
@@ -1789,7 +1777,7 @@ at::Tensor adam_steps_u8(const std::vector<at::Tensor>& params, const std::vecto
 
   // fp32-state parameters, one after another (each threaded over its values).
   for (int64_t j = 0; j < n_plain; ++j) {
-    const Hyper h = group.at(steps_done(steps[n + j]), false, 0.0f);
+    const Hyper h = group.at(steps_done(steps[n + j]), INFINITY);
     out[n + j][0] = step_plain(plain[4 * j], plain[4 * j + 1], plain[4 * j + 2], plain[4 * j + 3], h) ? 1 : 0;
     out[n + j][1] = 1;
   }

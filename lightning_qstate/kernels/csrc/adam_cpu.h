@@ -83,12 +83,12 @@ constexpr int kBase = 176, kLast = 192, kThresholds = 208, kZero = 464;
 // |w| < 0.5, else w - 1 and end), addcmul_ is fma(value * t1, t2, self); the param update divides by
 // bias_correction2_sqrt and by the denominator, as the reference and torch's addcdiv_ (a reciprocal and a Newton step
 // were no faster, and turned a v that overflows a cast state to inf, where the update is 0, into a NaN param).
-// m_bound: the decoded m of a coded parameter is first held to |m| <= m_bound * sqrt(v) (adam_reference.hold_moment; when hold_m);
-// inside_bound: m_bound^2 less 2^-20 of it, the test that proves a value inside (held_inside).
-// bc2: bias_correction2_sqrt itself; eco: adam_reference.eco_coefficient of the step (parameters with ECO's feedback).
+// m_bound: the updated m is held to |m| <= m_bound * max(sqrt(v), kRootFloor) of the updated v (adam_reference.hold_moment;
+// inf: kept, as fp32 moments are). bc2: bias_correction2_sqrt itself; eco: adam_reference.eco_coefficient of the step (parameters
+// with ECO's feedback).
 struct Hyper {
-  float sign, l2, decay, lerp_coeff, b2, one_minus_b2, step, eps, m_bound, inside_bound, bc2, eco;
-  bool lerp_from_end, hold_m, decoupled;
+  float sign, l2, decay, lerp_coeff, b2, one_minus_b2, step, eps, m_bound, bc2, eco;
+  bool lerp_from_end, decoupled;
 };
 
 inline uint32_t bits_of(float value) {
@@ -112,39 +112,26 @@ inline float select(uint32_t mask, float a, float b) { return float_of(pick(mask
 // The largest finite bf16 and fp16 values.
 constexpr float kBf16Max = 0x1.fep127f, kFp16Max = 65504.0f;
 
+// adam_reference.ROOT_FLOOR: the least root the hold of m takes (sqrt of fp32's least normal value).
+constexpr float kRootFloor = 0x1p-63f;
+
 // One value of the Adam(W) update as adam_reference.adam_math rounds it, operation for operation (params and codes are
-// the reference's bit for bit, also on a weight grid): the decoded m held (hold_m), the weight decay only in its own
-// form (the decoupled decay multiplies the param, the L2 term is added to the gradient), true divisions by
-// bias_correction2_sqrt and by the denominator. Moments m, v (decoded) in place; returns the new param value (before any
-// grid) and sets Adam's denominator sqrt(v) / bc2 + eps. Both sides of each choice computed, then selected, no branches:
-// a loop over it vectorizes (grid_lanes). Hold: false where held_inside proved that the hold keeps every m of the loop
-// (its square root saved).
-template <bool Hold>
+// the reference's bit for bit, also on a weight grid): the weight decay only in its own form (the decoupled decay
+// multiplies the param, the L2 term is added to the gradient), the updated m held by the updated v's root (m_bound),
+// true divisions by bias_correction2_sqrt and by the denominator. Moments m, v (decoded) in place; returns the new
+// param value (before any grid) and sets Adam's denominator sqrt(v) / bc2 + eps. Both sides of each choice computed,
+// then selected, no branches: a loop over it vectorizes (grid_lanes).
 inline float adam_lane(float p, float g, float& m, float& v, const Hyper& h, float& denom) {
   const uint32_t decoupled = mask_of(h.decoupled), from_end = mask_of(h.lerp_from_end);
-  if constexpr (Hold) {
-    const float limit = std::sqrt(v) * h.m_bound;
-    m = select(mask_of(h.hold_m), m > limit ? limit : (m < -limit ? -limit : m), m);
-  }
   const float signed_g = h.sign * g;
   const float gi = select(decoupled, signed_g, std::fma(p, h.l2, signed_g));
   const float decayed = select(decoupled, p * h.decay, p);
   m = std::fma(h.lerp_coeff, gi - m, select(from_end, gi, m));
   v = std::fma(h.one_minus_b2 * gi, gi, v * h.b2);
-  denom = std::sqrt(v) / h.bc2 + h.eps;
+  const float root = std::sqrt(v), limit = (root < kRootFloor ? kRootFloor : root) * h.m_bound;
+  m = m > limit ? limit : (m < -limit ? -limit : m);
+  denom = root / h.bc2 + h.eps;
   return decayed - (h.step * m) / denom;
-}
-
-// Whether adam_lane's hold keeps each of the decoded m[0:n] as it is, proved without square roots (or it is off): every
-// m * m < v * inside_bound (m_bound^2 less 2^-20, far more than the products' and the limit's roundings; m * m taken as
-// at least 2^-100, so no underflow passes) implies |m| < fl(fl(sqrt(v)) * m_bound); a NaN fails the test. A reduction
-// the compiler vectorizes: cheaper than the square roots it saves where it holds (nearly always: exact Adam stays
-// inside by the bound's 2^-8 margin).
-inline bool held_inside(const float* __restrict__ m, const float* __restrict__ v, int64_t n, const Hyper& h) {
-  if (!h.hold_m) return true;
-  uint32_t outside = 0;
-  for (int64_t i = 0; i < n; ++i) outside |= ~mask_of(std::max(m[i] * m[i], 0x1p-100f) < v[i] * h.inside_bound);
-  return outside == 0;
 }
 
 // torch's lerp of fp32 values with weight w, as its vectorized CPU kernel computes it (Hyper above): fp32 w, then
@@ -1166,10 +1153,9 @@ QSTATE_INLINE float top_of(__m512i top, bool& finite) {
 }
 
 // The AVX-512 form of adam_lane and the block's running absmaxes / non-finite flags, for 16 values.
-// inside_bound: the hold's test.
 struct Update16 {
-  __m512 sign, l2, decay, lerp_coeff, b2, one_minus_b2, step, eps, m_bound, inside_bound, bc2, eco;
-  bool lerp_from_end, hold_m, decoupled;
+  __m512 sign, l2, decay, lerp_coeff, b2, one_minus_b2, step, eps, m_bound, bc2, eco;
+  bool lerp_from_end, decoupled;
   __m512i m_top = _mm512_setzero_si512(), v_top = _mm512_setzero_si512();  // running max_magnitude_bits
 
   explicit Update16(const Hyper& h)
@@ -1182,24 +1168,19 @@ struct Update16 {
         step(_mm512_set1_ps(h.step)),
         eps(_mm512_set1_ps(h.eps)),
         m_bound(_mm512_set1_ps(h.m_bound)),
-        inside_bound(_mm512_set1_ps(h.inside_bound)),
         bc2(_mm512_set1_ps(h.bc2)),
         eco(_mm512_set1_ps(h.eco)),
         lerp_from_end(h.lerp_from_end),
-        hold_m(h.hold_m),
         decoupled(h.decoupled) {}
 
-  // adam_lane's hold of the decoded mi, skipped where every lane is provably inside (held_inside's test; a NaN m is kept
-  // either way). -limit by flipping the sign bit, as the scalar negation does (also for 0).
-  QSTATE_INLINE void hold(__m512& mi, __m512 vi) const {
-    if (!hold_m) return;
-    const __m512 square = _mm512_max_ps(_mm512_mul_ps(mi, mi), _mm512_set1_ps(0x1p-100f));
-    if (_mm512_cmp_ps_mask(square, _mm512_mul_ps(vi, inside_bound), _CMP_LT_OQ) == 0xFFFF) return;
-    const __m512 limit = _mm512_mul_ps(_mm512_sqrt_ps(vi), m_bound);
+  // adam_lane's hold of the updated mi by the updated v's root: max(floor, root) is root < floor ? floor : root (a NaN
+  // root kept), min(limit, m) is m > limit ? limit : m, max(-limit, m) is m < -limit ? -limit : m (a NaN m or limit
+  // keeps m, as there); -limit by flipping the sign bit, as the scalar negation does (also for 0).
+  QSTATE_INLINE __m512 held(__m512 mi, __m512 root) const {
+    const __m512 limit = _mm512_mul_ps(_mm512_max_ps(_mm512_set1_ps(kRootFloor), root), m_bound);
     const __m512 negative =
         _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(limit), _mm512_set1_epi32(static_cast<int32_t>(0x80000000u))));
-    mi = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(mi, limit, _CMP_GT_OQ), mi, limit);
-    mi = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(mi, negative, _CMP_LT_OQ), mi, negative);
+    return _mm512_max_ps(negative, _mm512_min_ps(limit, mi));
   }
 
   // p[0:16] updated in place; the new moments (from decoded mi, vi) to m[0:16], v[0:16], and their absmaxes and flags.
@@ -1222,13 +1203,14 @@ struct Update16 {
   QSTATE_INLINE void advance(T* p, const T* g, __m512& mi, __m512& vi, uint64_t seed = 0, int64_t index = 0) const {
     __builtin_prefetch(p + PREFETCH_AHEAD);
     __builtin_prefetch(g + PREFETCH_AHEAD);
-    hold(mi, vi);
     const __m512 pi = load16(p), signed_g = _mm512_mul_ps(sign, load16(g));
     const __m512 gi = decoupled ? signed_g : _mm512_fmadd_ps(pi, l2, signed_g);
     const __m512 decayed = decoupled ? _mm512_mul_ps(pi, decay) : pi;
     mi = _mm512_fmadd_ps(lerp_coeff, _mm512_sub_ps(gi, mi), lerp_from_end ? gi : mi);
     vi = _mm512_fmadd_ps(_mm512_mul_ps(one_minus_b2, gi), gi, _mm512_mul_ps(vi, b2));
-    const __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(vi), bc2), eps);
+    const __m512 root = _mm512_sqrt_ps(vi);
+    mi = held(mi, root);
+    const __m512 denom = _mm512_add_ps(_mm512_div_ps(root, bc2), eps);
     const __m512 updated = _mm512_sub_ps(decayed, _mm512_div_ps(_mm512_mul_ps(step, mi), denom));
     const __m512 rounded = round_store16(Rounding{}, p, updated, seed, index);
     if constexpr (Eco) mi = _mm512_fmadd_ps(_mm512_mul_ps(eco, denom), _mm512_sub_ps(updated, rounded), mi);
@@ -1603,8 +1585,8 @@ QSTATE_INLINE __m256 sgd8(__m256 p, __m256 g, __m256& buf, const Momentum& h) {
 
 // Update16 on 8 lanes.
 struct Update8 {
-  __m256 sign, l2, decay, lerp_coeff, b2, one_minus_b2, step, eps, m_bound, inside_bound, bc2, eco;
-  bool lerp_from_end, hold_m, decoupled;
+  __m256 sign, l2, decay, lerp_coeff, b2, one_minus_b2, step, eps, m_bound, bc2, eco;
+  bool lerp_from_end, decoupled;
   __m256i m_top = _mm256_setzero_si256(), v_top = _mm256_setzero_si256();  // running max_magnitude_bits8
 
   explicit Update8(const Hyper& h)
@@ -1617,22 +1599,15 @@ struct Update8 {
         step(_mm256_set1_ps(h.step)),
         eps(_mm256_set1_ps(h.eps)),
         m_bound(_mm256_set1_ps(h.m_bound)),
-        inside_bound(_mm256_set1_ps(h.inside_bound)),
         bc2(_mm256_set1_ps(h.bc2)),
         eco(_mm256_set1_ps(h.eco)),
         lerp_from_end(h.lerp_from_end),
-        hold_m(h.hold_m),
         decoupled(h.decoupled) {}
 
-  // adam_lane's hold of the decoded mi, skipped where every lane is provably inside (held_inside's test).
-  QSTATE_INLINE void hold(__m256& mi, __m256 vi) const {
-    if (!hold_m) return;
-    const __m256 square = _mm256_max_ps(_mm256_mul_ps(mi, mi), _mm256_set1_ps(0x1p-100f));
-    if (_mm256_movemask_ps(_mm256_cmp_ps(square, _mm256_mul_ps(vi, inside_bound), _CMP_LT_OQ)) == 0xFF) return;
-    const __m256 limit = _mm256_mul_ps(_mm256_sqrt_ps(vi), m_bound);
-    const __m256 negative = _mm256_xor_ps(limit, _mm256_set1_ps(-0.0f));
-    mi = _mm256_blendv_ps(mi, limit, _mm256_cmp_ps(mi, limit, _CMP_GT_OQ));
-    mi = _mm256_blendv_ps(mi, negative, _mm256_cmp_ps(mi, negative, _CMP_LT_OQ));
+  // Update16::held on 8 values.
+  QSTATE_INLINE __m256 held(__m256 mi, __m256 root) const {
+    const __m256 limit = _mm256_mul_ps(_mm256_max_ps(_mm256_set1_ps(kRootFloor), root), m_bound);
+    return _mm256_max_ps(_mm256_xor_ps(limit, _mm256_set1_ps(-0.0f)), _mm256_min_ps(limit, mi));
   }
 
   // Update16::advance on 8 values p[0:8] (element type T; draws[0:8]: their SR draws where Rounding draws).
@@ -1640,13 +1615,14 @@ struct Update8 {
   QSTATE_INLINE void advance(T* p, const T* g, __m256& mi, __m256& vi, const uint32_t* draws = nullptr) const {
     __builtin_prefetch(p + PREFETCH_AHEAD);
     __builtin_prefetch(g + PREFETCH_AHEAD);
-    hold(mi, vi);
     const __m256 pi = load8(p), signed_g = _mm256_mul_ps(sign, load8(g));
     const __m256 gi = decoupled ? signed_g : _mm256_fmadd_ps(pi, l2, signed_g);
     const __m256 decayed = decoupled ? _mm256_mul_ps(pi, decay) : pi;
     mi = _mm256_fmadd_ps(lerp_coeff, _mm256_sub_ps(gi, mi), lerp_from_end ? gi : mi);
     vi = _mm256_fmadd_ps(_mm256_mul_ps(one_minus_b2, gi), gi, _mm256_mul_ps(vi, b2));
-    const __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(vi), bc2), eps);
+    const __m256 root = _mm256_sqrt_ps(vi);
+    mi = held(mi, root);
+    const __m256 denom = _mm256_add_ps(_mm256_div_ps(root, bc2), eps);
     const __m256 updated = _mm256_sub_ps(decayed, _mm256_div_ps(_mm256_mul_ps(step, mi), denom));
     const __m256 rounded = round_store8(Rounding{}, p, updated, draws);
     if constexpr (Eco) mi = _mm256_fmadd_ps(_mm256_mul_ps(eco, denom), _mm256_sub_ps(updated, rounded), mi);
