@@ -15,13 +15,20 @@
 - ``wrapper_resume``: FSDP2 (``fully_shard``) and ``quantize_optimizer(Adagrad)``: its plain states (a parameter under
   ``min_quant_size``, a bias) came back from ``load_state_dict`` as local tensors, and torch's Adagrad raised "got mixed
   torch.Tensor and DTensor" at the next step. The parameters after a save, a load and two more steps, against two
-  steps without the round trip."""
+  steps without the round trip.
+- ``fsdp1``: FSDP1 (``FullyShardedDataParallel``), both ``use_orig_params``. Under ``NO_SHARD`` with stochastic rounding
+  and ``QuantizationPolicy.apply``, each rank rounded with its rank's stream and the replicas drifted apart (the
+  parameters after five steps on other data per rank); under ``FULL_SHARD``, ``nonfinite="skip_step"`` and a NaN in
+  one rank's part, the ranks counted other numbers of skipped parameter updates (``nonfinite_skips``); a QAdamW built on
+  the FSDP1 model without ``apply`` (the error of its first step: it had stepped, with one rank skipping a NaN the
+  other did not see, and saved checkpoints FSDP1 could not gather)."""
 
 from __future__ import annotations
 
 import json
 import os
 import sys
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -33,7 +40,8 @@ from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy, fully_shard
+from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 
@@ -161,11 +169,53 @@ def full_to_single(rank: int) -> dict:
     return result
 
 
+def fsdp1(rank: int) -> dict:
+    def model_on(strategy: ShardingStrategy, orig: bool) -> torch.nn.Module:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 32), torch.nn.Linear(32, 8))
+        wrap = ModuleWrapPolicy({torch.nn.Linear})  # a flat parameter per layer
+        return FullyShardedDataParallel(
+            model, sharding_strategy=strategy, use_orig_params=orig, device_id=torch.device("cpu"), auto_wrap_policy=wrap
+        )
+
+    results = {}
+    for orig in (True, False):
+        model = model_on(ShardingStrategy.NO_SHARD, orig)
+        optimizer = lq.QuantizationPolicy().apply(lq.QAdamW(model.parameters(), lr=1e-2, rounding="stochastic", min_quant_size=0), model)
+        for step in range(5):
+            model(torch.randn(8, 32, generator=torch.Generator().manual_seed(10 * step + rank))).square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        with FullyShardedDataParallel.summon_full_params(model):
+            results[f"no_shard_{orig}"] = [p.detach().flatten().tolist() for p in model.parameters()]
+        model = model_on(ShardingStrategy.FULL_SHARD, orig)
+        optimizer = lq.QuantizationPolicy().apply(lq.QAdamW(model.parameters(), lr=1e-2, min_quant_size=0, nonfinite="skip_step"), model)
+        model(torch.randn(8, 32)).square().mean().backward()
+        for param in model.parameters():
+            if param.grad is not None and param.grad.numel() and rank == 1:
+                param.grad.view(-1)[0] = float("nan")
+                break
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the skip's
+            optimizer.step()
+        results[f"skips_{orig}"] = [optimizer.nonfinite_skips, optimizer.skipped_steps, len(list(model.parameters()))]
+        model = model_on(ShardingStrategy.FULL_SHARD, orig)
+        unfitted = lq.QAdamW(model.parameters(), lr=1e-2, min_quant_size=0)
+        model(torch.randn(8, 32)).square().mean().backward()
+        try:
+            unfitted.step()
+            results[f"unfitted_{orig}"] = "stepped"
+        except RuntimeError as error:
+            results[f"unfitted_{orig}"] = str(error)
+    return results
+
+
 def worker(rank: int, out: str, port: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
     results = {"seeds": seed_cases(rank), "wrapper_resume": wrapper_resume(rank), "zero_resume": zero_resume(rank, out)}
     results["full_to_single"] = full_to_single(rank)
+    results["fsdp1"] = fsdp1(rank)
     with open(os.path.join(out, f"rank{rank}.json"), "w") as file:
         json.dump(results, file)
     end_rank()

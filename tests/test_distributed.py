@@ -644,6 +644,20 @@ def test_the_wrapper_resumes_under_fsdp2(plain_torch_ranks):
         assert runs["resumed"]["params"] == runs["straight"]["params"]
 
 
+def test_fsdp1_replicas_and_skips_agree_and_an_unfitted_optimizer_is_refused(plain_torch_ranks):
+    """Plain-torch FSDP1, both use_orig_params: under NO_SHARD with stochastic rounding the replicas stay identical
+    (each rank rounded with its own rank's stream: 3e-3 apart after five steps); a NaN in one rank's part under
+    skip_step counts every parameter on both ranks (one rank counted those it held a part of);
+    a QAdamW that QuantizationPolicy.apply has not fitted to the FSDP1 model refuses its first step, naming apply."""
+    ranks = [rank["fsdp1"] for rank in plain_torch_ranks]
+    for orig in ("True", "False"):
+        assert ranks[0][f"no_shard_{orig}"] == ranks[1][f"no_shard_{orig}"], orig
+        skipped, steps, params = ranks[0][f"skips_{orig}"]
+        assert ranks[1][f"skips_{orig}"] == [skipped, steps, params] and skipped == params and steps == 1, orig
+        for rank in ranks:
+            assert "QuantizationPolicy().apply(optimizer, fsdp_model)" in rank[f"unfitted_{orig}"], orig
+
+
 # --- single process ----------------------------------------------------------------------------------
 def trained_optimizer(shape: tuple[int, ...], states: str = "int8") -> tuple[QAdamW, torch.nn.Parameter]:
     param = torch.nn.Parameter(torch.randn(shape, generator=torch.Generator().manual_seed(0)))

@@ -67,7 +67,7 @@ OVERRIDES_KEY = "qstate_overrides"
 # Attributes the quantized optimizers add to torch's; kept by pickle and deepcopy.
 QSTATE_ATTRIBUTES = (
     "track_stalls", "nonfinite", "generator", "nonfinite_skips", "skipped_steps", "state_overrides", "configured_overrides",
-    "module_names", "full_numels", "checkpoint_mode", "weight_overrides", "_stall_counts", "_step_supports_amp_scaling",
+    "module_names", "full_numels", "shard_indices", "checkpoint_mode", "weight_overrides", "_stall_counts", "_step_supports_amp_scaling",
     "_rounding_seed", "_rounding_step", "_seed_shared", "_policy_ready", "_kept_formats_unchecked", "format_changes",
 )  # fmt: skip
 MASK64 = (1 << 64) - 1
@@ -337,6 +337,7 @@ class QuantizedStates:
         self.weight_overrides: dict[torch.Tensor, str | None] = {}  # per-parameter ``weights`` (QuantizationPolicy.weight_overrides)
         self.module_names: dict[torch.Tensor, str] = {}  # parameter names from the module (QuantizationPolicy.apply)
         self.full_numels: dict[torch.Tensor, int] = {}  # full sizes of parameters that are local views (FSDP1), see resolve_format
+        self.shard_indices: dict[torch.Tensor, int] = {}  # which shard of each FSDP1 view this rank holds (_shard_index)
         self.checkpoint_mode: CheckpointMode = "packed"
         self._stall_counts: dict[tuple[torch.Tensor, str], torch.Tensor] = {}
         self._step_supports_amp_scaling = False  # a GradScaler must unscale the grads before our step
@@ -434,8 +435,26 @@ class QuantizedStates:
             self._step_params()
         return loss
 
+    def _check_fsdp1_fitted(self) -> None:
+        """At the first step, and the first after a load: refuse FSDP1's parameters (flat parameters, or views with
+        ``use_orig_params=True``) that ``QuantizationPolicy.apply`` has not fitted the optimizer to. Without their full
+        sizes and shard layout every rank would decide ``min_quant_size`` from its own part, shards would draw one
+        stochastic-rounding stream, a NaN in one rank's part would skip the parameter on that rank only, and FSDP1 would
+        fail to gather the packed states into a checkpoint (or write one that cannot be loaded)."""
+        if self.full_numels or not (self._rounding_step == 0 or self._kept_formats_unchecked):
+            return
+        if any(getattr(p, "_fsdp_flattened", False) for group in self.param_groups for p in group["params"]):
+            raise RuntimeError(
+                f"{type(self).__name__} holds parameters of an FSDP1 (FullyShardedDataParallel) model: call "
+                "lightning_qstate.QuantizationPolicy().apply(optimizer, fsdp_model) on every rank after building the optimizer "
+                "(the Lightning plugins and QuantizedOptimizerStates do), so that it decides from the full parameters, "
+                "rounds each shard with its own stream and saves fp32 checkpoints FSDP1 can gather; or shard with FSDP2 "
+                "(fully_shard)"
+            )
+
     def _check_before_stepping(self) -> None:
         """The checks of a step that follows a start or a load (each returns at once otherwise)."""
+        self._check_fsdp1_fitted()
         self._check_min_quant_size()
         self._check_weight_options_used()
         self._check_kept_formats()
@@ -595,9 +614,11 @@ class QuantizedStates:
             return []  # each path checks its own gradients ("raise" and "skip_step": before any parameter is written)
         params = [p for group in self.param_groups for p in group["params"]]
         finite = self._finite_flags(params)
-        if sharded:
-            dist.all_reduce(finite, op=dist.ReduceOp.MIN)
-        bad = [p for p, ok in zip(params, finite.tolist(), strict=False) if not ok]
+        without_grad = torch.tensor([int(p.grad is None) for p in params], dtype=finite.dtype, device=finite.device)
+        flags = torch.cat([finite, without_grad])
+        if sharded:  # one collective: a gradient non-finite on any rank, a parameter with a gradient on any rank
+            dist.all_reduce(flags, op=dist.ReduceOp.MIN)
+        bad = [p for p, ok in zip(params, flags[: len(params)].tolist(), strict=True) if not ok]
         if not bad:
             return []
         if self.nonfinite == "raise":
@@ -606,7 +627,8 @@ class QuantizedStates:
         if self.nonfinite == "skip_step":
             self.skipped_steps += 1
         self._skipped += bad
-        self.nonfinite_skips += len(withheld)
+        # parameters, counted alike on every rank (an FSDP1 view empty on this rank has no local gradient)
+        self.nonfinite_skips += len(params) - int(flags[len(params) :].sum()) if self.nonfinite == "skip_step" else len(bad)
         return withheld
 
     def holds_shards(self) -> bool:
@@ -705,8 +727,9 @@ class QuantizedStates:
 
     def _shard_index(self, key: torch.Tensor) -> int:
         """Which shard of ``key`` this rank holds: 0 for a replicated parameter (DDP, a DTensor's ``Replicate`` mesh
-        dimensions), the mesh coordinates of a DTensor's ``Shard`` dimensions (FSDP2; the rank on a 1-D mesh), the
-        rank for FSDP1's views. Replicas draw alike and stay identical; shards draw independently."""
+        dimensions, FSDP1's ``NO_SHARD``), the mesh coordinates of a DTensor's ``Shard`` dimensions (FSDP2; the rank on a
+        1-D mesh), the rank in FSDP1's shard group for its views (``shard_indices``: the world's for ``FULL_SHARD``, a
+        node's for ``HYBRID_SHARD``). Replicas draw alike and stay identical; shards draw independently."""
         if isinstance(key, DTensor):
             coordinate = key.device_mesh.get_coordinate() or []
             index = 0
@@ -714,9 +737,7 @@ class QuantizedStates:
                 if placement.is_shard() and position < len(coordinate):
                     index = index * key.device_mesh.size(position) + coordinate[position]
             return index
-        if key in self.full_numels and dist.is_available() and dist.is_initialized():
-            return dist.get_rank()
-        return 0
+        return self.shard_indices.get(key, 0)
 
     def _step_params(self) -> None:
         """Step every parameter that has a gradient: each param group's parameters are planned onto their paths

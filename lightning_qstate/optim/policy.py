@@ -453,12 +453,13 @@ POLICY_DEFAULTS: dict[str, Any] = {
 def _fit_to_fsdp1(optimizer: torch.optim.Optimizer, module: torch.nn.Module | None, error_feedback: str | None = None) -> None:
     """Under FSDP1 (``module`` holds a ``FullyShardedDataParallel``), for an optimizer ``apply`` converted or one built
     quantized: fp32 checkpoints (FSDP1 gathers and reshapes state tensors like its flat shards; packed codes made every
-    save fail) and decisions from the full sizes (its parameters are local 1-D views). ``eco_exact`` (a group's, or
+    save fail), decisions from the full sizes (its parameters are local 1-D views) and stochastic-rounding streams per
+    shard, not per rank (``NO_SHARD`` and hybrid sharding replicate). ``eco_exact`` (a group's, or
     ``error_feedback`` for a torch optimizer about to be converted: checked before it is) is refused."""
     from torch.distributed.fsdp import FullyShardedDataParallel
 
     from .base import QuantizedStates
-    from .wrap import fsdp_full_numels
+    from .wrap import fsdp_views
 
     if module is None or not any(isinstance(m, FullyShardedDataParallel) for m in module.modules()):
         return
@@ -470,7 +471,7 @@ def _fit_to_fsdp1(optimizer: torch.optim.Optimizer, module: torch.nn.Module | No
         )
     if isinstance(optimizer, QuantizedStates):
         optimizer.checkpoint_mode = "fp32"
-        optimizer.full_numels = fsdp_full_numels(module)
+        optimizer.full_numels, optimizer.shard_indices = fsdp_views(module)
 
 
 def _name_summary(named: list[tuple[str, torch.Tensor]], shown: int = 20) -> str:

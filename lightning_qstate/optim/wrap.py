@@ -21,7 +21,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.distributed.fsdp import FullyShardedDataParallel
+import torch.distributed as dist
+from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
 from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
@@ -399,22 +400,27 @@ def _track_step_for_schedulers(optimizer: torch.optim.Optimizer) -> None:
     optimizer.step = tracked_step
 
 
-def fsdp_full_numels(module: torch.nn.Module) -> dict[torch.Tensor, int]:
-    """``{parameter: numel of the full parameter}`` for the parameters FSDP1 (``FullyShardedDataParallel``) shards in ``module``.
+def fsdp_views(module: torch.nn.Module) -> tuple[dict[torch.Tensor, int], dict[torch.Tensor, int]]:
+    """For the parameters FSDP1 (``FullyShardedDataParallel``) flattens in ``module``: ``{parameter: numel of the full
+    parameter}`` and ``{parameter: which shard of it this rank holds}``.
 
     With ``use_orig_params=True`` the optimizer holds the original parameters, which FSDP1 turns into 1-D views of
     this rank's part of the flat shard (possibly empty); with ``use_orig_params=False`` it holds the flat parameter.
-    Their local ``numel()`` differs between ranks; the flat parameter's handle knows the full sizes.
+    Their local ``numel()`` differs between ranks; the flat parameter's handle knows the full sizes. The shard is the
+    rank in the FSDP module's process group (the world's for ``FULL_SHARD``/``SHARD_GRAD_OP``, the node's for the
+    hybrid strategies, whose other nodes hold replicas), and 0 under ``NO_SHARD``, where every rank holds it all.
     """
     numels: dict[torch.Tensor, int] = {}
+    shards: dict[torch.Tensor, int] = {}
     for submodule in module.modules():
         flat = getattr(submodule, "_flat_param", None) if isinstance(submodule, FullyShardedDataParallel) else None
         if flat is None:
             continue
-        numels[flat] = flat._unpadded_unsharded_size.numel()
-        for param, numel in zip(flat._params or [], flat._numels, strict=False):
-            numels[param] = numel
-    return numels
+        replicated = submodule.sharding_strategy == ShardingStrategy.NO_SHARD
+        shard = 0 if replicated else dist.get_rank(submodule.process_group)
+        for param, numel in ((flat, flat._unpadded_unsharded_size.numel()), *zip(flat._params or [], flat._numels, strict=False)):
+            numels[param], shards[param] = numel, shard
+    return numels, shards
 
 
 def check_optimizer_parameters(model: torch.nn.Module, optimizers: list[torch.optim.Optimizer]) -> None:
