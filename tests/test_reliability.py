@@ -702,3 +702,31 @@ def test_each_compiled_format_pair_has_its_own_dynamo_cache():
     codes = {id(function._torchdynamo_orig_callable.__code__) for function in functions}
     assert len(codes) == 3 and id(adam_reference.adam_step_quantized.__code__) not in codes
     assert compiled.compiled_adam_step(options[0]) is functions[0]
+
+
+def test_a_step_tensor_shared_in_a_loaded_state_dict_counts_once_per_parameter():
+    """A state dict whose parameters share one ``step`` tensor (torch's FSDP1 full optimizer state dict with
+    ``use_orig_params=False``, loaded into an unwrapped model; torch's load keeps it shared): each parameter counts
+    its own steps (the shared tensor went up once per parameter per step: 5 after two, with three parameters) and the
+    run goes on as the uninterrupted one."""
+    generator = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(64, generator=generator)) for _ in range(3)]
+    straight = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    optimizers = [lq.QAdamW(ps, lr=1e-2, states="int8", min_quant_size=0) for ps in (params, straight)]
+    grads = [[torch.randn(64, generator=generator) for _ in range(3)] for _ in range(3)]
+
+    def step(index: int) -> None:
+        for optimizer, optimizer_params in zip(optimizers, (params, straight), strict=True):
+            for param, grad in zip(optimizer_params, grads[index], strict=True):
+                param.grad = grad.clone()
+            optimizer.step()
+
+    step(0)
+    saved = optimizers[0].state_dict()
+    for entry in saved["state"].values():
+        entry["step"] = saved["state"][0]["step"]
+    optimizers[0].load_state_dict(saved)
+    step(1)
+    step(2)
+    assert [float(optimizers[0].state[p]["step"]) for p in params] == [3.0, 3.0, 3.0]
+    assert all(torch.equal(a, b) for a, b in zip(params, straight, strict=True))

@@ -1355,6 +1355,7 @@ class QuantizedStates:
             super().load_state_dict(
                 {**{k: v for k, v in state_dict.items() if k != VERSION_KEY}, "state": plain, "param_groups": saved_groups}
             )
+        self._untie_steps()
         saved_keys = [key for group in state_dict["param_groups"] for key in group["params"]]
         params = dict(zip(saved_keys, (p for group in self.param_groups for p in group["params"]), strict=False))
         groups_by_param = {p: group for group, current in zip(configured, self.param_groups, strict=False) for p in current["params"]}
@@ -1403,6 +1404,19 @@ class QuantizedStates:
         self._load_counters(counters, quantized=any(packed.values()) or any(markers.values()))
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)
+
+    def _untie_steps(self) -> None:
+        """Give each parameter its own ``step`` tensor where a loaded state dict shared one among several (torch's FSDP1
+        full optimizer state dict with ``use_orig_params=False`` gives every parameter of a flat parameter the same
+        tensor, and torch's load keeps it shared): each step would count it once per parameter, and bias-correct
+        with a step count several times too large (torch's own optimizers do)."""
+        seen: set[int] = set()
+        for state in self.state.values():
+            step = state.get("step")
+            if isinstance(step, torch.Tensor):
+                if id(step) in seen:
+                    state["step"] = step.clone()
+                seen.add(id(state["step"]))
 
     def _load_counters(self, counters: list | None, quantized: bool) -> None:
         """The stochastic-rounding seed and step and the skip counts of a checkpoint's ``ROUNDING_KEY``; where it has none
