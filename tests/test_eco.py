@@ -199,8 +199,8 @@ def test_feedback_stalls_are_counted():
         param = torch.nn.Parameter(torch.randn(8192, generator=torch.Generator().manual_seed(0)).bfloat16())
         warning = r"QAdamW: error_feedback='eco' feeds .* into 'exp_avg', stored in 'int8' with rounding='nearest'"
         with pytest.warns(UserWarning, match=warning):
-            optimizer = lq.QAdamW([param], lr=1e-4, weights="bf16", weight_rounding="nearest", error_feedback="eco", track_stalls=True)
-        optimizer.cpu_compile, optimizer.track_weight_stalls = native, True
+            optimizer = lq.QAdamW([param], lr=1e-3, weights="bf16", weight_rounding="nearest", error_feedback="eco", track_stalls=True)
+        optimizer.cpu_compile, optimizer.track_weight_stalls = native, True  # lr 1e-3: 312 of 40960 lost (1e-4: none)
         for step in range(5):
             param.grad = torch.randn(8192, generator=torch.Generator().manual_seed(step + 1)).bfloat16()
             optimizer.step()

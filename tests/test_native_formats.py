@@ -24,6 +24,7 @@ from lightning_qstate.formats.rounding import encode_codebook
 from lightning_qstate.formats.weights import get_weight_grid
 from lightning_qstate.kernels import native
 from lightning_qstate.kernels.adam_reference import adam_hyper, adam_step_quantized
+from lightning_qstate.kernels.bounds import held_moment_bound
 from lightning_qstate.kernels.native import native_adam_steps, native_formats
 
 pytestmark = pytest.mark.skipif(not native.native_kernel_available(), reason="no C++ compiler here: the optimizer uses another path")
@@ -68,11 +69,18 @@ def adam_state(m_format, v_format, numel: int, seed: int) -> dict:
     return {"step": torch.tensor(3.0), "exp_avg": m, "exp_avg_sq": v}
 
 
+def reference_hyper(group: dict, state: dict) -> dict:
+    """``adam_hyper`` of ``state``'s next step (``step`` counted here) with the bound an optimizer holds ``m`` to
+    (``held_moment_bound``: ``K²`` kept in ``state``, seeded from its moments where missing, as the native step does)."""
+    bound = held_moment_bound(state, *(float(beta) for beta in group["betas"]), float(state["step"]))
+    state["step"] += 1
+    return adam_hyper(group, float(state["step"]), bound)
+
+
 def reference_step(param, grad, state, group, track, weight_format=None) -> list[int]:
     m, v = state["exp_avg"], state["exp_avg_sq"]
-    state["step"] += 1
     counts = adam_step_quantized(
-        param, grad, m.codes, m.scales, v.codes, v.scales, adam_hyper(group, float(state["step"])), m.format, v.format, "nearest",
+        param, grad, m.codes, m.scales, v.codes, v.scales, reference_hyper(group, state), m.format, v.format, "nearest",
         group["decoupled_weight_decay"], group["maximize"], track, weight_format,
     )  # fmt: skip
     return counts.tolist()

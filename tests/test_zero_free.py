@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import lightning_qstate as lq
-from lightning_qstate.formats import BlockFormat, CastFormat, CodebookFormat, get_format
+from lightning_qstate.formats import BlockFormat, CastFormat, CodebookFormat, QuantizedTensor, get_format
 from lightning_qstate.formats.packing import as_blocks, pack, unpack
 from lightning_qstate.formats.rounding import encode_codebook
 from lightning_qstate.kernels import dispatch
@@ -318,3 +318,67 @@ def test_a_betas_warm_up_leaves_exact_moments_alone():
         update = last_update(make)
         assert float((update - expected).norm() / expected.norm()) < 0.01, compile_cpu
         assert set(optimizer.step_paths().values()) == ({"native"} if compile_cpu and native_kernel_available() else {"reference"})
+
+
+@pytest.mark.parametrize("how", ["fp32_detour", "converted"])
+def test_a_lost_bound_restarts_from_the_moments(how):
+    """A parameter whose ``K_n²`` was lost after a β1 warm-up (0 for four steps, then 0.9) restarts from its moments'
+    own largest ``m² / v``, not from the closed form of the current betas, which lies below exact moments after the
+    warm-up (m at 0.24 of torch's after the detour, 0.72 after the conversion): ``fp32_detour``, the moments
+    re-encoded to fp32 and back (as ``AdaptiveBitWidth`` does; fp32 moments keep no bound); ``converted``, a torch
+    AdamW converted by ``quantize_optimizer`` after the warm-up. bf16 states follow torch's AdamW to bf16's precision."""
+    generator = torch.Generator().manual_seed(0)
+    grads = [torch.randn(4096, generator=generator).abs() + 1.0 for _ in range(8)]  # one sign: exact m meets the bound
+
+    def run(make, on_step) -> list[torch.Tensor]:
+        param = torch.nn.Parameter(torch.zeros(4096))
+        optimizer, moments = make([param]), []
+        for step, grad in enumerate(grads):
+            optimizer = on_step(optimizer, param, step)
+            optimizer.param_groups[0]["betas"] = (0.0 if step < 4 else 0.9, 0.999)
+            param.grad = grad.clone()
+            optimizer.step()
+            m = optimizer.state[param]["exp_avg"]
+            moments.append(m.dequantize().float() if isinstance(m, QuantizedTensor) else m.detach().clone())
+        return moments
+
+    expected = run(lambda params: torch.optim.AdamW(params, lr=1e-3, weight_decay=0.0), lambda optimizer, param, step: optimizer)
+    if how == "fp32_detour":
+
+        def on_step(optimizer, param, step):
+            for name in ("exp_avg", "exp_avg_sq"):
+                if step in (1, 4):
+                    optimizer.reencode_state(param, name, "fp32" if step == 1 else "bf16")
+            return optimizer
+
+        moments = run(lambda params: lq.QAdamW(params, lr=1e-3, weight_decay=0.0, states="bf16", min_quant_size=0), on_step)
+    else:
+        moments = run(
+            lambda params: torch.optim.AdamW(params, lr=1e-3, weight_decay=0.0),
+            lambda optimizer, param, step: lq.quantize_optimizer(optimizer, states="bf16", min_quant_size=0) if step == 6 else optimizer,
+        )
+    for step, (ours, theirs) in enumerate(zip(moments, expected, strict=True)):
+        assert float(((ours - theirs).abs() / theirs.abs()).max()) < 0.02, step
+
+
+def test_ecos_feedback_is_not_held():
+    """ECO (``weights="bf16"``, ``error_feedback="eco"``) feeds the weights' rounding error into ``m``, outside Adam's
+    bound by design: with quantized moments the hold clipped the corrections' large side, and a bf16 weight at lr 1e-4
+    (updates under half its ulp) never moved in 300 steps; fp32 master AdamW moves it by 0.03, ECO with fp32 moments
+    (never held) by 0.012. Native and per-parameter paths alike."""
+    generator = torch.Generator().manual_seed(0)
+    grads = [1.0 + 0.1 * torch.randn(1024, generator=generator) for _ in range(300)]
+    for states, compiled in (("bf16", True), ("bf16", False), ("int8", True), ("fp32", True)):
+        param = torch.nn.Parameter(torch.ones(1024))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # ECO with an m rounded to nearest drops small corrections: warned about
+            optimizer = lq.QAdamW(
+                [param], lr=1e-4, weight_decay=0.0, states=states, min_quant_size=0, weights="bf16", weight_rounding="nearest",
+                error_feedback="eco",
+            )  # fmt: skip
+            optimizer.cpu_compile = compiled
+            for grad in grads:
+                param.grad = grad.clone()
+                optimizer.step()
+        drift = 1 - float(param.detach().float().mean())
+        assert 0.008 < drift < 0.03, (states, compiled, drift)

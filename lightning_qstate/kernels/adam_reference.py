@@ -15,6 +15,8 @@ The derivations are in ``docs/algorithms.md`` (bit-exact reference; Adam's momen
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..formats import CastFormat, Rounding, StorageFormat, count_stalls
@@ -78,8 +80,10 @@ def hold_moment(exp_avg: torch.Tensor, root: torch.Tensor, bound: torch.Tensor) 
     """``exp_avg`` held to ``|m| <= bound * max(root, ROOT_FLOOR)`` (``root``: ``sqrt_rn(v)``, a NaN kept; ``bound``:
     ``kernels.bounds``' ``K (1 + 2^-8)``), which exact Adam never exceeds: values inside are kept as they are (signed
     zeros and NaN too), so every path that compares the same way (the C++ and Triton kernels) gets the same bits; an
-    infinite ``bound`` keeps all."""
-    limit = torch.where(root < ROOT_FLOOR, ROOT_FLOOR, root) * bound
+    infinite ``bound`` keeps all. Moments of another dtype (the per-parameter step of fp16 parameters) take its own
+    floor, the root of its least normal value (fp16: 2^-7, where fp32's would round the limit to 0)."""
+    floor = ROOT_FLOOR if exp_avg.dtype == torch.float32 else torch.finfo(exp_avg.dtype).tiny ** 0.5
+    limit = torch.where(root < floor, floor, root) * bound
     return torch.where(exp_avg > limit, limit, torch.where(exp_avg < -limit, -limit, exp_avg)).to(exp_avg.dtype)
 
 
@@ -201,10 +205,12 @@ def adam_step_quantized(
     Without master weights (``optim/weights.py``): ``weight_format`` (a cast format: the grid of bf16, fp16 or fp32
     values) is what the new parameter values are rounded to, with ``weight_rounding``; ``param`` may then be of any
     float dtype (the math runs in fp32). ``eco``: the rounding error is fed into ``m`` (``eco_feedback``) before ``m``
-    is stored.
+    is stored; its ``m`` is not held (``moment_bound`` taken as infinite).
     """
     param, grad, m_codes, v_codes = param.view(-1), grad.reshape(-1).float(), m_codes.view(-1), v_codes.view(-1)
     numel = param.numel()
+    if eco:  # ECO's feedback puts m outside Adam's bound by design: not held (kernels.bounds.held_moment_bound)
+        hyper = {**hyper, "moment_bound": torch.tensor(math.inf)}
     exp_avg = m_format.dequantize_reference(m_codes, m_scales, numel)
     exp_avg_sq = v_format.dequantize_reference(v_codes, v_scales, numel)
     old_m, old_v = (exp_avg.clone(), exp_avg_sq.clone()) if track_stalls else (exp_avg, exp_avg_sq)

@@ -29,15 +29,38 @@ import torch
 MOMENT_BOUND_STATE = "moment_bound_sq"  # K_n² of a parameter whose moments are quantized: a 0-d float64 CPU tensor
 
 
-def held_moment_bound(state: dict, beta1: float, beta2: float, steps_done: float) -> float:
+def held_moment_bound(state: dict, beta1: float, beta2: float, steps_done: float, feedback: bool = False) -> float:
     """The bound this update holds the updated ``m`` to (as ``moment_bound``: ``K_{n+1} (1 + 2^-8)``, fp32) for a
     parameter whose ``state`` has taken ``n = steps_done`` updates; advances ``state[MOMENT_BOUND_STATE]`` to
-    ``K_{n+1}²`` with this update's betas."""
+    ``K_{n+1}²`` with this update's betas. A state without ``K_n²`` starts from the larger of the closed form and its
+    moments' own largest ``m² / v`` (``ratio_square``). ``feedback``: ECO feeds the weights' rounding error into this
+    parameter's ``m`` (``optim/weights.py``), which puts it outside Adam's bound by design (the hold clipped the
+    corrections' large side: a bf16 weight at lr 1e-4 never moved): ``inf``, no hold, ``K²`` advanced all the same."""
     kept = state.get(MOMENT_BOUND_STATE)
-    square = bound_square(beta1, beta2, steps_done) if kept is None else float(kept)
+    square = max(bound_square(beta1, beta2, steps_done), ratio_square(state)) if kept is None else float(kept)
     advanced = next_bound_square(square, beta1, beta2)
     state[MOMENT_BOUND_STATE] = torch.tensor(advanced, dtype=torch.float64)
-    return _with_margin(advanced)
+    return math.inf if feedback else _with_margin(advanced)
+
+
+def ratio_square(state: dict) -> float:
+    """The largest ``m² / v`` of ``state``'s moments (``exp_avg``, ``exp_avg_sq``; decoded where quantized; 0 where
+    none has taken a step), over the values with ``v > 0``: a ``K_n²`` that bounds them. The recursion of
+    ``next_bound_square`` carries any such bound through later updates (Cauchy-Schwarz, value by value), so a state
+    whose ``K_n²`` was lost (converted from a torch optimizer, a checkpoint of an earlier version, moments kept in fp32
+    for a while) never has its exact moments held, where the closed form, which assumes this update's betas since the
+    first, fell below them after a warm-up of ``β1`` (m at 0.24 of torch's AdamW's)."""
+    moments = [state.get(name) for name in ("exp_avg", "exp_avg_sq")]
+    if any(moment is None for moment in moments) or not float(state.get("step", 0)):
+        return 0.0
+    m, v = (_local(moment.dequantize() if hasattr(moment, "dequantize") else moment).double() for moment in moments)
+    positive = v > 0
+    return float((m.square()[positive] / v[positive]).max()) if bool(positive.any()) else 0.0
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (each rank bounds the values it holds), else the tensor."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
 def next_bound_square(square: float, beta1: float, beta2: float) -> float:

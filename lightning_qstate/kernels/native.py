@@ -370,13 +370,16 @@ def native_adam_steps(
     plain = [k for k, yes in enumerate(as_coded) if not yes]
     order = coded + plain  # the kernel's parameter order
     beta1, beta2 = group["betas"]
-    eco = group.get("error_feedback") == "eco"
-    eco_coefficients = [eco_coefficient(group, float(states[k]["step"]) + 1) if eco and weights[k] is not None else 0.0 for k in coded]
+    feeds_back = [group.get("error_feedback") == "eco" and weights[k] is not None for k in coded]
+    eco_coefficients = [
+        eco_coefficient(group, float(states[k]["step"]) + 1) if fed else 0.0 for k, fed in zip(coded, feeds_back, strict=True)
+    ]
     names = ("exp_avg", "exp_avg_sq")
     moments = [tuple(states[k][name] if quantized[k] else _fp32_cast(states[k][name]) for name in names) for k in coded]
     before = [states[k].get(MOMENT_BOUND_STATE) for k in coded]  # kept where the kernel skips a non-finite gradient
     bounds = [
-        held_moment_bound(states[k], float(beta1), float(beta2), float(states[k]["step"])) if quantized[k] else math.inf for k in coded
+        held_moment_bound(states[k], float(beta1), float(beta2), float(states[k]["step"]), fed) if quantized[k] else math.inf
+        for k, fed in zip(coded, feeds_back, strict=True)
     ]
     tables, ints, floats = _state_rows(tuple(q.format for pair in moments for q in pair), group["rounding"] == "stochastic")
     rows = _function("adam_steps_u8")(
@@ -403,6 +406,7 @@ def native_adam_steps(
         decoupled=decoupled_decay(group),
         maximize=group["maximize"],
         track=track_stalls,
+        lr_fp32=isinstance(group["lr"], torch.Tensor) and group["lr"].dtype == torch.float32,  # torch divides it in fp32
     ).tolist()
     for k, row, bound in zip(coded, rows, before, strict=False):
         if row[0]:

@@ -160,8 +160,9 @@ def adam_step_kernel(
     new_exp_avg = tl.fma(coefficient, grad - exp_avg, tl.where(small, exp_avg, grad))
     new_exp_avg_sq = tl.fma(square_weight * grad, grad, exp_avg_sq * beta2)
     root = tl.math.sqrt_rn(new_exp_avg_sq)
-    limit = tl.where(root < ROOT_FLOOR, ROOT_FLOOR, root) * tl.load(coefficients_ptr + 8)  # adam_reference.hold_moment
-    new_exp_avg = tl.where(new_exp_avg > limit, limit, tl.where(new_exp_avg < -limit, -limit, new_exp_avg))
+    if not ECO:  # adam_reference.hold_moment; ECO's feedback puts m outside the bound by design: not held
+        limit = tl.where(root < ROOT_FLOOR, ROOT_FLOOR, root) * tl.load(coefficients_ptr + 8)
+        new_exp_avg = tl.where(new_exp_avg > limit, limit, tl.where(new_exp_avg < -limit, -limit, new_exp_avg))
     denom = tl.math.div_rn(root, bias_correction2_sqrt) + eps
     param = param - tl.math.div_rn(step_size * new_exp_avg, denom)
     # adam_reference.adam_step_quantized: θ̂ = q(θ̃) on the weight grid, ECO's feedback of θ̃ - θ̂ into m.

@@ -915,6 +915,17 @@ class QuantizedStates:
             weights = overrides.get(key, weights)
         return weight_grid(weights, group, local_tensor(key) if param is None else param)
 
+    _feeding_back = False  # while _update_on_grid runs for a group whose error_feedback is "eco"
+
+    def _update_on_grid(self, group: dict, param: torch.Tensor, grad: torch.Tensor, states: dict, state: dict) -> None:
+        """``_update`` of a parameter on a weight grid, with ``_feeding_back`` set where ECO feeds the rounding error into
+        its momentum (Adam's hold leaves that ``m`` alone: ``kernels.bounds.held_moment_bound``'s ``feedback``)."""
+        self._feeding_back = group["error_feedback"] == "eco"
+        try:
+            self._update(group, param, grad, states, state)
+        finally:
+            self._feeding_back = False
+
     def _update_weights(
         self, group: dict, key: torch.Tensor, param: torch.Tensor, grad: torch.Tensor, states: dict, state: dict, grid: WeightGrid
     ) -> None:
@@ -926,7 +937,7 @@ class QuantizedStates:
         master = param.float() if param.dtype != torch.float32 else param.clone()
         if feedback == "eco_exact" and ERROR_STATE in state:
             master += local_tensor(state[ERROR_STATE])
-        self._update(group, master, grad.float(), states, state)
+        self._update_on_grid(group, master, grad.float(), states, state)
         stored = self._round_to_grid(group, key, param, master, grid)
         if self.track_stalls and self.track_weight_stalls:  # param still holds the old θ̂; a grid's entries stall when they keep their code
             flat = (param.reshape(-1).float(), master.reshape(-1), stored.reshape(-1).float())
@@ -1081,7 +1092,8 @@ class QuantizedStates:
             master += local_tensor(state[ERROR_STATE]).to(wide)
         states = {name: _decoded(state[name], wide) for name in self.state_names if state.get(name) is not None}
         copies = {name: value.clone() if isinstance(value, torch.Tensor) and value.ndim == 0 else value for name, value in state.items()}
-        self._update(group, master, grad.to(wide), states, copies)  # copies: the scalar ``step`` moves on its own copy
+        update = self._update if grid is None else self._update_on_grid
+        update(group, master, grad.to(wide), states, copies)  # copies: the scalar ``step`` moves on its own copy
         return master, states, copies
 
     def _count_intended_stalls(self, targets: list[_Intended], overflowed: Iterable[torch.Tensor] = ()) -> None:

@@ -38,6 +38,7 @@ Example::
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any
 
 import torch
@@ -167,11 +168,17 @@ class _AdamStates(QuantizedStates):
         ``|m| <= K sqrt(v)`` of the updated ``v``, which exact Adam never exceeds (``kernels.bounds``): storage never
         makes a step larger. torch's update is one call, so where the hold acts the parameter's value is taken again
         from the held ``m``, as the fused steps take it (``adam_reference.adam_math``'s last line, torch's
-        ``addcdiv_``; amsgrad's denominator from ``max_exp_avg_sq``); elsewhere it is torch's. No host sync."""
-        if not any(isinstance(state[name], QuantizedTensor) for name in ("exp_avg", "exp_avg_sq")):
+        ``addcdiv_``; amsgrad's denominator from ``max_exp_avg_sq``); elsewhere it is torch's. No host sync. Not where
+        ECO feeds the rounding error into ``m`` (``_feeding_back``): ``m`` is outside the bound by design there."""
+        quantized = any(isinstance(state[name], QuantizedTensor) for name in ("exp_avg", "exp_avg_sq"))
+        bound = (
+            held_moment_bound(state, *(float(beta) for beta in group["betas"]), float(state["step"]), self._feeding_back)
+            if quantized
+            else math.inf
+        )
+        if math.isinf(bound):
             self._adam(group, [param], [grad], [{**state, **states}], multi_tensor=False)
             return
-        bound = held_moment_bound(state, *(float(beta) for beta in group["betas"]), float(state["step"]))
         before, merged = param.clone(), {**state, **states}
         self._adam(group, [param], [grad], [merged], multi_tensor=False)
         exp_avg, exp_avg_sq = merged["exp_avg"], merged["exp_avg_sq"]

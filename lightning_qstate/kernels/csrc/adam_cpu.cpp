@@ -749,14 +749,17 @@ void count_values(const float* before, const float* before_units, const float* u
 struct Schedule {
   Hyper constants;  // every field but step, bc2, m_bound and eco
   double lr, beta1, beta2;
+  bool lr_fp32;  // lr is an fp32 tensor's value: torch divides it in fp32 (tensor arithmetic)
 
   // The hyperparameters of a parameter at its next step t = steps_done + 1: step size lr / (1 - beta1^t) and
-  // sqrt(1 - beta2^t) in double, rounded to fp32, as torch's AdamW and adam_reference.adam_hyper have them.
-  // m_bound: the bound its updated m is held to (coded moments; inf, no hold, for fp32 ones, which are exact).
+  // sqrt(1 - beta2^t) in double, rounded to fp32 (lr_fp32: the step size in fp32, lr / fp32(1 - beta1^t)), as torch's
+  // AdamW and adam_reference.adam_hyper have them. m_bound: the bound its updated m is held to (coded moments; inf,
+  // no hold, for fp32 ones, which are exact).
   Hyper at(double steps_done, float m_bound) const {
     const double t = steps_done + 1;
     Hyper h = constants;
-    h.step = static_cast<float>(lr / (1.0 - std::pow(beta1, t)));
+    const double bc1 = 1.0 - std::pow(beta1, t);
+    h.step = lr_fp32 ? static_cast<float>(lr) / static_cast<float>(bc1) : static_cast<float>(lr / bc1);
     h.bc2 = static_cast<float>(std::pow(1.0 - std::pow(beta2, t), 0.5));
     h.m_bound = m_bound;
     return h;
@@ -764,18 +767,21 @@ struct Schedule {
 };
 
 // The constants as torch's AdamW computes them, and adam_reference.adam_hyper for coded parameters: in double, rounded
-// to fp32 once, where they meet a tensor (1.0f - 0.999f would be ~110 ulps below fp32(1 - 0.999)).
-Schedule schedule(double lr, double weight_decay, double beta1, double beta2, double eps, bool decoupled, bool maximize) {
+// to fp32 once, where they meet a tensor (1.0f - 0.999f would be ~110 ulps below fp32(1 - 0.999)); with an fp32 tensor
+// lr (lr_fp32), 1 - lr * weight_decay in fp32, each operation rounded (-ffp-contract=off), as torch's tensor arithmetic.
+Schedule schedule(double lr, double weight_decay, double beta1, double beta2, double eps, bool decoupled, bool maximize, bool lr_fp32) {
   Hyper c{};
   c.sign = maximize ? -1.0f : 1.0f;
   c.decoupled = decoupled;
-  c.decay = decoupled ? static_cast<float>(1.0 - lr * weight_decay) : 1.0f;
+  const float decay =
+      lr_fp32 ? 1.0f - static_cast<float>(lr) * static_cast<float>(weight_decay) : static_cast<float>(1.0 - lr * weight_decay);
+  c.decay = decoupled ? decay : 1.0f;
   c.l2 = decoupled ? 0.0f : static_cast<float>(weight_decay);
   const Lerp lerp(1.0 - beta1);
   c.lerp_from_end = lerp.from_end, c.lerp_coeff = lerp.coeff;
   c.b2 = static_cast<float>(beta2), c.one_minus_b2 = static_cast<float>(1.0 - beta2);
   c.eps = static_cast<float>(eps);
-  return Schedule{c, lr, beta1, beta2};
+  return Schedule{c, lr, beta1, beta2, lr_fp32};
 }
 
 // A step counter: a 0-d fp32 or fp64 CPU tensor.
@@ -1749,7 +1755,7 @@ at::Tensor adam_steps_u8(const std::vector<at::Tensor>& params, const std::vecto
                          const std::vector<at::Tensor>& tables, const at::Tensor& ints, const at::Tensor& floats, const at::Tensor& bounds,
                          const at::Tensor& grids, const at::Tensor& seeds, const at::Tensor& eco, const std::vector<at::Tensor>& plain,
                          const std::vector<at::Tensor>& steps, double lr, double weight_decay, double beta1, double beta2, double eps,
-                         bool decoupled, bool maximize, bool track) {
+                         bool decoupled, bool maximize, bool track, bool lr_fp32) {
   const int64_t n = static_cast<int64_t>(params.size()), n_plain = static_cast<int64_t>(plain.size()) / 4;
   TORCH_CHECK(static_cast<int64_t>(plain.size()) == 4 * n_plain && static_cast<int64_t>(steps.size()) == n + n_plain,
               "steps: one per parameter");
@@ -1761,7 +1767,7 @@ at::Tensor adam_steps_u8(const std::vector<at::Tensor>& params, const std::vecto
       TORCH_CHECK(plain[4 * j + c].is_contiguous() && plain[4 * j + c].scalar_type() == at::kFloat &&
                       plain[4 * j + c].numel() == plain[4 * j].numel(),
                   "fp32-state parameter ", j, ": param, grad and moments must be contiguous fp32 tensors of one size");
-  const Schedule group = schedule(lr, weight_decay, beta1, beta2, eps, decoupled, maximize);
+  const Schedule group = schedule(lr, weight_decay, beta1, beta2, eps, decoupled, maximize, lr_fp32);
   const std::vector<Param> work =
       coded_params(params, grads, m_codes, m_scales, v_codes, v_scales, tables, ints, floats, bounds, grids, seeds, eco, steps, group);
 

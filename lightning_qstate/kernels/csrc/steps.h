@@ -15,7 +15,7 @@ at::Tensor adam_steps_u8(const std::vector<at::Tensor>& params, const std::vecto
                          const std::vector<at::Tensor>& tables, const at::Tensor& ints, const at::Tensor& floats, const at::Tensor& bounds,
                          const at::Tensor& grids, const at::Tensor& seeds, const at::Tensor& eco, const std::vector<at::Tensor>& plain,
                          const std::vector<at::Tensor>& steps, double lr, double weight_decay, double beta1, double beta2, double eps,
-                         bool decoupled, bool maximize, bool track);
+                         bool decoupled, bool maximize, bool track, bool lr_fp32);
 
 at::Tensor momentum_steps(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& codes,
                           const std::vector<at::Tensor>& scales, const std::vector<at::Tensor>& tables, const at::Tensor& ints,
