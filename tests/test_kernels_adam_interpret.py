@@ -72,6 +72,10 @@ else:
         """The options ``adam_hyper`` reads (``decoupled_weight_decay`` only for ``eco_coefficient``)."""
         return {"lr": lr, "betas": betas, "weight_decay": weight_decay, "eps": eps, "decoupled_weight_decay": decoupled_weight_decay}
 
+    def unheld(hyper: dict) -> dict:
+        """``hyper`` with no hold of ``m``, as ECO's parameters take it (``kernels.bounds.held_moment_bound``)."""
+        return {**hyper, "moment_bound": torch.tensor(float("inf"))}
+
     def quiet(numel: int) -> torch.Tensor:
         """Every fourth entry: parameter and moments start at 0 and gradients are tiny there, so that updates
         (also with L2 weight decay) stall at the code of 0."""
@@ -347,7 +351,8 @@ else:
     @pytest.mark.parametrize(("m_spec", "v_spec", "numel", "decoupled", "options", "dtype", "grid", "eco"), WEIGHT_CASES)
     def test_weight_grid_round_to_nearest_matches_reference(m_spec, v_spec, numel, decoupled, options, dtype, grid, eco):
         """Param (in its dtype), codes, scales and stall counts of three steps equal ``adam_step_quantized``'s; the
-        parameter stays on the grid; ECO changes the stored ``m`` (against the reference without it)."""
+        parameter stays on the grid; ECO changes the stored ``m`` (against the reference without it, nor the hold of
+        ``m`` that ECO's parameters skip)."""
         m_format, v_format = moment_format(m_spec), moment_format(v_spec)
         weight_format = get_format(grid) if grid is not None else None
         options = {**options, "decoupled_weight_decay": decoupled}  # eco_coefficient reads it
@@ -365,7 +370,7 @@ else:
                 m_format, v_format, "nearest", decoupled, False, True, *weights,
             )  # fmt: skip
             adam_step_quantized(
-                plain_param, grad, plain_m.codes, plain_m.scales, plain_v.codes, plain_v.scales, hyper,
+                plain_param, grad, plain_m.codes, plain_m.scales, plain_v.codes, plain_v.scales, unheld(hyper) if eco else hyper,
                 m_format, v_format, "nearest", decoupled, False, False, weight_format, "nearest", False,
             )  # fmt: skip
             where = f"step {step}"
@@ -383,7 +388,8 @@ else:
             assert code_agreement(m, plain_m) == (1.0, 0) and torch.equal(param, plain_param)
 
     def test_eco_coefficient_is_read_from_the_vector():
-        """ECO reads its coefficient from the coefficient vector: 0 gives the step without feedback."""
+        """ECO reads its coefficient from the coefficient vector: 0 gives the step without feedback (nor the hold of ``m``,
+        which ECO's parameters skip)."""
         m_format, v_format = moment_format(S8), moment_format(U8)
         fp32_param, m, v = initial_state(m_format, v_format, 700, seed=4)
         param, grad = fp32_param.bfloat16(), gradient(700, seed=5).bfloat16()
@@ -396,7 +402,7 @@ else:
             triton_adam_step(p, grad, mm, vv, {**hyper, "eco_coefficient": coefficient}, *options)
             results.append((p, mm))
         p, mm, vv = param.clone(), clone(m), clone(v)
-        triton_adam_step(p, grad, mm, vv, hyper, "nearest", True, False, False, None, bf16, "nearest", False)
+        triton_adam_step(p, grad, mm, vv, unheld(hyper), "nearest", True, False, False, None, bf16, "nearest", False)
         assert torch.equal(results[1][0], p) and code_agreement(results[1][1], mm) == (1.0, 0)
         assert torch.equal(results[0][0], p) and code_agreement(results[0][1], mm)[1] > 0
 
@@ -445,7 +451,7 @@ else:
         hyper = adam_hyper(group_options(lr=1e-2), 2.0)
         exact_m = m_format.dequantize_reference(m.codes, m.scales, m.numel)
         exact_v = v_format.dequantize_reference(v.codes, v.scales, v.numel)
-        exact = adam_reference.adam_math(param.float(), grad.float(), exact_m, exact_v, hyper, True, False)
+        exact = adam_reference.adam_math(param.float(), grad.float(), exact_m, exact_v, unheld(hyper), True, False)  # ECO: no hold
 
         seeds = torch.tensor([0, 0, 12345])
         runs = []

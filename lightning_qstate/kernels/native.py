@@ -406,7 +406,8 @@ def native_adam_steps(
         decoupled=decoupled_decay(group),
         maximize=group["maximize"],
         track=track_stalls,
-        lr_fp32=isinstance(group["lr"], torch.Tensor) and group["lr"].dtype == torch.float32,  # torch divides it in fp32
+        # torch divides an fp32 tensor lr in fp32; passed only then, so builds before it still load (benchmarks/kernel_ab.py)
+        **({"lr_fp32": True} if isinstance(group["lr"], torch.Tensor) and group["lr"].dtype == torch.float32 else {}),
     ).tolist()
     for k, row, bound in zip(coded, rows, before, strict=False):
         if row[0]:
