@@ -15,7 +15,8 @@ own bound".
 The recursion holds for betas that change between updates too (a warm-up of ``β1``, a schedule of ``β2``), where the
 closed form, which assumes this update's betas since the first, can fall below exact moments. So each parameter's
 state carries ``K_n²`` under ``MOMENT_BOUND_STATE``, advanced with the betas of each update (``held_moment_bound``); a
-state without it (a checkpoint of an earlier version, a reset) starts from the closed form.
+state without it (a checkpoint of an earlier version, a reset, moments kept in fp32 for a while, a torch optimizer's
+state) starts from the larger of the closed form and its moments' own largest ``m² / v`` (``ratio_square``).
 """
 
 from __future__ import annotations
