@@ -30,6 +30,7 @@ from .base import (
     StorageFormat,
     count_stalls,
     kernel_backend,
+    local_tensor,
     register_kernel_backend,
 )
 from .block import (
@@ -193,6 +194,7 @@ __all__ = [
     "get_format",
     "kernel_backend",
     "linear_map",
+    "local_tensor",
     "minifloat_spec",
     "register_kernel_backend",
 ]

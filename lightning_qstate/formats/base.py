@@ -6,10 +6,16 @@ from abc import ABC, abstractmethod
 from typing import Protocol
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from .rounding import ROUNDINGS, Rounding
 
 FLOAT_INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The local shard of a DTensor (FSDP2), or the tensor itself."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 class NonFiniteError(ValueError):

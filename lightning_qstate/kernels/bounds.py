@@ -27,6 +27,8 @@ import math
 import numpy
 import torch
 
+from ..formats import QuantizedTensor, local_tensor
+
 MOMENT_BOUND_STATE = "moment_bound_sq"  # K_n² of a parameter whose moments are quantized: a 0-d float64 CPU tensor
 
 
@@ -46,7 +48,7 @@ def held_moment_bound(state: dict, beta1: float, beta2: float, steps_done: float
 
 def ratio_square(state: dict) -> float:
     """The largest ``m² / v`` of ``state``'s moments (``exp_avg``, ``exp_avg_sq``; decoded where quantized; 0 where
-    none has taken a step), over the values with ``v > 0``: a ``K_n²`` that bounds them. The recursion of
+    none has taken a step; the values this rank holds), over the values with ``v > 0``: a ``K_n²`` that bounds them. The recursion of
     ``next_bound_square`` carries any such bound through later updates (Cauchy-Schwarz, value by value), so a state
     whose ``K_n²`` was lost (converted from a torch optimizer, a checkpoint of an earlier version, moments kept in fp32
     for a while) never has its exact moments held, where the closed form, which assumes this update's betas since the
@@ -54,14 +56,9 @@ def ratio_square(state: dict) -> float:
     moments = [state.get(name) for name in ("exp_avg", "exp_avg_sq")]
     if any(moment is None for moment in moments) or not float(state.get("step", 0)):
         return 0.0
-    m, v = (_local(moment.dequantize() if hasattr(moment, "dequantize") else moment).double() for moment in moments)
+    m, v = (local_tensor(moment.dequantize() if isinstance(moment, QuantizedTensor) else moment).double() for moment in moments)
     positive = v > 0
     return float((m.square()[positive] / v[positive]).max()) if bool(positive.any()) else 0.0
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard (each rank bounds the values it holds), else the tensor."""
-    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
 def next_bound_square(square: float, beta1: float, beta2: float) -> float:

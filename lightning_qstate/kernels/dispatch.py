@@ -342,8 +342,8 @@ def fused_adam_step(
         StateOverflowError: a moment overflowed to inf/NaN (its block scale is not finite; its codes written in place).
     """
     m, v = state["exp_avg"], state["exp_avg_sq"]
-    feedback = weights is not None and group["error_feedback"] == "eco"
-    bound = held_moment_bound(state, *(float(beta) for beta in group["betas"]), float(state["step"]), feedback)
+    # ECO's parameters are not held: both paths skip the hold where they feed the error back (adam_step_quantized's eco)
+    bound = held_moment_bound(state, *(float(beta) for beta in group["betas"]), float(state["step"]))
     state["step"] += 1
     hyper = adam_hyper(group, float(state["step"]), bound)
     if param.device.type in TRITON_DEVICE_TYPES:

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from ..formats import NonFiniteError, QuantizedTensor, StorageFormat, count_stalls
+from ..formats import NonFiniteError, QuantizedTensor, StorageFormat, count_stalls, local_tensor
 from ..formats.weights import WeightGrid
 from ..kernels import dispatch
 from ..kernels.bounds import MOMENT_BOUND_STATE
@@ -196,11 +196,6 @@ def _deep_merge(base: Any, update: Any) -> Any:
     if isinstance(base, dict) and isinstance(update, dict):
         return {**base, **{k: _deep_merge(base[k], v) if k in base else v for k, v in update.items()}}
     return update
-
-
-def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """The local shard of a DTensor (FSDP2), or the tensor itself."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def like_param(local: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
