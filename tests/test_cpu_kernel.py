@@ -296,25 +296,32 @@ def test_kernel_step_matches_the_reference_step(options, threads):
         assert torch.equal(param, reference_param)
 
 
-def step_like_the_reference(m_format, v_format, param: torch.Tensor, grads: list[torch.Tensor]) -> dict:
+def step_like_the_reference(m_format, v_format, param: torch.Tensor, grads: list[torch.Tensor]) -> tuple[dict, list[int]]:
     """Steps 4, 5, ... of ``param`` (in place) with ``grads`` by the kernel and by ``adam_step_quantized`` from the same
-    states: after each, params, codes and scales equal bit for bit (NaNs too). Returns the kernel's state."""
+    states: after each, params, codes and scales equal bit for bit (NaNs too), and the kernel reports an overflow
+    (``StateOverflowError``) exactly where the reference stored a non-finite scale or cast value. Returns the kernel's
+    state and the steps that overflowed."""
     state, reference = adam_state(m_format, v_format, param.numel(), 0), adam_state(m_format, v_format, param.numel(), 0)
-    reference_param, group = param.clone(), adam_group()
+    reference_param, group, overflows = param.clone(), adam_group(), []
     for step, grad in enumerate(grads, start=4):
-        native_adam_steps([param], [grad], [state], group, track_stalls=False)
+        try:
+            native_adam_steps([param], [grad], [state], group, track_stalls=False)
+        except native.StateOverflowError:
+            overflows.append(step)
         m, v = reference["exp_avg"], reference["exp_avg_sq"]
         adam_step_quantized(
             reference_param, grad, m.codes, m.scales, v.codes, v.scales, reference_hyper(group, reference), m_format, v_format,
             "nearest", True, False, False,
         )  # fmt: skip
+        stored = [q.scales if q.scales is not None else q.codes for q in (m, v)]
+        assert (step in overflows) == (not all(torch.isfinite(values).all() for values in stored)), step
         for key in ("exp_avg", "exp_avg_sq"):
             ours, theirs = state[key], reference[key]
             assert torch.equal(ours.codes.view(torch.uint8), theirs.codes.view(torch.uint8)), (key, step)
             if ours.scales is not None:
                 assert torch.equal(ours.scales.view(torch.uint8), theirs.scales.view(torch.uint8)), (key, step)
         assert torch.equal(param.view(torch.int32), reference_param.view(torch.int32)), step
-    return state
+    return state, overflows
 
 
 @needs_kernel
@@ -322,15 +329,17 @@ def step_like_the_reference(m_format, v_format, param: torch.Tensor, grads: list
 def test_kernel_steps_past_a_cast_v_that_overflows_like_the_reference(name, large):
     """Where the new ``v`` overflows a cast state (every 7th gradient ``large``: fp16 beyond 65504, bf16 beyond 3.4e38) it is
     stored as inf and the update there is ``m / inf = 0``: over two steps the kernel's params and stored moments equal
-    the reference's bit for bit and stay finite (a reciprocal with a Newton step had made them NaN)."""
+    the reference's bit for bit and stay finite (a reciprocal with a Newton step had made them NaN), and the kernel
+    reports both steps as overflows (the optimizer raises ``StepOverflowError`` and zeroes those states)."""
     fmt = get_format(name)
     generator = torch.Generator().manual_seed(0)
     param = torch.randn(100, generator=generator)
     grads = [torch.randn(100, generator=generator) for _ in range(2)]
     for grad in grads:
         grad[::7] = large
-    state = step_like_the_reference(fmt, fmt, param, grads)
+    state, overflows = step_like_the_reference(fmt, fmt, param, grads)
     assert state["exp_avg_sq"].dequantize()[::7].isinf().all() and param.isfinite().all()
+    assert overflows == [4, 5]
 
 
 @needs_kernel

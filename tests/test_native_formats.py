@@ -25,7 +25,7 @@ from lightning_qstate.formats.weights import get_weight_grid
 from lightning_qstate.kernels import native
 from lightning_qstate.kernels.adam_reference import adam_hyper, adam_step_quantized
 from lightning_qstate.kernels.bounds import held_moment_bound
-from lightning_qstate.kernels.native import native_adam_steps, native_formats
+from lightning_qstate.kernels.native import StateOverflowError, native_adam_steps, native_formats
 
 pytestmark = pytest.mark.skipif(not native.native_kernel_available(), reason="no C++ compiler here: the optimizer uses another path")
 
@@ -422,13 +422,15 @@ def test_kernel_cast_stochastic_rounding_uses_the_documented_draws(name):
     the kernel's draws (16 bits each, four per splitmix64 output: ``cast_bits``), bit for bit, whether the vector
     (AVX-512, AVX2) or the scalar loop drew them (4,117 values: both run): bf16 adds its element's 16 bits to the fp32
     pattern and truncates (``bf16_stochastic``); fp16 adds 13 of them below its mantissa and truncates
-    (``fp16_stochastic``)."""
+    (``fp16_stochastic``). Values past the cast's range are stored as inf (the codes written in place), which the
+    kernel reports as an overflow."""
     numel, seeds = 4096 + 21, (987654321, 123456789)
     grad = cast_rounding_inputs(numel)
     state = adam_state(get_format(name), get_format(name, signed=False), numel, 0)
     group = adam_group(betas=(0.0, 0.0), weight_decay=0.0)
     group["rounding"] = "stochastic"
-    native_adam_steps([torch.zeros(numel)], [grad], [state], group, False, moment_seeds=[seeds])
+    with pytest.raises(StateOverflowError):
+        native_adam_steps([torch.zeros(numel)], [grad], [state], group, False, moment_seeds=[seeds])
     for key, target, seed, signed in (("exp_avg", grad, seeds[0], True), ("exp_avg_sq", grad * grad, seeds[1], False)):
         expected = get_format(name, signed=signed).lift_flushed(target, cast_stochastic_rounding(name, target, seed))
         stored = state[key].codes

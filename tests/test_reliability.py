@@ -323,30 +323,37 @@ def test_raise_names_the_parameters_before_anything_changes(cpu_compile):
         lq.QAdamW(make_model().parameters(), nonfinite="skip_all")
 
 
+# Optimizer and states, and gradients that overflow them: a block-scaled state past fp32's range (Adam's ``v``, SGD's
+# buffer at its second step), an fp16 cast past 65504 (Adam's ``v = 0.001 g^2`` at its first step, SGD's new buffer).
+OVERFLOWING_STATES = {
+    ("QAdamW", "int8"): [1e21],
+    ("QSGD", "int8"): [3e38, 3e38],
+    ("QAdamW", "fp16"): [1e4],
+    ("QSGD", "fp16"): [1e5],
+}
+
+
 @pytest.mark.parametrize("cpu_compile", [True, False], ids=["fused steps", "reference path"])
-@pytest.mark.parametrize("optimizer", ["QAdamW", "QSGD"])
-def test_a_state_that_overflows_raises_floating_point_error_on_every_path(optimizer, cpu_compile):
-    """A finite gradient that takes a block-scaled state past fp32's range (Adam's ``v``, SGD's buffer at its second step):
-    ``FloatingPointError`` whichever path steps it (the reference path's format raised ``NonFiniteError``, a
-    ``ValueError``, where the fused steps raised ``FloatingPointError``)."""
+@pytest.mark.parametrize(("optimizer", "states"), list(OVERFLOWING_STATES))
+def test_a_state_that_overflows_raises_floating_point_error_on_every_path(optimizer, states, cpu_compile):
+    """A finite gradient that takes a state past what its format stores: ``FloatingPointError`` whichever path steps it
+    (the reference path's format raised ``NonFiniteError``, a ``ValueError``, where the fused steps raised
+    ``FloatingPointError``; an fp16 cast stored inf silently, and Adam's next update was inf / inf = NaN)."""
     weight = torch.nn.Parameter(torch.zeros(1000))
-    if optimizer == "QAdamW":
-        opt, grads = lq.QAdamW([weight], lr=0.01, min_quant_size=0), [1e21]
-    else:
-        opt, grads = lq.QSGD([weight], lr=0.01, momentum=0.9, min_quant_size=0), [3e38, 3e38]
+    options = {"momentum": 0.9} if optimizer == "QSGD" else {}
+    opt = getattr(lq, optimizer)([weight], lr=0.01, **options, states=states, min_quant_size=0)
     opt.cpu_compile = cpu_compile
     with pytest.raises(FloatingPointError, match="overflowed"):
-        for value in grads:
+        for value in OVERFLOWING_STATES[optimizer, states]:
             weight.grad = torch.full((1000,), value)
             opt.step()
-    # no NaN stays in the packed states (the fused steps, which write in place, zero them; the reference path keeps the
-    # states of before the step), so the checkpoint loads and training goes on
+    # no NaN or inf stays in the quantized states (the fused steps, which write in place, zero them; the reference path
+    # keeps the states of before the step), so the checkpoint loads and training goes on
     for name, value in opt.state[weight].items():
         if isinstance(value, QuantizedTensor):
-            assert torch.isfinite(value.scales).all() and torch.isfinite(value.dequantize()).all(), name
-    type(opt)([weight], lr=0.01, **({"momentum": 0.9} if optimizer == "QSGD" else {}), min_quant_size=0).load_state_dict(
-        roundtrip(opt.state_dict())
-    )
+            assert value.scales is None or torch.isfinite(value.scales).all(), name
+            assert torch.isfinite(value.dequantize()).all(), name
+    type(opt)([weight], lr=0.01, **options, states=states, min_quant_size=0).load_state_dict(roundtrip(opt.state_dict()))
     with torch.no_grad():
         weight.zero_()
     weight.grad = torch.ones(1000)

@@ -339,7 +339,8 @@ def fused_adam_step(
     cast format's, ``fused_weight_update``) and ECO's feedback where the group asks for them.
 
     Raises:
-        StateOverflowError: a moment overflowed to inf/NaN (its block scale is not finite; its codes written in place).
+        StateOverflowError: a moment overflowed to inf/NaN (its block scale is not finite, or its cast stored inf; its
+            codes written in place).
     """
     m, v = state["exp_avg"], state["exp_avg_sq"]
     # ECO's parameters are not held: both paths skip the hold where they feed the error back (adam_step_quantized's eco)
@@ -358,7 +359,7 @@ def fused_adam_step(
         counts = triton_adam_step(param, grad, m, v, hyper, *options)
     else:
         counts = compiled_cpu_step(param, grad, m, v, hyper, group, track_stalls, weights)
-    scales = [q.scales for q in (m, v) if q.scales is not None]
-    if scales and not bool(torch.stack([torch.isfinite(s).all() for s in scales]).all()):  # one host sync
+    stored = [q.scales if q.scales is not None else q.codes for q in (m, v)]  # a cast stores a finite value past its range as inf
+    if not bool(torch.stack([torch.isfinite(s).all() for s in stored]).all()):  # one host sync
         raise StateOverflowError("an Adam moment overflowed to inf/NaN during the step", [0], counts)
     return counts

@@ -320,10 +320,11 @@ def _grid_rows(weights: list[WeightGrid | None], group: dict) -> torch.Tensor:
 
 
 class StateOverflowError(FloatingPointError):
-    """A state a fused step (C++ here; ``dispatch.fused_adam_step``'s compiled and Triton steps too) wrote in place overflowed
-    fp32 (a block scale that is not finite); ``overflowed``: the positions, among the parameters given, of those whose
-    codes and scales are not to be trusted (the optimizer zeroes them: ``QuantizedStates._fused_call``); ``results``:
-    what the step returns, the other parameters' steps being done (their rows, their updates)."""
+    """A state a fused step (C++ here; ``dispatch.fused_adam_step``'s compiled and Triton steps too) wrote in place
+    overflowed: fp32 (a block scale that is not finite) or its cast's range (a bf16/fp16 state stored as inf);
+    ``overflowed``: the positions, among the parameters given, of those whose codes and scales are not to be trusted (the
+    optimizer zeroes them: ``QuantizedStates._fused_call``); ``results``: what the step returns, the other parameters'
+    steps being done (their rows, their updates)."""
 
     def __init__(self, message: str, overflowed: list[int], results: Any) -> None:
         super().__init__(message)
@@ -358,8 +359,8 @@ def native_adam_steps(
     (element ``i`` of a moment rounds with splitmix64 draw ``i`` of its seed).
 
     Raises:
-        StateOverflowError: a moment overflowed to inf/NaN (its block scale is not finite); its ``results`` are this
-            function's (the other parameters stepped).
+        StateOverflowError: a moment overflowed to inf/NaN (its block scale is not finite, or a cast stored inf: fp16
+            past 65504); its ``results`` are this function's (the other parameters stepped).
     """
     weights = weights or [None] * len(states)
     seeds = seeds or [0] * len(states)
@@ -418,7 +419,7 @@ def native_adam_steps(
             states[k][MOMENT_BOUND_STATE] = bound
     by_param = [None] * len(states)
     for k, row in zip(order, rows, strict=False):
-        by_param[k] = row if quantized[k] else row[:2] + [0, 0, 0, 0]
+        by_param[k] = row if quantized[k] else [row[0], 1, 0, 0, 0, 0]  # a plain fp32 state overflows as torch's does
     overflowed = [k for k, row in enumerate(by_param) if row[0] and not row[1]]
     if overflowed:
         raise StateOverflowError("an Adam moment overflowed to inf/NaN during the step", overflowed, by_param)
@@ -471,8 +472,8 @@ def native_momentum_steps(
     and scales are written, not read: ``StorageFormat.allocate``).
 
     Raises:
-        StateOverflowError: a buffer overflowed to inf/NaN (its block scale is not finite); its ``results`` are this
-            function's (the other parameters stepped).
+        StateOverflowError: a buffer overflowed to inf/NaN (its block scale is not finite, or a cast stored inf: fp16
+            past 65504); its ``results`` are this function's (the other parameters stepped).
     """
     count = len(params)
     weights, weight_seeds, eco = weights or [None] * count, weight_seeds or [0] * count, eco or [0.0] * count
@@ -503,7 +504,7 @@ def native_momentum_steps(
         maximize=bool(group.get("maximize", False)),
         track=track_stalls,
     ).tolist()
-    rows = [row if quantized else row[:2] + [0, 0] for row, quantized in zip(rows, coded, strict=True)]
+    rows = [row if quantized else [row[0], 1, 0, 0] for row, quantized in zip(rows, coded, strict=True)]  # fp32 overflows as torch's
     results = rows, updates or [None] * len(params)
     overflowed = [k for k, row in enumerate(rows) if row[0] and not row[1]]
     if overflowed:

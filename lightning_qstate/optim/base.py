@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from ..formats import NonFiniteError, QuantizedTensor, StorageFormat, count_stalls, local_tensor
+from ..formats import CastFormat, NonFiniteError, QuantizedTensor, StorageFormat, count_stalls, local_tensor
 from ..formats.weights import WeightGrid
 from ..kernels import dispatch
 from ..kernels.bounds import MOMENT_BOUND_STATE
@@ -83,7 +83,8 @@ GRADIENT_STREAM = "grads"
 
 
 class StepOverflowError(FloatingPointError):
-    """A step's state overflowed fp32 where its format cannot store it; ``names``: the parameters it happened to. The
+    """A step's state overflowed: fp32 where its format cannot store inf/NaN, or a cast's range (fp16 past 65504, bf16 past
+    3.39e38); ``names``: the parameters it happened to. The
     step went on with the other parameters, whose steps are complete; raised once it is done, naming them all."""
 
     def __init__(self, message: str, names: list[str]) -> None:
@@ -989,8 +990,8 @@ class QuantizedStates:
         the parameter's dtype as torch keeps it, or fp32 under a weight grid.
 
         Raises:
-            StepOverflowError: the state holds inf/NaN (a block-scaled format stores no such block), as the fused
-                steps raise when a moment overflows.
+            StepOverflowError: the state holds inf/NaN (a block-scaled format stores no such block; a cast would
+                store it: fp16 past 65504), as the fused steps raise when a moment overflows.
         """
         fmt = self._format_for(group, key, name, value, old)
         if fmt is None:
@@ -1000,6 +1001,8 @@ class QuantizedStates:
         generator = self.rounding_generator(key, name, local.device) if group["rounding"] == "stochastic" else None
         try:
             stored = quantize_state(fmt, local, group["rounding"], generator)
+            if isinstance(fmt, CastFormat) and not bool(torch.isfinite(stored.codes).all()):  # a finite value past its range is inf
+                raise NonFiniteError(f"{fmt.name} stored inf/NaN")
         except NonFiniteError as error:
             param_name = self.param_names()[key]
             raise StepOverflowError(

@@ -298,6 +298,18 @@ bool all_finite16(const uint16_t* __restrict__ x, int64_t n, uint16_t exponent) 
   return nonfinite == 0;
 }
 
+// Whether values [first, first + n) of ``values`` (elements of ``dtype``) are all finite.
+bool values_finite(Dtype dtype, const void* values, int64_t first, int64_t n) {
+  switch (dtype) {
+    case Dtype::kBFloat16:
+      return all_finite16(static_cast<const uint16_t*>(values) + first, n, 0x7F80u);
+    case Dtype::kFloat16:
+      return all_finite16(static_cast<const uint16_t*>(values) + first, n, 0x7C00u);
+    default:
+      return all_finite(static_cast<const float*>(values) + first, n);
+  }
+}
+
 // ---- Any moment storage (State): decode, update, encode ----
 
 // n values of 8-bit codes (decode[c] * scale) to out; ``planes``: the table's byte planes (VBMI: 64 at a time).
@@ -450,12 +462,18 @@ struct Cast16 {
 
   explicit Cast16(const State& s) : codes(static_cast<Element*>(s.codes)), zero_free(s.zero_free), seed(s.seed) {}
 
-  // Elements [index, index + 16).
+  // Elements [index, index + 16); ``top``: the lane-wise largest magnitudes of the patterns stored (for ``finite``).
   QSTATE_INLINE __m512 load(int64_t index) const { return load16(codes + index); }
-  QSTATE_INLINE void store(int64_t index, __m512 value) const {
+  QSTATE_INLINE void store(int64_t index, __m512 value, __m256i& top) const {
     __m256i stored = patterns16(Rounding{}, value, seed, index);
     if (zero_free) stored = lift_flushed16(value, stored);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + index), stored);
+    top = _mm256_max_epu16(top, _mm256_and_si256(stored, _mm256_set1_epi16(0x7FFF)));
+  }
+  // Whether the patterns whose magnitudes ``top`` gathered (from 0) are all finite.
+  QSTATE_INLINE bool finite(__m256i top) const {
+    const __m256i from = _mm256_set1_epi16(static_cast<int16_t>(kNonfiniteFrom<Element>));
+    return _mm256_movemask_epi8(_mm256_cmpeq_epi16(_mm256_max_epu16(top, from), top)) == 0;  // no lane at or above it
   }
 };
 
@@ -653,16 +671,20 @@ void encode_codes(const State& s, const float* __restrict__ x, float divisor, bo
 // A cast state's values [base, base + n): x rounded in its dtype, to nearest (as torch's casts) or stochastically
 // (element i drawing cast_bits(seed, base + i): bf16_stochastic, fp16_stochastic, unbiased as CastFormat.stochastic_reference);
 // ``zero_free``: a positive value the cast flushes to 0 is stored as the dtype's smallest subnormal
-// (CastFormat.lift_flushed; pattern 1).
-void store_cast(const State& s, int64_t base, int64_t n, const float* __restrict__ x) {
+// (CastFormat.lift_flushed; pattern 1). Returns whether every value stored is finite (a finite value past the dtype's
+// largest is stored as inf, as torch's casts).
+bool store_cast(const State& s, int64_t base, int64_t n, const float* __restrict__ x) {
   if (s.cast == Dtype::kFloat32) {
     std::memcpy(static_cast<float*>(s.codes) + base, x, 4 * n);
-    return;
+    return all_finite(x, n);
   }
   int64_t i = 0;
+  bool finite = true;
 #ifdef QSTATE_AVX512
   with_cast16(s, [&](const auto& cast) {
-    for (; i + 16 <= n; i += 16) cast.store(base + i, _mm512_loadu_ps(x + i));
+    __m256i top = _mm256_setzero_si256();
+    for (; i + 16 <= n; i += 16) cast.store(base + i, _mm512_loadu_ps(x + i), top);
+    finite = cast.finite(top);
   });
 #endif
   uint16_t* __restrict__ out = static_cast<uint16_t*>(s.codes) + base + i;
@@ -684,6 +706,7 @@ void store_cast(const State& s, int64_t base, int64_t n, const float* __restrict
       });
     }
   });
+  return finite && values_finite(s.cast, s.codes, base + i, n - i);
 }
 
 // Block ``index`` of state s (its values from element ``base``: n of them) stored from the new values x (absmax ``top``,
@@ -704,13 +727,10 @@ float encode_one_block(const State& s, int64_t index, int64_t base, int64_t n, c
 // The new values x[0:n] of state s's values [base, base + n) (base: a multiple of s's block) stored, as
 // BlockFormat.quantize_reference: per block its absmax, the stored scale and the codes of x / scale (a non-finite
 // block: scale NaN, the codes of 0.0); a cast's values (store_cast). Returns whether every block was finite (a cast:
-// true).
+// whether every stored value is, as it stores a finite value past its dtype's range as inf).
 template <bool Nonnegative>
 bool encode_state(const State& s, int64_t base, int64_t n, const float* __restrict__ x) {
-  if (s.kind == Kind::kCast) {
-    store_cast(s, base, n, x);
-    return true;
-  }
+  if (s.kind == Kind::kCast) return store_cast(s, base, n, x);
   bool all_ok = true;
   for (int64_t first = 0; first < n; first += s.block) {
     const int64_t size = std::min(s.block, n - first);
@@ -1029,16 +1049,7 @@ struct BlockOrder {
 };
 
 // Whether values [first, first + n) of a coded parameter's gradient are finite.
-bool grad_finite(const Chunks& w, int64_t first, int64_t n) {
-  switch (w.dtype) {
-    case Dtype::kBFloat16:
-      return all_finite16(static_cast<const uint16_t*>(w.g) + first, n, 0x7F80u);
-    case Dtype::kFloat16:
-      return all_finite16(static_cast<const uint16_t*>(w.g) + first, n, 0x7C00u);
-    default:
-      return all_finite(static_cast<const float*>(w.g) + first, n);
-  }
-}
+bool grad_finite(const Chunks& w, int64_t first, int64_t n) { return values_finite(w.dtype, w.g, first, n); }
 
 // The gradient check of the coded parameters ``cut`` (indices into work), threaded over their blocks: flags each whose
 // gradient holds inf/NaN (it is left untouched).
@@ -1359,18 +1370,20 @@ void count_stored(const State& s, int64_t base, int64_t size, const float* befor
 
 #ifdef QSTATE_AVX512
 // cast_registers' loop for the casts m, v (Cast16): one function per pair of casts (in one function with the others the
-// loops were 5-10 % slower).
+// loops were 5-10 % slower). Returns the values done (whole vectors); ``finite``: whether all it stored are.
 template <typename CastM, typename CastV>
-QSTATE_NOINLINE int64_t cast_loop(const Param& w, const CastM& m, const CastV& v, int64_t base, int64_t n) {
+QSTATE_NOINLINE int64_t cast_loop(const Param& w, const CastM& m, const CastV& v, int64_t base, int64_t n, bool& finite) {
   const Update16 update(w.h);
   float* p = static_cast<float*>(w.p) + base;
   const float* g = static_cast<const float*>(w.g) + base;
   int64_t i = 0;
+  __m256i m_top = _mm256_setzero_si256(), v_top = _mm256_setzero_si256();
   for (; i + 16 <= n; i += 16) {
     __m512 mi = m.load(base + i), vi = v.load(base + i);
     update.advance(p + i, g + i, mi, vi);
-    m.store(base + i, mi), v.store(base + i, vi);
+    m.store(base + i, mi, m_top), v.store(base + i, vi, v_top);
   }
+  finite = m.finite(m_top) && v.finite(v_top);
   return i;
 }
 #endif
@@ -1378,9 +1391,9 @@ QSTATE_NOINLINE int64_t cast_loop(const Param& w, const CastM& m, const CastV& v
 // cast_registers' loop without AVX-512 (and for its last values with it): values [base, base + n) of the parameter,
 // its moments' casts rounded by RoundingM and RoundingV, kCodeChunk at a time (SR draws by draws_of): with AVX2 8 at a
 // time by Update8, the rest decoded, then updated (adam_lane) and stored in one branch-free loop, which the compiler
-// vectorizes (as step_chunk's passes through scratch compute them).
+// vectorizes (as step_chunk's passes through scratch compute them). Returns whether every pattern stored is finite.
 template <typename RoundingM, typename RoundingV>
-QSTATE_NOINLINE void cast_lanes(const Param& w, int64_t base, int64_t n) {
+QSTATE_NOINLINE bool cast_lanes(const Param& w, int64_t base, int64_t n) {
   using M = typename RoundingM::Element;
   using V = typename RoundingV::Element;
   const Hyper h = w.h;
@@ -1390,6 +1403,11 @@ QSTATE_NOINLINE void cast_lanes(const Param& w, int64_t base, int64_t n) {
 #endif
   float m[kCodeChunk], v[kCodeChunk];
   uint32_t m_buffer[kCodeChunk + kDrawSlack], v_buffer[kCodeChunk + kDrawSlack];
+  uint32_t m_top = 0, v_top = 0;  // the largest magnitudes of the patterns stored
+#ifdef QSTATE_AVX2
+  __m128i m_tops = _mm_setzero_si128(), v_tops = _mm_setzero_si128();
+  const __m128i magnitude = _mm_set1_epi16(0x7FFF);
+#endif
   for (int64_t done = 0; done < n; done += kCodeChunk) {
     int64_t size = std::min(kCodeChunk, n - done);
     float* __restrict__ p = static_cast<float*>(w.p) + base + done;
@@ -1403,8 +1421,8 @@ QSTATE_NOINLINE void cast_lanes(const Param& w, int64_t base, int64_t n) {
     for (int64_t j = 0; j < whole; j += 8) {
       __m256 mi = load8(mc + j), vi = load8(vc + j);
       update.advance(p + j, g + j, mi, vi);
-      store_cast8<RoundingM>(mc + j, mi, m_draws, j, w.m.zero_free);
-      store_cast8<RoundingV>(vc + j, vi, v_draws, j, w.v.zero_free);
+      m_tops = _mm_max_epu16(m_tops, _mm_and_si128(store_cast8<RoundingM>(mc + j, mi, m_draws, j, w.m.zero_free), magnitude));
+      v_tops = _mm_max_epu16(v_tops, _mm_and_si128(store_cast8<RoundingV>(vc + j, vi, v_draws, j, w.v.zero_free), magnitude));
     }
     p += whole, g += whole, mc += whole, vc += whole, size -= whole;
     if (RoundingM::kStochastic) m_draws += whole;
@@ -1414,27 +1432,39 @@ QSTATE_NOINLINE void cast_lanes(const Param& w, int64_t base, int64_t n) {
     for (int64_t j = 0; j < size; ++j) {
       float mi = m[j], vi = v[j], denom;
       p[j] = adam_lane(p[j], g[j], mi, vi, h, denom);
-      mc[j] = M{cast_pattern<RoundingM>(mi, RoundingM::kStochastic ? m_draws[j] : 0u, m_zero_free)};
-      vc[j] = V{cast_pattern<RoundingV>(vi, RoundingV::kStochastic ? v_draws[j] : 0u, v_zero_free)};
+      const uint16_t m_pattern = cast_pattern<RoundingM>(mi, RoundingM::kStochastic ? m_draws[j] : 0u, m_zero_free);
+      const uint16_t v_pattern = cast_pattern<RoundingV>(vi, RoundingV::kStochastic ? v_draws[j] : 0u, v_zero_free);
+      mc[j] = M{m_pattern}, vc[j] = V{v_pattern};
+      m_top = std::max<uint32_t>(m_top, m_pattern & 0x7FFFu), v_top = std::max<uint32_t>(v_top, v_pattern & 0x7FFFu);
     }
   }
+#ifdef QSTATE_AVX2
+  for (int k = 0; k < 8; ++k, m_tops = _mm_srli_si128(m_tops, 2), v_tops = _mm_srli_si128(v_tops, 2)) {
+    m_top = std::max<uint32_t>(m_top, static_cast<uint16_t>(_mm_extract_epi16(m_tops, 0)));
+    v_top = std::max<uint32_t>(v_top, static_cast<uint16_t>(_mm_extract_epi16(v_tops, 0)));
+  }
+#endif
+  return m_top < kNonfiniteFrom<M> && v_top < kNonfiniteFrom<V>;
 }
 
 // Values [base, base + n) of a parameter with fp32 values whose moments are both bf16/fp16 casts, each value decoded,
 // updated and stored in registers (as step_chunk's passes through scratch compute them): with AVX-512 16 at a time,
-// cast_lanes for the rest.
-void cast_registers(const Param& w, int64_t base, int64_t n) {
+// cast_lanes for the rest. Returns whether every moment stored is finite (casts store a finite value past their range as
+// inf: an overflow, as a block state's non-finite scale).
+bool cast_registers(const Param& w, int64_t base, int64_t n) {
   int64_t i = 0;
+  bool finite = true;
 #ifdef QSTATE_AVX512
-  with_cast16(w.m, [&](const auto& m) { with_cast16(w.v, [&](const auto& v) { i = cast_loop(w, m, v, base, n); }); });
+  with_cast16(w.m, [&](const auto& m) { with_cast16(w.v, [&](const auto& v) { i = cast_loop(w, m, v, base, n, finite); }); });
 #endif
-  if (i == n) return;
+  if (i == n) return finite;
   with_rounding(w.m.cast, w.m.stochastic, [&]<typename RoundingM>(RoundingM) {
     with_rounding(w.v.cast, w.v.stochastic, [&]<typename RoundingV>(RoundingV) {
       if constexpr (!std::is_same_v<RoundingM, KeepFp32> && !std::is_same_v<RoundingV, KeepFp32>)
-        cast_lanes<RoundingM, RoundingV>(w, base + i, n - i);
+        finite = cast_lanes<RoundingM, RoundingV>(w, base + i, n - i) && finite;
     });
   });
+  return finite;
 }
 
 // The per-chunk step of any other parameter: chunk ``index`` of w (both moments' blocks whole, but the parameter's
@@ -1445,7 +1475,7 @@ QSTATE_NOINLINE void step_chunk(const Param& w, int64_t index, bool track, Scrat
   const int64_t base = index * w.chunk, size = std::min(w.chunk, w.numel - base);
   const auto short_cast = [](const State& s) { return s.kind == Kind::kCast && s.cast != Dtype::kFloat32; };
   if (!track && !w.grid.active() && short_cast(w.m) && short_cast(w.v)) {
-    cast_registers(w, base, size);
+    if (!cast_registers(w, base, size)) outcome.moments_bad.store(1, std::memory_order_relaxed);
     return;
   }
   scratch.m.resize(size), scratch.v.resize(size);

@@ -252,6 +252,11 @@ struct Float16 {
   uint16_t bits;
 };
 
+// The exponent field of an Element's pattern (all ones in inf and NaN): a pattern's magnitude (``& 0x7FFF``) at or
+// above it is not finite.
+template <typename Element>
+constexpr uint16_t kNonfiniteFrom = std::is_same_v<Element, BFloat16> ? 0x7F80u : 0x7C00u;
+
 inline float to_float(float x) { return x; }
 inline float to_float(BFloat16 x) { return float_of(static_cast<uint32_t>(x.bits) << 16); }
 inline float to_float(Float16 x) {
@@ -1337,9 +1342,9 @@ QSTATE_INLINE __m256 round_store8(Rounding, T* p, __m256 x, const uint32_t* draw
 }
 
 // A cast's 8 stored patterns of x by its Rounding (draws[at:at + 8]: their cast_bits under SR); zero_free: a positive
-// value stored as 0 becomes pattern 1, the smallest subnormal (CastFormat.lift_flushed).
+// value stored as 0 becomes pattern 1, the smallest subnormal (CastFormat.lift_flushed). Returns the patterns.
 template <typename Rounding>
-QSTATE_INLINE void store_cast8(typename Rounding::Element* out, __m256 x, const uint32_t* draws, int64_t at, bool zero_free) {
+QSTATE_INLINE __m128i store_cast8(typename Rounding::Element* out, __m256 x, const uint32_t* draws, int64_t at, bool zero_free) {
   __m128i stored = drawn_patterns8<Rounding>(x, draws, at);
   if (zero_free) {
     const __m128i flushed =
@@ -1347,6 +1352,7 @@ QSTATE_INLINE void store_cast8(typename Rounding::Element* out, __m256 x, const 
     stored = _mm_blendv_epi8(stored, _mm_set1_epi16(1), flushed);
   }
   _mm_storeu_si128(reinterpret_cast<__m128i*>(out), stored);
+  return stored;
 }
 
 // max_magnitude_bits and top_of on 8 lanes.
