@@ -6,7 +6,17 @@ optimizers (this namespace) need only torch.
 
 from . import formats, kernels  # noqa: F401  (importing kernels registers the Triton backend for CUDA tensors)
 from .formats import get_format
-from .optim import QSGD, QAdam, QAdamW, QMuon, QuantizationPolicy, QuantizedOptimizerWrapper, quantize_optimizer, state_nbytes
+from .optim import (
+    QSGD,
+    QAdam,
+    QAdamW,
+    QMuon,
+    QuantizationPolicy,
+    QuantizedOptimizerWrapper,
+    StepOverflowError,
+    quantize_optimizer,
+    state_nbytes,
+)
 
 __version__ = "0.1.0.dev0"
 
@@ -17,6 +27,7 @@ __all__ = [
     "QSGD",
     "QuantizationPolicy",
     "QuantizedOptimizerWrapper",
+    "StepOverflowError",
     "get_format",
     "quantize_optimizer",
     "state_nbytes",

@@ -21,7 +21,12 @@
   parameters after five steps on other data per rank); under ``FULL_SHARD``, ``nonfinite="skip_step"`` and a NaN in
   one rank's part, the ranks counted other numbers of skipped parameter updates (``nonfinite_skips``); a QAdamW built on
   the FSDP1 model without ``apply`` (the error of its first step: it had stepped, with one rank skipping a NaN the
-  other did not see, and saved checkpoints FSDP1 could not gather)."""
+  other did not see, and saved checkpoints FSDP1 could not gather).
+- ``overflow``: FSDP2, a gradient that overflows the fp16 states of one rank's shard only (QAdamW on the native and the
+  reference path, ``quantize_optimizer(RMSprop)`` with fp16 ``square_avg`` beside its fp32 momentum): that rank raised
+  ``StepOverflowError`` while the other stepped on (a hang at the next collective), and on the reference path the
+  shards' step counts parted. Per case and rank the error's type and names, the step count, whether the states are
+  as before the step (reference, wrapper) or zero (native), and whether the next step ran."""
 
 from __future__ import annotations
 
@@ -46,6 +51,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 
 import lightning_qstate as lq
+from lightning_qstate.formats import QuantizedTensor
 
 
 def build(case: str, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
@@ -210,12 +216,54 @@ def fsdp1(rank: int) -> dict:
     return results
 
 
+def local_values(state: dict) -> dict[str, torch.Tensor]:
+    """Copies of an optimizer state's tensors as this rank holds them (quantized ones decoded)."""
+    local = {name: value.to_local() if isinstance(value, DTensor) else value for name, value in state.items()}
+    return {name: (value.dequantize() if isinstance(value, QuantizedTensor) else value).clone() for name, value in local.items()}
+
+
+def overflow(rank: int) -> dict:
+    results = {}
+    for case in ("native", "reference", "wrapper"):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(64, 64, bias=False)
+        fully_shard(model)
+        if case == "wrapper":
+            inner = torch.optim.RMSprop(model.parameters(), lr=1e-3, momentum=0.9)
+            optimizer = lq.quantize_optimizer(inner, states={"square_avg": "fp16"}, min_quant_size=0)
+        else:
+            optimizer = lq.QAdamW(model.parameters(), lr=1e-3, states="fp16", min_quant_size=0)
+            optimizer.cpu_compile = case == "native"
+        state = optimizer.state[model.weight]
+        result = {}
+        for step in range(3):
+            model(torch.randn(4, 64, generator=torch.Generator().manual_seed(step))).square().mean().backward()
+            if step == 1:
+                if rank == 1:
+                    model.weight.grad.to_local().fill_(1e4)  # fp16 v = 0.001 * 1e8 past 65504: this rank's rows only
+                before = local_values(state)
+            try:
+                optimizer.step()
+            except lq.StepOverflowError as error:
+                result["error"] = [type(error).__name__, error.names, step]
+                after = local_values(state)
+                result["as_before"] = after.keys() == before.keys() and all(torch.equal(after[name], before[name]) for name in before)
+                result["zeroed"] = all(not value.dequantize().any() for value in state.values() if isinstance(value, QuantizedTensor))
+                result["step_count"] = float(state["step"])
+            optimizer.zero_grad()
+        result["stepped_on"] = float(state["step"])
+        result["paths"] = optimizer.step_paths()
+        results[case] = result
+    return results
+
+
 def worker(rank: int, out: str, port: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
     results = {"seeds": seed_cases(rank), "wrapper_resume": wrapper_resume(rank), "zero_resume": zero_resume(rank, out)}
     results["full_to_single"] = full_to_single(rank)
     results["fsdp1"] = fsdp1(rank)
+    results["overflow"] = overflow(rank)
     with open(os.path.join(out, f"rank{rank}.json"), "w") as file:
         json.dump(results, file)
     end_rank()

@@ -644,6 +644,20 @@ def test_the_wrapper_resumes_under_fsdp2(plain_torch_ranks):
         assert runs["resumed"]["params"] == runs["straight"]["params"]
 
 
+def test_an_overflow_in_one_ranks_shard_is_raised_and_treated_alike_on_every_rank(plain_torch_ranks):
+    """FSDP2, fp16 states overflowing on rank 1's shard only: every rank raises ``StepOverflowError`` naming the
+    parameter, the shards keep one state (native: zeroed with the step counted; reference path and wrapper: as before
+    the step, the step count too, the wrapper's fp32 momentum included) and the next step runs on both."""
+    ranks = [rank["overflow"] for rank in plain_torch_ranks]
+    for case in ("native", "reference", "wrapper"):
+        results = [rank[case] for rank in ranks]
+        assert all(result["error"] == ["StepOverflowError", ["param0"], 1] for result in results), (case, results)
+        assert results[0]["step_count"] == results[1]["step_count"] == (2.0 if case == "native" else 1.0), case
+        assert all(result["zeroed"] if case == "native" else result["as_before"] for result in results), (case, results)
+        assert results[0]["stepped_on"] == results[1]["stepped_on"] == results[0]["step_count"] + 1, case
+        assert all(set(result["paths"].values()) == {"reference" if case != "native" else "native"} for result in results)
+
+
 def test_fsdp1_replicas_and_skips_agree_and_an_unfitted_optimizer_is_refused(plain_torch_ranks):
     """Plain-torch FSDP1, both use_orig_params: under NO_SHARD with stochastic rounding the replicas stay identical
     (each rank rounded with its own rank's stream: 3e-3 apart after five steps); a NaN in one rank's part under

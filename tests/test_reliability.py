@@ -463,6 +463,30 @@ def test_the_wrapper_keeps_its_states_quantized_through_an_overflow(inner):
     assert all(isinstance(v, QuantizedTensor) for v in fresh.state[params[1]].values() if len(v.shape))
 
 
+@pytest.mark.parametrize(
+    ("inner", "states"),
+    [
+        (lambda params: torch.optim.RMSprop(params, lr=1e-3, momentum=0.9, centered=True), {"square_avg": "fp16"}),
+        (lambda params: torch.optim.NAdam(params, lr=1e-3), {"exp_avg_sq": "fp16"}),
+    ],
+    ids=["RMSprop", "NAdam"],
+)
+def test_the_wrapper_puts_back_the_plain_states_of_a_parameter_that_overflows(inner, states):
+    """``quantize_optimizer`` with one state quantized and the others kept fp32 (RMSprop's ``momentum_buffer`` and
+    ``grad_avg``, NAdam's ``exp_avg``): where the quantized one overflows, the plain ones are as before the step too
+    (the inner step had updated them in place, and they kept the failed step's values)."""
+    param = torch.nn.Parameter(torch.randn(1000, generator=torch.Generator().manual_seed(0)))
+    opt = lq.quantize_optimizer(inner([param]), states=states, min_quant_size=0)
+    param.grad = torch.ones(1000)
+    opt.step()
+    before = {name: value.clone() for name, value in opt.state[param].items() if type(value) is torch.Tensor}
+    assert any(value.ndim for value in before.values())
+    param.grad = torch.full((1000,), 1e4)
+    with pytest.raises(lq.StepOverflowError, match="param0"):
+        opt.step()
+    assert all(torch.equal(opt.state[param][name], value) for name, value in before.items())
+
+
 def test_skip_counters_are_checkpointed():
     """``nonfinite_skips`` and ``skipped_steps`` ride in the state dict (logged as cumulative, they restarted at 0 on a
     resume); a checkpoint without them (before 2026-11-28) loads with 0."""

@@ -742,6 +742,9 @@ class QuantizedStates:
         taken: dict[torch.Tensor, StepPath] = {}
         self._taken_paths = taken
         errors = []  # a state that overflows stops no other parameter's step: raised at the end, naming them all
+        sharded = self.holds_shards()
+        if sharded:
+            self._undo_records: dict[torch.Tensor, Callable[[], None]] = {}
         for index, group in enumerate(self.param_groups):
             keys = self._params_with_grads(group)
             by_path: dict[StepPath, list[torch.Tensor]] = {}
@@ -756,7 +759,43 @@ class QuantizedStates:
             for key in keys:  # a parameter that got no state (SGD without momentum) gets no entry, as in torch
                 if not self.state[key]:
                     del self.state[key]
+        if sharded:
+            undo = self.__dict__.pop("_undo_records")
+            errors = self._agree_on_overflows(errors, lambda key: undo[key]() if key in undo else self._zero_quantized(key))
         raise_overflows(errors)
+
+    def _agree_on_overflows(self, errors: list[StepOverflowError], treat: Callable[[torch.Tensor], None]) -> list[StepOverflowError]:
+        """``errors`` as every rank is to raise them where the parameters are shards (``holds_shards``): a parameter whose
+        state overflowed on some rank's shard is treated on the others as it was there (``treat``: its states put back as
+        before the step by its undo record on the reference path, its quantized states zeroed after a fused step), so
+        that its shards stay one state (one step count, one format), and every rank raises one ``StepOverflowError``
+        naming them all (one all-reduce of a flag per parameter, every step). Without it one rank raised while the
+        others went on (a hang at the next collective) and the reference path left the shards at different steps."""
+        names = self.param_names()
+        params = [p for group in self.param_groups for p in group["params"]]
+        local = {name for error in errors for name in error.names}
+        flags = torch.tensor([int(names[p] in local) for p in params], dtype=torch.int32, device=local_tensor(params[0]).device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        overflowed = [p for p, flag in zip(params, flags.tolist(), strict=True) if flag]
+        elsewhere = [p for p in overflowed if names[p] not in local]
+        if not elsewhere:
+            return errors
+        for param in elsewhere:
+            treat(param)
+        listed = [names[p] for p in elsewhere]
+        return [
+            *errors,
+            StepOverflowError(
+                f"{type(self).__name__}: the states of {_listing(listed)} overflowed on another rank's shard; their shards "
+                "here were treated alike (states as before the step on the reference path, quantized states zeroed after a "
+                "fused step). Lower the learning rate or clip the gradients",
+                listed,
+            ),
+        ]
+
+    def _zero_quantized(self, key: torch.Tensor) -> None:
+        """Zero ``key``'s quantized states, keeping their formats (as a fused step does to a state that overflowed)."""
+        self.reset_states(key, [name for name, value in self.state.get(key, {}).items() if isinstance(value, QuantizedTensor)])
 
     def _planned_paths(self, index: int, group: dict, keys: list[torch.Tensor]) -> list[StepPath]:
         """The paths of ``keys`` (of ``group``, ``param_groups[index]``) by ``kernels.dispatch.plan_group`` over
@@ -871,6 +910,8 @@ class QuantizedStates:
             if undo is not None:
                 undo()
             raise
+        if undo is not None and "_undo_records" in self.__dict__:  # kept till the ranks agree on overflows (sharded)
+            self._undo_records[key] = undo
         self._count_intended_stalls(targets)
         for name, value in stored.items():
             if name in before:
@@ -880,12 +921,13 @@ class QuantizedStates:
     def _undo_record(self, key: torch.Tensor, state: dict) -> Callable[[], None]:
         """What puts ``state`` (of parameter ``key``) and its stall counts back as they are now, after a step that raised:
         the dict's entries (a step replaces a quantized state, not changes it), the values of its 0-d tensors (``step``,
-        which torch's update counts in place) and of its plain ``state_names`` tensors (updated in place), the counts."""
+        which torch's update counts in place) and of its plain per-value tensors (``_per_value_state``: updated in place;
+        a wrapped optimizer's momentum kept fp32 beside a quantized state), the counts."""
         entries = dict(state)
         values = {
             name: value.clone()
             for name, value in state.items()
-            if type(value) is torch.Tensor and (value.ndim == 0 or name in self.state_names)
+            if isinstance(value, torch.Tensor) and (value.ndim == 0 or self._per_value_state(key, name, value))
         }
         names = [(key, name) for name in (*self.state_names, WEIGHT_STALLS, FEEDBACK_STALLS)]
         counts = {name: self._stall_counts[name].clone() for name in names if name in self._stall_counts}
@@ -1217,7 +1259,7 @@ class QuantizedStates:
             names = self.param_names()
             overflowed = [keys[k] for k in error.overflowed]
             for key in overflowed:
-                self.reset_states(key, [name for name, value in self.state[key].items() if isinstance(value, QuantizedTensor)])
+                self._zero_quantized(key)
             finish(error.results, frozenset(error.overflowed))
             overflowed_names = [names[key] for key in overflowed]
             raise StepOverflowError(

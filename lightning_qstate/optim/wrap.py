@@ -243,6 +243,8 @@ class QuantizedOptimizerWrapper(QuantizedStates, torch.optim.Optimizer):
             self._taken_paths = dict.fromkeys(
                 (param for group in self.param_groups for param in group["params"] if param.grad is not None), StepPath.REFERENCE
             )
+            if self.holds_shards():  # a shard that overflowed on another rank: as before the step here too
+                errors = self._agree_on_overflows(errors, lambda param: undo[param]() if param in undo else self.state.pop(param, None))
             raise_overflows(errors)
         return result
 
