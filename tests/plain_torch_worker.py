@@ -22,11 +22,12 @@
   one rank's part, the ranks counted other numbers of skipped parameter updates (``nonfinite_skips``); a QAdamW built on
   the FSDP1 model without ``apply`` (the error of its first step: it had stepped, with one rank skipping a NaN the
   other did not see, and saved checkpoints FSDP1 could not gather).
-- ``overflow``: FSDP2, a gradient that overflows the fp16 states of one rank's shard only (QAdamW on the native and the
-  reference path, ``quantize_optimizer(RMSprop)`` with fp16 ``square_avg`` beside its fp32 momentum): that rank raised
-  ``StepOverflowError`` while the other stepped on (a hang at the next collective), and on the reference path the
-  shards' step counts parted. Per case and rank the error's type and names, the step count, whether the states are
-  as before the step (reference, wrapper) or zero (native), and whether the next step ran."""
+- ``overflow``: FSDP2, a gradient that overflows the fp16 states of one rank's shard only (QAdamW native, QAdamW with
+  rank 0's shard native and rank 1's on the reference path, ``quantize_optimizer(RMSprop)`` with fp16 ``square_avg``
+  beside its fp32 momentum, QSGD at its first step, whose buffer the step creates): that rank raised
+  ``StepOverflowError`` while the other stepped on (a hang at the next collective), and the shards' states and step
+  counts parted. Per case and rank the error (type, names, step, message), the states after it (their dimensions,
+  whether any value is not zero), the paths, and the states after one more step."""
 
 from __future__ import annotations
 
@@ -224,35 +225,34 @@ def local_values(state: dict) -> dict[str, torch.Tensor]:
 
 def overflow(rank: int) -> dict:
     results = {}
-    for case in ("native", "reference", "wrapper"):
+    for case in ("native", "mixed_paths", "wrapper", "sgd_first_step"):
         torch.manual_seed(0)
         model = torch.nn.Linear(64, 64, bias=False)
         fully_shard(model)
         if case == "wrapper":
             inner = torch.optim.RMSprop(model.parameters(), lr=1e-3, momentum=0.9)
             optimizer = lq.quantize_optimizer(inner, states={"square_avg": "fp16"}, min_quant_size=0)
+        elif case == "sgd_first_step":
+            optimizer = lq.QSGD(model.parameters(), lr=1e-3, momentum=0.9, dampening=0.5, states="fp16", min_quant_size=0)
         else:
             optimizer = lq.QAdamW(model.parameters(), lr=1e-3, states="fp16", min_quant_size=0)
-            optimizer.cpu_compile = case == "native"
-        state = optimizer.state[model.weight]
-        result = {}
+            optimizer.cpu_compile = case == "native" or rank == 0  # mixed: rank 0's shard native, rank 1's the reference path
+        overflow_at = 0 if case == "sgd_first_step" else 1
+        result = {"paths": []}
         for step in range(3):
             model(torch.randn(4, 64, generator=torch.Generator().manual_seed(step))).square().mean().backward()
-            if step == 1:
-                if rank == 1:
-                    model.weight.grad.to_local().fill_(1e4)  # fp16 v = 0.001 * 1e8 past 65504: this rank's rows only
-                before = local_values(state)
+            if step == overflow_at and rank == 1:
+                model.weight.grad.to_local().fill_(1e5)  # past fp16's 65504 in m, v or the buffer: this rank's rows only
             try:
                 optimizer.step()
             except lq.StepOverflowError as error:
-                result["error"] = [type(error).__name__, error.names, step]
-                after = local_values(state)
-                result["as_before"] = after.keys() == before.keys() and all(torch.equal(after[name], before[name]) for name in before)
-                result["zeroed"] = all(not value.dequantize().any() for value in state.values() if isinstance(value, QuantizedTensor))
-                result["step_count"] = float(state["step"])
+                after = local_values(optimizer.state.get(model.weight, {}))
+                result["error"] = [type(error).__name__, error.names, step, str(error)]
+                result["after"] = {name: v.tolist() if v.ndim == 0 else [v.ndim, bool(v.any())] for name, v in after.items()}
+            result["paths"].append(optimizer.step_paths())
             optimizer.zero_grad()
-        result["stepped_on"] = float(state["step"])
-        result["paths"] = optimizer.step_paths()
+        last = local_values(optimizer.state[model.weight])
+        result["last"] = {name: value.tolist() if value.ndim == 0 else value.ndim for name, value in last.items()}
         results[case] = result
     return results
 

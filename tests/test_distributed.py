@@ -644,18 +644,24 @@ def test_the_wrapper_resumes_under_fsdp2(plain_torch_ranks):
         assert runs["resumed"]["params"] == runs["straight"]["params"]
 
 
-def test_an_overflow_in_one_ranks_shard_is_raised_and_treated_alike_on_every_rank(plain_torch_ranks):
-    """FSDP2, fp16 states overflowing on rank 1's shard only: every rank raises ``StepOverflowError`` naming the
-    parameter, the shards keep one state (native: zeroed with the step counted; reference path and wrapper: as before
-    the step, the step count too, the wrapper's fp32 momentum included) and the next step runs on both."""
+def test_an_overflow_in_one_ranks_shard_is_raised_and_reset_alike_on_every_rank(plain_torch_ranks):
+    """FSDP2, fp16 states overflowing in rank 1's shard only: every rank raises the same ``StepOverflowError`` (names,
+    message) and resets the parameter alike, whatever path its shard took (native on both, native beside the reference
+    path, the wrapper): its per-value states zero (the wrapper's fp32 momentum too), the step counted (2 after steps 0
+    and 1); QSGD's buffer, which its first step creates, kept by neither. The next step runs on both ranks alike."""
     ranks = [rank["overflow"] for rank in plain_torch_ranks]
-    for case in ("native", "reference", "wrapper"):
-        results = [rank[case] for rank in ranks]
-        assert all(result["error"] == ["StepOverflowError", ["param0"], 1] for result in results), (case, results)
-        assert results[0]["step_count"] == results[1]["step_count"] == (2.0 if case == "native" else 1.0), case
-        assert all(result["zeroed"] if case == "native" else result["as_before"] for result in results), (case, results)
-        assert results[0]["stepped_on"] == results[1]["stepped_on"] == results[0]["step_count"] + 1, case
-        assert all(set(result["paths"].values()) == {"reference" if case != "native" else "native"} for result in results)
+    for case in ("native", "mixed_paths", "wrapper", "sgd_first_step"):
+        first, second = (rank[case] for rank in ranks)
+        assert first["error"] == second["error"], case
+        assert first["error"][:3] == ["StepOverflowError", ["param0"], 0 if case == "sgd_first_step" else 1], case
+        assert first["after"] == second["after"] and first["last"] == second["last"], case
+        if case == "sgd_first_step":
+            assert first["after"] == {} and list(first["last"]) == ["momentum_buffer"], case
+        else:
+            assert all(not value[1] for value in first["after"].values() if isinstance(value, list)), (case, first["after"])
+            assert first["after"]["step"] == 2.0 and first["last"]["step"] == 3.0, case
+    paths = [rank["mixed_paths"]["paths"][1]["param0"] for rank in ranks]
+    assert paths == ["native", "reference"]
 
 
 def test_fsdp1_replicas_and_skips_agree_and_an_unfitted_optimizer_is_refused(plain_torch_ranks):

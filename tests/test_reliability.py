@@ -14,6 +14,7 @@ import torch.distributed.checkpoint as dcp
 
 import lightning_qstate as lq
 from lightning_qstate.formats import QuantizedTensor
+from lightning_qstate.kernels.bounds import MOMENT_BOUND_STATE, bound_square
 
 
 def roundtrip(obj):
@@ -125,12 +126,19 @@ def test_hooks_see_packed_checkpoints_and_loaded_states():
     assert seen == {"saved": dict, "given": dict, "loaded": QuantizedTensor}
 
 
-def test_distributed_checkpoint_raw_pattern():
+@pytest.mark.parametrize("reset", [False, True], ids=["stepped", "just reset"])
+def test_distributed_checkpoint_raw_pattern(reset):
     """``dcp.save(opt.state_dict())`` ... ``dcp.load(sd)``; ``opt.load_state_dict(sd)`` (DCP puts non-tensor values under
-    stringified keys) resumes exactly."""
+    stringified keys) resumes exactly; also saved just after ``reset_states`` (as an overflow's reset leaves a parameter),
+    which had dropped the moments' bound ``K_n²`` and failed DCP's load ("Missing key ... moment_bound_sq"): a reset keeps
+    it, restarted as a lost one would (the closed form after the step count)."""
     model = make_model()
     optimizer = lq.QAdamW(model.parameters(), lr=1e-2, min_quant_size=0)
     run(model, optimizer, 2)
+    if reset:
+        for param in model.parameters():
+            optimizer.reset_states(param, ["exp_avg", "exp_avg_sq"])
+            assert float(optimizer.state[param][MOMENT_BOUND_STATE]) == bound_square(0.9, 0.999, 2.0)
     with tempfile.TemporaryDirectory() as directory:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # DCP's single-process warnings

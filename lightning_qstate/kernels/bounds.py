@@ -15,8 +15,9 @@ own bound".
 The recursion holds for betas that change between updates too (a warm-up of ``β1``, a schedule of ``β2``), where the
 closed form, which assumes this update's betas since the first, can fall below exact moments. So each parameter's
 state carries ``K_n²`` under ``MOMENT_BOUND_STATE``, advanced with the betas of each update (``held_moment_bound``); a
-state without it (a checkpoint of an earlier version, a reset, moments kept in fp32 for a while, a torch optimizer's
-state) starts from the larger of the closed form and its moments' own largest ``m² / v`` (``ratio_square``).
+state without it (a checkpoint of an earlier version, moments kept in fp32 for a while, a torch optimizer's state)
+starts from the larger of the closed form and its moments' own largest ``m² / v`` (``restart_square``), as a reset
+restarts it.
 """
 
 from __future__ import annotations
@@ -40,10 +41,16 @@ def held_moment_bound(state: dict, beta1: float, beta2: float, steps_done: float
     parameter's ``m`` (``optim/weights.py``), which puts it outside Adam's bound by design (the hold clipped the
     corrections' large side: a bf16 weight at lr 1e-4 never moved): ``inf``, no hold, ``K²`` advanced all the same."""
     kept = state.get(MOMENT_BOUND_STATE)
-    square = max(bound_square(beta1, beta2, steps_done), ratio_square(state)) if kept is None else float(kept)
+    square = restart_square(state, beta1, beta2, steps_done) if kept is None else float(kept)
     advanced = next_bound_square(square, beta1, beta2)
     state[MOMENT_BOUND_STATE] = torch.tensor(advanced, dtype=torch.float64)
     return math.inf if feedback else _with_margin(advanced)
+
+
+def restart_square(state: dict, beta1: float, beta2: float, steps_done: float) -> float:
+    """``K_n²`` of a state that has lost it (or whose moments were just zeroed): the larger of the closed form after
+    ``steps_done`` updates and its moments' own largest ``m² / v`` (``ratio_square``)."""
+    return max(bound_square(beta1, beta2, steps_done), ratio_square(state))
 
 
 def ratio_square(state: dict) -> float:

@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor
 from ..formats import CastFormat, NonFiniteError, QuantizedTensor, StorageFormat, count_stalls, local_tensor
 from ..formats.weights import WeightGrid
 from ..kernels import dispatch
-from ..kernels.bounds import MOMENT_BOUND_STATE
+from ..kernels.bounds import MOMENT_BOUND_STATE, restart_square
 from ..kernels.dispatch import PER_PARAMETER_PATHS, PLAN_OPTIONS, Candidate, StepPath, plan_group, plan_inputs
 from ..kernels.native import StateOverflowError
 from .policy import (
@@ -80,6 +80,9 @@ FEEDBACK_STALLS = "eco_correction"
 WEIGHT_STALLS = "weights"
 # The name of the stochastic-rounding stream of the gradients (``grads=``), next to the states' names.
 GRADIENT_STREAM = "grads"
+
+
+StateOutline = tuple[set[str], float | None]  # a parameter's state names and step count (None: none) before a step
 
 
 class StepOverflowError(FloatingPointError):
@@ -742,11 +745,12 @@ class QuantizedStates:
         taken: dict[torch.Tensor, StepPath] = {}
         self._taken_paths = taken
         errors = []  # a state that overflows stops no other parameter's step: raised at the end, naming them all
+        outlines: dict[torch.Tensor, StateOutline] = {}  # sharded: what _agree_on_overflows resets to
         sharded = self.holds_shards()
-        if sharded:
-            self._undo_records: dict[torch.Tensor, Callable[[], None]] = {}
         for index, group in enumerate(self.param_groups):
             keys = self._params_with_grads(group)
+            if sharded:
+                outlines.update(self._state_outlines(keys))
             by_path: dict[StepPath, list[torch.Tensor]] = {}
             for key, path in zip(keys, self._planned_paths(index, group, keys), strict=True):
                 by_path.setdefault(path, []).append(key)
@@ -760,38 +764,60 @@ class QuantizedStates:
                 if not self.state[key]:
                     del self.state[key]
         if sharded:
-            undo = self.__dict__.pop("_undo_records")
-            errors = self._agree_on_overflows(errors, lambda key: undo[key]() if key in undo else self._zero_quantized(key))
+            errors = self._agree_on_overflows(errors, outlines)
         raise_overflows(errors)
 
-    def _agree_on_overflows(self, errors: list[StepOverflowError], treat: Callable[[torch.Tensor], None]) -> list[StepOverflowError]:
-        """``errors`` as every rank is to raise them where the parameters are shards (``holds_shards``): a parameter whose
-        state overflowed on some rank's shard is treated on the others as it was there (``treat``: its states put back as
-        before the step by its undo record on the reference path, its quantized states zeroed after a fused step), so
-        that its shards stay one state (one step count, one format), and every rank raises one ``StepOverflowError``
-        naming them all (one all-reduce of a flag per parameter, every step). Without it one rank raised while the
-        others went on (a hang at the next collective) and the reference path left the shards at different steps."""
+    def _state_outlines(self, keys: list[torch.Tensor]) -> dict[torch.Tensor, StateOutline]:
+        """Per parameter of ``keys``, before its step: the names of its states and its step count (``None``: none)."""
+        outlines = {}
+        for key in keys:
+            state = self.state.get(key, {})
+            outlines[key] = set(state), float(state["step"]) if "step" in state else None
+        return outlines
+
+    def _agree_on_overflows(self, errors: list[StepOverflowError], outlines: dict[torch.Tensor, StateOutline]) -> list[StepOverflowError]:
+        """The error every rank raises where the parameters are shards (``holds_shards``), given this rank's ``errors``:
+        one all-reduce of a flag per parameter, every step; a parameter whose state overflowed on any rank's shard is
+        reset on every rank that stepped it (``outlines``: its state names and step count before the step): its per-value
+        states zeroed, formats kept, those its step created dropped, its step counted. Whatever path each rank's shard
+        took (the reference path puts its states back, a fused step zeroes them; the path can differ by shard size),
+        the shards keep one state and one step count; the error names the parameters in their order on every rank,
+        this rank's own errors as its cause. Without it one rank raised while the others stepped on (a hang at the
+        next collective)."""
         names = self.param_names()
         params = [p for group in self.param_groups for p in group["params"]]
         local = {name for error in errors for name in error.names}
         flags = torch.tensor([int(names[p] in local) for p in params], dtype=torch.int32, device=local_tensor(params[0]).device)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         overflowed = [p for p, flag in zip(params, flags.tolist(), strict=True) if flag]
-        elsewhere = [p for p in overflowed if names[p] not in local]
-        if not elsewhere:
+        if not overflowed:
             return errors
-        for param in elsewhere:
-            treat(param)
-        listed = [names[p] for p in elsewhere]
-        return [
-            *errors,
-            StepOverflowError(
-                f"{type(self).__name__}: the states of {_listing(listed)} overflowed on another rank's shard; their shards "
-                "here were treated alike (states as before the step on the reference path, quantized states zeroed after a "
-                "fused step). Lower the learning rate or clip the gradients",
-                listed,
-            ),
-        ]
+        for param in overflowed:
+            if param in outlines and param in self.state:
+                self._reset_after_overflow(param, *outlines[param])
+        listed = [names[p] for p in overflowed]
+        error = StepOverflowError(
+            f"{type(self).__name__}: the states of {_listing(listed)} overflowed during the step (in this rank's shard or "
+            "another's); on every rank their states were reset (zeroed, formats kept) and the step counted, so that the "
+            "shards keep one state. Lower the learning rate or clip the gradients",
+            listed,
+        )
+        error.__cause__ = errors[0] if errors else None
+        return [error]
+
+    def _reset_after_overflow(self, key: torch.Tensor, names: set[str], step: float | None) -> None:
+        """``key``'s state as a shard of an overflowed parameter ends (``_agree_on_overflows``): the states it had before
+        the step (``names``) zeroed where they hold a value per parameter value, the others dropped, its step count
+        ``step + 1``."""
+        state = self.state[key]
+        for name in [name for name in state if name not in names]:
+            del state[name]
+        if step is not None and "step" in state:  # first: the moments' bound restarts from the counted step
+            count = state["step"]
+            state["step"] = count.fill_(step + 1) if isinstance(count, torch.Tensor) else type(count)(step + 1)
+        self.reset_states(key, [name for name, value in state.items() if self._per_value_state(key, name, value)])
+        if not state:
+            del self.state[key]
 
     def _zero_quantized(self, key: torch.Tensor) -> None:
         """Zero ``key``'s quantized states, keeping their formats (as a fused step does to a state that overflowed)."""
@@ -885,7 +911,7 @@ class QuantizedStates:
 
     def _step_checked(self, group: dict, key: torch.Tensor, step: Callable[..., None]) -> None:
         """``step(group, key, param, grad, state)`` of one parameter unless the non-finite-gradient policy skips it."""
-        if self._grad_is_finite(key, key.grad):
+        if self._grad_is_finite(key, local_tensor(key.grad)):  # this rank's part: under sharding the ranks agreed before
             step(group, key, local_tensor(key), local_tensor(key.grad), self.state[key])
 
     def _step_param(self, group: dict, key: torch.Tensor, param: torch.Tensor, grad: torch.Tensor, state: dict) -> None:
@@ -910,8 +936,6 @@ class QuantizedStates:
             if undo is not None:
                 undo()
             raise
-        if undo is not None and "_undo_records" in self.__dict__:  # kept till the ranks agree on overflows (sharded)
-            self._undo_records[key] = undo
         self._count_intended_stalls(targets)
         for name, value in stored.items():
             if name in before:
@@ -921,13 +945,15 @@ class QuantizedStates:
     def _undo_record(self, key: torch.Tensor, state: dict) -> Callable[[], None]:
         """What puts ``state`` (of parameter ``key``) and its stall counts back as they are now, after a step that raised:
         the dict's entries (a step replaces a quantized state, not changes it), the values of its 0-d tensors (``step``,
-        which torch's update counts in place) and of its plain per-value tensors (``_per_value_state``: updated in place;
-        a wrapped optimizer's momentum kept fp32 beside a quantized state), the counts."""
+        which torch's update counts in place) and, beside a quantized state (the only kind that overflows), of its plain
+        per-value tensors (``_per_value_state``: updated in place, e.g. a wrapped optimizer's momentum kept fp32: a copy
+        per step), the counts."""
         entries = dict(state)
+        beside = any(isinstance(value, QuantizedTensor) for value in state.values())
         values = {
             name: value.clone()
             for name, value in state.items()
-            if isinstance(value, torch.Tensor) and (value.ndim == 0 or self._per_value_state(key, name, value))
+            if isinstance(value, torch.Tensor) and (value.ndim == 0 or (beside and self._per_value_state(key, name, value)))
         }
         names = [(key, name) for name in (*self.state_names, WEIGHT_STALLS, FEEDBACK_STALLS)]
         counts = {name: self._stall_counts[name].clone() for name in names if name in self._stall_counts}
@@ -1238,7 +1264,7 @@ class QuantizedStates:
                 f"{type(self).__name__}: state {name!r} is not a per-value state of the parameter (such as Adam's step count); "
                 f"re-encode one of {per_value}"
             )
-        group = next(g for g in self.param_groups if any(p is param for p in g["params"]))
+        group = self._group_of(param)
         if isinstance(fmt, str):
             fmt = resolve_format({**group, "states": fmt, "min_quant_size": 0}, name, param, self.full_numels.get(param))
         value = dequantized(state[name])
@@ -1296,12 +1322,18 @@ class QuantizedStates:
             else:
                 continue
             zeroed.append(name)
-        if zeroed:  # the moments' bound starts over from the closed form (kernels.bounds)
-            state.pop(MOMENT_BOUND_STATE, None)
         if restart_step and zeroed and "step" in state:
             step = state["step"]
             state["step"] = step.zero_() if isinstance(step, torch.Tensor) else type(step)(0)
+        if zeroed and MOMENT_BOUND_STATE in state:  # the moments' bound starts over (kernels.bounds); the key stays, as
+            betas = self._group_of(param)["betas"]  # checkpoint templates (a fresh optimizer's state) hold it
+            steps_done = float(state.get("step", 0))
+            state[MOMENT_BOUND_STATE] = torch.tensor(restart_square(state, *(float(b) for b in betas), steps_done), dtype=torch.float64)
         return zeroed
+
+    def _group_of(self, param: torch.Tensor) -> dict:
+        """The param group that holds ``param``."""
+        return next(group for group in self.param_groups if any(p is param for p in group["params"]))
 
     def state_format(self, param: torch.Tensor, name: str) -> StorageFormat | None:
         """The format state ``name`` of ``param`` is stored in; ``None`` for a plain tensor."""

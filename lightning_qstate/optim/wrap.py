@@ -199,10 +199,13 @@ class QuantizedOptimizerWrapper(QuantizedStates, torch.optim.Optimizer):
                 for param in group["params"]:
                     if param.grad is not None:
                         self._check_grad(param.grad)
-                        if not self._grad_is_finite(param, param.grad):
+                        if not self._grad_is_finite(param, local_tensor(param.grad)):
                             held_back[param] = param.grad
                             param.grad = None
             stored = {param: dict(state) for param, state in self.state.items()}
+            sharded = self.holds_shards()  # the ranks agree on overflows after the step (_agree_on_overflows)
+            stepped = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
+            outlines = self._state_outlines(stepped) if sharded else {}
             undo = {param: self._undo_record(param, state) for param, state in self.state.items()}  # where a state overflows
             decoded = {}  # (param, name) -> (decoded tensor, its version): a state the inner step leaves alone keeps its codes
             for param, state in self.state.items():
@@ -243,8 +246,8 @@ class QuantizedOptimizerWrapper(QuantizedStates, torch.optim.Optimizer):
             self._taken_paths = dict.fromkeys(
                 (param for group in self.param_groups for param in group["params"] if param.grad is not None), StepPath.REFERENCE
             )
-            if self.holds_shards():  # a shard that overflowed on another rank: as before the step here too
-                errors = self._agree_on_overflows(errors, lambda param: undo[param]() if param in undo else self.state.pop(param, None))
+            if sharded:
+                errors = self._agree_on_overflows(errors, outlines)
             raise_overflows(errors)
         return result
 
