@@ -86,6 +86,18 @@ def test_policy_overrides_match_named_parameters():
         lq.QAdamW(net.named_parameters(), policy=QuantizationPolicy(overrides={"2.*": "fp32"}))
 
 
+@pytest.mark.parametrize("make", [lq.QAdamW, lambda params: lq.QMuon([p for p in params if p.ndim == 2])], ids=["QAdamW", "QMuon"])
+def test_apply_names_the_parameters_of_an_optimizer_quantized_already(make):
+    """``apply(optimizer, module)`` of an optimizer built quantized (``configure_optimizers`` returning a QAdamW or QMuon,
+    under the Lightning callback or plugin) names its parameters after the module, as it does a converted one: they
+    were ``param0``, ``param1``... in ``step_paths()``, errors and the callbacks' logs."""
+    net = model()
+    optimizer = QuantizationPolicy().apply(make(list(net.parameters())), net)
+    names = dict(net.named_parameters())
+    assert set(optimizer.param_names().values()) <= set(names)
+    assert optimizer.param_names()[net[0].weight] == "0.weight"
+
+
 def test_errors_name_the_entry_point_and_the_option():
     with pytest.raises(ValueError, match="QuantizationPolicy: rounding='up'"):
         QuantizationPolicy(rounding="up")

@@ -311,6 +311,8 @@ class QuantizationPolicy:
         owner = type(module).__name__ if module is not None else type(optimizer).__name__
         if isinstance(optimizer, QuantizedStates):
             self._check_held_by(optimizer, names, owner, module)
+            if module is not None:  # names for its messages, step_paths() and the callbacks' logs, as a converted one has
+                optimizer.module_names = {param: name for name, param in names}
             optimizer._share_rounding_seed()
             _fit_to_fsdp1(optimizer, module)
             return optimizer
