@@ -813,15 +813,10 @@ class QuantizedStates:
         for name in [name for name in state if name not in names]:
             del state[name]
         if step is not None and "step" in state:  # first: the moments' bound restarts from the counted step
-            count = state["step"]
-            state["step"] = count.fill_(step + 1) if isinstance(count, torch.Tensor) else type(count)(step + 1)
+            _set_step_count(state, step + 1)
         self.reset_states(key, [name for name, value in state.items() if self._per_value_state(key, name, value)])
         if not state:
             del self.state[key]
-
-    def _zero_quantized(self, key: torch.Tensor) -> None:
-        """Zero ``key``'s quantized states, keeping their formats (as a fused step does to a state that overflowed)."""
-        self.reset_states(key, [name for name, value in self.state.get(key, {}).items() if isinstance(value, QuantizedTensor)])
 
     def _planned_paths(self, index: int, group: dict, keys: list[torch.Tensor]) -> list[StepPath]:
         """The paths of ``keys`` (of ``group``, ``param_groups[index]``) by ``kernels.dispatch.plan_group`` over
@@ -1285,7 +1280,7 @@ class QuantizedStates:
             names = self.param_names()
             overflowed = [keys[k] for k in error.overflowed]
             for key in overflowed:
-                self._zero_quantized(key)
+                self.reset_states(key, [name for name, value in self.state[key].items() if isinstance(value, QuantizedTensor)])
             finish(error.results, frozenset(error.overflowed))
             overflowed_names = [names[key] for key in overflowed]
             raise StepOverflowError(
@@ -1323,8 +1318,7 @@ class QuantizedStates:
                 continue
             zeroed.append(name)
         if restart_step and zeroed and "step" in state:
-            step = state["step"]
-            state["step"] = step.zero_() if isinstance(step, torch.Tensor) else type(step)(0)
+            _set_step_count(state, 0)
         if zeroed and MOMENT_BOUND_STATE in state:  # the moments' bound starts over (kernels.bounds); the key stays, as
             betas = self._group_of(param)["betas"]  # checkpoint templates (a fresh optimizer's state) hold it
             steps_done = float(state.get("step", 0))
@@ -1657,6 +1651,12 @@ class QuantizedStates:
 def _override_json(spec: Any) -> str | None:
     """An ``overrides`` spec (a format name, or ``{state: format}``) as a checkpoint records it."""
     return None if spec is None else json.dumps(dict(spec) if isinstance(spec, Mapping) else spec, sort_keys=True)
+
+
+def _set_step_count(state: dict, count: float) -> None:
+    """``state["step"]`` set to ``count``: a tensor in place (torch's optimizers count in it), another number as its type."""
+    step = state["step"]
+    state["step"] = step.fill_(count) if isinstance(step, torch.Tensor) else type(step)(count)
 
 
 def _drop_stale_bound(state: dict) -> None:
