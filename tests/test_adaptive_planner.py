@@ -153,6 +153,9 @@ def test_parameters_that_join_later_are_planned_and_counted():
     summary = state_summary(optimizer)
     stored_bits = 8 * summary["bytes"] / summary["values"]
     assert planner.metrics()["qstate/adaptive/avg_bits"] == pytest.approx(stored_bits, rel=1e-12) and stored_bits <= 5.1
+    optimizer.add_param_group({"params": [torch.nn.Parameter(torch.randn(8, 8))], "states": "fp32"})
+    with pytest.raises(ValueError, match=r"param group 2 has states='fp32', which keeps exp_avg and exp_avg_sq in fp32"):
+        planner.update(50)
 
 
 def test_summed_statistics_can_come_from_outside():
@@ -209,6 +212,12 @@ def test_bad_optimizers_and_options_are_refused():
         BitWidthPlanner(lightning_qstate.QSGD(model.parameters(), lr=0.1, momentum=0.9))
     with pytest.raises(ValueError, match=r"BitWidthPlanner does not support amsgrad=True"):
         BitWidthPlanner(lightning_qstate.QAdamW(model.parameters(), amsgrad=True))
+    for states, kept in (("fp32", "exp_avg and exp_avg_sq"), ({"exp_avg": "int8"}, "exp_avg_sq"), ({"exp_avg_sq": "int4"}, "exp_avg")):
+        with pytest.raises(ValueError, match=rf"BitWidthPlanner: param group 0 has states=.*, which keeps {kept} in fp32"):
+            BitWidthPlanner(lightning_qstate.QAdamW(model.parameters(), states=states, min_quant_size=0))
+    pinned = lightning_qstate.QAdamW(model.parameters(), states={"exp_avg": "int8"}, min_quant_size=0)
+    pinned.state_overrides.update({param: "int8" for param in model.parameters()})
+    BitWidthPlanner(pinned, target_bits=None)  # every parameter pinned by an override: nothing planned is kept fp32
     optimizer = lightning_qstate.QAdamW(model.parameters(), min_quant_size=0)
     with pytest.raises(ValueError, match=r"BitWidthPlanner: anneal_steps=0 must be an int >= 1"):
         BitWidthPlanner(optimizer, anneal_steps=0)

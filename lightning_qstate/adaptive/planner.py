@@ -14,6 +14,7 @@ import torch
 from ..formats import StorageFormat, get_format
 from ..optim import QuantizedStates, clean_parameter_name, resolve_format
 from ..optim.base import local_tensor
+from ..optim.policy import format_name_for
 from .budget import BudgetError, Choice, budget_ladder, budget_order, fit_budget, floor_option, resolved_nbytes
 from .zones import (
     REFERENCES,
@@ -159,7 +160,8 @@ class BitWidthPlanner:
     Construction plans every layer as ``critical``, capped by the budget (:class:`~lightning_qstate.adaptive.BudgetError`
     if even the cheapest candidates miss ``target_bits``); the optimizer is untouched until :meth:`apply`. With
     ``target_bits=None`` every layer keeps its zone's formats. Parameters with a user override
-    (``optimizer.state_overrides`` when the planner is built) keep it and count in the average.
+    (``optimizer.state_overrides`` when the planner is built) keep it and count in the average. A param group
+    whose ``states=`` keeps m or v fp32 (``"fp32"``, or a mapping without it) is refused: the plan would override it.
 
     Example (a plain torch loop; step 0 is a check, so the first plan is applied before the first optimizer step)::
 
@@ -248,6 +250,7 @@ class BitWidthPlanner:
         if any(group.get("amsgrad") for group in optimizer.param_groups):
             raise ValueError("BitWidthPlanner does not support amsgrad=True (its max_exp_avg_sq state is not adapted)")
         self.optimizer = optimizer
+        self._check_states_quantized()
         self.target_bits = target_bits
         self.interval = interval
         self.ema_decay = float(ema_decay)
@@ -265,6 +268,22 @@ class BitWidthPlanner:
         self.history: list[dict[str, Any]] = []
         self._solve(count_transitions=False)  # raises here if even every layer's cheapest formats miss target_bits
         self._warn_nearest_v()
+
+    def _check_states_quantized(self) -> None:
+        """Refuse a param group whose ``states=`` keeps m or v in fp32 (``"fp32"``, or a mapping that leaves the state
+        out) for parameters the plan would cover: every plan stores both quantized, so that choice would be overridden
+        silently. A parameter with its own override (``optimizer.state_overrides``) is pinned, not planned."""
+        optimizer = self.optimizer
+        for index, group in enumerate(optimizer.param_groups):
+            planned = any(self._tracked(param) and param not in optimizer.state_overrides for param in group["params"])
+            kept = [state for state in ADAPTED_STATES if format_name_for(group, state) == "fp32"]
+            if planned and kept:
+                raise ValueError(
+                    f"BitWidthPlanner: param group {index} has states={group['states']!r}, which keeps {' and '.join(kept)} in fp32, "
+                    f"but the plan stores both {' and '.join(ADAPTED_STATES)} in the formats it chooses (m_formats, v_formats) and "
+                    "would override that; give the group a quantized format for both (e.g. states='int8': only the start, the "
+                    "plan replaces it), or keep such parameters out of the plan with a per-parameter override (overrides=)"
+                )
 
     def candidates(self, state: str) -> set[str]:
         """Every format name ``state`` (``exp_avg`` or ``exp_avg_sq``) may be stored in: its zones' and its floor's."""
@@ -296,6 +315,7 @@ class BitWidthPlanner:
         known = [layer.param for layer in self.layers]
         if len(current) == len(known) and all(a is b for a, b in zip(current, known, strict=True)):
             return
+        self._check_states_quantized()
         previous = {id(layer.param): layer for layer in self.layers}
         self.layers = [previous.get(id(layer.param), layer) for layer in self._collect_layers(self.module)]
 
