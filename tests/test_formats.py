@@ -72,6 +72,14 @@ def test_other_bad_options():
             get_format(name, scale_dtype="fp64")
         with pytest.raises(ValueError, match="block_size=3 must be a power of two"):
             get_format(name, block_size=3)
+    for name in (5, None, b"int8"):
+        with pytest.raises(TypeError, match=r"a format name must be a string, got .*; valid formats: fp32, bf16"):
+            get_format(name)
+    get_format("int8", signed=True, block_size=256)  # cached: an equal argument of another type must not take it
+    with pytest.raises(ValueError, match="signed=1 must be True or False"):
+        get_format("int8", signed=1)
+    with pytest.raises(ValueError, match=r"block_size=256.0 must be a power of two"):
+        get_format("int8", block_size=256.0)
     with pytest.raises(ValueError, match="rounding='up'.*nearest.*stochastic"):
         get_format("int8").quantize(torch.ones(4), rounding="up")
     with pytest.raises(TypeError, match="float32, bfloat16 or float16.*int64"):
@@ -412,6 +420,20 @@ def test_finite_inputs_round_trip_finite_and_bounded(data, format_index, roundin
         values = fmt.decode_values().double()
         gap = (values[1:] - values[:-1]).max() if rounding == "nearest" else 2 * (values[1:] - values[:-1]).max()
         assert bool(((y.double() - x.double()).abs() <= gap * scales * (1 + 1e-5) + 1e-38).all())
+
+
+@pytest.mark.parametrize("name", ["int8", "int4", "fp8_e4m3", "e2m2", "int8_linear", "bf16"])
+def test_fp16_inputs_at_the_top_of_their_range_come_back_finite(name):
+    """A bf16 block scale is the absmax rounded up (65504 -> 65536) and a bf16 cast rounds 65504 to 65536: dequantized
+    to fp16 such values saturate at 65504 instead of turning inf; inf and NaN of a cast stay."""
+    x = torch.tensor([65504.0, -65504.0, 1.0, -3.0], dtype=torch.float16)
+    for rounding in ("nearest", "stochastic"):
+        y = get_format(name).quantize(x, rounding=rounding).dequantize()
+        assert y.dtype == torch.float16 and bool(torch.isfinite(y).all()) and y.abs().max() == 65504.0, (rounding, y)
+    special = torch.tensor([float("inf"), -float("inf"), float("nan"), 65504.0], dtype=torch.float16)
+    if name == "bf16":
+        y = get_format(name).quantize(special).dequantize()
+        assert y[:2].tolist() == [float("inf"), -float("inf")] and bool(y[2].isnan()) and y[3] == 65504.0
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])

@@ -86,6 +86,31 @@ def test_policy_overrides_match_named_parameters():
         lq.QAdamW(net.named_parameters(), policy=QuantizationPolicy(overrides={"2.*": "fp32"}))
 
 
+def test_policy_patterns_match_groups_added_later():
+    """``add_param_group`` applies the policy's ``overrides`` and ``weight_overrides`` to the new group's names (its
+    ``param_names``, else the module's that ``apply`` recorded): they held for the constructor's parameters only, a
+    bias added later took the group's int8 states silently. A group without names is refused, and not added."""
+    first, later = model(), model()
+    policy = QuantizationPolicy(states="int8", min_quant_size=0, overrides={"*bias": "fp32"}, weight_overrides={"*.0.weight": "bf16"})
+    optimizer = lq.QAdamW([(f"first.{name}", p) for name, p in first.named_parameters()], policy=policy)
+    later_names = [f"later.{name}" for name, _ in later.named_parameters()]
+    optimizer.add_param_group({"params": list(later.parameters()), "param_names": later_names})
+    assert optimizer.state_overrides == {first[0].bias: "fp32", first[1].bias: "fp32", later[0].bias: "fp32", later[1].bias: "fp32"}
+    assert optimizer.configured_overrides == optimizer.state_overrides
+    assert optimizer.weight_overrides == {first[0].weight: "bf16", later[0].weight: "bf16"}
+    # apply(optimizer, module): a group of the module's parameters added later (Lightning's BackboneFinetuning) is named by it
+    frozen = model()
+    converted = QuantizationPolicy(states="int8", min_quant_size=0, overrides={"1.*": "int4"}).apply(
+        torch.optim.AdamW(frozen[0].parameters()), frozen
+    )
+    converted.add_param_group({"params": list(frozen[1].parameters())})
+    assert converted.state_overrides == {frozen[1].weight: "int4", frozen[1].bias: "int4"}
+    outside = torch.nn.Linear(4, 4)  # not the module's: no name for the patterns
+    with pytest.raises(ValueError, match=r"AdamW: the policy's overrides patterns match parameter names.*shapes \[\(4, 4\), \(4,\)\]"):
+        converted.add_param_group({"params": list(outside.parameters())})
+    assert len(converted.param_groups) == 2
+
+
 @pytest.mark.parametrize("make", [lq.QAdamW, lambda params: lq.QMuon([p for p in params if p.ndim == 2])], ids=["QAdamW", "QMuon"])
 def test_apply_names_the_parameters_of_an_optimizer_quantized_already(make):
     """``apply(optimizer, module)`` of an optimizer built quantized (``configure_optimizers`` returning a QAdamW or QMuon,
@@ -105,9 +130,25 @@ def test_errors_name_the_entry_point_and_the_option():
         lq.QAdam(model().parameters(), nonfinite="ignore")
     with pytest.raises(ValueError, match="quantize_optimizer: states='int9'"):
         lq.quantize_optimizer(torch.optim.SGD(model().parameters(), momentum=0.9), states="int9")
+    with pytest.raises(TypeError, match=r"QAdamW: states=\{'exp_avg': None\} must map state names to format names"):
+        lq.QAdamW(model().parameters(), states={"exp_avg": None})
     for entry in lightning_entry_points():
         with pytest.raises(ValueError, match=f"^{entry.__name__}: min_quant_size=-1"):
             entry(min_quant_size=-1)
+
+
+def test_each_state_is_checked_with_its_sign():
+    """``v`` is stored unsigned: a 16-bit minifloat without a sign bit (e4m12) is valid for it alone (it was checked
+    as a signed format, 17 bits, and refused); for ``m``, or for every state at once, it is not."""
+    net = model()
+    optimizer = lq.QAdamW(net.parameters(), states={"exp_avg_sq": "e4m12"}, min_quant_size=0)
+    net(torch.randn(2, 64)).sum().backward()
+    optimizer.step()
+    stored = optimizer.state_format(net[0].weight, "exp_avg_sq")
+    assert stored.name == "e4m12" and stored.bits == 16 and optimizer.state_format(net[0].weight, "exp_avg") is None
+    for states in ({"exp_avg": "e4m12"}, "e4m12"):
+        with pytest.raises(ValueError, match=r"QAdamW: states=.*'e4m12' is not supported.*at most 16 bits"):
+            lq.QAdamW(model().parameters(), states=states)
 
 
 def test_qadamw_is_qadam_with_decoupled_weight_decay():

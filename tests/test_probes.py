@@ -289,6 +289,41 @@ def test_abc_reads_modules_once_and_restores_every_modules_mode():
     assert model.training and model[0].training and not model[1].training
 
 
+def test_abc_records_copies_that_in_place_operations_leave_alone():
+    """A later in-place operation (``ReLU(inplace=True)``) overwrote the recorded output of the unit before it: unit 0,
+    whose input is exact, got A > 0. Recorded inputs and outputs are copies now: the same rows as out of place."""
+
+    def build(inplace: bool) -> torch.nn.Module:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(inplace=inplace), torch.nn.Linear(32, 8))
+
+    x = torch.randn(64, 16, generator=torch.Generator().manual_seed(1))
+    assert abc_decomposition(build(True), x).rows == abc_decomposition(build(False), x).rows
+
+
+class KeywordCall(torch.nn.Module):
+    """A linear layer called with its input as a keyword (``layer(input=x)``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(input=x)
+
+
+def test_probes_take_a_linear_layers_input_given_as_a_keyword():
+    """The input hooks read ``args[0]``: a layer called as ``layer(input=x)`` raised IndexError in ``ptq`` and
+    ``linear_input_statistics``; they take the keyword now, and round it as a positional input."""
+    model, x = KeywordCall(), torch.randn(4, 8, generator=torch.Generator().manual_seed(0))
+    with ptq(model, weights=None, activations="int4"):
+        keyword = model(x)
+    with ptq(model.fc, weights=None, activations="int4"):
+        positional = model.fc(x)
+    assert torch.equal(keyword, positional) and not torch.equal(keyword, model(x))
+    assert linear_input_statistics(model, x).layers["fc"]["mmr"] == pytest.approx(mmr(x))
+
+
 # --- metrics ---------------------------------------------------------------------------------------------------
 def test_mmr_kurtosis_and_sqnr_known_values():
     assert mmr(torch.tensor([[1.0, 2.0, 3.0], [4.0, -4.0, 8.0]])) == pytest.approx((3 / 2 + 8 / 4) / 2)

@@ -56,8 +56,8 @@ class AdaptiveBitWidth(Callback):
     Before the first check every layer is planned as ``critical`` and capped by the budget. With
     ``target_bits=None`` every layer keeps its zone's formats (no demotion, no promotion). Parameters with a
     user override (``overrides=`` of the plugin or ``QuantizedOptimizerStates``) keep it; they count in the
-    average. A
-    ``states=`` that keeps m or v fp32 (``"fp32"``, or a mapping without it) is refused: the plan would override it. ``target_bits`` that even the cheapest candidates miss raises at the start of training. Under
+    average. A ``states=`` that keeps m or v fp32 (``"fp32"``, or a mapping without it) is refused: the plan would
+    override it. ``target_bits`` that even the cheapest candidates miss raises at the start of training. Under
     FSDP1 blocks are cut from each rank's flat shard, so the stored bytes can exceed the plan by at most one
     partial block's scale per rank and state.
 

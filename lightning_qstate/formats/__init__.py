@@ -78,7 +78,6 @@ def minifloat_spec(exponent_bits: int, mantissa_bits: int, signed: bool) -> Mini
     return MinifloatSpec(exponent_bits, mantissa_bits, signed, max_code=2 ** (exponent_bits + mantissa_bits) - 1)
 
 
-@cache
 def get_format(
     name: str,
     *,
@@ -119,13 +118,26 @@ def get_format(
         ValueError: unknown name, a block size that is not a power of two, an unknown
             ``nonfinite`` or ``scale_dtype`` (also for casts, which ignore valid ones), or a
             ``signed`` that is not a bool.
+        TypeError: a name that is not a string.
     """
+    # checked before the cache: it would hand an equal argument of another type (signed=1, block_size=256.0) the format
+    # of a valid call made earlier
+    if not isinstance(name, str):
+        raise TypeError(f"a format name must be a string, got {name!r}; valid formats: {', '.join(FORMAT_NAMES)} (or eXmY)")
     if not isinstance(signed, bool):
         raise ValueError(f"signed={signed!r} must be True or False (False: a non-negative state such as Adam's v)")
+    if block_size is not None:
+        check_block_size(block_size)
+    return _cached_format(name, block_size, signed, nonfinite, scale_dtype)
+
+
+@cache
+def _cached_format(
+    name: str, block_size: int | None, signed: bool, nonfinite: NonFinitePolicy, scale_dtype: ScaleDtype | None
+) -> StorageFormat:
+    """:func:`get_format` of checked argument types, one instance per distinct call."""
     if name in _CAST_DTYPES:  # the options casts ignore are still checked: a wrong one is never silently accepted
         check_block_options(nonfinite, scale_dtype)
-        if block_size is not None:
-            check_block_size(block_size)
     fmt = _build_format(name, block_size, signed, nonfinite, scale_dtype)
     if isinstance(fmt, BlockFormat):
         scale_dtype = SCALE_DTYPE_NAMES[fmt.scale_dtype]  # recorded resolved: checkpoints never follow a changed default

@@ -18,6 +18,21 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
+def narrows_range(source: torch.dtype, dtype: torch.dtype) -> bool:
+    """Whether floating ``dtype``'s largest value lies below ``source``'s (fp32 to fp16 or bf16; bf16 to fp16)."""
+    return dtype.is_floating_point and torch.finfo(dtype).max < torch.finfo(source).max
+
+
+def saturating_cast(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Floating ``values`` in ``dtype``, the finite ones past its largest value saturating there (a plain cast makes them
+    inf: a dequantized value may lie a rounding above the input's range); inf and NaN stay."""
+    if not narrows_range(values.dtype, dtype):
+        return values.to(dtype, copy=True)
+    largest = torch.finfo(dtype).max
+    wide = values.float()
+    return torch.where(wide.abs() <= largest, wide, torch.where(torch.isfinite(wide), wide.sign() * largest, wide)).to(dtype)
+
+
 class NonFiniteError(ValueError):
     """Raised by ``quantize`` of a block-scaled format when its input holds inf or NaN."""
 

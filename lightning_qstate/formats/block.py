@@ -7,7 +7,8 @@ two per byte at 4 bits or fewer and eight to ``bits`` bytes at 5 to 7 bits
 (``scale_dtype="fp32"``: 4 bytes per block, as torchao and bitsandbytes store
 it) or rounded *up* to a bf16 value (``scale_dtype="bf16"``: 2 bytes per block;
 every normalized value stays in ``[-1, 1]``, and the code grid stretches by less
-than ``2**-7``).
+than ``2**-7``; by up to one bf16 subnormal step, ``2**-133``, where the absmax is below fp32's
+smallest normal value ``2**-126``: up to 1.38 times at an absmax of 2e-40).
 
 The default follows the state (``scale_dtype=None``): **formats for signed states
 get bf16 scales, those for non-negative states (``signed=False`` in ``get_format``)
@@ -48,7 +49,7 @@ from typing import Literal
 
 import torch
 
-from .base import NonFiniteError, QuantizedTensor, StorageFormat, kernel_backend, uniform_like
+from .base import NonFiniteError, QuantizedTensor, StorageFormat, kernel_backend, narrows_range, saturating_cast, uniform_like
 from .codebooks import CodebookIndex, MinifloatSpec
 from .packing import GROUP, as_blocks, container_dtype, is_dense, num_blocks, pack, packed_numel, unpack
 from .rounding import Rounding, encode_codebook, encode_minifloat, lookup
@@ -211,13 +212,17 @@ class BlockFormat(StorageFormat):
         return pack(codes, self.bits), scales
 
     def dequantize(self, q: QuantizedTensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The values of ``q`` in ``dtype`` (default: the quantized tensor's). In a dtype of a narrower range than fp32's
+        (fp16, bf16) they saturate at its largest value: a block's scale is rounded up (a bf16 scale), so its top code
+        can decode past the input's range (an fp16 65504 under the scale 65536), which the cast would make inf."""
         dtype = dtype or q.dtype
+        decoded = torch.float32 if narrows_range(torch.float32, dtype) else dtype
         backend = kernel_backend(q.device)
         if backend is not None:
-            flat = backend.dequantize_blocks(self, q, dtype)
+            flat = backend.dequantize_blocks(self, q, decoded)
         else:
-            flat = self.dequantize_reference(q.codes, q.scales, q.numel).to(dtype)
-        return flat.view(q.shape)
+            flat = self.dequantize_reference(q.codes, q.scales, q.numel).to(decoded)
+        return saturating_cast(flat, dtype).view(q.shape) if decoded != dtype else flat.view(q.shape)
 
     def dequantize_reference(self, codes: torch.Tensor, scales: torch.Tensor, numel: int) -> torch.Tensor:
         """Torch reference: packed codes + scales -> ``(numel,)`` fp32."""

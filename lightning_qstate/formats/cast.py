@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from .base import QuantizedTensor, StorageFormat, kernel_backend, uniform_like
+from .base import QuantizedTensor, StorageFormat, kernel_backend, saturating_cast, uniform_like
 from .codebooks import MinifloatSpec
 from .rounding import Rounding, bf16_stochastic, encode_minifloat
 
@@ -99,4 +99,6 @@ class CastFormat(StorageFormat):
         return self.lift_flushed(flat, fp16_stochastic(flat, uniform_like(flat, generator)))
 
     def dequantize(self, q: QuantizedTensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-        return q.codes.to(dtype or q.dtype, copy=True).view(q.shape)
+        """The stored values in ``dtype`` (default: the quantized tensor's), saturating at a narrower dtype's largest
+        value (bf16 rounds fp16's 65504 to 65536, which an fp16 cast would make inf); inf and NaN stay."""
+        return saturating_cast(q.codes, dtype or q.dtype).view(q.shape)

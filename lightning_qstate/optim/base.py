@@ -36,6 +36,7 @@ from .policy import (
     StatesSpec,
     format_name_for,
     gradient_format,
+    match_patterns,
     resolve_format,
     validate_policy,
 )
@@ -67,8 +68,9 @@ OVERRIDES_KEY = "qstate_overrides"
 # Attributes the quantized optimizers add to torch's; kept by pickle and deepcopy.
 QSTATE_ATTRIBUTES = (
     "track_stalls", "nonfinite", "generator", "nonfinite_skips", "skipped_steps", "state_overrides", "configured_overrides",
-    "module_names", "full_numels", "shard_indices", "checkpoint_mode", "weight_overrides", "_stall_counts", "_step_supports_amp_scaling",
-    "_rounding_seed", "_rounding_step", "_seed_shared", "_policy_ready", "_kept_formats_unchecked", "format_changes",
+    "module_names", "name_patterns", "full_numels", "shard_indices", "checkpoint_mode", "weight_overrides", "_stall_counts",
+    "_step_supports_amp_scaling", "_rounding_seed", "_rounding_step", "_seed_shared", "_policy_ready", "_kept_formats_unchecked",
+    "format_changes",
 )  # fmt: skip
 MASK64 = (1 << 64) - 1
 # Why torch.compile does not trace a quantized optimizer's step (torch.compiler.disable): it plans its paths in Python and
@@ -315,6 +317,8 @@ class QuantizedStates:
     def _setup_quantized_states(self, policy: QuantizationPolicy, generator: torch.Generator | None) -> None:
         """Add ``policy``'s group options to the defaults and every group (validated), and its step options."""
         self.defaults.update(policy.group_options())
+        # the policy's name patterns (overrides, weight_overrides; set by it): matched against groups added later too
+        self.name_patterns: dict[str, dict[str, Any]] = {}
         for group in self.param_groups:
             self._complete_group(group)
         self._policy_ready = True
@@ -359,10 +363,14 @@ class QuantizedStates:
         they refuse is not added (as torch's own checks do not add it)."""
         super().add_param_group(param_group)
         if getattr(self, "_policy_ready", False):  # during torch's __init__ the policy defaults are not set yet
+            group = self.param_groups[-1]
             try:
-                self._complete_group(self.param_groups[-1])
+                self._complete_group(group)
             except (ValueError, TypeError):
                 self.param_groups.pop()
+                for overrides in (self.state_overrides, self.configured_overrides, self.weight_overrides):
+                    for param in group["params"]:
+                        overrides.pop(param, None)
                 raise
 
     def _complete_group(self, group: dict) -> None:
@@ -383,7 +391,31 @@ class QuantizedStates:
                     f"{owner}: parameters of dtype {param.dtype} are not supported; use one of {[str(d) for d in PARAM_DTYPES]}"
                 )
             self._check_param(param, owner)
+        self._match_name_patterns(group, owner)
         self.check_weight_grids([group])
+
+    def _match_name_patterns(self, group: dict, owner: str) -> None:
+        """The policy's ``overrides`` and ``weight_overrides`` patterns applied to a group added after construction, as
+        to the constructor's parameters: matched against its ``param_names``, else the module's names
+        (``QuantizationPolicy.apply``)."""
+        if not self.name_patterns:
+            return
+        given = group.get("param_names")
+        names = list(given) if given else [self.module_names.get(param) for param in group["params"]]
+        unnamed = [tuple(param.shape) for name, param in zip(names, group["params"], strict=True) if name is None]
+        if unnamed:
+            raise ValueError(
+                f"{owner}: the policy's {' and '.join(self.name_patterns)} patterns match parameter names, and the added group's "
+                f"parameters of shapes {unnamed} have none; add the group with param_names (as torch's named groups)"
+            )
+        named = list(zip(names, group["params"], strict=True))
+        for option, patterns in self.name_patterns.items():
+            matched = match_patterns(named, patterns)
+            if option == "overrides":
+                self.state_overrides.update(matched)
+                self.configured_overrides.update(matched)
+            else:
+                self.weight_overrides.update(matched)
 
     def _check_param(self, param: torch.Tensor, owner: str) -> None:
         """What an optimizer's own math needs of a parameter (its constructor's checks, which ``add_param_group`` skips)."""

@@ -56,19 +56,18 @@ def validate_policy(group: Mapping[str, Any], state_names: tuple[str, ...] | Non
             unknown = sorted(set(states) - set(state_names))
             if unknown:
                 raise ValueError(f"{owner}: unknown state name(s) {unknown} in states=; valid names: {list(state_names)}")
-        names = list(states.values())
-    elif isinstance(states, str):
-        names = [states]
-    else:
+        if not all(isinstance(name, str) for name in states.values()):
+            raise TypeError(f"{owner}: states={states!r} must map state names to format names (strings, e.g. 'int8', 'fp32')")
+    elif not isinstance(states, str):
         raise TypeError(f"{owner}: states= must be a format name or a mapping of state name -> format name, got {type(states).__name__}")
     if group["block_size"] is not None:
         try:
             check_block_size(group["block_size"])
         except ValueError as error:
             raise ValueError(f"{owner}: {error}") from None
-    for name in names:
-        try:  # with the group's block size: dense 5-7-bit codes need blocks of 8 or more
-            get_format(name, block_size=group["block_size"])
+    for state, name in states.items() if isinstance(states, Mapping) else [(None, states)]:
+        try:  # with the group's block size (dense 5-7-bit codes need blocks of 8 or more) and the state's sign
+            get_format(name, block_size=group["block_size"], signed=state not in NONNEGATIVE_STATES)
         except ValueError as error:  # name the option that holds the bad value
             raise ValueError(f"{owner}: states={states!r}: {error}") from None
     if group["rounding"] not in ROUNDINGS:
@@ -332,6 +331,7 @@ class QuantizationPolicy:
         if overrides is not None:
             quantized.state_overrides, quantized.configured_overrides = overrides, dict(overrides)
         quantized.weight_overrides = weight_overrides
+        quantized.name_patterns = {name: dict(getattr(self, name)) for name in given}
         quantized.check_weight_grids()
         quantized._share_rounding_seed()
         if module is not None:
@@ -388,6 +388,7 @@ class QuantizationPolicy:
         optimizer.state_overrides = self.overrides_for(named, type(optimizer).__name__)
         optimizer.configured_overrides = dict(optimizer.state_overrides)
         optimizer.weight_overrides = self.weight_overrides_for(named, type(optimizer).__name__)
+        optimizer.name_patterns = {name: dict(getattr(self, name)) for name in given}
 
     def weight_overrides_for(
         self, named: list[tuple[str, torch.Tensor]], owner: str, module: torch.nn.Module | None = None
@@ -430,13 +431,19 @@ class QuantizationPolicy:
                     f"matched with fnmatch (case-sensitive) against the parameter names: {_name_summary(named)}; "
                     "fix the pattern or remove it"
                 )
-        matched: dict[torch.Tensor, Any] = {}
-        for name, param in named:
-            for pattern, value in patterns.items():
-                if fnmatch.fnmatchcase(name, pattern):
-                    matched[param] = value
-                    break
-        return matched
+        return match_patterns(named, patterns)
+
+
+def match_patterns(named: list[tuple[str, torch.Tensor]], patterns: Mapping[str, Any]) -> dict[torch.Tensor, Any]:
+    """``{parameter: value}`` of the first pattern (fnmatch, case-sensitive) of ``patterns`` that each name of ``named``
+    matches; parameters no pattern matches are left out."""
+    matched: dict[torch.Tensor, Any] = {}
+    for name, param in named:
+        for pattern, value in patterns.items():
+            if fnmatch.fnmatchcase(name, pattern):
+                matched[param] = value
+                break
+    return matched
 
 
 # The options of a policy, in signature order; those of GROUP_OPTIONS are carried by every param group.

@@ -132,23 +132,38 @@ class _Call:
         return _main_tensor(self.kwargs.get("hidden_states", self.kwargs))
 
     def again(self, module: torch.nn.Module) -> torch.Tensor:
-        return _main_tensor(module(*self.args, **self.kwargs))
+        """``module`` run again on copies of the recorded inputs (an in-place module would change them)."""
+        return _main_tensor(module(*_snapshot(self.args), **_snapshot(self.kwargs)))
+
+
+def _snapshot(value: Any) -> Any:
+    """``value`` with every tensor in it (nested in tuples, lists, dicts) copied: a later in-place operation of the
+    forward (``ReLU(inplace=True)``, a residual ``h += block(h)``) must not change what was recorded."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, dict):
+        return {key: _snapshot(item) for key, item in value.items()}
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a namedtuple
+        return type(value)(*(_snapshot(item) for item in value))
+    if isinstance(value, list | tuple):
+        return type(value)(_snapshot(item) for item in value)
+    return value
 
 
 def _record(model: torch.nn.Module, names: list[str], run: Callable[[], Any], optional: Iterable[str] = ()) -> dict[str, _Call]:
     """Each named module's inputs (as called, before any other pre-hook such as :func:`ptq`'s input rounding) and
-    output during ``run()``; a module called twice is refused (not a chain), one that did not run too unless it is
-    ``optional`` (a linear layer its parent uses through its weight: left out)."""
+    output during ``run()``, copied (:func:`_snapshot`); a module called twice is refused (not a chain), one that did
+    not run too unless it is ``optional`` (a linear layer its parent uses through its weight: left out)."""
     inputs: dict[str, tuple[tuple, dict]] = {}
     calls: dict[str, _Call] = {}
 
     def before(module, args, kwargs, name: str) -> None:
         if name in inputs:
             raise ValueError(f"module {name!r} ran more than once in one forward; the ABC decomposition needs each unit once")
-        inputs[name] = (args, kwargs)
+        inputs[name] = (_snapshot(args), _snapshot(kwargs))
 
     def after(module, args, kwargs, output, name: str) -> None:
-        calls[name] = _Call(*inputs[name], _main_tensor(output).detach())
+        calls[name] = _Call(*inputs[name], _snapshot(_main_tensor(output)))
 
     handles = []
     for name in names:

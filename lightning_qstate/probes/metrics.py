@@ -26,7 +26,7 @@ from typing import Any, Literal
 
 import torch
 
-from .ptq import linear_modules
+from .ptq import layer_input, linear_modules
 
 KurtosisVariant = Literal["elements", "channel_rms"]
 KURTOSIS_VARIANTS: tuple[str, ...] = ("elements", "channel_rms")
@@ -149,15 +149,18 @@ def linear_input_statistics(
     sums: dict[str, dict[str, float]] = {}
     calls: dict[str, int] = {}
 
-    def record(name: str, module: torch.nn.Module, args: tuple) -> None:
-        x = args[0]
+    def record(name: str, args: tuple, kwargs: dict) -> None:
+        x = layer_input(args, kwargs)
         figures = {"mmr": mmr(x), "kurtosis": kurtosis(x), "kurtosis_channel_rms": kurtosis(x, "channel_rms")}
         total = sums.setdefault(name, dict.fromkeys(figures, 0.0))
         for key, value in figures.items():
             total[key] += value
         calls[name] = calls.get(name, 0) + 1
 
-    handles = [module.register_forward_pre_hook(lambda m, args, name=name: record(name, m, args)) for name, module in layers.items()]
+    handles = [
+        module.register_forward_pre_hook(lambda m, args, kwargs, name=name: record(name, args, kwargs), with_kwargs=True)
+        for name, module in layers.items()
+    ]
     try:
         with torch.no_grad():
             forward(model, batch)

@@ -67,9 +67,20 @@ def linear_modules(model: torch.nn.Module, modules: Iterable[str] | None = None)
     return {name: module for name, module in layers.items() if any(fnmatch.fnmatchcase(name, pattern) for pattern in patterns)}
 
 
-def _quantize_input(module, args, *, fmt: str, block: WeightBlock, rounding: Rounding, ran: set[torch.nn.Module]):
+def layer_input(args: tuple, kwargs: dict) -> torch.Tensor:
+    """The input of a linear layer's call (a forward pre-hook's ``args``, ``kwargs``): its first positional argument,
+    or its one keyword argument (``layer(input=x)``)."""
+    if args:
+        return args[0]
+    if len(kwargs) == 1:
+        return next(iter(kwargs.values()))
+    raise TypeError(f"a linear layer was called with no positional input and keywords {list(kwargs)}; expected its input alone")
+
+
+def _quantize_input(module, args, kwargs, *, fmt: str, block: WeightBlock, rounding: Rounding, ran: set[torch.nn.Module]):
     ran.add(module)
-    return (fake_quantize(args[0], fmt, block=block, rounding=rounding), *args[1:])
+    rounded = fake_quantize(layer_input(args, kwargs), fmt, block=block, rounding=rounding)
+    return ((rounded, *args[1:]), kwargs) if args else (args, dict.fromkeys(kwargs, rounded))
 
 
 @contextmanager
@@ -125,7 +136,7 @@ def ptq(
                 swapped.append((module, original))
             if activations is not None:
                 hook = partial(_quantize_input, fmt=activations, block=block, rounding=rounding, ran=ran)
-                handles.append(module.register_forward_pre_hook(hook))
+                handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
         yield layers
         skipped = [name for name, module in layers.items() if module not in ran]
         if ran and skipped:
