@@ -110,8 +110,9 @@ class _QStateCLI(LightningCLI):
             raise _option_error(class_type, options, cause) from cause
 
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
-        """LightningCLI's, with :func:`progress_bar` where Lightning would add its default one: the config names no
-        progress bar and does not turn it off."""
+        """LightningCLI's, with :func:`progress_bar` where Lightning would add its default one (the config names no
+        progress bar and does not turn it off), and without the default :class:`RunSummary` where the config lists
+        one (it printed the summary twice)."""
         config = {**self._get(self.config_init, "trainer", default={}), **kwargs}
         listed = config.get("callbacks")
         listed = [] if listed is None else list(listed) if isinstance(listed, list) else [listed]
@@ -119,7 +120,13 @@ class _QStateCLI(LightningCLI):
         wanted = config.get("enable_progress_bar") is not False and not config.get("barebones")
         if wanted and not any(isinstance(callback, ProgressBar) for callback in given):
             kwargs["callbacks"] = [*listed, progress_bar()]
-        return super().instantiate_trainer(**kwargs)
+        defaults = self.trainer_defaults
+        if any(isinstance(callback, RunSummary) for callback in given):
+            self.trainer_defaults = {**defaults, "callbacks": [c for c in defaults.get("callbacks", []) if not isinstance(c, RunSummary)]}
+        try:
+            return super().instantiate_trainer(**kwargs)
+        finally:
+            self.trainer_defaults = defaults
 
 
 class _StepsRichProgressBar(RichProgressBar):

@@ -39,6 +39,17 @@ def test_the_default_progress_bar_has_no_negative_epoch_limit_nor_v_num(tmp_path
     assert trainer.loggers and "v_num" not in bar.get_metrics(trainer, model)
 
 
+def test_one_run_summary_where_the_config_lists_one():
+    """The CLI adds a RunSummary; a config that lists one too printed the summary twice."""
+    from lightning_qstate.callbacks import RunSummary
+
+    def summaries(*args: str) -> int:
+        trainer = cli.build_cli([*BORING, "--trainer.logger=false", *args], run=False).trainer
+        return sum(isinstance(callback, RunSummary) for callback in trainer.callbacks)
+
+    assert summaries() == 1 and summaries("--trainer.callbacks+=lightning_qstate.callbacks.RunSummary") == 1
+
+
 def test_a_configured_progress_bar_or_none_is_left_alone():
     (bar,) = progress_bars("--trainer.callbacks+=TQDMProgressBar", "--trainer.callbacks.refresh_rate=7")
     assert type(bar) is TQDMProgressBar and bar.refresh_rate == 7

@@ -222,6 +222,7 @@ def test_stale_optimizer_parameters_are_refused(tmp_path):
         ("QuantizedOptimizerStates", {"track_stalls": "yes"}, "track_stalls='yes' must be True or False"),
         ("AdaptiveBitWidth", {"fill_budget": "no"}, "fill_budget='no' must be True or False"),
         ("AdaptiveBitWidth", {"anneal_steps": True}, "anneal_steps=True must be an int >= 1"),
+        ("QuantizationProbe", {"modules": [1]}, r"modules=\[1\] must be name patterns of linear layers"),  # a TypeError at fit
     ],
 )
 def test_flags_and_counts_of_another_type_are_refused(callback, kwargs, message):
@@ -231,6 +232,16 @@ def test_flags_and_counts_of_another_type_are_refused(callback, kwargs, message)
         getattr(callbacks, callback)(**kwargs)
     with pytest.raises(ValueError, match="QStatePrecision: track_stalls=1 must be True or False"):
         QStatePrecision(track_stalls=1)
+
+
+@pytest.mark.parametrize("entry", ["QStatePrecision", "QuantizedOptimizerStates"])
+def test_a_pattern_where_a_mapping_belongs_is_refused_by_name(entry):
+    """``overrides="*.wte.*"`` (one pattern, not a mapping) raised dict()'s 'dictionary update sequence element #0'."""
+    make = QStatePrecision if entry == "QStatePrecision" else callbacks.QuantizedOptimizerStates
+    with pytest.raises(TypeError, match=rf"{entry}: overrides= must be a mapping of name pattern -> states, .* got '\*\.wte\.\*'"):
+        make(overrides="*.wte.*")
+    with pytest.raises(TypeError, match=rf"{entry}: weight_overrides= must be a mapping of name pattern -> weights"):
+        make(weight_overrides=["*.weight"])
 
 
 def test_numpy_integers_are_counts():

@@ -348,6 +348,37 @@ def test_monitor_and_resets_cover_wrapped_optimizers(tmp_path, kind, state):
     assert bool(scheduler.state_dict()["history"]) == ema
 
 
+class RMSpropRegressor(Regressor):
+    def configure_optimizers(self):
+        return torch.optim.RMSprop(self.parameters(), lr=1e-3, momentum=0.9)
+
+
+def test_wrapped_optimizers_states_are_checked_and_charted_once_they_exist(tmp_path):
+    """A wrapped optimizer (RMSprop) makes its states at its first step: a misspelt ``states=`` name of the scheduler
+    was accepted (no reset ever) beside a warning that there were only fp32 states, also given where the names were
+    right; the TensorBoard layout, written before that step, had no stall chart. Both follow the states now."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.plugins.custom_scalar import layout_pb2
+
+    misspelt = StateResetScheduler(period=2, states=["square_avgg"])
+    with pytest.raises(
+        ValueError, match=r"unknown state name\(s\) \['square_avgg'\] in states=; the optimizers have \['momentum_buffer', "
+    ):
+        fit(tmp_path, model=RMSpropRegressor(scheduler=False), max_steps=4, callbacks=[misspelt])
+    logger, scheduler = TensorBoardLogger(tmp_path, name="tb", version=0), StateResetScheduler(period=2, states=["square_avg"])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fit(tmp_path, model=RMSpropRegressor(scheduler=False), max_steps=4, logger=logger, log_every_n_steps=2,
+            callbacks=[scheduler, StallMonitor(log_every_n_steps=2)])  # fmt: skip
+    assert not [w for w in caught if "no quantized state to reset" in str(w.message)]
+    assert sorted({step for step, _ in scheduler.history}) == [2, 4]
+    events = EventAccumulator(str(tmp_path / "tb" / "version_0"), size_guidance={"tensors": 0})
+    events.Reload()
+    layout = layout_pb2.Layout()
+    layout.ParseFromString(events.Tensors("custom_scalars__config__")[-1].tensor_proto.string_val[0])
+    assert {chart.title for category in layout.category for chart in category.chart} == {"momentum_buffer", "square_avg"}
+
+
 # --- changes during training, resumes, counting ------------------------------------------------------------------
 class HeadFirst(Regressor):
     """Trains the head first; ``JoinBackbone`` adds ``net.0`` to the optimizer later (as BackboneFinetuning does)."""
@@ -379,8 +410,24 @@ def test_resets_count_the_layers_they_zero(tmp_path):
     logger, scheduler = MemoryLogger(), StateResetScheduler(period=3)
     fit(tmp_path, model=model, max_steps=6, logger=logger, log_every_n_steps=1, callbacks=[scheduler])
     assert logger.values("qstate/reset/layers") == [4.0, 4.0] and "net.0.weight" not in {layer for _, layer in scheduler.history}
+    unused = Regressor(scheduler=False)
+    unused.spare = torch.nn.Linear(4, 4)  # trainable, in the optimizer, never given a gradient: no state to reset
+    scheduler = StateResetScheduler(period=3)
+    fit(tmp_path, model=unused, max_steps=6, callbacks=[scheduler])
+    assert {layer for _, layer in scheduler.history} == {f"net.{i}.{kind}" for i in (0, 1, 3) for kind in ("weight", "bias")}
     with pytest.raises(ValueError, match="'max_exp_avg_sq', which Adam keeps only with amsgrad=True"):
         fit(tmp_path, max_steps=2, callbacks=[StateResetScheduler(period=3, states=["max_exp_avg_sq"])])
+
+
+def test_a_scheduler_used_again_starts_a_fresh_fit_afresh(tmp_path):
+    """The same StateResetScheduler given to a second fit without a checkpoint kept the first fit's last resets (and
+    history): period 4 reset at steps 4 and 8 in the first fit, at none in the second."""
+    scheduler = StateResetScheduler(period=4)
+    histories = []
+    for _ in range(2):
+        fit(tmp_path, max_steps=10, callbacks=[scheduler])
+        histories.append(list(scheduler.history))
+    assert histories[0] == histories[1] and sorted({step for step, _ in histories[0]}) == [4, 8]
 
 
 def test_first_step_ratio_follows_the_states_zeroed():

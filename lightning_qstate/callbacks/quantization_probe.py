@@ -173,6 +173,10 @@ class QuantizationProbe(Callback):
             raise ValueError(f"QuantizationProbe: units={units!r} must be module names in forward order, e.g. ['blocks.0', 'blocks.1']")
         self.units = units
         self.modules = None if modules is None else ([modules] if isinstance(modules, str) else list(modules))
+        if self.modules is not None and (not self.modules or not all(isinstance(pattern, str) for pattern in self.modules)):
+            raise ValueError(
+                f"QuantizationProbe: modules={modules!r} must be name patterns of linear layers (fnmatch), e.g. ['*.attn.*'], or None"
+            )
         self.block = block
         self.per_token = per_token
         self.log_images = log_images

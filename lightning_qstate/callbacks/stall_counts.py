@@ -118,6 +118,11 @@ def _build_state_rows(trainer: pl.Trainer, wrapped: dict[QuantizedStates, tuple[
     return rows
 
 
+def known_state_names(optimizer: QuantizedStates) -> tuple[str, ...]:
+    """The state names of ``optimizer``: its class's, or a wrapped optimizer's once its first step made them (empty before)."""
+    return optimizer.state_names or _wrapped_state_names(optimizer)
+
+
 def _wrapped_state_names(optimizer: QuantizedStates) -> tuple[str, ...]:
     """State names of a wrapped optimizer of unknown kind: its parameter-shaped states, over all its parameters
     (one list for every parameter, so ranks that hold different parameters agree)."""

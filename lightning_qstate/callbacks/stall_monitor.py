@@ -152,6 +152,7 @@ class StallMonitor(Callback):
             return
         predictions = self.predictions(trainer, *collected)  # a collective: every rank
         if trainer.is_global_zero:
+            write_layout(trainer)  # a wrapped optimizer's states (and their charts) appear at its first step
             self._log(trainer, *collected, predictions)
 
     def predictions(self, trainer: pl.Trainer, measurement: StallMeasurement, optimizers: Collection[QuantizedStates]) -> dict[int, float]:

@@ -10,11 +10,12 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
+from typing_extensions import override
 
 from ..formats import StorageFormat
 from ..theory import moment_of, reset_period, state_decay
 from .arguments import check_flags, is_positive_int
-from .stall_counts import MeasuredSteps, StateRow, across_ranks, optimizer_steps, quantized_optimizers, state_rows
+from .stall_counts import MeasuredSteps, StateRow, across_ranks, known_state_names, optimizer_steps, quantized_optimizers, state_rows
 from .tensorboard import log_scalars
 
 STATE_VERSION = 1
@@ -119,6 +120,7 @@ class StateResetScheduler(Callback):
         self.history: list[tuple[int, str]] = []  # (that step, layer) of every reset
         self._last_seen_step = -1
         self._checks = MeasuredSteps()  # the threshold's measured steps
+        self._names_checked = False  # states= checked against the optimizers' names (a wrapped one's exist after its first step)
 
     # --- which layers and states ------------------------------------------------------------------------
     def layers(self, trainer: pl.Trainer) -> dict[str, list[StateRow]]:
@@ -143,22 +145,37 @@ class StateResetScheduler(Callback):
         return min(periods) if periods else None
 
     # --- hooks ----------------------------------------------------------------------------------------------
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit":  # a fresh schedule for every fit; a checkpoint's is restored after this hook
+            self.last_reset, self.history = {}, []
+
+    def _check_names(self, trainer: pl.Trainer) -> bool:
+        """Check ``states=`` against the optimizers' state names and warn where nothing is to be reset; ``False`` (put
+        off) while a wrapped optimizer has not made its states yet (they appear at its first step)."""
         optimizers = quantized_optimizers(trainer)
+        names = [known_state_names(optimizer) for optimizer in optimizers]
+        if not all(names):
+            return False
         if self.states is not None:
-            known = {name for optimizer in optimizers for name in optimizer.state_names}
-            unknown = sorted(set(self.states) - known) if known else []
+            known = {name for per_optimizer in names for name in per_optimizer}
+            unknown = sorted(set(self.states) - known)
             if unknown:
                 raise ValueError(f"StateResetScheduler: unknown state name(s) {unknown} in states=; the optimizers have {sorted(known)}")
             amsgrad = any(group.get("amsgrad") for optimizer in optimizers for group in optimizer.param_groups)
-            if "max_exp_avg_sq" in self.states and known and not amsgrad:
+            if "max_exp_avg_sq" in self.states and not amsgrad:
                 raise ValueError("StateResetScheduler: states= names 'max_exp_avg_sq', which Adam keeps only with amsgrad=True; drop it")
-        layers = self.layers(trainer)
-        if not layers:
+        if not self.layers(trainer):
             rank_zero_warn(
                 "StateResetScheduler: no quantized state to reset (fp32 states are left alone: resets hurt there). "
                 "Quantize the states with QStatePrecision or QuantizedOptimizerStates, or pass include_fp32=True."
             )
+        return True
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._names_checked = self._check_names(trainer)
+        layers = self.layers(trainer)
         for index, (layer, rows) in enumerate(layers.items()):
             if layer not in self.last_reset:  # a fresh run; a resumed one keeps its schedule
                 period = self.layer_period(rows)
@@ -166,14 +183,18 @@ class StateResetScheduler(Callback):
         self._last_seen_step = trainer.global_step
         self._checks = MeasuredSteps()
 
+    @override
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer) -> None:
         if self.threshold is not None:
             self._checks.request(trainer, optimizer, self.check_every_n_steps)
 
+    @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         if trainer.global_step == self._last_seen_step:  # no optimizer step in this batch (gradient accumulation)
             return
         self._last_seen_step = trainer.global_step
+        if not self._names_checked:
+            self._names_checked = self._check_names(trainer)
         layers = self.layers(trainer)
         due = []
         for layer, rows in layers.items():
@@ -194,18 +215,20 @@ class StateResetScheduler(Callback):
             self._reset(trainer, {layer: layers[layer] for layer in due})
 
     def _reset(self, trainer: pl.Trainer, layers: dict[str, list[StateRow]]) -> None:
-        # each layer's Adam step count, the largest over ranks (a collective: every rank resets the same layers): a rank
-        # whose FSDP shard of the parameter is empty has no state, and would log the ratio of a first step
-        local = [float(rows[0].optimizer.state.get(rows[0].param, {}).get("step", -1)) for rows in layers.values()]
-        steps = across_ranks(trainer, torch.tensor(local, dtype=torch.float64), "max")
+        # each layer's Adam step count and whether it holds states, the largest over ranks (a collective: every rank
+        # resets and counts the same layers): a rank whose FSDP shard of the parameter is empty has no state, and would
+        # log the ratio of a first step
+        states = [rows[0].optimizer.state.get(rows[0].param, {}) for rows in layers.values()]
+        local = [[float(state.get("step", -1)), float(bool(state))] for state in states]
+        steps, held = across_ranks(trainer, torch.tensor(local, dtype=torch.float64).view(-1, 2), "max").T.tolist()
         ratios, count = [], 0
-        for (layer, rows), adam_step in zip(layers.items(), steps.tolist(), strict=True):
+        for (layer, rows), adam_step, has_states in zip(layers.items(), steps, held, strict=True):
             names = [row.state for row in rows]
             rows[0].optimizer.reset_states(rows[0].param, names, restart_step=self.reset_step)
             step = self.last_reset[layer] = optimizer_steps(trainer, rows[0].optimizer)
-            # a frozen parameter has nothing to reset: not counted. (Whether the states were zeroed here would not do:
-            # under FSDP a rank whose shard of the parameter is empty has none, and the ranks must record alike.)
-            if rows[0].param.requires_grad:
+            # a parameter without states on every rank (frozen from the start, or never given a gradient) had nothing
+            # to reset: not counted
+            if has_states:
                 state = {"step": adam_step} if adam_step >= 0 else {}
                 ratios.append(first_step_ratio(rows[0].group, state, self.reset_step, names))
                 self.history.append((step, layer))

@@ -45,7 +45,7 @@ TAG_DESCRIPTIONS: tuple[tuple[str, str], ...] = (
 )  # fmt: skip
 
 _DESCRIBED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # SummaryWriter -> tags already written once
-_LAYOUTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # SummaryWriter -> layout written
+_LAYOUTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # SummaryWriter -> the layout it was given last
 
 
 def describe(tag: str) -> str | None:
@@ -80,8 +80,10 @@ def log_scalars(trainer: pl.Trainer, metrics: Mapping[str, float], step: int) ->
 
 
 def write_layout(trainer: pl.Trainer) -> None:
-    """Write, once per TensorBoard run, the custom-scalars layout of every callback with ``tensorboard_charts(trainer)``
-    (``{category: {chart title: [tag regexes]}}``, each chart a multi-line chart). Call it on global rank 0."""
+    """Write the custom-scalars layout of every callback with ``tensorboard_charts(trainer)`` (``{category: {chart title:
+    [tag regexes]}}``, each chart a multi-line chart) to each TensorBoard run, again where it changed since (TensorBoard
+    shows a run's last: a wrapped optimizer's states, and so their charts, appear at its first step). Call it on global
+    rank 0."""
     charts: dict[str, dict[str, list[str]]] = {}
     for callback in trainer.callbacks:
         provider = getattr(callback, "tensorboard_charts", None)
@@ -92,6 +94,6 @@ def write_layout(trainer: pl.Trainer) -> None:
         return
     layout = {category: {title: ["Multiline", tags] for title, tags in entries.items()} for category, entries in charts.items()}
     for logger in trainer.loggers:
-        if isinstance(logger, TensorBoardLogger) and logger.experiment not in _LAYOUTS:
+        if isinstance(logger, TensorBoardLogger) and _LAYOUTS.get(logger.experiment) != layout:
             logger.experiment.add_custom_scalars(layout)
-            _LAYOUTS[logger.experiment] = True
+            _LAYOUTS[logger.experiment] = layout

@@ -237,8 +237,8 @@ class QuantizationPolicy:
     owner: InitVar[str] = "QuantizationPolicy"  # the name errors start with: the entry point the user called
 
     def __post_init__(self, owner: str) -> None:
-        self.overrides = dict(self.overrides or {})
-        self.weight_overrides = dict(self.weight_overrides or {})
+        self.overrides = pattern_mapping(self.overrides, "overrides", owner)
+        self.weight_overrides = pattern_mapping(self.weight_overrides, "weight_overrides", owner)
         self.validate(owner)
 
     def validate(self, owner: str, state_names: tuple[str, ...] | None = None) -> None:
@@ -248,15 +248,11 @@ class QuantizationPolicy:
             raise ValueError(f"{owner}: track_stalls={self.track_stalls!r} must be True or False")
         if self.nonfinite not in NONFINITE_GRAD_POLICIES:
             raise ValueError(f"{owner}: nonfinite={self.nonfinite!r} is not valid; use one of {NONFINITE_GRAD_POLICIES}")
-        if not isinstance(self.overrides, Mapping):
-            raise TypeError(f"{owner}: overrides= must be a mapping of name pattern -> states, got {type(self.overrides).__name__}")
+        for name in NAME_PATTERN_FIELDS:
+            pattern_mapping(getattr(self, name), name, owner)
         for pattern, states in self.overrides.items():
             options = {**self.group_options(), "states": states, "min_quant_size": 0}
             validate_policy(options, state_names, f"{owner}: overrides[{pattern!r}]")
-        if not isinstance(self.weight_overrides, Mapping):
-            raise TypeError(
-                f"{owner}: weight_overrides= must be a mapping of name pattern -> weights, got {type(self.weight_overrides).__name__}"
-            )
         for pattern, weights in self.weight_overrides.items():
             validate_weight_options({**self.group_options(), "weights": weights}, f"{owner}: weight_overrides[{pattern!r}]")
 
@@ -274,7 +270,7 @@ class QuantizationPolicy:
         """
         options = {name: arguments[name] for name in POLICY_FIELDS if name in arguments}
         for name in NAME_PATTERN_FIELDS:
-            options[name] = dict(options.get(name) or {})
+            options[name] = pattern_mapping(options.get(name), name, owner)
         if policy is not None:
             if not isinstance(policy, QuantizationPolicy):
                 raise TypeError(f"{owner}: policy= must be a QuantizationPolicy, got {type(policy).__name__}")
@@ -432,6 +428,17 @@ class QuantizationPolicy:
                     "fix the pattern or remove it"
                 )
         return match_patterns(named, patterns)
+
+
+def pattern_mapping(value: Any, option: str, owner: str) -> dict[str, Any]:
+    """``overrides`` or ``weight_overrides`` (``option``) as a dict (``None``: empty); anything but a mapping raises,
+    naming ``owner`` and the option (a string pattern alone would read as a sequence of characters)."""
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        kind = "states" if option == "overrides" else "weights"
+        raise TypeError(f"{owner}: {option}= must be a mapping of name pattern -> {kind}, e.g. {{'*.bias': 'fp32'}}, got {value!r}")
+    return dict(value)
 
 
 def match_patterns(named: list[tuple[str, torch.Tensor]], patterns: Mapping[str, Any]) -> dict[torch.Tensor, Any]:
