@@ -101,6 +101,12 @@ def test_fake_quantize_refuses_bad_options(call, message):
         call(torch.randn(2, 16))
 
 
+@pytest.mark.parametrize("dtype", [torch.int32, torch.bool, torch.complex64])
+def test_fake_quantize_refuses_tensors_that_are_not_floating_point(dtype):
+    with pytest.raises(TypeError, match=f"fake_quantize rounds floating-point tensors, got one of dtype {dtype}"):
+        fake_quantize(torch.ones(2, 16, dtype=dtype), "int4")
+
+
 # --- ptq -------------------------------------------------------------------------------------------------------------
 def test_ptq_is_w4a4_on_every_linear_layer_and_restores_exactly():
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))

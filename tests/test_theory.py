@@ -203,6 +203,13 @@ def test_bad_arguments_raise_clear_errors():
     for values in (torch.zeros(10), torch.empty(0)):  # no occupancy: the empty sum used to predict 0
         with pytest.raises(ValueError, match="values= has no positive value"):
             stall_probability("int8", 0.999, values=values)
+    for special in (math.inf, math.nan):  # inf counted at the top code, NaN dropped: silently another occupancy
+        with pytest.raises(ValueError, match="values= holds inf or NaN"):
+            stall_probability("int8", 0.999, values=torch.tensor([0.5, special]))
+    for ratio in (-1.0, -math.inf):  # g²/v is never negative
+        with pytest.raises(ValueError, match="ratios= of the second moment are g²/v: >= 0"):
+            stall_probability("bf16", 0.999, ratios=torch.tensor([1.0, ratio]))
+    assert 0 <= stall_probability("bf16", 0.9, moment="first", ratios=torch.tensor([1.0, -0.5])) <= 1  # g/m may be
     for horizons in (math.nan, math.inf, 0):
         with pytest.raises(ValueError, match=f"horizons={horizons!r} must be a finite number > 0"):
             reset_period("bf16", 0.999, horizons=horizons)

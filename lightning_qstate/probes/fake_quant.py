@@ -78,9 +78,12 @@ def fake_quantize(
 
     Raises:
         ValueError: an unknown format, rounding or block, or a block that does not divide the rows.
+        TypeError: ``x`` not floating-point (integers, bools, complex).
     """
     if fmt is None:
         return x
+    if not x.is_floating_point():
+        raise TypeError(f"fake_quantize rounds floating-point tensors, got one of dtype {x.dtype}")
     check_rounding(rounding)
     grid = probe_grid(fmt, block)
     if not x.numel():

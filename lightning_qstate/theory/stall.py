@@ -201,11 +201,13 @@ def _positive_codes(fmt: StorageFormat) -> torch.Tensor:
 
 
 def _magnitudes(values: torch.Tensor | QuantizedTensor) -> torch.Tensor:
-    """The nonzero magnitudes of ``values`` (a stored state's unit values), float64 on the CPU."""
+    """The nonzero magnitudes of ``values`` (a stored state's unit values), float64 on the CPU; refuses inf and NaN."""
     if isinstance(values, QuantizedTensor):
         magnitude = values.unit_values().abs().to(torch.float64)
     else:
         magnitude = values.detach().reshape(-1).abs().to(torch.float64)
+    if not bool(torch.isfinite(magnitude).all()):
+        raise ValueError("values= holds inf or NaN; pass a stored state (or its values in units of their block's absmax), all finite")
     return magnitude[magnitude > 0].cpu()
 
 
@@ -290,6 +292,8 @@ def _check(
             raise ValueError("ratios= replaces age= and center= (the measured ratios set the state's age and spread): give one of them")
         if not isinstance(ratios, torch.Tensor) or ratios.numel() == 0 or bool(torch.isnan(ratios).any()):
             raise ValueError("ratios= must be a non-empty tensor of the moving entries' g²/v (or g/m) ratios, without NaN")
+        if moment == "second" and bool((ratios < 0).any()):
+            raise ValueError("ratios= of the second moment are g²/v: >= 0, inf where v is 0; a negative one is not such a ratio")
     if isinstance(beta, bool) or not isinstance(beta, int | float) or not 0.0 < beta < 1.0:
         raise ValueError(f"beta={beta!r} must be a number in (0, 1)")
     check_rounding(rounding)
