@@ -368,6 +368,62 @@ def test_apply_keeps_the_papers_selection():
     )
     assert [name for name, p in mlp.named_parameters() if optimizer.weight_grid(optimizer.param_groups[0], p)] == ["0.weight", "2.weight"]
 
+    # an optimizer built with weights= puts every parameter on the grid: apply with the same weights and the module would
+    # select only the block weights, and returned it unchanged, silently; it raises now (a converted one passes again)
+    built, policy = (
+        lq.QAdamW(net.parameters(), weights="fp8_e4m3", error_feedback="eco"),
+        QuantizationPolicy(weights="fp8_e4m3", error_feedback="eco"),
+    )
+    with pytest.raises(ValueError, match=r"so the selection of weights='fp8_e4m3' \(the linear weights inside repeated blocks\) would be"):
+        policy.apply(built, net)
+    assert policy.apply(optimizer := policy.apply(torch.optim.AdamW(net.parameters()), net), net) is optimizer
+
+
+def test_half_precision_parameters_left_out_of_the_selection_keep_the_rounding_and_feedback():
+    """A bf16 model: the selection keeps norms, biases, embedding and head in their dtype. With a plain bf16 update (round
+    to nearest, no feedback) a norm gain of 1.0 never moved at lr 1e-4 (bf16's spacing there is 2^-7); they take their
+    own dtype as the grid now, with the group's stochastic rounding and ECO. fp32 parameters left out step as torch's."""
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm, self.fc = torch.nn.LayerNorm(32), torch.nn.Linear(32, 32)
+
+        def forward(self, x):
+            return x + self.fc(self.norm(x))
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(Block(), Block(), torch.nn.Linear(32, 4)).bfloat16()
+    policy = QuantizationPolicy(weights="bf16", error_feedback="eco", rounding="stochastic", min_quant_size=0)
+    optimizer = policy.apply(torch.optim.AdamW(net.parameters(), lr=1e-4, weight_decay=0), net)
+    group, gain = optimizer.param_groups[0], net[0].norm.weight
+    assert optimizer.weight_grid(group, gain).name == "bf16" and optimizer.weight_overrides[gain] is None
+    start = gain.detach().clone()
+    x, y = torch.randn(64, 32).bfloat16(), torch.randn(64, 4)
+    for _ in range(20):
+        torch.nn.functional.mse_loss(net(x).float(), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    assert bool((gain != start).any())
+    wide = torch.nn.Sequential(Block(), Block(), torch.nn.Linear(32, 4))
+    optimizer = policy.apply(torch.optim.AdamW(wide.parameters()), wide)
+    assert optimizer.weight_grid(optimizer.param_groups[0], wide[0].norm.weight) is None
+
+
+def test_fp32_state_dict_warns_where_eco_exact_keeps_remainders():
+    """``fp32_state_dict()`` hands a run to a torch optimizer, which ignores ``weight_error``: it warns, naming the
+    parameters and how to fold the remainders in."""
+    param = torch.nn.Parameter(torch.randn(64, 64).bfloat16())
+    optimizer = lq.QAdamW([param], lr=1e-3, weights="bf16", error_feedback="eco_exact", min_quant_size=0)
+    param.grad = torch.randn_like(param)
+    optimizer.step()
+    with pytest.warns(UserWarning, match=r"QAdamW.fp32_state_dict: parameters \['param0'\] are kept rounded.*param.float\(\) \+ state"):
+        exported = optimizer.fp32_state_dict()
+    assert ERROR_STATE in exported["state"][0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        lq.QAdamW([torch.nn.Parameter(torch.randn(8))], weights="bf16").fp32_state_dict()  # no remainders: no warning
+
 
 def test_a_grid_dtype_not_held_is_refused_through_weight_overrides():
     """The check of ``weights=`` against each parameter's dtype covers the per-parameter grids ``apply`` sets."""

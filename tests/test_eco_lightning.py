@@ -94,8 +94,9 @@ def test_plugin_keeps_the_block_weights_on_their_grid(tmp_path, precision, weigh
     trainer.fit(model, eco_data())
     optimizer = trainer.strategy.optimizers[0]
     assert isinstance(optimizer, QAdamW) and trainer.global_step == STEPS
-    assert start.on_grid == dict.fromkeys(BLOCK_WEIGHTS, True), "the weights go on their grid when the plugin converts"
     dtype = torch.bfloat16 if precision == "bf16-true" else torch.float32
+    gridded = BLOCK_WEIGHTS if dtype == torch.float32 else list(named(model))  # half precision: the others on their dtype's
+    assert start.on_grid == dict.fromkeys(gridded, True), "the weights go on their grid when the plugin converts"
     group = optimizer.param_groups[0]
     for name, param in named(model).items():
         assert param.dtype == dtype and torch.isfinite(param).all()
@@ -104,8 +105,10 @@ def test_plugin_keeps_the_block_weights_on_their_grid(tmp_path, precision, weigh
         if name in BLOCK_WEIGHTS:
             assert grid is not None and grid.name == weights and on_grid(param, weights), name
             assert isinstance(optimizer.state[param]["exp_avg"], QuantizedTensor)
-        else:  # embeddings-like input layer, norms, biases and the head: torch's update in their dtype
+        elif dtype == torch.float32:  # embeddings-like input layer, norms, biases and the head: torch's update
             assert grid is None, name
+        else:  # the same in bf16: their dtype as the grid, with the group's rounding and feedback (no master copy)
+            assert grid is not None and grid.name == "bf16", name
     if precision == "32-true":  # fp32 values off the grid outside the blocks
         assert not on_grid(model.net.inp.weight, weights) and not on_grid(model.net.head.weight, weights)
 
@@ -250,9 +253,10 @@ def test_resume_is_bit_exact_with_stochastic_weight_rounding(tmp_path, precision
     saved = torch.load(path, weights_only=True)["optimizer_states"][0]
     assert saved["param_groups"][0]["qstate_rounding_seed"][1] == SAVE_STEP
     names = list(named(EcoModule()))
+    gridded = BLOCK_WEIGHTS if precision == "32-true" else names  # bf16 parameters outside the blocks: their dtype's grid
     for index, name in enumerate(names):
         entry = saved["state"][index]
-        if feedback == "eco_exact" and name in BLOCK_WEIGHTS:
+        if feedback == "eco_exact" and name in gridded:
             assert entry["weight_error"].dtype == torch.float32 and entry["weight_error"].abs().max() > 0
         else:
             assert "weight_error" not in entry
@@ -260,10 +264,8 @@ def test_resume_is_bit_exact_with_stochastic_weight_rounding(tmp_path, precision
     resumed_run = quiet_trainer(tmp_path / "c", STEPS, plugins=[plugin()], callbacks=[start])
     resumed_run.fit(resumed, eco_data(), ckpt_path=str(path))
     if not (precision == "bf16-true" and weights == "int8"):  # bf16(code·scale) is no fixed point of a second rounding
-        assert start.on_grid == dict.fromkeys(BLOCK_WEIGHTS, True), "the checkpoint's weights are on the grid"
-    assert start.error_dtypes == (dict.fromkeys(BLOCK_WEIGHTS, torch.float32) if feedback == "eco_exact" else {}), (
-        "weight_error loads as fp32"
-    )
+        assert start.on_grid == dict.fromkeys(gridded, True), "the checkpoint's weights are on the grid"
+    assert start.error_dtypes == (dict.fromkeys(gridded, torch.float32) if feedback == "eco_exact" else {}), "weight_error loads as fp32"
     for name, param in named(straight).items():
         assert torch.equal(param, named(resumed)[name]), f"{name} differs by {(param.float() - named(resumed)[name].float()).abs().max()}"
     same_states(first_run.strategy.optimizers[0], resumed_run.strategy.optimizers[0])
@@ -334,7 +336,9 @@ def assert_resume_exact(run: EcoRun, variant: str) -> None:
         assert info["params"] == reference["params"], f"{variant}: rank {rank}'s parameters or states differ"
         loaded = info["loaded"]
         assert loaded["global_step"] == SAVE_STEP
-        assert {name: entry["on_grid"] for name, entry in loaded["params"].items() if entry["grid"]} == dict.fromkeys(BLOCK_WEIGHTS, True)
+        # the block weights, and bf16 parameters outside the blocks on their dtype's grid
+        gridded = [name for name, entry in loaded["params"].items() if name in BLOCK_WEIGHTS or entry["dtype"] == "torch.bfloat16"]
+        assert {name: entry["on_grid"] for name, entry in loaded["params"].items() if entry["grid"]} == dict.fromkeys(gridded, True)
         assert loaded["params"] == run.info(variant, "first", rank)["params"], f"{variant}: rank {rank} did not get back its state"
     straight, resumed = run.weights(variant, "straight"), run.weights(variant, "resume")
     for name, value in straight.items():
@@ -350,7 +354,7 @@ def test_ddp_replicas_stay_identical_with_stochastic_weight_rounding(ddp):
             for name in BLOCK_WEIGHTS:
                 assert first["params"][name]["grid"] == "bf16" and first["params"][name]["on_grid"], (variant, phase, name)
                 assert first["params"][name]["dtype"] == "torch.bfloat16"
-            assert first["params"]["net.head.weight"]["grid"] is None
+            assert first["params"]["net.head.weight"]["grid"] == "bf16"  # outside the blocks: its dtype's grid
 
 
 def test_ddp_replicas_of_an_optimizer_built_quantized(ddp):

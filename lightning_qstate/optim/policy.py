@@ -22,7 +22,9 @@ if TYPE_CHECKING:
     from .base import QuantizedStates
 
 from ..formats import ROUNDINGS, BlockFormat, StorageFormat, check_block_size, get_format
-from ..formats.weights import WeightBlock, get_weight_grid
+from ..formats.base import local_tensor
+from ..formats.weights import WeightBlock, WeightGrid, get_weight_grid
+from .weights import own_dtype_grid, weight_grid
 
 # typing.Union, not `|`: the optimizers' signatures (read by the CLI's jsonargparse) keep the object they always had.
 StatesSpec = Union[str, Mapping[str, str]]  # noqa: UP007
@@ -343,22 +345,26 @@ class QuantizationPolicy:
         ignore it. Group options are compared with every group's, ``track_stalls`` and ``nonfinite`` with the optimizer's,
         the override patterns by the parameters they give."""
         ignored = []
+        # weights given with a module select the parameters they go to (weight_overrides_for), also without patterns
+        selects = module is not None and self.weights is not None
         for name in POLICY_FIELDS:
             value = getattr(self, name)
-            if value == POLICY_DEFAULTS[name]:
+            if value == POLICY_DEFAULTS[name] and not (name == "weight_overrides" and selects):
                 continue
             if name in GROUP_OPTIONS:
                 held = all(group.get(name) == value for group in optimizer.param_groups)
-            elif name in NAME_PATTERN_FIELDS:
-                chosen = None
-                if names is not None:
-                    chosen = self.overrides_for(names, owner) if name == "overrides" else self.weight_overrides_for(names, owner, module)
-                given = optimizer.state_overrides if name == "overrides" else optimizer.weight_overrides
+            elif name == "overrides":
+                chosen = self.overrides_for(names, owner) if names is not None else None
+                given = optimizer.state_overrides
                 held = chosen is not None and {id(p): v for p, v in chosen.items()} == {id(p): v for p, v in given.items()}
+            elif name == "weight_overrides":  # by the grids they give: another selection may give every parameter the same one
+                held = names is not None and _same_grids(optimizer, self.weight_overrides_for(names, owner, module))
             else:
                 held = getattr(optimizer, name) == value
             if not held:
-                ignored.append(f"{name}={value!r}")
+                selection = name == "weight_overrides" and not value
+                chosen_by = f"the selection of weights={self.weights!r} (the linear weights inside repeated blocks)"
+                ignored.append(chosen_by if selection else f"{name}={value!r}")
         if ignored:
             raise ValueError(
                 f"QuantizationPolicy: {type(optimizer).__name__} of {owner} has quantized states already (built as a quantized "
@@ -428,6 +434,23 @@ class QuantizationPolicy:
                     "fix the pattern or remove it"
                 )
         return match_patterns(named, patterns)
+
+
+def _same_grids(optimizer: QuantizedStates, overrides: Mapping[torch.Tensor, str | None]) -> bool:
+    """Whether every parameter of ``optimizer`` is kept on the grid (``WeightGrid``: its format and scale groups) that
+    ``overrides`` (``weight_overrides`` as a policy would set them) give it, in its group."""
+
+    def key(grid: WeightGrid | None) -> tuple[str, Any] | None:
+        return None if grid is None else (grid.name, grid.block)
+
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            local = local_tensor(param)
+            override = overrides.get(param, group["weights"])
+            wanted = own_dtype_grid(group, local) if param in overrides and override is None else weight_grid(override, group, local)
+            if key(wanted) != key(optimizer.weight_grid(group, param)):
+                return False
+    return True
 
 
 def pattern_mapping(value: Any, option: str, owner: str) -> dict[str, Any]:

@@ -84,6 +84,16 @@ def grid_units(grid: WeightGrid, values: torch.Tensor) -> torch.Tensor:
     return lookup(decode, codes).reshape(-1)[: flat.numel()]
 
 
+def own_dtype_grid(group: dict, param: torch.Tensor) -> WeightGrid | None:
+    """The grid of a parameter that a weight selection keeps in its dtype (``weight_overrides`` ``None``): none for a
+    wide one (fp32, float64: torch's update, its own master weight); for a half-precision one (bf16, fp16), where a
+    plain update rounds small steps away, its dtype as the grid, written with the group's ``weight_rounding`` and
+    ``error_feedback`` (none where the group has neither ``weights`` nor ``error_feedback``)."""
+    if param.dtype not in (torch.bfloat16, torch.float16) or (group["weights"] is None and group["error_feedback"] is None):
+        return None
+    return get_weight_grid(_dtype_format(param.dtype), group["weight_block"])
+
+
 def _dtype_format(dtype: torch.dtype) -> str:
     names = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
     if dtype not in names:

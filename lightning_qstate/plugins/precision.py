@@ -108,7 +108,8 @@ _POLICY_DOC = """
             ``optim/weights.py``): ``None`` (default: the parameter's dtype, torch's update), ``"bf16"``, ``"fp16"``,
             ``"fp8_e4m3"``, ``"fp8_e5m2"``, ``"int8"``, ``"int4"`` or any ``eXmY``. It goes to the weights of the linear
             layers inside repeated blocks (``transformer.h.3.mlp.c_fc.weight``); embeddings, norms, biases and the head
-            keep their dtype unless ``weight_overrides`` says otherwise. Formats that are not a dtype are held as grid
+            keep their dtype unless ``weight_overrides`` says otherwise (bf16/fp16 ones with ``weight_rounding`` and
+            ``error_feedback`` on their dtype's grid, fp32 ones with torch's update). Formats that are not a dtype are held as grid
             values in the parameter's dtype (``"32-true"`` with ``weights="bf16"``: fp32 parameters holding bf16 values).
             The parameters are rounded onto their grid (round to nearest) when the plugin converts the optimizer.
         weight_rounding: ``"stochastic"`` (default) or ``"nearest"``, for writing the weights.
