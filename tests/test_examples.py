@@ -134,22 +134,23 @@ def test_gpt_int8_plugin_trains_and_logs(tmp_path, capsys):
 
 
 def test_gpt_eco_trains_without_master_weights(tmp_path, capsys):
-    """gpt_eco.yaml: bf16 parameters; the blocks' linear weights take the fp32 update, SR and ECO's feedback, the others
-    (embeddings, norms, biases, tied head) torch's bf16 update; the run summary reports the weights."""
+    """gpt_eco.yaml: bf16 parameters; the blocks' linear weights take the fp32 update, SR and ECO's feedback on the
+    bf16 grid, and so do the others (embeddings, norms, biases, tied head: no master copy either) on their dtype's
+    grid, bf16 too; the run summary reports the weights."""
     cli = fit("gpt_eco.yaml", tmp_path, *TINY_GPT, "--trainer.enable_checkpointing=false")
     (optimizer,) = cli.trainer.strategy.optimizers
     assert isinstance(optimizer, QAdamW) and cli.trainer.global_step == 3
     assert torch.isfinite(cli.trainer.callback_metrics["train_loss"])
     names = {param: name for name, param in cli.model.named_parameters()}
     grids = {names[param]: optimizer.weight_grid(group, param) for group in optimizer.param_groups for param in group["params"]}
-    in_blocks = {name for name, grid in grids.items() if grid is not None}
-    assert in_blocks == {f"model.transformer.h.0.{layer}.weight" for layer in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")}
-    assert all(grids[name].name == "bf16" for name in in_blocks)
+    selected = {names[param] for group in optimizer.param_groups for param in group["params"] if param not in optimizer.weight_overrides}
+    assert selected == {f"model.transformer.h.0.{layer}.weight" for layer in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")}
+    assert all(grid is not None and grid.name == "bf16" for grid in grids.values())  # the others on their dtype's grid
     assert all(p.dtype == torch.bfloat16 for p in cli.model.parameters())
     assert {group["error_feedback"] for group in optimizer.param_groups} == {"eco"}
     (summary,) = [callback for callback in cli.trainer.callbacks if isinstance(callback, RunSummary)]
-    assert summary.summary["weight_formats"]["bf16"]["params"] == 4 and summary.summary["error_feedback"] == ["eco"]
-    assert "weights without master copy: bf16 x4" in capsys.readouterr().out
+    assert summary.summary["weight_formats"]["bf16"]["params"] == len(grids) and summary.summary["error_feedback"] == ["eco"]
+    assert f"weights without master copy: bf16 x{len(grids)}" in capsys.readouterr().out
 
 
 def test_gpt_callback_with_cli_optimizer(tmp_path):

@@ -259,9 +259,25 @@ def test_learning_rate_check_takes_the_schedulers_base_lr():
     slow = torch.optim.AdamW(model.parameters(), lr=1e-6)
     torch.optim.lr_scheduler.LambdaLR(slow, lambda step: step / 100)
     (lost,) = [reason for reason in _row(advise(slow, 1000), "weights").reasons if "FlashOptim" in reason]
-    assert "lr = 1e-06 (the scheduler's initial_lr; now 0)" in lost
+    assert "lr = 1e-06 (its scheduler's peak; now 0)" in lost
     frozen = _row(advise(torch.optim.AdamW(model.parameters(), lr=0.0), 1000), "weights")
     assert not any("FlashOptim" in reason for reason in frozen.reasons)
+    # OneCycleLR keeps its low start (max_lr / 25) as initial_lr and its peak as max_lr: the peak is the run's lr
+    cycled = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    torch.optim.lr_scheduler.OneCycleLR(cycled, max_lr=1e-2, total_steps=1000)
+    assert _row(advise(cycled, 1000), "weights") == plain
+
+
+def test_fp16_v_written_rn_is_marginal_for_its_subnormals():
+    """fp16's normals have the bits for v at β2 = 0.999, but below 2^-14 its grid is subnormal (spacing 2^-24): a v under
+    2^-25 / (1 - β2) ~ 3e-5 never decreases written RN, and gradients of 1e-4 to 1e-3 put all of a model's v there (the
+    advisor said ok while StallMonitor measured a stall rate of 1). Stochastic rounding is unbiased there: no note."""
+    v = _row(advise(QAdamW(_model().parameters(), states="fp16", min_quant_size=0), 1000), "exp_avg_sq")
+    assert v.margin >= 0 and v.verdict == "marginal"
+    (subnormal,) = v.reasons
+    assert subnormal.startswith("fp16 subnormals") and "2.98e-05" in subnormal and "store v in bf16" in subnormal
+    stochastic = _row(advise(QAdamW(_model().parameters(), states="fp16", min_quant_size=0, rounding="stochastic"), 1000), "exp_avg_sq")
+    assert stochastic.verdict == "ok" and not stochastic.reasons
 
 
 def test_weights_kept_with_exact_error_feedback_count_as_master_weights():
@@ -332,8 +348,16 @@ def test_advise_argument_errors():
         advise(torch.optim.Adagrad(params), 1000)
     with pytest.raises(ValueError, match="steps=0 must be an integer >= 1"):
         advise(torch.optim.AdamW(params), 0)
-    with pytest.raises(ValueError, match=r"constants: unknown key\(s\)"):
+    with pytest.raises(ValueError, match=r"advise: constants key \('adam', 'exp_avg_sq', 'up'\) is not valid"):
         advise(torch.optim.AdamW(params), 1000, constants={("adam", "exp_avg_sq", "up"): 0.0})
+    # the values too, every one (a NaN for a key the optimizer does not use passed; one it used named no option)
+    for constants in ({("muon", "exp_avg", "nearest"): math.nan}, {("adam", "exp_avg", "nearest"): math.inf}):
+        with pytest.raises(ValueError, match=r"advise: constants\[\('\w+', 'exp_avg', 'nearest'\)\]=\w+ must be a finite number"):
+            advise(torch.optim.AdamW(params), 1000, constants=constants)
+    with pytest.raises(ValueError, match=r"advise: constants=5 must be a dict"):
+        advise(torch.optim.AdamW(params), 1000, constants=5)
+    numpy_constant = {("adam", "exp_avg", "nearest"): np.float64(-2.0)}  # numpy numbers as advise takes them
+    assert advise(torch.optim.AdamW(params), 1000, constants=numpy_constant).rows
 
 
 def test_text_and_markdown_tables_hold_every_row_and_note():

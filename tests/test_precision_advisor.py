@@ -7,6 +7,7 @@ import math
 import warnings
 
 import lightning.pytorch as pl
+import numpy as np
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
@@ -131,6 +132,40 @@ def test_planned_steps(tmp_path, advisor_steps, trainer_options, expected):
 def test_run_of_unknown_length_raises(tmp_path):
     with pytest.raises(ValueError, match=r"length is unknown.*max_steps=\.\.\..*PrecisionAdvisor\(steps=\.\.\.\)"):
         fit(tmp_path, PrecisionAdvisor(verbose=False), plugins=[], max_steps=-1, max_epochs=-1)
+
+
+class TwoOptimizers(Regressor):
+    """Manual optimization with two AdamW, each stepped once per batch: Lightning's global step counts both."""
+
+    def __init__(self) -> None:
+        super().__init__(scheduler=False)
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        first, second = self.optimizers()
+        x, y = batch
+        self.manual_backward(torch.nn.functional.mse_loss(self(x), y))
+        for optimizer in (first, second):
+            optimizer.step()
+            optimizer.zero_grad()
+
+    def configure_optimizers(self):
+        return [torch.optim.AdamW(self.net[:2].parameters(), lr=1e-9), torch.optim.AdamW(self.net[2:].parameters(), lr=1e-9)]
+
+
+def test_several_optimizers_need_the_steps_each_takes(tmp_path, capsys):
+    """max_steps counts every optimizer's steps under manual optimization: each was advised for T = max_steps, twice
+    its own run; the advisor asks for ``steps`` instead. The run summary names each optimizer's risky rows."""
+    from lightning_qstate.callbacks import RunSummary
+
+    with pytest.raises(ValueError, match=r"with 2 optimizers Lightning's max_steps and global_step count the steps of all.*steps=\.\.\."):
+        fit(tmp_path, PrecisionAdvisor(verbose=False), model=TwoOptimizers(), plugins=[QStatePrecision("bf16-true", states="fp32")])
+    advisor = PrecisionAdvisor(steps=2, log_weight_stalls=False, verbose=False, constants={("adam", "grads", "nearest"): np.float64(1)})
+    with pytest.warns(UserWarning):  # lr 1e-9 moves no bf16 weight: both optimizers' weights insufficient
+        fit(tmp_path, advisor, model=TwoOptimizers(), plugins=[QStatePrecision("bf16-true", states="fp32")], callbacks=[RunSummary()])
+    assert [report.steps for report in advisor.reports] == [2, 2]
+    line = next(line for line in capsys.readouterr().out.splitlines() if "precision advisor:" in line)
+    assert "optimizer 0 (AdamW) group 0 weights bf16: insufficient" in line and "optimizer 1 (AdamW) group 0 weights" in line
 
 
 def test_constants_change_the_bits_needed(tmp_path):

@@ -17,9 +17,8 @@ from lightning.pytorch.plugins.precision import FSDPPrecision, Precision
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
-from ..formats import ROUNDINGS
 from ..optim import WEIGHT_STALLS, QuantizedStates, clean_parameter_name
-from ..theory.precision import COMPONENTS, DEFAULT_CONSTANTS, OPTIMIZERS, AdviceRow, PrecisionReport, advise
+from ..theory.precision import AdviceRow, PrecisionReport, advise, check_constants
 from .arguments import check_flags, is_positive_int
 from .stall_counts import MeasuredSteps, StallMeasurement, quantized_optimizers
 from .tensorboard import log_scalars
@@ -80,7 +79,8 @@ class PrecisionAdvisor(Callback):
 
     Args:
         steps: the run's planned optimizer steps ``T``; default the Trainer's ``estimated_stepping_batches`` (``max_steps``,
-            or ``max_epochs`` times the optimizer steps per epoch where that ends the run first).
+            or ``max_epochs`` times the optimizer steps per epoch where that ends the run first). Needed with several
+            optimizers (manual optimization): Lightning's step count then adds up all of theirs, so it tells no one's.
         strict: raise before training when any component is ``"insufficient"``, instead of only warning.
         log_weight_stalls: log the weights' stall rates during training.
         log_every_n_steps: optimizer steps between weight stall measurements; default the Trainer's ``log_every_n_steps``
@@ -93,7 +93,8 @@ class PrecisionAdvisor(Callback):
 
     Raises:
         ValueError: for invalid arguments; at the start of training, for a run of unknown length (no ``steps``,
-            ``max_steps`` or ``max_epochs``) or, with ``strict=True``, ``"insufficient"`` components.
+            ``max_steps`` or ``max_epochs``, or several optimizers without ``steps``) or, with ``strict=True``,
+            ``"insufficient"`` components.
     """
 
     def __init__(
@@ -118,7 +119,7 @@ class PrecisionAdvisor(Callback):
         self.log_weight_stalls = log_weight_stalls
         self.log_every_n_steps = log_every_n_steps
         self.per_layer = per_layer
-        self.constants = _checked_constants(constants)
+        self.constants = check_constants(constants, "PrecisionAdvisor")
         self.verbose = verbose
         self.reports: list[PrecisionReport] = []  # this fit's latest reports, one per advised optimizer (rank-local)
         self._advised: list[_Advised] = []  # what each report advised, in the order of ``reports``
@@ -126,6 +127,10 @@ class PrecisionAdvisor(Callback):
         self._measuring = False
         self._counting: dict[QuantizedStates, bool] = {}  # optimizer -> its track_weight_stalls before the fit
         self._measured = MeasuredSteps()
+
+    def labelled_reports(self) -> list[tuple[str, PrecisionReport]]:
+        """``(label, report)`` of each advised optimizer, as the warnings name it (``"optimizer 1 (AdamW)"`` among several)."""
+        return [(advised.label, report) for advised, report in zip(self._advised, self.reports, strict=True)]
 
     def interval(self, trainer: pl.Trainer) -> int:
         """Optimizer steps between weight stall measurements; 0: none (the Trainer's logging is off, no interval given)."""
@@ -136,6 +141,13 @@ class PrecisionAdvisor(Callback):
         or ``max_epochs`` times the optimizer steps per epoch, whichever ends the run first)."""
         if self.steps is not None:
             return self.steps
+        optimizers = len(trainer.strategy.optimizers)
+        if optimizers > 1:  # manual optimization: max_steps and global_step count every optimizer's steps
+            raise ValueError(
+                f"PrecisionAdvisor: with {optimizers} optimizers Lightning's max_steps and global_step count the steps of all "
+                "of them, so no optimizer's own run length is known; pass PrecisionAdvisor(steps=...), the steps each "
+                "optimizer takes in the run"
+            )
         estimated = trainer.estimated_stepping_batches
         if not math.isfinite(estimated) or estimated < 1:  # infinite training, or an iterable dataset without max_steps
             raise ValueError(
@@ -302,22 +314,3 @@ def _describe(label: str, row: AdviceRow, steps: int) -> str:
         f"{label} group {row.group} {row.component} in {row.format} (M = {row.mantissa_bits:.1f}, needs {row.required_bits:.1f} "
         f"over {steps} steps) is {row.verdict}"
     )
-
-
-def _checked_constants(constants: Mapping[tuple[str, str, str], float] | None) -> dict[tuple[str, str, str], float] | None:
-    """``constants`` as a dict, each key an ``(optimizer, component, rounding)`` triple and each value a finite number."""
-    if constants is None:
-        return None
-    if not isinstance(constants, Mapping):
-        raise ValueError(f"PrecisionAdvisor: constants={constants!r} must be a dict {{(optimizer, component, rounding): c}}, or None")
-    checked = {}
-    for key, value in constants.items():
-        if key not in DEFAULT_CONSTANTS:
-            raise ValueError(
-                f"PrecisionAdvisor: constants key {key!r} is not valid; use (optimizer, component, rounding) with optimizer in "
-                f"{OPTIMIZERS}, component in {COMPONENTS} (no 'exp_avg_sq' for muon and sgd) and rounding in {ROUNDINGS}"
-            )
-        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-            raise ValueError(f"PrecisionAdvisor: constants[{key!r}]={value!r} must be a finite number (bits)")
-        checked[key] = float(value)
-    return checked

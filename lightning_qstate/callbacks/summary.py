@@ -185,8 +185,12 @@ def monitor_lines(trainer: pl.Trainer) -> list[str]:
                 f"loss {last.loss:.4f} -> {last.ptq_loss:.4f} under PTQ ({last.ptq_loss_increase:+.4f}), R_L {last.R_L:.3g}"
             )
         elif isinstance(callback, PrecisionAdvisor) and callback.reports:
-            risky = [row for report in callback.reports for row in report.risky]
-            verdicts = ", ".join(f"group {row.group} {row.component} {row.format}: {row.verdict}" for row in risky)
+            several = len(callback.reports) > 1  # each entry names its optimizer
+            verdicts = ", ".join(
+                f"{f'{label} ' if several else ''}group {row.group} {row.component} {row.format}: {row.verdict}"
+                for label, report in callback.labelled_reports()
+                for row in report.risky
+            )
             lines.append(f"precision advisor: {verdicts or 'every component has the bits this run needs'}")
     return lines
 
@@ -212,7 +216,7 @@ def reset_line(scheduler, trainer: pl.Trainer) -> str:
     if scheduler.history:
         steps = sorted({step for step, _ in scheduler.history})
         shown = ", ".join(map(str, steps[:8])) + (", ..." if len(steps) > 8 else "")
-        line = f"state resets: {len(scheduler.history)} layer resets at steps {shown}"
+        line = f"state resets: {len(scheduler.history)} layer resets after optimizer steps {shown}"
         reset = {layer for _, layer in scheduler.history}
         waiting = [scheduler.layer_period(rows) for layer, rows in scheduler.layers(trainer).items() if layer not in reset]
         periods = sorted({period for period in waiting if period is not None})

@@ -555,7 +555,8 @@ class QuantizedStates:
         warnings.warn(
             f"{type(self).__name__}: no state will be quantized: each of the {len(asked)} parameter(s) whose states= name a "
             f"format has fewer values (the largest: {max(numels)}) than min_quant_size={' / '.join(map(str, limits))}, "
-            "so all states stay fp32; pass a smaller min_quant_size (0: every parameter) to quantize them",
+            "so all states stay unquantized (in the parameters' dtype); pass a smaller min_quant_size (0: every parameter) to "
+            "quantize them",
             UserWarning,
             stacklevel=caller_stacklevel(),
         )

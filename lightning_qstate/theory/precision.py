@@ -43,7 +43,7 @@ from typing import Literal
 
 import torch
 
-from ..formats import BlockFormat, StorageFormat, check_rounding, get_format
+from ..formats import ROUNDINGS, BlockFormat, CastFormat, StorageFormat, check_rounding, get_format
 from ..optim import QuantizedOptimizerWrapper, QuantizedStates
 from ..optim.base import local_tensor
 from .stall import fraction_bits, moment_of, relative_gaps, reset_period, stall_probability, state_decay
@@ -240,6 +240,27 @@ class _Storage:
     fmt: StorageFormat | None = None
 
 
+def check_constants(constants: Mapping[tuple[str, str, str], float] | None, owner: str) -> dict[tuple[str, str, str], float] | None:
+    """``constants`` (``{(optimizer, component, rounding): c}`` replacing entries of :data:`DEFAULT_CONSTANTS`) as a dict of
+    floats, every key one of those entries and every value a finite real number (numpy's too); errors start with
+    ``owner`` and name the key."""
+    if constants is None:
+        return None
+    if not isinstance(constants, Mapping):
+        raise ValueError(f"{owner}: constants={constants!r} must be a dict {{(optimizer, component, rounding): c}}, or None")
+    checked = {}
+    for key, value in constants.items():
+        if key not in DEFAULT_CONSTANTS:
+            raise ValueError(
+                f"{owner}: constants key {key!r} is not valid; use (optimizer, component, rounding) with optimizer in "
+                f"{OPTIMIZERS}, component in {COMPONENTS} (no 'exp_avg_sq' for muon and sgd) and rounding in {ROUNDINGS}"
+            )
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+            raise ValueError(f"{owner}: constants[{key!r}]={value!r} must be a finite number (bits)")
+        checked[key] = float(value)
+    return checked
+
+
 def advise(
     optimizer: torch.optim.Optimizer,
     steps: int,
@@ -273,14 +294,17 @@ def advise(
       ratchet; its stalls are the T-rule's and ``StallMonitor``'s.) A block-scaled
       entry still follows its block's scale down (the block's largest entry, stored exactly): ``marginal`` with an
       fp32 scale, ``insufficient`` with a bf16 scale that ratchets itself. Remedies: stochastic rounding, or resets
-      every :func:`~lightning_qstate.theory.reset_period` steps;
+      every :func:`~lightning_qstate.theory.reset_period` steps. fp16's normals pass, but below ``2^-14`` its grid is
+      subnormal (a fixed spacing ``2^-24``): a ``v`` under ``2^-25 / (1 - β2)`` never decreases (``marginal``: the
+      gradients' scale decides; under ~5e-3 at ``β2 = 0.999``, most models');
     - weights written RN (no ``error_feedback``) too coarse for the learning rate: the smallest change to a weight
       of magnitude ``max|W|`` is about ``2^(floor(log2 max|W|) - M - 1)``; Adam's largest update is about ``lr``
       (``|m̂|/sqrt(v̂) <= 1`` for steady gradients; a spike can reach ``(1-β1)/sqrt(1-β2)`` times it, ignored),
       Muon's typical one ``lr'/sqrt(max(A, B))`` (the RMS entry of an orthogonal ``A×B`` update, ``lr'`` torch's
       adjusted lr). ``insufficient`` when the update is below it for some parameter (``max|W|`` of the local
-      tensor). ``lr`` is the group's larger of its current lr and the ``initial_lr`` a torch scheduler keeps (a
-      warm-up from 0 starts below it); a group at lr 0 is frozen: not checked. SGD's update scales with the
+      tensor). ``lr`` is the group's largest of its current lr, the ``initial_lr`` a torch scheduler keeps (a
+      warm-up from 0 starts below it) and ``OneCycleLR``'s ``max_lr`` (CyclicLR keeps its peak on the scheduler, not
+      the group: not seen); a group at lr 0 is frozen: not checked. SGD's update scales with the
       gradient, unknown here: not checked.
 
     Raises:
@@ -289,10 +313,7 @@ def advise(
     """
     kind = _optimizer_kind(optimizer)
     steps = _run_length(steps)
-    unknown = sorted(set(constants or {}) - set(DEFAULT_CONSTANTS), key=str)
-    if unknown:
-        raise ValueError(f"constants: unknown key(s) {unknown}; valid keys: (optimizer, component, rounding) as in DEFAULT_CONSTANTS")
-    table = {**DEFAULT_CONSTANTS, **(constants or {})}
+    table = {**DEFAULT_CONSTANTS, **(check_constants(constants, "advise") or {})}
     if grads is not None:
         try:
             mantissa_bits(grads)
@@ -372,6 +393,8 @@ def _ratchet_findings(group: dict, storage: _Storage) -> list[tuple[str, str]]:
     fmt = storage.fmt
     if storage.rounding != "nearest" or fmt is None or beta is None or not 0.0 < beta < 1.0 or storage.bits >= FP32_BITS:
         return []
+    if isinstance(fmt, CastFormat) and fmt.dtype == torch.float16:
+        return _fp16_subnormal_findings(storage, beta)
     block = isinstance(fmt, BlockFormat)
     bits = fraction_bits(fmt)
     if bits is not None:
@@ -401,15 +424,29 @@ def _ratchet_findings(group: dict, storage: _Storage) -> list[tuple[str, str]]:
     return [(verdict, reason)]
 
 
+def _fp16_subnormal_findings(storage: _Storage, beta: float) -> list[tuple[str, str]]:
+    """fp16's ``v`` written RN: its normals have the bits (``1 - β2`` over half their gap), but below ``2^-14`` its grid is
+    subnormal, a fixed spacing of ``2^-24``: a ``v`` under ``2^-25 / (1 - β2)`` (gradients under its root) can never
+    decrease, and with it most of a model's ``v`` (gradients of 1e-4 to 1e-3 put all of it there)."""
+    below = 2.0**-25 / (1.0 - beta)
+    reason = (
+        f"fp16 subnormals: below 2^-14 fp16's grid has a fixed spacing of 2^-24, so a v under 2^-25/(1-β) = {below:.3g} "
+        f"(gradients under {math.sqrt(below):.2g}, most models') written RN can never decrease and stalls on nearly every "
+        f"step; store v in bf16 (fp32's exponent range), or write it with rounding='stochastic' {_STALL_PAPER}"
+    )
+    return [("marginal", reason)]
+
+
 def _learning_rate_findings(
     group: dict, params: list[torch.Tensor], found: list[_Storage], kind: str, names: Mapping[torch.Tensor, str]
 ) -> list[tuple[str, str]]:
     """FlashOptim's check (see :func:`advise`): parameters whose largest update is below the smallest change of their largest weight."""
     if kind == "sgd" or "lr" not in group or group.get("error_feedback"):  # error feedback keeps what rounding loses
         return []
-    # the run's lr, not a warm-up's first one: torch's schedulers keep the group's base lr as initial_lr
+    # the run's lr, not a warm-up's first one: torch's schedulers keep the group's base lr as initial_lr, and OneCycleLR
+    # its peak as max_lr (its initial_lr is the low start)
     current = float(group["lr"])
-    lr = max(current, float(group.get("initial_lr", current)))
+    lr = max(current, float(group.get("initial_lr", current)), float(group.get("max_lr", current)))
     if lr == 0.0:  # a frozen group: nothing to lose
         return []
     frozen = []
@@ -428,7 +465,7 @@ def _learning_rate_findings(
         return []
     shown = ", ".join(f"{name} (max|W| = {largest:.3g}: {change:.3g})" for name, change, largest, _ in frozen[:3])
     more = f" and {len(frozen) - 3} more" if len(frozen) > 3 else ""
-    lr_text = f"lr = {lr:.3g}" + (f" (the scheduler's initial_lr; now {current:.3g})" if lr != current else "")
+    lr_text = f"lr = {lr:.3g}" + (f" (its scheduler's peak; now {current:.3g})" if f"{lr:.3g}" != f"{current:.3g}" else "")
     update_text = lr_text if kind == "adam" else f"Muon's typical update ({lr_text}, adjusted, over sqrt(max(A, B)))"
     fixes = "weights=<format> with weight_rounding='stochastic', error_feedback='eco' or 'eco_exact', or fp32 master weights"
     reason = (
