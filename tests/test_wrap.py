@@ -465,8 +465,67 @@ def test_override_state_names_are_checked_against_the_optimizer():
     with pytest.raises(ValueError, match=r"overrides\['h\.\*'\]: unknown state name\(s\) \['exp_avgsq'\].*exp_avg_sq"):
         policy.apply(adamw, model)
     assert type(adamw) is torch.optim.AdamW
-    wrapped = policy.apply(torch.optim.RMSprop(model.parameters()), model)  # the wrapper takes any state name
+    wrapped = policy.apply(torch.optim.RMSprop(model.parameters()), model)  # the wrapper knows no names before its first step
     assert isinstance(wrapped, QuantizedOptimizerWrapper) and wrapped.state_overrides[model.h[0][1].weight] == {"exp_avgsq": "int4"}
+
+
+@pytest.mark.parametrize("by", ["states", "overrides"])
+def test_state_names_the_wrapped_optimizer_does_not_keep_raise_at_its_first_step(by):
+    """Adam's ``exp_avg_sq`` for RMSprop (whose state is ``square_avg``) quantized nothing, silently (QAdamW raises at
+    construction; the wrapper learns the names at the first step)."""
+    model = make_model()
+    inner = INNER["RMSprop"](model.parameters())
+    if by == "states":
+        wrapped = lq.quantize_optimizer(inner, states={"exp_avg_sq": "int4"}, min_quant_size=0)
+    else:
+        wrapped = QuantizationPolicy(min_quant_size=0, overrides={"0.*": {"exp_avg_sq": "int4"}}).apply(inner, model)
+    with pytest.raises(ValueError, match=r"names \['exp_avg_sq'\], which RMSprop does not keep; its states are \['grad_avg', 'momentum_buffer', "):
+        run(model, wrapped, 0, 1)
+    assert repr(wrapped).startswith("QuantizedOptimizerWrapper[RMSprop] (")
+
+
+class DataMomentum(torch.optim.Optimizer):
+    """A user's optimizer that writes its state through ``.data`` (no version bump on the state tensor)."""
+
+    def __init__(self, params, lr: float = 0.01) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for param in group["params"]:
+                if param.grad is not None:
+                    buffer = self.state[param].setdefault("buf", torch.zeros_like(param))
+                    buffer.data.mul_(0.9).add_(param.grad)
+                    param.add_(buffer, alpha=-group["lr"])
+
+
+@pytest.mark.parametrize("make", [lambda params: torch.optim.Adagrad(params, fused=True), DataMomentum], ids=["fused-Adagrad", "data"])
+def test_states_written_without_a_version_bump_are_stored(make):
+    """torch's fused CPU Adagrad and a ``.data`` write change a state without bumping its version: the wrapper took the
+    state as left alone and kept its first codes (Adagrad's ``sum`` stayed 0). Stepped parameters are encoded again."""
+    model, reference = make_model(), make_model()
+    wrapped, plain = lq.quantize_optimizer(make(model.parameters()), states="int8", min_quant_size=0), make(reference.parameters())
+    run(model, wrapped, 0, 4)
+    run(reference, plain, 0, 4)
+    name = "sum" if "sum" in plain.state[reference[0].weight] else "buf"
+    stored, exact = wrapped.state[model[0].weight][name].dequantize(), plain.state[reference[0].weight][name]
+    assert (stored - exact).norm() < 0.05 * exact.norm()
+
+
+def test_converted_sgd_follows_its_foreach_choice():
+    """``SGD(foreach=True)`` with bf16 parameters: torch's multi-tensor ops round otherwise than its per-tensor loop, and
+    the converted optimizer always took the loop; with ``states="fp32"`` it is torch's, bit for bit."""
+    start = [torch.randn(32, 64, generator=torch.Generator().manual_seed(0)).bfloat16(), torch.randn(64).bfloat16()]
+    ours, theirs = ([torch.nn.Parameter(t.clone()) for t in start] for _ in range(2))
+    converted = lq.quantize_optimizer(torch.optim.SGD(ours, lr=0.1, momentum=0.9, foreach=True), states="fp32", min_quant_size=0)
+    plain = torch.optim.SGD(theirs, lr=0.1, momentum=0.9, foreach=True)
+    for step in range(3):
+        for a, b in zip(ours, theirs, strict=True):
+            a.grad = b.grad = torch.randn(a.shape, generator=torch.Generator().manual_seed(step)).bfloat16()
+        converted.step()
+        plain.step()
+    assert all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True))
 
 
 def test_overrides_need_the_module():

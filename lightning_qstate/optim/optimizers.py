@@ -543,7 +543,8 @@ class QSGD(_MomentumStates, torch.optim.SGD):
             [param],
             [grad],
             buffers,
-            foreach=False,
+            # the group's choice (None: torch's per-tensor loop on the CPU): its multi-tensor ops round bf16/fp16 otherwise
+            foreach=bool(group["foreach"]) and not group["fused"],
             fused=group["fused"],
             weight_decay=group["weight_decay"],
             momentum=group["momentum"],

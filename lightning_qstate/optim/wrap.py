@@ -17,7 +17,7 @@ from __future__ import annotations
 import functools
 import warnings
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -207,12 +207,16 @@ class QuantizedOptimizerWrapper(QuantizedStates, torch.optim.Optimizer):
             stepped = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
             outlines = self._state_outlines(stepped) if sharded else {}
             undo = {param: self._undo_record(param, state) for param, state in self.state.items()}  # where a state overflows
-            decoded = {}  # (param, name) -> (decoded tensor, its version): a state the inner step leaves alone keeps its codes
+            # (param, name) -> (decoded tensor, its version): a state of a parameter without a gradient that the inner step
+            # left alone keeps its codes (re-encoding could move them); a stepped parameter's states are always encoded
+            # again, since a kernel may write them without bumping their version (torch's fused CPU Adagrad; .data)
+            decoded = {}
             for param, state in self.state.items():
                 for name, value in state.items():
                     if isinstance(value, QuantizedTensor):
                         state[name] = like_param(dequantized(value), param)
-                        decoded[param, name] = state[name], state[name]._version
+                        if param.grad is None:
+                            decoded[param, name] = state[name], state[name]._version
             before = {
                 (p, n): v.dequantize(torch.float32).reshape(-1)
                 for p, s in stored.items()
@@ -249,7 +253,31 @@ class QuantizedOptimizerWrapper(QuantizedStates, torch.optim.Optimizer):
             if sharded:
                 errors = self._agree_on_overflows(errors, outlines)
             raise_overflows(errors)
+        self._check_state_names()
         return result
+
+    def __repr__(self) -> str:
+        """torch's listing of the groups, headed by the wrapped optimizer's name: ``QuantizedOptimizerWrapper[RMSprop] (...``."""
+        text = super().__repr__()
+        name = type(self).__name__
+        return f"{name}[{type(self.optimizer).__name__}]{text[len(name) :]}" if text.startswith(name) else text
+
+    def _check_state_names(self) -> None:
+        """Once the inner optimizer has made its states (at its first step; the wrapper knows no names before), every
+        state name that ``states=`` or a per-parameter override names must be one of them: a misspelt one (or Adam's
+        ``exp_avg_sq`` for RMSprop's ``square_avg``) quantized nothing, silently."""
+        made = {name for state in self.state.values() for name in state}
+        if self.__dict__.get("_names_checked") or not made:
+            return
+        self._names_checked = True
+        asked = {name for group in self.param_groups if isinstance(group["states"], Mapping) for name in group["states"]}
+        asked |= {name for spec in self.state_overrides.values() if isinstance(spec, Mapping) for name in spec}
+        unknown = sorted(asked - made)
+        if unknown:
+            raise ValueError(
+                f"{type(self).__name__}: states= (or overrides=) names {unknown}, which {type(self.optimizer).__name__} does not "
+                f"keep; its states are {sorted(made)} (checked at its first step, once they exist)"
+            )
 
     @override
     def _plain_state(self, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
@@ -260,9 +288,9 @@ class QuantizedOptimizerWrapper(QuantizedStates, torch.optim.Optimizer):
         return like_param(local, key) if isinstance(key, DTensor) and local.shape == local_tensor(key).shape else local
 
     def _encoded(self, group: dict, param: torch.Tensor, name: str, value: Any, old: StateValue | None, decoded: dict) -> StateValue:
-        """State ``name`` of ``param`` after the inner step, stored in its format (``_store``); a decoded state the
-        inner step left alone (``decoded``: the tensor and its version) is its old value, whose codes re-encoding would
-        move."""
+        """State ``name`` of ``param`` after the inner step, stored in its format (``_store``); a decoded state of a
+        parameter without a gradient that the inner step left alone (``decoded``: the tensor and its version) is its old
+        value, whose codes re-encoding would move."""
         tensor, version = decoded.get((param, name), (None, None))
         if value is tensor and value._version == version:
             return old
