@@ -546,6 +546,14 @@ def test_bit_width_figure_names_layers_formats_and_steps():
     assert legend == ["int4", "int5", "int6", "int8", "int8_linear"]  # int8 and int8_linear each their own colour
     old = bit_width_figure([{key: value for key, value in entry.items() if key != "formats"} for entry in history], names)
     assert "8.06 bits" in [text.get_text() for text in old.legends[0].get_texts()]  # checkpoints written before the formats
+    # a layer that joined later (BackboneFinetuning): earlier entries hold fewer layers (an IndexError before)
+    joined = [*names, "model.h.1.attn.weight"]
+    grown = history + [{"step": 20, "bits": [[4.12] * 4, [8.12] * 4], "formats": [["int4"] * 3 + ["int8"], ["int8"] * 4], "names": joined}]
+    figure = bit_width_figure(grown, joined)
+    assert "not planned" in [text.get_text() for text in figure.legends[0].get_texts()]
+    assert "model.h.1.attn.weight"[len("model.h.") :] in [label.get_text() for label in figure.axes[0].get_yticklabels()]
+    empty = bit_width_figure([{"step": 0, "bits": [[32.0], [32.0]], "formats": [["fp32"], ["fp32"]], "names": ["w"]}], ["w"])
+    assert "no quantized layer" in empty.axes[0].texts[0].get_text()  # every state fp32 (min_quant_size): pcolormesh raised
     matplotlib.pyplot.close("all")
 
 

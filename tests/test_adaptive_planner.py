@@ -128,7 +128,7 @@ def test_a_non_finite_gradient_at_a_check_counts_as_no_gradient():
             (model(x) - x.sum(1, keepdim=True)).square().mean().backward()
             sums = planner.gradient_sums()
             if step == 10:
-                sums[:, 0] = torch.tensor([math.inf, math.inf, sums[2, 0]]) if poisoned else 0.0
+                sums[:3, 0] = torch.tensor([math.inf, math.inf, sums[2, 0]]) if poisoned else 0.0  # its states stay held
             planner.update(step, sums)
             optimizer.step()
         return planner.state_dict()
@@ -158,11 +158,40 @@ def test_parameters_that_join_later_are_planned_and_counted():
         planner.update(50)
 
 
+def test_a_parameter_that_gets_no_gradient_lends_no_bits():
+    """A trainable parameter that never gets a gradient holds no states: priced, and as the largest demoted first, its
+    savings paid for the others' bits (stored 8.13 bits per value under a 6.0 cap while avg_bits said 5.87). It is left
+    out of the budget (and of avg_bits) until it has states; its decisions made nothing to re-encode."""
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict({"used": torch.nn.Linear(32, 32), "unused": torch.nn.Linear(64, 256)})
+    optimizer = lightning_qstate.QAdamW(model.parameters(), lr=1e-3, min_quant_size=0, rounding="stochastic")
+    planner = BitWidthPlanner(optimizer, model, target_bits=6.0, interval=2, hysteresis=1, threshold_start=0.01, threshold_end=0.01)
+    for step in range(8):
+        optimizer.zero_grad()
+        model["used"](torch.randn(16, 32, generator=torch.Generator().manual_seed(step))).square().mean().backward()
+        planner.update(step)
+        optimizer.step()
+        summary = state_summary(optimizer)
+        stored_bits = 8 * summary["bytes"] / summary["values"]
+        assert stored_bits <= 6.0 and planner.metrics()["qstate/adaptive/avg_bits"] == pytest.approx(stored_bits, rel=1e-12), step
+    assert not optimizer.state[model["unused"].weight] and planner.transitions == 0
+
+
+def test_a_layer_unfrozen_later_is_planned_again():
+    """The plan's own entries in ``state_overrides`` were read as a user's pin by layers collected later (a layer frozen
+    at the start and unfrozen, or a second planner on the same optimizer): they kept their formats for good."""
+    model, optimizer = mlp_and_optimizer()
+    first = BitWidthPlanner(optimizer, model, target_bits=5.1, **OPTIONS)
+    train(model, optimizer, first, range(12))
+    second = BitWidthPlanner(optimizer, model, target_bits=5.1, **OPTIONS)
+    assert all(layer.pinned is None for layer in second.layers) and set(second.decisions()) == set(first.decisions())
+
+
 def test_summed_statistics_can_come_from_outside():
     """``update(step, sums)`` with the planner's own ``gradient_sums()`` (as the callback passes them, all-reduced) decides alike."""
     model, optimizer = mlp_and_optimizer()
     sums = BitWidthPlanner(optimizer, model).gradient_sums()
-    assert sums.shape == (3, 4) and sums.dtype == torch.float64 and not sums.any()  # no gradients yet: zeros
+    assert sums.shape == (4, 4) and sums.dtype == torch.float64 and not sums.any()  # no gradients nor states yet: zeros
     planners = []
     for external in (False, True):
         model, optimizer = mlp_and_optimizer()
@@ -173,7 +202,8 @@ def test_summed_statistics_can_come_from_outside():
     param = next(iter(model.parameters()))
     grad = param.grad.double()
     assert planners[1].gradient_sums()[:, 0].tolist() == pytest.approx(
-        [float(grad.abs().sum()), float(grad.square().sum()), grad.numel()], rel=1e-5
+        [float(grad.abs().sum()), float(grad.square().sum()), grad.numel(), 1.0],
+        rel=1e-5,  # and: states held
     )
 
 
@@ -216,7 +246,8 @@ def test_bad_optimizers_and_options_are_refused():
         with pytest.raises(ValueError, match=rf"BitWidthPlanner: param group 0 has states=.*, which keeps {kept} in fp32"):
             BitWidthPlanner(lightning_qstate.QAdamW(model.parameters(), states=states, min_quant_size=0))
     pinned = lightning_qstate.QAdamW(model.parameters(), states={"exp_avg": "int8"}, min_quant_size=0)
-    pinned.state_overrides.update({param: "int8" for param in model.parameters()})
+    pinned.configured_overrides.update({param: "int8" for param in model.parameters()})
+    pinned.state_overrides.update(pinned.configured_overrides)
     BitWidthPlanner(pinned, target_bits=None)  # every parameter pinned by an override: nothing planned is kept fp32
     optimizer = lightning_qstate.QAdamW(model.parameters(), min_quant_size=0)
     with pytest.raises(ValueError, match=r"BitWidthPlanner: anneal_steps=0 must be an int >= 1"):

@@ -479,7 +479,8 @@ def test_state_names_the_wrapped_optimizer_does_not_keep_raise_at_its_first_step
         wrapped = lq.quantize_optimizer(inner, states={"exp_avg_sq": "int4"}, min_quant_size=0)
     else:
         wrapped = QuantizationPolicy(min_quant_size=0, overrides={"0.*": {"exp_avg_sq": "int4"}}).apply(inner, model)
-    with pytest.raises(ValueError, match=r"names \['exp_avg_sq'\], which RMSprop does not keep; its states are \['grad_avg', 'momentum_buffer', "):
+    unknown = r"names \['exp_avg_sq'\], which RMSprop does not keep; its states are \['grad_avg', 'momentum_buffer', "
+    with pytest.raises(ValueError, match=unknown):
         run(model, wrapped, 0, 1)
     assert repr(wrapped).startswith("QuantizedOptimizerWrapper[RMSprop] (")
 

@@ -118,6 +118,14 @@ class Layer:
     dispersion: float | None = None
     hysteresis: ZoneHysteresis = field(default_factory=ZoneHysteresis)
     choice: Choice | None = None
+    held: bool | None = None  # some rank held its states at the last check (None: not checked yet)
+    fed: bool = False  # some rank had its gradient at the last check (its states exist after that step)
+
+    @property
+    def stored(self) -> bool:
+        """Whether its states count in the budget: held or about to be made (before the first check: assumed). A
+        trainable parameter that gets no gradient has none, and priced it would lend the others bits."""
+        return self.held is None or self.held or self.fed
 
     def state_bytes(self) -> list[int]:
         """Bytes of each adapted state in its current format."""
@@ -149,7 +157,8 @@ class BitWidthPlanner:
        adopted once seen at ``hysteresis`` consecutive checks (the first observation at once);
     2. :meth:`plan`: zone -> formats (``m_formats``, ``v_formats``), then the budget over the average of **all** m and
        v values (those kept fp32 by ``min_quant_size`` or FSDP2 row alignment included, at their real stored bytes,
-       scales included): above ``target_bits``, layers are demoted (lowest-priority zone first, then the largest,
+       scales included; a parameter with neither states nor a gradient stores none and is left out until it has
+       either): above ``target_bits``, layers are demoted (lowest-priority zone first, then the largest,
        then by name) down their ladder of cheaper zones' formats until it fits (to ``floor_formats`` only where the
        zones' formats cannot meet the cap); then (``fill_budget``) in rounds,
        layers in the same order move one rung up while the average stays within the cap
@@ -160,7 +169,8 @@ class BitWidthPlanner:
     Construction plans every layer as ``critical``, capped by the budget (:class:`~lightning_qstate.adaptive.BudgetError`
     if even the cheapest candidates miss ``target_bits``); the optimizer is untouched until :meth:`apply`. With
     ``target_bits=None`` every layer keeps its zone's formats. Parameters with a user override
-    (``optimizer.state_overrides`` when the planner is built) keep it and count in the average. A param group
+    (``optimizer.configured_overrides``: the policy's ``overrides``, not a plan's entries in ``state_overrides``) keep
+    it and count in the average. A param group
     whose ``states=`` keeps m or v fp32 (``"fp32"``, or a mapping without it) is refused: the plan would override it.
 
     Example (a plain torch loop; step 0 is a check, so the first plan is applied before the first optimizer step)::
@@ -272,10 +282,10 @@ class BitWidthPlanner:
     def _check_states_quantized(self) -> None:
         """Refuse a param group whose ``states=`` keeps m or v in fp32 (``"fp32"``, or a mapping that leaves the state
         out) for parameters the plan would cover: every plan stores both quantized, so that choice would be overridden
-        silently. A parameter with its own override (``optimizer.state_overrides``) is pinned, not planned."""
+        silently. A parameter with its own override (``optimizer.configured_overrides``) is pinned, not planned."""
         optimizer = self.optimizer
         for index, group in enumerate(optimizer.param_groups):
-            planned = any(self._tracked(param) and param not in optimizer.state_overrides for param in group["params"])
+            planned = any(self._tracked(param) and param not in optimizer.configured_overrides for param in group["params"])
             kept = [state for state in ADAPTED_STATES if format_name_for(group, state) == "fp32"]
             if planned and kept:
                 raise ValueError(
@@ -336,7 +346,8 @@ class BitWidthPlanner:
                 if not self._tracked(param):
                     continue
                 numel = optimizer.full_numels.get(param, param.numel())
-                override = optimizer.state_overrides.get(param)
+                # the user's (a plan's own entries in state_overrides are no pin: a layer unfrozen later is planned again)
+                override = optimizer.configured_overrides.get(param)
                 pinned = None
                 if override is not None:
                     pinned = {state: resolved_nbytes({**group, "states": override}, state, param, numel) for state in ADAPTED_STATES}
@@ -376,10 +387,11 @@ class BitWidthPlanner:
         return True
 
     def gradient_sums(self, device: torch.device | None = None) -> torch.Tensor:
-        """``(3, layers)`` float64 on ``device`` (default: the first parameter's): ``sum |g|``, ``sum g^2`` and the
-        number of values of each layer's local gradient (zeros without one). Two foreach norms (L1, L2) over all
-        gradients; sums over shards and ranks add up, so they can be all-reduced before :meth:`observe`. Parameters that
-        joined the optimizer since the last call become layers first."""
+        """``(4, layers)`` float64 on ``device`` (default: the first parameter's): ``sum |g|``, ``sum g^2`` and the
+        number of values of each layer's local gradient (zeros without one), and 1 where this process's optimizer holds
+        the layer's states. Two foreach norms (L1, L2) over all gradients; sums over shards and ranks add up, so they can
+        be all-reduced before :meth:`observe`. Parameters that joined the optimizer since the last call become layers
+        first."""
         self._sync_layers()
         grads, where = [], []
         for index, layer in enumerate(self.layers):
@@ -387,7 +399,8 @@ class BitWidthPlanner:
             if grad is not None and local_tensor(grad).numel():
                 grads.append(local_tensor(grad))
                 where.append(index)
-        sums = torch.zeros(3, len(self.layers), dtype=torch.float64, device=self.layers[0].param.device if device is None else device)
+        sums = torch.zeros(4, len(self.layers), dtype=torch.float64, device=self.layers[0].param.device if device is None else device)
+        sums[3] = torch.tensor([float(bool(self.optimizer.state.get(layer.param))) for layer in self.layers], dtype=torch.float64)
         if grads:
             index = torch.tensor(where, device=sums.device)
             sums[0, index] = torch.stack(torch._foreach_norm(grads, 1, dtype=torch.float32)).to(sums)
@@ -401,15 +414,21 @@ class BitWidthPlanner:
         ``sums``: :meth:`gradient_sums`, all-reduced over ranks where there are several (a tensor is read back to the
         host: the one sync of a check); ``None``: this process's gradients. A layer whose sums are not finite (an inf or
         NaN gradient, which the optimizer's non-finite policy or ``GradScaler`` skips) counts as having no gradient at
-        this check; the model's reference is then taken over the others (and kept where none is left).
+        this check; the model's reference is then taken over the others (and kept where none is left). A layer with
+        neither states (on any rank: the fourth row; this process's where ``sums`` has three) nor a gradient stores
+        nothing, and is left out of the budget until it has either.
         """
         if sums is None:
             sums = self.gradient_sums()
-        abs_sums, square_sums, counts = sums.tolist() if isinstance(sums, torch.Tensor) else sums
+        rows = sums.tolist() if isinstance(sums, torch.Tensor) else [list(row) for row in sums]
+        held = rows[3] if len(rows) > 3 else [float(bool(self.optimizer.state.get(layer.param))) for layer in self.layers]
+        abs_sums, square_sums, counts = rows[:3]
         finite = [math.isfinite(a) and math.isfinite(s) for a, s in zip(abs_sums, square_sums, strict=True)]
         abs_sums, square_sums, counts = (
             [value if ok else 0.0 for value, ok in zip(column, finite, strict=True)] for column in (abs_sums, square_sums, counts)
         )
+        for layer, holds, count in zip(self.layers, held, counts, strict=False):
+            layer.held, layer.fed = holds > 0, count > 0
         for layer, abs_sum, square_sum, count in zip(self.layers, abs_sums, square_sums, counts, strict=False):
             if count > 0:
                 rms, dispersion = gradient_statistics(abs_sum, square_sum, count)
@@ -430,7 +449,8 @@ class BitWidthPlanner:
         """Choose every adapted layer's formats from the zones observed so far and the budget, and record the check at
         ``step`` (``history``, ``last_check``; ``transitions`` once the optimizer has states, ``step > 0``)."""
         self._solve(count_transitions=step > 0)
-        self.history.append({"step": step, "bits": self.bits(), "formats": self.format_names()})
+        names = [layer.name for layer in self.layers]
+        self.history.append({"step": step, "bits": self.bits(), "formats": self.format_names(), "names": names})
         del self.history[: -self.max_history]
         self.last_check = step
 
@@ -440,7 +460,13 @@ class BitWidthPlanner:
 
         With ``count_transitions``, every state whose stored format changes adds one to ``transitions``.
         """
-        adapted = [layer for layer in self.layers if layer.pinned is None]
+        for layer in self.layers:  # layers that store nothing take their zone's formats, outside the budget
+            if layer.pinned is None and not layer.stored:
+                nbytes = lambda state, name, layer=layer: layer.nbytes[(state, name)]  # noqa: E731
+                ladder, start = budget_ladder(layer.hysteresis.zone, self.formats, nbytes)
+                layer.choice = ladder[start][0]
+        counted = [layer for layer in self.layers if layer.stored]
+        adapted = [layer for layer in counted if layer.pinned is None]
         zones = [layer.hysteresis.zone for layer in adapted]
         ladders, starts, reserve = [], [], []
         for zone, layer in zip(zones, adapted, strict=False):
@@ -450,8 +476,8 @@ class BitWidthPlanner:
             ladders.append(ladder + ([floor] if floor else []))
             starts.append(start)
             reserve.append(int(floor is not None))
-        fixed = sum(sum(layer.state_bytes()) for layer in self.layers if layer.pinned is not None)
-        values = len(ADAPTED_STATES) * sum(layer.numel for layer in self.layers)
+        fixed = sum(sum(layer.state_bytes()) for layer in counted if layer.pinned is not None)
+        values = len(ADAPTED_STATES) * sum(layer.numel for layer in counted)
         order = budget_order(zones, [layer.numel for layer in adapted], [layer.name for layer in adapted])
         try:
             costs = [[cost for _, cost in ladder] for ladder in ladders]
@@ -460,7 +486,7 @@ class BitWidthPlanner:
             raise BudgetError(f"BitWidthPlanner: {error}; raise target_bits or lower the optimizer's min_quant_size") from None
         for layer, ladder, rung in zip(adapted, ladders, rungs, strict=False):
             choice = ladder[rung][0]
-            if count_transitions and layer.choice is not None:
+            if count_transitions and layer.choice is not None and layer.held:  # its states are re-encoded
                 old, new = layer.stored_formats(layer.choice), layer.stored_formats(choice)
                 self.transitions += sum(format_config(a) != format_config(b) for a, b in zip(old, new, strict=False))
             layer.choice = choice
@@ -492,7 +518,7 @@ class BitWidthPlanner:
     def format_names(self) -> list[list[str]]:
         """The format each layer's m and v is stored in (``"fp32"``: a plain tensor, e.g. below ``min_quant_size``):
         ``[[m per layer], [v per layer]]``; pinned layers (a user override) report their override's formats."""
-        overrides = self.optimizer.state_overrides
+        overrides = self.optimizer.configured_overrides
         per_layer = []
         for layer in self.layers:
             if layer.pinned is None:
@@ -507,8 +533,9 @@ class BitWidthPlanner:
         """``qstate/adaptive/*``: ``avg_bits`` (stored bits per m/v value), ``target_bits`` (the cap, where set),
         ``bytes_saved`` (versus fp32 m and v), ``threshold`` (at the last check), ``transitions`` and ``zone_<zone>``
         (layers per zone)."""
-        stored = sum(sum(layer.state_bytes()) for layer in self.layers)
-        values = len(ADAPTED_STATES) * sum(layer.numel for layer in self.layers)
+        counted = [layer for layer in self.layers if layer.stored]
+        stored = sum(sum(layer.state_bytes()) for layer in counted)
+        values = len(ADAPTED_STATES) * sum(layer.numel for layer in counted)
         metrics = {
             "qstate/adaptive/avg_bits": 8 * stored / values if values else 0.0,
             "qstate/adaptive/bytes_saved": float(4 * values - stored),
@@ -542,6 +569,8 @@ class BitWidthPlanner:
                     "pending": layer.hysteresis.pending,
                     "streak": layer.hysteresis.streak,
                     "formats": None if layer.choice is None else dict(zip(ADAPTED_STATES, layer.choice, strict=False)),
+                    "held": layer.held,
+                    "fed": layer.fed,
                 }
                 for layer in self.layers
             },
@@ -567,6 +596,7 @@ class BitWidthPlanner:
             entry = entries[layer.name]
             layer.rms, layer.dispersion = entry["rms"], entry["dispersion"]
             layer.hysteresis = ZoneHysteresis(entry["zone"], entry["pending"], entry["streak"])
+            layer.held, layer.fed = entry.get("held"), entry.get("fed", False)  # checkpoints before them: counted
             layer.choice = (
                 None if entry["formats"] is None or layer.pinned is not None else tuple(entry["formats"][state] for state in ADAPTED_STATES)
             )

@@ -42,7 +42,8 @@ class AdaptiveBitWidth(Callback):
     3. zone -> formats (``m_formats``, ``v_formats``; by default ``v`` gets 8 bits in every zone but
        ``redundant``, ``m`` only in ``critical``), then the budget over the average of **all** m and v values
        (those the optimizer keeps fp32 because of ``min_quant_size`` or FSDP2 row alignment included, priced at
-       their real stored bytes, scales included): if it exceeds ``target_bits``, layers are demoted
+       their real stored bytes, scales included; a parameter with neither states nor a gradient, on any rank, stores
+       none and is left out until it has either): if it exceeds ``target_bits``, layers are demoted
        (lowest-priority zone first, then the largest, then by name) down their ladder of cheaper zones' formats
        until it fits (below those, to ``floor_formats``, only where the zones' formats cannot meet the cap); then
        (``fill_budget``) the slack under the cap is spent: in rounds, layers in the same order (the least precise
@@ -226,8 +227,10 @@ def bit_width_figure(history: Sequence[Mapping[str, Any]], names: Sequence[str])
     per layer that some check stored quantized (named, the common prefix dropped; layers kept fp32 throughout are left
     out and counted in the title), a column per check (the x axis is the step), one colour per stored format (legend).
 
-    ``history``: the planner's entries (``step``, ``bits``, ``formats``: ``[[m per layer], [v per layer]]``; entries of
-    older checkpoints without ``formats`` are labelled by their bits); ``names``: the layers, in the planner's order.
+    ``history``: the planner's entries (``step``, ``bits``, ``formats``: ``[[m per layer], [v per layer]]``, ``names``:
+    the layers then, which grow where parameters join; entries of older checkpoints without ``formats`` are labelled
+    by their bits, without ``names`` taken as the first of ``names``); ``names``: the layers, in the planner's order. A
+    layer an entry does not hold is drawn as "not planned"; with no quantized layer the figure says so.
     """
     import matplotlib
 
@@ -236,9 +239,19 @@ def bit_width_figure(history: Sequence[Mapping[str, Any]], names: Sequence[str])
     from matplotlib.colors import ListedColormap
     from matplotlib.patches import Patch
 
-    labels = [entry.get("formats") or [[f"{bits:.2f} bits" for bits in per_state] for per_state in entry["bits"]] for entry in history]
-    shown = [i for i in range(len(names)) if any(per_state[i] != "fp32" for entry in labels for per_state in entry)]
-    formats = sorted({per_state[i] for entry in labels for per_state in entry for i in shown})
+    labels = []  # per entry, per state: {layer name: label}
+    for entry in history:
+        per_state = entry.get("formats") or [[f"{bits:.2f} bits" for bits in column] for column in entry["bits"]]
+        held = entry.get("names") or names[: len(per_state[0])]
+        labels.append([dict(zip(held, column, strict=True)) for column in per_state])
+    absent = "not planned"
+    shown = [i for i in range(len(names)) if any(column.get(names[i], "fp32") != "fp32" for entry in labels for column in entry)]
+    if not shown:
+        figure, axis = plt.subplots(figsize=(6, 1.2))
+        axis.axis("off")
+        axis.text(0.5, 0.5, f"no quantized layer: all {len(names)} layers keep fp32 m and v", ha="center", va="center", fontsize=9)
+        return figure
+    formats = sorted({column.get(names[i], absent) for entry in labels for column in entry for i in shown})
     colours = plt.get_cmap("tab10" if len(formats) <= 10 else "tab20")(range(len(formats)))
     steps = [entry["step"] for entry in history]
     edges = steps + [steps[-1] + (steps[-1] - steps[-2] if len(steps) > 1 else 1)]
@@ -247,7 +260,7 @@ def bit_width_figure(history: Sequence[Mapping[str, Any]], names: Sequence[str])
     height = 1.6 + 0.17 * len(shown) * len(ADAPTED_STATES)
     figure, axes = plt.subplots(len(ADAPTED_STATES), 1, figsize=(9, height), sharex=True, squeeze=False)
     for panel, (axis, state) in enumerate(zip(axes[:, 0], ADAPTED_STATES, strict=True)):
-        grid = [[formats.index(entry[panel][i]) for entry in labels] for i in shown]
+        grid = [[formats.index(entry[panel].get(names[i], absent)) for entry in labels] for i in shown]
         axis.pcolormesh(edges, range(len(shown) + 1), grid, cmap=ListedColormap(colours), vmin=-0.5, vmax=len(formats) - 0.5)
         axis.set_yticks([row + 0.5 for row in range(len(shown))], [names[i][len(prefix) :] for i in shown], fontsize=7)
         axis.invert_yaxis()
