@@ -175,6 +175,18 @@ def test_a_parameter_that_gets_no_gradient_lends_no_bits():
         stored_bits = 8 * summary["bytes"] / summary["values"]
         assert stored_bits <= 6.0 and planner.metrics()["qstate/adaptive/avg_bits"] == pytest.approx(stored_bits, rel=1e-12), step
     assert not optimizer.state[model["unused"].weight] and planner.transitions == 0
+    # its formats are the cheapest (the floor), so states it makes before the next check lower the average
+    assert planner.decisions()["unused.weight"]["exp_avg"] == planner.decisions()["unused.weight"]["exp_avg_sq"] == "int4"
+
+
+def test_a_non_finite_first_check_still_counts_the_layers():
+    """GradScaler's first step overflows: at the step-0 check every gradient was inf, no layer counted, and the plan left
+    the cap (8.10 stored bits under 5.0). A non-finite gradient is a gradient: its states follow."""
+    model, optimizer = mlp_and_optimizer()
+    planner = BitWidthPlanner(optimizer, model, target_bits=5.0, **OPTIONS)
+    (model(torch.randn(8, 32)).sum() * math.inf).backward()
+    planner.update(0)
+    assert all(layer.stored for layer in planner.layers) and planner.metrics()["qstate/adaptive/avg_bits"] <= 5.0
 
 
 def test_a_layer_unfrozen_later_is_planned_again():

@@ -109,6 +109,17 @@ def test_policy_patterns_match_groups_added_later():
     with pytest.raises(ValueError, match=r"AdamW: the policy's overrides patterns match parameter names.*shapes \[\(4, 4\), \(4,\)\]"):
         converted.add_param_group({"params": list(outside.parameters())})
     assert len(converted.param_groups) == 2
+    # a refused group leaves the overrides as they were (it dropped entries apply had made for those parameters)
+    policy = QuantizationPolicy(weights="bf16", weight_overrides={"0.weight": "bf16"}, min_quant_size=0)
+    selected = policy.apply(torch.optim.AdamW([frozen[0].weight]), frozen)
+    kept = dict(selected.weight_overrides)
+    assert kept[frozen[1].weight] is None  # the module's other parameters: their dtype
+    with pytest.raises(ValueError, match="complex parameters are not supported"):
+        selected.add_param_group({"params": [frozen[1].weight, torch.nn.Parameter(torch.zeros(2, dtype=torch.complex64))]})
+    assert selected.weight_overrides == kept
+    # an optimizer pickled before the patterns were kept (no name_patterns) still takes groups
+    del converted.__dict__["name_patterns"]
+    converted.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3))]})
 
 
 @pytest.mark.parametrize("make", [lq.QAdamW, lambda params: lq.QMuon([p for p in params if p.ndim == 2])], ids=["QAdamW", "QMuon"])

@@ -275,9 +275,11 @@ def test_fp16_v_written_rn_is_marginal_for_its_subnormals():
     v = _row(advise(QAdamW(_model().parameters(), states="fp16", min_quant_size=0), 1000), "exp_avg_sq")
     assert v.margin >= 0 and v.verdict == "marginal"
     (subnormal,) = v.reasons
-    assert subnormal.startswith("fp16 subnormals") and "2.98e-05" in subnormal and "store v in bf16" in subnormal
+    assert subnormal.startswith("fp16 subnormals") and "2.98e-05" in subnormal and "rounding='stochastic'" in subnormal
     stochastic = _row(advise(QAdamW(_model().parameters(), states="fp16", min_quant_size=0, rounding="stochastic"), 1000), "exp_avg_sq")
     assert stochastic.verdict == "ok" and not stochastic.reasons
+    slow = _row(advise(QAdamW(_model().parameters(), states="fp16", betas=(0.9, 0.9999), min_quant_size=0), 1000), "exp_avg_sq")
+    assert slow.verdict == "insufficient" and len(slow.reasons) == 2  # the normals' ratchet too: the worse verdict stands
 
 
 def test_weights_kept_with_exact_error_feedback_count_as_master_weights():

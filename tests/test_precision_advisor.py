@@ -158,7 +158,7 @@ def test_several_optimizers_need_the_steps_each_takes(tmp_path, capsys):
     its own run; the advisor asks for ``steps`` instead. The run summary names each optimizer's risky rows."""
     from lightning_qstate.callbacks import RunSummary
 
-    with pytest.raises(ValueError, match=r"with 2 optimizers Lightning's max_steps and global_step count the steps of all.*steps=\.\.\."):
+    with pytest.raises(ValueError, match=r"with 2 optimizers \(manual optimization\) Lightning counts the steps of all.*steps=\.\.\."):
         fit(tmp_path, PrecisionAdvisor(verbose=False), model=TwoOptimizers(), plugins=[QStatePrecision("bf16-true", states="fp32")])
     advisor = PrecisionAdvisor(steps=2, log_weight_stalls=False, verbose=False, constants={("adam", "grads", "nearest"): np.float64(1)})
     with pytest.warns(UserWarning):  # lr 1e-9 moves no bf16 weight: both optimizers' weights insufficient

@@ -482,6 +482,8 @@ def test_state_names_the_wrapped_optimizer_does_not_keep_raise_at_its_first_step
     unknown = r"names \['exp_avg_sq'\], which RMSprop does not keep; its states are \['grad_avg', 'momentum_buffer', "
     with pytest.raises(ValueError, match=unknown):
         run(model, wrapped, 0, 1)
+    with pytest.raises(ValueError, match=unknown):  # and at every step after, until it is fixed
+        run(model, wrapped, 1, 2)
     assert repr(wrapped).startswith("QuantizedOptimizerWrapper[RMSprop] (")
 
 

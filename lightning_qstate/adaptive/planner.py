@@ -423,12 +423,12 @@ class BitWidthPlanner:
         rows = sums.tolist() if isinstance(sums, torch.Tensor) else [list(row) for row in sums]
         held = rows[3] if len(rows) > 3 else [float(bool(self.optimizer.state.get(layer.param))) for layer in self.layers]
         abs_sums, square_sums, counts = rows[:3]
+        for layer, holds, count in zip(self.layers, held, counts, strict=False):  # a non-finite gradient is one too
+            layer.held, layer.fed = holds > 0, count > 0
         finite = [math.isfinite(a) and math.isfinite(s) for a, s in zip(abs_sums, square_sums, strict=True)]
         abs_sums, square_sums, counts = (
             [value if ok else 0.0 for value, ok in zip(column, finite, strict=True)] for column in (abs_sums, square_sums, counts)
         )
-        for layer, holds, count in zip(self.layers, held, counts, strict=False):
-            layer.held, layer.fed = holds > 0, count > 0
         for layer, abs_sum, square_sum, count in zip(self.layers, abs_sums, square_sums, counts, strict=False):
             if count > 0:
                 rms, dispersion = gradient_statistics(abs_sum, square_sum, count)
@@ -460,11 +460,11 @@ class BitWidthPlanner:
 
         With ``count_transitions``, every state whose stored format changes adds one to ``transitions``.
         """
-        for layer in self.layers:  # layers that store nothing take their zone's formats, outside the budget
-            if layer.pinned is None and not layer.stored:
+        for layer in self.layers:  # layers that store nothing, outside the budget: their cheapest formats, so that states
+            if layer.pinned is None and not layer.stored:  # made before the next check lower the average rather than raise it
                 nbytes = lambda state, name, layer=layer: layer.nbytes[(state, name)]  # noqa: E731
-                ladder, start = budget_ladder(layer.hysteresis.zone, self.formats, nbytes)
-                layer.choice = ladder[start][0]
+                ladder, _ = budget_ladder(layer.hysteresis.zone, self.formats, nbytes)
+                layer.choice = (floor_option(ladder[-1], ADAPTED_STATES, self.floor_formats, nbytes) or ladder[-1])[0]
         counted = [layer for layer in self.layers if layer.stored]
         adapted = [layer for layer in counted if layer.pinned is None]
         zones = [layer.hysteresis.zone for layer in adapted]

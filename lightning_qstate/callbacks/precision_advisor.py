@@ -144,9 +144,9 @@ class PrecisionAdvisor(Callback):
         optimizers = len(trainer.strategy.optimizers)
         if optimizers > 1:  # manual optimization: max_steps and global_step count every optimizer's steps
             raise ValueError(
-                f"PrecisionAdvisor: with {optimizers} optimizers Lightning's max_steps and global_step count the steps of all "
-                "of them, so no optimizer's own run length is known; pass PrecisionAdvisor(steps=...), the steps each "
-                "optimizer takes in the run"
+                f"PrecisionAdvisor: with {optimizers} optimizers (manual optimization) Lightning counts the steps of all of "
+                "them (max_steps, global_step) or the batches (max_epochs), not each optimizer's, so no optimizer's own "
+                "run length is known; pass PrecisionAdvisor(steps=...), the steps each optimizer takes in the run"
             )
         estimated = trainer.estimated_stepping_batches
         if not math.isfinite(estimated) or estimated < 1:  # infinite training, or an iterable dataset without max_steps

@@ -212,9 +212,9 @@ class BlockFormat(StorageFormat):
         return pack(codes, self.bits), scales
 
     def dequantize(self, q: QuantizedTensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """The values of ``q`` in ``dtype`` (default: the quantized tensor's). In a dtype of a narrower range than fp32's
-        (fp16, bf16) they saturate at its largest value: a block's scale is rounded up (a bf16 scale), so its top code
-        can decode past the input's range (an fp16 65504 under the scale 65536), which the cast would make inf."""
+        """The values of ``q`` in ``dtype`` (default: the quantized tensor's). In fp16 they saturate at its largest value:
+        a block's scale is rounded up (a bf16 scale), so its top code can decode past the input's range (an fp16 65504
+        under the scale 65536), which the cast would make inf."""
         dtype = dtype or q.dtype
         decoded = torch.float32 if narrows_range(torch.float32, dtype) else dtype
         backend = kernel_backend(q.device)

@@ -364,13 +364,16 @@ class QuantizedStates:
         super().add_param_group(param_group)
         if getattr(self, "_policy_ready", False):  # during torch's __init__ the policy defaults are not set yet
             group = self.param_groups[-1]
+            overrides = (self.state_overrides, self.configured_overrides, self.weight_overrides)
+            before = [{param: chosen[param] for param in group["params"] if param in chosen} for chosen in overrides]
             try:
                 self._complete_group(group)
-            except (ValueError, TypeError):
+            except Exception:  # the group, and the overrides its patterns matched, as before the call
                 self.param_groups.pop()
-                for overrides in (self.state_overrides, self.configured_overrides, self.weight_overrides):
+                for chosen, kept in zip(overrides, before, strict=True):
                     for param in group["params"]:
-                        overrides.pop(param, None)
+                        chosen.pop(param, None)
+                    chosen.update(kept)
                 raise
 
     def _complete_group(self, group: dict) -> None:
@@ -398,18 +401,19 @@ class QuantizedStates:
         """The policy's ``overrides`` and ``weight_overrides`` patterns applied to a group added after construction, as
         to the constructor's parameters: matched against its ``param_names``, else the module's names
         (``QuantizationPolicy.apply``)."""
-        if not self.name_patterns:
+        name_patterns = self.__dict__.get("name_patterns")  # an optimizer pickled before they were kept has none
+        if not name_patterns:
             return
         given = group.get("param_names")
         names = list(given) if given else [self.module_names.get(param) for param in group["params"]]
         unnamed = [tuple(param.shape) for name, param in zip(names, group["params"], strict=True) if name is None]
         if unnamed:
             raise ValueError(
-                f"{owner}: the policy's {' and '.join(self.name_patterns)} patterns match parameter names, and the added group's "
+                f"{owner}: the policy's {' and '.join(name_patterns)} patterns match parameter names, and the added group's "
                 f"parameters of shapes {unnamed} have none; add the group with param_names (as torch's named groups)"
             )
         named = list(zip(names, group["params"], strict=True))
-        for option, patterns in self.name_patterns.items():
+        for option, patterns in name_patterns.items():
             matched = match_patterns(named, patterns)
             if option == "overrides":
                 self.state_overrides.update(matched)

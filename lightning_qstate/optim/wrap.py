@@ -266,13 +266,15 @@ class QuantizedOptimizerWrapper(QuantizedStates, torch.optim.Optimizer):
         """Once the inner optimizer has made its states (at its first step; the wrapper knows no names before), every
         state name that ``states=`` or a per-parameter override names must be one of them: a misspelt one (or Adam's
         ``exp_avg_sq`` for RMSprop's ``square_avg``) quantized nothing, silently."""
-        made = {name for state in self.state.values() for name in state}
-        if self.__dict__.get("_names_checked") or not made:
+        if self.__dict__.get("_names_checked"):
             return
-        self._names_checked = True
+        made = {name for state in self.state.values() for name in state}
+        if not made:
+            return
         asked = {name for group in self.param_groups if isinstance(group["states"], Mapping) for name in group["states"]}
         asked |= {name for spec in self.state_overrides.values() if isinstance(spec, Mapping) for name in spec}
         unknown = sorted(asked - made)
+        self._names_checked = not unknown  # a step after the error raises it again
         if unknown:
             raise ValueError(
                 f"{type(self).__name__}: states= (or overrides=) names {unknown}, which {type(self.optimizer).__name__} does not "

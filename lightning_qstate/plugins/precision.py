@@ -116,7 +116,8 @@ _POLICY_DOC = """
         weight_block: scale groups of block-scaled ``weights``: ``"row"`` (default), ``"tensor"`` or a power of two.
         error_feedback: what happens to the rounding error of the weights: ``None`` (dropped), ``"eco"`` (fed into the
             momentum, ECO's rule) or ``"eco_exact"`` (kept in an fp32 state ``"weight_error"``).
-        weight_overrides: ``{name_pattern: weights}`` (``None``: the parameter's dtype), matched as ``overrides``,
+        weight_overrides: ``{name_pattern: weights}`` (``None``: the parameter's dtype; a bf16/fp16 one on its dtype's
+            grid with ``weight_rounding`` and ``error_feedback``), matched as ``overrides``,
             e.g. ``{"*.lm_head.*": "bf16", "*.h.0.*": None}``.
         track_stalls: count stalled state entries, and weight entries whose update was lost to rounding (the pseudo-state
             ``"weights"``), read by ``StallMonitor``.

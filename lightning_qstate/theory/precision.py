@@ -393,8 +393,7 @@ def _ratchet_findings(group: dict, storage: _Storage) -> list[tuple[str, str]]:
     fmt = storage.fmt
     if storage.rounding != "nearest" or fmt is None or beta is None or not 0.0 < beta < 1.0 or storage.bits >= FP32_BITS:
         return []
-    if isinstance(fmt, CastFormat) and fmt.dtype == torch.float16:
-        return _fp16_subnormal_findings(storage, beta)
+    subnormal = _fp16_subnormal_findings(beta) if isinstance(fmt, CastFormat) and fmt.dtype == torch.float16 else []
     block = isinstance(fmt, BlockFormat)
     bits = fraction_bits(fmt)
     if bits is not None:
@@ -403,7 +402,7 @@ def _ratchet_findings(group: dict, storage: _Storage) -> list[tuple[str, str]]:
         _, _, gap_down = relative_gaps(fmt)
         half_gap = float(gap_down[:-1].min()) / 2 if block else float(gap_down.min()) / 2  # a block's top code is its scale
     if 1.0 - beta >= half_gap:
-        return []
+        return subnormal
     moment = moment_of(state_name)
     scale_ratchets = block and fmt.scale_dtype == torch.bfloat16 and 1.0 - beta < 2.0**-9
     if not block:
@@ -421,10 +420,10 @@ def _ratchet_findings(group: dict, storage: _Storage) -> list[tuple[str, str]]:
         f"stall ratchet: 1-β = {1 - beta:.3g} is under half the relative gap below each code of {storage.name} ({half_gap:.3g}), "
         f"so written RN {how}; remedies: {remedies} {_STALL_PAPER}"
     )
-    return [(verdict, reason)]
+    return [(verdict, reason), *subnormal]
 
 
-def _fp16_subnormal_findings(storage: _Storage, beta: float) -> list[tuple[str, str]]:
+def _fp16_subnormal_findings(beta: float) -> list[tuple[str, str]]:
     """fp16's ``v`` written RN: its normals have the bits (``1 - β2`` over half their gap), but below ``2^-14`` its grid is
     subnormal, a fixed spacing of ``2^-24``: a ``v`` under ``2^-25 / (1 - β2)`` (gradients under its root) can never
     decrease, and with it most of a model's ``v`` (gradients of 1e-4 to 1e-3 put all of it there)."""
@@ -432,7 +431,8 @@ def _fp16_subnormal_findings(storage: _Storage, beta: float) -> list[tuple[str, 
     reason = (
         f"fp16 subnormals: below 2^-14 fp16's grid has a fixed spacing of 2^-24, so a v under 2^-25/(1-β) = {below:.3g} "
         f"(gradients under {math.sqrt(below):.2g}, most models') written RN can never decrease and stalls on nearly every "
-        f"step; store v in bf16 (fp32's exponent range), or write it with rounding='stochastic' {_STALL_PAPER}"
+        f"step; write it with rounding='stochastic' (unbiased there too), or store it in bf16 (fp32's exponent range) "
+        f"written stochastically as well {_STALL_PAPER}"
     )
     return [("marginal", reason)]
 
