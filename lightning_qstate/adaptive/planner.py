@@ -400,13 +400,17 @@ class BitWidthPlanner:
                 grads.append(local_tensor(grad))
                 where.append(index)
         sums = torch.zeros(4, len(self.layers), dtype=torch.float64, device=self.layers[0].param.device if device is None else device)
-        sums[3] = torch.tensor([float(bool(self.optimizer.state.get(layer.param))) for layer in self.layers], dtype=torch.float64)
+        sums[3] = torch.tensor(self._held_here(), dtype=torch.float64)
         if grads:
             index = torch.tensor(where, device=sums.device)
             sums[0, index] = torch.stack(torch._foreach_norm(grads, 1, dtype=torch.float32)).to(sums)
             sums[1, index] = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).to(sums).square()
             sums[2, index] = torch.tensor([float(g.numel()) for g in grads], dtype=torch.float64, device=sums.device)
         return sums
+
+    def _held_here(self) -> list[float]:
+        """Per layer, 1.0 where this process's optimizer holds its states (``gradient_sums``' fourth row), else 0.0."""
+        return [float(bool(self.optimizer.state.get(layer.param))) for layer in self.layers]
 
     def observe(self, step: int, sums: torch.Tensor | Sequence[Sequence[float]] | None = None) -> None:
         """Update the EMAs and the layers' zones (with hysteresis) at ``step``.
@@ -421,7 +425,7 @@ class BitWidthPlanner:
         if sums is None:
             sums = self.gradient_sums()
         rows = sums.tolist() if isinstance(sums, torch.Tensor) else [list(row) for row in sums]
-        held = rows[3] if len(rows) > 3 else [float(bool(self.optimizer.state.get(layer.param))) for layer in self.layers]
+        held = rows[3] if len(rows) > 3 else self._held_here()
         abs_sums, square_sums, counts = rows[:3]
         for layer, holds, count in zip(self.layers, held, counts, strict=False):  # a non-finite gradient is one too
             layer.held, layer.fed = holds > 0, count > 0
@@ -460,20 +464,21 @@ class BitWidthPlanner:
 
         With ``count_transitions``, every state whose stored format changes adds one to ``transitions``.
         """
-        for layer in self.layers:  # layers that store nothing, outside the budget: their cheapest formats, so that states
-            if layer.pinned is None and not layer.stored:  # made before the next check lower the average rather than raise it
-                nbytes = lambda state, name, layer=layer: layer.nbytes[(state, name)]  # noqa: E731
-                ladder, _ = budget_ladder(layer.hysteresis.zone, self.formats, nbytes)
-                layer.choice = (floor_option(ladder[-1], ADAPTED_STATES, self.floor_formats, nbytes) or ladder[-1])[0]
         counted = [layer for layer in self.layers if layer.stored]
-        adapted = [layer for layer in counted if layer.pinned is None]
-        zones = [layer.hysteresis.zone for layer in adapted]
-        ladders, starts, reserve = [], [], []
-        for zone, layer in zip(zones, adapted, strict=False):
+        adapted, zones, ladders, starts, reserve = [], [], [], [], []
+        for layer in self.layers:
+            if layer.pinned is not None:
+                continue
             nbytes = lambda state, name, layer=layer: layer.nbytes[(state, name)]  # noqa: E731
-            ladder, start = budget_ladder(zone, self.formats, nbytes)
+            ladder, start = budget_ladder(layer.hysteresis.zone, self.formats, nbytes)
             floor = floor_option(ladder[-1], ADAPTED_STATES, self.floor_formats, nbytes)
-            ladders.append(ladder + ([floor] if floor else []))
+            ladder += [floor] if floor else []
+            if not layer.stored:  # outside the budget: its cheapest formats, so that states it makes before the next
+                layer.choice = ladder[-1][0]  # check lower the average rather than raise it
+                continue
+            adapted.append(layer)
+            zones.append(layer.hysteresis.zone)
+            ladders.append(ladder)
             starts.append(start)
             reserve.append(int(floor is not None))
         fixed = sum(sum(layer.state_bytes()) for layer in counted if layer.pinned is not None)

@@ -54,7 +54,7 @@ from .serialization import (
     is_exported,
     quantize_exactly,
 )
-from .weights import ERROR_STATE, grid_units, own_dtype_grid, weight_grid
+from .weights import ERROR_STATE, grid_units, overridden_grid
 
 CheckpointMode = Literal["packed", "fp32"]
 StateValue = torch.Tensor | QuantizedTensor
@@ -1003,14 +1003,7 @@ class QuantizedStates:
 
     def weight_grid(self, group: dict, key: torch.Tensor, param: torch.Tensor | None = None) -> WeightGrid | None:
         """The grid parameter ``key`` (of ``group``) is kept on after a step (``optim.weights``); ``None``: torch's behaviour."""
-        overrides = self.__dict__.get("weight_overrides")
-        weights = group["weights"]
-        param = local_tensor(key) if param is None else param
-        if overrides:  # looked up only where there are some: a tensor key hashes in Python, and each step asks for every parameter
-            if key in overrides and overrides[key] is None:
-                return own_dtype_grid(group, param)
-            weights = overrides.get(key, weights)
-        return weight_grid(weights, group, param)
+        return overridden_grid(group, key, local_tensor(key) if param is None else param, self.__dict__.get("weight_overrides"))
 
     _feeding_back = False  # while _update_on_grid runs for a group whose error_feedback is "eco"
 
@@ -1682,7 +1675,7 @@ class QuantizedStates:
         kept = [name for key, name in self.param_names().items() if ERROR_STATE in self.state.get(key, {})]
         if kept:
             warnings.warn(
-                f"{type(self).__name__}.fp32_state_dict: parameters {kept[:5]}{'...' if len(kept) > 5 else ''} are kept rounded, "
+                f"{type(self).__name__}.fp32_state_dict: the weights of {_listing(kept)} are kept rounded, "
                 f"their remainders in the state {ERROR_STATE!r} (error_feedback='eco_exact'), which a torch optimizer ignores: it "
                 f"steps the rounded values. To go on without this optimizer, add the remainders to fp32 copies of the "
                 f"parameters first (param.float() + state[{ERROR_STATE!r}]), then build the torch optimizer on those",

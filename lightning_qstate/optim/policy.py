@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 from ..formats import ROUNDINGS, BlockFormat, StorageFormat, check_block_size, get_format
 from ..formats.base import local_tensor
 from ..formats.weights import WeightBlock, WeightGrid, get_weight_grid
-from .weights import own_dtype_grid, weight_grid
+from .weights import overridden_grid
 
 # typing.Union, not `|`: the optimizers' signatures (read by the CLI's jsonargparse) keep the object they always had.
 StatesSpec = Union[str, Mapping[str, str]]  # noqa: UP007
@@ -445,10 +445,7 @@ def _same_grids(optimizer: QuantizedStates, overrides: Mapping[torch.Tensor, str
 
     for group in optimizer.param_groups:
         for param in group["params"]:
-            local = local_tensor(param)
-            override = overrides.get(param, group["weights"])
-            wanted = own_dtype_grid(group, local) if param in overrides and override is None else weight_grid(override, group, local)
-            if key(wanted) != key(optimizer.weight_grid(group, param)):
+            if key(overridden_grid(group, param, local_tensor(param), overrides)) != key(optimizer.weight_grid(group, param)):
                 return False
     return True
 

@@ -26,6 +26,8 @@ generic wrapper refuse it.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 
 from ..formats.packing import as_blocks
@@ -82,6 +84,18 @@ def grid_units(grid: WeightGrid, values: torch.Tensor) -> torch.Tensor:
     )
     codes = grid.format.encode(groups / torch.where(scale > 0, scale, 1.0), "nearest", None)
     return lookup(decode, codes).reshape(-1)[: flat.numel()]
+
+
+def overridden_grid(
+    group: dict, key: torch.Tensor, param: torch.Tensor, overrides: Mapping[torch.Tensor, str | None] | None
+) -> WeightGrid | None:
+    """The grid of parameter ``key`` (``param``: the tensor it updates, its local shard) under ``weight_overrides``
+    ``overrides``: its entry (``None``: its own dtype, :func:`own_dtype_grid`), else its group's ``weights``."""
+    if overrides:  # looked up only where there are some: a tensor key hashes in Python, and each step asks for every parameter
+        if key in overrides and overrides[key] is None:
+            return own_dtype_grid(group, param)
+        return weight_grid(overrides.get(key, group["weights"]), group, param)
+    return weight_grid(group["weights"], group, param)
 
 
 def own_dtype_grid(group: dict, param: torch.Tensor) -> WeightGrid | None:

@@ -39,7 +39,7 @@ import numbers
 import operator
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -149,7 +149,7 @@ def required_mantissa_bits(
         raise ValueError(f"{optimizer} has no second moment: component={component!r} is not valid for it; use one of {valid}")
     if constant is None:
         constant = DEFAULT_CONSTANTS[optimizer, component, rounding]
-    elif isinstance(constant, bool) or not isinstance(constant, numbers.Real) or not math.isfinite(constant):
+    elif not _finite_real(constant):
         raise ValueError(f"constant={constant!r} must be a finite real number (the c of slope·log2(steps) + c), or None for the default")
     return max(0.0, SLOPES[optimizer, component] * math.log2(steps) + float(constant))
 
@@ -240,6 +240,11 @@ class _Storage:
     fmt: StorageFormat | None = None
 
 
+def _finite_real(value: Any) -> bool:
+    """A finite real number (numpy's too), not a bool: what a constant ``c`` of the rule may be."""
+    return not isinstance(value, bool) and isinstance(value, numbers.Real) and math.isfinite(value)
+
+
 def check_constants(constants: Mapping[tuple[str, str, str], float] | None, owner: str) -> dict[tuple[str, str, str], float] | None:
     """``constants`` (``{(optimizer, component, rounding): c}`` replacing entries of :data:`DEFAULT_CONSTANTS`) as a dict of
     floats, every key one of those entries and every value a finite real number (numpy's too); errors start with
@@ -255,7 +260,7 @@ def check_constants(constants: Mapping[tuple[str, str, str], float] | None, owne
                 f"{owner}: constants key {key!r} is not valid; use (optimizer, component, rounding) with optimizer in "
                 f"{OPTIMIZERS}, component in {COMPONENTS} (no 'exp_avg_sq' for muon and sgd) and rounding in {ROUNDINGS}"
             )
-        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        if not _finite_real(value):
             raise ValueError(f"{owner}: constants[{key!r}]={value!r} must be a finite number (bits)")
         checked[key] = float(value)
     return checked
