@@ -1293,8 +1293,8 @@ class QuantizedStates:
         group = self._group_of(param)
         if isinstance(fmt, str):
             fmt = resolve_format({**group, "states": fmt, "min_quant_size": 0}, name, param, self.full_numels.get(param))
-        value = dequantized(state[name])
-        state[name] = value if fmt is None else quantize_state(fmt, value)
+        # from the fp32 decode: a bf16/fp16 parameter's state decodes to its dtype, whose rounding would move codes
+        state[name] = dequantized(state[name]) if fmt is None else self._quantized(group, param, fmt, _decoded(state[name], torch.float32))
         _drop_stale_bound(state)
         self.format_changes += 1
 
@@ -1655,9 +1655,10 @@ class QuantizedStates:
                     elif isinstance(value, QuantizedTensor) and (change or key in overridden):
                         target = self._policy_format(group, key, name)
                         if target is None or target.config != value.format.config:
-                            decoded = value.dequantize()
                             state[name] = (
-                                self._plain_state(key, decoded) if target is None else self._quantized(group, key, target, decoded)
+                                self._plain_state(key, value.dequantize())
+                                if target is None
+                                else self._quantized(group, key, target, value.dequantize(torch.float32))
                             )
                             count += 1
                 _drop_stale_bound(state)
