@@ -21,6 +21,8 @@ from lightning_qstate.formats import (
 from lightning_qstate.formats.block import round_up_to_bf16
 from lightning_qstate.formats.cast import FP16_SPEC
 from lightning_qstate.formats.rounding import encode_minifloat
+from lightning_qstate.formats.weights import get_weight_grid
+from lightning_qstate.optim.weights import grid_units
 
 from cases import BLOCK_FORMATS, FORMAT_IDS
 
@@ -70,6 +72,10 @@ def test_other_bad_options():
             get_format(name, nonfinite="skip")
         with pytest.raises(ValueError, match="scale_dtype='fp64' is not a scale type"):
             get_format(name, scale_dtype="fp64")
+        with pytest.raises(ValueError, match=r"scale_dtype=\['bf16'\] is not a scale type"):  # unhashable: the cache's TypeError
+            get_format(name, scale_dtype=["bf16"])
+        with pytest.raises(ValueError, match=r"nonfinite=\{'m': 'raise'\} is not a policy"):
+            get_format(name, nonfinite={"m": "raise"})
         with pytest.raises(ValueError, match="block_size=3 must be a power of two"):
             get_format(name, block_size=3)
     for name in (5, None, b"int8"):
@@ -472,3 +478,15 @@ def test_allocate_lays_out_storage_as_quantize_does(name, options, shape):
             assert made is None
         else:
             assert made.shape == reference.shape and made.dtype == reference.dtype and not made.view(torch.uint8).any()
+
+
+@pytest.mark.parametrize("fmt", ["int4", "int8"])
+@pytest.mark.parametrize("block", ["row", "tensor", 4])
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_a_finite_group_at_the_edge_of_fp32_stays_finite(fmt, block, rounding):
+    """A finite group whose scale would pass fp32's range (signed dynamic maps end at -0.993 / -0.8875: -3.4e38 over
+    that overflows) came out all NaN (0 * inf); it takes the largest finite scale, its extreme rounding inwards."""
+    x = torch.tensor([[-torch.finfo(torch.float32).max, 1.0, 2.0, 3.0]])
+    y = get_weight_grid(fmt, block).round(x, rounding, torch.Generator().manual_seed(0))
+    assert y.isfinite().all() and -torch.finfo(torch.float32).max <= y[0, 0] < -3.0e38
+    assert torch.equal(grid_units(get_weight_grid(fmt, block), y).isfinite(), torch.ones(4, dtype=torch.bool))

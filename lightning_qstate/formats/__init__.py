@@ -128,6 +128,7 @@ def get_format(
         raise ValueError(f"signed={signed!r} must be True or False (False: a non-negative state such as Adam's v)")
     if block_size is not None:
         check_block_size(block_size)
+    check_block_options(nonfinite, scale_dtype)  # casts ignore valid ones; a wrong one is never silently accepted
     return _cached_format(name, block_size, signed, nonfinite, scale_dtype)
 
 
@@ -136,8 +137,6 @@ def _cached_format(
     name: str, block_size: int | None, signed: bool, nonfinite: NonFinitePolicy, scale_dtype: ScaleDtype | None
 ) -> StorageFormat:
     """:func:`get_format` of checked argument types, one instance per distinct call."""
-    if name in _CAST_DTYPES:  # the options casts ignore are still checked: a wrong one is never silently accepted
-        check_block_options(nonfinite, scale_dtype)
     fmt = _build_format(name, block_size, signed, nonfinite, scale_dtype)
     if isinstance(fmt, BlockFormat):
         scale_dtype = SCALE_DTYPE_NAMES[fmt.scale_dtype]  # recorded resolved: checkpoints never follow a changed default

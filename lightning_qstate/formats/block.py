@@ -78,9 +78,9 @@ def round_up_to_bf16(magnitude: torch.Tensor) -> torch.Tensor:
 
 def check_block_options(nonfinite: str, scale_dtype: str | None) -> None:
     """Raise ``ValueError`` for a ``nonfinite`` policy or ``scale_dtype`` that is not one (``None``: the default scale)."""
-    if nonfinite not in NONFINITE_POLICIES:
+    if not isinstance(nonfinite, str) or nonfinite not in NONFINITE_POLICIES:
         raise ValueError(f"nonfinite={nonfinite!r} is not a policy; use one of {NONFINITE_POLICIES}")
-    if scale_dtype is not None and scale_dtype not in SCALE_DTYPES:
+    if scale_dtype is not None and (not isinstance(scale_dtype, str) or scale_dtype not in SCALE_DTYPES):
         raise ValueError(
             f"scale_dtype={scale_dtype!r} is not a scale type; use one of {tuple(SCALE_DTYPES)} or None (bf16 if signed, else fp32)"
         )

@@ -70,11 +70,7 @@ class WeightGrid:
             return flat.view(values.shape)
         groups = self._groups(flat, values)
         decode = self.format.tables(flat.device)["decode"]
-        # each side's extreme onto the code table's end of that side (signed dynamic maps stop at -0.993 or -0.8875):
-        # a group's largest magnitude stays on the grid, so grid values round to themselves (but for a rare last ulp)
-        scale = torch.maximum(
-            groups.amax(dim=1, keepdim=True).clamp(min=0) / decode.max(), groups.amin(dim=1, keepdim=True).clamp(max=0) / decode.min()
-        )
+        scale = group_scales(groups, decode)
         normalized = torch.where(scale.isfinite(), groups / torch.where(scale > 0, scale, 1.0), 0.0).float()  # finite codes
         uniform = uniform_like(normalized, generator) if rounding == "stochastic" else None
         codes = self.format.encode(normalized, rounding, uniform)
@@ -102,6 +98,18 @@ class WeightGrid:
         if self.block == "row":
             return shape.numel() // shape[-1] if len(shape) and shape[-1] else 1
         return -(-shape.numel() // self.block)
+
+
+def group_scales(groups: torch.Tensor, decode: torch.Tensor) -> torch.Tensor:
+    """``(n_groups, 1)`` scales of ``groups`` ``(n_groups, size)`` on a code table ``decode``: each side's extreme onto the
+    table's end of that side (signed dynamic maps stop at -0.993 or -0.8875), so that a group's largest magnitude stays
+    on the grid and grid values round to themselves (but for a rare last ulp). A finite group whose scale would pass
+    the dtype's range (-3.4e38 / 0.993) takes the largest finite scale (its extreme then rounds inwards); a group holding
+    inf or NaN keeps a non-finite one."""
+    high, low = groups.amax(dim=1, keepdim=True), groups.amin(dim=1, keepdim=True)
+    scale = torch.maximum(high.clamp(min=0) / decode.max(), low.clamp(max=0) / decode.min())
+    finite = high.isfinite() & low.isfinite()
+    return torch.where(finite, scale.clamp(max=torch.finfo(scale.dtype).max), scale)
 
 
 def get_weight_grid(name: str, block: WeightBlock = "row") -> WeightGrid:

@@ -32,7 +32,7 @@ import torch
 
 from ..formats.packing import as_blocks
 from ..formats.rounding import lookup
-from ..formats.weights import WeightGrid, get_weight_grid
+from ..formats.weights import WeightGrid, get_weight_grid, group_scales
 
 # The optimizer state that ``eco_exact`` keeps the rounding error in (fp32, the parameter's shape).
 ERROR_STATE = "weight_error"
@@ -79,9 +79,7 @@ def grid_units(grid: WeightGrid, values: torch.Tensor) -> torch.Tensor:
     else:
         groups = as_blocks(flat, grid.block)
     decode = grid.format.tables(flat.device)["decode"]
-    scale = torch.maximum(
-        groups.amax(dim=1, keepdim=True).clamp(min=0) / decode.max(), groups.amin(dim=1, keepdim=True).clamp(max=0) / decode.min()
-    )
+    scale = group_scales(groups, decode)
     codes = grid.format.encode(groups / torch.where(scale > 0, scale, 1.0), "nearest", None)
     return lookup(decode, codes).reshape(-1)[: flat.numel()]
 
