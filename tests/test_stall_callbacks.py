@@ -218,9 +218,18 @@ def test_auto_period_follows_the_theory_and_skips_fp32(tmp_path):
     assert not any(layer.startswith("net.1.") for _, layer in scheduler.history)  # fp32 states are never reset
 
 
-def test_stagger_spreads_the_first_resets(tmp_path):
+@pytest.mark.parametrize("wrapped", [False, True])
+def test_stagger_spreads_the_first_resets(tmp_path, wrapped):
+    """Also for a wrapped optimizer, whose states (and so its layers) appear at its first step: they all reset at step
+    6, their phases given only at the start of training."""
+
+    class RMSprop(Regressor):
+        def configure_optimizers(self):
+            return torch.optim.RMSprop(self.parameters(), lr=1e-3)
+
     scheduler = StateResetScheduler(period=6, stagger=True)
-    fit(tmp_path, max_steps=6, callbacks=[scheduler], plugins=[QStatePrecision(states="int8", min_quant_size=0)])
+    model = RMSprop(scheduler=False) if wrapped else None
+    fit(tmp_path, model=model, max_steps=6, callbacks=[scheduler], plugins=[QStatePrecision(states="int8", min_quant_size=0)])
     first = {}
     for step, layer in scheduler.history:
         first.setdefault(layer, step)
@@ -377,6 +386,31 @@ def test_wrapped_optimizers_states_are_checked_and_charted_once_they_exist(tmp_p
     layout = layout_pb2.Layout()
     layout.ParseFromString(events.Tensors("custom_scalars__config__")[-1].tensor_proto.string_val[0])
     assert {chart.title for category in layout.category for chart in category.chart} == {"momentum_buffer", "square_avg"}
+
+
+def test_rmsprop_momentum_ratios_take_its_normalized_gradient(tmp_path):
+    """RMSprop's buffer is the EMA of d/((sqrt(v) + eps)(1 - μ)), v this step's square_avg (``theory.state_input`` with
+    the states); the monitor took d (ratios ~40 times too small: 0.50 predicted where 0.25 was measured)."""
+    from lightning_qstate.callbacks.stall_monitor import measured_ratios
+    from lightning_qstate.theory import state_input
+
+    class Check(Callback):
+        checked = 0
+
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            ratios = measured_ratios(trainer)
+            if ("net.0.weight", "momentum_buffer") not in ratios:
+                return
+            param = pl_module.net[0].weight
+            state = optimizer.state[param]
+            inputs = state_input(optimizer.param_groups[0], "momentum_buffer", param.grad.reshape(-1), param.detach().reshape(-1), state)
+            values = state["momentum_buffer"].dequantize().reshape(-1)
+            expected = torch.where(values != 0, inputs / values, torch.inf)[(inputs != 0) | (values != 0)]
+            assert torch.equal(ratios["net.0.weight", "momentum_buffer"], expected)
+            Check.checked += 1
+
+    fit(tmp_path, model=RMSpropRegressor(scheduler=False), max_steps=3, callbacks=[Check()])
+    assert Check.checked == 2
 
 
 # --- changes during training, resumes, counting ------------------------------------------------------------------

@@ -143,6 +143,25 @@ def test_state_inputs_follow_the_optimizers_updates():
     assert state_input({"momentum": 0}, "momentum_buffer", g, p) is None
 
 
+@pytest.mark.parametrize("options", [{}, {"centered": True}, {"weight_decay": 0.1, "maximize": True}])
+def test_rmsprop_momentum_input_is_its_normalized_gradient(options):
+    """RMSprop's buffer is b <- μ·b + d/(sqrt(v) + eps): the EMA of d/((sqrt(v) + eps)(1 - μ)) with this step's v; the
+    input was taken as d (about 40 times too small: the monitor predicted 0.50 where 0.25 was measured). It needs the
+    states; without them nothing is predicted."""
+    torch.manual_seed(0)
+    param = torch.nn.Parameter(torch.randn(1000))
+    optimizer = torch.optim.RMSprop([param], lr=1e-3, momentum=0.9, **options)
+    for _ in range(4):
+        param.grad = torch.randn(1000)
+        if _ == 3:
+            group, state = optimizer.param_groups[0], {k: v.clone() for k, v in optimizer.state[param].items()}
+            predicted = state_input(group, "momentum_buffer", param.grad, param.detach().clone(), state)
+            assert state_input(group, "momentum_buffer", param.grad, param.detach()) is None
+        optimizer.step()
+    actual = (optimizer.state[param]["momentum_buffer"] - 0.9 * state["momentum_buffer"]) / (1 - 0.9)  # cancels: fp32 noise
+    assert float((predicted - actual).abs().max() / actual.abs().max()) < 1e-5
+
+
 def test_codebook_gaps_and_occupancy():
     weights, up, down = relative_gaps(get_format("int8_linear", signed=False))
     assert float(weights.sum()) == pytest.approx(1.0)
@@ -210,9 +229,31 @@ def test_bad_arguments_raise_clear_errors():
         with pytest.raises(ValueError, match="ratios= of the second moment are g²/v: >= 0"):
             stall_probability("bf16", 0.999, ratios=torch.tensor([1.0, ratio]))
     assert 0 <= stall_probability("bf16", 0.9, moment="first", ratios=torch.tensor([1.0, -0.5])) <= 1  # g/m may be
-    for horizons in (math.nan, math.inf, 0):
+    for horizons in (math.nan, math.inf, 0, True):
         with pytest.raises(ValueError, match=f"horizons={horizons!r} must be a finite number > 0"):
             reset_period("bf16", 0.999, horizons=horizons)
+    for min_stall in ("0.5", 1.5, None):  # a string raised a bare TypeError
+        with pytest.raises(ValueError, match=f"min_stall={min_stall!r} must be a number in"):
+            reset_period("bf16", 0.999, min_stall=min_stall)
+    with pytest.raises(ValueError, match="block_drift='no' must be True or False"):  # read as True
+        stall_probability("int8", 0.999, block_drift="no")
+    with pytest.raises(ValueError, match="round_period='no' must be True or False"):
+        reset_period("bf16", 0.999, round_period="no")
+
+
+def test_numpy_numbers_are_numbers():
+    """numpy's floats and ints (a config's, a sweep's) were refused as "not a number in (0, 1)"."""
+    np = pytest.importorskip("numpy")
+    assert stall_probability("bf16", np.float32(0.999)) == stall_probability("bf16", float(np.float32(0.999)))
+    assert stall_probability("bf16", 0.999, age=np.int64(300)) == stall_probability("bf16", 0.999, age=300)
+    assert reset_period("bf16", np.float32(0.999), horizons=np.float64(8.4)) == reset_period("bf16", 0.999) == 1000
+
+
+@pytest.mark.parametrize(("beta", "options"), [(0.1, {"min_stall": 0.0}), (0.9, {"horizons": 0.001})])
+def test_a_reset_period_under_one_step_is_one_step(beta, options):
+    """An unrounded period below 1 rounded to 0.5 and was truncated to 0 steps (round_period=False gave 1)."""
+    assert reset_period("bf16" if beta == 0.1 else "e2m2", beta, **options) == 1
+    assert reset_period("bf16" if beta == 0.1 else "e2m2", beta, round_period=False, **options) == 1
 
 
 @pytest.fixture(scope="module")

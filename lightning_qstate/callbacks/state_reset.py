@@ -175,13 +175,18 @@ class StateResetScheduler(Callback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._names_checked = self._check_names(trainer)
-        layers = self.layers(trainer)
-        for index, (layer, rows) in enumerate(layers.items()):
-            if layer not in self.last_reset:  # a fresh run; a resumed one keeps its schedule
-                period = self.layer_period(rows)
-                self.last_reset[layer] = -((index * period) // len(layers)) if self.stagger and period else 0
+        self._phase_new_layers(self.layers(trainer))
         self._last_seen_step = trainer.global_step
         self._checks = MeasuredSteps()
+
+    def _phase_new_layers(self, layers: dict[str, list[StateRow]]) -> None:
+        """Start the schedule of every layer that has none (a resumed run keeps its own): at the start, and for layers
+        whose states appear later (a wrapped optimizer's at its first step, ``add_param_group``); with ``stagger``, a
+        layer's phase follows its place among ``layers``."""
+        for index, (layer, rows) in enumerate(layers.items()):
+            if layer not in self.last_reset:
+                period = self.layer_period(rows)
+                self.last_reset[layer] = -((index * period) // len(layers)) if self.stagger and period else 0
 
     @override
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer) -> None:
@@ -196,10 +201,11 @@ class StateResetScheduler(Callback):
         if not self._names_checked:
             self._names_checked = self._check_names(trainer)
         layers = self.layers(trainer)
+        self._phase_new_layers(layers)
         due = []
         for layer, rows in layers.items():
             period = self.layer_period(rows)
-            if period is not None and optimizer_steps(trainer, rows[0].optimizer) - self.last_reset.setdefault(layer, 0) >= period:
+            if period is not None and optimizer_steps(trainer, rows[0].optimizer) - self.last_reset[layer] >= period:
                 due.append(layer)
         checked = self._checks.collect(trainer)
         if checked is not None:

@@ -26,7 +26,8 @@ TAG_DESCRIPTIONS: tuple[tuple[str, str], ...] = (
     (r"qstate/stall/[^/]+", "Measured stall rate of this state over the whole model: stalled entries over moved entries on the "
      "measured step (StallMonitor). Compare with qstate/stall_predicted (Custom Scalars tab: both on one chart)."),
     (r"qstate/stall_predicted/.+", "Stall probability from theory.stall_probability for the state's format, decay and rounding "
-     "on the measured step: v from the layer's measured mean(v)/mean(g²), m from its age since the last reset."),
+     "on the measured step, given that step's measured ratios of the moving entries (g²/v for v, g/m for m) and the stored "
+     "codes' occupancy."),
     (r"qstate/stall_resets", "Fraction of layers whose states StateResetScheduler zeroed since the previous stall measurement."),
     (r"qstate/reset/layers", "Layers whose states were zeroed at this step (StateResetScheduler)."),
     (r"qstate/reset/total", "Layer resets since training started (StateResetScheduler)."),

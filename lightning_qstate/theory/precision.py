@@ -35,18 +35,16 @@ Casts and minifloats: fp32 23, fp16 10, bf16 7, fp8_e4m3 3, fp8_e5m2 2, ``eXmY``
 from __future__ import annotations
 
 import math
-import numbers
-import operator
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 
 from ..formats import ROUNDINGS, BlockFormat, CastFormat, StorageFormat, check_rounding, get_format
 from ..optim import QuantizedOptimizerWrapper, QuantizedStates
 from ..optim.base import local_tensor
-from .stall import fraction_bits, moment_of, relative_gaps, reset_period, stall_probability, state_decay
+from .stall import finite_real, fraction_bits, moment_of, relative_gaps, reset_period, stall_probability, state_decay, whole_number
 
 COMPONENTS: tuple[str, ...] = ("grads", "weights", "exp_avg", "exp_avg_sq")  # Muon's and SGD's momentum is "exp_avg"
 OPTIMIZERS: tuple[str, ...] = ("adam", "muon", "sgd")
@@ -149,17 +147,14 @@ def required_mantissa_bits(
         raise ValueError(f"{optimizer} has no second moment: component={component!r} is not valid for it; use one of {valid}")
     if constant is None:
         constant = DEFAULT_CONSTANTS[optimizer, component, rounding]
-    elif not _finite_real(constant):
+    elif not finite_real(constant):
         raise ValueError(f"constant={constant!r} must be a finite real number (the c of slope·log2(steps) + c), or None for the default")
     return max(0.0, SLOPES[optimizer, component] * math.log2(steps) + float(constant))
 
 
 def _run_length(steps: object) -> int:
     """``steps`` as a Python int >= 1: any integer (``int``, numpy's, a 0-d integer tensor), not a bool."""
-    try:
-        value = None if isinstance(steps, bool) else operator.index(steps)
-    except TypeError:
-        value = None
+    value = whole_number(steps)
     if value is None or value < 1:
         raise ValueError(f"steps={steps!r} must be an integer >= 1 (the run's optimizer steps)")
     return value
@@ -240,11 +235,6 @@ class _Storage:
     fmt: StorageFormat | None = None
 
 
-def _finite_real(value: Any) -> bool:
-    """A finite real number (numpy's too), not a bool: what a constant ``c`` of the rule may be."""
-    return not isinstance(value, bool) and isinstance(value, numbers.Real) and math.isfinite(value)
-
-
 def check_constants(constants: Mapping[tuple[str, str, str], float] | None, owner: str) -> dict[tuple[str, str, str], float] | None:
     """``constants`` (``{(optimizer, component, rounding): c}`` replacing entries of :data:`DEFAULT_CONSTANTS`) as a dict of
     floats, every key one of those entries and every value a finite real number (numpy's too); errors start with
@@ -260,7 +250,7 @@ def check_constants(constants: Mapping[tuple[str, str, str], float] | None, owne
                 f"{owner}: constants key {key!r} is not valid; use (optimizer, component, rounding) with optimizer in "
                 f"{OPTIMIZERS}, component in {COMPONENTS} (no 'exp_avg_sq' for muon and sgd) and rounding in {ROUNDINGS}"
             )
-        if not _finite_real(value):
+        if not finite_real(value):
             raise ValueError(f"{owner}: constants[{key!r}]={value!r} must be a finite number (bits)")
         checked[key] = float(value)
     return checked

@@ -66,8 +66,10 @@ The model ignores the correlation of ``v`` with past ``g`` and the drift of ``v`
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from typing import Literal
+import numbers
+import operator
+from collections.abc import Callable, Mapping
+from typing import Any, Literal
 
 import torch
 
@@ -105,13 +107,19 @@ def state_decay(group: dict, state_name: str) -> float | None:
     return None
 
 
-def state_input(group: dict, state_name: str, grad: torch.Tensor, param: torch.Tensor) -> torch.Tensor | None:
+def state_input(
+    group: dict, state_name: str, grad: torch.Tensor, param: torch.Tensor, state: Mapping[str, Any] | None = None
+) -> torch.Tensor | None:
     """The input ``x`` of state ``state_name`` written as the EMA ``s ← β·s + (1 - β)·x`` (``β``: :func:`state_decay`),
-    from a parameter's gradient as torch's optimizers compute it (``None`` if not an EMA we know).
+    from a parameter's gradient as torch's optimizers compute it (``None`` if not an EMA we know, or where the input
+    needs the parameter's other states and ``state`` is not given).
 
     ``d = ±g`` (``maximize``) ``+ weight_decay·p`` unless the decay is decoupled (AdamW, Muon). Adam's ``exp_avg``: ``d``;
     ``exp_avg_sq``/``max_exp_avg_sq`` and RMSprop's ``square_avg``: ``d²``; SGD's ``momentum_buffer``
-    (``b ← μ·b + (1 - dampening)·d``): ``(1 - dampening)·d / (1 - μ)``; Muon's (``b.lerp_(g, 1 - μ)``): ``g``.
+    (``b ← μ·b + (1 - dampening)·d``): ``(1 - dampening)·d / (1 - μ)``; Muon's (``b.lerp_(g, 1 - μ)``): ``g``;
+    RMSprop's (``b ← μ·b + d / (sqrt(v) + eps)``, ``v`` its ``square_avg`` after this step, less ``grad_avg²`` where
+    ``centered``): ``d / ((sqrt(v) + eps)·(1 - μ))``, from the states before the step (``state``: the parameter's,
+    quantized or plain, flat or of the parameter's shape).
     """
     beta = state_decay(group, state_name)
     if beta is None:
@@ -121,7 +129,24 @@ def state_input(group: dict, state_name: str, grad: torch.Tensor, param: torch.T
     direction = direction + group["weight_decay"] * param if coupled else direction
     if state_name == "momentum_buffer" and "dampening" in group:
         return direction * ((1 - group["dampening"]) / (1 - beta))
+    if state_name == "momentum_buffer" and "centered" in group and "alpha" in group:
+        return None if state is None else direction / (_rmsprop_denominator(group, direction, state) * (1 - beta))
     return direction.square() if moment_of(state_name) == "second" else direction
+
+
+def _rmsprop_denominator(group: dict, direction: torch.Tensor, state: Mapping[str, Any]) -> torch.Tensor:
+    """RMSprop's ``sqrt(v) + eps`` of this step from its states before it (``square_avg``, ``grad_avg``) and ``direction``."""
+
+    def before(name: str) -> torch.Tensor:
+        value = state[name]
+        return (value.dequantize() if isinstance(value, QuantizedTensor) else value).float().reshape(direction.shape)
+
+    alpha = float(group["alpha"])
+    square_avg = before("square_avg") * alpha + direction.square() * (1 - alpha)
+    if group["centered"]:
+        grad_avg = torch.lerp(before("grad_avg"), direction, 1 - alpha)
+        square_avg = square_avg - grad_avg.square()
+    return square_avg.sqrt() + float(group["eps"])
 
 
 def resolve_format(fmt: str | StorageFormat | None, moment: Moment = "second") -> StorageFormat:
@@ -284,9 +309,30 @@ def _half_normal_grid(spread: float) -> tuple[torch.Tensor, torch.Tensor]:
     return grid, weights / weights.sum()
 
 
+def finite_real(value: object) -> bool:
+    """A finite real number (numpy's too), not a bool."""
+    return not isinstance(value, bool) and isinstance(value, numbers.Real) and math.isfinite(value)
+
+
+def whole_number(value: object) -> int | None:
+    """``value`` as a Python int where it is an integer (``int``, numpy's, a 0-d integer tensor) and not a bool, else ``None``."""
+    try:
+        return None if isinstance(value, bool) else operator.index(value)
+    except TypeError:
+        return None
+
+
+def check_flag(**flags: object) -> None:
+    """Raise ``ValueError`` for a flag that is not a bool (a string such as ``"no"`` would read as True)."""
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise ValueError(f"{name}={value!r} must be True or False")
+
+
 def _check(
     beta: float, rounding: str, age: int | None, center: float | None = None, moment: str = "second", ratios: torch.Tensor | None = None
-) -> None:
+) -> tuple[float, int | None]:
+    """Validate the arguments of a stall model; returns ``beta`` as a float and ``age`` as an int (numpy's numbers too)."""
     if ratios is not None:
         if age is not None or center is not None:
             raise ValueError("ratios= replaces age= and center= (the measured ratios set the state's age and spread): give one of them")
@@ -294,16 +340,20 @@ def _check(
             raise ValueError("ratios= must be a non-empty tensor of the moving entries' g²/v (or g/m) ratios, without NaN")
         if moment == "second" and bool((ratios < 0).any()):
             raise ValueError("ratios= of the second moment are g²/v: >= 0, inf where v is 0; a negative one is not such a ratio")
-    if isinstance(beta, bool) or not isinstance(beta, int | float) or not 0.0 < beta < 1.0:
+    if not finite_real(beta) or not 0.0 < beta < 1.0:
         raise ValueError(f"beta={beta!r} must be a number in (0, 1)")
     check_rounding(rounding)
-    if age is not None and (isinstance(age, bool) or not isinstance(age, int) or age < 1):
-        raise ValueError(f"age={age!r} must be None (steady state) or an int >= 1 (steps since the state was zeroed)")
+    if age is not None:
+        steps = whole_number(age)
+        if steps is None or steps < 1:
+            raise ValueError(f"age={age!r} must be None (steady state) or an integer >= 1 (steps since the state was zeroed)")
+        age = steps
     if center is not None:
         if age is not None or moment != "second":
             raise ValueError("center= is the second moment's E[v]/E[g²]; it replaces age= (give one of them) and needs moment='second'")
-        if not isinstance(center, int | float) or not math.isfinite(center) or center <= 0:
+        if not finite_real(center) or center <= 0:
             raise ValueError(f"center={center!r} must be a positive finite number (the state's mean over its gradients' mean square)")
+    return float(beta), age
 
 
 def stall_probability(
@@ -341,7 +391,9 @@ def stall_probability(
     Returns:
         The probability in ``[0, 1]``; e.g. bf16 at ``β = 0.999``: 0.946 (RN), 0.825 (SR).
     """
-    _check(beta, rounding, age, center, moment, ratios)
+    beta, age = _check(beta, rounding, age, center, moment, ratios)
+    check_flag(block_drift=block_drift)
+    center = None if center is None else float(center)
     return _stall_probability(resolve_format(fmt, moment), beta, rounding, age, moment, values, block_drift, center, ratios)
 
 
@@ -468,7 +520,7 @@ def half_staleness_age(fmt: str | StorageFormat | None, beta: float, *, moment: 
 
     bf16 at ``β = 0.999``: 114 steps; FP8 E4M3: 10.3; E2M2: 5.2.
     """
-    _check(beta, "nearest", None)
+    beta, _ = _check(beta, "nearest", None)
     fmt = resolve_format(fmt, moment)
     target = 0.5 * _stall_probability(fmt, beta, "nearest", None, moment, None, False)
     low, high = 0.0, 1.0
@@ -507,9 +559,12 @@ def reset_period(
         rounding: the state's rounding; it decides only whether resets pay (``min_stall``).
         moment: ``"second"`` (``exp_avg_sq``) or ``"first"`` (``exp_avg``, momentum).
     """
-    _check(beta2, rounding, None)
-    if not (isinstance(horizons, int | float) and math.isfinite(horizons) and horizons > 0) or not 0.0 <= min_stall <= 1.0:
-        raise ValueError(f"horizons={horizons!r} must be a finite number > 0 and min_stall={min_stall!r} in [0, 1]")
+    beta2, _ = _check(beta2, rounding, None)
+    if not finite_real(horizons) or horizons <= 0:
+        raise ValueError(f"horizons={horizons!r} must be a finite number > 0 (EMA horizons 1/(1 - beta2) in a period's rule)")
+    if not finite_real(min_stall) or not 0.0 <= min_stall <= 1.0:
+        raise ValueError(f"min_stall={min_stall!r} must be a number in [0, 1] (the stall probability below which resets do not pay)")
+    check_flag(round_period=round_period)
     if stall_probability(fmt, beta2, rounding, moment=moment) < min_stall:
         return None
     period = math.sqrt(half_staleness_age(fmt, beta2, moment=moment) * horizons / (1 - beta2))
@@ -517,4 +572,4 @@ def reset_period(
         return max(1, math.ceil(period))
     decade = 10 ** math.floor(math.log10(period))
     candidates = [step * decade * scale for scale in (1, 10) for step in _ROUND_SERIES]
-    return int(min(candidates, key=lambda candidate: abs(math.log(candidate / period))))
+    return max(1, int(min(candidates, key=lambda candidate: abs(math.log(candidate / period)))))  # under 1: 0.5 is no period
