@@ -23,8 +23,10 @@ works from your project, as with ``python -m``). Nothing is imported before the 
 Under ``ModelParallelStrategy`` (FSDP2) do not use the ``optimizer:`` config: LightningCLI builds that
 optimizer before ``configure_model`` shards the model; let the module's ``configure_optimizers`` do it.
 
-An option that one of this library's callbacks or plugins rejects (``states: int9``, ``rounding: up``) ends
-the command with a short message and exit status 2, like any usage error; ``JSONARGPARSE_DEBUG=true``
+An option that one of this library's callbacks or plugins rejects (``states: int9``, ``rounding: up``), when it is
+built or when the run starts (an ``overrides`` pattern that matches no parameter, a ``states=`` name the optimizer does
+not have, a checkpoint of another format), ends the command with a short message and exit status 2, like any usage
+error: any ``ValueError`` this library raises (but ``NonFiniteError``, about values). ``JSONARGPARSE_DEBUG=true``
 shows the traceback instead.
 """
 
@@ -54,11 +56,15 @@ from lightning.pytorch.utilities.warnings import PossibleUserWarning
 
 from . import callbacks, plugins
 from .callbacks import RunSummary
+from .formats import NonFiniteError
 
 # Classes whose constructor errors are option checks written for the user (subclasses included).
 _LIBRARY_CLASSES = tuple(
     obj for module in (callbacks, plugins) for obj in (getattr(module, name) for name in module.__all__) if isinstance(obj, type)
 )
+
+
+PACKAGE_DIR = Path(__file__).resolve().parent  # where a ValueError raised is this library's (_rejected_option)
 
 
 class OptionError(ValueError):
@@ -244,11 +250,25 @@ def main(args: ArgsType = None) -> None:
         sys.exit(report_main(argv[1:]))
     try:
         build_cli(args)
-    except OptionError as error:
-        if os.environ.get("JSONARGPARSE_DEBUG", "").lower() == "true":
+    except ValueError as error:
+        if not _rejected_option(error) or os.environ.get("JSONARGPARSE_DEBUG", "").lower() == "true":
             raise
         print(f"lightning-qstate: error: {error}\n(JSONARGPARSE_DEBUG=true shows the traceback)", file=sys.stderr)
         sys.exit(2)
+
+
+def _rejected_option(error: ValueError) -> bool:
+    """Whether ``error`` is this library rejecting its configuration: an :class:`OptionError` (a constructor's), or a
+    ``ValueError`` raised by this package's own code (the innermost frame is in it; a ``ValueError`` of torch or of the
+    user's code is not), but a :class:`~lightning_qstate.formats.NonFiniteError` (values, not options)."""
+    if isinstance(error, OptionError):
+        return True
+    if isinstance(error, NonFiniteError) or error.__traceback__ is None:
+        return False
+    innermost = error.__traceback__
+    while innermost.tb_next is not None:
+        innermost = innermost.tb_next
+    return Path(innermost.tb_frame.f_code.co_filename).resolve().is_relative_to(PACKAGE_DIR)
 
 
 if __name__ == "__main__":

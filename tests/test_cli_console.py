@@ -50,6 +50,33 @@ def test_one_run_summary_where_the_config_lists_one():
     assert summaries() == 1 and summaries("--trainer.callbacks+=lightning_qstate.callbacks.RunSummary") == 1
 
 
+def test_the_summary_names_the_tensorboard_folder_and_a_resumed_fits_steps(tmp_path):
+    """With a CSVLogger before the TensorBoard one, the summary's logs and report lines named the CSV folder (the report
+    found no event files there); a resumed fit printed the checkpoint's steps too beside its own seconds."""
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.demos.boring_classes import BoringModel
+    from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+
+    from lightning_qstate.callbacks import RunSummary
+
+    def fit(max_steps: int, ckpt_path: str | None = None) -> tuple[Trainer, RunSummary]:
+        summary = RunSummary()
+        trainer = Trainer(
+            accelerator="cpu", max_steps=max_steps, default_root_dir=tmp_path, callbacks=[summary], enable_progress_bar=False,
+            enable_model_summary=False, enable_checkpointing=False, limit_val_batches=0,
+            logger=[CSVLogger(tmp_path, name="csv"), TensorBoardLogger(tmp_path, name="tb")],
+        )  # fmt: skip
+        trainer.fit(BoringModel(), ckpt_path=ckpt_path)
+        return trainer, summary
+
+    trainer, summary = fit(4)
+    printed = summary.format()
+    assert ", 4 steps) ==" in printed.splitlines()[0]
+    assert f"report: lightning-qstate report {tmp_path / 'tb' / 'version_0'} " in printed and "csv" not in printed
+    trainer.save_checkpoint(tmp_path / "four.ckpt")
+    assert ", steps 4 -> 6) ==" in fit(6, str(tmp_path / "four.ckpt"))[1].format().splitlines()[0]
+
+
 def test_a_configured_progress_bar_or_none_is_left_alone():
     (bar,) = progress_bars("--trainer.callbacks+=TQDMProgressBar", "--trainer.callbacks.refresh_rate=7")
     assert type(bar) is TQDMProgressBar and bar.refresh_rate == 7

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from lightning.pytorch.demos.boring_classes import BoringModel
 
 from lightning_qstate.cli import OptionError, build_cli, main
 
@@ -88,6 +89,24 @@ def test_rejected_option_in_the_example_config(capsys):
     gpt_int8 = str(REPO_ROOT / "examples" / "configs" / "gpt_int8.yaml")
     report = usage_error(capsys, ["fit", "--config", gpt_int8, "--trainer.plugins.init_args.states=int9"])
     assert report.startswith("lightning-qstate: error: invalid option for QStatePrecision(states='int9'):\n") and FORMATS in report
+
+
+def test_an_option_rejected_when_the_run_starts_is_a_short_usage_error(tmp_path, capsys):
+    """An ``overrides`` pattern that matches no parameter is refused when fit starts (the policy meets the model there):
+    that ended in a traceback and exit status 1."""
+    plugin = config(tmp_path, "plugins", PLUGIN, "{overrides: {'*embedding*': int8}}")
+    report = usage_error(capsys, ["fit", "--config", plugin, *BORING, *NO_OUTPUT, "--trainer.max_steps=1"])
+    assert report.startswith("lightning-qstate: error: QuantizationPolicy: overrides pattern '*embedding*' matches no parameter")
+
+
+class RaisesValueError(BoringModel):
+    def training_step(self, batch, batch_idx):
+        raise ValueError("the user's own error")
+
+
+def test_a_value_error_of_the_users_code_keeps_its_traceback(tmp_path):
+    with pytest.raises(ValueError, match="the user's own error"):
+        main(["fit", f"--model={__name__}.RaisesValueError", *NO_OUTPUT, "--trainer.max_steps=1"])
 
 
 def test_debug_mode_raises_with_the_library_error_as_cause(tmp_path, monkeypatch):

@@ -572,6 +572,16 @@ def test_another_directorys_sources_build_under_their_own_name(tmp_path):
     assert native.extension_name(tmp_path) != copied
 
 
+def test_two_installs_of_the_same_sources_build_apart(tmp_path, monkeypatch):
+    """Another install's or checkout's package (its own ``CSRC``, equal sources) had this one's name, so the two shared
+    a build directory whose ninja file names one's paths: each rebuilt it (~75 s) after the other had loaded it."""
+    for path in native.SOURCES:
+        shutil.copy(path, tmp_path / path.name)
+    own = native.extension_name()
+    monkeypatch.setattr(native, "CSRC", tmp_path)
+    assert native.extension_name(tmp_path) != own
+
+
 def test_an_emulated_build_has_its_own_flags_and_name(monkeypatch, tmp_path):
     """LIGHTNING_QSTATE_KERNEL_EMULATE (``make kernel-emulate``): each emulation's flags replace ``-march=native``
     (the AVX-512 ones with SIMDe's include directory) under their own extension name; an unknown emulation, or an

@@ -31,9 +31,11 @@ class RunSummary(Callback):
         weights without master copy: fp8_e4m3 x16 (0.786 M values): 3.146 MB held, 0.800 MB packed [error_feedback=eco, stochastic]
         TensorBoard logs: runs/gpt_int8/version_0  ->  tensorboard --logdir runs
 
-    Metrics are the scalars in ``trainer.callback_metrics`` (the last logged values). State memory is
+    A resumed fit says ``steps 400 -> 1000`` (its seconds are of those steps). Metrics are the scalars in
+    ``trainer.callback_metrics`` (the last logged values). State memory is
     :func:`~lightning_qstate.optim.state_summary` over ``trainer.strategy.optimizers``, summed over ranks
-    (per-element states only; scalars such as Adam's ``step`` are left out). The summary is also kept in
+    (per-element states only; scalars such as Adam's ``step`` are left out). The logs and the report command name the
+    first TensorBoard logger's folder (the report reads its event files), else ``trainer.log_dir``. The summary is also kept in
     ``self.summary`` (a dict) for scripts and tests. Step paths are the quantized optimizers' ``step_paths()``
     (``kernels.dispatch``) on rank 0: how many parameters took each path at the last step.
 
@@ -46,9 +48,14 @@ class RunSummary(Callback):
     def __init__(self) -> None:
         self.summary: dict[str, Any] = {}
         self._start: float | None = None
+        self._first_step = 0
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._start = time.perf_counter()
+        self._first_step = 0
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._first_step = trainer.global_step  # a resumed fit's: restored after on_fit_start
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         local = [0, 0, 0, 0, 0]
@@ -77,9 +84,11 @@ class RunSummary(Callback):
             for key, value in sorted(trainer.callback_metrics.items())
             if isinstance(value, torch.Tensor) and value.numel() == 1
         }
+        tensorboard = next((logger for logger in trainer.loggers if isinstance(logger, TensorBoardLogger)), None)
         self.summary = {
             "seconds": time.perf_counter() - self._start if self._start is not None else None,
             "steps": trainer.global_step,
+            "first_step": self._first_step,
             "metrics": metrics,
             "optimizers": [type(optimizer).__name__ for optimizer in trainer.strategy.optimizers],
             "state_bytes": stored,
@@ -92,8 +101,10 @@ class RunSummary(Callback):
             "packed_weight_bytes": packed_weight_bytes,
             "error_feedback": sorted(weights.feedback, key=str),
             "weight_rounding": sorted(weights.rounding),
-            "log_dir": trainer.log_dir,
-            "tensorboard_dir": next((logger.save_dir for logger in trainer.loggers if isinstance(logger, TensorBoardLogger)), None),
+            # the report reads TensorBoard's event files: its logger's folder, wherever it is among the loggers (trainer.log_dir
+            # is the first logger's: a CSVLogger's has none)
+            "log_dir": tensorboard.log_dir if tensorboard is not None else trainer.log_dir,
+            "tensorboard_dir": tensorboard.save_dir if tensorboard is not None else None,
             "monitors": monitor_lines(trainer),
         }
         if trainer.is_global_zero:
@@ -103,7 +114,9 @@ class RunSummary(Callback):
         """The summary as printed."""
         s = self.summary
         seconds = f"{s['seconds']:.1f} s, " if s["seconds"] is not None else ""
-        lines = [f"== lightning_qstate run summary ({seconds}{s['steps']} steps) =="]
+        first = s.get("first_step", 0)
+        steps = f"steps {first} -> {s['steps']}" if first else f"{s['steps']} steps"  # a resumed fit: its seconds are of its steps
+        lines = [f"== lightning_qstate run summary ({seconds}{steps}) =="]
         shown = {key: value for key, value in s["metrics"].items() if not key.startswith("qstate/")}  # the callbacks' lines say those
         lines.append("metrics: " + ("  ".join(f"{key}={value:.4g}" for key, value in shown.items()) or "(none logged)"))
         stored, fp32 = s["state_bytes"], s["fp32_state_bytes"]

@@ -172,9 +172,11 @@ VALUE_DTYPES = GRID_DTYPES[1:]
 
 def extension_name(csrc: Path = CSRC) -> str:
     """``lightning_qstate_cpu_adam_<12 hex>``: a sha256 of ``SOURCES`` (their namesakes in ``csrc``) and the compiler
-    flags (``build_flags``), so an edit to either builds a new extension; and of ``csrc`` where it is not this
-    package's, so that another revision's build (its own build directory) never replaces this package's."""
-    digest = hashlib.sha256(b"" if csrc == CSRC else str(csrc.resolve()).encode())
+    flags (``build_flags``), so an edit to either builds a new extension; and of where ``csrc`` is, so that the builds
+    of two installs or checkouts (another revision's copy: benchmarks/kernel_ab.py) never replace each other (ninja's
+    build file names the sources by path: two installs of equal sources sharing a name rebuilt it whenever the other had
+    loaded it last, ~75 s each time)."""
+    digest = hashlib.sha256(str(csrc.resolve()).encode())
     for path in SOURCES:
         digest.update(path.name.encode() + b"\0" + (csrc / path.name).read_bytes() + b"\0")
     digest.update(" ".join(build_flags() + ["--"] + LDFLAGS).encode())
