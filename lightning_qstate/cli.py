@@ -26,7 +26,7 @@ optimizer before ``configure_model`` shards the model; let the module's ``config
 An option that one of this library's callbacks or plugins rejects (``states: int9``, ``rounding: up``), when it is
 built or when the run starts (an ``overrides`` pattern that matches no parameter, a ``states=`` name the optimizer does
 not have, a checkpoint of another format), ends the command with a short message and exit status 2, like any usage
-error: any ``ValueError`` this library raises (but ``NonFiniteError``, about values). ``JSONARGPARSE_DEBUG=true``
+error (:class:`OptionError`, :class:`~lightning_qstate.arguments.ConfigurationError`). ``JSONARGPARSE_DEBUG=true``
 shows the traceback instead.
 """
 
@@ -55,16 +55,13 @@ from lightning.pytorch.utilities.imports import _RICH_AVAILABLE
 from lightning.pytorch.utilities.warnings import PossibleUserWarning
 
 from . import callbacks, plugins
+from .arguments import ConfigurationError
 from .callbacks import RunSummary
-from .formats import NonFiniteError
 
 # Classes whose constructor errors are option checks written for the user (subclasses included).
 _LIBRARY_CLASSES = tuple(
     obj for module in (callbacks, plugins) for obj in (getattr(module, name) for name in module.__all__) if isinstance(obj, type)
 )
-
-
-PACKAGE_DIR = Path(__file__).resolve().parent  # where a ValueError raised is this library's (_rejected_option)
 
 
 class OptionError(ValueError):
@@ -240,8 +237,8 @@ def main(args: ArgsType = None) -> None:
     scripts pass the return value to ``sys.exit``; use :func:`build_cli` to get hold of the trainer.
 
     ``lightning-qstate report RUN_DIR`` writes a run's report (:mod:`lightning_qstate.report`); every other
-    subcommand is LightningCLI's. An :class:`OptionError` is printed to stderr and exits with status 2, unless
-    ``JSONARGPARSE_DEBUG=true``."""
+    subcommand is LightningCLI's. An :class:`OptionError` or a ``ConfigurationError`` is printed to stderr and exits
+    with status 2, unless ``JSONARGPARSE_DEBUG=true``."""
     quiet_known_noise()
     argv = sys.argv[1:] if args is None else args
     if isinstance(argv, list) and argv[:1] == ["report"]:
@@ -250,25 +247,11 @@ def main(args: ArgsType = None) -> None:
         sys.exit(report_main(argv[1:]))
     try:
         build_cli(args)
-    except ValueError as error:
-        if not _rejected_option(error) or os.environ.get("JSONARGPARSE_DEBUG", "").lower() == "true":
+    except (OptionError, ConfigurationError) as error:
+        if os.environ.get("JSONARGPARSE_DEBUG", "").lower() == "true":
             raise
         print(f"lightning-qstate: error: {error}\n(JSONARGPARSE_DEBUG=true shows the traceback)", file=sys.stderr)
         sys.exit(2)
-
-
-def _rejected_option(error: ValueError) -> bool:
-    """Whether ``error`` is this library rejecting its configuration: an :class:`OptionError` (a constructor's), or a
-    ``ValueError`` raised by this package's own code (the innermost frame is in it; a ``ValueError`` of torch or of the
-    user's code is not), but a :class:`~lightning_qstate.formats.NonFiniteError` (values, not options)."""
-    if isinstance(error, OptionError):
-        return True
-    if isinstance(error, NonFiniteError) or error.__traceback__ is None:
-        return False
-    innermost = error.__traceback__
-    while innermost.tb_next is not None:
-        innermost = innermost.tb_next
-    return Path(innermost.tb_frame.f_code.co_filename).resolve().is_relative_to(PACKAGE_DIR)
 
 
 if __name__ == "__main__":

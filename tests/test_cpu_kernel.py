@@ -509,7 +509,7 @@ def test_the_build_is_said_on_stderr_only_when_not_cached(monkeypatch, tmp_path,
     name = native.extension_name()
     native.build_extension()
     said = capsys.readouterr().err
-    assert "building the C++ CPU Adam kernel once for this machine" in said and str(tmp_path) in said
+    assert "building the C++ CPU Adam kernel once for this install" in said and str(tmp_path) in said
     (tmp_path / (name + cpp_extension.LIB_EXT)).touch()
     native.build_extension()
     assert capsys.readouterr().err == ""
@@ -580,6 +580,18 @@ def test_two_installs_of_the_same_sources_build_apart(tmp_path, monkeypatch):
     own = native.extension_name()
     monkeypatch.setattr(native, "CSRC", tmp_path)
     assert native.extension_name(tmp_path) != own
+
+
+def test_two_paths_to_one_install_build_alike(monkeypatch, tmp_path):
+    """A symlinked checkout or venv: one name (the resolved path's) must come with one build file, so the sources and
+    include path handed to the build are the resolved ones too (``load`` faked: no compiler runs)."""
+    calls = []
+    monkeypatch.setattr(cpp_extension, "_get_build_directory", lambda name, verbose: str(tmp_path))
+    monkeypatch.setattr(cpp_extension, "load", lambda **kwargs: calls.append(kwargs) or types.SimpleNamespace())
+    (tmp_path / "csrc_link").symlink_to(native.CSRC)
+    native.build_extension(native.CSRC)
+    native.build_extension(tmp_path / "csrc_link")
+    assert calls[0] == calls[1]
 
 
 def test_an_emulated_build_has_its_own_flags_and_name(monkeypatch, tmp_path):

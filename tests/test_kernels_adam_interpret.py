@@ -571,3 +571,22 @@ else:
             assert opt.step_paths() == {"param0": "triton"}
             results.append((weight.detach().clone(), opt.state[weight]["exp_avg"].codes.clone()))
         assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+
+    def test_stall_counts_of_a_parameter_with_2_31_moved_entries(monkeypatch):
+        """The launcher summed the slots' packed ``stalled + (moved << 32)`` before unpacking: from 2**31 moved entries the
+        sum overflowed int64 and ``moved`` came back negative. A stand-in kernel leaves what the real one's atomics would
+        for such a parameter (8 GiB: not run here): every slot 2**26 moved, 3 stalled, per moment."""
+        from lightning_qstate.kernels import launch
+
+        class Kernel:  # kernel[grid](*args): the counts are the second last argument
+            def __getitem__(self, grid):
+                def run(*args, **kwargs):
+                    args[-2][:] = ((2**31 // int(launch.STALL_SLOTS)) << 32) + 3
+
+                return run
+
+        monkeypatch.setattr(launch, "adam_step_kernel", Kernel())
+        m, v = get_format("int8").quantize(torch.zeros(300)), get_format("int8", signed=False).quantize(torch.zeros(300))
+        hyper = adam_hyper(group_options(), 1.0)
+        counts = launch.triton_adam_step(torch.randn(300), torch.randn(300), m, v, hyper, "nearest", True, False, track_stalls=True)
+        assert counts.tolist() == [3 * int(launch.STALL_SLOTS), 2**31] * 2

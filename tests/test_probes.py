@@ -284,6 +284,26 @@ def test_abc_refuses_what_is_not_a_chain():
         abc_decomposition(torch.nn.Sequential(torch.nn.Linear(4, 4)), torch.randn(2, 4), units=[])
 
 
+def test_a_linear_layer_run_twice_in_a_unit_has_no_row():
+    """A unit that applies one linear layer twice (a shared weight) aborted the whole decomposition ("ran more than
+    once", naming the layer a unit); the layer's optional row is left out, as for a layer that does not run."""
+
+    class Twice(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc, self.out = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            return self.out(torch.tanh(self.fc(torch.tanh(self.fc(x)))))
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(Twice(), Twice())
+    x = torch.randn(4, 8)
+    result = abc_decomposition(model, x, units=["0", "1"])
+    assert [row.name for row in result.rows] == ["0", "0.out", "1", "1.out"]
+    assert result.R_L == abc_decomposition(model, x, units=["0", "1"], layers=False).R_L > 0
+
+
 def test_abc_reads_modules_once_and_restores_every_modules_mode():
     """A generator for ``modules`` selects as its list does (it was read twice: the second read quantized nothing,
     R_L = 0); a submodule in eval inside a training model (a frozen norm) is in eval again afterwards."""

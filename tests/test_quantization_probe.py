@@ -11,6 +11,7 @@ import pytest
 import torch
 from lightning.pytorch.loggers import TensorBoardLogger
 
+from lightning_qstate.arguments import ConfigurationError
 from lightning_qstate.callbacks import QuantizationProbe
 from lightning_qstate.probes import abc_decomposition, ptq
 
@@ -76,8 +77,9 @@ def test_probe_logs_what_the_library_measures_and_leaves_training_unchanged(tmp_
     for name in ("loss", "ptq_loss", "ptq_loss_increase", "R_L", "mmr", "kurtosis", "kurtosis_channel_rms", "seconds"):
         assert f"qstate/probe/{name}" in scalars
     assert events.Scalars("qstate/probe/R_L")[-1].value == pytest.approx(result.R_L, rel=1e-5)
-    images = events.Images("qstate/probe/abc")
-    assert [image.step for image in images] == [3, 6] and images[0].width >= 600 and images[0].height >= 400
+    images = events.Images("qstate/probe/abc")  # at the scalars' steps (Lightning's: one less; the figure was at 3, 6)
+    assert [image.step for image in images] == [event.step for event in events.Scalars("qstate/probe/R_L")] == [2, 5]
+    assert images[0].width >= 600 and images[0].height >= 400
 
 
 def test_every_n_val_epochs_recipe_loss_fn_and_verbose(tmp_path, capsys):
@@ -106,7 +108,10 @@ def test_a_validation_step_without_the_loss_key_is_an_error(tmp_path):
         ({"batches": 1.5}, "batches=1.5 must be a positive int"),
         ({"weights": None, "activations": None}, "quantize nothing"),
         ({"weights": "int3"}, "weights: PTQ format 'int3'"),
-        ({"activations": "int4", "block": 100}, "weight_block"),
+        ({"activations": "int4", "block": 100}, "QuantizationProbe: block: block_size=100 must be a power of two"),
+        ({"block": "rows"}, "QuantizationProbe: block='rows' is not valid"),
+        ({"modules": 5}, "modules=5 must be name patterns"),
+        ({"loss_fn": lambda module, batch: 0.0, "loss_key": "val_nll"}, "loss_key='val_nll' names validation_step's logged loss"),
         ({"per_token": "yes"}, "per_token='yes' must be True or False"),
         ({"loss_fn": "val_loss"}, "loss_fn='val_loss' must be callable"),
         ({"units": []}, r"units=\[\] must be module names"),
@@ -121,7 +126,7 @@ def test_bad_arguments_are_refused_up_front(kwargs, message):
 def test_patterns_and_units_that_match_nothing_fail_at_fit_start(tmp_path):
     with pytest.raises(ValueError, match=r"modules=\['\*.typo'\] match no linear layer"):
         fit(tmp_path, [QuantizationProbe(modules=["*.typo"], log_images=False)])
-    with pytest.raises(AttributeError, match="nope"):
+    with pytest.raises(ConfigurationError, match="nope"):  # the CLI's usage error, not an AttributeError
         fit(tmp_path, [QuantizationProbe(units=["model.nope"], log_images=False)])
 
 
@@ -258,3 +263,46 @@ def test_the_probe_forwards_in_the_validation_precision(tmp_path, precision):
     trainer = quiet_trainer(tmp_path, max_steps=1, callbacks=[probe], precision=precision, limit_val_batches=1)
     trainer.validate(model, regression_data())
     assert probe.history[0].loss == float(trainer.callback_metrics["val_loss"])
+
+
+class NoisyValidation(BlocklessRegressor):
+    """A validation loss with noise drawn from the global stream (as a denoising or VAE objective), preprocessed in
+    place (``normalize(inplace=True)``), for two validation dataloaders (``dataloader_idx`` then required)."""
+
+    def validation_step(self, batch, batch_idx, dataloader_idx):
+        x, y = batch
+        x.sub_(0.1).div_(1.5)
+        self.log("val_loss", torch.nn.functional.mse_loss(self(x + 0.1 * torch.randn_like(x)), y))
+
+
+def test_a_random_in_place_validation_step_with_two_loaders(tmp_path):
+    """The probe ran validation_step without dataloader_idx (TypeError with two loaders), on the stored batches themselves
+    (an in-place step changed them for every later forward) and on the global random stream (training then differed
+    from a run without the probe, and each forward drew other noise): with a recipe that quantizes nothing, loss and
+    PTQ loss differed and R_L was not 0. Now each forward of a batch draws the same noise on a copy, and the global
+    stream is left as it was."""
+
+    def run(callbacks):
+        pl.seed_everything(0, verbose=False)
+        model = NoisyValidation()
+        trainer = quiet_trainer(tmp_path, max_steps=8, callbacks=callbacks, num_sanity_val_steps=0, val_check_interval=4)
+        trainer.fit(model, regression_data(), [regression_data(), regression_data()])
+        return model
+
+    probe = QuantizationProbe(weights="fp32", activations="fp32", units="net", log_images=False)
+    probed, plain = run([probe]), run([])
+    assert torch.equal(flat_weights(probed), flat_weights(plain))
+    assert len(probe.history) == 2 and all(r.loss == r.ptq_loss and r.R_L == 0.0 for r in probe.history), probe.history
+    x, _ = next(iter(regression_data()))
+    assert torch.equal(probe._batches[0][0], x)  # the stored batch as the loader gave it
+
+
+def test_a_parametrized_layer_fails_at_fit_start(tmp_path):
+    """A ``weight_norm`` layer failed only inside the first probe, after an epoch of training."""
+    model = BlocklessRegressor()
+    torch.nn.utils.parametrizations.weight_norm(model.net[3])
+    trainer = quiet_trainer(tmp_path, max_steps=3, callbacks=[QuantizationProbe(units="net", log_images=False)])
+    with pytest.raises(ConfigurationError, match=r"the weights of \['net.3'\] are parametrized"):
+        trainer.fit(model, regression_data(), regression_data())
+    assert trainer.global_step == 0
+    QuantizationProbe(units="net", weights=None, modules=["net.0"], log_images=False)._check_module(model)  # unselected: fine

@@ -427,6 +427,21 @@ class JoinBackbone(Callback):
             trainer.optimizers[0].add_param_group({"params": list(pl_module.net[0].parameters())})
 
 
+def test_layers_added_during_training_are_staggered_from_when_they_join(tmp_path):
+    """Layers joining after a period were phased from step 0: all due at once, reset together at their first step (a
+    wrapped optimizer's states one step old zeroed) and in lockstep after. They start from the step they join now."""
+
+    class JoinLate(Callback):
+        def on_train_batch_end(self, trainer, pl_module, *args) -> None:
+            if trainer.global_step == 8:
+                trainer.optimizers[0].add_param_group({"params": list(pl_module.net[0].parameters())})
+
+    scheduler = StateResetScheduler(period=6, stagger=True)
+    fit(tmp_path, model=HeadFirst(scheduler=False), max_steps=20, callbacks=[JoinLate(), scheduler])
+    resets = {layer: [step for step, name in scheduler.history if name == layer] for layer in ("net.0.weight", "net.0.bias")}
+    assert sorted(steps[0] for steps in resets.values()) == [11, 14], resets  # joined at step 8: phases 0 and 3 of 6
+
+
 def test_layers_added_during_training_are_reset_and_measured(tmp_path):
     """A param group added on the same optimizer is reset and measured (the rows were cached per optimizer object)."""
     logger, scheduler = MemoryLogger(), StateResetScheduler(period=3)

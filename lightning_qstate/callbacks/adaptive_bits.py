@@ -16,7 +16,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 
 from ..adaptive import ADAPTED_STATES, STATE_DICT_VERSION, BitWidthPlanner
 from ..adaptive.planner import check_options
-from .arguments import is_positive_int
+from ..arguments import ConfigurationError, is_positive_int
 from .tensorboard import log_scalars, logs_this_step, write_layout
 
 
@@ -145,7 +145,7 @@ class AdaptiveBitWidth(Callback):
         """Build the planner (which prices every candidate format per layer and checks the budget), restore it, apply its plan."""
         optimizers = trainer.strategy.optimizers
         if len(optimizers) != 1:
-            raise ValueError(f"AdaptiveBitWidth supports one optimizer; the Trainer has {len(optimizers)}")
+            raise ConfigurationError(f"AdaptiveBitWidth supports one optimizer; the Trainer has {len(optimizers)}")
         model = trainer.strategy.model if trainer.strategy.model is not None else pl_module
         # a new planner per fit: one without a checkpoint starts afresh
         self.planner = BitWidthPlanner(optimizers[0], model, anneal_steps=self._anneal_steps(trainer), **self.planner_options)
@@ -171,7 +171,7 @@ class AdaptiveBitWidth(Callback):
             return self.anneal_steps
         steps = trainer.max_steps if trainer.max_steps > 0 else trainer.estimated_stepping_batches
         if not math.isfinite(steps):
-            raise ValueError("AdaptiveBitWidth: anneal_steps=None needs a Trainer with max_steps or max_epochs; pass anneal_steps")
+            raise ConfigurationError("AdaptiveBitWidth: anneal_steps=None needs a Trainer with max_steps or max_epochs; pass anneal_steps")
         return max(int(steps), 1)
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer) -> None:

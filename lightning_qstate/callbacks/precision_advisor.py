@@ -17,9 +17,9 @@ from lightning.pytorch.plugins.precision import FSDPPrecision, Precision
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
+from ..arguments import ConfigurationError, check_flags, is_positive_int
 from ..optim import WEIGHT_STALLS, QuantizedStates, clean_parameter_name
 from ..theory.precision import AdviceRow, PrecisionReport, advise, check_constants
-from .arguments import check_flags, is_positive_int
 from .stall_counts import MeasuredSteps, StallMeasurement, quantized_optimizers
 from .tensorboard import log_scalars
 
@@ -143,14 +143,14 @@ class PrecisionAdvisor(Callback):
             return self.steps
         optimizers = len(trainer.strategy.optimizers)
         if optimizers > 1:  # manual optimization: max_steps and global_step count every optimizer's steps
-            raise ValueError(
+            raise ConfigurationError(
                 f"PrecisionAdvisor: with {optimizers} optimizers (manual optimization) Lightning counts the steps of all of "
                 "them (max_steps, global_step) or the batches (max_epochs), not each optimizer's, so no optimizer's own "
                 "run length is known; pass PrecisionAdvisor(steps=...), the steps each optimizer takes in the run"
             )
         estimated = trainer.estimated_stepping_batches
         if not math.isfinite(estimated) or estimated < 1:  # infinite training, or an iterable dataset without max_steps
-            raise ValueError(
+            raise ConfigurationError(
                 "PrecisionAdvisor: the run's length is unknown (no max_steps, and max_epochs=-1 or a dataset without a length): "
                 "set Trainer(max_steps=...) or Trainer(max_epochs=...), or pass PrecisionAdvisor(steps=...)"
             )
@@ -258,7 +258,7 @@ class PrecisionAdvisor(Callback):
         failing = [(label, row) for label, row in risky if row.verdict == "insufficient"]
         if self.strict and trainer.strategy.reduce_boolean_decision(bool(failing), all=False):
             listed = "\n".join(f"  - {_describe(label, row, steps)}" for label, row in failing) or "  (on another rank)"
-            raise ValueError(
+            raise ConfigurationError(
                 f"PrecisionAdvisor(strict=True): {len(failing)} component(s) lack the precision a {steps}-step run needs{when}:\n{listed}\n"
                 "Change them as the printed report's notes say (more mantissa bits, rounding='stochastic', state resets, "
                 "error_feedback for the weights), plan fewer steps, or pass strict=False to train anyway."

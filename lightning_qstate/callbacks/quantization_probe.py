@@ -18,14 +18,15 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning_utilities.core.apply_func import apply_to_collection
+from torch.nn.utils.parametrize import is_parametrized
 from typing_extensions import override
 
-from ..formats.weights import WeightBlock
+from ..arguments import ConfigurationError, check_flags, is_positive_int
+from ..formats.weights import WeightBlock, check_weight_block
 from ..probes import ABCResult, ABCRow, abc_decomposition, default_units, linear_input_statistics, linear_modules, probe_grid, ptq
 from ..probes.abc import gain
 from ..probes.metrics import evaluating
 from ..probes.ptq import weight_input_dim
-from .arguments import check_flags, is_positive_int
 from .tensorboard import write_layout
 
 PROBE_TAG = "qstate/probe"  # scalars "<tag>/<figure>", images "<tag>/abc"
@@ -109,7 +110,7 @@ class QuantizationProbe(Callback):
             ``"fp8_e4m3"``, any ``eXmY``...) or ``None`` for that side unquantized (e.g. W4A16: ``activations=None``).
         batches: validation batches per probe.
         loss_fn: ``loss_fn(pl_module, batch)``, a scalar tensor; default the module's ``validation_step`` (above).
-        loss_key: the name ``validation_step`` logs its loss under.
+        loss_key: the name ``validation_step`` logs its loss under (default ``"val_loss"``; not with ``loss_fn``).
         units: the ABC decomposition's chain of module names, or one name (default: transformer blocks, or a ``Sequential``'s
             children; a module with neither is refused at fit start).
         modules: ``fnmatch`` patterns of the linear layers to quantize and measure (default: all).
@@ -131,7 +132,7 @@ class QuantizationProbe(Callback):
         batches: int = 1,
         *,
         loss_fn: Callable[[pl.LightningModule, Any], torch.Tensor] | None = None,
-        loss_key: str = "val_loss",
+        loss_key: str | None = None,
         units: Iterable[str] | None = None,
         modules: Iterable[str] | None = None,
         block: WeightBlock = "row",
@@ -144,6 +145,10 @@ class QuantizationProbe(Callback):
                 raise ValueError(f"QuantizationProbe: {name}={value!r} must be a positive int")
         if weights is None and activations is None:
             raise ValueError("QuantizationProbe: weights=None and activations=None quantize nothing; give at least one format")
+        try:
+            check_weight_block(block, "block")
+        except ValueError as error:
+            raise ValueError(f"QuantizationProbe: {error}") from None
         for name, value in (("weights", weights), ("activations", activations)):
             if value is not None:
                 try:
@@ -153,8 +158,10 @@ class QuantizationProbe(Callback):
         check_flags("QuantizationProbe", per_token=per_token, log_images=log_images, verbose=verbose)
         if loss_fn is not None and not callable(loss_fn):
             raise ValueError(f"QuantizationProbe: loss_fn={loss_fn!r} must be callable as loss_fn(pl_module, batch)")
-        if not isinstance(loss_key, str):
+        if loss_key is not None and not isinstance(loss_key, str):
             raise ValueError(f"QuantizationProbe: loss_key={loss_key!r} must be the name validation_step logs its loss under")
+        if loss_key is not None and loss_fn is not None:
+            raise ValueError(f"QuantizationProbe: loss_key={loss_key!r} names validation_step's logged loss; loss_fn= replaces it")
         if log_images:
             try:
                 import matplotlib  # noqa: F401
@@ -167,13 +174,12 @@ class QuantizationProbe(Callback):
         self.activations = activations
         self.batches = batches
         self.loss_fn = loss_fn
-        self.loss_key = loss_key
-        units = None if units is None else ([units] if isinstance(units, str) else list(units))
-        if units is not None and (not units or not all(isinstance(name, str) for name in units)):
+        self.loss_key = "val_loss" if loss_key is None else loss_key
+        self.units = _names(units)
+        if units is not None and (not self.units or not all(isinstance(name, str) for name in self.units)):
             raise ValueError(f"QuantizationProbe: units={units!r} must be module names in forward order, e.g. ['blocks.0', 'blocks.1']")
-        self.units = units
-        self.modules = None if modules is None else ([modules] if isinstance(modules, str) else list(modules))
-        if self.modules is not None and (not self.modules or not all(isinstance(pattern, str) for pattern in self.modules)):
+        self.modules = _names(modules)
+        if modules is not None and (not self.modules or not all(isinstance(pattern, str) for pattern in self.modules)):
             raise ValueError(
                 f"QuantizationProbe: modules={modules!r} must be name patterns of linear layers (fnmatch), e.g. ['*.attn.*'], or None"
             )
@@ -183,6 +189,7 @@ class QuantizationProbe(Callback):
         self.verbose = verbose
         self.history: list[ProbeResult] = []
         self._batches: list[Any] = []
+        self._several_loaders = False
         self._validations = 0
 
     @property
@@ -198,7 +205,7 @@ class QuantizationProbe(Callback):
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if isinstance(trainer.strategy, FSDPStrategy | ModelParallelStrategy):
-            raise ValueError(
+            raise ConfigurationError(
                 f"QuantizationProbe: {type(trainer.strategy).__name__} shards the parameters and the probe runs the unwrapped "
                 "module; use it with a single device or DDP (e.g. on a checkpoint of this run)"
             )
@@ -211,24 +218,31 @@ class QuantizationProbe(Callback):
             self._check_module(pl_module)
 
     def _check_module(self, pl_module: pl.LightningModule) -> None:
-        """Raise now, not after an epoch, where ``modules`` or ``units`` (given or default) match nothing in the module, or
-        ``block`` does not divide a selected layer's input features (its weight's rows and its inputs' tokens)."""
-        layers = linear_modules(pl_module, self.modules)
+        """Raise now, not after an epoch, where ``modules`` or ``units`` (given or default) match nothing in the module,
+        ``block`` does not divide a selected layer's input features (its weight's rows and its inputs' tokens), or a
+        selected layer's weight is parametrized (``weight_norm``: :func:`~lightning_qstate.probes.ptq` cannot swap it)."""
+        try:
+            layers = linear_modules(pl_module, self.modules)
+            if self.units is None:
+                default_units(pl_module)
+            for name in self.units or ():
+                pl_module.get_submodule(name)
+        except (ValueError, AttributeError) as error:
+            raise ConfigurationError(f"QuantizationProbe: {error}") from None
         if isinstance(self.block, int):
             features = {name: module.weight.shape[weight_input_dim(module)] for name, module in layers.items()}
             misfits = {name: count for name, count in features.items() if count % self.block}
             if misfits:
-                raise ValueError(
+                raise ConfigurationError(
                     f"QuantizationProbe: block={self.block} does not divide the input features of {misfits}; use a divisor of "
                     "each, block='row', or modules= without these layers"
                 )
-        if self.units is None:
-            try:
-                default_units(pl_module)
-            except ValueError as error:
-                raise ValueError(f"QuantizationProbe: {error}") from None
-        for name in self.units or ():
-            pl_module.get_submodule(name)  # AttributeError naming the missing module
+        parametrized = [name for name, module in layers.items() if is_parametrized(module, "weight")]
+        if self.weights is not None and parametrized:
+            raise ConfigurationError(
+                f"QuantizationProbe: the weights of {parametrized} are parametrized (torch.nn.utils.parametrize, weight_norm), "
+                "which the probe cannot quantize; leave them out with modules=, or weights=None"
+            )
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -252,6 +266,7 @@ class QuantizationProbe(Callback):
         if trainer.sanity_checking or dataloader_idx != 0 or len(self._batches) >= self.batches or batch_idx != len(self._batches):
             return
         self._batches.append(apply_to_collection(batch, torch.Tensor, lambda tensor: tensor.detach().clone()))
+        self._several_loaders = len(trainer.num_val_batches) > 1  # validation_step then takes a dataloader_idx
 
     @override
     def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -276,7 +291,9 @@ class QuantizationProbe(Callback):
                 if loggers:
                     figure = abc_figure(result.abc, title=f"{self.recipe} at step {result.step}: R_L = {result.R_L:.3e}")
                     for logger in loggers:
-                        logger.experiment.add_figure(f"{PROBE_TAG}/abc", figure, global_step=result.step, close=False)
+                        # at the scalars' step: Lightning logs a validation's at the index of the batch that ran it
+                        logged_step = trainer.fit_loop.epoch_loop._batches_that_stepped
+                        logger.experiment.add_figure(f"{PROBE_TAG}/abc", figure, global_step=logged_step, close=False)
                     import matplotlib.pyplot as plt
 
                     plt.close(figure)
@@ -296,9 +313,11 @@ class QuantizationProbe(Callback):
         trainer = getattr(pl_module, "_trainer", None)
         # the validation's precision: autocast under the mixed settings (fp32 forwards measured another model)
         precision = trainer.precision_plugin.val_step_context() if trainer is not None else contextlib.nullcontext()
-        with evaluating(pl_module), torch.no_grad(), precision:
+        streams = _RandomStreams(pl_module.device)  # training's streams untouched; each forward of a batch draws alike
+        with streams.fork(), evaluating(pl_module), torch.no_grad(), precision:
             for batch_idx, batch in enumerate(self._batches):  # the validation's first batches, in order
-                forward = functools.partial(self._loss, batch_idx=batch_idx)
+                streams.mark()
+                forward = functools.partial(self._loss, batch_idx=batch_idx, rewind=streams.rewind)
                 losses.append(forward(pl_module, batch))
                 with ptq(pl_module, self.weights, self.activations, **options):
                     quantized.append(forward(pl_module, batch))
@@ -321,14 +340,19 @@ class QuantizationProbe(Callback):
             seconds=time.perf_counter() - start,
         )
 
-    def _loss(self, pl_module: pl.LightningModule, batch: Any, batch_idx: int = 0) -> float:
-        """The loss of ``batch``, the validation's ``batch_idx``-th: ``loss_fn``'s, else ``validation_step``'s."""
+    def _loss(self, pl_module: pl.LightningModule, batch: Any, batch_idx: int = 0, rewind: Callable[[], None] | None = None) -> float:
+        """The loss of ``batch``, the validation's ``batch_idx``-th: ``loss_fn``'s, else ``validation_step``'s (with the
+        first dataloader's index where there are several, as Lightning calls it), on a copy of ``batch`` (an in-place
+        preprocessing step would change the stored batch for every later forward), after ``rewind()``."""
+        batch = apply_to_collection(batch, torch.Tensor, torch.clone)
+        if rewind is not None:
+            rewind()
         if self.loss_fn is not None:
             return float(self.loss_fn(pl_module, batch))
         logged: dict[str, Any] = {}
         pl_module.log = lambda name, value, *args, **kwargs: logged.__setitem__(name, value)  # instance attribute: caught
         try:
-            returned = pl_module.validation_step(batch, batch_idx)
+            returned = pl_module.validation_step(batch, batch_idx, *([0] if self._several_loaders else []))
         finally:
             del pl_module.log
         if self.loss_key in logged:
@@ -349,6 +373,36 @@ class QuantizationProbe(Callback):
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._validations = state_dict["validations"]
+
+
+def _names(value: Any) -> list | None:
+    """``units=``/``modules=`` as a list: one name, or the names given (anything else kept whole, for the check to name)."""
+    if value is None:
+        return None
+    return [value] if isinstance(value, str) or not isinstance(value, Iterable) else list(value)
+
+
+class _RandomStreams:
+    """The global random streams (the CPU's, and ``device``'s where it is a GPU): :meth:`fork` keeps them as they are
+    after a block, :meth:`mark` records where they stand and :meth:`rewind` sets them back there, so that each forward
+    of one batch draws the same numbers (a ``validation_step`` that adds noise, as denoising or VAE objectives do) and
+    the losses with and without quantization differ by the quantization alone."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.index = (device.index if device.index is not None else torch.cuda.current_device()) if self.cuda else None
+        self._marked: list[torch.Tensor] = []
+
+    def fork(self) -> contextlib.AbstractContextManager:
+        return torch.random.fork_rng(devices=[self.index] if self.cuda else [])
+
+    def mark(self) -> None:
+        self._marked = [torch.get_rng_state(), *([torch.cuda.get_rng_state(self.index)] if self.cuda else [])]
+
+    def rewind(self) -> None:
+        torch.set_rng_state(self._marked[0])
+        if self.cuda:
+            torch.cuda.set_rng_state(self._marked[1], self.index)
 
 
 def _mean(values: list[float]) -> float:

@@ -9,6 +9,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 
+from ..arguments import check_flags
 from ..formats.weights import WeightBlock
 from ..optim import (
     ErrorFeedback,
@@ -21,7 +22,6 @@ from ..optim import (
 )
 from ..plugins.precision import QStatePolicyMixin, fit_starts_fresh, put_weights_on_grid
 from ..plugins.strategies import load_packed_checkpoints_into_shards
-from .arguments import check_flags
 from .stall_counts import across_ranks
 from .tensorboard import log_scalars, logs_this_step
 

@@ -13,11 +13,11 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_warn
 
+from ..arguments import check_flags, is_positive_int
 from ..formats import BlockFormat, QuantizedTensor
 from ..optim import QuantizedStates
 from ..optim.base import local_tensor
 from ..theory import moment_of, stall_probability, state_decay, state_input
-from .arguments import check_flags, is_positive_int
 from .stall_counts import MeasuredSteps, StallMeasurement, StateRow, across_ranks, optimizer_steps, quantized_optimizers, state_rows
 from .state_reset import StateResetScheduler
 from .tensorboard import log_scalars, write_layout

@@ -12,9 +12,9 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
+from ..arguments import ConfigurationError, check_flags, is_positive_int
 from ..formats import StorageFormat
 from ..theory import moment_of, reset_period, state_decay
-from .arguments import check_flags, is_positive_int
 from .stall_counts import MeasuredSteps, StateRow, across_ranks, known_state_names, optimizer_steps, quantized_optimizers, state_rows
 from .tensorboard import log_scalars
 
@@ -161,10 +161,14 @@ class StateResetScheduler(Callback):
             known = {name for per_optimizer in names for name in per_optimizer}
             unknown = sorted(set(self.states) - known)
             if unknown:
-                raise ValueError(f"StateResetScheduler: unknown state name(s) {unknown} in states=; the optimizers have {sorted(known)}")
+                raise ConfigurationError(
+                    f"StateResetScheduler: unknown state name(s) {unknown} in states=; the optimizers have {sorted(known)}"
+                )
             amsgrad = any(group.get("amsgrad") for optimizer in optimizers for group in optimizer.param_groups)
             if "max_exp_avg_sq" in self.states and not amsgrad:
-                raise ValueError("StateResetScheduler: states= names 'max_exp_avg_sq', which Adam keeps only with amsgrad=True; drop it")
+                raise ConfigurationError(
+                    "StateResetScheduler: states= names 'max_exp_avg_sq', which Adam keeps only with amsgrad=True; drop it"
+                )
         if not self.layers(trainer):
             rank_zero_warn(
                 "StateResetScheduler: no quantized state to reset (fp32 states are left alone: resets hurt there). "
@@ -175,18 +179,22 @@ class StateResetScheduler(Callback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._names_checked = self._check_names(trainer)
-        self._phase_new_layers(self.layers(trainer))
+        self._phase_new_layers(trainer, self.layers(trainer), stepped=False)
         self._last_seen_step = trainer.global_step
         self._checks = MeasuredSteps()
 
-    def _phase_new_layers(self, layers: dict[str, list[StateRow]]) -> None:
-        """Start the schedule of every layer that has none (a resumed run keeps its own): at the start, and for layers
-        whose states appear later (a wrapped optimizer's at its first step, ``add_param_group``); with ``stagger``, a
-        layer's phase follows its place among ``layers``."""
-        for index, (layer, rows) in enumerate(layers.items()):
-            if layer not in self.last_reset:
-                period = self.layer_period(rows)
-                self.last_reset[layer] = -((index * period) // len(layers)) if self.stagger and period else 0
+    def _phase_new_layers(self, trainer: pl.Trainer, layers: dict[str, list[StateRow]], stepped: bool) -> None:
+        """Start the schedule of every layer of ``layers`` that has none (a resumed run keeps its own) from the optimizer
+        step before its states were made: at the start of training, and for layers that appear later (groups added with
+        ``add_param_group``, before their first step; a wrapped optimizer's, whose layers appear with their states, made
+        by the step just ``stepped``). With ``stagger``, the layers that start together spread their first resets over
+        one period."""
+        new = [(layer, rows) for layer, rows in layers.items() if layer not in self.last_reset]
+        for index, (layer, rows) in enumerate(new):
+            period = self.layer_period(rows)
+            made = stepped and bool(rows[0].optimizer.state.get(rows[0].param))
+            origin = optimizer_steps(trainer, rows[0].optimizer) - int(made)
+            self.last_reset[layer] = origin - ((index * period) // len(new)) if self.stagger and period else origin
 
     @override
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer) -> None:
@@ -201,7 +209,7 @@ class StateResetScheduler(Callback):
         if not self._names_checked:
             self._names_checked = self._check_names(trainer)
         layers = self.layers(trainer)
-        self._phase_new_layers(layers)
+        self._phase_new_layers(trainer, layers, stepped=True)
         due = []
         for layer, rows in layers.items():
             period = self.layer_period(rows)

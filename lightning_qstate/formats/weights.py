@@ -112,21 +112,28 @@ def group_scales(groups: torch.Tensor, decode: torch.Tensor) -> torch.Tensor:
     return torch.where(finite, scale.clamp(max=torch.finfo(scale.dtype).max), scale)
 
 
+def check_weight_block(block: object, option: str = "weight_block") -> None:
+    """Raise ``ValueError`` naming ``option`` where ``block`` is neither ``"row"``, ``"tensor"`` nor a power of two."""
+    from . import check_block_size
+
+    if isinstance(block, str) and block not in WEIGHT_BLOCKS or isinstance(block, bool) or not isinstance(block, str | int):
+        raise ValueError(f"{option}={block!r} is not valid; use one of {WEIGHT_BLOCKS} or a power of two (e.g. 128)")
+    if not isinstance(block, str):
+        try:
+            check_block_size(block)
+        except ValueError as error:
+            raise ValueError(f"{option}: {error}") from None
+
+
 def get_weight_grid(name: str, block: WeightBlock = "row") -> WeightGrid:
     """The weight grid of format ``name`` (``formats.get_format``) with scale groups ``block``.
 
     Raises:
         ValueError: an unknown format name, or ``block`` neither ``"row"``, ``"tensor"`` nor a power of two.
     """
-    from . import check_block_size, get_format
+    from . import get_format
 
-    if isinstance(block, str) and block not in WEIGHT_BLOCKS or isinstance(block, bool):
-        raise ValueError(f"weight_block={block!r} is not valid; use one of {WEIGHT_BLOCKS} or a power of two (e.g. 128)")
-    if not isinstance(block, str):
-        try:
-            check_block_size(block)
-        except ValueError as error:
-            raise ValueError(f"weight_block: {error}") from None
+    check_weight_block(block)
     # casts ignore both options; block formats get fp32 scales (their own block size is unused by "row" and "tensor")
     fmt = get_format(name, block_size=block if isinstance(block, int) else None, scale_dtype="fp32")
     return WeightGrid(fmt, block)

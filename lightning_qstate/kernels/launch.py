@@ -256,5 +256,6 @@ def triton_adam_step(
         )  # fmt: skip
     if not track_stalls:
         return torch.zeros(4, dtype=torch.int64, device=device)
-    packed = counts.sum(dim=0)  # stalled + (moved << 32) per moment
-    return torch.stack([packed & 0xFFFFFFFF, packed >> 32], dim=1).view(4)
+    # each slot holds stalled + (moved << 32) per moment, exact (< 2**32 values); unpacked before the slots are added: the
+    # packed sum of a parameter with >= 2**31 moved entries overflows int64
+    return torch.stack([(counts & 0xFFFFFFFF).sum(dim=0), (counts >> 32).sum(dim=0)], dim=1).view(4)

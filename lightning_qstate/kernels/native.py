@@ -188,10 +188,11 @@ def build_extension(csrc: Path = CSRC):
     ``benchmarks/kernel_ab.py``), built first where torch's extension directory has no copy (said on stderr)."""
     from torch.utils import cpp_extension
 
+    csrc = csrc.resolve()  # the path the name hashes: two paths to one install (a symlink) build alike
     name = extension_name(csrc)
     build_directory = cpp_extension._get_build_directory(name, verbose=False)
     if not os.path.exists(os.path.join(build_directory, name + cpp_extension.LIB_EXT)):
-        message = f"lightning_qstate: building the C++ CPU Adam kernel once for this machine (~45 s; cached in {build_directory})"
+        message = f"lightning_qstate: building the C++ CPU Adam kernel once for this install (~45 s; cached in {build_directory})"
         print(message, file=sys.stderr, flush=True)
     return cpp_extension.load(
         name=name,

@@ -408,7 +408,8 @@ def stall_counts(new, old, stored, old_units, stored_units, in_range):
     them that kept their code without being stored exactly (``formats.count_stalls``).
 
     One packed sum instead of two, and no sum of booleans (LLVM turns that into a bit mask built on the stack).
-    Sums of packed counts stay exact while the total ``stalled`` is below ``2**32``.
+    A slot's sum of packed counts stays exact while its ``stalled`` is below ``2**32`` and its ``moved`` below ``2**31``
+    (parameters under ``2**32`` values); the launcher unpacks each slot before adding them.
     """
     moved = (new != old) & in_range
     stalled = moved & (stored_units == old_units) & (stored != new)

@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor, Shard
 if TYPE_CHECKING:
     from .base import QuantizedStates
 
+from ..arguments import ConfigurationError
 from ..formats import ROUNDINGS, BlockFormat, StorageFormat, check_block_size, get_format
 from ..formats.base import local_tensor
 from ..formats.weights import WeightBlock, WeightGrid, get_weight_grid
@@ -57,7 +58,7 @@ def validate_policy(group: Mapping[str, Any], state_names: tuple[str, ...] | Non
         if state_names is not None:
             unknown = sorted(set(states) - set(state_names))
             if unknown:
-                raise ValueError(f"{owner}: unknown state name(s) {unknown} in states=; valid names: {list(state_names)}")
+                raise ConfigurationError(f"{owner}: unknown state name(s) {unknown} in states=; valid names: {list(state_names)}")
         if not all(isinstance(name, str) for name in states.values()):
             raise TypeError(f"{owner}: states={states!r} must map state names to format names (strings, e.g. 'int8', 'fp32')")
     elif not isinstance(states, str):
@@ -66,17 +67,17 @@ def validate_policy(group: Mapping[str, Any], state_names: tuple[str, ...] | Non
         try:
             check_block_size(group["block_size"])
         except ValueError as error:
-            raise ValueError(f"{owner}: {error}") from None
+            raise ConfigurationError(f"{owner}: {error}") from None
     for state, name in states.items() if isinstance(states, Mapping) else [(None, states)]:
         try:  # with the group's block size (dense 5-7-bit codes need blocks of 8 or more) and the state's sign
             get_format(name, block_size=group["block_size"], signed=state not in NONNEGATIVE_STATES)
         except ValueError as error:  # name the option that holds the bad value
-            raise ValueError(f"{owner}: states={states!r}: {error}") from None
+            raise ConfigurationError(f"{owner}: states={states!r}: {error}") from None
     if group["rounding"] not in ROUNDINGS:
-        raise ValueError(f"{owner}: rounding={group['rounding']!r} is not valid; use one of {ROUNDINGS}")
+        raise ConfigurationError(f"{owner}: rounding={group['rounding']!r} is not valid; use one of {ROUNDINGS}")
     min_size = group["min_quant_size"]
     if not isinstance(min_size, int) or isinstance(min_size, bool) or min_size < 0:
-        raise ValueError(f"{owner}: min_quant_size={min_size!r} must be an int >= 0")
+        raise ConfigurationError(f"{owner}: min_quant_size={min_size!r} must be an int >= 0")
     validate_weight_options(group, owner)
     validate_grads_option(group, owner)
 
@@ -93,7 +94,7 @@ def validate_grads_option(group: Mapping[str, Any], owner: str) -> None:
     try:
         gradient_format(group)
     except ValueError as error:
-        raise ValueError(f"{owner}: grads={grads!r}: {error}") from None
+        raise ConfigurationError(f"{owner}: grads={grads!r}: {error}") from None
 
 
 def gradient_format(group: Mapping[str, Any]) -> StorageFormat | None:
@@ -107,17 +108,17 @@ def gradient_format(group: Mapping[str, Any]) -> StorageFormat | None:
 def validate_weight_options(group: Mapping[str, Any], owner: str) -> None:
     """Check ``weights``, ``weight_block``, ``weight_rounding`` and ``error_feedback`` (a param group's or a policy's)."""
     if group["weight_rounding"] not in ROUNDINGS:
-        raise ValueError(f"{owner}: weight_rounding={group['weight_rounding']!r} is not valid; use one of {ROUNDINGS}")
+        raise ConfigurationError(f"{owner}: weight_rounding={group['weight_rounding']!r} is not valid; use one of {ROUNDINGS}")
     if group["error_feedback"] not in ERROR_FEEDBACKS:
-        raise ValueError(f"{owner}: error_feedback={group['error_feedback']!r} is not valid; use one of {ERROR_FEEDBACKS}")
+        raise ConfigurationError(f"{owner}: error_feedback={group['error_feedback']!r} is not valid; use one of {ERROR_FEEDBACKS}")
     if group["weights"] is not None and not isinstance(group["weights"], str):
         raise TypeError(f"{owner}: weights= must be a format name or None, got {type(group['weights']).__name__}")
     if group["weights"] == "":
-        raise ValueError(f"{owner}: weights='' is not a format; give a format name (e.g. 'bf16', 'fp8_e4m3') or None")
+        raise ConfigurationError(f"{owner}: weights='' is not a format; give a format name (e.g. 'bf16', 'fp8_e4m3') or None")
     try:
         get_weight_grid(group["weights"] or "bf16", group["weight_block"])
     except ValueError as error:
-        raise ValueError(f"{owner}: weights={group['weights']!r}: {error}") from None
+        raise ConfigurationError(f"{owner}: weights={group['weights']!r}: {error}") from None
 
 
 def format_name_for(group: Mapping[str, Any], state_name: str) -> str:
@@ -247,9 +248,9 @@ class QuantizationPolicy:
         """Check every option; errors name ``owner`` and the option. ``state_names``: the optimizer's (``None``: any)."""
         validate_policy(self.group_options(), state_names, owner)
         if not isinstance(self.track_stalls, bool):
-            raise ValueError(f"{owner}: track_stalls={self.track_stalls!r} must be True or False")
+            raise ConfigurationError(f"{owner}: track_stalls={self.track_stalls!r} must be True or False")
         if self.nonfinite not in NONFINITE_GRAD_POLICIES:
-            raise ValueError(f"{owner}: nonfinite={self.nonfinite!r} is not valid; use one of {NONFINITE_GRAD_POLICIES}")
+            raise ConfigurationError(f"{owner}: nonfinite={self.nonfinite!r} is not valid; use one of {NONFINITE_GRAD_POLICIES}")
         for name in NAME_PATTERN_FIELDS:
             pattern_mapping(getattr(self, name), name, owner)
         for pattern, states in self.overrides.items():
@@ -278,7 +279,7 @@ class QuantizationPolicy:
                 raise TypeError(f"{owner}: policy= must be a QuantizationPolicy, got {type(policy).__name__}")
             given = sorted(name for name, value in options.items() if value != POLICY_DEFAULTS[name])
             if given:
-                raise ValueError(f"{owner}: give either policy= or the keywords {given}, not both")
+                raise ConfigurationError(f"{owner}: give either policy= or the keywords {given}, not both")
             policy.validate(owner)
             return policy
         return cls(**options, owner=owner)
@@ -315,7 +316,7 @@ class QuantizationPolicy:
             return optimizer
         given = [name for name in NAME_PATTERN_FIELDS if getattr(self, name)]
         if given and names is None:
-            raise ValueError(
+            raise ConfigurationError(
                 f"QuantizationPolicy: {given[0]}= needs the parameter names it matches; call apply(optimizer, module), "
                 "or build the optimizer from model.named_parameters()"
             )
@@ -366,7 +367,7 @@ class QuantizationPolicy:
                 chosen_by = f"the selection of weights={self.weights!r} (the linear weights inside repeated blocks)"
                 ignored.append(chosen_by if selection else f"{name}={value!r}")
         if ignored:
-            raise ValueError(
+            raise ConfigurationError(
                 f"QuantizationPolicy: {type(optimizer).__name__} of {owner} has quantized states already (built as a quantized "
                 f"optimizer, or converted by another plugin or callback), so {', '.join(ignored)} would be ignored; give "
                 "them where it is built (its constructor, or the one plugin or callback that converts it), or leave them out here"
@@ -379,7 +380,7 @@ class QuantizationPolicy:
         if not given:
             return
         if not all(group.get("param_names") for group in optimizer.param_groups):
-            raise ValueError(
+            raise ConfigurationError(
                 f"{type(optimizer).__name__}: policy.{given[0]} match parameter names; build the optimizer from "
                 "model.named_parameters(), or use policy.apply(torch_optimizer, model)"
             )
@@ -410,7 +411,7 @@ class QuantizationPolicy:
             in_blocks = {clean_parameter_name(name) for name in block_linear_weight_names(module)}
             matched.update({param: None for name, param in named if param not in matched and name not in in_blocks})
             if named and all(matched.get(param, self.weights) is None for _, param in named):
-                raise ValueError(
+                raise ConfigurationError(
                     f"QuantizationPolicy: weights={self.weights!r} would put no parameter of {owner} on its grid: given the "
                     "module, it goes to the weights of linear layers inside repeated blocks (under a numbered child, as "
                     f"transformer.h.3.attn.c_attn.weight), and {owner} has none ({_name_summary(named)}); name the parameters "
@@ -428,7 +429,7 @@ class QuantizationPolicy:
         patterns = getattr(self, option)
         for pattern in patterns:
             if not any(fnmatch.fnmatchcase(name, pattern) for name, _ in named):
-                raise ValueError(
+                raise ConfigurationError(
                     f"QuantizationPolicy: {option} pattern {pattern!r} matches no parameter of {owner}; patterns are "
                     f"matched with fnmatch (case-sensitive) against the parameter names: {_name_summary(named)}; "
                     "fix the pattern or remove it"
@@ -500,7 +501,7 @@ def _fit_to_fsdp1(optimizer: torch.optim.Optimizer, module: torch.nn.Module | No
     if module is None or not any(isinstance(m, FullyShardedDataParallel) for m in module.modules()):
         return
     if "eco_exact" in [error_feedback, *(group.get("error_feedback") for group in optimizer.param_groups)]:
-        raise ValueError(
+        raise ConfigurationError(
             f"{type(optimizer).__name__}: error_feedback='eco_exact' is not supported under FSDP1: its fp32 error buffer "
             "belongs to the parameters on a weight grid only, and FSDP1's optimizer state dict needs every parameter of a flat "
             "parameter to hold the same states. Use FSDP2 (ModelParallelStrategy) or error_feedback='eco'"

@@ -153,17 +153,23 @@ def _snapshot(value: Any) -> Any:
 def _record(model: torch.nn.Module, names: list[str], run: Callable[[], Any], optional: Iterable[str] = ()) -> dict[str, _Call]:
     """Each named module's inputs (as called, before any other pre-hook such as :func:`ptq`'s input rounding) and
     output during ``run()``, copied (:func:`_snapshot`); a module called twice is refused (not a chain), one that did
-    not run too unless it is ``optional`` (a linear layer its parent uses through its weight: left out)."""
+    not run too, unless it is ``optional`` (a linear layer: left out where its parent uses it through its weight or
+    calls it more than once)."""
     inputs: dict[str, tuple[tuple, dict]] = {}
     calls: dict[str, _Call] = {}
+    skippable, repeated = set(optional), set()
 
     def before(module, args, kwargs, name: str) -> None:
         if name in inputs:
-            raise ValueError(f"module {name!r} ran more than once in one forward; the ABC decomposition needs each unit once")
+            if name not in skippable:
+                raise ValueError(f"unit {name!r} ran more than once in one forward; the ABC decomposition needs each unit once")
+            repeated.add(name)
+            return
         inputs[name] = (_snapshot(args), _snapshot(kwargs))
 
     def after(module, args, kwargs, output, name: str) -> None:
-        calls[name] = _Call(*inputs[name], _snapshot(_main_tensor(output)))
+        if name not in repeated:
+            calls[name] = _Call(*inputs[name], _snapshot(_main_tensor(output)))
 
     handles = []
     for name in names:
@@ -175,11 +181,10 @@ def _record(model: torch.nn.Module, names: list[str], run: Callable[[], Any], op
     finally:
         for handle in handles:
             handle.remove()
-    skippable = set(optional)
     missing = [name for name in names if name not in calls and name not in skippable]
     if missing:
         raise ValueError(f"units {missing} did not run as modules in the forward; pass units= that the forward calls, in forward order")
-    return calls
+    return {name: call for name, call in calls.items() if name not in repeated}
 
 
 def _mean_ratio(value: torch.Tensor, norm: torch.Tensor) -> float:
@@ -236,7 +241,7 @@ def abc_decomposition(
             ``Sequential``'s children). Each must run exactly once per forward.
         layers: also a row for every selected linear layer inside the units (``kind="linear"``), after its unit's row;
             a layer the forward does not call as a module (``nn.MultiheadAttention`` uses its ``out_proj``'s weight
-            directly) has none.
+            directly) or calls more than once (one layer's row needs one input and output) has none.
         per_token: per-token ratios averaged, instead of whole-tensor norms.
 
     Returns:

@@ -26,7 +26,7 @@ import torch
 
 from ..formats import FORMAT_NAMES
 from ..formats.rounding import Rounding, check_rounding
-from ..formats.weights import WeightBlock, WeightGrid, get_weight_grid
+from ..formats.weights import WeightBlock, WeightGrid, check_weight_block, get_weight_grid
 
 # PTQ names that differ from the optimizer-state formats of the same name (module docstring)
 FORMAT_ALIASES: dict[str, str] = {"int4": "int4_linear", "int8": "int8_linear", "int4_dynamic": "int4", "int8_dynamic": "int8"}
@@ -51,6 +51,7 @@ def probe_grid(fmt: str, block: WeightBlock = "row") -> WeightGrid:
         raise ValueError(
             f"format {fmt!r} must be a format name such as 'int4', 'int8', 'fp8_e4m3', 'e2m1' or 'bf16' (None: no quantization)"
         )
+    check_weight_block(block, "block")  # before the format: its error is not about the format's name
     try:
         return get_weight_grid(FORMAT_ALIASES.get(fmt, fmt), block)
     except ValueError as error:

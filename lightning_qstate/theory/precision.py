@@ -41,10 +41,11 @@ from typing import Literal
 
 import torch
 
+from ..arguments import finite_real, whole_number
 from ..formats import ROUNDINGS, BlockFormat, CastFormat, StorageFormat, check_rounding, get_format
 from ..optim import QuantizedOptimizerWrapper, QuantizedStates
 from ..optim.base import local_tensor
-from .stall import finite_real, fraction_bits, moment_of, relative_gaps, reset_period, stall_probability, state_decay, whole_number
+from .stall import fraction_bits, moment_of, relative_gaps, reset_period, stall_probability, state_decay
 
 COMPONENTS: tuple[str, ...] = ("grads", "weights", "exp_avg", "exp_avg_sq")  # Muon's and SGD's momentum is "exp_avg"
 OPTIMIZERS: tuple[str, ...] = ("adam", "muon", "sgd")

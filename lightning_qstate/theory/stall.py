@@ -66,13 +66,12 @@ The model ignores the correlation of ``v`` with past ``g`` and the drift of ``v`
 from __future__ import annotations
 
 import math
-import numbers
-import operator
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 import torch
 
+from ..arguments import check_flags, finite_real, whole_number
 from ..formats import BlockFormat, CastFormat, MinifloatFormat, QuantizedTensor, Rounding, StorageFormat, check_rounding, get_format
 from ..optim import NONNEGATIVE_STATES
 
@@ -309,26 +308,6 @@ def _half_normal_grid(spread: float) -> tuple[torch.Tensor, torch.Tensor]:
     return grid, weights / weights.sum()
 
 
-def finite_real(value: object) -> bool:
-    """A finite real number (numpy's too), not a bool."""
-    return not isinstance(value, bool) and isinstance(value, numbers.Real) and math.isfinite(value)
-
-
-def whole_number(value: object) -> int | None:
-    """``value`` as a Python int where it is an integer (``int``, numpy's, a 0-d integer tensor) and not a bool, else ``None``."""
-    try:
-        return None if isinstance(value, bool) else operator.index(value)
-    except TypeError:
-        return None
-
-
-def check_flag(**flags: object) -> None:
-    """Raise ``ValueError`` for a flag that is not a bool (a string such as ``"no"`` would read as True)."""
-    for name, value in flags.items():
-        if not isinstance(value, bool):
-            raise ValueError(f"{name}={value!r} must be True or False")
-
-
 def _check(
     beta: float, rounding: str, age: int | None, center: float | None = None, moment: str = "second", ratios: torch.Tensor | None = None
 ) -> tuple[float, int | None]:
@@ -392,7 +371,7 @@ def stall_probability(
         The probability in ``[0, 1]``; e.g. bf16 at ``β = 0.999``: 0.946 (RN), 0.825 (SR).
     """
     beta, age = _check(beta, rounding, age, center, moment, ratios)
-    check_flag(block_drift=block_drift)
+    check_flags(None, block_drift=block_drift)
     center = None if center is None else float(center)
     return _stall_probability(resolve_format(fmt, moment), beta, rounding, age, moment, values, block_drift, center, ratios)
 
@@ -564,7 +543,7 @@ def reset_period(
         raise ValueError(f"horizons={horizons!r} must be a finite number > 0 (EMA horizons 1/(1 - beta2) in a period's rule)")
     if not finite_real(min_stall) or not 0.0 <= min_stall <= 1.0:
         raise ValueError(f"min_stall={min_stall!r} must be a number in [0, 1] (the stall probability below which resets do not pay)")
-    check_flag(round_period=round_period)
+    check_flags(None, round_period=round_period)
     if stall_probability(fmt, beta2, rounding, moment=moment) < min_stall:
         return None
     period = math.sqrt(half_staleness_age(fmt, beta2, moment=moment) * horizons / (1 - beta2))
