@@ -114,7 +114,7 @@ def test_debug_mode_raises_with_the_library_error_as_cause(tmp_path, monkeypatch
     monkeypatch.setenv("JSONARGPARSE_DEBUG", "true")
     with pytest.raises(OptionError, match=r"QStatePrecision\(rounding='up'\)") as error:
         main(["fit", "--config", config(tmp_path, "plugins", PLUGIN, "{rounding: up}"), *BORING, *NO_OUTPUT])
-    assert type(error.value.__cause__) is ValueError and "rounding='up'" in str(error.value.__cause__)
+    assert isinstance(error.value.__cause__, ValueError) and "rounding='up'" in str(error.value.__cause__)
     assert error.value.__suppress_context__
 
 
