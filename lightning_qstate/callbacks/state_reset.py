@@ -188,12 +188,16 @@ class StateResetScheduler(Callback):
         step before its states were made: at the start of training, and for layers that appear later (groups added with
         ``add_param_group``, before their first step; a wrapped optimizer's, whose layers appear with their states, made
         by the step just ``stepped``). With ``stagger``, the layers that start together spread their first resets over
-        one period."""
+        one period. Every rank phases alike: whether a layer's states exist is taken over the ranks (a collective where
+        new layers appear after a step; an FSDP rank whose shard is empty holds none)."""
         new = [(layer, rows) for layer, rows in layers.items() if layer not in self.last_reset]
-        for index, (layer, rows) in enumerate(new):
+        if not new:
+            return
+        made = torch.tensor([float(stepped and bool(rows[0].optimizer.state.get(rows[0].param))) for _, rows in new])
+        made = across_ranks(trainer, made, "max") if stepped else made
+        for index, ((layer, rows), was_made) in enumerate(zip(new, made.tolist(), strict=True)):
             period = self.layer_period(rows)
-            made = stepped and bool(rows[0].optimizer.state.get(rows[0].param))
-            origin = optimizer_steps(trainer, rows[0].optimizer) - int(made)
+            origin = optimizer_steps(trainer, rows[0].optimizer) - int(was_made)
             self.last_reset[layer] = origin - ((index * period) // len(new)) if self.stagger and period else origin
 
     @override
