@@ -95,7 +95,8 @@ def test_an_option_rejected_when_the_run_starts_is_a_short_usage_error(tmp_path,
     """An ``overrides`` pattern that matches no parameter is refused when fit starts (the policy meets the model there):
     that ended in a traceback and exit status 1."""
     plugin = config(tmp_path, "plugins", PLUGIN, "{overrides: {'*embedding*': int8}}")
-    report = usage_error(capsys, ["fit", "--config", plugin, *BORING, *NO_OUTPUT, "--trainer.max_steps=1"])
+    run = ["--trainer.max_steps=1", f"--trainer.default_root_dir={tmp_path}"]  # LightningCLI writes config.yaml there
+    report = usage_error(capsys, ["fit", "--config", plugin, *BORING, *NO_OUTPUT, *run])
     assert report.startswith("lightning-qstate: error: QuantizationPolicy: overrides pattern '*embedding*' matches no parameter")
 
 
@@ -106,7 +107,7 @@ class RaisesValueError(BoringModel):
 
 def test_a_value_error_of_the_users_code_keeps_its_traceback(tmp_path):
     with pytest.raises(ValueError, match="the user's own error"):
-        main(["fit", f"--model={__name__}.RaisesValueError", *NO_OUTPUT, "--trainer.max_steps=1"])
+        main(["fit", f"--model={__name__}.RaisesValueError", *NO_OUTPUT, "--trainer.max_steps=1", f"--trainer.default_root_dir={tmp_path}"])
 
 
 def test_debug_mode_raises_with_the_library_error_as_cause(tmp_path, monkeypatch):
