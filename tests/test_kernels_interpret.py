@@ -450,3 +450,21 @@ else:
         assert adam_step_supported(get_format("int8", block_size=MAX_BLOCK // MAX_SUB_BLOCKS), unsigned(MAX_BLOCK))
         assert not adam_step_supported(get_format("int8", block_size=MAX_BLOCK // MAX_SUB_BLOCKS // 2), unsigned(MAX_BLOCK))
         assert not adam_step_supported(get_format("int8", block_size=2 * MAX_BLOCK), unsigned(2 * MAX_BLOCK))
+
+    import triton
+    import triton.language as tl
+
+    from lightning_qstate.kernels.triton_formats import container_numel
+
+    @triton.jit
+    def count_kernel(out_ptr, numel, BITS: tl.constexpr):
+        tl.store(out_ptr, container_numel(numel, BITS))
+
+    @pytest.mark.parametrize("bits", [4, 6, 8])
+    def test_the_code_container_count_of_a_parameter_near_2_31_values(bits):
+        """``container_numel`` of an int32 ``numel`` near 2**31 wrapped (``numel + 7``): every code of such a parameter
+        (4-7-bit states) was masked off, never loaded nor stored. The count is taken in int64 (a kernel that stores it:
+        such a parameter does not fit here)."""
+        numel, out = 2**31 - 1, torch.zeros(1, dtype=torch.int64)
+        count_kernel[(1,)](out, numel, BITS=bits)
+        assert int(out) == (numel + 1) // 2 if bits <= 4 else int(out) == ((numel + 7) // 8 * bits if bits < 8 else numel)

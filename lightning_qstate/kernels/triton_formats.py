@@ -250,7 +250,9 @@ def block_code_offsets(block_index, numel, BITS: tl.constexpr, BLOCK_SIZE: tl.co
 
 @triton.jit
 def container_numel(numel, BITS: tl.constexpr):
-    """Container elements holding ``numel`` codes (``packing.packed_numel``)."""
+    """Container elements holding ``numel`` codes (``packing.packed_numel``), in int64: ``numel + 7`` of an int32
+    ``numel`` near ``2**31`` would wrap, masking every code of the parameter off."""
+    numel = numel.to(tl.int64)
     if BITS <= 4:
         count = (numel + 1) // 2
     elif BITS < 8:
