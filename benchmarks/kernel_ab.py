@@ -65,7 +65,7 @@ def revision_sources(revision: str) -> Path:
     """A directory holding the kernel's sources (``native.SOURCES``) as git ``revision`` has them (under the system's
     temporary directory, named by the commit, so a second run finds them). Raises ``ValueError`` for a revision git
     does not know or whose kernel lacks one of the files."""
-    relative = native.CSRC.relative_to(ROOT)
+    relative = native.CSRC.resolve().relative_to(ROOT.resolve())  # a symlinked checkout: both resolved
     try:
         commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--verify", f"{revision}^{{commit}}"], capture_output=True,
                                 text=True, check=True).stdout.strip()  # fmt: skip

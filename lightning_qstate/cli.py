@@ -25,7 +25,7 @@ optimizer before ``configure_model`` shards the model; let the module's ``config
 
 An option that one of this library's callbacks or plugins rejects (``states: int9``, ``rounding: up``), when it is
 built or when the run starts (an ``overrides`` pattern that matches no parameter, a ``states=`` name the optimizer does
-not have, a checkpoint of another format), ends the command with a short message and exit status 2, like any usage
+not have, ``error_feedback`` without momentum), ends the command with a short message and exit status 2, like any usage
 error (:class:`OptionError`, :class:`~lightning_qstate.arguments.ConfigurationError`). ``JSONARGPARSE_DEBUG=true``
 shows the traceback instead.
 """

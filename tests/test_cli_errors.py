@@ -91,13 +91,20 @@ def test_rejected_option_in_the_example_config(capsys):
     assert report.startswith("lightning-qstate: error: invalid option for QStatePrecision(states='int9'):\n") and FORMATS in report
 
 
-def test_an_option_rejected_when_the_run_starts_is_a_short_usage_error(tmp_path, capsys):
-    """An ``overrides`` pattern that matches no parameter is refused when fit starts (the policy meets the model there):
-    that ended in a traceback and exit status 1."""
-    plugin = config(tmp_path, "plugins", PLUGIN, "{overrides: {'*embedding*': int8}}")
+FIT_TIME = {  # id: (the plugin's init_args, the start of the report): checks made when the plugin meets the optimizer
+    "overrides": ("{overrides: {'*embedding*': int8}}", "QuantizationPolicy: overrides pattern '*embedding*' matches no parameter"),
+    "eco-without-momentum": ("{weights: bf16, error_feedback: eco, weight_overrides: {'*.weight': bf16}}", "SGD: error_feedback='eco'"),
+}
+
+
+@pytest.mark.parametrize(("init_args", "start"), FIT_TIME.values(), ids=FIT_TIME.keys())
+def test_an_option_rejected_when_the_run_starts_is_a_short_usage_error(tmp_path, capsys, init_args, start):
+    """Options refused when fit starts (the policy meets the model and its optimizer there: BoringModel's SGD has no
+    momentum) ended in a traceback and exit status 1: they raise ConfigurationError now."""
+    plugin = config(tmp_path, "plugins", PLUGIN, init_args)
     run = ["--trainer.max_steps=1", f"--trainer.default_root_dir={tmp_path}"]  # LightningCLI writes config.yaml there
     report = usage_error(capsys, ["fit", "--config", plugin, *BORING, *NO_OUTPUT, *run])
-    assert report.startswith("lightning-qstate: error: QuantizationPolicy: overrides pattern '*embedding*' matches no parameter")
+    assert report.startswith(f"lightning-qstate: error: {start}")
 
 
 class RaisesValueError(BoringModel):

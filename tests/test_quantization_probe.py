@@ -269,6 +269,10 @@ class NoisyValidation(BlocklessRegressor):
     """A validation loss with noise drawn from the global stream (as a denoising or VAE objective), preprocessed in
     place (``normalize(inplace=True)``), for two validation dataloaders (``dataloader_idx`` then required)."""
 
+    def training_step(self, batch, batch_idx):  # draws from the global stream too: a probe that moved it changes training
+        x, y = batch
+        return torch.nn.functional.mse_loss(self(x + 0.01 * torch.randn_like(x)), y)
+
     def validation_step(self, batch, batch_idx, dataloader_idx):
         x, y = batch
         x.sub_(0.1).div_(1.5)
@@ -305,4 +309,16 @@ def test_a_parametrized_layer_fails_at_fit_start(tmp_path):
     with pytest.raises(ConfigurationError, match=r"the weights of \['net.3'\] are parametrized"):
         trainer.fit(model, regression_data(), regression_data())
     assert trainer.global_step == 0
-    QuantizationProbe(units="net", weights=None, modules=["net.0"], log_images=False)._check_module(model)  # unselected: fine
+    QuantizationProbe(units="net", modules=["net.0"], log_images=False)._check_module(model)  # not selected: fine
+
+
+class StepWithoutIndex(BlocklessRegressor):
+    def validation_step(self, batch):  # Lightning passes batch_idx only where the step takes it
+        x, y = batch
+        self.log("val_loss", torch.nn.functional.mse_loss(self(x), y))
+
+
+def test_a_validation_step_without_batch_idx(tmp_path):
+    probe = QuantizationProbe(units="net", log_images=False)
+    quiet_trainer(tmp_path, max_steps=3, callbacks=[probe]).validate(StepWithoutIndex(), regression_data())
+    assert len(probe.history) == 1 and math.isfinite(probe.history[0].R_L)

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from ..arguments import ConfigurationError
 from ..formats import StorageFormat, get_format
 from ..optim import QuantizedStates, clean_parameter_name, resolve_format
 from ..optim.base import local_tensor
@@ -69,23 +70,27 @@ def check_options(
     does not name has no floor below its zones' formats)."""
     is_number = isinstance(target_bits, (int, float)) and not isinstance(target_bits, bool)
     if target_bits is not None and not (is_number and 0 < target_bits < math.inf):
-        raise ValueError(f"{owner}: target_bits={target_bits!r} must be a number > 0 (average bits per state value) or None (no cap)")
+        raise ConfigurationError(
+            f"{owner}: target_bits={target_bits!r} must be a number > 0 (average bits per state value) or None (no cap)"
+        )
     for option, value in (("interval", interval), ("hysteresis", hysteresis), ("max_history", max_history)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{owner}: {option}={value!r} must be an int >= 1")
+            raise ConfigurationError(f"{owner}: {option}={value!r} must be an int >= 1")
     if not isinstance(fill_budget, bool):
-        raise ValueError(f"{owner}: fill_budget={fill_budget!r} must be True or False")
+        raise ConfigurationError(f"{owner}: fill_budget={fill_budget!r} must be True or False")
     if not (isinstance(ema_decay, (int, float)) and not isinstance(ema_decay, bool) and 0 <= ema_decay < 1):
-        raise ValueError(f"{owner}: ema_decay={ema_decay!r} must be in [0, 1)")
+        raise ConfigurationError(f"{owner}: ema_decay={ema_decay!r} must be in [0, 1)")
     if reference not in REFERENCES:
-        raise ValueError(f"{owner}: reference={reference!r} is not valid; use one of {REFERENCES}")
+        raise ConfigurationError(f"{owner}: reference={reference!r} is not valid; use one of {REFERENCES}")
     try:
         AnnealedThreshold(threshold_start, threshold_end)
     except ValueError:
-        raise ValueError(f"{owner}: threshold_start={threshold_start!r} and threshold_end={threshold_end!r} must be > 0") from None
+        raise ConfigurationError(f"{owner}: threshold_start={threshold_start!r} and threshold_end={threshold_end!r} must be > 0") from None
     floor = DEFAULT_FLOOR_FORMATS if floor_formats is None else floor_formats
     if not isinstance(floor, Mapping) or not set(floor) <= set(ADAPTED_STATES):
-        raise ValueError(f"{owner}: floor_formats={floor_formats!r} must map some of {list(ADAPTED_STATES)} to a format name, or be None")
+        raise ConfigurationError(
+            f"{owner}: floor_formats={floor_formats!r} must map some of {list(ADAPTED_STATES)} to a format name, or be None"
+        )
     for state, name in floor.items():
         check_candidate(name, f"{owner}: floor_formats[{state!r}]")
     zones = {
@@ -251,14 +256,14 @@ class BitWidthPlanner:
             fill_budget=fill_budget,
         )
         if not isinstance(anneal_steps, int) or isinstance(anneal_steps, bool) or anneal_steps < 1:
-            raise ValueError(f"BitWidthPlanner: anneal_steps={anneal_steps!r} must be an int >= 1")
+            raise ConfigurationError(f"BitWidthPlanner: anneal_steps={anneal_steps!r} must be an int >= 1")
         if not isinstance(optimizer, QuantizedStates) or not set(ADAPTED_STATES) <= set(optimizer.state_names):
             raise TypeError(
                 f"BitWidthPlanner needs a QAdam/QAdamW optimizer (states {list(ADAPTED_STATES)}), got {type(optimizer).__name__}; "
                 "use lightning_qstate.QAdamW or quantize_optimizer (with Lightning: QStatePrecision or QuantizedOptimizerStates)"
             )
         if any(group.get("amsgrad") for group in optimizer.param_groups):
-            raise ValueError("BitWidthPlanner does not support amsgrad=True (its max_exp_avg_sq state is not adapted)")
+            raise ConfigurationError("BitWidthPlanner does not support amsgrad=True (its max_exp_avg_sq state is not adapted)")
         self.optimizer = optimizer
         self._check_states_quantized()
         self.target_bits = target_bits
@@ -288,7 +293,7 @@ class BitWidthPlanner:
             planned = any(self._tracked(param) and param not in optimizer.configured_overrides for param in group["params"])
             kept = [state for state in ADAPTED_STATES if format_name_for(group, state) == "fp32"]
             if planned and kept:
-                raise ValueError(
+                raise ConfigurationError(
                     f"BitWidthPlanner: param group {index} has states={group['states']!r}, which keeps {' and '.join(kept)} in fp32, "
                     f"but the plan stores both {' and '.join(ADAPTED_STATES)} in the formats it chooses (m_formats, v_formats) and "
                     "would override that; give the group a quantized format for both (e.g. states='int8': only the start, the "
@@ -360,13 +365,15 @@ class BitWidthPlanner:
                             for name in self.candidates(state)
                         }
                     except ValueError as error:  # dense 5-7-bit codes under block_size 2 or 4
-                        raise ValueError(
+                        raise ConfigurationError(
                             f"BitWidthPlanner: a candidate format does not fit the param group's block_size={group['block_size']!r}: "
                             f"{error}. Give the group a larger block_size, or m_formats/v_formats/floor_formats without that format"
                         ) from None
                 layers.append(layer)
         if not layers:
-            raise ValueError("BitWidthPlanner: every parameter of the optimizer is frozen (requires_grad=False); there is nothing to plan")
+            raise ConfigurationError(
+                "BitWidthPlanner: every parameter of the optimizer is frozen (requires_grad=False); there is nothing to plan"
+            )
         return layers
 
     # --- checks ------------------------------------------------------------------------------------------

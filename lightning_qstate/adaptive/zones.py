@@ -7,6 +7,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from ..arguments import ConfigurationError
 from ..formats import get_format
 
 # Zones from the highest priority (most bits) to the lowest; budget demotions start from the end.
@@ -40,7 +41,7 @@ def model_statistics(
     if reference == "model":
         return gradient_statistics(sum(abs_sums), sum(square_sums), sum(counts))
     if reference != "layers":
-        raise ValueError(f"reference={reference!r} is not valid; use one of {REFERENCES}")
+        raise ConfigurationError(f"reference={reference!r} is not valid; use one of {REFERENCES}")
     total = sum(counts)
     if total <= 0:
         return 0.0, 0.0
@@ -77,9 +78,9 @@ class AnnealedThreshold:
 
     def __post_init__(self) -> None:
         if not (self.start > 0 and self.end > 0):
-            raise ValueError(f"AnnealedThreshold: start={self.start!r} and end={self.end!r} must be > 0")
+            raise ConfigurationError(f"AnnealedThreshold: start={self.start!r} and end={self.end!r} must be > 0")
         if not isinstance(self.steps, int) or self.steps < 1:
-            raise ValueError(f"AnnealedThreshold: steps={self.steps!r} must be an int >= 1")
+            raise ConfigurationError(f"AnnealedThreshold: steps={self.steps!r} must be an int >= 1")
 
     def __call__(self, step: int) -> float:
         return self.start + (self.end - self.start) * min(max(step, 0) / self.steps, 1.0)
@@ -120,7 +121,7 @@ def check_zone_formats(formats: Mapping[str, str], option: str) -> dict[str, str
     if not isinstance(formats, Mapping):
         raise TypeError(f"{option} must be a mapping of zone -> format name, got {type(formats).__name__}")
     if set(formats) != set(ZONES):
-        raise ValueError(f"{option} must name exactly the zones {list(ZONES)}; got {sorted(formats)}")
+        raise ConfigurationError(f"{option} must name exactly the zones {list(ZONES)}; got {sorted(formats)}")
     for zone, name in formats.items():
         check_candidate(name, f"{option}[{zone!r}]")
     return {zone: formats[zone] for zone in ZONES}
@@ -129,9 +130,9 @@ def check_zone_formats(formats: Mapping[str, str], option: str) -> dict[str, str
 def check_candidate(name: str, option: str) -> str:
     """``name``, checked as a candidate format of an adapted state: a known format other than ``fp32``. Errors name ``option``."""
     if name == "fp32":
-        raise ValueError(f"{option}='fp32' is not a candidate; use a stored format such as 'bf16', 'int8' or 'int4'")
+        raise ConfigurationError(f"{option}='fp32' is not a candidate; use a stored format such as 'bf16', 'int8' or 'int4'")
     try:
         get_format(name)
     except (ValueError, TypeError) as error:
-        raise ValueError(f"{option}: {error}") from None
+        raise ConfigurationError(f"{option}: {error}") from None
     return name

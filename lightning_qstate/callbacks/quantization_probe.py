@@ -17,6 +17,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch.nn.utils.parametrize import is_parametrized
 from typing_extensions import override
@@ -340,10 +341,16 @@ class QuantizationProbe(Callback):
             seconds=time.perf_counter() - start,
         )
 
+    def _step_args(self, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> tuple:
+        """``validation_step``'s arguments as Lightning passes them: ``batch_idx`` where the step takes it, and the first
+        dataloader's index where there are several."""
+        takes_index = is_param_in_hook_signature(pl_module.validation_step, "batch_idx", min_args=2)
+        return (batch, *([batch_idx] if takes_index else []), *([0] if self._several_loaders else []))
+
     def _loss(self, pl_module: pl.LightningModule, batch: Any, batch_idx: int = 0, rewind: Callable[[], None] | None = None) -> float:
-        """The loss of ``batch``, the validation's ``batch_idx``-th: ``loss_fn``'s, else ``validation_step``'s (with the
-        first dataloader's index where there are several, as Lightning calls it), on a copy of ``batch`` (an in-place
-        preprocessing step would change the stored batch for every later forward), after ``rewind()``."""
+        """The loss of ``batch``, the validation's ``batch_idx``-th: ``loss_fn``'s, else ``validation_step``'s (called as
+        Lightning calls it: ``_step_args``), on a copy of ``batch`` (an in-place preprocessing step would change the
+        stored batch for every later forward), after ``rewind()``."""
         batch = apply_to_collection(batch, torch.Tensor, torch.clone)
         if rewind is not None:
             rewind()
@@ -352,7 +359,7 @@ class QuantizationProbe(Callback):
         logged: dict[str, Any] = {}
         pl_module.log = lambda name, value, *args, **kwargs: logged.__setitem__(name, value)  # instance attribute: caught
         try:
-            returned = pl_module.validation_step(batch, batch_idx, *([0] if self._several_loaders else []))
+            returned = pl_module.validation_step(*self._step_args(pl_module, batch, batch_idx))
         finally:
             del pl_module.log
         if self.loss_key in logged:
@@ -361,7 +368,7 @@ class QuantizationProbe(Callback):
             return float(returned)
         if isinstance(returned, Mapping) and "loss" in returned:
             return float(returned["loss"])
-        raise ValueError(
+        raise ConfigurationError(
             f"QuantizationProbe: {type(pl_module).__name__}.validation_step neither logs {self.loss_key!r} (it logged "
             f"{sorted(logged)}) nor returns a loss; pass loss_key= or loss_fn=(pl_module, batch) -> loss"
         )
@@ -383,10 +390,10 @@ def _names(value: Any) -> list | None:
 
 
 class _RandomStreams:
-    """The global random streams (the CPU's, and ``device``'s where it is a GPU): :meth:`fork` keeps them as they are
-    after a block, :meth:`mark` records where they stand and :meth:`rewind` sets them back there, so that each forward
-    of one batch draws the same numbers (a ``validation_step`` that adds noise, as denoising or VAE objectives do) and
-    the losses with and without quantization differ by the quantization alone."""
+    """torch's global random streams (the CPU's, and ``device``'s where it is a CUDA GPU; not Python's or numpy's):
+    :meth:`fork` keeps them as they are after a block, :meth:`mark` records where they stand and :meth:`rewind` sets
+    them back there, so that each forward of one batch draws the same numbers (a ``validation_step`` that adds noise, as
+    denoising or VAE objectives do) and the losses with and without quantization differ by the quantization alone."""
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"

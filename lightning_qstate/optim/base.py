@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from ..arguments import ConfigurationError
 from ..formats import CastFormat, NonFiniteError, QuantizedTensor, StorageFormat, count_stalls, local_tensor
 from ..formats.weights import WeightGrid
 from ..kernels import dispatch
@@ -382,13 +383,13 @@ class QuantizedStates:
         validate_policy(group, self.state_names or None, type(self).__name__)
         owner = type(self).__name__
         if group.get("differentiable"):
-            raise ValueError(
+            raise ConfigurationError(
                 f"{owner}: differentiable=True is not supported (quantized states are not differentiable); use the torch optimizer"
             )
         self._check_weight_options(group, owner)
         for param in group["params"]:
             if torch.is_complex(param):
-                raise ValueError(f"{owner}: complex parameters are not supported; give them to a separate torch optimizer")
+                raise ConfigurationError(f"{owner}: complex parameters are not supported; give them to a separate torch optimizer")
             if param.dtype not in PARAM_DTYPES:
                 raise TypeError(
                     f"{owner}: parameters of dtype {param.dtype} are not supported; use one of {[str(d) for d in PARAM_DTYPES]}"
@@ -408,7 +409,7 @@ class QuantizedStates:
         names = list(given) if given else [self.module_names.get(param) for param in group["params"]]
         unnamed = [tuple(param.shape) for name, param in zip(names, group["params"], strict=True) if name is None]
         if unnamed:
-            raise ValueError(
+            raise ConfigurationError(
                 f"{owner}: the policy's {' and '.join(name_patterns)} patterns match parameter names, and the added group's "
                 f"parameters of shapes {unnamed} have none; add the group with param_names (as torch's named groups)"
             )
@@ -432,17 +433,18 @@ class QuantizedStates:
                 try:
                     self.weight_grid(group, key)
                 except (TypeError, ValueError) as error:
-                    raise type(error)(f"{type(self).__name__}: parameter of shape {tuple(key.shape)}: {error}") from None
+                    kind = ConfigurationError if isinstance(error, ValueError) else TypeError
+                    raise kind(f"{type(self).__name__}: parameter of shape {tuple(key.shape)}: {error}") from None
 
     def _check_weight_options(self, group: dict, owner: str) -> None:
         """Refuse ``weights``/``error_feedback`` values this optimizer's update cannot honour (subclasses add their rules)."""
         if not self.weights_supported and (group["weights"] is not None or group["error_feedback"] is not None):
-            raise ValueError(
+            raise ConfigurationError(
                 f"{owner}: weights= and error_feedback= need the update math of QAdam, QAdamW, QSGD or QMuon; the wrapped "
                 "optimizer updates its parameters itself. Use one of those, or leave both None"
             )
         if group["error_feedback"] not in self.error_feedbacks:
-            raise ValueError(
+            raise ConfigurationError(
                 f"{owner}: error_feedback={group['error_feedback']!r} is not supported here (supported: {self.error_feedbacks}); "
                 "'eco' needs an update linear in a momentum state (QSGD, QAdam, QAdamW); 'eco_exact' works for any"
             )

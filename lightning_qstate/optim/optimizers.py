@@ -48,6 +48,7 @@ from torch.optim.adam import adam
 from torch.optim.optimizer import _get_scalar_dtype, _to_scalar
 from torch.optim.sgd import sgd
 
+from ..arguments import ConfigurationError
 from ..formats import QuantizedTensor, StorageFormat
 from ..formats.weights import WeightBlock
 from ..kernels.adam_reference import adam_denominator, adam_hyper, decoupled_decay, eco_feedback, hold_moment, sqrt_rn
@@ -193,7 +194,7 @@ class _AdamStates(QuantizedStates):
     def _check_weight_options(self, group: dict, owner: str) -> None:
         super()._check_weight_options(group, owner)
         if group["error_feedback"] == "eco" and float(group["betas"][0]) == 0:
-            raise ValueError(
+            raise ConfigurationError(
                 f"{owner}: error_feedback='eco' feeds the rounding error into m, which betas[0]=0 does not keep; use 'eco_exact'"
             )
 
@@ -559,7 +560,7 @@ class QSGD(_MomentumStates, torch.optim.SGD):
     def _check_weight_options(self, group: dict, owner: str) -> None:
         super()._check_weight_options(group, owner)
         if group["error_feedback"] == "eco" and group["momentum"] == 0:
-            raise ValueError(
+            raise ConfigurationError(
                 f"{owner}: error_feedback='eco' feeds the rounding error into the momentum buffer; set momentum > 0, or use 'eco_exact'"
             )
 
@@ -630,13 +631,13 @@ class QMuon(_MomentumStates, torch.optim.Muon):
         """2-D parameters only (torch's constructor checks, ``add_param_group`` did not), and no DTensor shards: Muon
         orthogonalizes the full matrix, and each rank would orthogonalize its own rows."""
         if isinstance(param, DTensor):
-            raise ValueError(
+            raise ConfigurationError(
                 f"{owner}: parameters sharded as DTensors (FSDP2) are not supported: Muon orthogonalizes the full matrix, and "
                 "this optimizer would orthogonalize each rank's shard (another algorithm); keep Muon's parameters unsharded "
                 "(DDP) or use QAdamW"
             )
         if param.ndim != 2:
-            raise ValueError(
+            raise ConfigurationError(
                 f"{owner}: Muon only supports 2-D parameters, got one of shape {tuple(param.shape)}; give biases, norms "
                 "and embeddings to an AdamW"
             )

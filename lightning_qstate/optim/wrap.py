@@ -26,6 +26,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
 from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
+from ..arguments import ConfigurationError
 from ..formats import BlockFormat, QuantizedTensor, StorageFormat, get_format
 from ..formats.weights import WeightBlock
 from ..kernels.dispatch import StepPath
@@ -276,7 +277,7 @@ class QuantizedOptimizerWrapper(QuantizedStates, torch.optim.Optimizer):
         unknown = sorted(asked - made)
         self._names_checked = not unknown  # a step after the error raises it again
         if unknown:
-            raise ValueError(
+            raise ConfigurationError(
                 f"{type(self).__name__}: states= (or overrides=) names {unknown}, which {type(self.optimizer).__name__} does not "
                 f"keep; its states are {sorted(made)} (checked at its first step, once they exist)"
             )

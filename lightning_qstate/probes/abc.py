@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from ..arguments import ConfigurationError
 from ..formats.rounding import Rounding
 from ..formats.weights import WeightBlock
 from .metrics import call_model, evaluating
@@ -101,7 +102,7 @@ def default_units(model: torch.nn.Module) -> list[str]:
         return [f"{name}.{index}" if name else str(index) for index in range(len(model.get_submodule(name)))]
     if isinstance(model, torch.nn.Sequential):
         return [name for name, _ in model.named_children()]
-    raise ValueError(
+    raise ConfigurationError(
         f"{type(model).__name__} has no transformer blocks (a ModuleList of one class) and is not a Sequential: "
         "pass units=[module names in forward order]"
     )
@@ -162,7 +163,7 @@ def _record(model: torch.nn.Module, names: list[str], run: Callable[[], Any], op
     def before(module, args, kwargs, name: str) -> None:
         if name in inputs:
             if name not in skippable:
-                raise ValueError(f"unit {name!r} ran more than once in one forward; the ABC decomposition needs each unit once")
+                raise ConfigurationError(f"unit {name!r} ran more than once in one forward; the ABC decomposition needs each unit once")
             repeated.add(name)
             return
         inputs[name] = (_snapshot(args), _snapshot(kwargs))
@@ -183,7 +184,9 @@ def _record(model: torch.nn.Module, names: list[str], run: Callable[[], Any], op
             handle.remove()
     missing = [name for name in names if name not in calls and name not in skippable]
     if missing:
-        raise ValueError(f"units {missing} did not run as modules in the forward; pass units= that the forward calls, in forward order")
+        raise ConfigurationError(
+            f"units {missing} did not run as modules in the forward; pass units= that the forward calls, in forward order"
+        )
     return {name: call for name, call in calls.items() if name not in repeated}
 
 
@@ -252,7 +255,7 @@ def abc_decomposition(
     """
     unit_names = list(default_units(model) if units is None else units)
     if not unit_names:
-        raise ValueError("units=[] gives no chain to decompose; pass module names in forward order, or None for the default")
+        raise ConfigurationError("units=[] gives no chain to decompose; pass module names in forward order, or None for the default")
     modules = None if modules is None else ([modules] if isinstance(modules, str) else list(modules))  # read twice below
     quantized_layers = linear_modules(model, modules)
     inner = {unit: [name for name in quantized_layers if name.startswith(f"{unit}.")] if layers else [] for unit in unit_names}
