@@ -108,7 +108,12 @@ def wrapper_resume(rank: int) -> dict:
             optimizer.zero_grad()
         kinds = sorted({type(value).__name__ for state in optimizer.state.values() for value in state.values()})
         params = [(p.full_tensor() if isinstance(p, DTensor) else p).detach().flatten().tolist() for p in model.parameters()]
-        runs["resumed" if resumed else "straight"] = {"params": params, "kinds": kinds}
+        held = [value.to_local() if isinstance(value, DTensor) else value for state in optimizer.state.values() for value in state.values()]
+        per_value = [value for value in held if not isinstance(value, torch.Tensor) or value.ndim > 0]  # not the step counts
+        # what this rank holds (a DTensor's nbytes is the full tensor's: counted world_size times over the ranks)
+        nbytes = {"state_nbytes": lq.state_nbytes(optimizer), "held": sum(value.nbytes for value in held),
+                  "summary": lq.optim.state_summary(optimizer)["bytes"], "per_value": sum(value.nbytes for value in per_value)}  # fmt: skip
+        runs["resumed" if resumed else "straight"] = {"params": params, "kinds": kinds, "nbytes": nbytes}
     return runs
 
 

@@ -338,3 +338,28 @@ def test_importing_the_planner_does_not_import_lightning():
     code = "import sys, lightning_qstate.adaptive; assert 'lightning' not in sys.modules and 'lightning.pytorch' not in sys.modules"
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_half_precision_models_plain_states_are_priced_in_its_dtype(dtype):
+    """A bf16/fp16 parameter keeps a plain m or v (below min_quant_size) in its dtype, 2 bytes: the planner priced it at
+    4, so its avg_bits was not what the optimizer stores (5.46 for 4.97), it named the states "fp32", and it refused a
+    cap the cheapest plan meets."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 1)).to(dtype)
+    optimizer = lightning_qstate.QAdamW(model.parameters(), lr=1e-3, rounding="stochastic")  # min_quant_size 4096: three small params plain
+    planner = BitWidthPlanner(optimizer, model, target_bits=None, interval=2, hysteresis=1, anneal_steps=10)
+    for step in range(3):
+        x = torch.randn(16, 64).to(dtype)
+        optimizer.zero_grad()
+        (model(x).float() - x.float().sum(1, keepdim=True)).square().mean().backward()
+        planner.update(step)
+        optimizer.step()
+    states = [state[name] for state in optimizer.state.values() for name in ("exp_avg", "exp_avg_sq")]
+    values = sum(value.numel if isinstance(value, QuantizedTensor) else value.numel() for value in states)
+    stored = 8 * sum(value.nbytes for value in states) / values
+    assert planner.metrics()["qstate/adaptive/avg_bits"] == pytest.approx(stored, rel=1e-9)
+    name = {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
+    assert [row[1:] for row in planner.format_names()] == [[name] * 3] * 2
+    fresh = lightning_qstate.QAdamW(model.parameters(), lr=1e-3, rounding="stochastic")
+    BitWidthPlanner(fresh, model, target_bits=4.8, interval=2, hysteresis=1, anneal_steps=10)  # the cheapest stores ~4.55

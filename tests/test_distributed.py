@@ -642,6 +642,8 @@ def test_the_wrapper_resumes_under_fsdp2(plain_torch_ranks):
         runs = rank["wrapper_resume"]
         assert runs["resumed"]["kinds"] == runs["straight"]["kinds"] == ["DTensor", "QuantizedTensor", "Tensor"]  # Tensor: step
         assert runs["resumed"]["params"] == runs["straight"]["params"]
+        nbytes = runs["resumed"]["nbytes"]  # this rank's, as state_summary's values are (a DTensor's full size was counted)
+        assert nbytes["state_nbytes"] == nbytes["held"] and nbytes["summary"] == nbytes["per_value"]
 
 
 def test_an_overflow_in_one_ranks_shard_is_raised_and_reset_alike_on_every_rank(plain_torch_ranks):

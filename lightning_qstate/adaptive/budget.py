@@ -18,15 +18,17 @@ class BudgetError(ValueError):
     """The bit budget cannot be met even with every layer in its cheapest candidate formats."""
 
 
-def format_nbytes(fmt: StorageFormat | None, numel: int) -> int:
-    """Bytes a state of ``numel`` values takes in ``fmt`` (codes plus scales), or as a plain fp32 tensor (``None``)."""
-    return FP32_BYTES * numel if fmt is None else fmt.nbytes(numel)
+def format_nbytes(fmt: StorageFormat | None, numel: int, plain_bytes: int = FP32_BYTES) -> int:
+    """Bytes a state of ``numel`` values takes in ``fmt`` (codes plus scales), or as a plain tensor of ``plain_bytes``
+    per value (``None``)."""
+    return plain_bytes * numel if fmt is None else fmt.nbytes(numel)
 
 
-def resolved_nbytes(group: Mapping, state_name: str, param: torch.Tensor, numel: int) -> int:
+def resolved_nbytes(group: Mapping, state_name: str, param: torch.Tensor, numel: int, plain_bytes: int = FP32_BYTES) -> int:
     """Bytes of state ``state_name`` of ``param`` (``numel`` values in full) under ``group``'s policy (its ``states``
-    spec, ``min_quant_size`` and block size), resolved as the optimizer resolves new states, FSDP2 row alignment included."""
-    return format_nbytes(resolve_format(group, state_name, param, numel), numel)
+    spec, ``min_quant_size`` and block size), resolved as the optimizer resolves new states, FSDP2 row alignment included;
+    a state kept plain takes ``plain_bytes`` per value (the optimizer's: the parameter's dtype, fp32 on a weight grid)."""
+    return format_nbytes(resolve_format(group, state_name, param, numel), numel, plain_bytes)
 
 
 Choice = tuple[str, ...]  # one format name per adapted state, in the order of the formats mapping

@@ -14,7 +14,7 @@ import torch
 from ..arguments import ConfigurationError
 from ..formats import StorageFormat, get_format
 from ..optim import QuantizedStates, clean_parameter_name, resolve_format
-from ..optim.base import local_tensor
+from ..optim.base import local_tensor, plain_state_name
 from ..optim.policy import format_name_for
 from .budget import BudgetError, Choice, budget_ladder, budget_order, fit_budget, floor_option, resolved_nbytes
 from .zones import (
@@ -351,16 +351,17 @@ class BitWidthPlanner:
                 if not self._tracked(param):
                     continue
                 numel = optimizer.full_numels.get(param, param.numel())
+                plain = self.plain_dtype(group, param).itemsize  # a state kept plain: the optimizer's dtype for it
                 # the user's (a plan's own entries in state_overrides are no pin: a layer unfrozen later is planned again)
                 override = optimizer.configured_overrides.get(param)
                 pinned = None
                 if override is not None:
-                    pinned = {state: resolved_nbytes({**group, "states": override}, state, param, numel) for state in ADAPTED_STATES}
+                    pinned = {state: resolved_nbytes({**group, "states": override}, state, param, numel, plain) for state in ADAPTED_STATES}
                 layer = Layer(names.get(param, fallback[param]), param, group, numel, pinned)
                 if pinned is None:
                     try:
                         layer.nbytes = {
-                            (state, name): resolved_nbytes({**group, "states": name}, state, param, numel)
+                            (state, name): resolved_nbytes({**group, "states": name}, state, param, numel, plain)
                             for state in ADAPTED_STATES
                             for name in self.candidates(state)
                         }
@@ -527,8 +528,13 @@ class BitWidthPlanner:
         per_layer = [[8 * nbytes / layer.numel if layer.numel else 0.0 for nbytes in layer.state_bytes()] for layer in self.layers]
         return [list(column) for column in zip(*per_layer, strict=False)]
 
+    def plain_dtype(self, group: dict, param: torch.Tensor) -> torch.dtype:
+        """The dtype a plain m or v of ``param`` takes in the optimizer: fp32 on a weight grid, else the parameter's."""
+        return torch.float32 if self.optimizer.weight_grid(group, param) is not None else local_tensor(param).dtype
+
     def format_names(self) -> list[list[str]]:
-        """The format each layer's m and v is stored in (``"fp32"``: a plain tensor, e.g. below ``min_quant_size``):
+        """The format each layer's m and v is stored in (a plain tensor, e.g. below ``min_quant_size``: its dtype's name,
+        ``"fp32"``, ``"bf16"`` or ``"fp16"``):
         ``[[m per layer], [v per layer]]``; pinned layers (a user override) report their override's formats."""
         overrides = self.optimizer.configured_overrides
         per_layer = []
@@ -538,7 +544,8 @@ class BitWidthPlanner:
             else:
                 group = {**layer.group, "states": overrides[layer.param]}
                 formats = [resolve_format(group, state, layer.param, layer.numel) for state in ADAPTED_STATES]
-            per_layer.append(["fp32" if fmt is None else fmt.name for fmt in formats])
+            plain = plain_state_name(self.plain_dtype(layer.group, layer.param))
+            per_layer.append([plain if fmt is None else fmt.name for fmt in formats])
         return [list(column) for column in zip(*per_layer, strict=False)]
 
     def metrics(self) -> dict[str, float]:

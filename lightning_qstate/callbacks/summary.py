@@ -15,9 +15,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from ..adaptive import ADAPTED_STATES
 from ..formats import QuantizedTensor
 from ..optim import QuantizedStates, state_summary
-from ..optim.base import local_tensor
-
-PLAIN_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}  # plain (unquantized) state tensors
+from ..optim.base import local_tensor, plain_state_name
 
 
 class RunSummary(Callback):
@@ -75,7 +73,7 @@ class RunSummary(Callback):
                     if isinstance(value, QuantizedTensor):
                         formats.setdefault(name, Counter())[value.format.name] += 1
                     elif isinstance(value, torch.Tensor) and value.ndim > 0:
-                        formats.setdefault(name, Counter())[PLAIN_NAMES.get(value.dtype, str(value.dtype).removeprefix("torch."))] += 1
+                        formats.setdefault(name, Counter())[plain_state_name(value.dtype)] += 1
         local[3:] = [weights.held_bytes, weights.packed_bytes]
         totals = trainer.strategy.reduce(torch.tensor(local, dtype=torch.float64, device=trainer.strategy.root_device), reduce_op="sum")
         stored, values, fp32_bytes, weight_bytes, packed_weight_bytes = (float(t) for t in totals)

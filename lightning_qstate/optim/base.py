@@ -252,13 +252,24 @@ def state_nbytes(optimizer: torch.optim.Optimizer) -> int:
 
 def _nbytes(value: Any) -> int:
     """Bytes of the tensors and quantized states in ``value``, also inside lists, tuples and dicts (LBFGS's history)."""
-    if isinstance(value, QuantizedTensor | torch.Tensor):
+    if isinstance(value, QuantizedTensor):
         return value.nbytes
+    if isinstance(value, torch.Tensor):
+        return local_tensor(value).nbytes  # a DTensor's nbytes is the full tensor's: this rank holds its shard
     if isinstance(value, Mapping):
         return sum(_nbytes(item) for item in value.values())
     if isinstance(value, list | tuple):
         return sum(_nbytes(item) for item in value)
     return 0
+
+
+PLAIN_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def plain_state_name(dtype: torch.dtype) -> str:
+    """How a plain (unquantized) state of ``dtype`` is named beside the formats: ``"fp32"``, ``"bf16"``, ``"fp16"``,
+    else the dtype's name (``"float64"``)."""
+    return PLAIN_NAMES.get(dtype, str(dtype).removeprefix("torch."))
 
 
 def state_summary(optimizer: torch.optim.Optimizer) -> dict[str, int]:
@@ -267,9 +278,10 @@ def state_summary(optimizer: torch.optim.Optimizer) -> dict[str, int]:
     stored = values = 0
     for state in optimizer.state.values():
         for value in state.values():
-            if isinstance(value, QuantizedTensor) or (isinstance(value, torch.Tensor) and value.ndim > 0):
-                stored += value.nbytes
-                values += value.numel if isinstance(value, QuantizedTensor) else local_tensor(value).numel()
+            if isinstance(value, QuantizedTensor):
+                stored, values = stored + value.nbytes, values + value.numel
+            elif isinstance(value, torch.Tensor) and value.ndim > 0:  # a DTensor: its local shard, as the values
+                stored, values = stored + local_tensor(value).nbytes, values + local_tensor(value).numel()
     return {"bytes": stored, "values": values, "fp32_bytes": 4 * values}
 
 
