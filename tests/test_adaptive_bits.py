@@ -540,7 +540,7 @@ def test_bit_width_figure_names_layers_formats_and_steps():
     figure = bit_width_figure(history, names)
     m_axis, v_axis = figure.axes
     assert [label.get_text() for label in m_axis.get_yticklabels()] == ["attn.weight", "mlp.weight"]  # fp32 layer left out, prefix dropped
-    assert "1 kept fp32 throughout" in m_axis.get_title() and "step" in v_axis.get_xlabel()
+    assert "1 kept plain throughout" in m_axis.get_title() and "step" in v_axis.get_xlabel()
     assert "exp_avg" in m_axis.get_ylabel() and "exp_avg_sq" in v_axis.get_ylabel()
     legend = [text.get_text() for text in figure.legends[0].get_texts()]
     assert legend == ["int4", "int5", "int6", "int8", "int8_linear"]  # int8 and int8_linear each their own colour
@@ -552,8 +552,9 @@ def test_bit_width_figure_names_layers_formats_and_steps():
     figure = bit_width_figure(grown, joined)
     assert "not planned" in [text.get_text() for text in figure.legends[0].get_texts()]
     assert "model.h.1.attn.weight"[len("model.h.") :] in [label.get_text() for label in figure.axes[0].get_yticklabels()]
-    empty = bit_width_figure([{"step": 0, "bits": [[32.0], [32.0]], "formats": [["fp32"], ["fp32"]], "names": ["w"]}], ["w"])
-    assert "no quantized layer" in empty.axes[0].texts[0].get_text()  # every state fp32 (min_quant_size): pcolormesh raised
+    for plain in ("fp32", "bf16 (plain)"):  # a bf16 model's plain states are no quantized layer either
+        empty = bit_width_figure([{"step": 0, "bits": [[32.0], [32.0]], "formats": [[plain], [plain]], "names": ["w"]}], ["w"])
+        assert "no quantized layer" in empty.axes[0].texts[0].get_text()  # every state plain (min_quant_size): pcolormesh raised
     matplotlib.pyplot.close("all")
 
 

@@ -26,7 +26,8 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 
 try:
     import triton.backends.nvidia
-    from triton.backends.compiler import GPUTarget
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend, GPUTarget
     from triton.compiler import ASTSource
 except ImportError as error:  # pragma: no cover - depends on the platform
     pytest.skip(f"no Triton NVIDIA backend: {error}", allow_module_level=True)
@@ -105,3 +106,17 @@ def test_compiles_without_spills(variant, capability):
     spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
     assert spills, report
     assert all(stores == "0" and loads == "0" for stores, loads in spills), f"{variant.label} on sm_{capability} spills:\n{report}"
+
+
+ONE_VALUE = [variant for variant in VARIANTS if "numel" in variant.signature]
+
+
+@pytest.mark.parametrize("variant", ONE_VALUE, ids=[variant.label for variant in ONE_VALUE])
+def test_compiles_for_a_state_of_one_value(variant):
+    """Triton's launch passes an int argument equal to 1 as a constexpr (a Python int in the kernel): a state of one
+    value (``min_quant_size=0``, a bias of one) compiles so. ``numel.to(tl.int64)`` failed there ('int' has no ``to``)."""
+    assert native_specialize_impl(BaseBackend, 1, False, True, True)[0] == "constexpr"  # what the launch does with 1
+    signature = {**variant.signature, "numel": "constexpr"}
+    source = ASTSource(fn=variant.fn, signature=signature, constexprs={**variant.constexprs, "numel": 1})
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": variant.num_warps, **variant.options})
+    assert compiled.asm["cubin"], variant.label

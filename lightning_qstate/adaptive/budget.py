@@ -154,7 +154,7 @@ def fit_budget(
     if total > cap:
         raise BudgetError(
             f"target_bits={target_bits} cannot be met: the cheapest candidates give {8 * total / values:.3f} bits per state value "
-            f"over {values} values (states kept fp32 included)"
+            f"over {values} values (states kept plain included)"
         )
     candidates = [index for index in order if chosen[index] > 0] if fill else []
     while candidates:  # one round: each candidate up one rung; the total only grows, so a refused rung stays refused

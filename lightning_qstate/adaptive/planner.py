@@ -43,7 +43,7 @@ ADAPTED_STATES = ("exp_avg", "exp_avg_sq")  # Adam's m and v
 DEFAULT_M_FORMATS = {"critical": "int8_linear", "magnitude": "int4", "structural": "int4", "redundant": "int4"}
 DEFAULT_V_FORMATS = {"critical": "int8", "magnitude": "int7", "structural": "int6", "redundant": "int5"}
 # The budget's last resort below every zone's formats (``floor_formats``): used only where the zones' formats cannot
-# meet ``target_bits`` (a model with many small parameters kept fp32 by ``min_quant_size``, e.g. the ViT benchmark,
+# meet ``target_bits`` (a model with many small parameters kept plain by ``min_quant_size``, e.g. the ViT benchmark,
 # whose cheapest zone plan is 5.115 bits), so a cap the zones can meet plans exactly as without it.
 DEFAULT_FLOOR_FORMATS = {"exp_avg": "int4", "exp_avg_sq": "int4"}
 STATE_DICT_VERSION = 1
@@ -101,12 +101,17 @@ def check_options(
 
 
 def format_config(fmt: StorageFormat | None) -> dict | None:
-    """What identifies a format (``get_format``'s arguments), ``None`` for plain fp32."""
+    """What identifies a format (``get_format``'s arguments), ``None`` for a plain state."""
     return None if fmt is None else fmt.config
 
 
 def _configs(formats: Sequence[StorageFormat | None]) -> list[dict | None]:
     return [format_config(fmt) for fmt in formats]
+
+
+def kept_plain(name: str) -> bool:
+    """Whether ``name`` (of :meth:`BitWidthPlanner.format_names`) is a state kept plain (``Layer.plain_name``)."""
+    return name == "fp32" or name.endswith(" (plain)")
 
 
 @dataclass
@@ -125,6 +130,13 @@ class Layer:
     choice: Choice | None = None
     held: bool | None = None  # some rank held its states at the last check (None: not checked yet)
     fed: bool = False  # some rank had its gradient at the last check (its states exist after that step)
+    plain: torch.dtype = torch.float32  # the dtype of a state kept plain, as priced (the optimizer's for it)
+
+    @property
+    def plain_name(self) -> str:
+        """The name of a state kept plain: ``"fp32"``, else its dtype's and ``" (plain)"`` (``"bf16 (plain)"``: not the
+        bf16 format a plan may choose)."""
+        return "fp32" if self.plain == torch.float32 else f"{plain_state_name(self.plain)} (plain)"
 
     @property
     def stored(self) -> bool:
@@ -139,7 +151,7 @@ class Layer:
         return [self.nbytes[(state, name)] for state, name in zip(ADAPTED_STATES, self.choice, strict=False)]
 
     def stored_formats(self, choice: Choice) -> list[StorageFormat | None]:
-        """The format each adapted state is stored in under ``choice``, as the optimizer resolves it (``None``: fp32,
+        """The format each adapted state is stored in under ``choice``, as the optimizer resolves it (``None``: plain,
         e.g. below ``min_quant_size``); depends on the full parameter only, so it is the same on every rank."""
         override = dict(zip(ADAPTED_STATES, choice, strict=False))
         return [resolve_format({**self.group, "states": override}, state, self.param, self.numel) for state in ADAPTED_STATES]
@@ -161,7 +173,7 @@ class BitWidthPlanner:
        threshold rises linearly from ``threshold_start`` to ``threshold_end`` over ``anneal_steps``; a new zone is
        adopted once seen at ``hysteresis`` consecutive checks (the first observation at once);
     2. :meth:`plan`: zone -> formats (``m_formats``, ``v_formats``), then the budget over the average of **all** m and
-       v values (those kept fp32 by ``min_quant_size`` or FSDP2 row alignment included, at their real stored bytes,
+       v values (those kept plain by ``min_quant_size`` or FSDP2 row alignment included, at their real stored bytes,
        scales included; a parameter with neither states nor a gradient stores none and is left out until it has
        either): above ``target_bits``, layers are demoted (lowest-priority zone first, then the largest,
        then by name) down their ladder of cheaper zones' formats until it fits (to ``floor_formats`` only where the
@@ -351,17 +363,18 @@ class BitWidthPlanner:
                 if not self._tracked(param):
                     continue
                 numel = optimizer.full_numels.get(param, param.numel())
-                plain = self.plain_dtype(group, param).itemsize  # a state kept plain: the optimizer's dtype for it
+                plain = self._plain_dtype(group, param)  # a state kept plain: the optimizer's dtype for it
                 # the user's (a plan's own entries in state_overrides are no pin: a layer unfrozen later is planned again)
                 override = optimizer.configured_overrides.get(param)
                 pinned = None
                 if override is not None:
-                    pinned = {state: resolved_nbytes({**group, "states": override}, state, param, numel, plain) for state in ADAPTED_STATES}
-                layer = Layer(names.get(param, fallback[param]), param, group, numel, pinned)
+                    spec = {**group, "states": override}
+                    pinned = {state: resolved_nbytes(spec, state, param, numel, plain.itemsize) for state in ADAPTED_STATES}
+                layer = Layer(names.get(param, fallback[param]), param, group, numel, pinned, plain=plain)
                 if pinned is None:
                     try:
                         layer.nbytes = {
-                            (state, name): resolved_nbytes({**group, "states": name}, state, param, numel, plain)
+                            (state, name): resolved_nbytes({**group, "states": name}, state, param, numel, plain.itemsize)
                             for state in ADAPTED_STATES
                             for name in self.candidates(state)
                         }
@@ -411,8 +424,9 @@ class BitWidthPlanner:
         sums[3] = torch.tensor(self._held_here(), dtype=torch.float64)
         if grads:
             index = torch.tensor(where, device=sums.device)
-            sums[0, index] = torch.stack(torch._foreach_norm(grads, 1, dtype=torch.float32)).to(sums)
-            sums[1, index] = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).to(sums).square()
+            wide = torch.float64 if any(grad.dtype == torch.float64 for grad in grads) else torch.float32  # no narrowing
+            sums[0, index] = torch.stack(torch._foreach_norm(grads, 1, dtype=wide)).to(sums)
+            sums[1, index] = torch.stack(torch._foreach_norm(grads, 2, dtype=wide)).to(sums).square()
             sums[2, index] = torch.tensor([float(g.numel()) for g in grads], dtype=torch.float64, device=sums.device)
         return sums
 
@@ -528,13 +542,14 @@ class BitWidthPlanner:
         per_layer = [[8 * nbytes / layer.numel if layer.numel else 0.0 for nbytes in layer.state_bytes()] for layer in self.layers]
         return [list(column) for column in zip(*per_layer, strict=False)]
 
-    def plain_dtype(self, group: dict, param: torch.Tensor) -> torch.dtype:
-        """The dtype a plain m or v of ``param`` takes in the optimizer: fp32 on a weight grid, else the parameter's."""
-        return torch.float32 if self.optimizer.weight_grid(group, param) is not None else local_tensor(param).dtype
+    def _plain_dtype(self, group: dict, param: torch.Tensor) -> torch.dtype:
+        """The dtype a plain m or v of ``param`` takes in the optimizer (its ``_decoded_dtype``: fp32 on a weight grid, else
+        the parameter's)."""
+        return self.optimizer._decoded_dtype(group, param)
 
     def format_names(self) -> list[list[str]]:
-        """The format each layer's m and v is stored in (a plain tensor, e.g. below ``min_quant_size``: its dtype's name,
-        ``"fp32"``, ``"bf16"`` or ``"fp16"``):
+        """The format each layer's m and v is stored in (a plain tensor, e.g. below ``min_quant_size``: ``Layer.plain_name``,
+        ``"fp32"`` or ``"bf16 (plain)"``):
         ``[[m per layer], [v per layer]]``; pinned layers (a user override) report their override's formats."""
         overrides = self.optimizer.configured_overrides
         per_layer = []
@@ -544,8 +559,7 @@ class BitWidthPlanner:
             else:
                 group = {**layer.group, "states": overrides[layer.param]}
                 formats = [resolve_format(group, state, layer.param, layer.numel) for state in ADAPTED_STATES]
-            plain = plain_state_name(self.plain_dtype(layer.group, layer.param))
-            per_layer.append([plain if fmt is None else fmt.name for fmt in formats])
+            per_layer.append([layer.plain_name if fmt is None else fmt.name for fmt in formats])
         return [list(column) for column in zip(*per_layer, strict=False)]
 
     def metrics(self) -> dict[str, float]:

@@ -15,7 +15,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import TensorBoardLogger
 
 from ..adaptive import ADAPTED_STATES, STATE_DICT_VERSION, BitWidthPlanner
-from ..adaptive.planner import check_options
+from ..adaptive.planner import check_options, kept_plain
 from ..arguments import ConfigurationError, is_positive_int
 from .tensorboard import log_scalars, logs_this_step, write_layout
 
@@ -224,7 +224,7 @@ class AdaptiveBitWidth(Callback):
 
 def bit_width_figure(history: Sequence[Mapping[str, Any]], names: Sequence[str]):
     """A matplotlib figure of the plan over the checks: one panel per state (``exp_avg`` above ``exp_avg_sq``), a row
-    per layer that some check stored quantized (named, the common prefix dropped; layers kept fp32 throughout are left
+    per layer that some check stored quantized (named, the common prefix dropped; layers kept plain throughout are left
     out and counted in the title), a column per check (the x axis is the step), one colour per stored format (legend).
 
     ``history``: the planner's entries (``step``, ``bits``, ``formats``: ``[[m per layer], [v per layer]]``, ``names``:
@@ -245,11 +245,11 @@ def bit_width_figure(history: Sequence[Mapping[str, Any]], names: Sequence[str])
         held = entry.get("names") or names[: len(per_state[0])]
         labels.append([dict(zip(held, column, strict=True)) for column in per_state])
     absent = "not planned"
-    shown = [i for i in range(len(names)) if any(column.get(names[i], "fp32") != "fp32" for entry in labels for column in entry)]
+    shown = [i for i in range(len(names)) if any(not kept_plain(column.get(names[i], "fp32")) for entry in labels for column in entry)]
     if not shown:
         figure, axis = plt.subplots(figsize=(6, 1.2))
         axis.axis("off")
-        axis.text(0.5, 0.5, f"no quantized layer: all {len(names)} layers keep fp32 m and v", ha="center", va="center", fontsize=9)
+        axis.text(0.5, 0.5, f"no quantized layer: all {len(names)} layers keep plain m and v", ha="center", va="center", fontsize=9)
         return figure
     formats = sorted({column.get(names[i], absent) for entry in labels for column in entry for i in shown})
     colours = plt.get_cmap("tab10" if len(formats) <= 10 else "tab20")(range(len(formats)))
@@ -269,7 +269,7 @@ def bit_width_figure(history: Sequence[Mapping[str, Any]], names: Sequence[str])
     kept = len(names) - len(shown)
     axes[0, 0].set_title(
         f"stored format of each quantized layer's m and v ({len(shown)} layers"
-        + (f"; {kept} kept fp32 throughout, not shown)" if kept else ")"),
+        + (f"; {kept} kept plain throughout, not shown)" if kept else ")"),
         fontsize=9,
     )
     figure.legend(

@@ -13,6 +13,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import TensorBoardLogger
 
 from ..adaptive import ADAPTED_STATES
+from ..adaptive.planner import kept_plain
 from ..formats import QuantizedTensor
 from ..optim import QuantizedStates, state_summary
 from ..optim.base import local_tensor, plain_state_name
@@ -177,7 +178,7 @@ def monitor_lines(trainer: pl.Trainer) -> list[str]:
             formats = planned_formats(callback.planner)
             target = metrics.get("qstate/adaptive/target_bits")
             zones = ", ".join(f"{key.rsplit('_', 1)[1]} x{int(value)}" for key, value in metrics.items() if "/zone_" in key and value)
-            kept = max((counts.pop("fp32", 0) for counts in formats.values()), default=0)
+            kept = max((sum(counts.pop(name) for name in [n for n in counts if kept_plain(n)]) for counts in formats.values()), default=0)
             lines.append(
                 f"adaptive bit-widths: {metrics['qstate/adaptive/avg_bits']:.3f} bits per state value"
                 + (f" (target {target:g})" if target is not None else "")
@@ -186,7 +187,7 @@ def monitor_lines(trainer: pl.Trainer) -> list[str]:
                     f"{state}: " + ", ".join(f"{name} x{count}" for name, count in sorted(counts.items()))
                     for state, counts in formats.items()
                 )
-                + (f" (+{kept} small layers kept fp32)" if kept else "")
+                + (f" (+{kept} small layers kept plain)" if kept else "")
                 + (f"; zones: {zones}" if zones else "")
             )
         elif isinstance(callback, QuantizationProbe) and callback.history:
@@ -213,12 +214,13 @@ def predicted(rates: dict[str, float], state: str) -> str:
 
 
 def planned_formats(planner) -> dict[str, Counter]:
-    """``{state: Counter(format name)}`` the planner's adapted layers are stored in (``fp32``: kept so by ``min_quant_size``)."""
+    """``{state: Counter(format name)}`` the planner's adapted layers are stored in (``Layer.plain_name``, ``"fp32"`` or
+    ``"bf16 (plain)"``: kept plain by ``min_quant_size``)."""
     formats: dict[str, Counter] = {}
     for layer in planner.layers:
         if layer.pinned is None and layer.choice is not None:
             for state, name, stored in zip(ADAPTED_STATES, layer.choice, layer.stored_formats(layer.choice), strict=False):
-                formats.setdefault(state, Counter())[name if stored is not None else "fp32"] += 1
+                formats.setdefault(state, Counter())[name if stored is not None else layer.plain_name] += 1
     return formats
 
 

@@ -252,7 +252,7 @@ def block_code_offsets(block_index, numel, BITS: tl.constexpr, BLOCK_SIZE: tl.co
 def container_numel(numel, BITS: tl.constexpr):
     """Container elements holding ``numel`` codes (``packing.packed_numel``), in int64: ``numel + 7`` of an int32
     ``numel`` near ``2**31`` would wrap, masking every code of the parameter off."""
-    numel = numel.to(tl.int64)
+    numel = tl.cast(numel, tl.int64)  # a launch with numel == 1 passes it as a constexpr (an int: no .to)
     if BITS <= 4:
         count = (numel + 1) // 2
     elif BITS < 8:

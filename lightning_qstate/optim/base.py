@@ -55,7 +55,7 @@ from .serialization import (
     is_exported,
     quantize_exactly,
 )
-from .weights import ERROR_STATE, grid_units, overridden_grid
+from .weights import ERROR_STATE, PLAIN_NAMES, grid_units, overridden_grid
 
 CheckpointMode = Literal["packed", "fp32"]
 StateValue = torch.Tensor | QuantizedTensor
@@ -230,8 +230,8 @@ def _decoded(value: StateValue, dtype: torch.dtype | None) -> torch.Tensor:
 
 
 def state_nbytes(optimizer: torch.optim.Optimizer) -> int:
-    """Bytes held by ``optimizer.state``: every tensor (also in lists, such as LBFGS's history), and every quantized
-    state's codes and scales.
+    """Bytes held by ``optimizer.state`` on this rank: every tensor (also in lists, such as LBFGS's history; a DTensor's
+    local shard), and every quantized state's codes and scales.
 
     Works for any ``torch.optim.Optimizer``, so a quantized optimizer can be compared with its fp32 twin.
 
@@ -261,9 +261,6 @@ def _nbytes(value: Any) -> int:
     if isinstance(value, list | tuple):
         return sum(_nbytes(item) for item in value)
     return 0
-
-
-PLAIN_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
 def plain_state_name(dtype: torch.dtype) -> str:
@@ -421,7 +418,7 @@ class QuantizedStates:
         names = list(given) if given else [self.module_names.get(param) for param in group["params"]]
         unnamed = [tuple(param.shape) for name, param in zip(names, group["params"], strict=True) if name is None]
         if unnamed:
-            raise ConfigurationError(
+            raise ValueError(
                 f"{owner}: the policy's {' and '.join(name_patterns)} patterns match parameter names, and the added group's "
                 f"parameters of shapes {unnamed} have none; add the group with param_names (as torch's named groups)"
             )

@@ -637,7 +637,7 @@ class QMuon(_MomentumStates, torch.optim.Muon):
                 "(DDP) or use QAdamW"
             )
         if param.ndim != 2:
-            raise ConfigurationError(
+            raise ValueError(
                 f"{owner}: Muon only supports 2-D parameters, got one of shape {tuple(param.shape)}; give biases, norms "
                 "and embeddings to an AdamW"
             )

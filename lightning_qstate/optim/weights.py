@@ -106,11 +106,13 @@ def own_dtype_grid(group: dict, param: torch.Tensor) -> WeightGrid | None:
     return get_weight_grid(_dtype_format(param.dtype), group["weight_block"])
 
 
+PLAIN_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}  # the dtypes' names beside the formats
+
+
 def _dtype_format(dtype: torch.dtype) -> str:
-    names = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
-    if dtype not in names:
-        raise TypeError(f"error_feedback needs parameters of dtype {list(names)} (or weights=), got {dtype}")
-    return names[dtype]
+    if dtype not in PLAIN_NAMES:
+        raise TypeError(f"error_feedback needs parameters of dtype {list(PLAIN_NAMES)} (or weights=), got {dtype}")
+    return PLAIN_NAMES[dtype]
 
 
 def sgd_feedback_coefficient(group: dict) -> float:
