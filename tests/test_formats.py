@@ -434,8 +434,10 @@ def test_fp16_inputs_at_the_top_of_their_range_come_back_finite(name):
     to fp16 such values saturate at 65504 instead of turning inf; inf and NaN of a cast stay."""
     x = torch.tensor([65504.0, -65504.0, 1.0, -3.0], dtype=torch.float16)
     for rounding in ("nearest", "stochastic"):
-        y = get_format(name).quantize(x, rounding=rounding).dequantize()
-        assert y.dtype == torch.float16 and bool(torch.isfinite(y).all()) and y.abs().max() == 65504.0, (rounding, y)
+        for seed in range(8):  # SR may round the top value (65504 / 65536 of the scale) down a code: finite either way
+            y = get_format(name).quantize(x, rounding=rounding, generator=torch.Generator().manual_seed(seed)).dequantize()
+            assert y.dtype == torch.float16 and bool(torch.isfinite(y).all()) and y.abs().max() <= 65504.0, (rounding, y)
+            assert rounding == "stochastic" or y.abs().max() == 65504.0, y
     special = torch.tensor([float("inf"), -float("inf"), float("nan"), 65504.0], dtype=torch.float16)
     if name == "bf16":
         y = get_format(name).quantize(special).dequantize()
