@@ -108,7 +108,7 @@ def test_a_validation_step_without_the_loss_key_is_an_error(tmp_path):
         ({"batches": 1.5}, "batches=1.5 must be a positive int"),
         ({"weights": None, "activations": None}, "quantize nothing"),
         ({"weights": "int3"}, "weights: PTQ format 'int3'"),
-        ({"activations": "int4", "block": 100}, "QuantizationProbe: block: block_size=100 must be a power of two"),
+        ({"activations": "int4", "block": 100}, "QuantizationProbe: block=100 is not valid"),
         ({"block": "rows"}, "QuantizationProbe: block='rows' is not valid"),
         ({"modules": 5}, "modules=5 must be name patterns"),
         ({"loss_fn": lambda module, batch: 0.0, "loss_key": "val_nll"}, "loss_key='val_nll' names validation_step's logged loss"),

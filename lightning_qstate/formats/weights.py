@@ -113,16 +113,11 @@ def group_scales(groups: torch.Tensor, decode: torch.Tensor) -> torch.Tensor:
 
 
 def check_weight_block(block: object, option: str = "weight_block") -> None:
-    """Raise ``ValueError`` naming ``option`` where ``block`` is neither ``"row"``, ``"tensor"`` nor a power of two."""
-    from . import check_block_size
-
-    if isinstance(block, str) and block not in WEIGHT_BLOCKS or isinstance(block, bool) or not isinstance(block, str | int):
-        raise ValueError(f"{option}={block!r} is not valid; use one of {WEIGHT_BLOCKS} or a power of two (e.g. 128)")
-    if not isinstance(block, str):
-        try:
-            check_block_size(block)
-        except ValueError as error:
-            raise ValueError(f"{option}: {error}") from None
+    """Raise ``ValueError`` naming ``option`` where ``block`` is neither ``"row"``, ``"tensor"`` nor a power of two >= 2."""
+    valid = isinstance(block, str) and block in WEIGHT_BLOCKS
+    valid |= isinstance(block, int) and not isinstance(block, bool) and block >= 2 and not block & (block - 1)
+    if not valid:
+        raise ValueError(f"{option}={block!r} is not valid; use one of {WEIGHT_BLOCKS} or a power of two >= 2 (e.g. 128)")
 
 
 def get_weight_grid(name: str, block: WeightBlock = "row") -> WeightGrid:
