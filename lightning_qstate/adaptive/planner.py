@@ -363,7 +363,7 @@ class BitWidthPlanner:
                 if not self._tracked(param):
                     continue
                 numel = optimizer.full_numels.get(param, param.numel())
-                plain = self._plain_dtype(group, param)  # a state kept plain: the optimizer's dtype for it
+                plain = optimizer._decoded_dtype(group, param)  # a state kept plain: the dtype the optimizer keeps it in
                 # the user's (a plan's own entries in state_overrides are no pin: a layer unfrozen later is planned again)
                 override = optimizer.configured_overrides.get(param)
                 pinned = None
@@ -541,11 +541,6 @@ class BitWidthPlanner:
         """Stored bits per value of each layer's m and v (scales included): ``[[m per layer], [v per layer]]``."""
         per_layer = [[8 * nbytes / layer.numel if layer.numel else 0.0 for nbytes in layer.state_bytes()] for layer in self.layers]
         return [list(column) for column in zip(*per_layer, strict=False)]
-
-    def _plain_dtype(self, group: dict, param: torch.Tensor) -> torch.dtype:
-        """The dtype a plain m or v of ``param`` takes in the optimizer (its ``_decoded_dtype``: fp32 on a weight grid, else
-        the parameter's)."""
-        return self.optimizer._decoded_dtype(group, param)
 
     def format_names(self) -> list[list[str]]:
         """The format each layer's m and v is stored in (a plain tensor, e.g. below ``min_quant_size``: ``Layer.plain_name``,

@@ -19,7 +19,6 @@ from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 from lightning_utilities.core.apply_func import apply_to_collection
-from torch.nn.utils.parametrize import is_parametrized
 from typing_extensions import override
 
 from ..arguments import ConfigurationError, check_flags, is_positive_int
@@ -27,7 +26,7 @@ from ..formats.weights import WeightBlock, check_weight_block
 from ..probes import ABCResult, ABCRow, abc_decomposition, default_units, linear_input_statistics, linear_modules, probe_grid, ptq
 from ..probes.abc import gain
 from ..probes.metrics import evaluating
-from ..probes.ptq import weight_input_dim
+from ..probes.ptq import parametrized_weights, weight_input_dim
 from .tensorboard import write_layout
 
 PROBE_TAG = "qstate/probe"  # scalars "<tag>/<figure>", images "<tag>/abc"
@@ -238,8 +237,8 @@ class QuantizationProbe(Callback):
                     f"QuantizationProbe: block={self.block} does not divide the input features of {misfits}; use a divisor of "
                     "each, block='row', or modules= without these layers"
                 )
-        parametrized = [name for name, module in layers.items() if is_parametrized(module, "weight")]
-        if self.weights is not None and parametrized:
+        parametrized = parametrized_weights(layers) if self.weights is not None else []
+        if parametrized:
             raise ConfigurationError(
                 f"QuantizationProbe: the weights of {parametrized} are parametrized (torch.nn.utils.parametrize, weight_norm), "
                 "which the probe cannot quantize; leave them out with modules=, or weights=None"

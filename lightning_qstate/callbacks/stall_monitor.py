@@ -278,9 +278,8 @@ def measured_ratios(trainer: pl.Trainer, optimizer: QuantizedStates | None = Non
             grad = grad * min(1.0, float(clip) / (norms[id(row.optimizer)] + 1e-6))
         elif clip:
             grad = grad.clamp(-float(clip), float(clip))
-        held = row.optimizer.state[row.param]
-        state = {key: local_tensor(value) if isinstance(value, torch.Tensor) else value for key, value in held.items()}
-        inputs = state_input(row.group, row.state, grad, local_tensor(row.param).detach().float().reshape(-1), state)
+        param = local_tensor(row.param).detach().float().reshape(-1)
+        inputs = state_input(row.group, row.state, grad, param, row.optimizer.state[row.param])
         moving = (inputs != 0) | (values != 0) if inputs is not None else None
         if moving is None or not bool(moving.any()):
             continue

@@ -86,8 +86,13 @@ def check_block_options(nonfinite: str, scale_dtype: str | None) -> None:
         )
 
 
+def is_block_size(value: object) -> bool:
+    """Whether ``value`` is a block size: an int power of two >= 2 (not a bool)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 2 and not value & (value - 1)
+
+
 def check_block_size(block_size: int) -> int:
-    if not isinstance(block_size, int) or block_size < 2 or block_size & (block_size - 1):
+    if not is_block_size(block_size):
         raise ValueError(f"block_size={block_size!r} must be a power of two >= 2 (e.g. 64, 128, 256)")
     return block_size
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from .base import uniform_like
-from .block import BlockFormat
+from .block import BlockFormat, is_block_size
 from .cast import CastFormat
 from .packing import as_blocks, packed_numel
 from .rounding import Rounding, lookup
@@ -114,9 +114,7 @@ def group_scales(groups: torch.Tensor, decode: torch.Tensor) -> torch.Tensor:
 
 def check_weight_block(block: object, option: str = "weight_block") -> None:
     """Raise ``ValueError`` naming ``option`` where ``block`` is neither ``"row"``, ``"tensor"`` nor a power of two >= 2."""
-    valid = isinstance(block, str) and block in WEIGHT_BLOCKS
-    valid |= isinstance(block, int) and not isinstance(block, bool) and block >= 2 and not block & (block - 1)
-    if not valid:
+    if not (block in WEIGHT_BLOCKS if isinstance(block, str) else is_block_size(block)):
         raise ValueError(f"{option}={block!r} is not valid; use one of {WEIGHT_BLOCKS} or a power of two >= 2 (e.g. 128)")
 
 

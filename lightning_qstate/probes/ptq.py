@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import fnmatch
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from functools import partial
 
@@ -118,7 +118,7 @@ def ptq(
             probe_grid(fmt, block)  # errors before anything changes
     check_rounding(rounding)
     layers = linear_modules(model, modules)
-    parametrized = [name for name, module in layers.items() if weights is not None and is_parametrized(module, "weight")]
+    parametrized = parametrized_weights(layers) if weights is not None else []
     if parametrized:
         raise ValueError(
             f"the weights of {parametrized} are parametrized (torch.nn.utils.parametrize, weight_norm), which ptq cannot swap; "
@@ -151,3 +151,9 @@ def ptq(
             module._parameters["weight"] = original
         for handle in handles:
             handle.remove()
+
+
+def parametrized_weights(layers: Mapping[str, torch.nn.Module]) -> list[str]:
+    """The names of ``layers`` whose ``weight`` is parametrized (``torch.nn.utils.parametrize``, ``weight_norm``): a
+    weight :func:`ptq` cannot swap for its rounded copy."""
+    return [name for name, module in layers.items() if is_parametrized(module, "weight")]

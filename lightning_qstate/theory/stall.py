@@ -72,7 +72,17 @@ from typing import Any, Literal
 import torch
 
 from ..arguments import check_flags, finite_real, whole_number
-from ..formats import BlockFormat, CastFormat, MinifloatFormat, QuantizedTensor, Rounding, StorageFormat, check_rounding, get_format
+from ..formats import (
+    BlockFormat,
+    CastFormat,
+    MinifloatFormat,
+    QuantizedTensor,
+    Rounding,
+    StorageFormat,
+    check_rounding,
+    get_format,
+    local_tensor,
+)
 from ..optim import NONNEGATIVE_STATES
 
 Moment = Literal["first", "second"]
@@ -118,7 +128,7 @@ def state_input(
     (``b ← μ·b + (1 - dampening)·d``): ``(1 - dampening)·d / (1 - μ)``; Muon's (``b.lerp_(g, 1 - μ)``): ``g``;
     RMSprop's (``b ← μ·b + d / (sqrt(v) + eps)``, ``v`` its ``square_avg`` after this step, less ``grad_avg²`` where
     ``centered``): ``d / ((sqrt(v) + eps)·(1 - μ))``, from the states before the step (``state``: the parameter's,
-    quantized or plain, flat or of the parameter's shape).
+    quantized or plain, flat or of the parameter's shape; a DTensor's local shard is read).
     """
     beta = state_decay(group, state_name)
     if beta is None:
@@ -138,7 +148,7 @@ def _rmsprop_denominator(group: dict, direction: torch.Tensor, state: Mapping[st
 
     def before(name: str) -> torch.Tensor:
         value = state[name]
-        return (value.dequantize() if isinstance(value, QuantizedTensor) else value).float().reshape(direction.shape)
+        return (value.dequantize() if isinstance(value, QuantizedTensor) else local_tensor(value)).float().reshape(direction.shape)
 
     alpha = float(group["alpha"])
     square_avg = before("square_avg") * alpha + direction.square() * (1 - alpha)
@@ -310,8 +320,9 @@ def _half_normal_grid(spread: float) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _check(
     beta: float, rounding: str, age: int | None, center: float | None = None, moment: str = "second", ratios: torch.Tensor | None = None
-) -> tuple[float, int | None]:
-    """Validate the arguments of a stall model; returns ``beta`` as a float and ``age`` as an int (numpy's numbers too)."""
+) -> tuple[float, int | None, float | None]:
+    """Validate the arguments of a stall model; returns ``beta`` and ``center`` as floats and ``age`` as an int (numpy's
+    numbers too)."""
     if ratios is not None:
         if age is not None or center is not None:
             raise ValueError("ratios= replaces age= and center= (the measured ratios set the state's age and spread): give one of them")
@@ -332,7 +343,7 @@ def _check(
             raise ValueError("center= is the second moment's E[v]/E[g²]; it replaces age= (give one of them) and needs moment='second'")
         if not finite_real(center) or center <= 0:
             raise ValueError(f"center={center!r} must be a positive finite number (the state's mean over its gradients' mean square)")
-    return float(beta), age
+    return float(beta), age, None if center is None else float(center)
 
 
 def stall_probability(
@@ -370,9 +381,8 @@ def stall_probability(
     Returns:
         The probability in ``[0, 1]``; e.g. bf16 at ``β = 0.999``: 0.946 (RN), 0.825 (SR).
     """
-    beta, age = _check(beta, rounding, age, center, moment, ratios)
+    beta, age, center = _check(beta, rounding, age, center, moment, ratios)
     check_flags(None, block_drift=block_drift)
-    center = None if center is None else float(center)
     return _stall_probability(resolve_format(fmt, moment), beta, rounding, age, moment, values, block_drift, center, ratios)
 
 
@@ -499,7 +509,7 @@ def half_staleness_age(fmt: str | StorageFormat | None, beta: float, *, moment: 
 
     bf16 at ``β = 0.999``: 114 steps; FP8 E4M3: 10.3; E2M2: 5.2.
     """
-    beta, _ = _check(beta, "nearest", None)
+    beta, _, _ = _check(beta, "nearest", None)
     fmt = resolve_format(fmt, moment)
     target = 0.5 * _stall_probability(fmt, beta, "nearest", None, moment, None, False)
     low, high = 0.0, 1.0
@@ -538,7 +548,7 @@ def reset_period(
         rounding: the state's rounding; it decides only whether resets pay (``min_stall``).
         moment: ``"second"`` (``exp_avg_sq``) or ``"first"`` (``exp_avg``, momentum).
     """
-    beta2, _ = _check(beta2, rounding, None)
+    beta2, _, _ = _check(beta2, rounding, None)
     if not finite_real(horizons) or horizons <= 0:
         raise ValueError(f"horizons={horizons!r} must be a finite number > 0 (EMA horizons 1/(1 - beta2) in a period's rule)")
     if not finite_real(min_stall) or not 0.0 <= min_stall <= 1.0:
