@@ -9,7 +9,10 @@
 from __future__ import annotations
 
 import pickle
+from collections.abc import Callable, Iterator
+from itertools import islice
 from pathlib import Path
+from typing import Any
 
 import lightning.pytorch as pl
 import numpy as np
@@ -43,12 +46,70 @@ class ByteWindows(Dataset):
         return window[:-1], window[1:]
 
 
+def _batches_done(data: pl.LightningDataModule) -> int:
+    """The batches of the running fit's current epoch already trained on (0 outside a fit)."""
+    trainer = data.trainer
+    return trainer.fit_loop.epoch_loop.batch_progress.current.ready if trainer is not None and trainer.training else 0
+
+
+class ResumableLoader(DataLoader):
+    """A training DataLoader that resumes a fit where its checkpoint left the data, also mid-epoch.
+
+    Lightning keeps a loader's ``state_dict`` in every checkpoint and gives it back to ``load_state_dict`` on resume;
+    here that is the state of the sampler's random generator (and the loader's own, where it has one) at the start of
+    the pass over the data under way and at the checkpoint. The first pass after a restore starts from the first state
+    and skips the ``batches_done()`` batches its epoch already trained on (Lightning's count, read when the pass
+    starts: 0 where the checkpoint ended an epoch, and the pass starts from the second state): the resumed fit sees
+    the batches of the uninterrupted one, in this epoch and the later ones. Without a restore it is a DataLoader.
+
+    Args:
+        batches_done: the batches of the current epoch already trained on when a pass starts
+            (``trainer.fit_loop.epoch_loop.batch_progress.current.ready``).
+        args, kwargs: DataLoader's; the data must be sized (Lightning prefetches no batch of a sized loader, so a
+            checkpoint's state is that of the batches trained on).
+    """
+
+    def __init__(self, *args: Any, batches_done: Callable[[], int], **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.batches_done = batches_done
+        self._pass_start: list[torch.Tensor] = self._states()
+        self._restored: dict[str, list[torch.Tensor]] | None = None
+
+    def _generators(self) -> list[torch.Generator]:
+        found = {id(g): g for g in (self.generator, getattr(self.sampler, "generator", None)) if g is not None}
+        return list(found.values())
+
+    def _states(self) -> list[torch.Tensor]:
+        return [generator.get_state() for generator in self._generators()]
+
+    def __iter__(self) -> Iterator[Any]:
+        return self._pass()
+
+    def _pass(self) -> Iterator[Any]:
+        skip = 0
+        if self._restored is not None:
+            restored, self._restored = self._restored, None
+            skip = self.batches_done()
+            for generator, state in zip(self._generators(), restored["pass_start" if skip else "now"], strict=True):
+                generator.set_state(state)
+        self._pass_start = self._states()
+        yield from islice(super().__iter__(), skip, None)
+
+    def state_dict(self) -> dict[str, list[torch.Tensor]]:
+        return {"pass_start": self._pass_start, "now": self._states()}
+
+    def load_state_dict(self, state_dict: dict[str, list[torch.Tensor]]) -> None:
+        self._restored = state_dict
+
+
 class ByteTextDataModule(pl.LightningDataModule):
     """Byte-level tokens (vocabulary 256) of the ``pydoc_data.topics`` text, split 90/10 into train/val.
 
     Training draws windows at random offsets (a seeded generator, so runs repeat); an epoch is
     ``len(train bytes) // (seq_len + 1)`` windows, about one pass over the training text. Validation
-    uses fixed, non-overlapping windows (at most ``val_windows`` of them).
+    uses fixed, non-overlapping windows (at most ``val_windows`` of them); ``test`` uses the same held-out windows. A fit
+    resumed from a checkpoint, also one saved mid-epoch, trains on the batches the uninterrupted run would have
+    (:class:`ResumableLoader`).
 
     Args:
         seq_len: tokens per sequence (the model's context must be at least this long).
@@ -83,12 +144,17 @@ class ByteTextDataModule(pl.LightningDataModule):
         windows_per_epoch = len(self.train_set.data) // (self.seq_len + 1)
         generator = torch.Generator().manual_seed(self.seed)
         sampler = RandomSampler(self.train_set, replacement=True, num_samples=windows_per_epoch, generator=generator)
-        return DataLoader(self.train_set, batch_size=self.batch_size, sampler=sampler, num_workers=0, drop_last=True)
+        return ResumableLoader(
+            self.train_set, batch_size=self.batch_size, sampler=sampler, num_workers=0, drop_last=True,
+            batches_done=lambda: _batches_done(self),
+        )  # fmt: skip
 
     def val_dataloader(self) -> DataLoader:
         assert self.val_set is not None, "call setup() first"
         count = len(self.val_set) if self.val_windows is None else min(self.val_windows, len(self.val_set))
         return DataLoader(torch.utils.data.Subset(self.val_set, range(count)), batch_size=self.batch_size, shuffle=False, num_workers=0)
+
+    test_dataloader = val_dataloader
 
 
 CIFAR10_TRAIN = tuple(f"data_batch_{i}" for i in range(1, 6))
@@ -214,8 +280,13 @@ class DigitsDataModule(pl.LightningDataModule):
     def train_dataloader(self) -> DataLoader:
         assert self.train_set is not None, "call setup() first"
         generator = torch.Generator().manual_seed(self.seed)
-        return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True, generator=generator, num_workers=0, drop_last=True)
+        return ResumableLoader(
+            self.train_set, batch_size=self.batch_size, shuffle=True, generator=generator, num_workers=0, drop_last=True,
+            batches_done=lambda: _batches_done(self),
+        )  # fmt: skip
 
     def val_dataloader(self) -> DataLoader:
         assert self.val_set is not None, "call setup() first"
         return DataLoader(self.val_set, batch_size=256, shuffle=False, num_workers=0)
+
+    test_dataloader = val_dataloader

@@ -28,7 +28,8 @@ from examples import Schedule, adamw_with_schedule
 class GPTModule(pl.LightningModule):
     """GPT-2 over bytes (vocabulary 256), trained with next-byte cross-entropy.
 
-    Logs ``train_loss`` every step and ``val_loss`` per validation run (nats per byte).
+    Logs ``train_loss`` every step, ``val_loss`` per validation run and ``test_loss`` under ``test`` (nats per byte; the
+    data module's held-out text: the corpus ships no other split).
 
     Args:
         n_embd, n_layer, n_head: width, depth and heads of the transformer.
@@ -93,6 +94,9 @@ class GPTModule(pl.LightningModule):
 
     def validation_step(self, batch, batch_idx):
         self.log("val_loss", self._loss(batch), prog_bar=True)
+
+    def test_step(self, batch, batch_idx):
+        self.log("test_loss", self._loss(batch), prog_bar=True)
 
     def configure_optimizers(self):
         hp = self.hparams

@@ -30,7 +30,8 @@ class ViTModule(pl.LightningModule):
     """A timm ViT classifier built from ``model_name`` with ``pretrained=False`` (nothing is downloaded)
     and the size options below overriding the named architecture's.
 
-    Logs ``train_loss``/``train_acc`` every step and ``val_loss``/``val_acc`` per validation run.
+    Logs ``train_loss``/``train_acc`` every step, ``val_loss``/``val_acc`` per validation run and ``test_loss``/``test_acc``
+    under ``test`` (the data module's held-out images: the digits ship no other split).
 
     Args:
         model_name: a timm ViT architecture name.
@@ -83,6 +84,7 @@ class ViTModule(pl.LightningModule):
         self.example_input_array = torch.zeros(1, in_chans, img_size, img_size)  # Lightning's model summary counts FLOPs on it
         self.train_acc = MulticlassAccuracy(num_classes=num_classes)
         self.val_acc = MulticlassAccuracy(num_classes=num_classes)
+        self.test_acc = MulticlassAccuracy(num_classes=num_classes)
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         return self.model(images)
@@ -97,11 +99,17 @@ class ViTModule(pl.LightningModule):
         return loss
 
     def validation_step(self, batch, batch_idx):
+        self._evaluate(batch, "val", self.val_acc)
+
+    def test_step(self, batch, batch_idx):
+        self._evaluate(batch, "test", self.test_acc)
+
+    def _evaluate(self, batch, stage: str, accuracy: MulticlassAccuracy) -> None:
         images, labels = batch
         logits = self(images)
-        self.val_acc(logits, labels)
-        self.log("val_loss", F.cross_entropy(logits, labels), prog_bar=True)
-        self.log("val_acc", self.val_acc, prog_bar=True)
+        accuracy(logits, labels)
+        self.log(f"{stage}_loss", F.cross_entropy(logits, labels), prog_bar=True)
+        self.log(f"{stage}_acc", accuracy, prog_bar=True)
 
     def configure_optimizers(self):
         hp = self.hparams

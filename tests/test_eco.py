@@ -15,6 +15,7 @@ import torch
 from test_adam_reference import correctly_rounded_torch_sqrt, torch_rounds_once
 
 import lightning_qstate as lq
+from lightning_qstate.arguments import ConfigurationError
 from lightning_qstate.formats import get_format
 from lightning_qstate.formats.weights import WeightGrid, get_weight_grid
 from lightning_qstate.kernels import dispatch
@@ -492,3 +493,30 @@ def test_muon_on_a_grid_takes_the_native_step_from_the_first(dtype):
         param.grad = torch.randn_like(param)
         optimizer.step()
         assert optimizer.step_paths()["param0"] == expected
+
+
+@pytest.mark.parametrize("make", ["qsgd", "qadam"])
+def test_a_checkpoint_whose_hyperparameters_cannot_carry_eco_is_refused_before_loading(make):
+    """A load takes the checkpoint's hyperparameters (as torch's): a momentum-free SGD (or betas[0]=0 Adam) checkpoint
+    resumed under ``error_feedback="eco"`` is the checkpoint's problem, reported as a plain ValueError (not the
+    ConfigurationError the CLI prints as a usage error), and the optimizer is left as it was."""
+    torch.manual_seed(0)
+    param = torch.nn.Parameter(torch.randn(64, 96).bfloat16())
+    options = dict(weights="bf16", error_feedback="eco", rounding="stochastic", min_quant_size=0)
+    optimizer = lq.QSGD([param], lr=0.1, momentum=0.9, **options) if make == "qsgd" else lq.QAdam([param], **options)
+    param.grad = torch.randn_like(param)
+    optimizer.step()
+    checkpoint = optimizer.state_dict()
+    key, value = ("momentum", 0.0) if make == "qsgd" else ("betas", (0.0, 0.999))
+    checkpoint["param_groups"][0][key] = value
+
+    def values(state: dict) -> dict:
+        return {name: tensor.dequantize() if hasattr(tensor, "dequantize") else tensor.clone() for name, tensor in state.items()}
+
+    before = values(optimizer.state[param])
+    with pytest.raises(ValueError, match=r"the checkpoint's param group 0 cannot be resumed under the configured policy") as raised:
+        optimizer.load_state_dict(checkpoint)
+    assert not isinstance(raised.value, ConfigurationError)
+    assert optimizer.param_groups[0][key] == (0.9 if make == "qsgd" else (0.9, 0.999))
+    after = values(optimizer.state[param])
+    assert after.keys() == before.keys() and all(torch.equal(after[name], before[name]) for name in before)

@@ -15,6 +15,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("timm")
 pytest.importorskip("sklearn")
 
+import lightning.pytorch as pl  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
@@ -311,3 +312,62 @@ def test_demo_tells_the_story_on_a_quiet_console(tmp_path):
     assert "state resets: none fired: the run took 8 steps, the shortest reset period is" in summary
     for noise in ("register_constant", "CUDA_HOME", "💡 Tip", "LeafSpec", "was deprecated", "/-2", "Total FLOPs: 0"):
         assert noise not in output, (noise, output[-3000:])
+
+
+@pytest.mark.parametrize(
+    "config, extra, metrics", [("gpt_int8.yaml", TINY_GPT, {"test_loss"}), ("vit_int8.yaml", TINY_VIT, {"test_loss", "test_acc"})]
+)
+def test_examples_test_on_the_held_out_split(config, extra, metrics, tmp_path):
+    """``test`` runs (it raised Lightning's missing test_step error) on the data modules' held-out split."""
+    cli = fit(config, tmp_path, *extra)
+    (results,) = cli.trainer.test(cli.model, datamodule=cli.datamodule, verbose=False)
+    assert set(results) == metrics and all(np.isfinite(value) for value in results.values())
+
+
+class BatchRecorder(pl.LightningModule):
+    """A linear model on the first 64 features of each batch; records every training batch's sum."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Linear(64, 10)
+        self.seen: list[float] = []
+
+    def training_step(self, batch, batch_idx):
+        inputs, targets = batch
+        self.seen.append(float(inputs.float().sum()))
+        logits = self.net(inputs.float().flatten(1)[:, :64])
+        return torch.nn.functional.cross_entropy(logits, targets.reshape(len(logits), -1)[:, 0] % 10)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize("data", ["digits", "text"])
+@pytest.mark.parametrize("limit", [None, 7])
+def test_data_modules_resume_mid_epoch_on_the_uninterrupted_batches(data, limit, tmp_path):
+    """A fit resumed from a checkpoint trains on the batches the uninterrupted fit does: mid-epoch (the sampler restarted
+    its epoch, Lightning warned) and at an epoch's end (the generator restarted: epoch 2 repeated epoch 1's order), also
+    with ``limit_train_batches`` (epochs that end before the data does)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from examples.data import ByteTextDataModule, DigitsDataModule
+
+    def run(steps: int, ckpt_path=None, every=None) -> BatchRecorder:
+        torch.manual_seed(0)
+        model = BatchRecorder()
+        module = DigitsDataModule(image_size=8, batch_size=64) if data == "digits" else ByteTextDataModule(seq_len=64, batch_size=64)
+        callbacks = [ModelCheckpoint(dirpath=tmp_path / str(steps), every_n_train_steps=every, save_top_k=-1)] if every else []
+        trainer = pl.Trainer(
+            max_steps=steps, accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
+            enable_checkpointing=bool(every), limit_val_batches=0, limit_train_batches=limit,
+        )  # fmt: skip
+        trainer.fit(model, module, ckpt_path=ckpt_path)
+        return model
+
+    uninterrupted = run(30)
+    for at in (9, 14, 22):  # digits: 22 batches an epoch (9, 14: mid-epoch; 22: its end); limit 7: 2, 0 (an end), 1 into an epoch
+        run(at, every=at)
+        (checkpoint,) = (tmp_path / str(at)).glob("*.ckpt")
+        resumed = run(30, ckpt_path=checkpoint)
+        assert resumed.seen == uninterrupted.seen[at:], at
+        assert torch.equal(resumed.net.weight, uninterrupted.net.weight), at

@@ -312,6 +312,23 @@ def test_monitor_and_resets_cover_sgd_momentum(tmp_path):
     assert sorted({step for step, _ in scheduler.history}) == [3, 6]
 
 
+def test_monitor_measures_amsgrad_maximum_without_a_prediction(tmp_path):
+    """AMSGrad's ``max_exp_avg_sq`` is a running maximum, not an EMA of g² (it moves only where ``v`` passes it): its
+    rate is measured and no prediction is logged for it (the EMA model predicted it as ``exp_avg_sq``)."""
+
+    class AmsGrad(Regressor):
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-2, amsgrad=True)
+
+    logger = MemoryLogger()
+    fit(tmp_path, model=AmsGrad(scheduler=False), max_steps=4, callbacks=[StallMonitor(per_layer=True, log_every_n_steps=2)],
+        logger=logger, plugins=[QStatePrecision(states="int8", min_quant_size=0)])  # fmt: skip
+    tags = {tag for _, metrics in logger.records for tag in metrics}
+    assert {"qstate/stall/max_exp_avg_sq", "qstate/stall/max_exp_avg_sq/net.0.weight", "qstate/stall_predicted/exp_avg_sq"} <= tags
+    assert not any(tag.startswith("qstate/stall_predicted/max_exp_avg_sq") for tag in tags)
+    assert all(0.0 <= rate <= 1.0 for rate in logger.values("qstate/stall/max_exp_avg_sq"))
+
+
 def test_tensorboard_tells_the_story(tmp_path):
     """Model-wide rates only by default, each tag with its description, one custom-scalars chart per state holding the
     measured and predicted rates and the resets, which are logged on the measured steps."""

@@ -18,6 +18,7 @@ from ..formats import BlockFormat, QuantizedTensor
 from ..optim import QuantizedStates
 from ..optim.base import local_tensor
 from ..theory import moment_of, stall_probability, state_decay, state_input
+from ..theory.stall import RUNNING_MAXIMA
 from .stall_counts import MeasuredSteps, StallMeasurement, StateRow, across_ranks, optimizer_steps, quantized_optimizers, state_rows
 from .state_reset import StateResetScheduler
 from .tensorboard import log_scalars, write_layout
@@ -62,7 +63,8 @@ class StallMonitor(Callback):
     themselves are measured too, as the pseudo-state ``weights``
     (:data:`~lightning_qstate.optim.WEIGHT_STALLS`): ``qstate/stall/weights/<layer>`` and ``qstate/stall/weights`` are
     the fractions of entries whose update (in float64; fp32 on a weight grid) moved them but whose stored value did
-    not change, lost to rounding into the parameter's dtype or weight grid (``weights=``). They have no prediction.
+    not change, lost to rounding into the parameter's dtype or weight grid (``weights=``). They have no prediction;
+    nor has AMSGrad's ``max_exp_avg_sq`` (a running maximum of ``exp_avg_sq``, not an EMA the theory models: measured only).
     Plain (fp32) states are not measured. The optimizers must have quantized states: use this callback with
     :class:`~lightning_qstate.plugins.QStatePrecision` or after
     :class:`~lightning_qstate.callbacks.QuantizedOptimizerStates`.
@@ -168,9 +170,9 @@ class StallMonitor(Callback):
     def predicted(self, row: StateRow, age: int | None = None) -> float | None:
         """The prediction for ``row``'s format, decay and rounding at ``age`` steps since it was zeroed (``None``: the
         steady state); block-scaled formats weighted by the stored state's code occupancy (where it is not all zero).
-        ``None`` for plain states, unknown decays and the weights' row."""
+        ``None`` for plain states, unknown decays, running maxima (AMSGrad's ``max_exp_avg_sq``) and the weights' row."""
         fmt, beta = row.format, state_decay(row.group, row.state)
-        if fmt is None or beta is None:
+        if fmt is None or beta is None or row.state in RUNNING_MAXIMA:
             return None
         rounding, moment = row.group["rounding"], moment_of(row.state)
         ratios = self._ratios.get((row.layer, row.state))

@@ -138,8 +138,10 @@ def several_ranks() -> bool:
 def rounding_seed(generator: torch.Generator | None, params: list[torch.Tensor]) -> int:
     """An optimizer's stochastic-rounding seed: a draw from ``generator``, or else the draw torch's global generator
     would give next, taken without advancing it (an optimizer built in place of torch's leaves the dropout masks and the
-    data order that follow it as they were), mixed with the parameters' sizes (so that two optimizers built one after
-    the other over different parameters draw apart)."""
+    data order that follow it as they were), mixed with the parameters' sizes: two optimizers built one after the other
+    over parameters of other sizes draw apart; over parameters of the same sizes (an ensemble of equal models), with
+    nothing drawn from the global generator between them, they take the same seed and draw alike (give each its own
+    ``generator``)."""
     if generator is not None:
         drawn = int(torch.randint(2**62, (1,), generator=generator, device=generator.device))
     else:
@@ -1471,6 +1473,7 @@ class QuantizedStates:
             markers[index] = {k[: -len(FORMAT_SUFFIX)]: v for k, v in entries.items() if k.endswith(FORMAT_SUFFIX)}
             plain[index] = {k: v for k, v in entries.items() if not is_exported(v) and not k.endswith(FORMAT_SUFFIX)}
         saved_groups = [{k: v for k, v in group.items() if k not in (ROUNDING_KEY, OVERRIDES_KEY)} for group in state_dict["param_groups"]]
+        self._check_saved_hyperparameters(saved_groups, configured)
         with suspended_hooks(self, "_optimizer_load_state_dict_pre_hooks", "_optimizer_load_state_dict_post_hooks"):
             super().load_state_dict(
                 {**{k: v for k, v in state_dict.items() if k != VERSION_KEY}, "state": plain, "param_groups": saved_groups}
@@ -1599,6 +1602,23 @@ class QuantizedStates:
                     state[name] = restored if isinstance(loaded, DTensor) and name != ERROR_STATE else local_tensor(restored)
             if isinstance(state.get(ERROR_STATE), DTensor):
                 state[ERROR_STATE] = local_tensor(state[ERROR_STATE])
+
+    def _check_saved_hyperparameters(self, saved_groups: list[dict], configured: list[dict]) -> None:
+        """Refuse, before anything loads, a checkpoint whose hyperparameters (which a load takes, as torch's) the
+        configured policy cannot run with, e.g. ``momentum=0`` under ``error_feedback="eco"``: a problem of the
+        checkpoint, so a plain ValueError (not the ConfigurationError of a wrong configuration)."""
+        owner = type(self).__name__
+        for index, (saved, before) in enumerate(zip(saved_groups, configured, strict=False)):
+            candidate = {**saved, **{key: before[key] for key in GROUP_OPTIONS}, "params": before["params"]}
+            try:
+                with warnings.catch_warnings():  # the configured policy's own warnings were given at construction
+                    warnings.simplefilter("ignore")
+                    self._check_weight_options(candidate, owner)
+            except ConfigurationError as error:
+                raise ValueError(
+                    f"{owner}: the checkpoint's param group {index} cannot be resumed under the configured policy "
+                    f"(a load takes the checkpoint's hyperparameters, as torch does), nothing was loaded: {error}"
+                ) from None
 
     def _keep_configured_policy(self, configured: list[dict]) -> list[str]:
         """Put the configured policy options back into the loaded groups; warn about other hyperparameters that the

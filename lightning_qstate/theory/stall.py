@@ -95,6 +95,9 @@ _RATIO_QUANTILES = 256  # draws of a block scale's ratio from measured ratios
 _FRESH_QUANTILES = 512  # quadrature over a fresh block's largest entry
 
 
+RUNNING_MAXIMA = ("max_exp_avg_sq",)  # states that keep the running maximum of an EMA (AMSGrad's): no stall model
+
+
 def moment_of(state_name: str) -> Moment:
     """``"second"`` for squared-gradient EMAs (``exp_avg_sq``, ...), ``"first"`` for the others (``exp_avg``, ``momentum_buffer``)."""
     return "second" if state_name in NONNEGATIVE_STATES else "first"
@@ -121,17 +124,18 @@ def state_input(
 ) -> torch.Tensor | None:
     """The input ``x`` of state ``state_name`` written as the EMA ``s ← β·s + (1 - β)·x`` (``β``: :func:`state_decay`),
     from a parameter's gradient as torch's optimizers compute it (``None`` if not an EMA we know, or where the input
-    needs the parameter's other states and ``state`` is not given).
+    needs the parameter's other states and ``state`` is not given; AMSGrad's ``max_exp_avg_sq``, a running maximum of
+    ``exp_avg_sq``, is not an EMA of its own).
 
     ``d = ±g`` (``maximize``) ``+ weight_decay·p`` unless the decay is decoupled (AdamW, Muon). Adam's ``exp_avg``: ``d``;
-    ``exp_avg_sq``/``max_exp_avg_sq`` and RMSprop's ``square_avg``: ``d²``; SGD's ``momentum_buffer``
+    ``exp_avg_sq`` and RMSprop's ``square_avg``: ``d²``; SGD's ``momentum_buffer``
     (``b ← μ·b + (1 - dampening)·d``): ``(1 - dampening)·d / (1 - μ)``; Muon's (``b.lerp_(g, 1 - μ)``): ``g``;
     RMSprop's (``b ← μ·b + d / (sqrt(v) + eps)``, ``v`` its ``square_avg`` after this step, less ``grad_avg²`` where
     ``centered``): ``d / ((sqrt(v) + eps)·(1 - μ))``, from the states before the step (``state``: the parameter's,
     quantized or plain, flat or of the parameter's shape; a DTensor's local shard is read).
     """
     beta = state_decay(group, state_name)
-    if beta is None:
+    if beta is None or state_name in RUNNING_MAXIMA:
         return None
     direction = -grad if group.get("maximize") else grad
     coupled = group.get("weight_decay") and not group.get("decoupled_weight_decay") and "ns_steps" not in group
