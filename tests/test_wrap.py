@@ -550,3 +550,24 @@ def test_override_patterns_for_the_shipped_gpt():
     names = {param: name for name, param in model.named_parameters()}
     assert sorted(names[p] for p in matched) == sorted(n for n in names.values() if ".wte." in n or ".wpe." in n or ".ln_" in n)
     assert len(matched) == 2 + 2 * 4 + 2  # embeddings, ln_1/ln_2 per layer, ln_f (weights and biases)
+
+
+@pytest.mark.parametrize("make", [torch.optim.AdamW, torch.optim.Adagrad])
+def test_a_checkpoints_policy_left_in_a_torch_optimizer_does_not_override_the_conversion(make):
+    """A torch optimizer that loaded a quantized optimizer's ``state_dict()`` carries its storage policy in its groups
+    (torch copies every group key): converting it again uses the call's arguments (the checkpoint's ``states="fp32"``
+    won, silently, and nothing was quantized), with a warning naming the dropped keys."""
+    torch.manual_seed(0)
+    param = torch.nn.Parameter(torch.randn(64, 64))
+    first = lq.quantize_optimizer(make([param], lr=1e-3), states="fp32", min_quant_size=0)
+    param.grad = torch.randn_like(param)
+    first.step()
+    plain = make([param], lr=1e-3)
+    plain.load_state_dict(first.state_dict())
+    with pytest.warns(UserWarning, match=r"hold the storage policy of a quantized optimizer's state_dict it loaded \(.*states"):
+        converted = lq.quantize_optimizer(plain, states="int8", min_quant_size=0)
+    param.grad = torch.randn_like(param)
+    converted.step()
+    name = "exp_avg" if make is torch.optim.AdamW else "sum"
+    assert converted.state_format(param, name).name == "int8"
+    assert converted.param_groups[0]["states"] == "int8"

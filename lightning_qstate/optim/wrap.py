@@ -30,9 +30,20 @@ from ..arguments import ConfigurationError
 from ..formats import BlockFormat, QuantizedTensor, StorageFormat, get_format
 from ..formats.weights import WeightBlock
 from ..kernels.dispatch import StepPath
-from .base import STEP_NOT_TRACED, QuantizedStates, StateValue, StepOverflowError, dequantized, like_param, local_tensor, raise_overflows
+from .base import (
+    OVERRIDES_KEY,
+    ROUNDING_KEY,
+    STEP_NOT_TRACED,
+    QuantizedStates,
+    StateValue,
+    StepOverflowError,
+    dequantized,
+    like_param,
+    local_tensor,
+    raise_overflows,
+)
 from .optimizers import QSGD, QAdam, QAdamW, QMuon
-from .policy import ErrorFeedback, NonFiniteGradPolicy, QuantizationPolicy, StatesSpec
+from .policy import GROUP_OPTIONS, ErrorFeedback, NonFiniteGradPolicy, QuantizationPolicy, StatesSpec
 
 
 def _in_place_class(quantized_class: type, torch_class: type) -> type:
@@ -137,6 +148,7 @@ class QuantizedOptimizerWrapper(QuantizedStates, torch.optim.Optimizer):
         policy: QuantizationPolicy | None = None,
     ) -> None:
         _check_wrappable(optimizer)
+        _drop_checkpoint_policy(optimizer, type(self).__name__)
         torch.optim.Optimizer.__init__(self, optimizer.param_groups, optimizer.defaults)
         self.optimizer = optimizer
         self.param_groups = optimizer.param_groups  # the same list and dicts: schedulers of the inner optimizer keep working
@@ -368,6 +380,7 @@ def quantize_optimizer(
     if quantized_class is None:
         return QuantizedOptimizerWrapper(optimizer, generator=generator, policy=resolved)
     before = _Snapshot(optimizer)
+    _drop_checkpoint_policy(optimizer, "quantize_optimizer")
     scheduler_wrapped = getattr(optimizer.__dict__.pop("step", None), "_wrapped_by_lr_sched", False)
     optimizer.__class__ = quantized_class
     try:
@@ -395,6 +408,26 @@ def _check_wrappable(optimizer: object) -> None:
         raise TypeError(f"quantize_optimizer needs a torch.optim.Optimizer, got {type(optimizer).__name__}")
     if isinstance(optimizer, torch.optim.SparseAdam):
         raise TypeError("SparseAdam steps sparse gradients, which quantized states do not support; keep torch.optim.SparseAdam")
+
+
+def _drop_checkpoint_policy(optimizer: torch.optim.Optimizer, owner: str) -> None:
+    """Remove from a torch optimizer's param groups the storage policy that a quantized optimizer's ``state_dict`` left
+    there (torch's ``load_state_dict`` copies every group key; group 0's ``ROUNDING_KEY`` marks them), with a warning:
+    that run's policy, not per-group choices, it would override the conversion's arguments for good (a quantized
+    optimizer's own ``load_state_dict`` keeps its configured policy too)."""
+    groups = optimizer.param_groups
+    if not groups or not any(key in groups[0] for key in (ROUNDING_KEY, OVERRIDES_KEY)):
+        return
+    found = sorted({key for group in groups for key in (*GROUP_OPTIONS, ROUNDING_KEY, OVERRIDES_KEY) if key in group})
+    for group in groups:
+        for key in found:
+            group.pop(key, None)
+    warnings.warn(
+        f"{owner}: the optimizer's param groups hold the storage policy of a quantized optimizer's state_dict it loaded "
+        f"({', '.join(found)}); dropped, and this call's policy is used, as a quantized optimizer's own load_state_dict does",
+        UserWarning,
+        stacklevel=3,
+    )
 
 
 class _Snapshot:
