@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import pickle
+import warnings
 from collections.abc import Callable, Iterator
 from itertools import islice
 from pathlib import Path
@@ -46,6 +47,9 @@ class ByteWindows(Dataset):
         return window[:-1], window[1:]
 
 
+GeneratorStates = dict[str, torch.Tensor | None]  # a ResumableLoader's generator states by role ("loader", "sampler")
+
+
 def _batches_done(data: pl.LightningDataModule) -> int:
     """The batches of the running fit's current epoch already trained on (0 outside a fit)."""
     trainer = data.trainer
@@ -72,15 +76,17 @@ class ResumableLoader(DataLoader):
     def __init__(self, *args: Any, batches_done: Callable[[], int], **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.batches_done = batches_done
-        self._pass_start: list[torch.Tensor] = self._states()
-        self._restored: dict[str, list[torch.Tensor]] | None = None
+        self._pass_start = self._states()
+        self._restored: dict[str, GeneratorStates] | None = None
 
-    def _generators(self) -> list[torch.Generator]:
-        found = {id(g): g for g in (self.generator, getattr(self.sampler, "generator", None)) if g is not None}
-        return list(found.values())
+    def _generators(self) -> dict[str, torch.Generator | None]:
+        """The random generators by role: the loader's own, and its sampler's where that is another one (Lightning's
+        DistributedSampler, under DDP, has none: it orders by its seed and epoch)."""
+        sampler = getattr(self.sampler, "generator", None)
+        return {"loader": self.generator, "sampler": sampler if sampler is not self.generator else None}
 
-    def _states(self) -> list[torch.Tensor]:
-        return [generator.get_state() for generator in self._generators()]
+    def _states(self) -> GeneratorStates:
+        return {role: None if generator is None else generator.get_state() for role, generator in self._generators().items()}
 
     def __iter__(self) -> Iterator[Any]:
         return self._pass()
@@ -90,15 +96,25 @@ class ResumableLoader(DataLoader):
         if self._restored is not None:
             restored, self._restored = self._restored, None
             skip = self.batches_done()
-            for generator, state in zip(self._generators(), restored["pass_start" if skip else "now"], strict=True):
-                generator.set_state(state)
+            saved, generators = restored["pass_start" if skip else "now"], self._generators()
+            if {role for role, state in saved.items() if state is not None} == {role for role, g in generators.items() if g is not None}:
+                for role, generator in generators.items():
+                    if generator is not None:
+                        generator.set_state(saved[role])
+            else:
+                warnings.warn(
+                    "ResumableLoader: the checkpoint's data order came from other random generators (another number of "
+                    "devices?): this epoch is drawn afresh from the loader's seed, past the batches already trained on",
+                    UserWarning,
+                    stacklevel=2,
+                )
         self._pass_start = self._states()
         yield from islice(super().__iter__(), skip, None)
 
-    def state_dict(self) -> dict[str, list[torch.Tensor]]:
+    def state_dict(self) -> dict[str, GeneratorStates]:
         return {"pass_start": self._pass_start, "now": self._states()}
 
-    def load_state_dict(self, state_dict: dict[str, list[torch.Tensor]]) -> None:
+    def load_state_dict(self, state_dict: dict[str, GeneratorStates]) -> None:
         self._restored = state_dict
 
 

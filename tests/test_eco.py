@@ -520,3 +520,15 @@ def test_a_checkpoint_whose_hyperparameters_cannot_carry_eco_is_refused_before_l
     assert optimizer.param_groups[0][key] == (0.9 if make == "qsgd" else (0.9, 0.999))
     after = values(optimizer.state[param])
     assert after.keys() == before.keys() and all(torch.equal(after[name], before[name]) for name in before)
+
+
+def test_a_checkpoint_of_other_groups_meets_torchs_own_error_first():
+    """The hyperparameter check steps aside where the groups do not match in number: torch's load names the mismatch."""
+    torch.manual_seed(0)
+    first, second = torch.nn.Parameter(torch.randn(64, 96)), torch.nn.Parameter(torch.randn(64, 96))
+    options = dict(weights="bf16", error_feedback="eco", min_quant_size=0)
+    optimizer = lq.QSGD([first, second], lr=0.1, momentum=0.9, **options)
+    checkpoint = lq.QSGD([{"params": [first]}, {"params": [second]}], lr=0.1, momentum=0.9, **options).state_dict()
+    checkpoint["param_groups"][0]["momentum"] = 0.0
+    with pytest.raises(ValueError, match="different number of parameter groups"):
+        optimizer.load_state_dict(checkpoint)

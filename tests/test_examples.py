@@ -371,3 +371,19 @@ def test_data_modules_resume_mid_epoch_on_the_uninterrupted_batches(data, limit,
         resumed = run(30, ckpt_path=checkpoint)
         assert resumed.seen == uninterrupted.seen[at:], at
         assert torch.equal(resumed.net.weight, uninterrupted.net.weight), at
+
+
+def test_a_loader_state_from_other_generators_warns_and_draws_afresh():
+    """A checkpoint's loader state whose generators do not fit this loader's (resumed on another number of devices:
+    under DDP Lightning's DistributedSampler has none) warns and draws the epoch afresh (it raised at the first batch)."""
+    from torch.utils.data import SequentialSampler
+
+    from examples.data import ResumableLoader
+
+    data = torch.arange(40.0)
+    shuffled = ResumableLoader(data, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(0), batches_done=lambda: 2)
+    ordered = ResumableLoader(data, batch_size=4, sampler=SequentialSampler(data), batches_done=lambda: 2)
+    ordered.load_state_dict(shuffled.state_dict())
+    with pytest.warns(UserWarning, match="other random generators"):
+        batches = list(ordered)
+    assert torch.equal(torch.cat(batches), data[8:])  # past the 2 batches trained on

@@ -327,6 +327,12 @@ def test_monitor_measures_amsgrad_maximum_without_a_prediction(tmp_path):
     assert {"qstate/stall/max_exp_avg_sq", "qstate/stall/max_exp_avg_sq/net.0.weight", "qstate/stall_predicted/exp_avg_sq"} <= tags
     assert not any(tag.startswith("qstate/stall_predicted/max_exp_avg_sq") for tag in tags)
     assert all(0.0 <= rate <= 1.0 for rate in logger.values("qstate/stall/max_exp_avg_sq"))
+    # nor does StateResetScheduler(period="auto") time a layer by it: where it is the only quantized state, no period
+    scheduler = StateResetScheduler()
+    trainer = fit(tmp_path, model=AmsGrad(scheduler=False), max_steps=2, callbacks=[scheduler],
+                  plugins=[QStatePrecision(states={"max_exp_avg_sq": "bf16"}, min_quant_size=0)])  # fmt: skip
+    layers = scheduler.layers(trainer)
+    assert layers and all(scheduler.layer_period(rows) is None for rows in layers.values())
 
 
 def test_tensorboard_tells_the_story(tmp_path):

@@ -571,3 +571,21 @@ def test_a_checkpoints_policy_left_in_a_torch_optimizer_does_not_override_the_co
     name = "exp_avg" if make is torch.optim.AdamW else "sum"
     assert converted.state_format(param, name).name == "int8"
     assert converted.param_groups[0]["states"] == "int8"
+
+
+def test_a_group_added_after_loading_a_checkpoint_keeps_its_own_policy():
+    """Only the loaded groups' uniform policy (the saved run's) is dropped: a group added after the load keeps the
+    storage it asks for."""
+    torch.manual_seed(0)
+    param, head = torch.nn.Parameter(torch.randn(64, 64)), torch.nn.Parameter(torch.randn(64, 64))
+    first = lq.quantize_optimizer(torch.optim.AdamW([param], lr=1e-3), states="fp32", min_quant_size=0)
+    param.grad = torch.randn_like(param)
+    first.step()
+    plain = torch.optim.AdamW([param], lr=1e-3)
+    plain.load_state_dict(first.state_dict())
+    plain.add_param_group({"params": [head], "states": "fp32"})
+    with pytest.warns(UserWarning, match="set alike in every group: dropped"):
+        converted = lq.quantize_optimizer(plain, states="int8", min_quant_size=0)
+    param.grad, head.grad = torch.randn_like(param), torch.randn_like(head)
+    converted.step()
+    assert converted.state_format(param, "exp_avg").name == "int8" and converted.state_format(head, "exp_avg") is None

@@ -39,8 +39,9 @@ class AdaptiveBitWidth(Callback):
        magnitude: N only, structural: R only, redundant: neither); the threshold rises linearly from
        ``threshold_start`` to ``threshold_end`` over ``anneal_steps``; a new zone is adopted once seen at
        ``hysteresis`` consecutive checks (the first observation at once);
-    3. zone -> formats (``m_formats``, ``v_formats``; by default ``v`` gets 8 bits in every zone but
-       ``redundant``, ``m`` only in ``critical``), then the budget over the average of **all** m and v values
+    3. zone -> formats (``m_formats``, ``v_formats``; by default ``v`` gets int8, int7, int6, int5 from
+       ``critical`` to ``redundant``, ``m`` int8_linear in ``critical`` and int4 elsewhere), then the budget over
+       the average of **all** m and v values
        (those the optimizer keeps fp32 because of ``min_quant_size`` or FSDP2 row alignment included, priced at
        their real stored bytes, scales included; a parameter with neither states nor a gradient, on any rank, stores
        none and is left out until it has either): if it exceeds ``target_bits``, layers are demoted

@@ -15,6 +15,7 @@ from typing_extensions import override
 from ..arguments import ConfigurationError, check_flags, is_positive_int
 from ..formats import StorageFormat
 from ..theory import moment_of, reset_period, state_decay
+from ..theory.stall import RUNNING_MAXIMA
 from .stall_counts import MeasuredSteps, StateRow, across_ranks, known_state_names, optimizer_steps, quantized_optimizers, state_rows
 from .tensorboard import log_scalars
 
@@ -133,13 +134,15 @@ class StateResetScheduler(Callback):
         return layers
 
     def layer_period(self, rows: list[StateRow]) -> int | None:
-        """Steps between resets of a layer (``None``: never by period)."""
+        """Steps between resets of a layer (``None``: never by period); ``"auto"``: the shortest theory period of its
+        quantized EMA states (a running maximum, AMSGrad's ``max_exp_avg_sq``, has no stall model: it is reset with
+        the layer's others, never for itself)."""
         if self.period != "auto":
             return self.period
         periods = []
         for row in rows:
             beta = state_decay(row.group, row.state)
-            if row.format is not None and beta is not None:
+            if row.format is not None and beta is not None and row.state not in RUNNING_MAXIMA:
                 periods.append(_theory_period(row.format, beta, row.group["rounding"], row.state))
         periods = [p for p in periods if p is not None]
         return min(periods) if periods else None

@@ -35,7 +35,7 @@ from . import TRITON_AVAILABLE
 from .adam_reference import adam_hyper, decoupled_decay
 from .bounds import MOMENT_BOUND_STATE, held_moment_bound
 from .compiled import compiled_cpu_step
-from .native import VALUE_DTYPES, StateOverflowError, native_format, native_formats, native_kernel_available
+from .native import FP32_CAST, VALUE_DTYPES, StateOverflowError, native_format, native_formats, native_kernel_available
 
 if TRITON_AVAILABLE:
     from . import adam_step_supported, draw_seed, triton_adam_step
@@ -125,13 +125,22 @@ def both_moments_quantized(c: Candidate) -> bool:
     return isinstance(m, QuantizedTensor) and isinstance(v, QuantizedTensor) and (m.dtype == torch.float32 or c.weights is not None)
 
 
+def coded_moments(c: Candidate) -> bool:
+    """The Adam moments as the native step takes them: fp32-valued ``QuantizedTensor``s (any float dtype with a weight
+    grid: the math runs in fp32), one of them possibly a plain contiguous fp32 tensor, which it steps as an fp32 cast
+    (``states={"exp_avg": "int8"}`` leaves ``v`` so); both plain is ``NATIVE_JOIN``'s."""
+    moments = (c.state.get("exp_avg"), c.state.get("exp_avg_sq"))
+    coded = [isinstance(x, QuantizedTensor) and (x.dtype == torch.float32 or c.weights is not None) for x in moments]
+    return any(coded) and all(is_coded or _plain_fp32(x) for is_coded, x in zip(coded, moments, strict=True))
+
+
+def _plain_fp32(x: object) -> bool:
+    return isinstance(x, torch.Tensor) and not isinstance(x, QuantizedTensor) and x.dtype == torch.float32 and x.is_contiguous()
+
+
 def fp32_moments(c: Candidate) -> bool:
     """Both moments plain contiguous fp32 tensors (``min_quant_size`` or a ``"fp32"`` policy kept them so)."""
-    moments = (c.state.get("exp_avg"), c.state.get("exp_avg_sq"))
-    return all(
-        isinstance(m, torch.Tensor) and not isinstance(m, QuantizedTensor) and m.dtype == torch.float32 and m.is_contiguous()
-        for m in moments
-    )
+    return _plain_fp32(c.state.get("exp_avg")) and _plain_fp32(c.state.get("exp_avg_sq"))
 
 
 def no_quantized_state(c: Candidate) -> bool:
@@ -141,8 +150,9 @@ def no_quantized_state(c: Candidate) -> bool:
 
 def native_moments(c: Candidate) -> bool:
     """Moments the C++ kernel stores (``native.native_format``: 1- to 8-bit codebook and minifloat codes, any
-    block sizes, bf16/fp16/fp32 casts), with either rounding."""
-    return native_formats(c.state["exp_avg"].format, c.state["exp_avg_sq"].format)
+    block sizes, bf16/fp16/fp32 casts; a plain fp32 moment as an fp32 cast), with either rounding."""
+    m, v = (c.state[name] for name in ("exp_avg", "exp_avg_sq"))
+    return native_formats(*(x.format if isinstance(x, QuantizedTensor) else FP32_CAST for x in (m, v)))
 
 
 def native_built(c: Candidate) -> bool:
@@ -206,13 +216,13 @@ def large_param(c: Candidate) -> bool:
 
 
 # The capability tables: (path, requirements), in order of preference. Requirements are checked left to right, so
-# cheap checks come first, those that most often fail first of all (``both_moments_quantized``: a model's many small
+# cheap checks come first, those that most often fail first of all (``coded_moments``: a model's many small
 # parameters keep fp32 moments), and ``native_built`` last (it builds the C++ kernel on its first call).
 ADAM_PATHS: tuple[tuple[StepPath, tuple[Requirement, ...]], ...] = (
     (
         StepPath.NATIVE,
         (
-            both_moments_quantized,
+            coded_moments,
             on_cpu,
             compile_allowed,
             fused_weight_update,

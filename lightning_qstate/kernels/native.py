@@ -246,7 +246,7 @@ def _function(name: str):
 CODEBOOK, MINIFLOAT, CAST = 0, 1, 2
 _NO_ENTRIES = torch.zeros(1, dtype=torch.int32)
 _NO_SCALES = torch.zeros(0)  # a cast state's scales
-_FP32 = CastFormat("fp32", torch.float32)  # the cast an fp32-state parameter on a weight grid joins the coded ones as
+FP32_CAST = CastFormat("fp32", torch.float32)  # the cast an fp32-state parameter on a weight grid joins the coded ones as
 _NO_LEVELS = torch.zeros(256)  # a minifloat's or cast's search levels
 _NO_SEGMENTS = torch.zeros(0, dtype=torch.int32)  # no segment table (NearestCodeIndex.segments)
 _NO_WINDOWS = torch.zeros(0, dtype=torch.int32)  # a minifloat's or cast's floor windows
@@ -368,7 +368,8 @@ def native_adam_steps(
     weights = weights or [None] * len(states)
     seeds = seeds or [0] * len(states)
     moment_seeds = moment_seeds or [(0, 0)] * len(states)
-    quantized = [isinstance(state["exp_avg"], QuantizedTensor) for state in states]
+    names = ("exp_avg", "exp_avg_sq")
+    quantized = [any(isinstance(state[name], QuantizedTensor) for name in names) for state in states]  # a plain one: an fp32 cast
     as_coded = [q or grid is not None for q, grid in zip(quantized, weights, strict=True)]
     coded = [k for k, yes in enumerate(as_coded) if yes]
     plain = [k for k, yes in enumerate(as_coded) if not yes]
@@ -378,8 +379,7 @@ def native_adam_steps(
     eco_coefficients = [
         eco_coefficient(group, float(states[k]["step"]) + 1) if fed else 0.0 for k, fed in zip(coded, feeds_back, strict=True)
     ]
-    names = ("exp_avg", "exp_avg_sq")
-    moments = [tuple(states[k][name] if quantized[k] else _fp32_cast(states[k][name]) for name in names) for k in coded]
+    moments = [tuple(_coded(states[k][name]) for name in names) for k in coded]
     before = [states[k].get(MOMENT_BOUND_STATE) for k in coded]  # kept where the kernel skips a non-finite gradient
     bounds = [
         held_moment_bound(states[k], float(beta1), float(beta2), float(states[k]["step"]), fed) if quantized[k] else math.inf
@@ -429,9 +429,12 @@ def native_adam_steps(
     return by_param
 
 
-def _fp32_cast(moment: torch.Tensor) -> QuantizedTensor:
-    """An fp32 moment as a cast state whose codes are its own values (the kernel updates them in place)."""
-    return QuantizedTensor(_FP32, moment.view(-1), None, moment.shape, torch.float32)
+def _coded(moment: QuantizedTensor | torch.Tensor) -> QuantizedTensor:
+    """A moment as the kernel takes it: a ``QuantizedTensor`` as it is, an fp32 tensor as a cast state whose codes are
+    its own values (the kernel updates them in place)."""
+    if isinstance(moment, QuantizedTensor):
+        return moment
+    return QuantizedTensor(FP32_CAST, moment.view(-1), None, moment.shape, torch.float32)
 
 
 def native_round_to_grid(values: torch.Tensor, dtype: torch.dtype, rounding: str, seed: int = 0) -> torch.Tensor:
@@ -483,7 +486,7 @@ def native_momentum_steps(
     if muon and any(grid is not None for grid in weights):
         raise ValueError("the C++ kernel keeps only SGD's parameters on a weight grid (Muon's update is applied in torch)")
     coded = [isinstance(buffer, QuantizedTensor) for buffer in buffers]
-    buffers = [buffer if quantized else _fp32_cast(buffer) for buffer, quantized in zip(buffers, coded, strict=True)]
+    buffers = [_coded(buffer) for buffer in buffers]
     tables, ints, floats = _state_rows(tuple(q.format for q in buffers), group["rounding"] == "stochastic")
     updates = [torch.empty(param.shape, dtype=torch.float32) for param in params] if muon else []
     rows = _function("momentum_steps")(

@@ -1606,8 +1606,11 @@ class QuantizedStates:
     def _check_saved_hyperparameters(self, saved_groups: list[dict], configured: list[dict]) -> None:
         """Refuse, before anything loads, a checkpoint whose hyperparameters (which a load takes, as torch's) the
         configured policy cannot run with, e.g. ``momentum=0`` under ``error_feedback="eco"``: a problem of the
-        checkpoint, so a plain ValueError (not the ConfigurationError of a wrong configuration)."""
+        checkpoint, so a plain ValueError (not the ConfigurationError of a wrong configuration). Groups that do not match
+        the configured ones in number and sizes are left to torch's load, which refuses them with its own error."""
         owner = type(self).__name__
+        if [len(group["params"]) for group in saved_groups] != [len(group["params"]) for group in configured]:
+            return
         for index, (saved, before) in enumerate(zip(saved_groups, configured, strict=False)):
             candidate = {**saved, **{key: before[key] for key in GROUP_OPTIONS}, "params": before["params"]}
             try:

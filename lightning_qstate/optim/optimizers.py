@@ -118,7 +118,8 @@ class _AdamStates(QuantizedStates):
         ]
         moment_seeds = [
             tuple(self._kernel_seeds(key, "moments", 2))
-            if group["rounding"] == "stochastic" and isinstance(self.state[key]["exp_avg"], QuantizedTensor)
+            if group["rounding"] == "stochastic"
+            and any(isinstance(self.state[key][name], QuantizedTensor) for name in self.state_names[:2])
             else (0, 0)
             for key in keys
         ]
@@ -128,9 +129,10 @@ class _AdamStates(QuantizedStates):
             for k, (key, state, row) in enumerate(zip(keys, states, rows, strict=True)):
                 if not row[0]:
                     self._skip_nonfinite_grad(key)
-                elif self.track_stalls and k not in overflowed and isinstance(state["exp_avg"], QuantizedTensor):
-                    self._add_stall_counts(key, "exp_avg", torch.tensor(row[2:4]))
-                    self._add_stall_counts(key, "exp_avg_sq", torch.tensor(row[4:6]))
+                elif self.track_stalls and k not in overflowed:
+                    for name, counts in zip(self.state_names[:2], (row[2:4], row[4:6]), strict=True):
+                        if isinstance(state[name], QuantizedTensor):  # a plain moment (an fp32 cast there) has none
+                            self._add_stall_counts(key, name, torch.tensor(counts))
             self._count_intended_stalls(targets, [keys[k] for k in overflowed])  # after the skips are known
 
         call = functools.partial(native_adam_steps, params, grads, states, group, self.track_stalls, weights, seeds, moment_seeds)

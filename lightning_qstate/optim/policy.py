@@ -3,7 +3,10 @@
 Every public entry point (``QAdam``/``QAdamW``/``QSGD``/``QMuon``, ``QuantizedOptimizerWrapper``,
 ``quantize_optimizer``, the ``QStatePrecision`` plugins, the ``QuantizedOptimizerStates`` callback) takes a
 ``policy=`` or the same keywords, named as the fields of ``QuantizationPolicy`` and with its defaults (the signatures
-spell them out so that LightningCLI and IDEs see them; ``tests/test_policy.py`` holds them to ``POLICY_FIELDS``).
+spell them out so that LightningCLI and IDEs see them; ``tests/test_policy.py`` holds them to ``POLICY_FIELDS``), but
+for the name patterns (``NAME_PATTERN_FIELDS``: ``overrides``, ``weight_overrides``), which need a module's parameter
+names: only the plugins and the callback take them as keywords; an optimizer gets them from
+``QuantizationPolicy.apply(optimizer, module)``.
 """
 
 from __future__ import annotations

@@ -412,19 +412,26 @@ def _check_wrappable(optimizer: object) -> None:
 
 def _drop_checkpoint_policy(optimizer: torch.optim.Optimizer, owner: str) -> None:
     """Remove from a torch optimizer's param groups the storage policy that a quantized optimizer's ``state_dict`` left
-    there (torch's ``load_state_dict`` copies every group key; group 0's ``ROUNDING_KEY`` marks them), with a warning:
-    that run's policy, not per-group choices, it would override the conversion's arguments for good (a quantized
-    optimizer's own ``load_state_dict`` keeps its configured policy too)."""
+    there, with a warning: torch's ``load_state_dict`` gives every loaded group all the saved keys (group 0's
+    ``ROUNDING_KEY`` marks them), so that run's policy would override the conversion's arguments for good. Only the
+    options that run set alike on every group are dropped (its policy); those its groups set apart stay, as per-group
+    choices, as do the options of groups added after the load (they lack the saved keys); a per-group choice equal to
+    that run's policy cannot be told from it and is dropped with it."""
     groups = optimizer.param_groups
     if not groups or not any(key in groups[0] for key in (ROUNDING_KEY, OVERRIDES_KEY)):
         return
-    found = sorted({key for group in groups for key in (*GROUP_OPTIONS, ROUNDING_KEY, OVERRIDES_KEY) if key in group})
+    loaded = [group for group in groups if all(key in group for key in GROUP_OPTIONS)]
+    uniform = [key for key in GROUP_OPTIONS if loaded and all(group[key] == loaded[0][key] for group in loaded)]
+    for group in loaded:
+        for key in uniform:
+            del group[key]
     for group in groups:
-        for key in found:
-            group.pop(key, None)
+        group.pop(ROUNDING_KEY, None), group.pop(OVERRIDES_KEY, None)
+    kept = [key for key in GROUP_OPTIONS if key not in uniform and loaded]
     warnings.warn(
         f"{owner}: the optimizer's param groups hold the storage policy of a quantized optimizer's state_dict it loaded "
-        f"({', '.join(found)}); dropped, and this call's policy is used, as a quantized optimizer's own load_state_dict does",
+        f"({', '.join(uniform) or 'none'} set alike in every group: dropped, this call's arguments are used"
+        + (f"; {', '.join(kept)} set per group: kept)" if kept else ")"),
         UserWarning,
         stacklevel=3,
     )
