@@ -190,7 +190,7 @@ class LocalPredictions(Callback):
         self.records: list[dict] = []
 
     def on_train_batch_end(self, trainer, pl_module, *args) -> None:
-        measurement = stall_counts._CACHE.get(trainer)
+        _, measurement = stall_counts._CACHE.get(trainer, ((), None))
         monitors = [c for c in trainer.callbacks if isinstance(c, qstate_callbacks.StallMonitor)]
         if monitors and measurement is not None and measurement.step == trainer.global_step:
             scalars, _ = monitors[0].metrics(measurement)

@@ -314,3 +314,46 @@ def test_the_gradscaler_state_crosses_between_the_plugin_and_lightnings_own(tmp_
         resumed, regression_data(), ckpt_path=str(tmp_path / "ckpt" / "ckpt.ckpt")
     )
     assert resumed.scale_at_start == saved
+
+
+# --- Lightning features beside the plugins and callbacks (hunt_lit) ---------------------------------------------------
+class OnGrid(pl.Callback):
+    """Records, at the start of training, whether the weights are bf16 values."""
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self.on_grid = all(torch.equal(p, p.bfloat16().float()) for name, p in pl_module.named_parameters() if name.endswith("weight"))
+
+
+def test_a_tuner_callbacks_checkpoint_is_no_resume_for_the_weight_grid(tmp_path):
+    """``LearningRateFinder`` runs first and restores its temporary checkpoint (setting ``trainer.ckpt_path``): the fit
+    still starts fresh, so ``QuantizedOptimizerStates(weights=...)`` puts the weights on their grid (it took the fit for
+    a resume and left them off it)."""
+    from lightning.pytorch.callbacks import LearningRateFinder
+
+    class Tunable(Regressor):
+        def train_dataloader(self):
+            return regression_data(samples=160)
+
+    spy = OnGrid()
+    states = QuantizedOptimizerStates(states="int8", min_quant_size=0, weights="bf16", weight_overrides={"*.weight": "bf16"})
+    finder = LearningRateFinder(min_lr=1e-4, max_lr=1e-1, num_training_steps=8)
+    quiet_trainer(tmp_path, max_steps=2, callbacks=[states, spy, finder]).fit(Tunable(scheduler=False))
+    assert spy.on_grid
+
+
+@pytest.mark.parametrize("use_plugin", [True, False], ids=["plugin", "callback"])
+def test_configure_optimizers_returning_none_trains_as_in_lightning(tmp_path, use_plugin):
+    """Lightning steps a module whose ``configure_optimizers`` returns ``None`` with a placeholder optimizer without
+    param groups: left as it is (wrapping it raised "optimizer got an empty parameter list")."""
+
+    class NoOptimizer(Regressor):
+        def configure_optimizers(self):
+            return None
+
+    quantize = dict(states="int8", min_quant_size=0)
+    extra = {"plugins": [QStatePrecision(**quantize)]} if use_plugin else {"callbacks": [QuantizedOptimizerStates(**quantize)]}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", ".*configure_optimizers.*")
+        trainer = quiet_trainer(tmp_path, max_steps=3, **extra)
+        trainer.fit(NoOptimizer(), regression_data())
+    assert trainer.global_step == 3

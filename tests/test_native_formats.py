@@ -320,6 +320,49 @@ def test_a_coded_moment_beside_a_plain_fp32_one_takes_the_native_path(states):
     assert set(fast.stall_stats()["param0"]) == set(slow.stall_stats()["param0"]) == coded
 
 
+def overflow_step(states: dict, big: float, reference: bool) -> tuple[lq.QAdamW, torch.nn.Parameter, bool]:
+    """Two steps of a 3000-value parameter, then one whose gradient holds ``big`` at one place; returns the optimizer,
+    the parameter and whether that step raised ``StepOverflowError``."""
+    torch.manual_seed(0)
+    param = torch.nn.Parameter(torch.randn(3000))
+    optimizer = lq.QAdamW([param], lr=1e-2, states=states, min_quant_size=0)
+    optimizer.cpu_compile = not reference
+    for step in range(2):
+        param.grad = torch.randn(3000, generator=torch.Generator().manual_seed(step))
+        optimizer.step()
+    param.grad = torch.randn(3000, generator=torch.Generator().manual_seed(9))
+    param.grad[5] = big
+    try:
+        optimizer.step()
+    except lq.StepOverflowError:
+        return optimizer, param, True
+    return optimizer, param, False
+
+
+@pytest.mark.parametrize(("states", "big"), [({"exp_avg": "fp16"}, 1e20), ({"exp_avg": "fp32", "exp_avg_sq": "int8"}, 1e22)], ids=str)
+def test_a_coded_moment_that_overflows_beside_a_plain_one_zeroes_both(states, big):
+    """The native step writes in place: where the coded moment overflows, the plain fp32 one beside it (which held the
+    failed step's values: a v of 1e37 that stopped the element for ~85k steps) is zeroed with it."""
+    optimizer, param, raised = overflow_step(states, big, reference=False)
+    assert raised and optimizer.step_paths() == {"param0": "native"}
+    for name in ("exp_avg", "exp_avg_sq"):
+        value = optimizer.state[param][name]
+        assert not bool((value.dequantize() if isinstance(value, QuantizedTensor) else value).any()), name
+
+
+def test_a_plain_fp32_moment_that_goes_inf_beside_a_coded_one_is_no_overflow():
+    """A plain fp32 ``v`` that overflows to inf (g = 1e22) does what torch's fp32 state does on both paths: no
+    ``StepOverflowError`` (the native step raised one and zeroed the coded ``m``), the same moments."""
+    (native, native_param, native_raised), (reference, reference_param, reference_raised) = (
+        overflow_step({"exp_avg": "int8"}, 1e22, reference) for reference in (False, True)
+    )
+    assert not native_raised and not reference_raised
+    assert native.step_paths() == {"param0": "native"} and reference.step_paths() == {"param0": "reference"}
+    assert bool(torch.isinf(native.state[native_param]["exp_avg_sq"][5]))
+    m, reference_m = native.state[native_param]["exp_avg"].dequantize(), reference.state[reference_param]["exp_avg"].dequantize()
+    assert float(m.abs().max()) > 1e20 and float((m == reference_m).float().mean()) > 0.999
+
+
 SR_FORMATS = ["int8", "int4", "int4_linear", "int5", "int6", "int7_linear", "fp8_e4m3", "fp8_e5m2", "e2m1", "e2m3", "bf16", "fp16"]
 
 

@@ -645,3 +645,64 @@ def test_monitor_predicts_the_stalls_of_a_subnormal_fp16_state(tmp_path):
     measured, predicted = logger.values("qstate/stall/exp_avg_sq"), logger.values("qstate/stall_predicted/exp_avg_sq")
     assert len(measured) == 3 and min(measured) > 0.4
     assert max(abs(m - p) for m, p in zip(measured, predicted, strict=True)) < 0.05
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+def test_a_frozen_layer_is_phased_when_its_states_appear(tmp_path, optimizer):
+    """A parameter frozen at the start (in the optimizer, ``requires_grad`` off) and unfrozen later: its schedule starts
+    when its states are made, so its first reset comes a whole period later (it was phased from the start of training:
+    its new states were zeroed after one step)."""
+    period, unfreeze_at = 5, 4
+
+    class Unfreeze(Callback):
+        made: int | None = None
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+            pl_module.net[0].weight.requires_grad_(trainer.global_step >= unfreeze_at)
+
+        def on_train_batch_end(self, trainer, pl_module, *args) -> None:
+            if self.made is None and trainer.strategy.optimizers[0].state.get(pl_module.net[0].weight):
+                self.made = trainer.global_step
+
+    class Frozen(Regressor):
+        def configure_optimizers(self):
+            if optimizer == "sgd":
+                return torch.optim.SGD(self.parameters(), lr=1e-2, momentum=0.9)
+            return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+    unfreeze, scheduler = Unfreeze(), StateResetScheduler(period=period)
+    fit(tmp_path, model=Frozen(scheduler=False), max_steps=14, callbacks=[unfreeze, scheduler],
+        plugins=[QStatePrecision(states="int8", min_quant_size=0)])  # fmt: skip
+    resets = sorted(step for step, layer in scheduler.history if layer == "net.0.weight")
+    assert unfreeze.made == unfreeze_at + 1 and resets == [unfreeze.made - 1 + period, unfreeze.made - 1 + 2 * period]
+    assert [step for step, layer in scheduler.history if layer == "net.3.weight"] == [5, 10]
+
+
+def test_a_trainer_fitted_again_from_an_earlier_checkpoint_measures_its_new_optimizer(tmp_path):
+    """The measurement cache is per trainer and optimizers: a second fit of the same trainer, resumed to a step the first
+    fit measured, measures its own optimizer (it got the old optimizer's measurement: nothing logged, and the new
+    optimizer's stall tracking never switched back off)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    def make(logger: MemoryLogger) -> pl.Trainer:
+        callbacks = [StallMonitor(log_every_n_steps=2), ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=4, save_top_k=-1)]
+        return pl.Trainer(
+            accelerator="cpu", devices=1, max_steps=10, default_root_dir=tmp_path, enable_progress_bar=False, enable_model_summary=False,
+            logger=logger, log_every_n_steps=1, callbacks=callbacks, plugins=[QStatePrecision(states="int4", min_quant_size=0)],
+        )  # fmt: skip
+
+    first = make(MemoryLogger())
+    first.fit(Regressor(scheduler=False), regression_data(samples=80))
+    checkpoint = tmp_path / "epoch=0-step=8.ckpt"
+    again = MemoryLogger()
+    first.loggers = [again]
+    first.fit(Regressor(scheduler=False), regression_data(samples=80), ckpt_path=checkpoint)
+    fresh_logger = MemoryLogger()
+    fresh = make(fresh_logger)
+    fresh.fit(Regressor(scheduler=False), regression_data(samples=80), ckpt_path=checkpoint)
+
+    def measured(logger: MemoryLogger) -> list[int]:
+        return [step for step, metrics in logger.records if "qstate/stall/exp_avg" in metrics]
+
+    assert measured(again) == measured(fresh_logger) == [9]
+    assert not first.strategy.optimizers[0].track_stalls and not fresh.strategy.optimizers[0].track_stalls

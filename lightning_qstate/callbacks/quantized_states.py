@@ -20,7 +20,7 @@ from ..optim import (
     check_optimizer_parameters,
     state_summary,
 )
-from ..plugins.precision import QStatePolicyMixin, fit_starts_fresh, put_weights_on_grid
+from ..plugins.precision import QStatePolicyMixin, apply_policy, fit_starts_fresh, put_weights_on_grid
 from ..plugins.strategies import load_packed_checkpoints_into_shards
 from .stall_counts import across_ranks
 from .tensorboard import log_scalars, logs_this_step
@@ -81,7 +81,7 @@ class QuantizedOptimizerStates(Callback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         model = trainer.strategy.model if trainer.strategy.model is not None else pl_module
         check_optimizer_parameters(model, trainer.strategy.optimizers)
-        trainer.strategy.optimizers = [self.policy.apply(optimizer, model) for optimizer in trainer.strategy.optimizers]
+        trainer.strategy.optimizers = apply_policy(self.policy, trainer.strategy.optimizers, model)
         load_packed_checkpoints_into_shards(trainer.strategy)
         plugin_rounds = isinstance(trainer.strategy.precision_plugin, QStatePolicyMixin)  # its connect() put them on their grids
         if not plugin_rounds and fit_starts_fresh(trainer):  # weights=: round to nearest (not a resumed checkpoint's weights)

@@ -70,7 +70,7 @@ class StallMeasurement:
         return {(row.layer, row.state): float(c[0] / c[1]) for row, c in zip(self.rows, self.counts, strict=False) if c[1] > 0}
 
 
-_CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # trainer -> last StallMeasurement
+_CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # trainer -> (its optimizers then, its last StallMeasurement)
 _TRACKING_BASE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> the user's track_stalls
 _SET_ASIDE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> the user's counts before a measured step
 
@@ -192,21 +192,22 @@ def across_ranks(trainer: pl.Trainer, local: torch.Tensor, reduce_op: str) -> to
 
 def collect_stalls(trainer: pl.Trainer) -> StallMeasurement:
     """The counts since the last collection, summed over ranks (a collective: call it on every rank at the
-    same step); a second call at the same global step returns the same measurement."""
-    cached = _CACHE.get(trainer)
-    if cached is not None and cached.step == trainer.global_step:
+    same step); a second call at the same global step, with the same optimizers, returns the same measurement (another
+    fit of the trainer, resumed to an earlier step, has other optimizers: measured afresh)."""
+    optimizers = quantized_optimizers(trainer)
+    cached_optimizers, cached = _CACHE.get(trainer, ((), None))
+    same_optimizers = len(cached_optimizers) == len(optimizers) and all(a is b for a, b in zip(cached_optimizers, optimizers, strict=True))
+    if cached is not None and cached.step == trainer.global_step and same_optimizers:
         return cached
     rows = state_rows(trainer)
     local = torch.zeros(len(rows), 2, dtype=torch.float64)
-    taken = {
-        id(optimizer): optimizer.stall_counts(reset=True) if optimizer.track_stalls else {} for optimizer in quantized_optimizers(trainer)
-    }
+    taken = {id(optimizer): optimizer.stall_counts(reset=True) if optimizer.track_stalls else {} for optimizer in optimizers}
     for index, row in enumerate(rows):
         counts = taken[id(row.optimizer)].get(row.param, {}).get(row.state)
         if counts is not None:
             local[index] = counts.to("cpu", torch.float64)
     total = across_ranks(trainer, local, "sum")
-    for optimizer in quantized_optimizers(trainer):
+    for optimizer in optimizers:
         optimizer.track_stalls = _TRACKING_BASE.pop(optimizer, optimizer.track_stalls)
         if optimizer in _SET_ASIDE:  # the user's own tracking: its counts before the measured step, plus the measured step's
             counts = _SET_ASIDE.pop(optimizer)
@@ -215,5 +216,5 @@ def collect_stalls(trainer: pl.Trainer) -> StallMeasurement:
                     counts[param, name] = counts[param, name] + value if (param, name) in counts else value
             optimizer._stall_counts = counts
     measurement = StallMeasurement(trainer.global_step, rows, total, local)
-    _CACHE[trainer] = measurement
+    _CACHE[trainer] = (tuple(optimizers), measurement)
     return measurement

@@ -188,20 +188,21 @@ class StateResetScheduler(Callback):
 
     def _phase_new_layers(self, trainer: pl.Trainer, layers: dict[str, list[StateRow]], stepped: bool) -> None:
         """Start the schedule of every layer of ``layers`` that has none (a resumed run keeps its own) from the optimizer
-        step before its states were made: at the start of training, and for layers that appear later (groups added with
-        ``add_param_group``, before their first step; a wrapped optimizer's, whose layers appear with their states, made
-        by the step just ``stepped``). With ``stagger``, the layers that start together spread their first resets over
-        one period. Every rank phases alike: whether a layer's states exist is taken over the ranks (a collective where
-        new layers appear after a step; an FSDP rank whose shard is empty holds none)."""
+        step before its states were made, once they are: after the first step for those that step from the start, and
+        later for layers whose states appear later (a parameter unfrozen after some steps, a group added with
+        ``add_param_group``); a layer that holds states when training starts (resumed without a schedule for it) from
+        there. With ``stagger``, the layers that start together spread their first resets over one period. Every rank
+        phases alike: whether a layer's states exist is taken over the ranks (a collective while some layer has no
+        schedule; an FSDP rank whose shard is empty holds none)."""
         new = [(layer, rows) for layer, rows in layers.items() if layer not in self.last_reset]
         if not new:
             return
-        made = torch.tensor([float(stepped and bool(rows[0].optimizer.state.get(rows[0].param))) for _, rows in new])
-        made = across_ranks(trainer, made, "max") if stepped else made
-        for index, ((layer, rows), was_made) in enumerate(zip(new, made.tolist(), strict=True)):
+        held = torch.tensor([float(bool(rows[0].optimizer.state.get(rows[0].param))) for _, rows in new])
+        appeared = [entry for entry, has_states in zip(new, across_ranks(trainer, held, "max").tolist(), strict=True) if has_states]
+        for index, (layer, rows) in enumerate(appeared):
             period = self.layer_period(rows)
-            origin = optimizer_steps(trainer, rows[0].optimizer) - int(was_made)
-            self.last_reset[layer] = origin - ((index * period) // len(new)) if self.stagger and period else origin
+            origin = optimizer_steps(trainer, rows[0].optimizer) - int(stepped)
+            self.last_reset[layer] = origin - ((index * period) // len(appeared)) if self.stagger and period else origin
 
     @override
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer) -> None:
@@ -220,7 +221,9 @@ class StateResetScheduler(Callback):
         due = []
         for layer, rows in layers.items():
             period = self.layer_period(rows)
-            if period is not None and optimizer_steps(trainer, rows[0].optimizer) - self.last_reset[layer] >= period:
+            if period is None or layer not in self.last_reset:  # no states yet on any rank (frozen): nothing to reset
+                continue
+            if optimizer_steps(trainer, rows[0].optimizer) - self.last_reset[layer] >= period:
                 due.append(layer)
         checked = self._checks.collect(trainer)
         if checked is not None:
@@ -246,10 +249,13 @@ class StateResetScheduler(Callback):
         for (layer, rows), adam_step, has_states in zip(layers.items(), steps, held, strict=True):
             names = [row.state for row in rows]
             rows[0].optimizer.reset_states(rows[0].param, names, restart_step=self.reset_step)
-            step = self.last_reset[layer] = optimizer_steps(trainer, rows[0].optimizer)
-            # a parameter without states on every rank (frozen from the start, or never given a gradient) had nothing
-            # to reset: not counted
-            if has_states:
+            step = optimizer_steps(trainer, rows[0].optimizer)
+            # a parameter without states on every rank (frozen, or never given a gradient) had nothing to reset: not
+            # counted, and phased again when its states appear
+            if not has_states:
+                self.last_reset.pop(layer, None)
+            else:
+                self.last_reset[layer] = step
                 state = {"step": adam_step} if adam_step >= 0 else {}
                 ratios.append(first_step_ratio(rows[0].group, state, self.reset_step, names))
                 self.history.append((step, layer))

@@ -422,11 +422,21 @@ def native_adam_steps(
             states[k][MOMENT_BOUND_STATE] = bound
     by_param = [None] * len(states)
     for k, row in zip(order, rows, strict=False):
-        by_param[k] = row if quantized[k] else [row[0], 1, 0, 0, 0, 0]  # a plain fp32 state overflows as torch's does
+        if not quantized[k]:
+            row = [row[0], 1, 0, 0, 0, 0]  # a plain fp32 state overflows as torch's does
+        elif row[0] and not row[1] and _coded_moments_finite(states[k]):  # only a plain fp32 moment beside them: as torch's
+            row = [row[0], 1, *row[2:]]
+        by_param[k] = row
     overflowed = [k for k, row in enumerate(by_param) if row[0] and not row[1]]
     if overflowed:
         raise StateOverflowError("an Adam moment overflowed to inf/NaN during the step", overflowed, by_param)
     return by_param
+
+
+def _coded_moments_finite(state: dict) -> bool:
+    """Whether the coded Adam moments of ``state`` hold finite values (read where the kernel reports an overflow)."""
+    moments = (state[name] for name in ("exp_avg", "exp_avg_sq"))
+    return all(bool(torch.isfinite(value.dequantize()).all()) for value in moments if isinstance(value, QuantizedTensor))
 
 
 def _coded(moment: QuantizedTensor | torch.Tensor) -> QuantizedTensor:

@@ -1314,7 +1314,8 @@ class QuantizedStates:
     def _fused_call(self, keys: list[torch.Tensor], call: Callable[[], Any], finish: Callable[[Any, frozenset[int]], None]) -> None:
         """``finish(call(), frozenset())`` for a fused step of ``keys`` (C++, compiled, Triton). Where a state overflowed fp32
         (``StateOverflowError``), the step had written its codes and scales in place (NaN) and stepped the other
-        parameters: the overflowed parameters' quantized states are zeroed, keeping their formats (as a reset), so
+        parameters: the overflowed parameters' per-value states are zeroed, quantized ones keeping their formats (as a
+        reset; a plain fp32 moment beside a coded one holds the failed step's values too), so
         that no NaN stays in them and the next steps run, ``finish`` completes the others' steps from the results the
         error carries, given the positions in ``keys`` it is to leave out, and a ``StepOverflowError`` naming the
         overflowed parameters is raised."""
@@ -1323,8 +1324,8 @@ class QuantizedStates:
         except StateOverflowError as error:
             names = self.param_names()
             overflowed = [keys[k] for k in error.overflowed]
-            for key in overflowed:
-                self.reset_states(key, [name for name, value in self.state[key].items() if isinstance(value, QuantizedTensor)])
+            for key in overflowed:  # every per-value state: a plain fp32 moment beside a coded one holds the failed step's values
+                self.reset_states(key, [name for name, value in self.state[key].items() if self._per_value_state(key, name, value)])
             finish(error.results, frozenset(error.overflowed))
             overflowed_names = [names[key] for key in overflowed]
             raise StepOverflowError(

@@ -25,6 +25,7 @@ optimizer's rounding seed and step ride in its state dict, so stochastic roundin
 from __future__ import annotations
 
 import itertools
+import os
 from collections.abc import Mapping
 from typing import Any, Literal
 
@@ -52,7 +53,7 @@ class QStatePolicyMixin:
     def connect(self, model: torch.nn.Module, optimizers: list[torch.optim.Optimizer], lr_schedulers: list[Any]):
         model, optimizers, lr_schedulers = super().connect(model, optimizers, lr_schedulers)
         check_optimizer_parameters(model, optimizers)
-        quantized = [self.policy.apply(optimizer, model) for optimizer in optimizers]
+        quantized = apply_policy(self.policy, optimizers, model)
         module = next((module for module in model.modules() if isinstance(module, pl.LightningModule)), None)
         if module is not None and module._trainer is not None:
             load_packed_checkpoints_into_shards(module._trainer.strategy)
@@ -81,9 +82,27 @@ def _lightning_base(plugin: Precision) -> type:
     return next(cls for cls in type(plugin).__mro__ if cls.__module__.startswith("lightning."))
 
 
+def apply_policy(
+    policy: QuantizationPolicy, optimizers: list[torch.optim.Optimizer], model: torch.nn.Module
+) -> list[torch.optim.Optimizer]:
+    """``policy.apply`` to each optimizer but one without param groups (Lightning's placeholder where
+    ``configure_optimizers`` returns ``None``: nothing to quantize), which is left as it is."""
+    return [policy.apply(optimizer, model) if optimizer.param_groups else optimizer for optimizer in optimizers]
+
+
+# The temporary checkpoints of Lightning's tuners (LearningRateFinder, BatchSizeFinder: saved before their search,
+# restored and deleted after it, setting ``trainer.ckpt_path``).
+TUNER_CHECKPOINT_PREFIXES = (".lr_find_", ".scale_batch_size_")
+
+
 def fit_starts_fresh(trainer: pl.Trainer) -> bool:
-    """Whether ``trainer`` runs ``fit`` without a checkpoint to resume (not ``validate``, ``test`` or ``predict``)."""
-    return trainer.state.fn == TrainerFn.FITTING and not trainer.ckpt_path
+    """Whether ``trainer`` runs ``fit`` without a checkpoint to resume (not ``validate``, ``test`` or ``predict``). A
+    tuner's temporary checkpoint (``TUNER_CHECKPOINT_PREFIXES``; the finders run first, in ``on_fit_start``) is no
+    resume: it restores the state the tuner started from (so a resumed fit with a finder callback counts as fresh, and
+    its weights are rounded onto their grids again, which changes only block-scaled grids of bf16/fp16 parameters)."""
+    path = trainer.ckpt_path
+    tuned = path is not None and os.path.basename(str(path)).startswith(TUNER_CHECKPOINT_PREFIXES)
+    return trainer.state.fn == TrainerFn.FITTING and (not path or tuned)
 
 
 def put_weights_on_grid(optimizers: list[torch.optim.Optimizer]) -> None:
