@@ -891,3 +891,15 @@ def test_a_compiled_step_runs_the_quantized_step_as_it_is(build):
     eager = run(False)
     torch.manual_seed(0)
     assert torch.equal(run(True), eager)
+
+
+def test_the_group_of_a_parameter_follows_loads_and_added_groups():
+    """``_group_of`` keeps a map (a reset or re-plan of every parameter was O(n²)); a load gives the groups new dicts,
+    ``add_param_group`` new parameters: the map follows both."""
+    params = [torch.nn.Parameter(torch.randn(64)) for _ in range(3)]
+    optimizer = lq.QAdamW(params[:2], min_quant_size=0)
+    assert optimizer._group_of(params[1]) is optimizer.param_groups[0]
+    optimizer.load_state_dict(optimizer.state_dict())
+    assert optimizer._group_of(params[1]) is optimizer.param_groups[0]
+    optimizer.add_param_group({"params": [params[2]], "lr": 0.5})
+    assert optimizer._group_of(params[2]) is optimizer.param_groups[1] and optimizer._group_of(params[0]) is optimizer.param_groups[0]

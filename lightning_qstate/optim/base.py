@@ -1371,8 +1371,14 @@ class QuantizedStates:
         return zeroed
 
     def _group_of(self, param: torch.Tensor) -> dict:
-        """The param group that holds ``param``."""
-        return next(group for group in self.param_groups if any(p is param for p in group["params"]))
+        """The param group that holds ``param``: a map built once, and again after ``add_param_group`` or a load (which
+        gives the groups new dicts), so that calls for every parameter (a reset, a re-plan) cost O(n), not O(n²)."""
+        groups = self.__dict__.get("_groups_by_param")
+        group = groups.get(param) if groups is not None else None
+        if group is None or not any(g is group for g in self.param_groups):
+            groups = self._groups_by_param = {p: g for g in self.param_groups for p in g["params"]}
+            group = groups[param]
+        return group
 
     def state_format(self, param: torch.Tensor, name: str) -> StorageFormat | None:
         """The format state ``name`` of ``param`` is stored in; ``None`` for a plain tensor."""

@@ -65,6 +65,7 @@ The model ignores the correlation of ``v`` with past ``g`` and the drift of ``v`
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
@@ -198,13 +199,7 @@ def relative_gaps(
     if p is not None and values is None:
         gap = torch.tensor([2.0**-p * math.log(2.0)], dtype=torch.float64)
         return torch.ones(1, dtype=torch.float64), gap, gap.clone()
-    codes = _positive_codes(fmt)
-    up = torch.empty_like(codes)
-    up[:-1] = codes[1:] - codes[:-1]
-    down = torch.empty_like(codes)
-    down[1:] = codes[1:] - codes[:-1]
-    down[0] = codes[0] if isinstance(fmt, BlockFormat) else 2.0 ** -(fraction_bits(fmt) + 1)  # to zero; a cast: into the binade below
-    up[-1] = down[-1]
+    codes, up, down = _code_steps(fmt)
     subnormal_steps = torch.zeros(0, dtype=torch.float64)
     if values is None:
         edges = torch.cat([codes[:1] * 0, (codes[1:] + codes[:-1]) / 2, codes[-1:]])
@@ -224,6 +219,21 @@ def relative_gaps(
     weights = torch.cat([weights[keep], counts.to(torch.float64)])
     gap_up, gap_down = torch.cat([up[keep] / codes[keep], 1 / steps]), torch.cat([down[keep] / codes[keep], 1 / steps])
     return weights / weights.sum(), gap_up, gap_down
+
+
+@functools.lru_cache(maxsize=256)
+def _code_steps(fmt: StorageFormat) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(codes, up, down)``: the format's sorted positive codes (``_positive_codes``) and the steps to the next code up
+    and down from each (float64, not to be written: cached per format object, as a monitor asks for every layer's
+    state at every measurement)."""
+    codes = _positive_codes(fmt)
+    up = torch.empty_like(codes)
+    up[:-1] = codes[1:] - codes[:-1]
+    down = torch.empty_like(codes)
+    down[1:] = codes[1:] - codes[:-1]
+    down[0] = codes[0] if isinstance(fmt, BlockFormat) else 2.0 ** -(fraction_bits(fmt) + 1)  # to zero; a cast: into the binade below
+    up[-1] = down[-1]
+    return codes, up, down
 
 
 def _positive_codes(fmt: StorageFormat) -> torch.Tensor:
