@@ -487,15 +487,18 @@ def test_resume_continues_exactly(tmp_path):
                 assert torch.equal(x, y)
 
 
-def test_a_checkpoint_of_other_layers_is_refused(tmp_path):
+def test_a_checkpoint_of_other_layers_is_warned_about_at_the_first_step(tmp_path):
+    """A checkpoint's layer no parameter takes up is warned about at the first step (a group a callback adds back before
+    it would have taken it) and dropped; a layer the checkpoint lacks is planned as one that joins."""
     callback = AdaptiveBitWidth(target_bits=TARGET, **FAST)
     trainer(tmp_path, max_steps=1, plugins=[plugin()], callbacks=[callback]).fit(Regressor(), regression_data())
     state = callback.state_dict()
     state["layers"]["net.9.weight"] = state["layers"].pop("net.0.weight")
     other = AdaptiveBitWidth(target_bits=TARGET, **FAST)
     other.load_state_dict(state)
-    with pytest.raises(ValueError, match=r"layers do not match.*missing: \['net.0.weight'\], unknown: \['net.9.weight'\]"):
+    with pytest.warns(UserWarning, match=r"the checkpoint's layers \['net.9.weight'\] have no parameter"):
         trainer(tmp_path, max_steps=1, plugins=[plugin()], callbacks=[other]).fit(Regressor(), regression_data())
+    assert "net.0.weight" in other.decisions() and "net.9.weight" not in other.decisions()
 
 
 def test_metrics_and_heatmap_are_logged(tmp_path):

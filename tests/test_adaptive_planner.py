@@ -364,3 +364,117 @@ def test_plain_states_are_priced_in_the_dtype_the_optimizer_keeps_them_in(dtype)
     if dtype != torch.float64:  # float64: its first update raised (foreach norms narrowed to fp32); 8-byte plain states
         fresh = lightning_qstate.QAdamW(model.parameters(), lr=1e-3, rounding="stochastic")
         BitWidthPlanner(fresh, model, target_bits=4.8, interval=2, hysteresis=1, anneal_steps=10)  # the cheapest stores ~4.55
+
+
+def joining_run(join: str, steps: range, planner_of=None, split_state=None):
+    """A 32-128-1 MLP whose first layer joins at step 13 (``join``: ``"group"``, added with ``add_param_group``, or
+    ``"unfreeze"``, ``requires_grad_(True)``), the planner's ``update`` before every step (interval 10, cap 5.1).
+    Returns (model, optimizer, planner, [(stored bits, reported avg_bits) per step])."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 128), torch.nn.ReLU(), torch.nn.Linear(128, 1))
+    if join == "group":
+        optimizer = lightning_qstate.QAdamW(model[2].parameters(), lr=1e-3, min_quant_size=0, rounding="stochastic")
+    else:
+        model[0].requires_grad_(False)
+        optimizer = lightning_qstate.QAdamW(model.parameters(), lr=1e-3, min_quant_size=0, rounding="stochastic")
+    planner = BitWidthPlanner(optimizer, model, target_bits=5.1, interval=10, hysteresis=2, anneal_steps=100)
+    averages = []
+    for step in steps:
+        if step == 13:
+            if join == "group":
+                optimizer.add_param_group({"params": list(model[0].parameters())})
+            else:
+                model[0].requires_grad_(True)
+        inputs = torch.randn(64, 32, generator=torch.Generator().manual_seed(step))
+        loss = (model(inputs) - inputs.sum(1, keepdim=True)).square().mean()
+        optimizer.zero_grad()
+        loss.backward()
+        planner.update(step)
+        optimizer.step()
+        summary = state_summary(optimizer)
+        averages.append((8 * summary["bytes"] / summary["values"], planner.metrics()["qstate/adaptive/avg_bits"]))
+    return model, optimizer, planner, averages
+
+
+@pytest.mark.parametrize("join", ["group", "unfreeze"])
+def test_a_layer_that_joins_between_checks_is_planned_at_once(join):
+    """A parameter group added (BackboneFinetuning) or a parameter unfrozen between checks is planned at its first step:
+    its states were made in the group's int8 until the next check (8.0 bits stored under a 5.1 cap, avg_bits said 5.09)."""
+    _, _, _, averages = joining_run(join, range(21))
+    assert all(stored <= 5.1 + 1e-9 and stored == pytest.approx(reported, abs=1e-9) for stored, reported in averages), averages
+
+
+def test_a_plan_saved_between_a_join_and_the_next_check_resumes_exactly():
+    """The joined layer is in the checkpoint from its first step, and the resumed planner continues as the uninterrupted
+    one (the load refused such a checkpoint: "the checkpoint's layers do not match")."""
+    model, optimizer, planner, _ = joining_run("group", range(15))
+    saved = json.loads(json.dumps(planner.state_dict()))
+    _, _, uninterrupted, _ = joining_run("group", range(30))
+    torch.manual_seed(0)
+    resumed_model = torch.nn.Sequential(torch.nn.Linear(32, 128), torch.nn.ReLU(), torch.nn.Linear(128, 1))
+    resumed_model.load_state_dict(model.state_dict())
+    resumed_optimizer = lightning_qstate.QAdamW(resumed_model[2].parameters(), lr=1e-3, min_quant_size=0, rounding="stochastic")
+    resumed_optimizer.add_param_group({"params": list(resumed_model[0].parameters())})
+    resumed_optimizer.load_state_dict(optimizer.state_dict())
+    resumed = BitWidthPlanner(resumed_optimizer, resumed_model, target_bits=5.1, interval=10, hysteresis=2, anneal_steps=100)
+    resumed.load_state_dict(saved)
+    resumed.apply()
+    for step in range(15, 30):
+        inputs = torch.randn(64, 32, generator=torch.Generator().manual_seed(step))
+        loss = (resumed_model(inputs) - inputs.sum(1, keepdim=True)).square().mean()
+        resumed_optimizer.zero_grad()
+        loss.backward()
+        resumed.update(step)
+        resumed_optimizer.step()
+    assert resumed.state_dict() == uninterrupted.state_dict()
+
+
+def test_a_checkpoints_layer_the_optimizer_has_not_yet_is_kept_until_it_joins():
+    """A checkpoint's layer whose group is added back only after the planner loads (a callback restoring it later) waits
+    for it; one that never comes back is warned about at the next check."""
+    model, optimizer, planner, _ = joining_run("group", range(15))
+    saved = json.loads(json.dumps(planner.state_dict()))
+    fresh = lightning_qstate.QAdamW(model[2].parameters(), lr=1e-3, min_quant_size=0, rounding="stochastic")
+    later = BitWidthPlanner(fresh, model, target_bits=5.1, interval=10, hysteresis=2, anneal_steps=100)
+    later.load_state_dict(saved)  # 0.weight and 0.bias are not in the optimizer yet: kept
+    fresh.add_param_group({"params": list(model[0].parameters())})
+    assert later.join_new_layers()
+    assert {name: later.decisions()[name]["zone"] for name in ("0.weight", "0.bias")} == {
+        name: saved["layers"][name]["zone"] for name in ("0.weight", "0.bias")
+    }
+    never = BitWidthPlanner(
+        lightning_qstate.QAdamW(model[2].parameters(), min_quant_size=0, rounding="stochastic"), model, target_bits=5.1, interval=10
+    )
+    never.load_state_dict(saved)
+    with pytest.warns(UserWarning, match=r"the checkpoint's layers \['0.bias', '0.weight'\] have no parameter"):
+        never.update(20)
+
+
+def test_a_group_that_joins_with_round_to_nearest_is_warned_about():
+    """The round-to-nearest ``v`` warning covers a group added later, not only those present at construction."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 128), torch.nn.ReLU(), torch.nn.Linear(128, 1))
+    optimizer = lightning_qstate.QAdamW(model[2].parameters(), min_quant_size=0, rounding="stochastic")
+    planner = BitWidthPlanner(optimizer, model, target_bits=5.1, interval=10)
+    optimizer.add_param_group({"params": list(model[0].parameters()), "rounding": "nearest"})
+    with pytest.warns(UserWarning, match="rounds to nearest"):
+        planner.update(3)
+
+
+def test_a_resume_under_another_cap_counts_its_re_encodings():
+    """Resumed under another ``target_bits`` the plan changes at load (honoured at once); the states it re-encodes are
+    counted in ``transitions`` (they were not), and under the same options nothing is."""
+    model, optimizer, planner, _ = joining_run("group", range(25))
+    saved = json.loads(json.dumps(planner.state_dict()))
+    formats = lambda opt: [opt.state_format(p, s).name for p in model.parameters() for s in ("exp_avg", "exp_avg_sq")]  # noqa: E731
+    for target, expect_change in ((5.1, False), (6.5, True)):
+        resumed_optimizer = lightning_qstate.QAdamW(model[2].parameters(), lr=1e-3, min_quant_size=0, rounding="stochastic")
+        resumed_optimizer.add_param_group({"params": list(model[0].parameters())})
+        resumed_optimizer.load_state_dict(optimizer.state_dict())
+        before = formats(resumed_optimizer)
+        resumed = BitWidthPlanner(resumed_optimizer, model, target_bits=target, interval=10, hysteresis=2, anneal_steps=100)
+        resumed.load_state_dict(saved)
+        resumed.apply()
+        changed = sum(a != b for a, b in zip(before, formats(resumed_optimizer), strict=True))
+        assert (changed > 0) == expect_change
+        assert resumed.transitions - saved["transitions"] == changed

@@ -340,6 +340,25 @@ def test_a_tuner_callbacks_checkpoint_is_no_resume_for_the_weight_grid(tmp_path)
     quiet_trainer(tmp_path, max_steps=2, callbacks=[states, spy, finder]).fit(Tunable(scheduler=False))
     assert spy.on_grid
 
+    # a resumed fit with a finder stays a resume: its weights are not rounded again (an int8 grid of bf16 weights
+    # moves them where rounded twice)
+    class AtStart(pl.Callback):
+        def on_train_start(self, trainer, pl_module) -> None:
+            self.weights = {name: p.detach().clone() for name, p in pl_module.named_parameters()}
+
+    def int8_states() -> QuantizedOptimizerStates:
+        return QuantizedOptimizerStates(states="int8", min_quant_size=0, weights="int8", weight_overrides={"*.weight": "int8"})
+
+    first = quiet_trainer(tmp_path, max_steps=4, precision="bf16-true", callbacks=[int8_states()])
+    first.fit(Tunable(scheduler=False))
+    first.save_checkpoint(tmp_path / "resume.ckpt")
+    saved = torch.load(tmp_path / "resume.ckpt", weights_only=False)["state_dict"]
+    spy = AtStart()
+    finder = LearningRateFinder(min_lr=1e-4, max_lr=1e-1, num_training_steps=8)
+    resumed = quiet_trainer(tmp_path, max_steps=5, precision="bf16-true", callbacks=[int8_states(), spy, finder])
+    resumed.fit(Tunable(scheduler=False), ckpt_path=tmp_path / "resume.ckpt")
+    assert all(torch.equal(spy.weights[name], saved[name]) for name in saved)
+
 
 @pytest.mark.parametrize("use_plugin", [True, False], ids=["plugin", "callback"])
 def test_configure_optimizers_returning_none_trains_as_in_lightning(tmp_path, use_plugin):

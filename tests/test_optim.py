@@ -903,3 +903,13 @@ def test_the_group_of_a_parameter_follows_loads_and_added_groups():
     assert optimizer._group_of(params[1]) is optimizer.param_groups[0]
     optimizer.add_param_group({"params": [params[2]], "lr": 0.5})
     assert optimizer._group_of(params[2]) is optimizer.param_groups[1] and optimizer._group_of(params[0]) is optimizer.param_groups[0]
+
+
+def test_the_group_of_a_parameter_moved_to_another_group_is_the_new_one():
+    """A parameter taken out of its group and added in another: the map is built again (the groups' sizes changed)."""
+    params = [torch.nn.Parameter(torch.randn(64)) for _ in range(3)]
+    optimizer = lq.QAdamW(params, min_quant_size=0)
+    assert optimizer._group_of(params[2]) is optimizer.param_groups[0]
+    optimizer.param_groups[0]["params"].pop()
+    optimizer.add_param_group({"params": [params[2]], "betas": (0.5, 0.6)})
+    assert optimizer._group_of(params[2])["betas"] == (0.5, 0.6)

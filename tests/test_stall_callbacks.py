@@ -706,3 +706,27 @@ def test_a_trainer_fitted_again_from_an_earlier_checkpoint_measures_its_new_opti
 
     assert measured(again) == measured(fresh_logger) == [9]
     assert not first.strategy.optimizers[0].track_stalls and not fresh.strategy.optimizers[0].track_stalls
+
+
+def test_a_frozen_layer_costs_no_collective_at_each_step(tmp_path, monkeypatch):
+    """A layer frozen in the optimizer (the same on every rank) is left out of phasing without a collective: it cost an
+    all-reduce at every step under DDP/FSDP while it had no states."""
+    from lightning_qstate.callbacks import state_reset
+
+    calls = []
+    real = state_reset.across_ranks
+
+    def counted(trainer, local, reduce_op):
+        calls.append(trainer.global_step)
+        return real(trainer, local, reduce_op)
+
+    monkeypatch.setattr(state_reset, "across_ranks", counted)
+
+    class Frozen(Regressor):
+        def __init__(self) -> None:
+            super().__init__(scheduler=False)
+            self.net[0].weight.requires_grad_(False)
+
+    fit(tmp_path, model=Frozen(), max_steps=8, callbacks=[StateResetScheduler(period=100)],
+        plugins=[QStatePrecision(states="int8", min_quant_size=0)])  # fmt: skip
+    assert [step for step in calls if step > 1] == []

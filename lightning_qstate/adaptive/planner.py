@@ -288,6 +288,7 @@ class BitWidthPlanner:
         self.fill_budget = fill_budget
         self.module = module
         self.layers = self._collect_layers(module)
+        self._pending_entries: dict[str, dict[str, Any]] = {}  # a checkpoint's layers that have not joined yet
         self.global_rms: float | None = None
         self.global_dispersion: float | None = None
         self.last_check: int | None = None
@@ -317,13 +318,16 @@ class BitWidthPlanner:
         floor = self.floor_formats.get(state)
         return {*self.formats[state].values(), *([floor] if floor is not None else [])}
 
-    def _warn_nearest_v(self) -> None:
-        """Warn (once per planner) where ``v`` may go below 8 bits in a param group that rounds to nearest: such a ``v``
+    def _warn_nearest_v(self, layers: Sequence[Layer] | None = None) -> None:
+        """Warn (at construction, and where ``layers`` join) where ``v`` may go below 8 bits in a param group that rounds
+        to nearest: such a ``v``
         ratchets (``1 - beta2`` is under half a code gap, so it only falls with its block's scale) and the plan's bits
         buy little (GPT benchmark, 10 seeds, against fixed int8: adaptive at 5.1 bits +1.25 % loss with round to
         nearest, about int4's; -0.07 % with stochastic rounding, and 1.37 % below int4 over 20 seeds)."""
         narrow = sorted(name for name in self.candidates("exp_avg_sq") if get_format(name).bits < 8)
-        nearest = any(layer.pinned is None and layer.group["rounding"] == "nearest" for layer in self.layers)
+        nearest = any(
+            layer.pinned is None and layer.group["rounding"] == "nearest" for layer in (self.layers if layers is None else layers)
+        )
         if narrow and nearest:
             warnings.warn(
                 f"BitWidthPlanner: v (exp_avg_sq) may be stored in {', '.join(narrow)} (under 8 bits), and the optimizer rounds "
@@ -334,17 +338,37 @@ class BitWidthPlanner:
                 stacklevel=3,
             )
 
-    def _sync_layers(self) -> None:
+    def _sync_layers(self) -> list[Layer]:
         """Track the parameters that joined since the layers were collected (``add_param_group``, as Lightning's
-        ``BackboneFinetuning`` does; ``requires_grad_(True)``): they are priced and planned from the next check on (as
-        ``critical`` until observed); the known layers keep their statistics and zones."""
+        ``BackboneFinetuning`` does; ``requires_grad_(True)``): priced, and planned (as ``critical`` until observed) by the
+        caller's next solve; a checkpoint's entry for a layer of that name, kept by :meth:`load_state_dict` until it
+        joined, restores its statistics and plan. The known layers keep theirs. Returns the layers that joined."""
         current = [param for group in self.optimizer.param_groups for param in group["params"] if self._tracked(param)]
         known = [layer.param for layer in self.layers]
         if len(current) == len(known) and all(a is b for a, b in zip(current, known, strict=True)):
-            return
+            return []
         self._check_states_quantized()
         previous = {id(layer.param): layer for layer in self.layers}
         self.layers = [previous.get(id(layer.param), layer) for layer in self._collect_layers(self.module)]
+        joined = [layer for layer in self.layers if id(layer.param) not in previous]
+        for layer in joined:
+            entry = self._pending_entries.pop(layer.name, None)
+            if entry is not None:
+                self._restore_layer(layer, entry)
+        if joined:
+            self._warn_nearest_v(joined)
+        return joined
+
+    def join_new_layers(self) -> bool:
+        """Between checks (every step, before the optimizer's): make layers of the parameters that joined
+        (:meth:`_sync_layers`) and plan them at once with the others (their zones as before; the budget may demote some
+        to make room, as a check would), so that the states their first step makes keep the average under the cap, and
+        are priced and checkpointed from then on. Returns whether any joined."""
+        joined = self._sync_layers()
+        if joined:
+            self._solve(count_transitions=True)
+            self.apply()
+        return bool(joined)
 
     def _tracked(self, param: torch.Tensor) -> bool:
         """A parameter the plan covers: a trainable one, or one frozen after it got states (they still take memory)."""
@@ -396,16 +420,31 @@ class BitWidthPlanner:
         return step % self.interval == 0 and step != self.last_check
 
     def update(self, step: int, sums: torch.Tensor | Sequence[Sequence[float]] | None = None) -> bool:
-        """At a check (:meth:`should_replan`), before the optimizer step: :meth:`observe`, :meth:`plan`, :meth:`apply`.
-        ``sums``: as :meth:`observe` takes them (of the layers after parameters that joined were added: :meth:`gradient_sums`
-        at this check). Returns whether ``step`` was a check."""
+        """Before every optimizer step: at a check (:meth:`should_replan`) :meth:`observe`, :meth:`plan`, :meth:`apply`;
+        between checks :meth:`join_new_layers`. ``sums``: as :meth:`observe` takes them (of the layers after parameters
+        that joined were added: :meth:`gradient_sums` at this check). Returns whether ``step`` was a check."""
         if not self.should_replan(step):
+            self.join_new_layers()
+            self._drop_pending_entries()
             return False
         self._sync_layers()
+        self._drop_pending_entries()
         self.observe(step, sums)
         self.plan(step)
         self.apply()
         return True
+
+    def _drop_pending_entries(self) -> None:
+        """At the first step after a load: warn about the checkpoint's layers that no parameter of the optimizer took up
+        (another model, or a param group not added back before training), and drop them."""
+        if self._pending_entries:
+            warnings.warn(
+                f"BitWidthPlanner: the checkpoint's layers {sorted(self._pending_entries)} have no parameter in the optimizer "
+                "(another model, or a param group not added back before the first step?); their plan is dropped",
+                UserWarning,
+                stacklevel=3,
+            )
+            self._pending_entries = {}
 
     def gradient_sums(self, device: torch.device | None = None) -> torch.Tensor:
         """``(4, layers)`` float64 on ``device`` (default: the first parameter's): ``sum |g|``, ``sum g^2`` and the
@@ -491,10 +530,7 @@ class BitWidthPlanner:
         for layer in self.layers:
             if layer.pinned is not None:
                 continue
-            nbytes = lambda state, name, layer=layer: layer.nbytes[(state, name)]  # noqa: E731
-            ladder, start = budget_ladder(layer.hysteresis.zone, self.formats, nbytes)
-            floor = floor_option(ladder[-1], ADAPTED_STATES, self.floor_formats, nbytes)
-            ladder += [floor] if floor else []
+            ladder, start, floor = self._ladder(layer)
             if not layer.stored:  # outside the budget: its cheapest formats, so that states it makes before the next
                 layer.choice = ladder[-1][0]  # check lower the average rather than raise it
                 continue
@@ -510,13 +546,24 @@ class BitWidthPlanner:
             costs = [[cost for _, cost in ladder] for ladder in ladders]
             rungs = fit_budget(costs, fixed, values, self.target_bits, order, starts, self.fill_budget, reserve)
         except BudgetError as error:
-            raise BudgetError(f"BitWidthPlanner: {error}; raise target_bits or lower the optimizer's min_quant_size") from None
+            raise BudgetError(
+                f"BitWidthPlanner: {error}; raise target_bits, or keep fewer states plain (those min_quant_size keeps fp32, "
+                "overrides that pin a format, and under FSDP2 parameters whose rows allow no aligned block are priced as they are)"
+            ) from None
         for layer, ladder, rung in zip(adapted, ladders, rungs, strict=False):
             choice = ladder[rung][0]
             if count_transitions and layer.choice is not None and layer.held:  # its states are re-encoded
                 old, new = layer.stored_formats(layer.choice), layer.stored_formats(choice)
                 self.transitions += sum(format_config(a) != format_config(b) for a, b in zip(old, new, strict=False))
             layer.choice = choice
+
+    def _ladder(self, layer: Layer) -> tuple[list[tuple[Choice, int]], int, tuple[Choice, int] | None]:
+        """``(ladder, start, floor)`` of an adapted layer: :func:`budget_ladder` of its zone with its floor option
+        (:func:`floor_option`, also the ladder's last rung where there is one)."""
+        nbytes = lambda state, name: layer.nbytes[(state, name)]  # noqa: E731
+        ladder, start = budget_ladder(layer.hysteresis.zone, self.formats, nbytes)
+        floor = floor_option(ladder[-1], ADAPTED_STATES, self.floor_formats, nbytes)
+        return ladder + ([floor] if floor else []), start, floor
 
     def apply(self) -> None:
         """Make the optimizer store every adapted state as planned: overrides for new states, re-encoding for existing ones."""
@@ -535,6 +582,15 @@ class BitWidthPlanner:
                     continue
                 if format_config(target) != format_config(optimizer.state_format(layer.param, name)):
                     optimizer.reencode_state(layer.param, name, "fp32" if target is None else target)
+
+    def _restore_layer(self, layer: Layer, entry: Mapping[str, Any]) -> None:
+        """A layer's statistics, zone and plan from its checkpoint entry (:meth:`state_dict`)."""
+        layer.rms, layer.dispersion = entry["rms"], entry["dispersion"]
+        layer.hysteresis = ZoneHysteresis(entry["zone"], entry["pending"], entry["streak"])
+        layer.held, layer.fed = entry.get("held"), entry.get("fed", False)  # checkpoints before them: counted
+        layer.choice = (
+            None if entry["formats"] is None or layer.pinned is not None else tuple(entry["formats"][state] for state in ADAPTED_STATES)
+        )
 
     # --- reporting ---------------------------------------------------------------------------------------
     def bits(self) -> list[list[float]]:
@@ -613,22 +669,14 @@ class BitWidthPlanner:
         """Continue from :meth:`state_dict` (layers matched by name) and plan from it; :meth:`apply` puts the plan in effect."""
         if state_dict.get("version") != STATE_DICT_VERSION:
             raise ValueError(f"BitWidthPlanner: checkpoint state version {state_dict.get('version')!r}, expected {STATE_DICT_VERSION}")
-        entries = state_dict["layers"]
-        names = {layer.name for layer in self.layers}
-        missing, unknown = sorted(names - set(entries)), sorted(set(entries) - names)
-        if missing or unknown:
-            raise ValueError(
-                f"BitWidthPlanner: the checkpoint's layers do not match the optimizer's (missing: {missing}, unknown: {unknown})"
-            )
+        entries = dict(state_dict["layers"])
         for layer in self.layers:
-            entry = entries[layer.name]
-            layer.rms, layer.dispersion = entry["rms"], entry["dispersion"]
-            layer.hysteresis = ZoneHysteresis(entry["zone"], entry["pending"], entry["streak"])
-            layer.held, layer.fed = entry.get("held"), entry.get("fed", False)  # checkpoints before them: counted
-            layer.choice = (
-                None if entry["formats"] is None or layer.pinned is not None else tuple(entry["formats"][state] for state in ADAPTED_STATES)
-            )
+            entry = entries.pop(layer.name, None)
+            if entry is not None:  # else not in the checkpoint (joined after it was saved): planned below, as one that joins
+                self._restore_layer(layer, entry)
+        self._pending_entries = entries  # layers the optimizer does not have yet (a group a callback adds back later)
         self.global_rms, self.global_dispersion = state_dict["global_rms"], state_dict["global_dispersion"]
         self.last_check, self.transitions = state_dict["last_check"], state_dict["transitions"]
         self.history = [dict(entry) for entry in state_dict["history"]]
-        self._solve(count_transitions=False)
+        # under the checkpoint's options the same plan; under others (target_bits, formats) the states re-encoded count
+        self._solve(count_transitions=True)

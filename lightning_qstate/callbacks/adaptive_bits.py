@@ -177,7 +177,12 @@ class AdaptiveBitWidth(Callback):
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer) -> None:
         planner, step = self.planner, trainer.global_step
-        if planner is None or optimizer is not planner.optimizer or not planner.should_replan(step):
+        if planner is None or optimizer is not planner.optimizer:
+            return
+        if not planner.should_replan(step):
+            start = time.perf_counter()
+            planner.update(step)  # between checks: a group added, a parameter unfrozen joins the plan now (no collective)
+            self.overhead_seconds += time.perf_counter() - start
             return
         start = time.perf_counter()
         sums = trainer.strategy.reduce(planner.gradient_sums(trainer.strategy.root_device), reduce_op="sum")  # the one collective

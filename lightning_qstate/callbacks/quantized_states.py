@@ -8,6 +8,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
+from typing_extensions import override
 
 from ..arguments import check_flags
 from ..formats.weights import WeightBlock
@@ -20,7 +21,7 @@ from ..optim import (
     check_optimizer_parameters,
     state_summary,
 )
-from ..plugins.precision import QStatePolicyMixin, apply_policy, fit_starts_fresh, put_weights_on_grid
+from ..plugins.precision import QStatePolicyMixin, apply_policy, is_tuner_checkpoint, put_weights_on_grid
 from ..plugins.strategies import load_packed_checkpoints_into_shards
 from .stall_counts import across_ranks
 from .tensorboard import log_scalars, logs_this_step
@@ -78,13 +79,25 @@ class QuantizedOptimizerStates(Callback):
         check_flags(type(self).__name__, log_stats=log_stats)
         self.log_stats = log_stats
 
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._resumed = False  # the fit's own checkpoint was restored (on_load_checkpoint)
+
+    @override
+    def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
+        # the fit's checkpoint, restored before on_fit_start; a tuner callback's temporary one (restored in its
+        # on_fit_start, which runs before ours: it sets trainer.ckpt_path) is no resume
+        if not is_tuner_checkpoint(trainer.ckpt_path):
+            self._resumed = True
+
+    @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         model = trainer.strategy.model if trainer.strategy.model is not None else pl_module
         check_optimizer_parameters(model, trainer.strategy.optimizers)
         trainer.strategy.optimizers = apply_policy(self.policy, trainer.strategy.optimizers, model)
         load_packed_checkpoints_into_shards(trainer.strategy)
         plugin_rounds = isinstance(trainer.strategy.precision_plugin, QStatePolicyMixin)  # its connect() put them on their grids
-        if not plugin_rounds and fit_starts_fresh(trainer):  # weights=: round to nearest (not a resumed checkpoint's weights)
+        if not plugin_rounds and not self.__dict__.get("_resumed", False):  # weights=: round to nearest (not a resumed fit's weights)
             put_weights_on_grid(trainer.strategy.optimizers)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:

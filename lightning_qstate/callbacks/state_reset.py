@@ -194,7 +194,8 @@ class StateResetScheduler(Callback):
         there. With ``stagger``, the layers that start together spread their first resets over one period. Every rank
         phases alike: whether a layer's states exist is taken over the ranks (a collective while some layer has no
         schedule; an FSDP rank whose shard is empty holds none)."""
-        new = [(layer, rows) for layer, rows in layers.items() if layer not in self.last_reset]
+        # a frozen parameter (the same on every rank) makes no states: left out without a collective until it trains
+        new = [(layer, rows) for layer, rows in layers.items() if layer not in self.last_reset and rows[0].param.requires_grad]
         if not new:
             return
         held = torch.tensor([float(bool(rows[0].optimizer.state.get(rows[0].param))) for _, rows in new])

@@ -1371,14 +1371,14 @@ class QuantizedStates:
         return zeroed
 
     def _group_of(self, param: torch.Tensor) -> dict:
-        """The param group that holds ``param``: a map built once, and again after ``add_param_group`` or a load (which
-        gives the groups new dicts), so that calls for every parameter (a reset, a re-plan) cost O(n), not O(n²)."""
-        groups = self.__dict__.get("_groups_by_param")
-        group = groups.get(param) if groups is not None else None
-        if group is None or not any(g is group for g in self.param_groups):
-            groups = self._groups_by_param = {p: g for g in self.param_groups for p in g["params"]}
-            group = groups[param]
-        return group
+        """The param group that holds ``param``: a map built again where the groups changed (``add_param_group``, a load,
+        which gives the groups new dicts, a parameter moved between groups: their dicts and sizes), so that calls for every
+        parameter (a reset, a re-plan) cost O(n), not O(n²)."""
+        signature = [(id(group), len(group["params"])) for group in self.param_groups]
+        built = self.__dict__.get("_groups_by_param")
+        if built is None or built[0] != signature or param not in built[1]:
+            built = self._groups_by_param = (signature, {p: g for g in self.param_groups for p in g["params"]})
+        return built[1][param]
 
     def state_format(self, param: torch.Tensor, name: str) -> StorageFormat | None:
         """The format state ``name`` of ``param`` is stored in; ``None`` for a plain tensor."""

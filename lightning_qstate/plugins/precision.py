@@ -91,18 +91,20 @@ def apply_policy(
 
 
 # The temporary checkpoints of Lightning's tuners (LearningRateFinder, BatchSizeFinder: saved before their search,
-# restored and deleted after it, setting ``trainer.ckpt_path``).
+# restored and deleted after it, in their on_fit_start, setting ``trainer.ckpt_path``).
 TUNER_CHECKPOINT_PREFIXES = (".lr_find_", ".scale_batch_size_")
 
 
+def is_tuner_checkpoint(path: object) -> bool:
+    """Whether ``path`` is a tuner's temporary checkpoint (``TUNER_CHECKPOINT_PREFIXES``)."""
+    return path is not None and os.path.basename(str(path)).startswith(TUNER_CHECKPOINT_PREFIXES)
+
+
 def fit_starts_fresh(trainer: pl.Trainer) -> bool:
-    """Whether ``trainer`` runs ``fit`` without a checkpoint to resume (not ``validate``, ``test`` or ``predict``). A
-    tuner's temporary checkpoint (``TUNER_CHECKPOINT_PREFIXES``; the finders run first, in ``on_fit_start``) is no
-    resume: it restores the state the tuner started from (so a resumed fit with a finder callback counts as fresh, and
-    its weights are rounded onto their grids again, which changes only block-scaled grids of bf16/fp16 parameters)."""
-    path = trainer.ckpt_path
-    tuned = path is not None and os.path.basename(str(path)).startswith(TUNER_CHECKPOINT_PREFIXES)
-    return trainer.state.fn == TrainerFn.FITTING and (not path or tuned)
+    """Whether ``trainer`` runs ``fit`` without a checkpoint to resume (not ``validate``, ``test`` or ``predict``), as
+    the precision plugin's ``connect`` sees it (before any tuner callback restores its temporary checkpoint: a callback
+    tells by the checkpoints it is given, ``QuantizedOptimizerStates.on_load_checkpoint``)."""
+    return trainer.state.fn == TrainerFn.FITTING and not trainer.ckpt_path
 
 
 def put_weights_on_grid(optimizers: list[torch.optim.Optimizer]) -> None:
