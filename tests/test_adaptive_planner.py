@@ -478,3 +478,46 @@ def test_a_resume_under_another_cap_counts_its_re_encodings():
         changed = sum(a != b for a, b in zip(before, formats(resumed_optimizer), strict=True))
         assert (changed > 0) == expect_change
         assert resumed.transitions - saved["transitions"] == changed
+
+
+def test_frozen_layers_stay_planned_alike_whichever_rank_holds_their_states():
+    """Under FSDP1 a rank whose shard holds no part of a parameter has no state for it: whether a frozen parameter is a
+    layer must not depend on that (the ranks' gradient sums differed in shape at the next check). A known layer frozen
+    later stays one; on resume, a checkpoint's layer whose parameter is frozen is tracked without a local state."""
+    model, optimizer, planner, _ = joining_run("group", range(15))
+    model[0].weight.requires_grad_(False)
+    local = optimizer.state.pop(model[0].weight)  # as the rank without a part of it
+    planner.update(16)  # between checks
+    assert "0.weight" in [layer.name for layer in planner.layers]
+    assert planner.gradient_sums().shape == (4, 4)
+    optimizer.state[model[0].weight] = local
+    saved = json.loads(json.dumps(planner.state_dict()))
+    resumed_optimizer = lightning_qstate.QAdamW(model[2].parameters(), lr=1e-3, min_quant_size=0, rounding="stochastic")
+    resumed_optimizer.add_param_group({"params": list(model[0].parameters())})  # no states: a fresh rank's view
+    resumed = BitWidthPlanner(resumed_optimizer, model, target_bits=5.1, interval=10, hysteresis=2, anneal_steps=100)
+    assert "0.weight" not in [layer.name for layer in resumed.layers]
+    resumed.load_state_dict(saved)
+    assert [layer.name for layer in resumed.layers] == [layer.name for layer in planner.layers] and not resumed._pending_entries
+
+
+def test_a_join_before_the_second_check_counts_the_states_it_re_encodes():
+    """At a join between the first two checks no layer held states at the last check (none existed at check 0): the
+    re-encodings of the layers that got their gradient there count (they did not)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(32, 128), torch.nn.ReLU(), torch.nn.Linear(128, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1)
+    )
+    optimizer = lightning_qstate.QAdamW([*model[2].parameters(), *model[4].parameters()], lr=1e-3, min_quant_size=0, rounding="stochastic")
+    planner = BitWidthPlanner(optimizer, model, target_bits=6.0, interval=10, hysteresis=1, anneal_steps=100)
+    states = ("exp_avg", "exp_avg_sq")
+    for step in range(4):
+        if step == 3:
+            optimizer.add_param_group({"params": list(model[0].parameters())})
+        inputs = torch.randn(64, 32, generator=torch.Generator().manual_seed(step))
+        optimizer.zero_grad()
+        (model(inputs) - inputs.sum(1, keepdim=True)).square().mean().backward()
+        held = [(p, s, optimizer.state_format(p, s)) for p in model.parameters() if optimizer.state.get(p) for s in states]
+        planner.update(step)
+        changed = sum(optimizer.state_format(p, s) is not before for p, s, before in held)
+        optimizer.step()
+    assert changed > 0 and planner.transitions == changed

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -287,7 +287,7 @@ class BitWidthPlanner:
         self.max_history = max_history
         self.fill_budget = fill_budget
         self.module = module
-        self.layers = self._collect_layers(module)
+        self.layers = self._collect_layers()
         self._pending_entries: dict[str, dict[str, Any]] = {}  # a checkpoint's layers that have not joined yet
         self.global_rms: float | None = None
         self.global_dispersion: float | None = None
@@ -338,18 +338,22 @@ class BitWidthPlanner:
                 stacklevel=3,
             )
 
-    def _sync_layers(self) -> list[Layer]:
+    def _sync_layers(self, also: Collection[int] = ()) -> list[Layer]:
         """Track the parameters that joined since the layers were collected (``add_param_group``, as Lightning's
         ``BackboneFinetuning`` does; ``requires_grad_(True)``): priced, and planned (as ``critical`` until observed) by the
         caller's next solve; a checkpoint's entry for a layer of that name, kept by :meth:`load_state_dict` until it
-        joined, restores its statistics and plan. The known layers keep theirs. Returns the layers that joined."""
-        current = [param for group in self.optimizer.param_groups for param in group["params"] if self._tracked(param)]
+        joined, restores its statistics and plan. Known layers stay, with theirs, also one frozen since: whether a rank
+        holds a frozen parameter's states can differ between FSDP1 ranks, whose layers must stay alike (a frozen layer
+        that no rank holds states of stays out of the budget: ``Layer.stored``); ``also``: ids of parameters to track in
+        any case (a checkpoint's frozen layers). Returns the layers that joined."""
+        previous = {id(layer.param): layer for layer in self.layers}
+        kept = set(previous) | set(also)
+        current = [p for group in self.optimizer.param_groups for p in group["params"] if self._tracked(p) or id(p) in kept]
         known = [layer.param for layer in self.layers]
         if len(current) == len(known) and all(a is b for a, b in zip(current, known, strict=True)):
             return []
         self._check_states_quantized()
-        previous = {id(layer.param): layer for layer in self.layers}
-        self.layers = [previous.get(id(layer.param), layer) for layer in self._collect_layers(self.module)]
+        self.layers = [previous.get(id(layer.param), layer) for layer in self._collect_layers(kept)]
         joined = [layer for layer in self.layers if id(layer.param) not in previous]
         for layer in joined:
             entry = self._pending_entries.pop(layer.name, None)
@@ -366,7 +370,7 @@ class BitWidthPlanner:
         are priced and checkpointed from then on. Returns whether any joined."""
         joined = self._sync_layers()
         if joined:
-            self._solve(count_transitions=True)
+            self._solve(count_transitions=True, since_check=True)
             self.apply()
         return bool(joined)
 
@@ -374,17 +378,22 @@ class BitWidthPlanner:
         """A parameter the plan covers: a trainable one, or one frozen after it got states (they still take memory)."""
         return param.requires_grad or bool(self.optimizer.state.get(param))
 
-    def _collect_layers(self, module: torch.nn.Module | None) -> list[Layer]:
+    def _parameter_names(self) -> dict[torch.Tensor, str]:
+        """``{parameter: layer name}`` of the optimizer's parameters: as the module names them, else ``param_names()``."""
+        fallback = self.optimizer.param_names()
+        names = {} if self.module is None else {param: clean_parameter_name(name) for name, param in self.module.named_parameters()}
+        return {param: names.get(param, fallback[param]) for group in self.optimizer.param_groups for param in group["params"]}
+
+    def _collect_layers(self, kept: Collection[int] = ()) -> list[Layer]:
         """Every trainable parameter of the optimizer (and every frozen one that has states), named as ``module`` names it,
         with its candidates priced. One frozen from the start (``requires_grad=False``) gets no gradient, hence no states:
-        priced, it would lend the others bits over the cap."""
+        priced, it would lend the others bits over the cap. ``kept``: ids of parameters collected in any case."""
         optimizer = self.optimizer
-        names = {} if module is None else {param: clean_parameter_name(name) for name, param in module.named_parameters()}
-        fallback = optimizer.param_names()
+        names = self._parameter_names()
         layers = []
         for group in optimizer.param_groups:
             for param in group["params"]:
-                if not self._tracked(param):
+                if not self._tracked(param) and id(param) not in kept:
                     continue
                 numel = optimizer.full_numels.get(param, param.numel())
                 plain = optimizer._decoded_dtype(group, param)  # a state kept plain: the dtype the optimizer keeps it in
@@ -394,7 +403,7 @@ class BitWidthPlanner:
                 if override is not None:
                     spec = {**group, "states": override}
                     pinned = {state: resolved_nbytes(spec, state, param, numel, plain.itemsize) for state in ADAPTED_STATES}
-                layer = Layer(names.get(param, fallback[param]), param, group, numel, pinned, plain=plain)
+                layer = Layer(names[param], param, group, numel, pinned, plain=plain)
                 if pinned is None:
                     try:
                         layer.nbytes = {
@@ -519,11 +528,13 @@ class BitWidthPlanner:
         del self.history[: -self.max_history]
         self.last_check = step
 
-    def _solve(self, count_transitions: bool) -> None:
+    def _solve(self, count_transitions: bool, since_check: bool = False) -> None:
         """Choose each adapted layer's formats: its zone's (``critical`` before the first check), demoted where the budget
         needs it, promoted where the room left under the cap allows it.
 
-        With ``count_transitions``, every state whose stored format changes adds one to ``transitions``.
+        With ``count_transitions``, every state whose stored format changes adds one to ``transitions``: of the layers
+        that held states at the last check, and (``since_check``: between checks, at a load) of those that got their
+        gradient there (their states were made by that step).
         """
         counted = [layer for layer in self.layers if layer.stored]
         adapted, zones, ladders, starts, reserve = [], [], [], [], []
@@ -552,7 +563,7 @@ class BitWidthPlanner:
             ) from None
         for layer, ladder, rung in zip(adapted, ladders, rungs, strict=False):
             choice = ladder[rung][0]
-            if count_transitions and layer.choice is not None and layer.held:  # its states are re-encoded
+            if count_transitions and layer.choice is not None and (layer.held or (since_check and layer.fed)):  # re-encoded
                 old, new = layer.stored_formats(layer.choice), layer.stored_formats(choice)
                 self.transitions += sum(format_config(a) != format_config(b) for a, b in zip(old, new, strict=False))
             layer.choice = choice
@@ -675,8 +686,12 @@ class BitWidthPlanner:
             if entry is not None:  # else not in the checkpoint (joined after it was saved): planned below, as one that joins
                 self._restore_layer(layer, entry)
         self._pending_entries = entries  # layers the optimizer does not have yet (a group a callback adds back later)
+        # the checkpoint's layers of parameters frozen here (re-frozen on resume, as BackboneFinetuning does): tracked on
+        # every rank alike, as the checkpoint says, whichever rank holds their states
+        frozen = [id(param) for param, name in self._parameter_names().items() if name in entries]
+        self._sync_layers(also=frozen)
         self.global_rms, self.global_dispersion = state_dict["global_rms"], state_dict["global_dispersion"]
         self.last_check, self.transitions = state_dict["last_check"], state_dict["transitions"]
         self.history = [dict(entry) for entry in state_dict["history"]]
         # under the checkpoint's options the same plan; under others (target_bits, formats) the states re-encoded count
-        self._solve(count_transitions=True)
+        self._solve(count_transitions=True, since_check=True)

@@ -1372,7 +1372,8 @@ class QuantizedStates:
 
     def _group_of(self, param: torch.Tensor) -> dict:
         """The param group that holds ``param``: a map built again where the groups changed (``add_param_group``, a load,
-        which gives the groups new dicts, a parameter moved between groups: their dicts and sizes), so that calls for every
+        which gives the groups new dicts, a parameter moved between groups: their dicts and sizes; two parameters that
+        trade groups are not noticed, as torch's optimizers do not support moving parameters), so that calls for every
         parameter (a reset, a re-plan) cost O(n), not O(n²)."""
         signature = [(id(group), len(group["params"])) for group in self.param_groups]
         built = self.__dict__.get("_groups_by_param")
