@@ -366,7 +366,27 @@ def test_plain_states_are_priced_in_the_dtype_the_optimizer_keeps_them_in(dtype)
         BitWidthPlanner(fresh, model, target_bits=4.8, interval=2, hysteresis=1, anneal_steps=10)  # the cheapest stores ~4.55
 
 
-def joining_run(join: str, steps: range, planner_of=None, split_state=None):
+JOIN_PLAN = dict(target_bits=5.1, interval=10, hysteresis=2, anneal_steps=100)  # the planner of joining_run
+
+
+def train_step(model: torch.nn.Module, optimizer, planner: BitWidthPlanner, step: int) -> None:
+    """One step of ``joining_run``'s MLP on step ``step``'s seeded batch, the planner's ``update`` before the optimizer's."""
+    inputs = torch.randn(64, 32, generator=torch.Generator().manual_seed(step))
+    loss = (model(inputs) - inputs.sum(1, keepdim=True)).square().mean()
+    optimizer.zero_grad()
+    loss.backward()
+    planner.update(step)
+    optimizer.step()
+
+
+def joined_optimizer(model: torch.nn.Module) -> lightning_qstate.QAdamW:
+    """``joining_run``'s optimizer after the join: its last layer's group, then its first layer's added."""
+    optimizer = lightning_qstate.QAdamW(model[2].parameters(), lr=1e-3, min_quant_size=0, rounding="stochastic")
+    optimizer.add_param_group({"params": list(model[0].parameters())})
+    return optimizer
+
+
+def joining_run(join: str, steps: range):
     """A 32-128-1 MLP whose first layer joins at step 13 (``join``: ``"group"``, added with ``add_param_group``, or
     ``"unfreeze"``, ``requires_grad_(True)``), the planner's ``update`` before every step (interval 10, cap 5.1).
     Returns (model, optimizer, planner, [(stored bits, reported avg_bits) per step])."""
@@ -377,7 +397,7 @@ def joining_run(join: str, steps: range, planner_of=None, split_state=None):
     else:
         model[0].requires_grad_(False)
         optimizer = lightning_qstate.QAdamW(model.parameters(), lr=1e-3, min_quant_size=0, rounding="stochastic")
-    planner = BitWidthPlanner(optimizer, model, target_bits=5.1, interval=10, hysteresis=2, anneal_steps=100)
+    planner = BitWidthPlanner(optimizer, model, **JOIN_PLAN)
     averages = []
     for step in steps:
         if step == 13:
@@ -385,12 +405,7 @@ def joining_run(join: str, steps: range, planner_of=None, split_state=None):
                 optimizer.add_param_group({"params": list(model[0].parameters())})
             else:
                 model[0].requires_grad_(True)
-        inputs = torch.randn(64, 32, generator=torch.Generator().manual_seed(step))
-        loss = (model(inputs) - inputs.sum(1, keepdim=True)).square().mean()
-        optimizer.zero_grad()
-        loss.backward()
-        planner.update(step)
-        optimizer.step()
+        train_step(model, optimizer, planner, step)
         summary = state_summary(optimizer)
         averages.append((8 * summary["bytes"] / summary["values"], planner.metrics()["qstate/adaptive/avg_bits"]))
     return model, optimizer, planner, averages
@@ -413,29 +428,23 @@ def test_a_plan_saved_between_a_join_and_the_next_check_resumes_exactly():
     torch.manual_seed(0)
     resumed_model = torch.nn.Sequential(torch.nn.Linear(32, 128), torch.nn.ReLU(), torch.nn.Linear(128, 1))
     resumed_model.load_state_dict(model.state_dict())
-    resumed_optimizer = lightning_qstate.QAdamW(resumed_model[2].parameters(), lr=1e-3, min_quant_size=0, rounding="stochastic")
-    resumed_optimizer.add_param_group({"params": list(resumed_model[0].parameters())})
+    resumed_optimizer = joined_optimizer(resumed_model)
     resumed_optimizer.load_state_dict(optimizer.state_dict())
-    resumed = BitWidthPlanner(resumed_optimizer, resumed_model, target_bits=5.1, interval=10, hysteresis=2, anneal_steps=100)
+    resumed = BitWidthPlanner(resumed_optimizer, resumed_model, **JOIN_PLAN)
     resumed.load_state_dict(saved)
     resumed.apply()
     for step in range(15, 30):
-        inputs = torch.randn(64, 32, generator=torch.Generator().manual_seed(step))
-        loss = (resumed_model(inputs) - inputs.sum(1, keepdim=True)).square().mean()
-        resumed_optimizer.zero_grad()
-        loss.backward()
-        resumed.update(step)
-        resumed_optimizer.step()
+        train_step(resumed_model, resumed_optimizer, resumed, step)
     assert resumed.state_dict() == uninterrupted.state_dict()
 
 
 def test_a_checkpoints_layer_the_optimizer_has_not_yet_is_kept_until_it_joins():
     """A checkpoint's layer whose group is added back only after the planner loads (a callback restoring it later) waits
-    for it; one that never comes back is warned about at the next check."""
+    for it; one that never comes back is warned about at the first step."""
     model, optimizer, planner, _ = joining_run("group", range(15))
     saved = json.loads(json.dumps(planner.state_dict()))
     fresh = lightning_qstate.QAdamW(model[2].parameters(), lr=1e-3, min_quant_size=0, rounding="stochastic")
-    later = BitWidthPlanner(fresh, model, target_bits=5.1, interval=10, hysteresis=2, anneal_steps=100)
+    later = BitWidthPlanner(fresh, model, **JOIN_PLAN)
     later.load_state_dict(saved)  # 0.weight and 0.bias are not in the optimizer yet: kept
     fresh.add_param_group({"params": list(model[0].parameters())})
     assert later.join_new_layers()
@@ -468,11 +477,10 @@ def test_a_resume_under_another_cap_counts_its_re_encodings():
     saved = json.loads(json.dumps(planner.state_dict()))
     formats = lambda opt: [opt.state_format(p, s).name for p in model.parameters() for s in ("exp_avg", "exp_avg_sq")]  # noqa: E731
     for target, expect_change in ((5.1, False), (6.5, True)):
-        resumed_optimizer = lightning_qstate.QAdamW(model[2].parameters(), lr=1e-3, min_quant_size=0, rounding="stochastic")
-        resumed_optimizer.add_param_group({"params": list(model[0].parameters())})
+        resumed_optimizer = joined_optimizer(model)
         resumed_optimizer.load_state_dict(optimizer.state_dict())
         before = formats(resumed_optimizer)
-        resumed = BitWidthPlanner(resumed_optimizer, model, target_bits=target, interval=10, hysteresis=2, anneal_steps=100)
+        resumed = BitWidthPlanner(resumed_optimizer, model, **{**JOIN_PLAN, "target_bits": target})
         resumed.load_state_dict(saved)
         resumed.apply()
         changed = sum(a != b for a, b in zip(before, formats(resumed_optimizer), strict=True))
@@ -492,9 +500,8 @@ def test_frozen_layers_stay_planned_alike_whichever_rank_holds_their_states():
     assert planner.gradient_sums().shape == (4, 4)
     optimizer.state[model[0].weight] = local
     saved = json.loads(json.dumps(planner.state_dict()))
-    resumed_optimizer = lightning_qstate.QAdamW(model[2].parameters(), lr=1e-3, min_quant_size=0, rounding="stochastic")
-    resumed_optimizer.add_param_group({"params": list(model[0].parameters())})  # no states: a fresh rank's view
-    resumed = BitWidthPlanner(resumed_optimizer, model, target_bits=5.1, interval=10, hysteresis=2, anneal_steps=100)
+    resumed_optimizer = joined_optimizer(model)  # no states: a fresh rank's view
+    resumed = BitWidthPlanner(resumed_optimizer, model, **JOIN_PLAN)
     assert "0.weight" not in [layer.name for layer in resumed.layers]
     resumed.load_state_dict(saved)
     assert [layer.name for layer in resumed.layers] == [layer.name for layer in planner.layers] and not resumed._pending_entries

@@ -256,6 +256,24 @@ def test_kernel_weight_grid_step_is_the_reference_bit_for_bit(name, grid_name):
                 assert same_bits(states[k][key].scales, reference_state[key].scales), (step, k, key)
 
 
+def native_and_reference(states, steps: int, **options) -> tuple[lq.QAdamW, lq.QAdamW, torch.Tensor, torch.Tensor]:
+    """Two QAdamW with ``states`` (and ``options``) over copies of one 70,000-value parameter, ``steps`` steps of the
+    same gradients: the first on the CPU's default path, the second on the reference path (torch's functional update on
+    decoded states). Returns both optimizers and their parameters."""
+    torch.manual_seed(0)
+    weight = torch.nn.Parameter(torch.randn(70_000))
+    fast, slow = (
+        lq.QAdamW([p], lr=1e-3, states=states, min_quant_size=0, **options) for p in (weight, torch.nn.Parameter(weight.detach().clone()))
+    )
+    slow.cpu_compile = False
+    slow_weight = slow.param_groups[0]["params"][0]
+    for step in range(steps):
+        grad = torch.randn(70_000, generator=torch.Generator().manual_seed(step))
+        weight.grad, slow_weight.grad = grad, grad.clone()
+        fast.step(), slow.step()
+    return fast, slow, weight, slow_weight
+
+
 @pytest.mark.parametrize(
     "states",
     [
@@ -271,15 +289,7 @@ def test_kernel_weight_grid_step_is_the_reference_bit_for_bit(name, grid_name):
 )
 def test_the_optimizer_steps_these_formats_on_the_native_path(states):
     """QAdamW with these states on the CPU takes the native path (RN) and agrees with the reference path."""
-    torch.manual_seed(0)
-    weight = torch.nn.Parameter(torch.randn(70_000))
-    fast, slow = (lq.QAdamW([p], lr=1e-3, states=states, min_quant_size=0) for p in (weight, torch.nn.Parameter(weight.detach().clone())))
-    slow.cpu_compile = False  # torch's functional update on decoded states
-    slow_weight = slow.param_groups[0]["params"][0]
-    for step in range(2):
-        grad = torch.randn(70_000, generator=torch.Generator().manual_seed(step))
-        weight.grad, slow_weight.grad = grad, grad.clone()
-        fast.step(), slow.step()
+    fast, slow, weight, slow_weight = native_and_reference(states, 2)
     assert fast.step_paths() == {"param0": "native"} and slow.step_paths() == {"param0": "reference"}
     for key in ("exp_avg", "exp_avg_sq"):  # torch's own update (its sqrt is not correctly rounded): codes nearly all equal
         fast_codes, slow_codes = fast.state[weight][key].codes, slow.state[slow_weight][key].codes
@@ -294,25 +304,14 @@ def test_a_coded_moment_beside_a_plain_fp32_one_takes_the_native_path(states):
     """One moment coded and the other plain fp32 (``states={"exp_avg": "int8"}`` leaves ``v`` so): the native step takes
     the plain one as an fp32 cast (the parameter took the per-parameter reference path, 10-20x slower), agrees with the
     reference path (the hold of ``m`` included) and counts the coded moment's stalls as it does."""
-    torch.manual_seed(0)
-    weight = torch.nn.Parameter(torch.randn(70_000))
-    fast, slow = (
-        lq.QAdamW([p], lr=1e-3, states=states, min_quant_size=0, track_stalls=True)
-        for p in (weight, torch.nn.Parameter(weight.detach().clone()))
-    )
-    slow.cpu_compile = False
-    slow_weight = slow.param_groups[0]["params"][0]
-    for step in range(3):
-        grad = torch.randn(70_000, generator=torch.Generator().manual_seed(step))
-        weight.grad, slow_weight.grad = grad, grad.clone()
-        fast.step(), slow.step()
+    fast, slow, weight, slow_weight = native_and_reference(states, 3, track_stalls=True)
     assert fast.step_paths() == {"param0": "native"} and slow.step_paths() == {"param0": "reference"}
     for key in ("exp_avg", "exp_avg_sq"):
         ours, theirs = fast.state[weight][key], slow.state[slow_weight][key]
         assert type(ours) is type(theirs), key
         if isinstance(ours, QuantizedTensor):  # torch's own update (its sqrt is not correctly rounded): codes nearly all equal
             assert float((ours.codes == theirs.codes).float().mean()) > 0.999, key
-        else:
+        else:  # the kernel's lerp/addcmul are torch's fma forms (its AVX2 and AVX-512 kernels): equal bits there
             assert ours.dtype == torch.float32 and ours.shape == weight.shape
             torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=0)
     torch.testing.assert_close(weight, slow_weight, rtol=1e-5, atol=1e-6)
