@@ -10,7 +10,7 @@ import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import TensorBoardLogger
 
-from lightning_qstate.callbacks import QuantizedOptimizerStates, StallMonitor, StateResetScheduler
+from lightning_qstate.callbacks import QuantizedOptimizerStates, StallMonitor, StateResetScheduler, state_reset
 from lightning_qstate.formats import count_stalls
 from lightning_qstate.plugins import QStatePrecision
 from lightning_qstate.theory import reset_period, stall_probability
@@ -730,3 +730,32 @@ def test_a_frozen_layer_costs_no_collective_at_each_step(tmp_path, monkeypatch):
     fit(tmp_path, model=Frozen(), max_steps=8, callbacks=[StateResetScheduler(period=100)],
         plugins=[QStatePrecision(states="int8", min_quant_size=0)])  # fmt: skip
     assert [step for step in calls if step > 1] == []
+
+
+def test_auto_period_under_a_cycled_beta_is_computed_once_per_rounded_decay(tmp_path, monkeypatch):
+    """OneCycleLR and CyclicLR give Adam's ``beta1`` a new value every step: ``period="auto"`` computes a period (25-450
+    ms) once per decay with ``1 - β`` rounded to two significant digits, not at every step, and keeps a bounded cache;
+    the usual decays are taken as they are."""
+    computed = []
+
+    def period_of(beta):
+        return round(1.0 / (1.0 - beta))
+
+    def counted(fmt, beta, rounding="nearest", *, moment="second"):
+        computed.append(beta)
+        return period_of(beta)
+
+    monkeypatch.setattr(state_reset, "reset_period", counted)
+    state_reset._theory_period.cache_clear()
+    scheduler = StateResetScheduler()
+    trainer = fit(tmp_path, max_steps=1, callbacks=[scheduler], plugins=[QStatePrecision(states="e2m2", min_quant_size=0)])
+    rows = scheduler.layers(trainer)["net.0.weight"]
+    group = rows[0].group
+    assert scheduler.layer_period(rows) == 10 and sorted(computed) == [0.9, 0.999]  # torch's defaults, unrounded
+    cycled = torch.linspace(0.85, 0.95, 1000).tolist()  # OneCycleLR's default momentum range, 1000 steps
+    for beta1 in cycled:
+        group["betas"] = (beta1, 0.999)
+        assert scheduler.layer_period(rows) == period_of(1.0 - float(f"{1.0 - beta1:.2g}"))  # m's, the shorter
+    rounded = {1.0 - float(f"{1.0 - beta1:.2g}") for beta1 in cycled}
+    assert len(computed) == len(set(computed)) and set(computed) == rounded | {0.999} and len(rounded) < 60  # each once
+    assert state_reset._theory_period.cache_info().currsize <= state_reset._theory_period.cache_info().maxsize

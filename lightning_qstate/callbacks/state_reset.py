@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from functools import cache
+from functools import lru_cache
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -24,9 +24,18 @@ STATE_VERSION = 1
 CHECK_EVERY_N_STEPS = 50
 
 
-@cache
+@lru_cache(maxsize=256)
 def _theory_period(fmt: StorageFormat, beta: float, rounding: str, state: str) -> int | None:
     return reset_period(fmt, beta, rounding, moment=moment_of(state))
+
+
+def _period_decay(beta: float) -> float:
+    """The decay ``period="auto"`` computes a period for: ``beta`` with ``1 - beta`` rounded to two significant digits
+    (0.9, 0.95, 0.99, 0.999 and 0.9995 stay as they are). Under a schedule of the decays (``OneCycleLR`` and
+    ``CyclicLR`` cycle Adam's ``beta1`` every step) a period is computed once per rounded value, not at every step
+    (25-450 ms each); it moves by under 1 % within a rounding step, before its rounding to a 1-2-3-5 series."""
+    gap = 1.0 - beta
+    return 1.0 - float(f"{gap:.2g}") if gap > 0.0 else beta
 
 
 class StateResetScheduler(Callback):
@@ -38,7 +47,8 @@ class StateResetScheduler(Callback):
 
     **When.** ``period="auto"`` (default): each layer every :func:`lightning_qstate.theory.reset_period` steps
     for its states' formats, decays and rounding (the shortest over its states; bf16 1000, FP8 300, E2M2 200
-    at ``β2 = 0.999``; fp32 and fp16 states never), recomputed when a format changes. An int: every layer with
+    at ``β2 = 0.999``; fp32 and fp16 states never), recomputed when a format or a decay changes (a decay scheduled
+    every step, as ``OneCycleLR`` cycles ``β1``, counts by ``1 - β`` to two significant digits). An int: every layer with
     a quantized selected state, every ``period`` steps. ``threshold``: also (or, with ``period=None``, only)
     reset a layer once its measured stall rate of any selected state reaches ``threshold``, measured on one
     step every ``check_every_n_steps``. ``stagger=True`` spreads the layers' first resets over one period. Steps are
@@ -143,7 +153,7 @@ class StateResetScheduler(Callback):
         for row in rows:
             beta = state_decay(row.group, row.state)
             if row.format is not None and beta is not None and row.state not in RUNNING_MAXIMA:
-                periods.append(_theory_period(row.format, beta, row.group["rounding"], row.state))
+                periods.append(_theory_period(row.format, _period_decay(beta), row.group["rounding"], row.state))
         periods = [p for p in periods if p is not None]
         return min(periods) if periods else None
 
