@@ -5,7 +5,7 @@ Usage::
     python benchmarks/mantissa_sweep.py [--quick] [--out PATH] [--problems rosenbrock,digits,gpt] [--optimizers adam,muon]
                                         [--horizons T ...] [--mantissas M ...] [--seeds N] [--gpt-steps N] [--threads N]
 
-Section 2 of ``ALGORITHMS.md`` (arXiv 2510.21314): Adam needs about ``log2 T`` mantissa bits for the gradients and ``m``,
+``docs/algorithms.md``, "Precision advisor" (arXiv 2510.21314): Adam needs about ``log2 T`` mantissa bits for the gradients and ``m``,
 ``2·log2 T`` for the weights and ``v``; Muon about ``½·log2 T`` for all. This script quantizes one component at a time
 (``grads``: ``p.grad`` before the step; ``weights``: the parameters after the step, and at initialisation;
 ``exp_avg``: Adam's ``m`` or Muon's momentum buffer, and ``exp_avg_sq``: Adam's ``v``, in place after the step), and

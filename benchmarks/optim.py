@@ -1063,10 +1063,6 @@ class Report:
     path: Path
 
 
-def _csv(text: str) -> list[str]:
-    return [item.strip() for item in text.split(",") if item.strip()]
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=positive_int, default=None, help="timed rounds (default 10; 1 with --quick)")

@@ -86,7 +86,7 @@ PTQ_RECIPES = ("W4A4", "W8A8")
 PROBE_BATCHES = 2  # validation batches of the ABC decomposition and the outlier metrics
 COMMON_VIEW, FINAL_VIEW = "At the common validation loss", "At the end of training"
 METRICS = ("R_L", "mmr", "kurtosis", "kurtosis_channel_rms")
-# PTQ accuracy (%) at 760M, W4A4, and full precision where given (arXiv 2509.23500; ALGORITHMS.md, section 3)
+# PTQ accuracy (%) at 760M, W4A4, and full precision where given (arXiv 2509.23500; docs/algorithms.md, "Quantization-robustness probe")
 PAPER_PTQ_ACCURACY = {"AdamW": 59.22, "Muon": 50.00, "PSGD": 52.11, "Scion": 53.74, "Shampoo": 59.26, "SOAP": 46.22}
 PAPER_FULL_ACCURACY = {"AdamW": 63.90, "Muon": 64.63, "Shampoo": 63.05}
 

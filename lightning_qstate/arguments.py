@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import numbers
 import operator
+from collections.abc import Sequence
 from typing import Any
 
 
@@ -31,6 +32,12 @@ def whole_number(value: object) -> int | None:
 def finite_real(value: object) -> bool:
     """A finite real number (numpy's too), not a bool."""
     return not isinstance(value, bool) and isinstance(value, numbers.Real) and math.isfinite(value)
+
+
+def short_list(items: Sequence[str], limit: int) -> str:
+    """The first ``limit`` of ``items``, comma-separated, and how many more there are: ``"a, b, ... (3 more)"``."""
+    more = f", ... ({len(items) - limit} more)" if len(items) > limit else ""
+    return ", ".join(items[:limit]) + more
 
 
 def check_flags(owner: str | None, **flags: Any) -> None:

@@ -12,6 +12,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 
 from lightning_qstate import QSGD, QAdamW, callbacks
+from lightning_qstate.adaptive import BitWidthPlanner
 from lightning_qstate.callbacks import QuantizedOptimizerStates
 from lightning_qstate.formats import QuantizedTensor
 from lightning_qstate.optim import QuantizedOptimizerWrapper
@@ -232,6 +233,23 @@ def test_flags_and_counts_of_another_type_are_refused(callback, kwargs, message)
         getattr(callbacks, callback)(**kwargs)
     with pytest.raises(ValueError, match="QStatePrecision: track_stalls=1 must be True or False"):
         QStatePrecision(track_stalls=1)
+
+
+def test_numpy_numbers_are_taken_as_python_numbers():
+    """A count or rate given as a numpy number (read from an array, a sweep's grid) is taken by the callbacks as by the
+    planner they build, and kept as a Python number (checkpoints and JSON hold no numpy scalars): ``anneal_steps`` passed
+    the callback, then failed the planner at fit start."""
+    adaptive = callbacks.AdaptiveBitWidth(
+        anneal_steps=np.int64(1000), interval=np.int64(10), ema_decay=np.float32(0.5), target_bits=np.float64(5.0)
+    )
+    assert type(adaptive.anneal_steps) is int
+    planner = BitWidthPlanner(QAdamW(torch.nn.Linear(8, 8).parameters(), min_quant_size=0), **adaptive.planner_options,
+                              anneal_steps=adaptive.anneal_steps)  # fmt: skip
+    assert [type(value) for value in (planner.interval, planner.target_bits, planner.ema_decay)] == [int, float, float]
+    resets = callbacks.StateResetScheduler(period=np.int32(7), threshold=np.float32(0.5), check_every_n_steps=np.int64(5))
+    assert (resets.period, resets.check_every_n_steps) == (7, 5) and type(resets.period) is type(resets.check_every_n_steps) is int
+    with pytest.raises(ValueError, match=r"BitWidthPlanner: anneal_steps=None is not valid"):
+        BitWidthPlanner(planner.optimizer, anneal_steps=None)
 
 
 @pytest.mark.parametrize("entry", ["QStatePrecision", "QuantizedOptimizerStates"])

@@ -122,8 +122,38 @@ def test_hooks_see_packed_checkpoints_and_loaded_states():
     resumed = lq.QAdamW(model.parameters(), min_quant_size=0)
     resumed.register_load_state_dict_pre_hook(lambda opt, sd: seen.__setitem__("given", type(sd["state"][0]["exp_avg"])))
     resumed.register_load_state_dict_post_hook(lambda opt: seen.__setitem__("loaded", type(opt.state[model[0].weight]["exp_avg"])))
+    resumed.register_load_state_dict_pre_hook(lambda opt, sd: sd.__setitem__("note", 1))  # as torch: on a copy of the dict
     resumed.load_state_dict(saved)
-    assert seen == {"saved": dict, "given": dict, "loaded": QuantizedTensor}
+    assert seen == {"saved": dict, "given": dict, "loaded": QuantizedTensor} and "note" not in saved
+
+
+@pytest.mark.parametrize(
+    ("make", "schedule"),
+    [
+        (lambda params: lq.QAdamW(params, lr=1e-2), lambda opt: torch.optim.lr_scheduler.ReduceLROnPlateau(opt, patience=0)),
+        (lambda params: lq.QAdamW(params, lr=1e-2), lambda opt: torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-2, total_steps=10)),
+        (lambda params: lq.QSGD(params, lr=1e-2, momentum=0.9),
+         lambda opt: torch.optim.lr_scheduler.CyclicLR(opt, base_lr=1e-3, max_lr=1e-2, step_size_up=2)),
+    ],
+    ids=["ReduceLROnPlateau", "OneCycleLR", "CyclicLR"],
+)  # fmt: skip
+def test_a_resume_does_not_warn_about_what_its_scheduler_moved(make, schedule):
+    """The lr ReduceLROnPlateau lowered (it keeps no ``initial_lr``), the betas OneCycleLR and the momentum CyclicLR
+    cycle: built as in the run and loaded, the optimizer takes the checkpoint's values silently, as torch does (the
+    warning's advice to set the configured values again would undo the schedule)."""
+    model = make_model()
+    optimizer = make(model.parameters())
+    scheduler = schedule(optimizer)
+    for step in range(3):
+        run(model, optimizer, 1, start=step)
+        scheduler.step(1.0) if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau) else scheduler.step()
+    saved = roundtrip(optimizer.state_dict())
+    resumed = make(model.parameters())
+    schedule(resumed).load_state_dict(scheduler.state_dict())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        resumed.load_state_dict(saved)
+    assert resumed.param_groups[0]["lr"] == optimizer.param_groups[0]["lr"] != 1e-2
 
 
 @pytest.mark.parametrize("reset", [False, True], ids=["stepped", "just reset"])

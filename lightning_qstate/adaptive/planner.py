@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from ..arguments import ConfigurationError
+from ..arguments import ConfigurationError, finite_real, is_positive_int
 from ..formats import StorageFormat, get_format
 from ..optim import QuantizedStates, clean_parameter_name, resolve_format
 from ..optim.base import local_tensor, plain_state_name
@@ -64,21 +64,23 @@ def check_options(
     max_history: int,
     floor_formats: Mapping[str, str] | None = None,
     fill_budget: bool = True,
+    anneal_steps: int | None = None,
 ) -> tuple[dict[str, dict[str, str]], dict[str, str]]:
-    """Check the planner's options (errors start with ``owner``); returns ``({state: {zone: format name}}, {state: floor
-    format name})`` for m and v, the defaults filled in (``floor_formats=None``: ``DEFAULT_FLOOR_FORMATS``; a state it
-    does not name has no floor below its zones' formats)."""
-    is_number = isinstance(target_bits, (int, float)) and not isinstance(target_bits, bool)
-    if target_bits is not None and not (is_number and 0 < target_bits < math.inf):
+    """Check the planner's options (errors start with ``owner``; ``anneal_steps=None``: left to the caller); returns
+    ``({state: {zone: format name}}, {state: floor format name})`` for m and v, the defaults filled in
+    (``floor_formats=None``: ``DEFAULT_FLOOR_FORMATS``; a state it does not name has no floor below its zones' formats)."""
+    if target_bits is not None and not (finite_real(target_bits) and target_bits > 0):
         raise ConfigurationError(
             f"{owner}: target_bits={target_bits!r} must be a number > 0 (average bits per state value) or None (no cap)"
         )
-    for option, value in (("interval", interval), ("hysteresis", hysteresis), ("max_history", max_history)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ConfigurationError(f"{owner}: {option}={value!r} must be an int >= 1")
+    counts = {"interval": interval, "hysteresis": hysteresis, "max_history": max_history, "anneal_steps": anneal_steps}
+    for option, value in counts.items():
+        if not is_positive_int(value) and not (option == "anneal_steps" and value is None):
+            none = " or None (the Trainer's max_steps)" if option == "anneal_steps" and owner == "AdaptiveBitWidth" else ""
+            raise ConfigurationError(f"{owner}: {option}={value!r} must be an int >= 1{none}")
     if not isinstance(fill_budget, bool):
         raise ConfigurationError(f"{owner}: fill_budget={fill_budget!r} must be True or False")
-    if not (isinstance(ema_decay, (int, float)) and not isinstance(ema_decay, bool) and 0 <= ema_decay < 1):
+    if not (finite_real(ema_decay) and 0 <= ema_decay < 1):
         raise ConfigurationError(f"{owner}: ema_decay={ema_decay!r} must be in [0, 1)")
     if reference not in REFERENCES:
         raise ConfigurationError(f"{owner}: reference={reference!r} is not valid; use one of {REFERENCES}")
@@ -266,9 +268,10 @@ class BitWidthPlanner:
             max_history=max_history,
             floor_formats=floor_formats,
             fill_budget=fill_budget,
+            anneal_steps=anneal_steps,
         )
-        if not isinstance(anneal_steps, int) or isinstance(anneal_steps, bool) or anneal_steps < 1:
-            raise ConfigurationError(f"BitWidthPlanner: anneal_steps={anneal_steps!r} must be an int >= 1")
+        if anneal_steps is None:  # AdaptiveBitWidth's default (the Trainer's max_steps); a planner has no Trainer
+            raise ConfigurationError("BitWidthPlanner: anneal_steps=None is not valid; give the steps of the annealing, an int >= 1")
         if not isinstance(optimizer, QuantizedStates) or not set(ADAPTED_STATES) <= set(optimizer.state_names):
             raise TypeError(
                 f"BitWidthPlanner needs a QAdam/QAdamW optimizer (states {list(ADAPTED_STATES)}), got {type(optimizer).__name__}; "
@@ -278,13 +281,13 @@ class BitWidthPlanner:
             raise ConfigurationError("BitWidthPlanner does not support amsgrad=True (its max_exp_avg_sq state is not adapted)")
         self.optimizer = optimizer
         self._check_states_quantized()
-        self.target_bits = target_bits
-        self.interval = interval
+        self.target_bits = None if target_bits is None else float(target_bits)  # numpy's numbers as Python's
+        self.interval = int(interval)
         self.ema_decay = float(ema_decay)
-        self.hysteresis = hysteresis
-        self.threshold = AnnealedThreshold(float(threshold_start), float(threshold_end), anneal_steps)
+        self.hysteresis = int(hysteresis)
+        self.threshold = AnnealedThreshold(float(threshold_start), float(threshold_end), int(anneal_steps))
         self.reference = reference
-        self.max_history = max_history
+        self.max_history = int(max_history)
         self.fill_budget = fill_budget
         self.module = module
         self.layers = self._collect_layers()

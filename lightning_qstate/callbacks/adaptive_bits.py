@@ -16,7 +16,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 
 from ..adaptive import ADAPTED_STATES, STATE_DICT_VERSION, BitWidthPlanner
 from ..adaptive.planner import check_options, kept_plain
-from ..arguments import ConfigurationError, is_positive_int
+from ..arguments import ConfigurationError
 from .tensorboard import log_scalars, logs_this_step, write_layout
 
 
@@ -133,11 +133,9 @@ class AdaptiveBitWidth(Callback):
             floor_formats=floor_formats,
             fill_budget=fill_budget,
         )
-        check_options("AdaptiveBitWidth", **options)
-        if anneal_steps is not None and not is_positive_int(anneal_steps):
-            raise ValueError(f"AdaptiveBitWidth: anneal_steps={anneal_steps!r} must be an int >= 1 or None (the Trainer's max_steps)")
+        check_options("AdaptiveBitWidth", **options, anneal_steps=anneal_steps)
         self.planner_options: dict[str, Any] = options  # BitWidthPlanner's, but anneal_steps
-        self.anneal_steps = anneal_steps
+        self.anneal_steps = None if anneal_steps is None else int(anneal_steps)
         self.planner: BitWidthPlanner | None = None
         self.overhead_seconds = 0.0  # this fit's time in the hooks: checks (statistics, collective, decisions, re-encoding), logging
         self._restored: dict[str, Any] | None = None

@@ -1,5 +1,5 @@
 """Advise, before training starts, how many mantissa bits each component of the planned run needs, and log the weights'
-own stall rate while it trains (arXiv 2510.21314; ``docs/algorithms.md``, section 2)."""
+own stall rate while it trains (arXiv 2510.21314; ``docs/algorithms.md``, "Precision advisor")."""
 
 from __future__ import annotations
 

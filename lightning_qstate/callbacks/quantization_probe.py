@@ -1,5 +1,5 @@
 """Measure, at the end of validation, how well the model being trained would survive post-training quantization (PTQ),
-and why (arXiv 2509.23500; ``docs/algorithms.md``, section 3)."""
+and why (arXiv 2509.23500; ``docs/algorithms.md``, "Quantization-robustness probe")."""
 
 from __future__ import annotations
 
@@ -114,7 +114,7 @@ class QuantizationProbe(Callback):
         units: the ABC decomposition's chain of module names, or one name (default: transformer blocks, or a ``Sequential``'s
             children; a module with neither is refused at fit start).
         modules: ``fnmatch`` patterns of the linear layers to quantize and measure (default: all).
-        block: scale groups (``"row"`` or a power of two); per_token: the ABC's per-token estimator.
+        block: scale groups (``"row"``, ``"tensor"`` or a power of two); per_token: the ABC's per-token estimator.
         log_images: add the ABC figure to TensorBoard loggers (needs matplotlib).
         verbose: print a line per probe on rank 0.
 

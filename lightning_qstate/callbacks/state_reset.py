@@ -12,7 +12,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
-from ..arguments import ConfigurationError, check_flags, is_positive_int
+from ..arguments import ConfigurationError, check_flags, finite_real, is_positive_int
 from ..formats import StorageFormat
 from ..theory import moment_of, reset_period, state_decay
 from ..theory.stall import RUNNING_MAXIMA
@@ -98,8 +98,7 @@ class StateResetScheduler(Callback):
     ) -> None:
         if not (period == "auto" or period is None or is_positive_int(period)):
             raise ValueError(f"StateResetScheduler: period={period!r} is not valid; use 'auto', a positive int, or None (threshold only)")
-        is_rate = isinstance(threshold, int | float) and not isinstance(threshold, bool) and 0.0 < threshold <= 1.0
-        if threshold is not None and not is_rate:
+        if threshold is not None and not (finite_real(threshold) and 0.0 < threshold <= 1.0):
             raise ValueError(f"StateResetScheduler: threshold={threshold!r} must lie in (0, 1] (a stall rate), or be None")
         if period is None and threshold is None:
             raise ValueError("StateResetScheduler: period=None needs a threshold; give period='auto', an int, or a threshold")
@@ -120,9 +119,10 @@ class StateResetScheduler(Callback):
                 "StateResetScheduler(include_fp32=True): resetting fp32 states slightly hurts training (arXiv 2603.16731); "
                 "they do not stall"
             )
-        self.period = period
+        self.period = int(period) if is_positive_int(period) else period  # numpy's ints as Python's
+
         self.threshold = None if threshold is None else float(threshold)
-        self.check_every_n_steps = check_every_n_steps
+        self.check_every_n_steps = int(check_every_n_steps)
         self.states = None if states is None else tuple(states)
         self.reset_step = reset_step
         self.stagger = stagger

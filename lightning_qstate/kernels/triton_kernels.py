@@ -192,7 +192,7 @@ class KernelVariant:
         return {"num_warps": self.num_warps, **self.options, **self.constexprs}
 
     @property
-    def fn(self):
+    def fn(self) -> KernelInterface:
         return KERNELS[self.kernel]
 
 

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from ..arguments import ConfigurationError
+from ..arguments import ConfigurationError, short_list
 from ..formats import CastFormat, NonFiniteError, QuantizedTensor, StorageFormat, count_stalls, local_tensor
 from ..formats.weights import WeightGrid
 from ..kernels import dispatch
@@ -195,10 +195,32 @@ def finite_grads(grads: list[torch.Tensor]) -> list[bool]:
     return [ok or bool(torch.isfinite(grad).all()) for ok, grad in zip(norms_finite, grads, strict=True)]
 
 
-def _listing(names: list[str], shown: int = 8) -> str:
-    """``"3 parameter(s): a, b, c"``, the first ``shown`` names."""
-    more = f", ... ({len(names) - shown} more)" if len(names) > shown else ""
-    return f"{len(names)} parameter(s): {', '.join(names[:shown])}{more}"
+def _unscheduled_hyperparameters(saved: dict, configured: dict) -> list[str]:
+    """The hyperparameters of a loaded group (``saved``) that a resume compares with the ``configured`` ones, leaving out
+    those an LR scheduler moves by design: ``lr`` under a scheduler that keeps ``initial_lr`` (that is compared instead),
+    or lowered where it keeps none (``ReduceLROnPlateau`` only lowers it); ``betas``/``momentum`` where ``OneCycleLR`` or
+    ``CyclicLR`` cycle them (``base_momentum`` in the group)."""
+    keys = ["eps", "weight_decay", "dampening"]
+    if "initial_lr" in saved and "initial_lr" in configured:
+        keys.append("initial_lr")
+    elif not _lowered(saved.get("lr"), configured.get("lr")):
+        keys.append("lr")
+    if "base_momentum" not in saved:
+        keys += ["betas", "momentum"]
+    return keys
+
+
+def _lowered(saved: Any, configured: Any) -> bool:
+    """Whether a loaded ``lr`` (a number or a one-value tensor) is below the configured one."""
+    try:
+        return float(saved) < float(configured)
+    except (TypeError, ValueError, RuntimeError):
+        return False
+
+
+def _listing(names: list[str]) -> str:
+    """``"3 parameter(s): a, b, c"``, the first 8 names."""
+    return f"{len(names)} parameter(s): {short_list(names, 8)}"
 
 
 def _deep_merge(base: Any, update: Any) -> Any:
@@ -474,7 +496,7 @@ class QuantizedStates:
     # --- the step -------------------------------------------------------------------------------------
     @torch.compiler.disable(reason=STEP_NOT_TRACED)
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One optimization step, parameter by parameter; ``closure`` re-evaluates the loss under grad mode. Not traced
         by ``torch.compile`` (``torch.compile(optimizer.step)`` or a compiled training step run it as it is)."""
         loss = self._evaluate(closure)
@@ -968,6 +990,13 @@ class QuantizedStates:
         grid = self.weight_grid(group, key, param)
         decode_as = torch.float32 if grid is not None else None  # the update runs in fp32 (module ``optim.weights``)
         states = {name: _decoded(state[name], decode_as) for name in self.state_names if state.get(name) is not None}
+        # a decoded state the update leaves alone (SGD's buffer under momentum=0) keeps its codes: encoding a decoded
+        # block again can move them (a signed map's negative end is not -1: its absmax shrinks at each round trip)
+        decoded = {name: (value, value._version) for name, value in states.items() if isinstance(state[name], QuantizedTensor)}
+
+        def untouched(name: str, value: torch.Tensor) -> bool:
+            return name in decoded and decoded[name][0] is value and decoded[name][1] == value._version
+
         before = {name: value.clone() for name, value in states.items() if self.track_stalls and isinstance(state[name], QuantizedTensor)}
         undo = self._undo_record(key, state) if any(isinstance(v, QuantizedTensor) for v in state.values()) else None
         targets = self._intended_updates(group, [key]) if grid is None else []  # a grid's update counts its weights' stalls itself
@@ -976,14 +1005,17 @@ class QuantizedStates:
                 self._update(group, param, grad, states, state)
             else:
                 self._update_weights(group, key, param, grad, states, state, grid)
-            stored = {name: self._store(group, key, name, value, state.get(name), decode_as) for name, value in states.items()}
+            stored = {
+                name: state[name] if untouched(name, value) else self._store(group, key, name, value, state.get(name), decode_as)
+                for name, value in states.items()
+            }
         except StepOverflowError:
             if undo is not None:
                 undo()
             raise
         self._count_intended_stalls(targets)
         for name, value in stored.items():
-            if name in before:
+            if name in before and value is not state[name]:
                 self._count_stalls(key, name, state[name], before[name], states[name], value)
             state[name] = value
 
@@ -1464,6 +1496,7 @@ class QuantizedStates:
         into the configured formats, with a warning. Hooks registered with ``register_load_state_dict_pre_hook``
         see the dict as given, ``_post_hook`` the optimizer once every state is loaded.
         """
+        state_dict = dict(state_dict)  # as torch: hooks may change the dict, not the caller's
         for hook in self._optimizer_load_state_dict_pre_hooks.values():
             state_dict = hook(self, state_dict) or state_dict
         state_dict = {**state_dict, "state": merge_stringified_keys(state_dict["state"])}
@@ -1643,8 +1676,7 @@ class QuantizedStates:
                 group[key] = before[key]
             self._complete_group(group)
             changes.append(", ".join(policy_changes))
-            lr_key = "initial_lr" if "initial_lr" in group and "initial_lr" in before else "lr"  # with a scheduler, lr moves by design
-            for key in (lr_key, "betas", "eps", "weight_decay", "momentum", "dampening"):
+            for key in _unscheduled_hyperparameters(group, before):
                 if key in group and key in before and not _same_value(group[key], before[key]):
                     hyper.append(f"group {index} {key}: configured {before[key]!r}, checkpoint {group[key]!r}")
         if hyper:

@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor, Shard
 if TYPE_CHECKING:
     from .base import QuantizedStates
 
-from ..arguments import ConfigurationError
+from ..arguments import ConfigurationError, short_list
 from ..formats import ROUNDINGS, BlockFormat, StorageFormat, check_block_size, get_format
 from ..formats.base import local_tensor
 from ..formats.weights import WeightBlock, WeightGrid, get_weight_grid
@@ -514,8 +514,8 @@ def _fit_to_fsdp1(optimizer: torch.optim.Optimizer, module: torch.nn.Module | No
         optimizer.full_numels, optimizer.shard_indices = fsdp_views(module)
 
 
-def _name_summary(named: list[tuple[str, torch.Tensor]], shown: int = 20) -> str:
-    """The distinct forms of the parameter names, the first ``shown`` of them: the index of a repeated block (a numeric
+def _name_summary(named: list[tuple[str, torch.Tensor]]) -> str:
+    """The distinct forms of the parameter names, the first 20 of them: the index of a repeated block (a numeric
     part under which the same names and shapes recur, such as a transformer's layers) written as ``*``."""
     subtrees: dict[tuple[str, ...], set[tuple[str, tuple[int, ...]]]] = {}
     for name, param in named:
@@ -529,6 +529,4 @@ def _name_summary(named: list[tuple[str, torch.Tensor]], shown: int = 20) -> str
     for name, _ in named:
         parts = name.split(".")
         forms[".".join("*" if tuple(parts[: i + 1]) in repeated else part for i, part in enumerate(parts))] = None
-    listed = list(forms)
-    more = f", ... ({len(listed) - shown} more)" if len(listed) > shown else ""
-    return ", ".join(listed[:shown]) + more if listed else "(none: the module has no parameters)"
+    return short_list(list(forms), 20) if forms else "(none: the module has no parameters)"

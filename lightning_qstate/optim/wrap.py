@@ -220,16 +220,15 @@ class QuantizedOptimizerWrapper(QuantizedStates, torch.optim.Optimizer):
             stepped = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
             outlines = self._state_outlines(stepped) if sharded else {}
             undo = {param: self._undo_record(param, state) for param, state in self.state.items()}  # where a state overflows
-            # (param, name) -> (decoded tensor, its version): a state of a parameter without a gradient that the inner step
-            # left alone keeps its codes (re-encoding could move them); a stepped parameter's states are always encoded
-            # again, since a kernel may write them without bumping their version (torch's fused CPU Adagrad; .data)
+            # (param, name) -> (decoded tensor, its version, whether the parameter steps): a state the inner step left alone
+            # keeps its codes (encoding a decoded block again can move them: a signed map's negative end is not -1, so its
+            # absmax shrinks at each round trip), as _encoded tells
             decoded = {}
             for param, state in self.state.items():
                 for name, value in state.items():
                     if isinstance(value, QuantizedTensor):
                         state[name] = like_param(dequantized(value), param)
-                        if param.grad is None:
-                            decoded[param, name] = state[name], state[name]._version
+                        decoded[param, name] = state[name], state[name]._version, param.grad is not None
             before = {
                 (p, n): v.dequantize(torch.float32).reshape(-1)
                 for p, s in stored.items()
@@ -303,12 +302,16 @@ class QuantizedOptimizerWrapper(QuantizedStates, torch.optim.Optimizer):
         return like_param(local, key) if isinstance(key, DTensor) and local.shape == local_tensor(key).shape else local
 
     def _encoded(self, group: dict, param: torch.Tensor, name: str, value: Any, old: StateValue | None, decoded: dict) -> StateValue:
-        """State ``name`` of ``param`` after the inner step, stored in its format (``_store``); a decoded state of a
-        parameter without a gradient that the inner step left alone (``decoded``: the tensor and its version) is its old
-        value, whose codes re-encoding would move."""
-        tensor, version = decoded.get((param, name), (None, None))
+        """State ``name`` of ``param`` after the inner step, stored in its format (``_store``); a decoded state that the
+        inner step left alone (``decoded``: the tensor, its version and whether the parameter stepped) is its old value,
+        whose codes encoding again could move (a state written every k steps, as Lookahead's slow weights, would decay in
+        between). The tensor and its version tell for a parameter without a gradient; a stepped one's states are compared
+        with their decoded values as well, since a kernel may write them without bumping the version (torch's fused CPU
+        Adagrad; ``.data``)."""
+        tensor, version, stepped = decoded.get((param, name), (None, None, False))
         if value is tensor and value._version == version:
-            return old
+            if not stepped or torch.equal(local_tensor(value), local_tensor(like_param(dequantized(old), param))):
+                return old
         return self._store(group, param, name, value, old)
 
     def _inner_step(self, closure: Callable[[], Any] | None) -> Any:

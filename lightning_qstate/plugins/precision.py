@@ -50,7 +50,9 @@ class QStatePolicyMixin:
         """``policy``, or one built from the policy keywords among ``arguments`` (the constructor's ``locals()``)."""
         self.policy = QuantizationPolicy.from_arguments(type(self).__name__, policy, arguments)
 
-    def connect(self, model: torch.nn.Module, optimizers: list[torch.optim.Optimizer], lr_schedulers: list[Any]):
+    def connect(
+        self, model: torch.nn.Module, optimizers: list[torch.optim.Optimizer], lr_schedulers: list[Any]
+    ) -> tuple[torch.nn.Module, list[torch.optim.Optimizer], list[Any]]:
         model, optimizers, lr_schedulers = super().connect(model, optimizers, lr_schedulers)
         check_optimizer_parameters(model, optimizers)
         quantized = apply_policy(self.policy, optimizers, model)
@@ -156,7 +158,7 @@ class _PrecisionDispatch:
     its own because jsonargparse (LightningCLI) reads a class's arguments from a ``__new__`` the class itself
     defines, and would then accept none of ``__init__``'s options (``states`` etc.) in YAML configs."""
 
-    def __new__(cls, precision: PrecisionName = "32-true", *args: Any, **kwargs: Any):
+    def __new__(cls, precision: PrecisionName = "32-true", *args: Any, **kwargs: Any) -> QStatePrecision:
         if cls is QStatePrecision and precision != "32-true":
             variants = {
                 "16-mixed": QStateMixedPrecision,
@@ -249,7 +251,9 @@ class QStateMixedPrecision(QStatePrecision, MixedPrecision):
         self._follows_model = device is None  # the device is the model's, known in connect()
         self._own_scaler = scaler is None
 
-    def connect(self, model: torch.nn.Module, optimizers: list[torch.optim.Optimizer], lr_schedulers: list[Any]):
+    def connect(
+        self, model: torch.nn.Module, optimizers: list[torch.optim.Optimizer], lr_schedulers: list[Any]
+    ) -> tuple[torch.nn.Module, list[torch.optim.Optimizer], list[Any]]:
         """Take the autocast device (and the default GradScaler's) from the model the strategy moved to its device."""
         tensor = next(itertools.chain(model.parameters(), model.buffers()), None)
         if self._follows_model and tensor is not None and tensor.device.type != self.device:

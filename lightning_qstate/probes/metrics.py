@@ -62,8 +62,8 @@ def kurtosis(x: torch.Tensor, variant: KurtosisVariant = "elements", dim: int = 
     - ``"channel_rms"``: the RMS of each channel (index along ``dim``, over all other positions), so a few channels
       that are large everywhere (the outlier features of transformers) make it large.
 
-    arXiv 2509.23500 does not say which one it uses (ALGORITHMS.md, section 3); both are offered and named. A constant
-    ``y`` has no kurtosis: ``nan``.
+    arXiv 2509.23500 does not say which one it uses (``docs/algorithms.md``, "Quantization-robustness probe"); both are
+    offered and named. A constant ``y`` has no kurtosis: ``nan``.
     """
     if variant not in KURTOSIS_VARIANTS:
         raise ValueError(f"variant={variant!r} is not valid; use one of {KURTOSIS_VARIANTS}")

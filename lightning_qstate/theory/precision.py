@@ -41,7 +41,7 @@ from typing import Literal
 
 import torch
 
-from ..arguments import finite_real, whole_number
+from ..arguments import finite_real, short_list, whole_number
 from ..formats import ROUNDINGS, BlockFormat, CastFormat, StorageFormat, check_rounding, get_format
 from ..optim import QuantizedOptimizerWrapper, QuantizedStates
 from ..optim.base import local_tensor
@@ -459,14 +459,13 @@ def _learning_rate_findings(
             frozen.append((names.get(param, "?"), smallest_change, largest, update))
     if not frozen:
         return []
-    shown = ", ".join(f"{name} (max|W| = {largest:.3g}: {change:.3g})" for name, change, largest, _ in frozen[:3])
-    more = f" and {len(frozen) - 3} more" if len(frozen) > 3 else ""
+    shown = short_list([f"{name} (max|W| = {largest:.3g}: {change:.3g})" for name, change, largest, _ in frozen], 3)
     lr_text = f"lr = {lr:.3g}" + (f" (its scheduler's peak; now {current:.3g})" if f"{lr:.3g}" != f"{current:.3g}" else "")
     update_text = lr_text if kind == "adam" else f"Muon's typical update ({lr_text}, adjusted, over sqrt(max(A, B)))"
-    fixes = "weights=<format> with weight_rounding='stochastic', error_feedback='eco' or 'eco_exact', or fp32 master weights"
+    fixes = f"weights=<format> with weight_rounding='stochastic', error_feedback='eco' or 'eco_exact' {_ECO}, or fp32 master weights"
     reason = (
         f"{update_text} is below the smallest change the weights' format makes to their largest entries in {len(frozen)} of "
-        f"{len(params)} parameter(s): {shown}{more}; those updates are lost to rounding; remedies: {fixes} {_LR_SOURCE}"
+        f"{len(params)} parameter(s): {shown}; those updates are lost to rounding; remedies: {fixes} {_LR_SOURCE}"
     )
     return [("insufficient", reason)]
 
