@@ -1491,10 +1491,11 @@ class QuantizedStates:
         state whose shape, size, checksum or scales do not fit its parameter raises. State keys are matched to
         parameters as torch does, by position in the saved ``param_groups`` (ints, or FQNs from
         ``set_optimizer_state_dict``). Hyperparameters come from the checkpoint, as in torch (a configured value
-        that differs is warned about). The storage policy (``states``, ``rounding``, ``block_size``,
-        ``min_quant_size``) stays as configured: where it differs from the checkpoint's, the states are re-encoded
-        into the configured formats, with a warning. Hooks registered with ``register_load_state_dict_pre_hook``
-        see the dict as given, ``_post_hook`` the optimizer once every state is loaded.
+        that differs is warned about, unless a scheduler moves it: ``_unscheduled_hyperparameters``). The storage
+        policy (``states``, ``rounding``, ``block_size``, ``min_quant_size``) stays as configured: where it differs
+        from the checkpoint's, the states are re-encoded into the configured formats, with a warning. Hooks
+        registered with ``register_load_state_dict_pre_hook`` see a shallow copy of the dict as given (as torch's),
+        ``_post_hook`` the optimizer once every state is loaded.
         """
         state_dict = dict(state_dict)  # as torch: hooks may change the dict, not the caller's
         for hook in self._optimizer_load_state_dict_pre_hooks.values():

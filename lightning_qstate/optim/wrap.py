@@ -89,8 +89,9 @@ class QuantizedOptimizerWrapper(QuantizedStates, torch.optim.Optimizer):
     are. Unsigned maps are used for state names known to be non-negative
     (``exp_avg_sq``, Adamax's ``exp_inf``, ...: ``policy.NONNEGATIVE_STATES``); a state
     that turns out to hold negative values falls back to the signed variant, with a
-    warning. A state the inner step leaves alone (a parameter without a gradient:
-    frozen, or skipped by the non-finite policy) keeps its stored codes.
+    warning. A state the inner step leaves alone (every state of a parameter without a
+    gradient, frozen or skipped by the non-finite policy; one the step did not write, as
+    Lookahead's slow weights between syncs) keeps its stored codes.
 
     The wrapper and the inner optimizer share ``param_groups``, ``state``, ``defaults`` and the step and state-dict
     hooks (the same objects, also after ``load_state_dict``, ``copy.deepcopy`` and pickling), so LR schedulers built
