@@ -60,7 +60,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
-import importlib.util
 import logging
 import math
 import os
@@ -72,7 +71,6 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from types import ModuleType
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # the examples package lives in the checkout
@@ -83,6 +81,8 @@ import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
 from lightning.pytorch.callbacks import Callback  # noqa: E402
 
+import benchmarks.adaptive_bits as _adaptive  # noqa: E402  (their helpers)
+import benchmarks.optim as _optim  # noqa: E402
 from benchmarks.arguments import non_negative_int, positive_int  # noqa: E402
 from examples.data import ByteTextDataModule  # noqa: E402
 from examples.gpt import GPTModule  # noqa: E402
@@ -91,19 +91,6 @@ from lightning_qstate.formats import ROUNDINGS  # noqa: E402
 from lightning_qstate.optim import QuantizedStates, block_linear_weight_names  # noqa: E402
 from lightning_qstate.plugins import QStatePrecision  # noqa: E402
 
-
-def _sibling(stem: str) -> ModuleType:
-    """``benchmarks/<stem>.py``, for its helpers (loaded by path as ``benchmarks_<stem>``: ``benchmarks`` is not a package)."""
-    name = f"benchmarks_{stem}"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().with_name(f"{stem}.py"))
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module  # dataclasses look their module up by name
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-_adaptive, _optim = _sibling("adaptive_bits"), _sibling("optim")
 Summary, summaries, fmt_ms, benchmark_trainer = _adaptive.Summary, _adaptive.summaries, _adaptive.fmt_ms, _adaptive.benchmark_trainer
 source_digest, _version = _optim.source_digest, _optim._version
 load_rows, save_row, timed_optimizer_step = _adaptive.load_rows, _adaptive.save_row, _adaptive.timed_optimizer_step

@@ -38,16 +38,13 @@ from typing import Any, Literal
 
 import torch
 
-try:
-    from lightning_qstate.formats import CodebookFormat, dynamic_map, get_format
-except ModuleNotFoundError:  # run as ``python benchmarks/formats.py`` from anywhere
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from lightning_qstate.formats import CodebookFormat, dynamic_map, get_format
-try:  # run as a script (its folder on sys.path), or imported with the checkout root on sys.path (the tests)
-    from arguments import positive_int
-except ModuleNotFoundError:
-    from benchmarks.arguments import positive_int
-from lightning_qstate.formats.packing import unpack
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as ``python benchmarks/formats.py``: the checkout's packages (benchmarks, lightning_qstate)
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.arguments import positive_int  # noqa: E402
+from lightning_qstate.formats import CodebookFormat, dynamic_map, get_format  # noqa: E402
+from lightning_qstate.formats.packing import unpack  # noqa: E402
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "formats.md"
 TARGET_RATIO = 1.05  # "no worse than theirs, within 5%"

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import importlib.util
 import statistics
 import subprocess
 import sys
@@ -35,30 +34,15 @@ from pathlib import Path
 
 import torch
 
-try:
-    from lightning_qstate import QAdamW
-except ModuleNotFoundError:  # run as ``python benchmarks/kernel_ab.py`` from anywhere
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from lightning_qstate import QAdamW
-try:  # run as a script (its folder on sys.path), or imported with the checkout root on sys.path (the tests)
-    from arguments import positive_int
-except ModuleNotFoundError:
-    from benchmarks.arguments import positive_int
-from lightning_qstate.formats import QuantizedTensor, get_format
-from lightning_qstate.kernels import native
-
 ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as ``python benchmarks/kernel_ab.py``: the checkout's packages (benchmarks, lightning_qstate)
+    sys.path.insert(0, str(ROOT))
 
-
-def _optim_module():
-    """``benchmarks/optim.py``, for its models and AdamW settings (loaded by path: ``benchmarks`` is not a package)."""
-    name = "benchmarks_optim"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().with_name("optim.py"))
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module  # dataclasses look their module up by name
-        spec.loader.exec_module(module)
-    return sys.modules[name]
+import benchmarks.optim as optim  # noqa: E402  (its models and AdamW settings)
+from benchmarks.arguments import positive_int  # noqa: E402
+from lightning_qstate import QAdamW  # noqa: E402
+from lightning_qstate.formats import QuantizedTensor, get_format  # noqa: E402
+from lightning_qstate.kernels import native  # noqa: E402
 
 
 def revision_sources(revision: str) -> Path:
@@ -84,7 +68,6 @@ def revision_sources(revision: str) -> Path:
 def build_optimizer(params: list[torch.nn.Parameter], fmt: str) -> QAdamW:
     """QAdamW with optim.py's settings and a fixed rounding seed; ``fmt``: a state format, ``:sr`` appended for stochastic
     rounding."""
-    optim = _optim_module()
     name, _, rounding = fmt.partition(":")
     return QAdamW(params, lr=optim.LR, weight_decay=optim.WEIGHT_DECAY, states=name, rounding="stochastic" if rounding else "nearest",
                   min_quant_size=optim.MIN_QUANT_SIZE, generator=torch.Generator().manual_seed(0))  # fmt: skip
@@ -93,7 +76,6 @@ def build_optimizer(params: list[torch.nn.Parameter], fmt: str) -> QAdamW:
 def make_params(model: str, numel: int) -> list[torch.nn.Parameter]:
     """optim.py's model ``model``, or ``param``: one parameter of ``numel`` values; seeded parameters and gradients as
     optim.py's ``make_model`` makes them."""
-    optim = _optim_module()
     if model == "param":
         spec = optim.ModelSpec("param", f"one parameter of {numel} values", lambda: torch.nn.ParameterList([torch.randn(numel)]))
     else:

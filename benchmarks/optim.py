@@ -77,7 +77,6 @@ import argparse
 import datetime
 import gc
 import hashlib
-import importlib.util
 import json
 import math
 import os
@@ -100,30 +99,15 @@ from typing import Any
 
 import torch
 
-try:
-    from lightning_qstate import QAdamW, state_nbytes
-except ModuleNotFoundError:  # run as ``python benchmarks/optim.py`` from anywhere
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from lightning_qstate import QAdamW, state_nbytes
-try:  # run as a script (its folder on sys.path), or imported with the checkout root on sys.path (the tests)
-    from arguments import names, non_negative_int, positive_int
-except ModuleNotFoundError:
-    from benchmarks.arguments import names, non_negative_int, positive_int
-from lightning_qstate.formats import QuantizedTensor
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as ``python benchmarks/optim.py``: the checkout's packages (benchmarks, lightning_qstate)
+    sys.path.insert(0, str(ROOT))
 
+import benchmarks.formats as _formats  # noqa: E402  (its helpers)
+from benchmarks.arguments import names, non_negative_int, positive_int  # noqa: E402
+from lightning_qstate import QAdamW, state_nbytes  # noqa: E402
+from lightning_qstate.formats import QuantizedTensor  # noqa: E402
 
-def _formats_module():
-    """``benchmarks/formats.py``, for its helpers (loaded by path: ``benchmarks`` is not a package)."""
-    name = "benchmarks_formats"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().with_name("formats.py"))
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module  # dataclasses look their module up by name
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-_formats = _formats_module()
 _short_reason, _version, seconds = _formats._short_reason, _formats._version, _formats.seconds
 
 SCRIPT = Path(__file__).resolve()

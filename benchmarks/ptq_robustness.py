@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
-import importlib.util
 import json
 import math
 import platform
@@ -46,7 +45,6 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from types import ModuleType
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # the examples package lives in the checkout
@@ -57,6 +55,8 @@ import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
 from lightning.pytorch.callbacks import Callback  # noqa: E402
 
+import benchmarks.eco as _eco  # noqa: E402  (their helpers)
+import benchmarks.optim as _optim  # noqa: E402
 from benchmarks.arguments import positive_int  # noqa: E402
 from examples.data import ByteTextDataModule  # noqa: E402
 from examples.gpt import GPTModule  # noqa: E402
@@ -65,19 +65,6 @@ from lightning_qstate.optim import block_linear_weight_names  # noqa: E402
 from lightning_qstate.plugins import QStatePrecision  # noqa: E402
 from lightning_qstate.probes import RECIPES, abc_decomposition, linear_input_statistics, ptq  # noqa: E402
 
-
-def _sibling(stem: str) -> ModuleType:
-    """``benchmarks/<stem>.py``, for its helpers (loaded by path as ``benchmarks_<stem>``: ``benchmarks`` is not a package)."""
-    name = f"benchmarks_{stem}"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().with_name(f"{stem}.py"))
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-_eco, _optim = _sibling("eco"), _sibling("optim")
 Setup, source_digest, _version = _eco.Setup, _optim.source_digest, _optim._version
 
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "ptq_robustness.md"

@@ -38,10 +38,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-try:  # run as a script (its folder on sys.path), or imported with the checkout root on sys.path (the tests)
-    from arguments import non_negative_int, positive_int
-except ModuleNotFoundError:
-    from benchmarks.arguments import non_negative_int, positive_int
+if str(ROOT) not in sys.path:  # run as ``python benchmarks/staleness.py``: the checkout's packages (benchmarks, lightning_qstate)
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.arguments import non_negative_int, positive_int  # noqa: E402
+
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "staleness.md"
 FORMATS = ("fp32", "bf16", "fp8_e4m3", "e2m2")
 VARIANTS = ("RN", "SR", "resets only", "SR + resets")

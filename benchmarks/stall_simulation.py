@@ -38,16 +38,13 @@ from pathlib import Path
 
 import torch
 
-try:
-    from lightning_qstate.formats import QuantizedTensor, count_stalls, get_format
-except ModuleNotFoundError:  # run as ``python benchmarks/stall_simulation.py`` from anywhere
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from lightning_qstate.formats import QuantizedTensor, count_stalls, get_format
-try:  # run as a script (its folder on sys.path), or imported with the checkout root on sys.path (the tests)
-    from arguments import positive_float, positive_int
-except ModuleNotFoundError:
-    from benchmarks.arguments import positive_float, positive_int
-from lightning_qstate.theory import Moment, stall_probability
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as ``python benchmarks/stall_simulation.py``: the checkout's packages (benchmarks, lightning_qstate)
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.arguments import positive_float, positive_int  # noqa: E402
+from lightning_qstate.formats import QuantizedTensor, count_stalls, get_format  # noqa: E402
+from lightning_qstate.theory import Moment, stall_probability  # noqa: E402
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "stall_simulation.md"
 FORMATS = ("bf16", "fp16", "fp8_e4m3", "fp8_e5m2", "e2m2", "int8", "int4")

@@ -2,21 +2,20 @@
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import sys
 from pathlib import Path
 from types import ModuleType
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def load_benchmark(stem: str) -> ModuleType:
-    """``benchmarks/<stem>.py`` imported as the module ``benchmarks_<stem>``."""
-    spec = importlib.util.spec_from_file_location(f"benchmarks_{stem}", BENCHMARKS / f"{stem}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    return module
+    """``benchmarks/<stem>.py`` as the module ``benchmarks.<stem>`` (the checkout's root on ``sys.path``), the module its
+    sibling scripts import."""
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    return importlib.import_module(f"benchmarks.{stem}")
 
 
 def markdown_table(lines: list[str]) -> dict[str, dict[str, str]]:

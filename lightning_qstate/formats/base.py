@@ -69,7 +69,7 @@ class QuantizedTensor:
 
         Two states hold the same code at an entry exactly when these agree there (``-0`` and ``+0`` aside).
         """
-        return self.format.unit_values_reference(self.codes, self.scales, self.numel)
+        return self.format.unit_values_reference(self.codes, self.numel)
 
     @property
     def numel(self) -> int:
@@ -157,7 +157,7 @@ class StorageFormat(ABC):
         zero bytes, laid out as ``quantize`` lays them out (what they decode to before that depends on the format)."""
 
     @abstractmethod
-    def unit_values_reference(self, codes: torch.Tensor, scales: torch.Tensor | None, numel: int) -> torch.Tensor:
+    def unit_values_reference(self, codes: torch.Tensor, numel: int) -> torch.Tensor:
         """Torch reference of :meth:`QuantizedTensor.unit_values`: ``(numel,)`` fp32."""
 
     def _check_input(self, x: torch.Tensor, rounding: str) -> torch.Tensor:

@@ -231,11 +231,11 @@ class BlockFormat(StorageFormat):
 
     def dequantize_reference(self, codes: torch.Tensor, scales: torch.Tensor, numel: int) -> torch.Tensor:
         """Torch reference: packed codes + scales -> ``(numel,)`` fp32."""
-        values = self.unit_values_reference(codes, None, numel)
+        values = self.unit_values_reference(codes, numel)
         return (as_blocks(values, self.block_size) * scales.float()[:, None]).view(-1)[:numel]
 
-    def unit_values_reference(self, codes: torch.Tensor, scales: torch.Tensor | None, numel: int) -> torch.Tensor:
-        """``(numel,)`` fp32 ``decode[code]`` in ``[-1, 1]``: each value in units of its block's scale (``scales`` unused)."""
+    def unit_values_reference(self, codes: torch.Tensor, numel: int) -> torch.Tensor:
+        """``(numel,)`` fp32 ``decode[code]`` in ``[-1, 1]``: each value in units of its block's scale."""
         return lookup(self.tables(codes.device)["decode"], unpack(codes, self.bits, numel))
 
 

@@ -86,7 +86,9 @@ class CastFormat(StorageFormat):
         """Torch reference: stored values -> ``(numel,)`` fp32."""
         return codes.float()
 
-    unit_values_reference = dequantize_reference  # no scales: a value is its own unit
+    def unit_values_reference(self, codes: torch.Tensor, numel: int) -> torch.Tensor:
+        """:meth:`dequantize_reference`: a stored value is its own unit (no scales)."""
+        return self.dequantize_reference(codes, None, numel)
 
     def stochastic_reference(self, flat: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
         """Torch reference of the SR cast of fp32 ``flat`` (with :meth:`lift_flushed`)."""

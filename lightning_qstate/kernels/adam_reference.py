@@ -226,7 +226,7 @@ def adam_step_quantized(
         new_codes, new_scales = fmt.quantize_reference(value, rounding, None)
         if track_stalls:
             stored = fmt.dequantize_reference(new_codes, new_scales, numel)
-            units = (fmt.unit_values_reference(c, None, numel) for c in (codes, new_codes))
+            units = (fmt.unit_values_reference(c, numel) for c in (codes, new_codes))
             counts.append(count_stalls(old, value, stored, *units))
         codes.copy_(new_codes)
         if scales is not None:

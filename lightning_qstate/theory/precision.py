@@ -45,7 +45,7 @@ from ..arguments import finite_real, short_list, whole_number
 from ..formats import ROUNDINGS, BlockFormat, CastFormat, StorageFormat, check_rounding, get_format
 from ..optim import QuantizedOptimizerWrapper, QuantizedStates
 from ..optim.base import local_tensor
-from .stall import fraction_bits, moment_of, relative_gaps, reset_period, stall_probability, state_decay
+from .stall import as_format, fraction_bits, moment_of, relative_gaps, reset_period, stall_probability, state_decay
 
 COMPONENTS: tuple[str, ...] = ("grads", "weights", "exp_avg", "exp_avg_sq")  # Muon's and SGD's momentum is "exp_avg"
 OPTIMIZERS: tuple[str, ...] = ("adam", "muon", "sgd")
@@ -112,10 +112,10 @@ def mantissa_bits(fmt: str | StorageFormat | torch.dtype | None, *, signed: bool
         if fmt not in _DTYPE_BITS:
             raise ValueError(f"no mantissa bits for dtype {fmt}; valid dtypes: {', '.join(str(d) for d in _DTYPE_BITS)}")
         return float(_DTYPE_BITS[fmt])
-    if isinstance(fmt, str):
-        fmt = get_format(fmt, signed=signed)
-    if not isinstance(fmt, StorageFormat):
-        raise TypeError(f"fmt must be a format name, a StorageFormat, a torch dtype or None, got {type(fmt).__name__}")
+    try:
+        fmt = as_format(fmt, signed=signed)
+    except TypeError:
+        raise TypeError(f"fmt must be a format name, a StorageFormat, a torch dtype or None, got {type(fmt).__name__}") from None
     bits = fraction_bits(fmt)
     if bits is not None:
         return float(bits)
@@ -569,7 +569,7 @@ def _named_storage(fmt: str | StorageFormat | torch.dtype, rounding: str, signed
         name = _DTYPE_NAMES.get(fmt, str(fmt).removeprefix("torch."))
         resolved = get_format(name, signed=signed) if name in ("fp32", "fp16", "bf16") else None
         return _Storage(name, mantissa_bits(fmt), rounding, resolved)
-    resolved = get_format(fmt, signed=signed) if isinstance(fmt, str) else fmt
+    resolved = as_format(fmt, signed=signed)
     return _Storage(resolved.name, mantissa_bits(resolved), rounding, resolved)
 
 

@@ -163,17 +163,22 @@ def _rmsprop_denominator(group: dict, direction: torch.Tensor, state: Mapping[st
     return square_avg.sqrt() + float(group["eps"])
 
 
-def resolve_format(fmt: str | StorageFormat | None, moment: Moment = "second") -> StorageFormat:
-    """A format object: names get the sign convention of ``moment`` (unsigned maps for the second moment); ``None`` is fp32."""
-    if moment not in MOMENTS:
-        raise ValueError(f"moment={moment!r} is not valid; use one of {MOMENTS}")
+def as_format(fmt: str | StorageFormat | None, *, signed: bool) -> StorageFormat:
+    """A format object: a name resolved with ``signed`` (a dynamic map's sign convention), ``None`` as fp32."""
     if fmt is None:
         fmt = "fp32"
     if isinstance(fmt, str):
-        return get_format(fmt, signed=moment == "first")
+        return get_format(fmt, signed=signed)
     if not isinstance(fmt, StorageFormat):
-        raise TypeError(f"fmt must be a format name or a StorageFormat, got {type(fmt).__name__}")
+        raise TypeError(f"fmt must be a format name, a StorageFormat or None, got {type(fmt).__name__}")
     return fmt
+
+
+def moment_format(fmt: str | StorageFormat | None, moment: Moment = "second") -> StorageFormat:
+    """:func:`as_format` with the sign convention of ``moment`` (unsigned maps for the second moment)."""
+    if moment not in MOMENTS:
+        raise ValueError(f"moment={moment!r} is not valid; use one of {MOMENTS}")
+    return as_format(fmt, signed=moment == "first")
 
 
 def fraction_bits(fmt: StorageFormat) -> int | None:
@@ -397,7 +402,7 @@ def stall_probability(
     """
     beta, age, center = _check(beta, rounding, age, center, moment, ratios)
     check_flags(None, block_drift=block_drift)
-    return _stall_probability(resolve_format(fmt, moment), beta, rounding, age, moment, values, block_drift, center, ratios)
+    return _stall_probability(moment_format(fmt, moment), beta, rounding, age, moment, values, block_drift, center, ratios)
 
 
 def _stall_probability(
@@ -524,7 +529,7 @@ def half_staleness_age(fmt: str | StorageFormat | None, beta: float, *, moment: 
     bf16 at ``β = 0.999``: 114 steps; FP8 E4M3: 10.3; E2M2: 5.2.
     """
     beta, _, _ = _check(beta, "nearest", None)
-    fmt = resolve_format(fmt, moment)
+    fmt = moment_format(fmt, moment)
     target = 0.5 * _stall_probability(fmt, beta, "nearest", None, moment, None, False)
     low, high = 0.0, 1.0
     while _stall_probability(fmt, beta, "nearest", high, moment, None, False) < target:
