@@ -40,6 +40,7 @@ from lightning_qstate.adaptive import (
     resolved_nbytes,
     zone_ladder,
 )
+from lightning_qstate.arguments import ConfigurationError
 from lightning_qstate.callbacks import AdaptiveBitWidth, QuantizedOptimizerStates
 from lightning_qstate.callbacks.adaptive_bits import bit_width_figure
 from lightning_qstate.formats import QuantizedTensor, get_format
@@ -421,8 +422,10 @@ def test_unreachable_budget_raises_at_the_start(tmp_path):
 
 
 def test_unsupported_optimizers_are_refused(tmp_path):
-    with pytest.raises(TypeError, match="BitWidthPlanner needs a QAdam/QAdamW optimizer.*got AdamW"):
+    # a usage error of the run's configuration (the command line's exit 2), as an unreachable budget (a BudgetError)
+    with pytest.raises(ConfigurationError, match="AdaptiveBitWidth needs a QAdam/QAdamW optimizer with quantized states, got AdamW; add"):
         trainer(tmp_path, callbacks=[AdaptiveBitWidth()]).fit(Regressor(), regression_data())
+    assert issubclass(BudgetError, ConfigurationError)
 
     class AMSGrad(Regressor):
         def configure_optimizers(self):

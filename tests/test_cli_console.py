@@ -59,12 +59,12 @@ def test_the_summary_names_the_tensorboard_folder_and_a_resumed_fits_steps(tmp_p
 
     from lightning_qstate.callbacks import RunSummary
 
-    def fit(max_steps: int, ckpt_path: str | None = None) -> tuple[Trainer, RunSummary]:
+    def fit(max_steps: int, ckpt_path: str | None = None, logged: bool = True) -> tuple[Trainer, RunSummary]:
         summary = RunSummary()
         trainer = Trainer(
             accelerator="cpu", max_steps=max_steps, default_root_dir=tmp_path, callbacks=[summary], enable_progress_bar=False,
             enable_model_summary=False, enable_checkpointing=False, limit_val_batches=0,
-            logger=[CSVLogger(tmp_path, name="csv"), TensorBoardLogger(tmp_path, name="tb")],
+            logger=[CSVLogger(tmp_path, name="csv"), TensorBoardLogger(tmp_path, name="tb")] if logged else False,
         )  # fmt: skip
         trainer.fit(BoringModel(), ckpt_path=ckpt_path)
         return trainer, summary
@@ -75,6 +75,7 @@ def test_the_summary_names_the_tensorboard_folder_and_a_resumed_fits_steps(tmp_p
     assert f"report: lightning-qstate report {tmp_path / 'tb' / 'version_0'} " in printed and "csv" not in printed
     trainer.save_checkpoint(tmp_path / "four.ckpt")
     assert ", steps 4 -> 6) ==" in fit(6, str(tmp_path / "four.ckpt"))[1].format().splitlines()[0]
+    assert "logs" not in fit(2, logged=False)[1].format()  # it named default_root_dir, where nothing was logged
 
 
 def test_a_configured_progress_bar_or_none_is_left_alone():

@@ -107,6 +107,15 @@ def test_an_option_rejected_when_the_run_starts_is_a_short_usage_error(tmp_path,
     assert report.startswith(f"lightning-qstate: error: {start}")
 
 
+def test_adaptive_bits_without_a_quantized_adam_is_a_short_usage_error(tmp_path, capsys):
+    """AdaptiveBitWidth meeting BoringModel's plain SGD at the start of the run (a TypeError of the planner, printed with
+    its traceback and exit status 1); an unreachable ``target_bits`` is a ConfigurationError too (``BudgetError``)."""
+    callback = config(tmp_path, "callbacks", "lightning_qstate.callbacks.AdaptiveBitWidth", "{}")
+    run = ["--trainer.max_steps=1", f"--trainer.default_root_dir={tmp_path / 'run'}"]
+    report = usage_error(capsys, ["fit", "--config", callback, *BORING, *NO_OUTPUT, *run])
+    assert report.startswith("lightning-qstate: error: AdaptiveBitWidth needs a QAdam/QAdamW optimizer with quantized states, got SGD")
+
+
 class RaisesValueError(BoringModel):
     def training_step(self, batch, batch_idx):
         raise ValueError("the user's own error")

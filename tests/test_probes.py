@@ -253,6 +253,16 @@ def test_abc_matches_the_closed_form_of_a_linear_chain(per_token):
     assert result.R_L == result.rows[-1].R and result.units == result.rows
 
 
+def test_default_units_find_blocks_in_an_inner_sequential():
+    """timm keeps a ViT's blocks in an ``nn.Sequential`` (``blocks``), not a ModuleList: they are its units (the
+    repository's own ViT example was refused: "has no transformer blocks")."""
+    timm = pytest.importorskip("timm")
+    vit = timm.models.vision_transformer.VisionTransformer(img_size=8, patch_size=4, embed_dim=16, depth=2, num_heads=2, num_classes=3)
+    assert default_units(vit) == ["blocks.0", "blocks.1"]
+    mixed = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.GELU(), torch.nn.Linear(4, 4))  # a model's own children
+    assert default_units(mixed) == ["0", "1", "2"]
+
+
 def test_abc_on_gpt_blocks_and_their_linear_layers():
     model = gpt()
     result = abc_decomposition(model, tokens(), forward=gpt_forward)

@@ -11,6 +11,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import TensorBoardLogger
 
 from lightning_qstate.callbacks import QuantizedOptimizerStates, StallMonitor, StateResetScheduler, state_reset
+from lightning_qstate.callbacks.summary import reset_line
 from lightning_qstate.formats import count_stalls
 from lightning_qstate.plugins import QStatePrecision
 from lightning_qstate.theory import reset_period, stall_probability
@@ -759,3 +760,20 @@ def test_auto_period_under_a_cycled_beta_is_computed_once_per_rounded_decay(tmp_
     rounded = {1.0 - float(f"{1.0 - beta1:.2g}") for beta1 in cycled}
     assert len(computed) == len(set(computed)) and set(computed) == rounded | {0.999} and len(rounded) < 60  # each once
     assert state_reset._theory_period.cache_info().currsize <= state_reset._theory_period.cache_info().maxsize
+
+
+@pytest.mark.parametrize(
+    ("period", "states", "reason"),
+    [
+        (None, "int8", "measured stall rates under threshold=0.5"),
+        ("auto", "fp16", "formats that need no resets, measured stall rates under threshold=0.5"),  # fp16: no period
+    ],
+)
+def test_the_summary_says_why_a_layer_was_never_reset(tmp_path, period, states, reason):
+    """A threshold-only scheduler (``period=None``) leaves a layer alone because its measured stall rate stayed under the
+    threshold, not because its format needs no resets (int8 does): the run summary's reason said the latter."""
+    scheduler = StateResetScheduler(period=period, threshold=0.5)
+    trainer = fit(tmp_path, max_steps=1, callbacks=[scheduler], plugins=[QStatePrecision(states=states, min_quant_size=0)])
+    scheduler.history = [(1, "net.0.weight")]
+    layers = len(scheduler.layers(trainer)) - 1
+    assert reset_line(scheduler, trainer).endswith(f"; {layers} layers never reset ({reason})")

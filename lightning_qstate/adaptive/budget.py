@@ -7,6 +7,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
+from ..arguments import ConfigurationError
 from ..formats import StorageFormat
 from ..optim.policy import resolve_format
 from .zones import ZONES
@@ -14,8 +15,9 @@ from .zones import ZONES
 FP32_BYTES = 4
 
 
-class BudgetError(ValueError):
-    """The bit budget cannot be met even with every layer in its cheapest candidate formats."""
+class BudgetError(ConfigurationError):
+    """The bit budget cannot be met even with every layer in its cheapest candidate formats (a ``ValueError``; the
+    command line reports it as a usage error)."""
 
 
 def format_nbytes(fmt: StorageFormat | None, numel: int, plain_bytes: int = FP32_BYTES) -> int:

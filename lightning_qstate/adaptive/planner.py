@@ -102,6 +102,12 @@ def check_options(
     return zones, dict(floor)
 
 
+def adaptable(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether a :class:`BitWidthPlanner` can plan ``optimizer``'s states: a quantized Adam (``QAdam``/``QAdamW``, or a
+    wrapped torch Adam) with ``exp_avg`` and ``exp_avg_sq``."""
+    return isinstance(optimizer, QuantizedStates) and set(ADAPTED_STATES) <= set(optimizer.state_names)
+
+
 def format_config(fmt: StorageFormat | None) -> dict | None:
     """What identifies a format (``get_format``'s arguments), ``None`` for a plain state."""
     return None if fmt is None else fmt.config
@@ -272,7 +278,7 @@ class BitWidthPlanner:
         )
         if anneal_steps is None:  # AdaptiveBitWidth's default (the Trainer's max_steps); a planner has no Trainer
             raise ConfigurationError("BitWidthPlanner: anneal_steps=None is not valid; give the steps of the annealing, an int >= 1")
-        if not isinstance(optimizer, QuantizedStates) or not set(ADAPTED_STATES) <= set(optimizer.state_names):
+        if not adaptable(optimizer):
             raise TypeError(
                 f"BitWidthPlanner needs a QAdam/QAdamW optimizer (states {list(ADAPTED_STATES)}), got {type(optimizer).__name__}; "
                 "use lightning_qstate.QAdamW or quantize_optimizer (with Lightning: QStatePrecision or QuantizedOptimizerStates)"

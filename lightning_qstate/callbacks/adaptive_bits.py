@@ -15,7 +15,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import TensorBoardLogger
 
 from ..adaptive import ADAPTED_STATES, STATE_DICT_VERSION, BitWidthPlanner
-from ..adaptive.planner import check_options, kept_plain
+from ..adaptive.planner import adaptable, check_options, kept_plain
 from ..arguments import ConfigurationError
 from .tensorboard import log_scalars, logs_this_step, write_layout
 
@@ -145,6 +145,12 @@ class AdaptiveBitWidth(Callback):
         optimizers = trainer.strategy.optimizers
         if len(optimizers) != 1:
             raise ConfigurationError(f"AdaptiveBitWidth supports one optimizer; the Trainer has {len(optimizers)}")
+        if not adaptable(optimizers[0]):  # a usage error of the run's configuration (the planner raises TypeError)
+            raise ConfigurationError(
+                f"AdaptiveBitWidth needs a QAdam/QAdamW optimizer with quantized states, got {type(optimizers[0]).__name__}; add "
+                "the QStatePrecision plugin or the QuantizedOptimizerStates callback, or return lightning_qstate.QAdamW from "
+                "configure_optimizers"
+            )
         model = trainer.strategy.model if trainer.strategy.model is not None else pl_module
         # a new planner per fit: one without a checkpoint starts afresh
         self.planner = BitWidthPlanner(optimizers[0], model, anneal_steps=self._anneal_steps(trainer), **self.planner_options)

@@ -34,9 +34,9 @@ class RunSummary(Callback):
     ``trainer.callback_metrics`` (the last logged values). State memory is
     :func:`~lightning_qstate.optim.state_summary` over ``trainer.strategy.optimizers``, summed over ranks
     (per-element states only; scalars such as Adam's ``step`` are left out). The logs and the report command name the
-    first TensorBoard logger's folder (the report reads its event files), else ``trainer.log_dir``. The summary is also kept in
-    ``self.summary`` (a dict) for scripts and tests. Step paths are the quantized optimizers' ``step_paths()``
-    (``kernels.dispatch``) on rank 0: how many parameters took each path at the last step.
+    first TensorBoard logger's folder (the report reads its event files), else ``trainer.log_dir`` (no line without a
+    logger). The summary is also kept in ``self.summary`` (a dict) for scripts and tests. Step paths are the quantized
+    optimizers' ``step_paths()`` (``kernels.dispatch``) on rank 0: how many parameters took each path at the last step.
 
     Where some parameter has a weight grid (``weights=``, ``error_feedback=``: training without fp32 master weights),
     one more line counts those parameters and their values (full shapes) per weight format, the bytes they take (their
@@ -102,7 +102,7 @@ class RunSummary(Callback):
             "weight_rounding": sorted(weights.rounding),
             # the report reads TensorBoard's event files: its logger's folder, wherever it is among the loggers (trainer.log_dir
             # is the first logger's: a CSVLogger's has none)
-            "log_dir": tensorboard.log_dir if tensorboard is not None else trainer.log_dir,
+            "log_dir": tensorboard.log_dir if tensorboard is not None else trainer.log_dir if trainer.loggers else None,
             "tensorboard_dir": tensorboard.save_dir if tensorboard is not None else None,
             "monitors": monitor_lines(trainer),
         }
@@ -234,7 +234,9 @@ def reset_line(scheduler, trainer: pl.Trainer) -> str:
         waiting = [scheduler.layer_period(rows) for layer, rows in scheduler.layers(trainer).items() if layer not in reset]
         periods = sorted({period for period in waiting if period is not None})
         reasons = [f"period {', '.join(map(str, periods))} > run {trainer.global_step} steps"] if periods else []
-        reasons += ["formats that need no resets"] if None in waiting else []
+        if None in waiting:  # no period: the formats need none, or only the threshold resets
+            below = f"measured stall rates under threshold={scheduler.threshold:g}" if scheduler.threshold is not None else ""
+            reasons.append(below if scheduler.period is None else ", ".join(filter(None, ["formats that need no resets", below])))
         if waiting:
             line += f"; {len(waiting)} layer{'s' if len(waiting) > 1 else ''} never reset ({'; '.join(reasons)})"
         return line

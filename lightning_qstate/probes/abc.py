@@ -86,8 +86,9 @@ class ABCResult:
 
 
 def default_units(model: torch.nn.Module) -> list[str]:
-    """The chain of units: the children of the largest ``ModuleList`` whose children are all of one class (transformer
-    blocks, e.g. GPT-2's ``transformer.h``), else the children of a ``Sequential`` model.
+    """The chain of units: the children of the largest ``ModuleList`` or inner ``Sequential`` whose children are all of
+    one class (transformer blocks, e.g. GPT-2's ``transformer.h``, timm's ViT ``blocks``), else the children of a
+    ``Sequential`` model.
 
     Raises:
         ValueError: neither exists (pass ``units=`` explicitly).
@@ -95,7 +96,9 @@ def default_units(model: torch.nn.Module) -> list[str]:
     candidates = [
         (len(module), name)
         for name, module in model.named_modules()
-        if isinstance(module, torch.nn.ModuleList) and len(module) and len({type(child) for child in module}) == 1
+        if (isinstance(module, torch.nn.ModuleList) or (isinstance(module, torch.nn.Sequential) and name))
+        and len(module)
+        and len({type(child) for child in module}) == 1
     ]
     if candidates:
         _, name = max(candidates, key=lambda candidate: candidate[0])  # the first of the largest
@@ -103,7 +106,7 @@ def default_units(model: torch.nn.Module) -> list[str]:
     if isinstance(model, torch.nn.Sequential):
         return [name for name, _ in model.named_children()]
     raise ConfigurationError(
-        f"{type(model).__name__} has no transformer blocks (a ModuleList of one class) and is not a Sequential: "
+        f"{type(model).__name__} has no transformer blocks (a ModuleList or Sequential of one class) and is not a Sequential: "
         "pass units=[module names in forward order]"
     )
 
