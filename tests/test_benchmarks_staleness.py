@@ -2,23 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
+
+from benchmark_scripts import load_benchmark
 
 pytest.importorskip("transformers")
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "staleness.py"
-
 
 def load():
-    spec = importlib.util.spec_from_file_location("benchmarks_staleness", SCRIPT)
-    bench = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = bench
-    spec.loader.exec_module(bench)
-    return bench
+    return load_benchmark("staleness")
 
 
 def test_quick_runs_are_short(monkeypatch, tmp_path):

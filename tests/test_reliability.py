@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import io
 import pickle
+import re
 import tempfile
 import warnings
 
@@ -128,19 +129,22 @@ def test_hooks_see_packed_checkpoints_and_loaded_states():
 
 
 @pytest.mark.parametrize(
-    ("make", "schedule"),
+    ("make", "schedule", "warned"),
     [
-        (lambda params: lq.QAdamW(params, lr=1e-2), lambda opt: torch.optim.lr_scheduler.ReduceLROnPlateau(opt, patience=0)),
-        (lambda params: lq.QAdamW(params, lr=1e-2), lambda opt: torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-2, total_steps=10)),
+        (lambda params: lq.QAdamW(params, lr=1e-2), lambda opt: torch.optim.lr_scheduler.ReduceLROnPlateau(opt, patience=0),
+         r"group 0 lr: configured 0.01, checkpoint 0.0001 \(a ReduceLROnPlateau lowers it: then nothing to do\)"),
+        (lambda params: lq.QAdamW(params, lr=1e-2),
+         lambda opt: torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-2, total_steps=10), None),
         (lambda params: lq.QSGD(params, lr=1e-2, momentum=0.9),
-         lambda opt: torch.optim.lr_scheduler.CyclicLR(opt, base_lr=1e-3, max_lr=1e-2, step_size_up=2)),
+         lambda opt: torch.optim.lr_scheduler.CyclicLR(opt, base_lr=1e-3, max_lr=1e-2, step_size_up=2), None),
     ],
     ids=["ReduceLROnPlateau", "OneCycleLR", "CyclicLR"],
 )  # fmt: skip
-def test_a_resume_does_not_warn_about_what_its_scheduler_moved(make, schedule):
-    """The lr ReduceLROnPlateau lowered (it keeps no ``initial_lr``), the betas OneCycleLR and the momentum CyclicLR
-    cycle: built as in the run and loaded, the optimizer takes the checkpoint's values silently, as torch does (the
-    warning's advice to set the configured values again would undo the schedule)."""
+def test_a_resume_does_not_warn_about_what_its_scheduler_moved(make, schedule, warned):
+    """The betas OneCycleLR and the momentum CyclicLR cycle (``base_momentum`` in the group), built as in the run and
+    loaded: the checkpoint's values are taken silently, as torch does (the warning's advice to set the configured values
+    again would undo the schedule). ReduceLROnPlateau keeps nothing in the group: an lr below the configured one is
+    named with that possibility (a raised lr in the configuration looks the same)."""
     model = make_model()
     optimizer = make(model.parameters())
     scheduler = schedule(optimizer)
@@ -150,10 +154,25 @@ def test_a_resume_does_not_warn_about_what_its_scheduler_moved(make, schedule):
     saved = roundtrip(optimizer.state_dict())
     resumed = make(model.parameters())
     schedule(resumed).load_state_dict(scheduler.state_dict())
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         resumed.load_state_dict(saved)
+    messages = [str(warning.message) for warning in caught]
+    assert (messages == []) if warned is None else (len(messages) == 1 and re.search(warned, messages[0])), messages
     assert resumed.param_groups[0]["lr"] == optimizer.param_groups[0]["lr"] != 1e-2
+
+
+def test_a_changed_beta2_under_a_cycled_beta1_is_warned_about():
+    """OneCycleLR cycles ``beta1`` only: a resume whose configured ``beta2`` differs from the checkpoint's is warned about."""
+    model = make_model()
+    optimizer = lq.QAdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.999))
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=1e-2, total_steps=10)
+    run(model, optimizer, 1)
+    scheduler.step()
+    resumed = lq.QAdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.95))
+    torch.optim.lr_scheduler.OneCycleLR(resumed, max_lr=1e-2, total_steps=10).load_state_dict(scheduler.state_dict())
+    with pytest.warns(UserWarning, match=r"group 0 betas: configured \(0.95, 0.95\), checkpoint \(.*, 0.999\)"):
+        resumed.load_state_dict(roundtrip(optimizer.state_dict()))
 
 
 @pytest.mark.parametrize("reset", [False, True], ids=["stepped", "just reset"])

@@ -733,7 +733,7 @@ def test_a_frozen_layer_costs_no_collective_at_each_step(tmp_path, monkeypatch):
     assert [step for step in calls if step > 1] == []
 
 
-def test_auto_period_under_a_cycled_beta_is_computed_once_per_rounded_decay(tmp_path, monkeypatch):
+def test_auto_period_under_a_cycled_beta_is_computed_once_per_rounded_decay(tmp_path, monkeypatch, request):
     """OneCycleLR and CyclicLR give Adam's ``beta1`` a new value every step: ``period="auto"`` computes a period (25-450
     ms) once per decay with ``1 - β`` rounded to two significant digits, not at every step, and keeps a bounded cache;
     the usual decays are taken as they are."""
@@ -748,6 +748,7 @@ def test_auto_period_under_a_cycled_beta_is_computed_once_per_rounded_decay(tmp_
 
     monkeypatch.setattr(state_reset, "reset_period", counted)
     state_reset._theory_period.cache_clear()
+    request.addfinalizer(state_reset._theory_period.cache_clear)  # the fake periods stay out of later tests
     scheduler = StateResetScheduler()
     trainer = fit(tmp_path, max_steps=1, callbacks=[scheduler], plugins=[QStatePrecision(states="e2m2", min_quant_size=0)])
     rows = scheduler.layers(trainer)["net.0.weight"]

@@ -195,22 +195,34 @@ def finite_grads(grads: list[torch.Tensor]) -> list[bool]:
     return [ok or bool(torch.isfinite(grad).all()) for ok, grad in zip(norms_finite, grads, strict=True)]
 
 
-def _unscheduled_hyperparameters(saved: dict, configured: dict) -> list[str]:
-    """The hyperparameters of a loaded group (``saved``) that a resume compares with the ``configured`` ones, leaving out
-    those an LR scheduler moves by design: ``lr`` under a scheduler that keeps ``initial_lr`` (that is compared instead),
-    or lowered where it keeps none (``ReduceLROnPlateau`` only lowers it); ``betas``/``momentum`` where ``OneCycleLR`` or
-    ``CyclicLR`` cycle them (``base_momentum`` in the group)."""
-    keys = ["eps", "weight_decay", "dampening"]
-    if "initial_lr" in saved and "initial_lr" in configured:
-        keys.append("initial_lr")
-    elif not _lowered(saved.get("lr"), configured.get("lr")):
-        keys.append("lr")
-    if "base_momentum" not in saved:
-        keys += ["betas", "momentum"]
-    return keys
+def _changed_hyperparameters(saved: dict, configured: dict) -> list[str]:
+    """``"key: configured X, checkpoint Y"`` for each hyperparameter a resume takes from the checkpoint (``saved``) that
+    differs from the ``configured`` one, leaving out what an LR scheduler moves by design: ``lr`` under a scheduler that
+    keeps ``initial_lr`` (that is compared instead), ``betas[0]`` and ``momentum`` where ``OneCycleLR`` or ``CyclicLR``
+    cycle them (``base_momentum`` in the group). An lr ``ReduceLROnPlateau`` lowered (it keeps nothing in the group) is
+    named with that possibility."""
+    cycled = "base_momentum" in saved
+    changed = []
+    for key in (
+        "initial_lr" if "initial_lr" in saved and "initial_lr" in configured else "lr",
+        "betas",
+        "eps",
+        "weight_decay",
+        "momentum",
+        "dampening",
+    ):
+        if key not in saved or key not in configured or (cycled and key == "momentum"):
+            continue
+        old, new = saved[key], configured[key]
+        if cycled and key == "betas":
+            old, new = tuple(old)[1:], tuple(new)[1:]
+        if not _same_value(old, new):
+            plateau = " (a ReduceLROnPlateau lowers it: then nothing to do)" if key == "lr" and _below(saved[key], configured[key]) else ""
+            changed.append(f"{key}: configured {configured[key]!r}, checkpoint {saved[key]!r}{plateau}")
+    return changed
 
 
-def _lowered(saved: Any, configured: Any) -> bool:
+def _below(saved: Any, configured: Any) -> bool:
     """Whether a loaded ``lr`` (a number or a one-value tensor) is below the configured one."""
     try:
         return float(saved) < float(configured)
@@ -330,7 +342,8 @@ class QuantizedStates:
     """Mixin holding the state-storage logic; concrete optimizers combine it with a ``torch.optim`` class.
 
     Subclasses set ``state_names`` and implement ``_update(group, param, grad, states, state)``, which
-    applies torch's update to the fp32 ``states`` (a dict of tensors, mutated in place or replaced), and
+    applies torch's update to the fp32 ``states`` (a dict of tensors, mutated in place or replaced; a state it drops
+    from the dict, unused by this step, keeps its stored codes: a decoded block encoded again can move them), and
     ``_init_state(group, key, param, state)`` to create a parameter's states.
     """
 
@@ -990,13 +1003,6 @@ class QuantizedStates:
         grid = self.weight_grid(group, key, param)
         decode_as = torch.float32 if grid is not None else None  # the update runs in fp32 (module ``optim.weights``)
         states = {name: _decoded(state[name], decode_as) for name in self.state_names if state.get(name) is not None}
-        # a decoded state the update leaves alone (SGD's buffer under momentum=0) keeps its codes: encoding a decoded
-        # block again can move them (a signed map's negative end is not -1: its absmax shrinks at each round trip)
-        decoded = {name: (value, value._version) for name, value in states.items() if isinstance(state[name], QuantizedTensor)}
-
-        def untouched(name: str, value: torch.Tensor) -> bool:
-            return name in decoded and decoded[name][0] is value and decoded[name][1] == value._version
-
         before = {name: value.clone() for name, value in states.items() if self.track_stalls and isinstance(state[name], QuantizedTensor)}
         undo = self._undo_record(key, state) if any(isinstance(v, QuantizedTensor) for v in state.values()) else None
         targets = self._intended_updates(group, [key]) if grid is None else []  # a grid's update counts its weights' stalls itself
@@ -1005,17 +1011,14 @@ class QuantizedStates:
                 self._update(group, param, grad, states, state)
             else:
                 self._update_weights(group, key, param, grad, states, state, grid)
-            stored = {
-                name: state[name] if untouched(name, value) else self._store(group, key, name, value, state.get(name), decode_as)
-                for name, value in states.items()
-            }
+            stored = {name: self._store(group, key, name, value, state.get(name), decode_as) for name, value in states.items()}
         except StepOverflowError:
             if undo is not None:
                 undo()
             raise
         self._count_intended_stalls(targets)
         for name, value in stored.items():
-            if name in before and value is not state[name]:
+            if name in before:
                 self._count_stalls(key, name, state[name], before[name], states[name], value)
             state[name] = value
 
@@ -1491,7 +1494,7 @@ class QuantizedStates:
         state whose shape, size, checksum or scales do not fit its parameter raises. State keys are matched to
         parameters as torch does, by position in the saved ``param_groups`` (ints, or FQNs from
         ``set_optimizer_state_dict``). Hyperparameters come from the checkpoint, as in torch (a configured value
-        that differs is warned about, unless a scheduler moves it: ``_unscheduled_hyperparameters``). The storage
+        that differs is warned about, unless a scheduler moves it: ``_changed_hyperparameters``). The storage
         policy (``states``, ``rounding``, ``block_size``, ``min_quant_size``) stays as configured: where it differs
         from the checkpoint's, the states are re-encoded into the configured formats, with a warning. Hooks
         registered with ``register_load_state_dict_pre_hook`` see a shallow copy of the dict as given (as torch's),
@@ -1677,9 +1680,7 @@ class QuantizedStates:
                 group[key] = before[key]
             self._complete_group(group)
             changes.append(", ".join(policy_changes))
-            for key in _unscheduled_hyperparameters(group, before):
-                if key in group and key in before and not _same_value(group[key], before[key]):
-                    hyper.append(f"group {index} {key}: configured {before[key]!r}, checkpoint {group[key]!r}")
+            hyper += [f"group {index} {change}" for change in _changed_hyperparameters(group, before)]
         if hyper:
             warnings.warn(
                 f"{type(self).__name__}: the checkpoint's hyperparameters are used, as torch does ({'; '.join(hyper)}); "

@@ -558,6 +558,8 @@ class QSGD(_MomentumStates, torch.optim.SGD):
         )
         if group["momentum"] != 0:
             states["momentum_buffer"] = buffers[0]
+        else:  # unused (torch's SGD keeps it as it is for when momentum returns): its codes stay
+            states.pop("momentum_buffer", None)
 
     def _check_weight_options(self, group: dict, owner: str) -> None:
         super()._check_weight_options(group, owner)
