@@ -100,6 +100,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--callbacks", default="[]", help='JSON list of lightning_qstate.callbacks to add: [{"class": "StallMonitor", "init_args": {...}}]'
     )
     parser.add_argument("--log-every", type=int, default=1, help="Trainer log_every_n_steps (metrics are recorded per rank)")
+    parser.add_argument("--decay-groups", action="store_true", help="two param groups, the weight matrices first (not the module's order)")
     args = parser.parse_args(argv)
     args.phases = [phase.strip() for phase in args.mode.split(",") if phase.strip()]
     unknown = sorted(set(args.phases) - set(PHASES))
@@ -115,11 +116,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 class WidthRegressor(Regressor):
-    """``Regressor`` fed ``width`` inputs (FSDP2 keeps fp32 states for rows that allow no aligned block of >= 32)."""
+    """``Regressor`` fed ``width`` inputs (FSDP2 keeps fp32 states for rows that allow no aligned block of >= 32); with
+    ``decay_groups`` its AdamW has the usual two groups, the weight matrices (decayed) before the rest: ids in another
+    order than the module's parameters."""
 
-    def __init__(self, width: int = 64, hidden: int = 300, lr: float = 1e-2) -> None:
+    def __init__(self, width: int = 64, hidden: int = 300, lr: float = 1e-2, decay_groups: bool = False) -> None:
         super().__init__(width=width, hidden=hidden, lr=lr)
         self.width = width
+        self.decay_groups = decay_groups
+
+    def configure_optimizers(self):
+        if not self.decay_groups:
+            return super().configure_optimizers()
+        # by name (FSDP1 shows its parameters as flat shards here): the Linear layers' weights
+        named = [(name.replace("_fsdp_wrapped_module.", ""), param) for name, param in self.named_parameters()]
+        matrices = [param for name, param in named if name in ("net.0.weight", "net.3.weight")]
+        rest = [param for name, param in named if name not in ("net.0.weight", "net.3.weight")]
+        groups = [{"params": matrices, "weight_decay": 0.01}, {"params": rest, "weight_decay": 0.0}]
+        optimizer = torch.optim.AdamW(groups, lr=self.lr)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.7)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     def training_step(self, batch, batch_idx):
         x, y = step_batch(self.global_step, self.global_rank, self.width)
@@ -236,7 +252,7 @@ def make_trainer(args: argparse.Namespace, phase: str, kind: str, out: Path, ext
 
 def make_model(args: argparse.Namespace) -> pl.LightningModule:
     model_class = FullyShardedRegressor if args.strategy == "fsdp2" else WidthRegressor
-    return model_class(width=args.width, hidden=args.hidden)
+    return model_class(width=args.width, hidden=args.hidden, decay_groups=args.decay_groups)
 
 
 # --- what each rank reports -------------------------------------------------------------------------

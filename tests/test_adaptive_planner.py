@@ -505,6 +505,13 @@ def test_frozen_layers_stay_planned_alike_whichever_rank_holds_their_states():
     assert "0.weight" not in [layer.name for layer in resumed.layers]
     resumed.load_state_dict(saved)
     assert [layer.name for layer in resumed.layers] == [layer.name for layer in planner.layers] and not resumed._pending_entries
+    # a planner built now, without a checkpoint (AdaptiveBitWidth added at a resume): the rank holding the frozen layer's
+    # states and the rank holding none plan the same layers, the same formats, when told which some rank holds
+    holding = BitWidthPlanner(optimizer, model, **JOIN_PLAN)
+    optimizer.state.pop(model[0].weight)
+    told = BitWidthPlanner(optimizer, model, **JOIN_PLAN, also_track=[model[0].weight])
+    assert [(layer.name, layer.choice) for layer in told.layers] == [(layer.name, layer.choice) for layer in holding.layers]
+    assert "0.weight" not in [layer.name for layer in BitWidthPlanner(optimizer, model, **JOIN_PLAN).layers]  # untold: its own
 
 
 def test_a_join_before_the_second_check_counts_the_states_it_re_encodes():

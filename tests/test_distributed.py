@@ -58,6 +58,7 @@ class RunSpec:
     quantized: tuple[str, ...] = ("net.0.weight",)  # parameters whose states must be quantized (on every rank holding a part)
     callbacks: str = "[]"  # JSON list of lightning_qstate callbacks (see the worker's --callbacks)
     log_every: int = 1
+    decay_groups: bool = False  # the optimizer's ids in another order than the module's parameters (the worker's --decay-groups)
     by_lightning: bool = False  # start rank 0 alone and let Lightning start rank 1 (else both at once, as torchrun does)
 
     def args(self) -> list[str]:
@@ -65,7 +66,7 @@ class RunSpec:
             "--strategy", self.strategy, "--state-dict", ",".join(self.kinds), "--hidden", str(self.hidden),
             "--min-quant-size", str(self.min_quant_size), "--states", self.states, "--via", self.via,
             "--steps", str(STEPS), "--save-step", str(SAVE_STEP),
-            "--callbacks", self.callbacks, "--log-every", str(self.log_every),
+            "--callbacks", self.callbacks, "--log-every", str(self.log_every), *(["--decay-groups"] if self.decay_groups else []),
         ]  # fmt: skip
 
 
@@ -88,6 +89,7 @@ RUNS = {
         fresh_resume=False,
         callbacks=STALL_CALLBACKS_JSON,
         by_lightning=True,
+        decay_groups=True,  # resumed under FSDP1/FSDP2 below: Lightning names the ids by the module's order
     ),
     # hidden=301: uneven flat shards. net.0.weight (19264 values) falls on rank 0 (11296 values) and rank 1 (7968):
     # min_quant_size=8192 lies between, so deciding from the local numel would quantize it on rank 0 only.
@@ -428,7 +430,7 @@ def test_packed_checkpoint_resumes_under_a_strategy_that_reshards(resharded_ddp_
                 # the saved format (FSDP2's policy would keep net.3.weight fp32, its rows of 300 allowing no block >= 32: a
                 # format that differs from the policy's is kept on load, and named in a warning at the next step)
                 assert described["quantized"] and described["format"]["name"] == saved_formats[name][state]["format"]["name"]
-                packed = saved[index * 4][state]  # parameters 0 and 3 of the saved group: net.0.weight, net.3.weight
+                packed = saved[index][state]  # ids 0 and 1, the decay group's matrices: net.0.weight, net.3.weight
                 fmt = get_format(**packed["format"])
                 full = QuantizedTensor(fmt, packed["codes"], packed["scales"], torch.Size(packed["shape"]), torch.float32).dequantize()
                 full = full.reshape(-1)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -232,6 +232,11 @@ class BitWidthPlanner:
             every zone's formats (default ``DEFAULT_FLOOR_FORMATS``, int4 for both): each layer's ladder ends with it
             where it saves bytes (:func:`~lightning_qstate.adaptive.floor_option`), and the budget uses it only where
             the zones' formats cannot meet ``target_bits``; ``{}``: no floor.
+        also_track: frozen parameters to plan as layers although this rank holds no states of them: under FSDP1 the
+            frozen ones some rank holds states of (a rank whose shard of one is empty holds none), so that every rank
+            plans the same layers (:class:`~lightning_qstate.callbacks.AdaptiveBitWidth` all-reduces which; without it
+            a planner built after such a parameter was frozen planned other layers per rank). Trainable parameters, and
+            frozen ones this rank holds states of, are planned in any case.
 
     Attributes:
         layers: every parameter of the optimizer with its statistics, zone and chosen formats.
@@ -259,6 +264,7 @@ class BitWidthPlanner:
         max_history: int = 256,
         fill_budget: bool = True,
         floor_formats: Mapping[str, str] | None = None,
+        also_track: Iterable[torch.Tensor] = (),
     ) -> None:
         self.formats, self.floor_formats = check_options(
             "BitWidthPlanner",
@@ -296,7 +302,7 @@ class BitWidthPlanner:
         self.max_history = int(max_history)
         self.fill_budget = fill_budget
         self.module = module
-        self.layers = self._collect_layers()
+        self.layers = self._collect_layers({id(param) for param in also_track})
         self._pending_entries: dict[str, dict[str, Any]] = {}  # a checkpoint's layers that have not joined yet
         self.global_rms: float | None = None
         self.global_dispersion: float | None = None

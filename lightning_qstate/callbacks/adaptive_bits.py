@@ -17,7 +17,18 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from ..adaptive import ADAPTED_STATES, STATE_DICT_VERSION, BitWidthPlanner
 from ..adaptive.planner import adaptable, check_options, kept_plain
 from ..arguments import ConfigurationError
+from .stall_counts import across_ranks
 from .tensorboard import log_scalars, logs_this_step, write_layout
+
+
+def frozen_with_states(trainer: pl.Trainer, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The optimizer's frozen parameters that some rank holds states of (under FSDP1 a rank whose shard of one is empty
+    holds none): a collective where some parameter is frozen (alike on every rank)."""
+    frozen = [param for group in optimizer.param_groups for param in group["params"] if not param.requires_grad]
+    if not frozen:
+        return []
+    held = across_ranks(trainer, torch.tensor([float(bool(optimizer.state.get(param))) for param in frozen]), "max")
+    return [param for param, holds in zip(frozen, held.tolist(), strict=True) if holds]
 
 
 class AdaptiveBitWidth(Callback):
@@ -153,7 +164,13 @@ class AdaptiveBitWidth(Callback):
             )
         model = trainer.strategy.model if trainer.strategy.model is not None else pl_module
         # a new planner per fit: one without a checkpoint starts afresh
-        self.planner = BitWidthPlanner(optimizers[0], model, anneal_steps=self._anneal_steps(trainer), **self.planner_options)
+        self.planner = BitWidthPlanner(
+            optimizers[0],
+            model,
+            anneal_steps=self._anneal_steps(trainer),
+            also_track=frozen_with_states(trainer, optimizers[0]),
+            **self.planner_options,
+        )
         if self._restored is not None:
             self.planner.load_state_dict(self._restored)
             self._restored = None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -60,27 +61,70 @@ class CPUFSDPStrategy(FSDPStrategy):
             return state_dict
 
 
-def _unpacked_checkpoint(checkpoint: Any) -> Any:
+def in_module_order(state_dict: dict[str, Any], module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """An optimizer state dict keyed by parameter ids (as torch saves it: positions in the optimizer's groups), its ids
+    renumbered to positions in ``module.parameters()``, which Lightning's FSDP1 and FSDP2 loads take them for when they
+    turn them into names (``FSDP.rekey_optim_state_dict`` without the optimizer): an optimizer whose groups list the
+    parameters in another order (weight-decay groups; a group added with ``add_param_group``) got each state attached to
+    another parameter. The saved groups' ids are matched to ``optimizer``'s parameters by position, as torch's
+    ``Optimizer.load_state_dict`` matches them; a state dict they do not fit (name keys, other group sizes) is returned as
+    it is."""
+    groups = state_dict.get("param_groups") or []
+    saved = [index for group in groups for index in group["params"]]
+    current = [param for group in optimizer.param_groups for param in group["params"]]
+    position = {id(param): index for index, param in enumerate(module.parameters())}
+    fits = len(saved) == len(current) and all(isinstance(index, int) for index in saved) and all(id(p) in position for p in current)
+    if not fits or not set(state_dict.get("state", {})) <= set(saved):
+        return state_dict
+    renumbered = {old: position[id(param)] for old, param in zip(saved, current, strict=True)}
+    return {
+        **state_dict,
+        "state": {renumbered[index]: value for index, value in state_dict["state"].items()},
+        "param_groups": [{**group, "params": [renumbered[index] for index in group["params"]]} for group in groups],
+    }
+
+
+def _loadable_by_fsdp1(checkpoint: Any, strategy: FSDPStrategy) -> Any:
+    """``checkpoint`` (as ``FSDPStrategy.load_checkpoint`` read it from one file) with its optimizer states unpacked and in
+    module order (``in_module_order``)."""
     if isinstance(checkpoint, dict) and isinstance(checkpoint.get("optimizer_states"), list):
-        checkpoint["optimizer_states"] = [unpacked_state_dict(state) for state in checkpoint["optimizer_states"]]
+        states = checkpoint["optimizer_states"]
+        if len(states) == len(strategy.optimizers):
+            states = [
+                in_module_order(state, strategy.model, optimizer) for state, optimizer in zip(states, strategy.optimizers, strict=True)
+            ]
+        checkpoint["optimizer_states"] = [unpacked_state_dict(state) for state in states]
     return checkpoint
+
+
+def _loadable_by_fsdp2(rekey: Callable, strategy: ModelParallelStrategy) -> Callable:
+    """Lightning's ``_rekey_optimizer_state_if_needed(state, module)``, called once per optimizer in order, with each state
+    unpacked and in module order first (``in_module_order``)."""
+    optimizers = iter(strategy.optimizers)
+
+    def rekeyed(state: dict[str, Any], module: torch.nn.Module) -> dict[str, Any]:
+        optimizer = next(optimizers, None)
+        state = unpacked_state_dict(state)
+        return rekey(state if optimizer is None else in_module_order(state, module, optimizer), module)
+
+    return rekeyed
 
 
 # Where each strategy that reshards optimizer states hands what it read from a one-file checkpoint to torch's resharding
 # (Lightning has no hook in between): the module, the function it calls there, and that function with the packed states
-# converted first.
+# converted first (``(function, strategy) -> function``).
 _RESHARDING_LOADS = (
     (
         ModelParallelStrategy,
         "lightning.fabric.strategies.model_parallel",
         "_rekey_optimizer_state_if_needed",  # (optimizer state, module) -> optimizer state, then set_optimizer_state_dict
-        lambda rekey: lambda state, module: rekey(unpacked_state_dict(state), module),
+        _loadable_by_fsdp2,
     ),
     (
         FSDPStrategy,
         "lightning.pytorch.strategies.fsdp",
-        "_materialize_tensors",  # (checkpoint) -> checkpoint, then FSDP.optim_state_dict_to_load
-        lambda materialize: lambda checkpoint: _unpacked_checkpoint(materialize(checkpoint)),
+        "_materialize_tensors",  # (checkpoint) -> checkpoint, then FSDP.rekey_optim_state_dict and optim_state_dict_to_load
+        lambda materialize, strategy: lambda checkpoint: _loadable_by_fsdp1(materialize(checkpoint), strategy),
     ),
 )
 
@@ -90,7 +134,8 @@ def load_packed_checkpoints_into_shards(strategy: Strategy) -> None:
     packed (saved on one device or under DDP): its ``load_checkpoint`` converts them to the fp32 form (decoded values of
     the parameter's shape, ``optim.serialization.unpacked_state_dict``), which the strategy cuts into shards like any
     torch state and loading re-quantizes into the saved formats. Without it FSDP2 fails inside torch (it cannot unflatten
-    the packed dicts against its DTensor states) and FSDP1 refuses the full-shape states. The plugins and
+    the packed dicts against its DTensor states) and FSDP1 refuses the full-shape states. The states' parameter ids are
+    renumbered to the module's order first (``in_module_order``: Lightning names them by it). The plugins and
     ``QuantizedOptimizerStates`` call it when they connect; other strategies are left as they are.
     """
     point = next((point for point in _RESHARDING_LOADS if isinstance(strategy, point[0])), None)
@@ -107,7 +152,7 @@ def load_packed_checkpoints_into_shards(strategy: Strategy) -> None:
 
     def load_checkpoint(checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
         original = getattr(module, name)
-        setattr(module, name, converting(original))
+        setattr(module, name, converting(original, strategy))
         try:
             return load(checkpoint_path, *args, **kwargs)
         finally:
