@@ -397,21 +397,22 @@ def test_configure_optimizers_returning_none_trains_as_in_lightning(tmp_path, us
 
 
 def test_optimizer_ids_are_renumbered_to_the_module_order_for_fsdp_loads():
-    """Lightning's FSDP1 and FSDP2 loads name a one-file checkpoint's parameter ids by the module's order: states saved by
-    an optimizer whose groups list the parameters otherwise (the usual weight-decay split) went to other parameters (an
-    error where the shapes differ, silently where they match). ``in_module_order`` renumbers them first."""
+    """Lightning's FSDP1 and FSDP2 loads name a one-file checkpoint's parameter ids by the module's order: states saved
+    packed (one device, DDP) by an optimizer whose groups list the parameters otherwise (the usual weight-decay split)
+    went to other parameters (an error where the shapes differ, silently where they match). ``in_module_order``
+    renumbers them first; a state dict without packed states (FSDP saved it: module order already) stays as it is."""
     from lightning_qstate.plugins.strategies import in_module_order
 
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3), torch.nn.Linear(3, 2))
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.LayerNorm(32), torch.nn.Linear(32, 32))
     params = list(model.parameters())
     groups = [{"params": [p for p in params if p.ndim == 2]}, {"params": [p for p in params if p.ndim != 2], "weight_decay": 0.0}]
-    optimizer = torch.optim.AdamW(groups)
-    model(torch.randn(5, 4)).square().sum().backward()
+    optimizer = QAdamW(groups, min_quant_size=0)
+    model(torch.randn(5, 16)).square().sum().backward()
     optimizer.step()
     saved = optimizer.state_dict()
     renumbered = in_module_order(saved, model, optimizer)
     assert [group["params"] for group in renumbered["param_groups"]] == [[0, 4], [1, 2, 3, 5]]
-    assert all(renumbered["state"][index]["exp_avg"] is optimizer.state[param]["exp_avg"] for index, param in enumerate(params))
-    named = {**saved, "state": {f"p{index}": value for index, value in saved["state"].items()}}
-    assert in_module_order(named, model, optimizer) is named  # names, or groups of other sizes: as they are
+    assert [renumbered["state"][index]["exp_avg"]["shape"] for index in range(6)] == [list(param.shape) for param in params]
+    fp32 = {**saved, "state": {index: {"step": entries["step"]} for index, entries in saved["state"].items()}}
+    assert in_module_order(fp32, model, optimizer) is fp32

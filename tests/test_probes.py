@@ -259,8 +259,18 @@ def test_default_units_find_blocks_in_an_inner_sequential():
     timm = pytest.importorskip("timm")
     vit = timm.models.vision_transformer.VisionTransformer(img_size=8, patch_size=4, embed_dim=16, depth=2, num_heads=2, num_classes=3)
     assert default_units(vit) == ["blocks.0", "blocks.1"]
-    mixed = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.GELU(), torch.nn.Linear(4, 4))  # a model's own children
-    assert default_units(mixed) == ["0", "1", "2"]
+    # a Sequential model: its own children, whatever one-class Sequential it holds
+    nested = torch.nn.Sequential(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)), torch.nn.GELU(), torch.nn.Linear(4, 4))
+    assert default_units(nested) == ["0", "1", "2"]
+
+    class Staged(torch.nn.Module):  # a CNN's stages: blocks of one class in several Sequentials, no one chain of them
+        def __init__(self) -> None:
+            super().__init__()
+            self.stage1 = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+            self.stage2 = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+
+    with pytest.raises(ValueError, match="pass units="):
+        default_units(Staged())
 
 
 def test_abc_on_gpt_blocks_and_their_linear_layers():

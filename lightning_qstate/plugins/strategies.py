@@ -11,7 +11,7 @@ from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy, Strategy
 from torch.distributed.fsdp import FullOptimStateDictConfig, FullStateDictConfig, FullyShardedDataParallel, OptimStateKeyType, StateDictType
 
-from ..optim.serialization import unpacked_state_dict
+from ..optim.serialization import is_exported, unpacked_state_dict
 
 
 class CPUFSDPStrategy(FSDPStrategy):
@@ -62,13 +62,16 @@ class CPUFSDPStrategy(FSDPStrategy):
 
 
 def in_module_order(state_dict: dict[str, Any], module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """An optimizer state dict keyed by parameter ids (as torch saves it: positions in the optimizer's groups), its ids
-    renumbered to positions in ``module.parameters()``, which Lightning's FSDP1 and FSDP2 loads take them for when they
-    turn them into names (``FSDP.rekey_optim_state_dict`` without the optimizer): an optimizer whose groups list the
-    parameters in another order (weight-decay groups; a group added with ``add_param_group``) got each state attached to
-    another parameter. The saved groups' ids are matched to ``optimizer``'s parameters by position, as torch's
-    ``Optimizer.load_state_dict`` matches them; a state dict they do not fit (name keys, other group sizes) is returned as
-    it is."""
+    """A packed optimizer state dict (saved on one device or under DDP: ids are positions in the optimizer's groups, as
+    torch numbers them) with its ids renumbered to positions in ``module.parameters()``, which Lightning's FSDP1 and
+    FSDP2 loads take them for when they turn them into names (``FSDP.rekey_optim_state_dict`` without the optimizer): an
+    optimizer whose groups list the parameters in another order (weight-decay groups; a group added with
+    ``add_param_group``) got each state attached to another parameter. The saved groups' ids are matched to
+    ``optimizer``'s parameters by position, as torch's ``Optimizer.load_state_dict`` matches them. Returned as it is: a
+    state dict with no packed state (one FSDP saved holds ids in module order already, and the two numberings cannot
+    be told apart otherwise; a plain torch one is left to Lightning), name keys, groups of other sizes."""
+    if not any(is_exported(entry) for entries in state_dict.get("state", {}).values() for entry in entries.values()):
+        return state_dict
     groups = state_dict.get("param_groups") or []
     saved = [index for group in groups for index in group["params"]]
     current = [param for group in optimizer.param_groups for param in group["params"]]
@@ -104,8 +107,8 @@ def _loadable_by_fsdp2(rekey: Callable, strategy: ModelParallelStrategy) -> Call
 
     def rekeyed(state: dict[str, Any], module: torch.nn.Module) -> dict[str, Any]:
         optimizer = next(optimizers, None)
-        state = unpacked_state_dict(state)
-        return rekey(state if optimizer is None else in_module_order(state, module, optimizer), module)
+        ordered = state if optimizer is None else in_module_order(state, module, optimizer)  # told by its packed states
+        return rekey(unpacked_state_dict(ordered), module)
 
     return rekeyed
 

@@ -32,6 +32,7 @@ Example::
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -86,25 +87,31 @@ class ABCResult:
 
 
 def default_units(model: torch.nn.Module) -> list[str]:
-    """The chain of units: the children of the largest ``ModuleList`` or inner ``Sequential`` whose children are all of
-    one class (transformer blocks, e.g. GPT-2's ``transformer.h``, timm's ViT ``blocks``), else the children of a
-    ``Sequential`` model.
+    """The chain of units: the children of the largest ``ModuleList`` whose children are all of one class (transformer
+    blocks, e.g. GPT-2's ``transformer.h``), else the children of a ``Sequential`` model, else those of the one inner
+    ``Sequential`` whose children are all of a class no other such container holds (timm's ViT ``blocks``; not one of
+    a CNN's stages, whose blocks other stages hold too: the chain would end mid-network).
 
     Raises:
-        ValueError: neither exists (pass ``units=`` explicitly).
+        ValueError: none of these exists (pass ``units=`` explicitly).
     """
-    candidates = [
-        (len(module), name)
-        for name, module in model.named_modules()
-        if (isinstance(module, torch.nn.ModuleList) or (isinstance(module, torch.nn.Sequential) and name))
-        and len(module)
-        and len({type(child) for child in module}) == 1
-    ]
-    if candidates:
-        _, name = max(candidates, key=lambda candidate: candidate[0])  # the first of the largest
+
+    def one_class(module: torch.nn.Module, kind: type) -> bool:
+        return isinstance(module, kind) and len(module) > 0 and len({type(child) for child in module}) == 1
+
+    def chain(name: str) -> list[str]:
         return [f"{name}.{index}" if name else str(index) for index in range(len(model.get_submodule(name)))]
+
+    lists = [(len(module), name) for name, module in model.named_modules() if one_class(module, torch.nn.ModuleList)]
+    if lists:
+        return chain(max(lists, key=lambda candidate: candidate[0])[1])  # the first of the largest
     if isinstance(model, torch.nn.Sequential):
         return [name for name, _ in model.named_children()]
+    inner = [(name, type(module[0])) for name, module in model.named_modules() if name and one_class(module, torch.nn.Sequential)]
+    classes = Counter(kind for _, kind in inner)
+    alone = [name for name, kind in inner if classes[kind] == 1]
+    if len(alone) == 1:
+        return chain(alone[0])
     raise ConfigurationError(
         f"{type(model).__name__} has no transformer blocks (a ModuleList or Sequential of one class) and is not a Sequential: "
         "pass units=[module names in forward order]"
