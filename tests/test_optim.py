@@ -953,4 +953,6 @@ def test_fused_updates_store_their_states(make, state):
         train(model, optimizer, 4)
         runs.append(optimizer.state[model[0].weight][state].dequantize())
     unfused, fused = runs
+    # equal here (Intel AVX-512): torch's fused kernel and the unfused paths compute the same fma forms; the bound leaves
+    # room for an ulp-level difference elsewhere moving a value across an int8 threshold (one code step, ~1 % of it)
     assert fused.abs().max() > 0 and (fused - unfused).norm() <= 0.02 * unfused.norm()
