@@ -17,7 +17,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from ..adaptive import ADAPTED_STATES, STATE_DICT_VERSION, BitWidthPlanner
 from ..adaptive.planner import adaptable, check_options, kept_plain
 from ..arguments import ConfigurationError
-from .stall_counts import across_ranks
+from .stall_counts import held_on_some_rank
 from .tensorboard import log_scalars, logs_this_step, write_layout
 
 
@@ -27,8 +27,8 @@ def frozen_with_states(trainer: pl.Trainer, optimizer: torch.optim.Optimizer) ->
     frozen = [param for group in optimizer.param_groups for param in group["params"] if not param.requires_grad]
     if not frozen:
         return []
-    held = across_ranks(trainer, torch.tensor([float(bool(optimizer.state.get(param))) for param in frozen]), "max")
-    return [param for param, holds in zip(frozen, held.tolist(), strict=True) if holds]
+    held = held_on_some_rank(trainer, [(optimizer, param) for param in frozen])
+    return [param for param, holds in zip(frozen, held, strict=True) if holds]
 
 
 class AdaptiveBitWidth(Callback):

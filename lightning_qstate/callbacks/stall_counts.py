@@ -19,6 +19,7 @@ its row has no ``format``, and the callbacks that act on states (resets, bit-wid
 from __future__ import annotations
 
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import lightning.pytorch as pl
@@ -188,6 +189,13 @@ def across_ranks(trainer: pl.Trainer, local: torch.Tensor, reduce_op: str) -> to
     if trainer.world_size == 1:
         return local
     return trainer.strategy.reduce(local.to(trainer.strategy.root_device, copy=True), reduce_op=reduce_op).cpu()
+
+
+def held_on_some_rank(trainer: pl.Trainer, entries: Sequence[tuple[torch.optim.Optimizer, torch.Tensor]]) -> list[bool]:
+    """Whether some rank's optimizer holds states of each ``(optimizer, parameter)`` (an FSDP1 rank whose shard of a
+    parameter is empty holds none): a collective where there are several ranks."""
+    local = torch.tensor([float(bool(optimizer.state.get(param))) for optimizer, param in entries])
+    return [bool(held) for held in across_ranks(trainer, local, "max").tolist()]
 
 
 def collect_stalls(trainer: pl.Trainer) -> StallMeasurement:

@@ -16,7 +16,16 @@ from ..arguments import ConfigurationError, check_flags, finite_real, is_positiv
 from ..formats import StorageFormat
 from ..theory import moment_of, reset_period, state_decay
 from ..theory.stall import RUNNING_MAXIMA
-from .stall_counts import MeasuredSteps, StateRow, across_ranks, known_state_names, optimizer_steps, quantized_optimizers, state_rows
+from .stall_counts import (
+    MeasuredSteps,
+    StateRow,
+    across_ranks,
+    held_on_some_rank,
+    known_state_names,
+    optimizer_steps,
+    quantized_optimizers,
+    state_rows,
+)
 from .tensorboard import log_scalars
 
 STATE_VERSION = 1
@@ -121,7 +130,6 @@ class StateResetScheduler(Callback):
                 "they do not stall"
             )
         self.period = int(period) if is_positive_int(period) else period  # numpy's ints as Python's
-
         self.threshold = None if threshold is None else float(threshold)
         self.check_every_n_steps = int(check_every_n_steps)
         self.states = None if states is None else tuple(states)
@@ -209,8 +217,8 @@ class StateResetScheduler(Callback):
         new = [(layer, rows) for layer, rows in layers.items() if layer not in self.last_reset and rows[0].param.requires_grad]
         if not new:
             return
-        held = torch.tensor([float(bool(rows[0].optimizer.state.get(rows[0].param))) for _, rows in new])
-        appeared = [entry for entry, has_states in zip(new, across_ranks(trainer, held, "max").tolist(), strict=True) if has_states]
+        held = held_on_some_rank(trainer, [(rows[0].optimizer, rows[0].param) for _, rows in new])
+        appeared = [entry for entry, has_states in zip(new, held, strict=True) if has_states]
         for index, (layer, rows) in enumerate(appeared):
             period = self.layer_period(rows)
             origin = optimizer_steps(trainer, rows[0].optimizer) - int(stepped)
