@@ -514,6 +514,26 @@ def test_frozen_layers_stay_planned_alike_whichever_rank_holds_their_states():
     assert "0.weight" not in [layer.name for layer in BitWidthPlanner(optimizer, model, **JOIN_PLAN).layers]  # untold: its own
 
 
+def test_a_frozen_layer_told_by_also_track_is_checked_alike_on_every_rank():
+    """The fp32-states refusal covers the frozen parameters ``also_track`` names, as the layers do: a rank holding no
+    state of a frozen parameter in a ``states='fp32'`` group refuses it as the rank holding one does (one FSDP1 rank
+    raising while the other went on to a collective would hang)."""
+    model = torch.nn.Sequential(torch.nn.Linear(32, 128), torch.nn.ReLU(), torch.nn.Linear(128, 1))
+    optimizer = lightning_qstate.QAdamW(model[2].parameters(), lr=1e-3, min_quant_size=0)
+    optimizer.add_param_group({"params": list(model[0].parameters()), "states": "fp32"})
+    model(torch.randn(8, 32)).square().mean().backward()
+    optimizer.step()  # every parameter gets its states
+    model[0].requires_grad_(False)
+    refusal = r"param group 1 has states='fp32', which keeps exp_avg and exp_avg_sq in fp32"
+    with pytest.raises(ValueError, match=refusal):  # the rank holding the frozen layer's states
+        BitWidthPlanner(optimizer, model, **JOIN_PLAN)
+    for param in model[0].parameters():
+        optimizer.state.pop(param)  # as the rank without a part of them
+    assert [layer.name for layer in BitWidthPlanner(optimizer, model, **JOIN_PLAN).layers] == ["2.weight", "2.bias"]
+    with pytest.raises(ValueError, match=refusal):
+        BitWidthPlanner(optimizer, model, **JOIN_PLAN, also_track=[model[0].weight])
+
+
 def test_a_join_before_the_second_check_counts_the_states_it_re_encodes():
     """At a join between the first two checks no layer held states at the last check (none existed at check 0): the
     re-encodings of the layers that got their gradient there count (they did not)."""

@@ -52,7 +52,8 @@ def test_one_run_summary_where_the_config_lists_one():
 
 def test_the_summary_names_the_tensorboard_folder_and_a_resumed_fits_steps(tmp_path):
     """With a CSVLogger before the TensorBoard one, the summary's logs and report lines named the CSV folder (the report
-    found no event files there); a resumed fit printed the checkpoint's steps too beside its own seconds."""
+    found no event files there); a resumed fit printed the checkpoint's steps too beside its own seconds (one resumed at
+    max_steps, where no training runs, printed its steps as if it had run them all)."""
     from lightning.pytorch import Trainer
     from lightning.pytorch.demos.boring_classes import BoringModel
     from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
@@ -75,6 +76,7 @@ def test_the_summary_names_the_tensorboard_folder_and_a_resumed_fits_steps(tmp_p
     assert f"report: lightning-qstate report {tmp_path / 'tb' / 'version_0'} " in printed and "csv" not in printed
     trainer.save_checkpoint(tmp_path / "four.ckpt")
     assert ", steps 4 -> 6) ==" in fit(6, str(tmp_path / "four.ckpt"))[1].format().splitlines()[0]
+    assert ", steps 4 -> 4) ==" in fit(4, str(tmp_path / "four.ckpt"))[1].format().splitlines()[0]  # resumed at max_steps: none ran
     assert "logs" not in fit(2, logged=False)[1].format()  # it named default_root_dir, where nothing was logged
 
 

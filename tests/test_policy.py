@@ -148,6 +148,23 @@ def test_errors_name_the_entry_point_and_the_option():
             entry(min_quant_size=-1)
 
 
+def test_integer_counts_of_numpy_and_tensors_are_taken_as_python_ints():
+    """``block_size`` and ``min_quant_size`` given as numpy integers or 0-d integer tensors (a sweep's grid) are accepted
+    by the policy, the constructors and ``add_param_group``, and stored as Python ints (checkpoints and JSON hold no
+    numpy scalars); a float count is still refused."""
+    import numpy as np
+
+    policy = QuantizationPolicy(min_quant_size=np.int32(0), block_size=torch.tensor(128))
+    assert (type(policy.min_quant_size), type(policy.block_size)) == (int, int) and policy.block_size == 128
+    optimizer = lq.QAdamW(model().parameters(), min_quant_size=np.int64(0), block_size=np.int64(64))
+    optimizer.add_param_group({"params": [torch.nn.Parameter(torch.randn(10))], "min_quant_size": np.int16(3)})
+    for group in optimizer.param_groups:
+        assert type(group["min_quant_size"]) is int and type(group["block_size"]) is int
+    assert [group["min_quant_size"] for group in optimizer.param_groups] == [0, 3]
+    with pytest.raises(ValueError, match=r"QAdamW: min_quant_size=np.float64\(3.0\) must be an int >= 0"):
+        lq.QAdamW(model().parameters(), min_quant_size=np.float64(3))
+
+
 def test_each_state_is_checked_with_its_sign():
     """``v`` is stored unsigned: a 16-bit minifloat without a sign bit (e4m12) is valid for it alone (it was checked
     as a signed format, 17 bits, and refused); for ``m``, or for every state at once, it is not."""

@@ -648,6 +648,24 @@ def test_monitor_predicts_the_stalls_of_a_subnormal_fp16_state(tmp_path):
     assert max(abs(m - p) for m, p in zip(measured, predicted, strict=True)) < 0.05
 
 
+def test_monitor_keeps_a_bounded_cache_of_its_predictions(monkeypatch):
+    """The predictions of states without measured values (all zero) are cached by age, which grows every step: at most
+    ``MAX_PREDICTIONS`` are kept (the oldest dropped), and a dropped one is computed again alike."""
+    from lightning_qstate.callbacks import stall_monitor
+    from lightning_qstate.callbacks.stall_counts import StateRow
+    from lightning_qstate.optim import QAdamW
+
+    monkeypatch.setattr(stall_monitor, "MAX_PREDICTIONS", 3)
+    param = torch.nn.Parameter(torch.zeros(64))
+    optimizer = QAdamW([param], states="int8", min_quant_size=0)
+    row = StateRow("w", "exp_avg_sq", optimizer, optimizer.param_groups[0], param)
+    monitor = StallMonitor()
+    first = [monitor.predicted(row, age) for age in range(1, 11)]
+    assert len(monitor._predictions) == 3 and [key[-1] for key in monitor._predictions] == [8, 9, 10]
+    assert [monitor.predicted(row, age) for age in range(1, 11)] == first
+    assert first == [stall_probability("int8", 0.999, "nearest", moment="second", age=age) for age in range(1, 11)]
+
+
 @pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
 def test_a_frozen_layer_is_phased_when_its_states_appear(tmp_path, optimizer):
     """A parameter frozen at the start (in the optimizer, ``requires_grad`` off) and unfrozen later: its schedule starts

@@ -292,7 +292,8 @@ class BitWidthPlanner:
         if any(group.get("amsgrad") for group in optimizer.param_groups):
             raise ConfigurationError("BitWidthPlanner does not support amsgrad=True (its max_exp_avg_sq state is not adapted)")
         self.optimizer = optimizer
-        self._check_states_quantized()
+        tracked = {id(param) for param in also_track}
+        self._check_states_quantized(tracked)
         self.target_bits = None if target_bits is None else float(target_bits)  # numpy's numbers as Python's
         self.interval = int(interval)
         self.ema_decay = float(ema_decay)
@@ -302,7 +303,7 @@ class BitWidthPlanner:
         self.max_history = int(max_history)
         self.fill_budget = fill_budget
         self.module = module
-        self.layers = self._collect_layers({id(param) for param in also_track})
+        self.layers = self._collect_layers(tracked)
         self._pending_entries: dict[str, dict[str, Any]] = {}  # a checkpoint's layers that have not joined yet
         self.global_rms: float | None = None
         self.global_dispersion: float | None = None
@@ -312,17 +313,21 @@ class BitWidthPlanner:
         self._solve(count_transitions=False)  # raises here if even every layer's cheapest formats miss target_bits
         self._warn_nearest_v()
 
-    def _check_states_quantized(self) -> None:
+    def _check_states_quantized(self, kept: Collection[int]) -> None:
         """Refuse a param group whose ``states=`` keeps m or v in fp32 (``"fp32"``, or a mapping that leaves the state
-        out) for parameters the plan would cover: every plan stores both quantized, so that choice would be overridden
-        silently. A parameter with its own override (``optimizer.configured_overrides``) is pinned, not planned."""
+        out) for parameters the plan would cover (``kept``: ids of parameters covered in any case, as ``_collect_layers``
+        takes them, so that FSDP1 ranks that hold different frozen parameters' states decide alike): every plan stores
+        both quantized, so that choice would be overridden silently. A parameter with its own override
+        (``optimizer.configured_overrides``) is pinned, not planned."""
         optimizer = self.optimizer
         for index, group in enumerate(optimizer.param_groups):
-            planned = any(self._tracked(param) and param not in optimizer.configured_overrides for param in group["params"])
-            kept = [state for state in ADAPTED_STATES if format_name_for(group, state) == "fp32"]
-            if planned and kept:
+            planned = any(
+                (self._tracked(param) or id(param) in kept) and param not in optimizer.configured_overrides for param in group["params"]
+            )
+            plain = [state for state in ADAPTED_STATES if format_name_for(group, state) == "fp32"]
+            if planned and plain:
                 raise ConfigurationError(
-                    f"BitWidthPlanner: param group {index} has states={group['states']!r}, which keeps {' and '.join(kept)} in fp32, "
+                    f"BitWidthPlanner: param group {index} has states={group['states']!r}, which keeps {' and '.join(plain)} in fp32, "
                     f"but the plan stores both {' and '.join(ADAPTED_STATES)} in the formats it chooses (m_formats, v_formats) and "
                     "would override that; give the group a quantized format for both (e.g. states='int8': only the start, the "
                     "plan replaces it), or keep such parameters out of the plan with a per-parameter override (overrides=)"
@@ -367,7 +372,7 @@ class BitWidthPlanner:
         known = [layer.param for layer in self.layers]
         if len(current) == len(known) and all(a is b for a, b in zip(current, known, strict=True)):
             return []
-        self._check_states_quantized()
+        self._check_states_quantized(kept)
         self.layers = [previous.get(id(layer.param), layer) for layer in self._collect_layers(kept)]
         joined = [layer for layer in self.layers if id(layer.param) not in previous]
         for layer in joined:

@@ -24,6 +24,7 @@ from .state_reset import StateResetScheduler
 from .tensorboard import log_scalars, write_layout
 
 MAX_RATIOS = 65536  # measured ratios per state that a prediction uses
+MAX_PREDICTIONS = 4096  # cached predictions of all-zero states (one per format, decay, rounding, moment and age)
 
 
 class StallMonitor(Callback):
@@ -93,7 +94,7 @@ class StallMonitor(Callback):
         self.log_every_n_steps = log_every_n_steps
         self.per_layer = per_layer
         self.histograms = histograms
-        self._predictions: dict[tuple, float] = {}
+        self._predictions: dict[tuple, float] = {}  # (format, decay, rounding, moment, age) -> prediction, at most MAX_PREDICTIONS
         self._measured = MeasuredSteps()
         self._measured_steps: dict[QuantizedStates, int] = {}  # optimizer -> its steps done once its measured step has run
         self._previous_measured_steps: dict[QuantizedStates, int] = {}  # optimizer -> its measured step before
@@ -183,6 +184,8 @@ class StallMonitor(Callback):
             return stall_probability(fmt, beta, rounding, moment=moment, values=values, **timing)
         key = (fmt, beta, rounding, moment, age)
         if key not in self._predictions:
+            if len(self._predictions) >= MAX_PREDICTIONS:  # ages grow every step, cycled decays change: drop the oldest
+                del self._predictions[next(iter(self._predictions))]
             self._predictions[key] = stall_probability(fmt, beta, rounding, moment=moment, age=age)
         return self._predictions[key]
 

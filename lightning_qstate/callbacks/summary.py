@@ -47,11 +47,11 @@ class RunSummary(Callback):
     def __init__(self) -> None:
         self.summary: dict[str, Any] = {}
         self._start: float | None = None
-        self._first_step = 0
+        self._first_step: int | None = None
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._start = time.perf_counter()
-        self._first_step = 0
+        self._first_step = None
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._first_step = trainer.global_step  # a resumed fit's: restored after on_fit_start
@@ -87,7 +87,8 @@ class RunSummary(Callback):
         self.summary = {
             "seconds": time.perf_counter() - self._start if self._start is not None else None,
             "steps": trainer.global_step,
-            "first_step": self._first_step,
+            # a fit resumed at max_steps runs no training (no on_train_start): it starts and ends at the restored step
+            "first_step": trainer.global_step if self._first_step is None else self._first_step,
             "metrics": metrics,
             "optimizers": [type(optimizer).__name__ for optimizer in trainer.strategy.optimizers],
             "state_bytes": stored,

@@ -35,6 +35,7 @@ from .policy import (
     POLICY_DEFAULTS,
     QuantizationPolicy,
     StatesSpec,
+    as_python_counts,
     format_name_for,
     gradient_format,
     match_patterns,
@@ -426,6 +427,7 @@ class QuantizedStates:
     def _complete_group(self, group: dict) -> None:
         for key in GROUP_OPTIONS:
             group.setdefault(key, self.defaults.get(key, POLICY_DEFAULTS[key]))
+        as_python_counts(group)
         validate_policy(group, self.state_names or None, type(self).__name__)
         owner = type(self).__name__
         if group.get("differentiable"):

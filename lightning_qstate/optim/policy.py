@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor, Shard
 if TYPE_CHECKING:
     from .base import QuantizedStates
 
-from ..arguments import ConfigurationError, short_list
+from ..arguments import ConfigurationError, short_list, whole_number
 from ..formats import ROUNDINGS, BlockFormat, StorageFormat, check_block_size, get_format
 from ..formats.base import local_tensor
 from ..formats.weights import WeightBlock, WeightGrid, get_weight_grid
@@ -48,6 +48,19 @@ NONFINITE_GRAD_POLICIES: tuple[str, ...] = ("skip", "skip_step", "raise")
 # How the rounding error of a parameter kept without master weights (``weights=``) is fed back (``optim/weights.py``).
 ErrorFeedback = Literal["eco", "eco_exact"]
 ERROR_FEEDBACKS: tuple[str | None, ...] = (None, "eco", "eco_exact")
+
+
+# Options that hold a count: an integer of numpy's or a 0-d integer tensor is taken, and stored, as a Python int.
+COUNT_OPTIONS = ("block_size", "min_quant_size")
+
+
+def as_python_counts(options: dict[str, Any]) -> None:
+    """Replace the integers of ``COUNT_OPTIONS`` in ``options`` (a param group) by Python ints, in place; other values
+    are left for ``validate_policy`` to refuse."""
+    for name in COUNT_OPTIONS:
+        count = whole_number(options.get(name))
+        if count is not None:
+            options[name] = count
 
 
 def validate_policy(group: Mapping[str, Any], state_names: tuple[str, ...] | None, owner: str) -> None:
@@ -243,6 +256,10 @@ class QuantizationPolicy:
     owner: InitVar[str] = "QuantizationPolicy"  # the name errors start with: the entry point the user called
 
     def __post_init__(self, owner: str) -> None:
+        for name in COUNT_OPTIONS:
+            count = whole_number(getattr(self, name))
+            if count is not None:
+                setattr(self, name, count)
         self.overrides = pattern_mapping(self.overrides, "overrides", owner)
         self.weight_overrides = pattern_mapping(self.weight_overrides, "weight_overrides", owner)
         self.validate(owner)
