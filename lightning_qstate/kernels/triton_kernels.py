@@ -37,14 +37,11 @@ from .triton_formats import (
     NO_GRID,
     bf16_stochastic,
     decode_block,
-    encode_block,
     float32_to,
     fp16_stochastic,
     lift_flushed,
     load_block_codes,
-    normalize_block,
-    store_block_codes,
-    store_scales,
+    store_moment,
     to_float32,
 )
 
@@ -86,17 +83,15 @@ def quantize_blocks_kernel(
     block = tl.program_id(0)
     offsets = block.to(tl.int64) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
     x = to_float32(tl.load(x_ptr + offsets, mask=offsets < numel, other=0.0))
-    normalized, scale = normalize_block(x, SCALE_BF16)
     if STOCHASTIC:
         uniform = tl.rand(tl.load(seed_ptr), offsets)
     else:
-        uniform = normalized  # not read by RN
-    codes = encode_block(
-        normalized, uniform, bucket_floor_ptr, values_ptr, key_shift, half, last, max_value,
-        IS_MINIFLOAT, SIGNED, BITS, MANTISSA_BITS, BIAS, MAX_CODE, MIN_CODE, STOCHASTIC,
+        uniform = x  # not read by RN
+    # one block scale; the decode table (values_ptr here) is not read without DECODE_STORED
+    store_moment(
+        x, uniform, codes_ptr, scales_ptr, values_ptr, bucket_floor_ptr, values_ptr, key_shift, half, last, max_value, block,
+        numel, BLOCK_SIZE, 1, BITS, IS_MINIFLOAT, SIGNED, MANTISSA_BITS, BIAS, MAX_CODE, MIN_CODE, STOCHASTIC, False, SCALE_BF16,
     )  # fmt: skip
-    store_block_codes(codes_ptr, codes, block, numel, BITS, BLOCK_SIZE)
-    store_scales(scales_ptr + block, scale, None, SCALE_BF16)
 
 
 @triton.jit
