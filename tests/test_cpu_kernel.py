@@ -440,6 +440,30 @@ def test_a_nonfinite_gradient_skips_only_its_parameter():
 
 
 @needs_kernel
+@pytest.mark.parametrize("weights", ["bf16", "fp16", "fp32"])
+def test_a_nonfinite_gradient_of_a_grid_parameter_with_fp32_moments_is_skipped(weights):
+    """A parameter on a weight grid whose moments are fp32 (under min_quant_size: biases, norms) joins the C++ call;
+    a non-finite gradient there raised KeyError('moment_bound_sq') after the other parameters had stepped (no bound is
+    advanced for fp32 moments, so none is to be restored): it is skipped and counted, and the rest step once."""
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[weights]
+    torch.manual_seed(0)
+    small, large, other = (torch.nn.Parameter(torch.randn(n).to(dtype)) for n in (8, 5000, 5000))
+    optimizer = lq.QAdamW([small, large], states="int8", weights=weights)
+    optimizer.add_param_group({"params": [other]})
+    for param in (small, large, other):
+        param.grad = torch.randn_like(param)
+    small.grad[3] = float("nan")
+    before = [param.detach().clone() for param in (small, large, other)]
+    with pytest.warns(RuntimeWarning, match="non-finite gradient"):
+        optimizer.step()
+    assert optimizer.step_paths()["param0"] == "native" and optimizer.nonfinite_skips == 1
+    assert torch.equal(small.detach(), before[0]) and float(optimizer.state[small]["step"]) == 0.0
+    assert MOMENT_BOUND_STATE not in optimizer.state[small]
+    for param, previous in zip((large, other), before[1:], strict=True):
+        assert not torch.equal(param.detach(), previous) and float(optimizer.state[param]["step"]) == 1.0
+
+
+@needs_kernel
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
 def test_a_nonfinite_value_anywhere_in_a_gradient_is_found(value):
     """The vector check reads eight far-apart parts of a gradient side by side, then the rest one by one: a non-finite

@@ -414,7 +414,7 @@ def native_adam_steps(
         **({"lr_fp32": True} if isinstance(group["lr"], torch.Tensor) and group["lr"].dtype == torch.float32 else {}),
     ).tolist()
     for k, row, bound in zip(coded, rows, before, strict=False):
-        if row[0]:
+        if row[0] or not quantized[k]:  # stepped, or fp32 moments on a weight grid: no bound was advanced
             continue
         if bound is None:  # not stepped (a non-finite gradient): its moments' bound stays as it was
             del states[k][MOMENT_BOUND_STATE]
