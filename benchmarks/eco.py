@@ -84,6 +84,7 @@ from lightning.pytorch.callbacks import Callback  # noqa: E402
 import benchmarks.adaptive_bits as _adaptive  # noqa: E402  (their helpers)
 import benchmarks.optim as _optim  # noqa: E402
 from benchmarks.arguments import non_negative_int, positive_int  # noqa: E402
+from benchmarks.paired import Paired, at_most  # noqa: E402
 from examples.data import ByteTextDataModule  # noqa: E402
 from examples.gpt import GPTModule  # noqa: E402
 from lightning_qstate import state_nbytes  # noqa: E402
@@ -100,9 +101,6 @@ DEFAULT_SEEDS, DEFAULT_STEPS, QUICK_STEPS = [0, 1, 2, 3, 4], 400, 6
 # The issue's targets: ECO + SR within this many nats of master weights; bytes/param of bf16 weights + int8 states + ECO;
 # ECO's added optimizer-step time over naive removal with the same formats.
 QUALITY_NATS, BF16_INT8_BYTES, ECO_STEP_OVERHEAD = 0.01, 4.1, 0.10
-# Two-sided 95 % quantiles of Student's t by degrees of freedom (1.96 beyond 30): the intervals the verdicts use.
-T95 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
-       2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)  # fmt: skip
 WEIGHT_FORMATS = {"bf16": "bf16", "fp8": "fp8_e4m3"}
 METHODS = ("naive_rn", "naive_sr", "eco_rn", "eco_sr")  # the brief's order; the expected quality order is the reverse
 
@@ -342,42 +340,6 @@ def settings_key(setup: Setup, args: argparse.Namespace, digest: str) -> dict:
     return {"setup": dataclasses.asdict(setup), "compute": args.compute, "state_rounding": args.state_rounding, "source": digest}
 
 
-def t95(count: int) -> float:
-    """Student's t for a two-sided 95 % interval of the mean of ``count`` values."""
-    return T95[count - 2] if count - 1 <= len(T95) else 1.96
-
-
-@dataclass(frozen=True)
-class Paired:
-    """Per-seed differences ``b − a`` of two configurations run from the same seeds."""
-
-    deltas: list[float]
-
-    @property
-    def mean(self) -> float:
-        return statistics.fmean(self.deltas) if self.deltas else math.nan
-
-    @property
-    def se(self) -> float:
-        """Standard error of the mean difference (nan for one seed, or where a run diverged)."""
-        finite = all(math.isfinite(delta) for delta in self.deltas)
-        return statistics.stdev(self.deltas) / math.sqrt(len(self.deltas)) if len(self.deltas) > 1 and finite else math.nan
-
-    def interval(self) -> tuple[float, float]:
-        """95 % interval of the mean difference; where a run diverged (an infinite difference), the per-seed range."""
-        if len(self.deltas) < 2 or any(math.isnan(delta) for delta in self.deltas):
-            return math.nan, math.nan
-        if not all(math.isfinite(delta) for delta in self.deltas):
-            return min(self.deltas), max(self.deltas)
-        half = t95(len(self.deltas)) * self.se
-        return self.mean - half, self.mean + half
-
-    def text(self, digits: int = 4) -> str:
-        if not all(math.isfinite(delta) for delta in self.deltas):
-            return "diverged: " + ", ".join(f"{delta:+.{digits}f}" for delta in self.deltas)
-        return f"{self.mean:+.{digits}f}" + ("" if math.isnan(self.se) else f" ± {self.se:.{digits}f}")
-
-
 def final_loss(row: Row) -> float:
     """The final validation loss; a run that diverged (nan or inf) counts as +inf."""
     loss = row.metrics.get("val_loss", math.nan)
@@ -388,24 +350,6 @@ def paired(a: Summary, b: Summary, value=final_loss) -> Paired:
     """``value(b) − value(a)`` for every seed both ran."""
     by_seed = {row.seed: value(row) for row in a.runs}
     return Paired([value(row) - by_seed[row.seed] for row in b.runs if row.seed in by_seed])
-
-
-def at_most(difference: Paired, limit: float, percent: bool = False) -> tuple[str, str]:
-    """Verdict on ``mean difference <= limit`` from its 95 % interval: PASS (all of it at or under), FAIL (all of it over)
-    or NOT RESOLVED (it straddles the limit, or one seed); and why, with the values as percentages where ``percent``."""
-
-    def show(value: float) -> str:
-        return f"{100 * value:+.1f} %" if percent else f"{value:+.4f}"
-
-    low, high = difference.interval()
-    if high <= limit:
-        return "PASS", ""
-    if low > limit:
-        return "FAIL", ""
-    if math.isnan(low):
-        side = "under" if difference.mean <= limit else "over"
-        return "NOT RESOLVED", f"one seed, or both runs of a pair diverged: no interval; the mean is {side} the limit"
-    return "NOT RESOLVED", f"95 % interval [{show(low)}, {show(high)}] straddles {show(limit)}"
 
 
 def lower(better: Summary, worse: Summary, strict: bool) -> tuple[str, str]:

@@ -182,11 +182,13 @@ def torchao_qmaps() -> dict[tuple[int, bool], torch.Tensor]:
     }
 
 
-def torchao_methods() -> list[Method]:
+def torchao_methods(compiled: bool = True) -> list[Method]:
     """torchao's low-bit optimizer-state quantizers, as its ``copy_`` into ``OptimState8bit``/``4bit`` runs them.
 
     8-bit: block 256, ``quantize_8bit_with_qmap``; 4-bit: block 128,
-    ``quantize_4bit_with_qmap`` then two codes per byte. Dequantize: ``dequant_with_qmap``.
+    ``quantize_4bit_with_qmap`` then two codes per byte. Dequantize: ``dequant_with_qmap``. ``compiled``: both under
+    ``torch.compile(fullgraph=True, dynamic=False)``, as torchao's optimizers run them (its ``single_param_adam`` is
+    compiled so; its search over the qmap is written for it); the compile falls in the untimed warm-up call.
     """
     try:
         from torchao.optim.quant_utils import dequant_with_qmap, quantize_4bit_with_qmap, quantize_8bit_with_qmap, scale_tensor
@@ -214,6 +216,8 @@ def torchao_methods() -> list[Method]:
         def codes(state: tuple[torch.Tensor, torch.Tensor, torch.Size]) -> torch.Tensor:
             return state[0] if bits == 8 else torch.stack([state[0] >> 4, state[0] & 0b1111], dim=-1).view(-1)
 
+        if compiled:
+            quantize, dequantize = (torch.compile(fn, fullgraph=True, dynamic=False) for fn in (quantize, dequantize))
         return Method(
             "torchao", f"{bits}-bit", bits, signed, "RN", _applies(signed), quantize, dequantize,
             nbytes=lambda state: state[0].nbytes + state[1].nbytes, codes=codes, code_table=qmap, block_size=block,
@@ -251,9 +255,9 @@ def bnb_methods() -> list[Method]:
     return [make(True), make(False)]
 
 
-def all_methods(seed: int) -> list[Method]:
-    """The registry: ours, then torchao, then bitsandbytes."""
-    return our_methods(seed) + torchao_methods() + bnb_methods()
+def all_methods(seed: int, torchao_compiled: bool = True) -> list[Method]:
+    """The registry: ours, then torchao (``torchao_methods``' ``compiled``), then bitsandbytes."""
+    return our_methods(seed) + torchao_methods(torchao_compiled) + bnb_methods()
 
 
 # --------------------------------------------------------------------------- data
@@ -422,10 +426,12 @@ def error_ratio(rows: list[Row], row: Row, family: str) -> float | None:
     return row.rel_rms / peer.rel_rms if peer.rel_rms > 0 else math.inf
 
 
-def run_benchmark(numel: int, repeats: int, seed: int, log: Callable[[str], None] = lambda _: None) -> tuple[list[TensorKind], list[Row]]:
-    """Every applicable method of the registry on every tensor kind."""
+def run_benchmark(
+    numel: int, repeats: int, seed: int, log: Callable[[str], None] = lambda _: None, torchao_compiled: bool = True
+) -> tuple[list[TensorKind], list[Row]]:
+    """Every applicable method of the registry on every tensor kind (torchao's ``compiled`` or not)."""
     kinds = make_tensors(numel, seed)
-    methods = all_methods(seed)
+    methods = all_methods(seed, torchao_compiled)
     rows = []
     for kind in kinds:
         measured = []
@@ -582,7 +588,12 @@ def render_report(command: str, args: argparse.Namespace, kinds: list[TensorKind
         "- bits/value counts codes and block scales (bf16 for our signed formats, fp32 for our unsigned ones and the peers;"
         " code tables excluded); ratio columns compare rel. RMS errors with the peer of the same code width on the same"
         " tensor (signed peers on signed data, unsigned ones on v-like data); peers have RN only. torchao is timed as"
-        " `scale_tensor` + `quantize_*bit_with_qmap` (+ packing for 4-bit).",
+        " `scale_tensor` + `quantize_*bit_with_qmap` (+ packing for 4-bit), "
+        + (
+            "eagerly (`--torchao-eager`)."
+            if args.torchao_eager
+            else "compiled (`torch.compile(fullgraph=True, dynamic=False)`, as its optimizers run it; the compile in the warm-up call)."
+        ),
     ]
     body = [render_table(kind, [r for r in rows if r.kind == kind.name]) for kind in kinds]
     notes = ["## Notes", "", *(f"- {n}" for n in peer_notes() + code_notes(kinds, rows))]
@@ -610,6 +621,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0, help="seed of the tensors and of SR (default 0)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="markdown output (default benchmarks/results/formats.md)")
     parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    parser.add_argument(
+        "--torchao-eager", action="store_true", help="time torchao's quantizers eagerly (its optimizers run them compiled: the default)"
+    )
     args = parser.parse_args(argv)
     if args.numel % 256:
         parser.error(f"--numel {args.numel}: give a multiple of 256 (torchao's blocks; its rows would be n/a)")
@@ -622,7 +636,7 @@ def main(argv: list[str] | None = None) -> Report:
     command = shlex.join(["python", "benchmarks/formats.py", *(sys.argv[1:] if argv is None else argv)])
     log = (lambda _: None) if args.quiet else (lambda line: print(line, file=sys.stderr, flush=True))
     start = time.perf_counter()
-    kinds, rows = run_benchmark(args.numel, args.repeats, args.seed, log)
+    kinds, rows = run_benchmark(args.numel, args.repeats, args.seed, log, not args.torchao_eager)
     text = render_report(command, args, kinds, rows, time.perf_counter() - start)
     print(text)
     args.out.parent.mkdir(parents=True, exist_ok=True)

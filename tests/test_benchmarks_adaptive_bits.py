@@ -3,6 +3,7 @@ and two with stochastic rounding, two seeds)."""
 
 from __future__ import annotations
 
+import re
 import sys
 import warnings
 from pathlib import Path
@@ -55,11 +56,11 @@ def test_quick_run(bench: ModuleType, tmp_path: Path, monkeypatch: pytest.Monkey
         means, per_seed = (markdown_table(lines) for lines in tables if lines)
         assert set(means) == set(per_seed) == set(configs)
         bits = {config: float(row["avg bits/value"]) for config, row in means.items()}
-        assert bits["fp32"] == 32.0 and 8.0 < bits["int8"] < 8.5 and 4.0 < bits["int4"] < 4.5
+        assert bits["fp32"] == bits["fp32_fused"] == 32.0 and 8.0 < bits["int8"] < 8.5 and 4.0 < bits["int4"] < 4.5
         assert 6.0 < bits["m_int4"] < 6.5 and 6.0 < bits["v_int4"] < 6.5  # one state at 8 bits, the other at 4
         assert 5.0 < bits["m4_v6"] < 5.5  # dense 6-bit v: 6 bits a value, not 8
         assert bits["adaptive"] <= 5.1 and bits["adaptive_sr"] <= 5.1 and 4.0 < bits["int4_sr"] < 4.5
-        assert "%" in means["adaptive"]["callback overhead"] and means["fp32"]["callback overhead"] == "–"
+        assert "%" in means["adaptive"]["callback overhead"] and means["fp32"]["callback overhead"] == means["fp32_fused"]["callback overhead"] == "–"
         assert all(float(row["median update ms"]) > 0 for row in means.values())
         assert means["int8"]["Δ mean loss vs int8"] == "+0.00 %"
         loss, spread = (float(part) for part in means["adaptive"]["val loss"].split(" ± "))  # mean ± sd over the two seeds
@@ -69,12 +70,13 @@ def test_quick_run(bench: ModuleType, tmp_path: Path, monkeypatch: pytest.Monkey
         )
         assert "Δ" in per_seed["adaptive"]["seed 1"] and "Δ" not in per_seed["int8"]["seed 1"]
         assert section.count("\nadaptive, seed ") == section.count("\nadaptive_sr, seed ") == 2 and "at the end: zones critical" in section
-    # per adaptive configuration: bits, saving, overhead, the update against fp32's, loss vs int8, int4 and int4_sr; ViT:
-    # accuracy vs the three too
-    assert text.count("PASS") + text.count("FAIL") == 2 * (7 + 10)
-    assert text.count("optimizer update <= 1.5x fp32 AdamW's (medians)") == 4
+    # per adaptive configuration: bits, saving, overhead, the update against fused fp32's, loss vs int8, int4 and int4_sr;
+    # ViT: accuracy vs the three too
+    verdicts = [line for line in text.split("## Targets")[1].splitlines() if line.startswith("- ")]
+    assert len(verdicts) == 2 * (7 + 10) and all(re.search(r": (PASS|FAIL|NOT RESOLVED) \(", line) for line in verdicts)
+    assert text.count("optimizer update <= 1.5x torch's fused fp32 AdamW's (medians)") == 4
     assert text.count("- gpt adaptive_sr: final val loss: better than fixed int4_sr by more than 2 standard errors") == 1
-    assert text.count("(standard error)") == 2 * 3  # the paired per-seed differences against int8
+    assert text.count("vs fixed int8 within 0.3 % (95 % interval)") == 2 * 3  # the paired per-seed differences
     assert text.count("better than fixed int4 by more than 2 standard errors") == text.count("better than fixed int4_sr by") == 2 * 3
     trained = []
     monkeypatch.setattr(bench, "run_config", lambda *args: trained.append(args))
@@ -93,3 +95,44 @@ def test_arguments_are_checked(bench: ModuleType) -> None:
         bench.parse_args(["--seeds", "0", "0"])
     assert bench.parse_args([]).seeds == [0, 1, 2]
     assert bench.parse_args([]).config_names == ["fp32", "int8", "int4", "adaptive"]
+
+
+def test_paired_differences_and_verdicts_on_made_up_runs(bench: ModuleType) -> None:
+    """The differences pair runs by seed (seeds in another order, or missing on one side, are matched or left out),
+    are relative to the reference and signed so that a positive one is a worsening (accuracy: -1); the quality verdict
+    is judged on the 95 % interval (one seed: NOT RESOLVED, not PASS on its mean) and the int4 margin likewise."""
+
+    def runs(config: str, values: dict[int, float]) -> object:
+        return bench.Summary([bench.Row("gpt", config, seed, {"val_acc": value}, 0.0, 0.0, 0.0, []) for seed, value in values.items()])
+
+    reference = runs("int8", {0: 0.80, 1: 0.90, 2: 0.50})
+    adaptive = runs("adaptive", {2: 0.55, 0: 0.84, 3: 0.70})  # seed 3 has no reference: left out
+    difference = bench.paired_difference(adaptive, reference, "val_acc", sign=-1)
+    assert difference.deltas == pytest.approx([-0.10, -0.05])  # seed 2 (+10 %) then seed 0 (+5 %): both better
+    assert bench.per_seed_text(difference, -1) == "+10.0 %, +5.0 %"
+    assert bench.at_most(bench.Paired([0.001]), bench.QUALITY_TOLERANCE, percent=True)[0] == "NOT RESOLVED"
+    assert bench.at_most(bench.Paired([-0.0053, 0.004, -0.012, 0.001, -0.009]), bench.QUALITY_TOLERANCE)[0] == "NOT RESOLVED"
+    assert bench.at_most(bench.Paired([-0.0053, -0.004, -0.006, -0.005]), bench.QUALITY_TOLERANCE)[0] == "PASS"
+    assert bench.beyond_margin(bench.Paired([-0.05])) == "NOT RESOLVED"  # one seed: no standard error
+    assert bench.beyond_margin(bench.Paired([-0.05, -0.04, -0.06])) == "PASS"
+    assert bench.beyond_margin(bench.Paired([-0.05, 0.04, -0.06])) == "FAIL"
+
+
+def test_fp32_fused_steps_with_torchs_fused_kernel(bench: ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``fp32_fused`` (#22's fp32 baseline) runs torch's fused AdamW kernel, not the CPU's default for-loop."""
+    import types
+
+    import torch
+
+    calls = []
+    fused = torch._fused_adamw_
+    monkeypatch.setattr(torch, "_fused_adamw_", lambda *args, **kwargs: calls.append(1) or fused(*args, **kwargs))
+    param = torch.nn.Parameter(torch.randn(64))
+    optimizer = torch.optim.AdamW([param], lr=1e-3)
+    bench.FusedAdamW().on_train_start(types.SimpleNamespace(optimizers=[optimizer]), None)
+    param.grad = torch.randn_like(param)
+    optimizer.step()
+    assert calls == [1] and optimizer.param_groups[0]["fused"]
+    with pytest.raises(TypeError, match="fp32_fused needs the module's torch.optim.AdamW"):
+        bench.FusedAdamW().on_train_start(types.SimpleNamespace(optimizers=[torch.optim.SGD([param])]), None)
+

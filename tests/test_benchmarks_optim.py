@@ -132,3 +132,16 @@ def test_quick_run_in_one_process(bench: ModuleType, tmp_path: Path) -> None:
     by_key = {row.method.key: row for row in report.rows}
     assert by_key["adamw-fused"].bytes_per_param == pytest.approx(8, abs=0.01)
     assert by_key["qadamw-int4-rn"].bytes_per_param < by_key["qadamw-int8-rn"].bytes_per_param < 2.2
+
+
+def test_paired_ratio_pairs_each_step_with_the_baselines_of_its_round(bench: ModuleType) -> None:
+    """Each step time is divided by the baseline's in the same round, whatever order the rounds were recorded in, and
+    rounds that either one lacks are left out; the median of those ratios is reported (NaN without a baseline)."""
+    base = bench.Row(None, "mlp", times_ms=[10.0, 20.0, 40.0, 5.0], rounds=[0, 1, 2, 3])
+    row = bench.Row(None, "mlp", times_ms=[60.0, 15.0, 30.0], rounds=[2, 0, 1])  # rotated; round 3 missing
+    assert bench.paired_ratio(row, base) == 1.5  # ratios 1.5, 1.5, 1.5: not 60/10 or the medians' 30/15
+    skewed = bench.Row(None, "mlp", times_ms=[10.0, 20.0, 400.0], rounds=[0, 1, 2])
+    assert bench.paired_ratio(skewed, base) == 1.0  # ratios 1, 1, 10: the median
+    assert math.isnan(bench.paired_ratio(row, None))
+    assert math.isnan(bench.paired_ratio(row, bench.Row(None, "mlp", times_ms=[1.0], rounds=[7])))
+

@@ -118,6 +118,11 @@ def _reencode(optimizer, param):
     optimizer.reencode_state(param, "exp_avg_sq", "fp32")
 
 
+def _fp32_policy(optimizer, param):
+    _reencode(optimizer, param)
+    optimizer.param_groups[0]["states"] = "fp32"
+
+
 def _strided(optimizer, param):
     param.data = torch.randn(param.numel(), 2)[:, 0]
 
@@ -138,7 +143,8 @@ def _option(optimizer, param):
 @pytest.mark.parametrize(
     ("change", "expected"),
     [
-        (_reencode, "multi_tensor"),  # fp32 moments, no coded parameter in the group
+        (_reencode, "native"),  # fp32 moments in a group whose policy quantizes: fp32 casts in the C++ call
+        (_fp32_policy, "multi_tensor"),  # the same with states="fp32": torch's multi-tensor update
         (_strided, "reference"),  # the kernel takes contiguous values only
         (_block_grid, "reference"),  # a block-scaled weight grid
         (_no_compile, "reference"),  # the optimizer's switch

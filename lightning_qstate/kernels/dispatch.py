@@ -279,8 +279,16 @@ NATIVE_JOIN: tuple[Requirement, ...] = (
 )
 
 
-# The param-group options the requirements read (tested): with ``plan_inputs``, what a group's plan is made from.
-PLAN_OPTIONS = ("amsgrad", "capturable", "differentiable", "fused", "error_feedback", "momentum")
+# The param-group options the requirements and ``plan_group`` read (tested): with ``plan_inputs``, what a group's plan
+# is made from.
+PLAN_OPTIONS = ("amsgrad", "capturable", "differentiable", "fused", "error_feedback", "momentum", "states")
+
+
+def quantizing_policy(group: Mapping) -> bool:
+    """Whether ``group``'s ``states=`` names a quantized format for some state: its fp32 moments are then those
+    ``min_quant_size`` (or an override) keeps plain, not a choice of torch's fp32 update (``states="fp32"``)."""
+    states = group.get("states", "fp32")
+    return any(name != "fp32" for name in (states.values() if isinstance(states, Mapping) else (states,)))
 
 
 def plan_inputs(
@@ -322,10 +330,13 @@ def choose_path(table: tuple[tuple[StepPath, tuple[Requirement, ...]], ...], can
 
 def plan_group(table: tuple[tuple[StepPath, tuple[Requirement, ...]], ...], candidates: list[Candidate]) -> list[StepPath]:
     """The path of each candidate of one param group (``choose_path``), with ``NATIVE_JOIN``: where some take the
-    native path, the ``multi_tensor`` and ``reference`` ones that meet it join their call; under ``ADAM_PATHS`` the
-    ``reference`` ones that meet it take the native path in any case (alone, torch's multi-tensor step is as fast)."""
+    native path, the ``multi_tensor`` and ``reference`` ones that meet it join their call. Under ``ADAM_PATHS`` the
+    ``reference`` ones that meet it take the native path in any case, and so do the ``multi_tensor`` ones of a group
+    whose policy quantizes (``quantizing_policy``: a group of biases and norms that ``min_quant_size`` keeps fp32; one
+    C++ call costs a fraction of torch's multi-tensor step over many small tensors); ``states="fp32"`` keeps torch's
+    multi-tensor update, bit for bit ``torch.optim.AdamW``'s."""
     paths = [choose_path(table, candidate) for candidate in candidates]
-    if StepPath.NATIVE in paths:
+    if StepPath.NATIVE in paths or (table is ADAM_PATHS and candidates and quantizing_policy(candidates[0].group)):
         joining = (StepPath.MULTI_TENSOR, StepPath.REFERENCE)
     else:
         joining = (StepPath.REFERENCE,) if table is ADAM_PATHS else ()
