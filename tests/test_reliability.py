@@ -175,6 +175,28 @@ def test_a_changed_beta2_under_a_cycled_beta1_is_warned_about():
         resumed.load_state_dict(roundtrip(optimizer.state_dict()))
 
 
+@pytest.mark.parametrize(
+    ("make", "flag"),
+    [
+        (lambda params, **flags: lq.QAdamW(params, lr=1e-2, **flags), "amsgrad"),
+        (lambda params, **flags: lq.QAdamW(params, lr=1e-2, **flags), "maximize"),
+        (lambda params, **flags: lq.QSGD(params, lr=1e-2, momentum=0.9, **flags), "nesterov"),
+        (lambda params, **flags: lq.QAdam(params, lr=1e-2, **flags), "decoupled_weight_decay"),
+    ],
+)
+def test_a_changed_flag_is_warned_about_as_a_changed_number(make, flag):
+    """An on/off option that changes the update (``amsgrad``, ``maximize``, ``nesterov``, ``decoupled_weight_decay``)
+    comes from the checkpoint as the numbers do, and is named when the configured one differs (a run resumed into
+    ``QAdamW(amsgrad=True)`` from a checkpoint without it trained as plain AdamW without a word)."""
+    model = make_model()
+    optimizer = make(model.parameters())
+    run(model, optimizer, 1)
+    resumed = make(model.parameters(), **{flag: True})
+    with pytest.warns(UserWarning, match=rf"group 0 {flag}: configured True, checkpoint False"):
+        resumed.load_state_dict(roundtrip(optimizer.state_dict()))
+    assert resumed.param_groups[0][flag] is False
+
+
 @pytest.mark.parametrize("reset", [False, True], ids=["stepped", "just reset"])
 def test_distributed_checkpoint_raw_pattern(reset):
     """``dcp.save(opt.state_dict())`` ... ``dcp.load(sd)``; ``opt.load_state_dict(sd)`` (DCP puts non-tensor values under

@@ -196,6 +196,11 @@ def finite_grads(grads: list[torch.Tensor]) -> list[bool]:
     return [ok or bool(torch.isfinite(grad).all()) for ok, grad in zip(norms_finite, grads, strict=True)]
 
 
+# The on/off options that change an update's math, compared at a resume as the numbers are (a checkpoint saved without
+# amsgrad resumed into QAdamW(amsgrad=True) trains as plain AdamW).
+FLAG_HYPERPARAMETERS = ("amsgrad", "maximize", "nesterov", "decoupled_weight_decay")
+
+
 def _changed_hyperparameters(saved: dict, configured: dict) -> list[str]:
     """``"key: configured X, checkpoint Y"`` for each hyperparameter a resume takes from the checkpoint (``saved``) that
     differs from the ``configured`` one, leaving out what an LR scheduler moves by design: ``lr`` under a scheduler that
@@ -211,6 +216,7 @@ def _changed_hyperparameters(saved: dict, configured: dict) -> list[str]:
         "weight_decay",
         "momentum",
         "dampening",
+        *FLAG_HYPERPARAMETERS,
     ):
         if key not in saved or key not in configured or (cycled and key == "momentum"):
             continue
