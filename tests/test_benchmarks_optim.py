@@ -144,4 +144,3 @@ def test_paired_ratio_pairs_each_step_with_the_baselines_of_its_round(bench: Mod
     assert bench.paired_ratio(skewed, base) == 1.0  # ratios 1, 1, 10: the median
     assert math.isnan(bench.paired_ratio(row, None))
     assert math.isnan(bench.paired_ratio(row, bench.Row(None, "mlp", times_ms=[1.0], rounds=[7])))
-

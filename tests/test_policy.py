@@ -281,6 +281,46 @@ def test_a_group_of_small_parameters_steps_in_one_native_call_as_torch_steps_the
     assert plain.step_paths() == {"param0": "multi_tensor"}
 
 
+def test_tensor_betas_keep_torchs_update_for_fp32_moments():
+    """Tensor betas: torch computes their bias corrections in fp32 tensor arithmetic, the C++ kernel in double, so fp32
+    moments keep torch's per-tensor step (bit for bit ``torch.optim.AdamW``'s; the kernel was 16 ulps off), in a
+    quantizing group as in a ``states="fp32"`` one (whose multi-tensor step raised: torch's foreach refuses tensor betas)."""
+    for states in ("int8", "fp32"):
+        param = torch.nn.Parameter(torch.randn(4000))
+        copy = torch.nn.Parameter(param.detach().clone())
+        betas = (torch.tensor(0.9), torch.tensor(0.999))
+        optimizer = lq.QAdamW([param], lr=1e-3, betas=betas, states=states)
+        reference = torch.optim.AdamW([copy], lr=1e-3, betas=tuple(beta.clone() for beta in betas))
+        for _ in range(3):
+            param.grad = torch.randn_like(param)
+            copy.grad = param.grad.clone()
+            optimizer.step()
+            reference.step()
+        assert optimizer.step_paths() == {"param0": "multi_tensor"} and torch.equal(param, copy), states
+
+
+@pytest.mark.parametrize("make", [lambda p: lq.QAdamW(p, states="int8"), lambda p: lq.QSGD(p, momentum=0.9, states="int8")])
+def test_a_step_between_forward_and_backward_is_caught_by_autograd(make):
+    """The C++ step writes parameters through their data pointers; it bumps their version counters as torch's in-place
+    update does, so a backward through a graph that saved a parameter before the step raises (it ran on the new
+    values silently), for coded parameters and for the small ones with fp32 states alike."""
+    params = [torch.nn.Parameter(torch.randn(8192)), torch.nn.Parameter(torch.randn(8))]
+    optimizer = make(params)
+    for param in params:
+        param.grad = torch.randn_like(param)
+    optimizer.step()
+    if native_kernel_available():  # SGD's small parameter keeps a plain buffer: torch's update
+        expected = {"param0": "native", "param1": "reference" if isinstance(optimizer, lq.QSGD) else "native"}
+        assert optimizer.step_paths() == expected
+    for param in params:
+        param.grad = torch.randn_like(param)
+        saved = (param * param).sum()
+        optimizer.step()
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            saved.backward()
+        param.grad = None
+
+
 def test_sgd_and_muon_step_their_coded_buffers_natively():
     """QSGD's steps (the first creates the buffer) and QMuon's take the C++ step of the coded buffer (where the kernel
     builds)."""

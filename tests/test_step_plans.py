@@ -68,7 +68,7 @@ def _candidates(momentum: bool) -> list[Candidate]:
         state.update({"momentum_buffer": moments[0]} if momentum else {"exp_avg": moments[0], "exp_avg_sq": moments[1]})
         group = _RecordingGroup(
             lr=1e-3, weight_decay=0.0, amsgrad=False, capturable=False, differentiable=False, fused=None, error_feedback=None,
-            momentum=0.9, rounding="nearest", weights=weights,
+            momentum=0.9, rounding="nearest", weights=weights, betas=(0.9, 0.999),
         )  # fmt: skip
         grid = weight_grid(weights, {"error_feedback": None, "weight_block": "row"}, zeros)
         recorded.append(Candidate(param, grad, group, state, True, grid, {}))
@@ -108,9 +108,16 @@ def test_a_group_is_planned_once_while_nothing_changes(monkeypatch):
     optimizer = lq.QAdamW(params, states="int8", min_quant_size=4096)
     _stepped(optimizer, params, steps=4)
     assert len(calls) == 1
+    optimizer.param_groups[0]["betas"] = (0.85, 0.999)  # OneCycleLR cycles beta1 every step: the plan reads its kind only
+    _stepped(optimizer, params)
+    assert len(calls) == 1
+    optimizer.param_groups[0]["betas"] = (torch.tensor(0.85), 0.999)  # a tensor: planned again
+    _stepped(optimizer, params)
+    assert len(calls) == 2 and optimizer.step_paths() == {"param0": "native", "param1": "multi_tensor"}
+    calls.clear()
     params[1].grad = None  # another set of parameters with gradients: planned again
     optimizer.step()
-    assert len(calls) == 2
+    assert len(calls) == 1
 
 
 def _reencode(optimizer, param):

@@ -155,6 +155,12 @@ def native_moments(c: Candidate) -> bool:
     return native_formats(*(x.format if isinstance(x, QuantizedTensor) else FP32_CAST for x in (m, v)))
 
 
+def float_betas(c: Candidate) -> bool:
+    """Betas given as numbers, not tensors: torch computes the bias corrections of tensor betas in fp32 tensor
+    arithmetic, the kernel in double from their values (fp32 moments would land up to 16 ulps from torch's)."""
+    return not any(isinstance(beta, torch.Tensor) for beta in c.group["betas"])
+
+
 def native_built(c: Candidate) -> bool:
     return native_kernel_available()
 
@@ -275,13 +281,23 @@ NATIVE_JOIN: tuple[Requirement, ...] = (
     native_values,
     fused_weight_update,
     plain_adam_options,
+    float_betas,
     native_built,
 )
 
 
 # The param-group options the requirements and ``plan_group`` read (tested): with ``plan_inputs``, what a group's plan
 # is made from.
-PLAN_OPTIONS = ("amsgrad", "capturable", "differentiable", "fused", "error_feedback", "momentum", "states")
+PLAN_OPTIONS = ("amsgrad", "capturable", "differentiable", "fused", "error_feedback", "momentum", "states", "betas")
+
+
+def plan_options(group: Mapping) -> tuple:
+    """The group's ``PLAN_OPTIONS`` as the requirements tell them apart: their values, but ``betas`` by whether each is
+    a tensor (``float_betas``; a scheduler that cycles ``beta1`` moves its value every step, and the plan with it not)."""
+    return tuple(
+        tuple(isinstance(beta, torch.Tensor) for beta in group[option]) if option == "betas" and option in group else group.get(option)
+        for option in PLAN_OPTIONS
+    )
 
 
 def quantizing_policy(group: Mapping) -> bool:

@@ -413,6 +413,7 @@ def native_adam_steps(
         # torch divides an fp32 tensor lr in fp32; passed only then, so builds before it still load (benchmarks/kernel_ab.py)
         **({"lr_fp32": True} if isinstance(group["lr"], torch.Tensor) and group["lr"].dtype == torch.float32 else {}),
     ).tolist()
+    _mark_written([params[k] for k in order], rows)
     for k, row, bound in zip(coded, rows, before, strict=False):
         if row[0] or not quantized[k]:  # stepped, or fp32 moments on a weight grid: no bound was advanced
             continue
@@ -431,6 +432,15 @@ def native_adam_steps(
     if overflowed:
         raise StateOverflowError("an Adam moment overflowed to inf/NaN during the step", overflowed, by_param)
     return by_param
+
+
+def _mark_written(params: list[torch.Tensor], rows: list[list[int]]) -> None:
+    """Bump the version counter of each parameter the kernel stepped (``row[0]``: a finite gradient), which it wrote
+    through its data pointer, as torch's in-place update does: autograd then refuses a backward through a graph that
+    saved the parameter before the step, as with ``torch.optim.AdamW``."""
+    written = [param for param, row in zip(params, rows, strict=False) if row[0]]
+    if written:
+        torch.autograd.graph.increment_version(written)
 
 
 def _coded_moments_finite(state: dict) -> bool:
@@ -520,6 +530,8 @@ def native_momentum_steps(
         maximize=bool(group.get("maximize", False)),
         track=track_stalls,
     ).tolist()
+    if not muon:  # Muon's update is applied by the caller, in torch
+        _mark_written(params, rows)
     rows = [row if quantized else [row[0], 1, 0, 0] for row, quantized in zip(rows, coded, strict=True)]  # fp32 overflows as torch's
     results = rows, updates or [None] * len(params)
     overflowed = [k for k, row in enumerate(rows) if row[0] and not row[1]]

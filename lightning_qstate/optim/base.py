@@ -28,7 +28,7 @@ from ..formats import CastFormat, NonFiniteError, QuantizedTensor, StorageFormat
 from ..formats.weights import WeightGrid
 from ..kernels import dispatch
 from ..kernels.bounds import MOMENT_BOUND_STATE, restart_square
-from ..kernels.dispatch import PER_PARAMETER_PATHS, PLAN_OPTIONS, Candidate, StepPath, plan_group, plan_inputs
+from ..kernels.dispatch import PER_PARAMETER_PATHS, Candidate, StepPath, plan_group, plan_inputs, plan_options
 from ..kernels.native import StateOverflowError
 from .policy import (
     GROUP_OPTIONS,
@@ -926,7 +926,7 @@ class QuantizedStates:
             )
         inputs = (
             self.step_path_table, self.cpu_compile, dispatch.TRITON_DEVICE_TYPES, dispatch.FUSED_MIN_NUMEL,
-            dispatch.native_kernel_available, *(group.get(option) for option in PLAN_OPTIONS), *(plan_inputs(*row) for row in rows),
+            dispatch.native_kernel_available, *plan_options(group), *(plan_inputs(*row) for row in rows),
         )  # fmt: skip
         plans = self.__dict__.setdefault("_plans", {})
         if index in plans and plans[index][0] == inputs:

@@ -93,10 +93,11 @@ class _AdamStates(QuantizedStates):
         if kept:
             targets = self._intended_updates(group, [key for key, _ in kept])
             states = [self.state[key] for key, _ in kept]
-            # torch's multi-tensor Adam takes neither autograd nor a tensor lr (unless capturable), and under torch.compile
-            # its scalar lists of CPU step tensors do not trace (the per-tensor loop keeps them tensors)
-            tensor_lr = isinstance(group["lr"], torch.Tensor) and not group["capturable"]
-            unsupported = group["fused"] or group["differentiable"] or tensor_lr or torch.compiler.is_compiling()
+            # torch's multi-tensor Adam takes neither autograd nor a tensor lr or betas (unless capturable), and under
+            # torch.compile its scalar lists of CPU step tensors do not trace (the per-tensor loop keeps them tensors)
+            tensors = [group["lr"], *group["betas"]]
+            tensor_options = any(isinstance(value, torch.Tensor) for value in tensors) and not group["capturable"]
+            unsupported = group["fused"] or group["differentiable"] or tensor_options or torch.compiler.is_compiling()
             # foreach=None is torch's default: its per-tensor loop on the CPU, where its multi-tensor ops round fp16/bf16
             # parameters otherwise (fp32 ones agree bit for bit and keep the faster multi-tensor step)
             low_precision = any(key.dtype in (torch.float16, torch.bfloat16) and key.device.type == "cpu" for key, _ in kept)
