@@ -197,6 +197,33 @@ def test_a_changed_flag_is_warned_about_as_a_changed_number(make, flag):
     assert resumed.param_groups[0][flag] is False
 
 
+def test_a_bound_below_the_closed_form_of_its_step_is_restarted_at_load():
+    """torch's ``set_optimizer_state_dict`` (Lightning's FSDP2 one-file resume) loads a plain torch checkpoint into the
+    optimizer's own state dict, whose ``K_n²`` is that of its initializing step: a bound below the closed form of the
+    loaded step count is restarted as a lost one (it held ``m`` 22 % short of Adam's at the next step); the state's own
+    bound is kept (bit-exact resume)."""
+    from lightning_qstate.kernels.bounds import MOMENT_BOUND_STATE, bound_square
+
+    param = torch.nn.Parameter(torch.zeros(4096))
+    plain = torch.optim.AdamW([param], lr=1e-3)
+    for _ in range(3):
+        param.grad = torch.ones_like(param)
+        plain.step()
+    merged = roundtrip(plain.state_dict())
+    merged["state"][0][MOMENT_BOUND_STATE] = torch.tensor(bound_square(0.9, 0.999, 1), dtype=torch.float64)  # a fresh one's
+    resumed = lq.QAdamW([torch.nn.Parameter(param.detach().clone())], lr=1e-3, states="int8")
+    resumed.load_state_dict(merged)
+    loaded = resumed.param_groups[0]["params"][0]
+    assert float(resumed.state[loaded][MOMENT_BOUND_STATE]) >= bound_square(0.9, 0.999, 3)
+    loaded.grad = torch.ones_like(loaded)
+    resumed.step()
+    assert float(resumed.state[loaded]["exp_avg"].dequantize().max()) == pytest.approx(1 - 0.9**4, rel=0.01)  # not held
+    own = roundtrip(resumed.state_dict())
+    again = lq.QAdamW([torch.nn.Parameter(loaded.detach().clone())], lr=1e-3, states="int8")
+    again.load_state_dict(own)
+    assert torch.equal(again.state[again.param_groups[0]["params"][0]][MOMENT_BOUND_STATE], resumed.state[loaded][MOMENT_BOUND_STATE])
+
+
 @pytest.mark.parametrize("reset", [False, True], ids=["stepped", "just reset"])
 def test_distributed_checkpoint_raw_pattern(reset):
     """``dcp.save(opt.state_dict())`` ... ``dcp.load(sd)``; ``opt.load_state_dict(sd)`` (DCP puts non-tensor values under

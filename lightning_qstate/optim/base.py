@@ -27,7 +27,7 @@ from ..arguments import ConfigurationError, short_list
 from ..formats import CastFormat, NonFiniteError, QuantizedTensor, StorageFormat, count_stalls, local_tensor
 from ..formats.weights import WeightGrid
 from ..kernels import dispatch
-from ..kernels.bounds import MOMENT_BOUND_STATE, restart_square
+from ..kernels.bounds import MOMENT_BOUND_STATE, bound_square, restart_square
 from ..kernels.dispatch import PER_PARAMETER_PATHS, Candidate, StepPath, plan_group, plan_inputs, plan_options
 from ..kernels.native import StateOverflowError
 from .policy import (
@@ -1577,9 +1577,31 @@ class QuantizedStates:
                 stacklevel=2,
             )
         self._kept_formats_unchecked = True
+        self._restart_foreign_bounds()
         self._load_counters(counters, quantized=any(packed.values()) or any(markers.values()))
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)
+
+    def _restart_foreign_bounds(self) -> None:
+        """Restart, as a lost one (``restart_square``), each loaded ``K_n²`` below the closed form of its step count
+        under its group's betas: the state's own never is while the betas stay as they are, so it came from elsewhere:
+        torch's ``set_optimizer_state_dict`` (Lightning's FSDP2 one-file resume) loads a checkpoint that lacks it (a
+        plain torch optimizer's) into this optimizer's own state dict, whose bound is that of its initializing step
+        (``K_1²``: ``m`` was held 22 % short of Adam's the next step). Groups whose beta1 a scheduler cycles
+        (``base_momentum``: OneCycleLR, CyclicLR) are left alone: their own bound can fall below the closed form of the
+        current betas, and a resume stays exact."""
+        for group in self.param_groups:
+            betas = group.get("betas")
+            if betas is None or "base_momentum" in group:
+                continue
+            beta1, beta2 = (float(beta) for beta in betas)
+            for key in group["params"]:
+                state = self.state.get(key, {})
+                if MOMENT_BOUND_STATE not in state or "step" not in state:
+                    continue
+                steps = float(state["step"])
+                if float(state[MOMENT_BOUND_STATE]) < bound_square(beta1, beta2, steps):
+                    state[MOMENT_BOUND_STATE] = torch.tensor(restart_square(state, beta1, beta2, steps), dtype=torch.float64)
 
     def _untie_steps(self) -> None:
         """Give each parameter its own ``step`` tensor where a loaded state dict shared one among several (torch's FSDP1
