@@ -20,7 +20,7 @@ means over the seeds.
 Configurations (AdamW throughout; quantized ones through ``QStatePrecision``, ``min_quant_size`` 4096):
 ``fp32`` (torch's AdamW, as the examples build it: on the CPU its for-loop implementation), ``int8`` and ``int4``
 (fixed formats for every quantized state), ``adaptive`` (``QStatePrecision(states="int8")`` plus
-``AdaptiveBitWidth(target_bits, interval, hysteresis)`` with its default zone formats), and four more, not run by
+``AdaptiveBitWidth(target_bits, interval, hysteresis)`` with its default zone formats), and three more, not run by
 default: two that tell which state the 4 bits cost most in, ``m_int4`` (m int4, v int8) and ``v_int4`` (m int8, v
 int4), and ``m4_v6`` (m int4, v in the dense 6-bit ``int6``).
 Each quantized one also as ``<config>_sr`` (``adaptive_sr``, ``int4_sr``, ...): the same with stochastic rounding
@@ -221,6 +221,7 @@ class StepTimer(Callback):
         self.update_seconds: list[float] = []
         self.fused_update_seconds: list[float] = []
         self._start = 0.0
+        self._fused_before = 0  # fused steps timed before this batch
         self._step: Callable[..., Any] | None = None
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -234,10 +235,10 @@ class StepTimer(Callback):
 
     def on_train_batch_start(self, *args) -> None:
         self._start = time.perf_counter()
-        self._shadowed = sum(self.fused_update_seconds)
+        self._fused_before = len(self.fused_update_seconds)
 
     def on_train_batch_end(self, *args) -> None:
-        self.seconds.append(time.perf_counter() - self._start - (sum(self.fused_update_seconds) - self._shadowed))
+        self.seconds.append(time.perf_counter() - self._start - sum(self.fused_update_seconds[self._fused_before :]))
 
 
 @dataclass

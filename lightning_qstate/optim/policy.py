@@ -54,13 +54,17 @@ ERROR_FEEDBACKS: tuple[str | None, ...] = (None, "eco", "eco_exact")
 COUNT_OPTIONS = ("block_size", "min_quant_size")
 
 
+def python_count(value: Any) -> Any:
+    """``value`` as a Python int where it is an integer (``arguments.whole_number``), else as it is (for
+    ``validate_policy`` to refuse)."""
+    count = whole_number(value)
+    return value if count is None else count
+
+
 def as_python_counts(options: dict[str, Any]) -> None:
-    """Replace the integers of ``COUNT_OPTIONS`` in ``options`` (a param group) by Python ints, in place; other values
-    are left for ``validate_policy`` to refuse."""
+    """Replace the integers of ``COUNT_OPTIONS`` in ``options`` (a param group that holds them) by Python ints, in place."""
     for name in COUNT_OPTIONS:
-        count = whole_number(options.get(name))
-        if count is not None:
-            options[name] = count
+        options[name] = python_count(options[name])
 
 
 def validate_policy(group: Mapping[str, Any], state_names: tuple[str, ...] | None, owner: str) -> None:
@@ -257,9 +261,7 @@ class QuantizationPolicy:
 
     def __post_init__(self, owner: str) -> None:
         for name in COUNT_OPTIONS:
-            count = whole_number(getattr(self, name))
-            if count is not None:
-                setattr(self, name, count)
+            setattr(self, name, python_count(getattr(self, name)))
         self.overrides = pattern_mapping(self.overrides, "overrides", owner)
         self.weight_overrides = pattern_mapping(self.weight_overrides, "weight_overrides", owner)
         self.validate(owner)
